@@ -1,0 +1,38 @@
+# Fresh machine: `make demo` runs the main job, `make test` runs the tests.
+# Both install into .venv first (once; again when a dependency or native source changes).
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NATIVE := $(wildcard fastkv/*.c custom_ops/csrc/*)
+TRACE ?= ../shared/traces/conversation_trace.jsonl
+
+.PHONY: install test demo replay bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt setup.py $(NATIVE)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) tools/demo.py --trace $(TRACE)
+
+replay: install
+	$(PY) tools/replay_trace.py $(TRACE)
+
+bench: install
+	$(PY) tools/bench_scheduler.py
+
+lint: install
+	$(VENV)/bin/ruff check fastkv tests tools
+	$(VENV)/bin/ruff format --check fastkv tests tools
+
+clean:
+	rm -rf $(VENV) build *.egg-info fastkv/*.so

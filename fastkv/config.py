@@ -1,0 +1,100 @@
+"""One validated configuration object for the scheduler-side cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+# Upper bounds exist to catch unit mistakes (bytes passed as blocks), not to limit
+# real deployments: 2**31 blocks of even one token is far beyond any GPU or host.
+_MAX_BLOCKS = 2**31 - 1
+_MAX_BLOCK_SIZE = 1 << 20
+
+
+class WritePolicy(str, Enum):
+    """When a device block gets a copy in host memory."""
+
+    WRITE_THROUGH = "write_through"
+    """Every new full block is backed up to host as soon as it is committed."""
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    """A block is backed up once it has been hit `selective_threshold` times."""
+    WRITE_BACK = "write_back"
+    """A block is copied to host only when it is evicted from the device."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Scheduler-side cache configuration, validated on construction.
+
+    Args:
+        block_size: tokens per KV block.
+        num_device_blocks: capacity of the device (GPU) block pool.
+        num_host_blocks: capacity of the host block pool; 0 disables the host tier.
+        write_policy: a `WritePolicy` or its string value.
+        selective_threshold: hits before a block is backed up under
+            `write_through_selective`.
+        model_id, kv_dtype, tp_rank, tp_size: parts of the cache namespace, so two
+            models, dtypes or tensor-parallel shards never share a block hash.
+        namespace: an explicit namespace string; replaces the parts above.
+
+    Raises:
+        ValueError: a field is out of range; the message names the field and the
+            allowed range.
+    """
+
+    block_size: int = 64
+    num_device_blocks: int = 1024
+    num_host_blocks: int = 0
+    write_policy: WritePolicy | str = WritePolicy.WRITE_BACK
+    selective_threshold: int = 2
+    model_id: str = "default"
+    kv_dtype: str = "bfloat16"
+    tp_rank: int = 0
+    tp_size: int = 1
+    namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
+        _check_int("num_device_blocks", self.num_device_blocks, 1, _MAX_BLOCKS)
+        _check_int("num_host_blocks", self.num_host_blocks, 0, _MAX_BLOCKS)
+        _check_int("selective_threshold", self.selective_threshold, 1, 2**31 - 1)
+        _check_int("tp_size", self.tp_size, 1, 1 << 16)
+        _check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        try:
+            policy = WritePolicy(self.write_policy)
+        except ValueError:
+            allowed = ", ".join(p.value for p in WritePolicy)
+            raise ValueError(
+                f"write_policy: {self.write_policy!r} is not one of {allowed}"
+            ) from None
+        object.__setattr__(self, "write_policy", policy)
+        for name in ("model_id", "kv_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}: must be a non-empty string, got {value!r}")
+        if self.namespace is not None and (
+            not isinstance(self.namespace, str) or not self.namespace
+        ):
+            raise ValueError(
+                f"namespace: must be None or a non-empty string, got {self.namespace!r}"
+            )
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.num_host_blocks > 0
+
+    def namespace_key(self) -> str:
+        """The string every block hash of this cache is rooted in."""
+        if self.namespace is not None:
+            return self.namespace
+        return (
+            f"fastkv/v1|model={self.model_id}|dtype={self.kv_dtype}"
+            f"|block={self.block_size}|tp={self.tp_rank}/{self.tp_size}"
+        )
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an int in [{low}, {high}], got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: {value} is outside the allowed range [{low}, {high}]")
