@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 # Upper bounds exist to catch unit mistakes (bytes passed as blocks), not to limit
 # real deployments: 2**31 blocks of even one token is far beyond any GPU or host.
@@ -11,7 +11,7 @@ _MAX_BLOCKS = 2**31 - 1
 _MAX_BLOCK_SIZE = 1 << 20
 
 
-class WritePolicy(str, Enum):
+class WritePolicy(StrEnum):
     """When a device block gets a copy in host memory."""
 
     WRITE_THROUGH = "write_through"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Union
 
 import numpy as np
 
@@ -26,8 +25,8 @@ except ImportError:  # built by `make install`; the pure-Python path is equivale
     _chain_native = None
 
 BlockHash = bytes
-ExtraKey = Union[bytes, str, int, Sequence["ExtraKey"]]
-Tokens = Union[Sequence[int], np.ndarray]
+ExtraKey = bytes | str | int | Sequence["ExtraKey"]
+Tokens = Sequence[int] | np.ndarray
 
 DIGEST_BYTES = 32
 
@@ -132,7 +131,7 @@ class BlockHasher:
         root: `namespace_root(...)`, optionally through `request_root(...)`.
     """
 
-    __slots__ = ("block_size", "hashes", "_root", "_pending")
+    __slots__ = ("_pending", "_root", "block_size", "hashes")
 
     def __init__(self, block_size: int, root: BlockHash) -> None:
         if len(root) != DIGEST_BYTES:

@@ -56,8 +56,7 @@ class CacheSwapMetadata:
         n = len(self.src_block_ids)
         if len(self.dst_block_ids) != n:
             raise ValueError(
-                f"dst_block_ids: length {len(self.dst_block_ids)} != "
-                f"src_block_ids length {n}"
+                f"dst_block_ids: length {len(self.dst_block_ids)} != src_block_ids length {n}"
             )
         if self.block_hashes and len(self.block_hashes) != n:
             raise ValueError(

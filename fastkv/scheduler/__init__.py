@@ -1,0 +1,28 @@
+"""Scheduler half: block pools, the radix tree and the cache manager.
+
+Imports neither paddle nor cupy; talks to the worker through `fastkv.metadata`.
+"""
+
+from fastkv.scheduler.block_pool import BlockPool, OutOfBlocksError, PoolStats
+from fastkv.scheduler.cache_manager import (
+    CacheManager,
+    CacheStats,
+    MatchResult,
+    Rollback,
+    SwapTasks,
+)
+from fastkv.scheduler.radix_tree import NodeState, RadixTree, TreeNode
+
+__all__ = [
+    "BlockPool",
+    "CacheManager",
+    "CacheStats",
+    "MatchResult",
+    "NodeState",
+    "OutOfBlocksError",
+    "PoolStats",
+    "RadixTree",
+    "Rollback",
+    "SwapTasks",
+    "TreeNode",
+]

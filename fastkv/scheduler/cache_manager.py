@@ -1,0 +1,649 @@
+"""The scheduler's cache manager: prefix matching, allocation, eviction and swaps.
+
+Request lifecycle (one engine step may touch many requests):
+
+    hit = mgr.match(rid, block_hashes)       # lock the cached prefix
+    table = mgr.allocate(rid, n_new)         # device blocks for host hits + new blocks
+    ... worker runs the step: swap-ins, then the model writes the new blocks ...
+    mgr.commit(rid, block_hashes)            # the computed full blocks become cached
+    mgr.finish(rid)  /  mgr.abort(rid)
+
+and once per step, around the worker:
+
+    tasks = mgr.take_swap_metadata()         # D2H evictions/backups, H2D swap-ins
+    rollbacks = mgr.apply_results(results)   # TransferResults reported by the worker
+
+Block lifetime (Invariant 1): a block leaves its pool when it is allocated and goes
+back only when nothing can read or write it any more. A device block being evicted
+stays allocated until its copy's TransferResult arrives; the host block of a swap-in
+stays with its node (the node keeps its host copy); a transfer locks the path above
+the blocks it moves, so none of them can be evicted while it is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from fastkv.config import CacheConfig, WritePolicy
+from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.scheduler.block_pool import BlockPool, PoolStats
+from fastkv.scheduler.radix_tree import (
+    BACKUP_TO_HOST,
+    DEVICE,
+    HOST,
+    SWAP_TO_DEVICE,
+    SWAP_TO_HOST,
+    BlockHash,
+    RadixTree,
+    TreeNode,
+)
+
+RequestId = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """What `match` found for a request.
+
+    Attributes:
+        num_device_hits: cached blocks usable in place.
+        num_host_hits: cached blocks that `allocate` will swap in from host.
+        waiting_on_transfer: the match stopped at a block another request is
+            loading; matching again after that transfer completes finds more.
+    """
+
+    num_device_hits: int
+    num_host_hits: int
+    waiting_on_transfer: bool
+
+    @property
+    def num_hits(self) -> int:
+        return self.num_device_hits + self.num_host_hits
+
+
+@dataclass(frozen=True, slots=True)
+class SwapTasks:
+    """The transfers one step hands to the worker; either may be None."""
+
+    evict: CacheSwapMetadata | None
+    """Device to host: evictions (write_back) and backups (write-through policies)."""
+    swap_in: CacheSwapMetadata | None
+    """Host to device: host hits of the requests allocated since the last step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """A failed swap-in: these block positions of the request hold garbage and the
+    engine must recompute their tokens before committing them."""
+
+    request_id: RequestId
+    block_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    block_size: int
+    lookup_blocks: int
+    device_hit_blocks: int
+    host_hit_blocks: int
+    device_to_host_blocks: int
+    host_to_device_blocks: int
+    device_to_host_transfers: int
+    host_to_device_transfers: int
+    backups: int
+    device_evictions: int
+    host_evictions: int
+    failed_transfers: int
+    rollbacks: int
+    inflight_transfers: int
+    inflight_blocks: int
+    queued_blocks: int
+    active_requests: int
+    cached_nodes: int
+    device_pool: PoolStats
+    host_pool: PoolStats
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return self.device_hit_blocks * self.block_size
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.host_hit_blocks * self.block_size
+
+    @property
+    def hit_rate(self) -> float:
+        hits = self.device_hit_blocks + self.host_hit_blocks
+        return hits / self.lookup_blocks if self.lookup_blocks else 0.0
+
+
+class _Request:
+    __slots__ = (
+        "blocks",
+        "done",
+        "nodes",
+        "owns_matched_positions",
+        "request_id",
+        "rolled_back",
+    )
+
+    def __init__(self, request_id: RequestId, nodes: list[TreeNode]) -> None:
+        self.request_id = request_id
+        self.nodes = nodes  # locked path; position i holds block i's node
+        self.blocks: list[int] = []  # device block table
+        self.rolled_back: list[int] = []  # positions whose swap-in failed
+        # Set once some position below len(nodes) holds a block its node does not
+        # own (a duplicate of a concurrently cached block, or a failed swap-in).
+        self.owns_matched_positions = False
+        self.done = False
+
+
+class _Transfer:
+    """Scheduler-side record of one emitted CacheSwapMetadata."""
+
+    __slots__ = ("locks", "nodes", "positions", "requests", "to_host")
+
+    def __init__(self, to_host: bool, nodes: list[TreeNode], locks: list[TreeNode]) -> None:
+        self.to_host = to_host
+        self.nodes = nodes
+        self.locks = locks  # deepest node of each path this transfer locked
+        self.requests: list[_Request] = []  # H2D: per node, the request loading it
+        self.positions: list[int] = []  # H2D: per node, its position in that request
+
+
+class CacheManager:
+    """Owns the device and host block pools and the radix tree of one cache.
+
+    Not thread-safe: call it from the scheduler loop only.
+
+    Args:
+        config: a validated `CacheConfig`.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device_pool = BlockPool(config.num_device_blocks, "device")
+        self.host_pool = BlockPool(config.num_host_blocks, "host")
+        self.tree = RadixTree()
+        self._policy = WritePolicy(config.write_policy)
+        self._requests: dict[RequestId, _Request] = {}
+        self._transfers: dict[int, _Transfer] = {}
+        self._next_transfer_id = 0
+        # Queued for the next take_swap_metadata().
+        self._d2h = _Transfer(True, [], [])
+        self._h2d = _Transfer(False, [], [])
+        self._lookup_blocks = 0
+        self._device_hits = 0
+        self._host_hits = 0
+        self._d2h_blocks = 0
+        self._h2d_blocks = 0
+        self._d2h_transfers = 0
+        self._h2d_transfers = 0
+        self._backups = 0
+        self._device_evictions = 0
+        self._host_evictions = 0
+        self._failed_transfers = 0
+        self._rollbacks = 0
+
+    # -- request lifecycle ----------------------------------------------------
+
+    def match(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> MatchResult:
+        """Find and lock the longest cached prefix of a new request.
+
+        Locked blocks cannot be evicted until the request finishes or aborts.
+        Device hits enter the request's block table now; host hits get device
+        blocks (and a planned swap-in) from `allocate`.
+
+        Args:
+            request_id: any hashable id, unique among active requests.
+            block_hashes: the request's chained hashes of full blocks.
+
+        Raises:
+            ValueError: `request_id` is already active.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already active")
+        nodes, num_host, waiting = self.tree.match_and_lock(block_hashes)
+        req = _Request(request_id, nodes)
+        self._requests[request_id] = req
+        if not num_host:
+            req.blocks = [n.device_block for n in nodes]
+        else:
+            for node in nodes:
+                if node.state == HOST:
+                    break
+                req.blocks.append(node.device_block)
+        if self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity:
+            self._backup_hot(nodes)
+        self._lookup_blocks += len(block_hashes)
+        self._device_hits += len(nodes) - num_host
+        self._host_hits += num_host
+        return MatchResult(len(nodes) - num_host, num_host, waiting)
+
+    def allocate(self, request_id: RequestId, num_new_blocks: int) -> list[int] | None:
+        """Give the request device blocks: one per matched host hit (swapped in with
+        the next `take_swap_metadata`) and `num_new_blocks` fresh ones.
+
+        All or nothing. When too few blocks are free even after evicting, nothing is
+        allocated and None is returned: a normal scheduling outcome (evictions whose
+        copies are in flight free blocks once their results are applied). Also None
+        while a matched host hit is being loaded by another request.
+
+        Returns:
+            The request's whole device block table, or None (see above).
+
+        Raises:
+            ValueError: unknown request, negative count, or a demand larger than the
+                device pool could ever hold.
+        """
+        req = self._get(request_id)
+        if num_new_blocks < 0:
+            raise ValueError(f"num_new_blocks: must be >= 0, got {num_new_blocks}")
+        nodes, blocks = req.nodes, req.blocks
+        pending = nodes[len(blocks) :]
+        num_swap = 0
+        for node in pending:
+            if node.state == HOST:
+                num_swap += 1
+            elif node.state == SWAP_TO_DEVICE:
+                return None
+        need = num_swap + num_new_blocks
+        pool = self.device_pool
+        if need > pool.num_free:
+            if need + len(blocks) > pool.capacity:
+                raise ValueError(
+                    f"num_new_blocks: request would hold {need + len(blocks)} blocks, "
+                    f"more than the {pool.capacity} device blocks"
+                )
+            self._evict_device(need - pool.num_free)
+            if need > pool.num_free:
+                return None
+        ids = pool.allocate(need)
+        if num_swap:
+            self._plan_swap_in(req, pending, ids)
+        else:
+            blocks.extend(n.device_block for n in pending)
+        blocks.extend(ids[num_swap:])
+        return list(blocks)
+
+    def commit(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
+        """Record that the request's first `len(block_hashes)` blocks hold valid KV
+        (computed or recomputed), making them matchable by later requests.
+
+        Idempotent for blocks already committed; pass the whole hash list each time.
+
+        Raises:
+            ValueError: unknown request, or more hashes than allocated blocks.
+        """
+        req = self._get(request_id)
+        nodes, blocks = req.nodes, req.blocks
+        if len(block_hashes) > len(blocks):
+            raise ValueError(
+                f"block_hashes: {len(block_hashes)} hashes but only {len(blocks)} "
+                f"blocks allocated to request {request_id!r}"
+            )
+        if req.rolled_back:
+            self._readopt(req, len(block_hashes))
+        start = len(nodes)
+        if len(block_hashes) <= start:
+            return
+        parent = nodes[-1] if nodes else self.tree.root
+        end = len(block_hashes)
+        path, existing = self.tree.insert(parent, block_hashes[start:], blocks[start:end])
+        nodes.extend(path)
+        created = path
+        if existing:
+            for i in existing:
+                node = path[i]
+                if node.state == HOST:  # cached on host only: adopt our device copy
+                    self.tree.attach_device(node, blocks[start + i], loading=False)
+                else:  # cached on device concurrently: ours stays private
+                    req.owns_matched_positions = True
+            skip = set(existing)
+            created = [n for i, n in enumerate(path) if i not in skip]
+        if created and self._policy is WritePolicy.WRITE_THROUGH and self.host_pool.capacity:
+            self._backup(created)
+
+    def finish(self, request_id: RequestId) -> None:
+        """Release a finished request: its committed blocks stay cached (evictable
+        once no request or transfer holds them), the rest return to the pool.
+
+        Raises:
+            ValueError: unknown request.
+        """
+        self._release(request_id)
+
+    def abort(self, request_id: RequestId) -> None:
+        """Release a request that will not complete; same accounting as `finish`.
+        Swap-ins it started stay in flight and resolve when their results arrive.
+
+        Raises:
+            ValueError: unknown request.
+        """
+        self._release(request_id)
+
+    def block_table(self, request_id: RequestId) -> list[int]:
+        return list(self._get(request_id).blocks)
+
+    # -- per step -------------------------------------------------------------
+
+    def take_swap_metadata(self) -> SwapTasks:
+        """Package the swaps planned since the last call, each with a new transfer id.
+
+        Every block in them stays reserved until `apply_results` sees the result.
+        """
+        evict = swap_in = None
+        d2h, h2d = self._d2h, self._h2d
+        if d2h.nodes:
+            self._d2h = _Transfer(True, [], [])
+            evict = self._emit(d2h, CacheLevel.DEVICE, CacheLevel.HOST)
+            self._d2h_transfers += 1
+            self._d2h_blocks += len(d2h.nodes)
+        if h2d.nodes:
+            self._h2d = _Transfer(False, [], [])
+            swap_in = self._emit(h2d, CacheLevel.HOST, CacheLevel.DEVICE)
+            self._h2d_transfers += 1
+            self._h2d_blocks += len(h2d.nodes)
+        return SwapTasks(evict, swap_in)
+
+    def apply_results(self, results: Iterable[TransferResult]) -> list[Rollback]:
+        """Apply the worker's transfer reports, in any order.
+
+        A successful eviction frees its device blocks; a successful swap-in or
+        backup makes its blocks valid in the new tier. A failed device-to-host copy
+        frees the host blocks it was writing and keeps the device copy; a failed
+        swap-in returns its nodes to host-only, and each still-active request that
+        was loading them gets a `Rollback` naming the positions to recompute.
+
+        Raises:
+            ValueError: a transfer id that is unknown or was already applied.
+        """
+        rollbacks: dict[RequestId, list[int]] = {}
+        for result in results:
+            transfer = self._transfers.pop(result.transfer_id, None)
+            if transfer is None:
+                raise ValueError(
+                    f"transfer_id: {result.transfer_id} is unknown or already applied"
+                )
+            if not result.success:
+                self._failed_transfers += 1
+            if transfer.to_host:
+                self._finish_to_host(transfer, result.success)
+            else:
+                self._finish_to_device(transfer, result.success, rollbacks)
+            for node in transfer.locks:
+                self.tree.unlock_path(node)
+        self._rollbacks += sum(len(v) for v in rollbacks.values())
+        return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
+
+    @property
+    def num_inflight_transfers(self) -> int:
+        return len(self._transfers)
+
+    @property
+    def num_queued_blocks(self) -> int:
+        """Blocks in swaps planned but not yet taken by `take_swap_metadata`."""
+        return len(self._d2h.nodes) + len(self._h2d.nodes)
+
+    def get_stats(self) -> CacheStats:
+        return CacheStats(
+            block_size=self.block_size,
+            lookup_blocks=self._lookup_blocks,
+            device_hit_blocks=self._device_hits,
+            host_hit_blocks=self._host_hits,
+            device_to_host_blocks=self._d2h_blocks,
+            host_to_device_blocks=self._h2d_blocks,
+            device_to_host_transfers=self._d2h_transfers,
+            host_to_device_transfers=self._h2d_transfers,
+            backups=self._backups,
+            device_evictions=self._device_evictions,
+            host_evictions=self._host_evictions,
+            failed_transfers=self._failed_transfers,
+            rollbacks=self._rollbacks,
+            inflight_transfers=len(self._transfers),
+            inflight_blocks=sum(len(t.nodes) for t in self._transfers.values()),
+            queued_blocks=self.num_queued_blocks,
+            active_requests=len(self._requests),
+            cached_nodes=self.tree.num_nodes,
+            device_pool=self.device_pool.stats(),
+            host_pool=self.host_pool.stats(),
+        )
+
+    # -- internals ------------------------------------------------------------
+
+    def _get(self, request_id: RequestId) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not an active request")
+        return req
+
+    def _release(self, request_id: RequestId) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not an active request")
+        req.done = True
+        nodes, blocks = req.nodes, req.blocks
+        private = blocks[len(nodes) :]
+        if req.owns_matched_positions:
+            private += [b for n, b in zip(nodes, blocks, strict=False) if n.device_block != b]
+        self.tree.unlock(nodes)
+        self.device_pool.free(private)
+
+    def _plan_swap_in(self, req: _Request, pending: list[TreeNode], ids: list[int]) -> None:
+        h2d = self._h2d
+        blocks = req.blocks
+        deepest = None
+        i = 0
+        for node in pending:
+            if node.state == HOST:
+                self.tree.attach_device(node, ids[i], loading=True)
+                i += 1
+                h2d.nodes.append(node)
+                h2d.requests.append(req)
+                h2d.positions.append(len(blocks))
+                deepest = node
+            blocks.append(node.device_block)
+        assert deepest is not None
+        self.tree.lock_path(deepest)
+        h2d.locks.append(deepest)
+
+    def _readopt(self, req: _Request, num_valid: int) -> None:
+        """The engine recomputed blocks whose swap-in failed: their nodes take the
+        request's device blocks back if no one else cached them meanwhile."""
+        keep = []
+        for pos in req.rolled_back:
+            if pos >= num_valid:
+                keep.append(pos)
+                continue
+            node = req.nodes[pos]
+            if node.state == HOST:
+                self.tree.attach_device(node, req.blocks[pos], loading=False)
+        req.rolled_back = keep
+
+    def _backup_hot(self, nodes: list[TreeNode]) -> None:
+        """write_through_selective: back up blocks that just reached the threshold."""
+        threshold = self.config.selective_threshold
+        for node in nodes:
+            node.hits += 1
+        hot = [
+            n for n in nodes if n.hits >= threshold and n.state == DEVICE and n.host_block < 0
+        ]
+        if hot:
+            self._backup(hot)
+
+    def _backup(self, nodes: list[TreeNode]) -> None:
+        """Queue device-to-host copies of `nodes` (root side first, one path)."""
+        host_ids = self._take_host_blocks(len(nodes))
+        if not host_ids:
+            return
+        d2h = self._d2h
+        for node, host_block in zip(nodes, host_ids, strict=False):
+            self.tree.start_backup(node, host_block)
+            d2h.nodes.append(node)
+        deepest = nodes[len(host_ids) - 1]
+        self.tree.lock_path(deepest)
+        d2h.locks.append(deepest)
+        self._backups += len(host_ids)
+
+    def _evict_device(self, num_blocks: int) -> None:
+        """Start freeing `num_blocks` device blocks, least recently used leaves first.
+
+        A block with a host copy is dropped at once; one that must be kept (policy
+        write_back, or a node whose children live on host) is copied to host and
+        freed when the copy completes; any other is discarded.
+        """
+        deficit = num_blocks - self.tree.num_evicting
+        if deficit <= 0:
+            return
+        tree = self.tree
+        if not self.host_pool.capacity:  # every victim is a leaf to discard
+            freed = tree.discard_device_leaves(deficit)
+        else:
+            copy_all = self._policy is WritePolicy.WRITE_BACK
+            freed = []
+            to_copy: list[TreeNode] = []
+            for node in tree.pop_device_victims(deficit):
+                if node.host_block >= 0:
+                    freed.append(tree.detach_device(node))
+                elif copy_all or node.num_children:
+                    to_copy.append(node)
+                else:
+                    freed.append(node.device_block)
+                    tree.remove(node)
+            if to_copy:
+                self._evict_to_host(to_copy, freed)
+        self._device_evictions += len(freed)
+        self.device_pool.free(freed)
+
+    def _evict_to_host(self, nodes: list[TreeNode], freed: list[int]) -> None:
+        host_ids = self._take_host_blocks(len(nodes))
+        d2h = self._d2h
+        for node, host_block in zip(nodes, host_ids, strict=False):
+            self.tree.start_eviction(node, host_block)
+            d2h.nodes.append(node)
+        self._device_evictions += len(host_ids)
+        # No host room for the rest: keep those whose children need them as the
+        # path to their host copies; the others are plain leaves and can go.
+        for node in reversed(nodes[len(host_ids) :]):
+            if node.num_children:
+                self.tree.restore_device_victim(node)
+            else:
+                freed.append(node.device_block)
+                self.tree.remove(node)
+
+    def _take_host_blocks(self, n: int) -> list[int]:
+        """Up to `n` host blocks, evicting least recently used host copies."""
+        pool = self.host_pool
+        deficit = n - pool.num_free
+        if deficit > 0:
+            freed = []
+            while len(freed) < deficit:
+                node = self.tree.pop_host_victim()
+                if node is None:
+                    break
+                freed.append(self.tree.drop_host_copy(node))
+            self._host_evictions += len(freed)
+            pool.free(freed)
+        return pool.allocate(min(n, pool.num_free))
+
+    def _emit(self, transfer: _Transfer, src: CacheLevel, dst: CacheLevel) -> CacheSwapMetadata:
+        transfer_id = self._next_transfer_id
+        self._next_transfer_id += 1
+        self._transfers[transfer_id] = transfer
+        device_ids = [n.device_block for n in transfer.nodes]
+        host_ids = [n.host_block for n in transfer.nodes]
+        keys = [n.key for n in transfer.nodes]
+        if transfer.to_host:
+            return CacheSwapMetadata(transfer_id, src, dst, device_ids, host_ids, keys)
+        return CacheSwapMetadata(transfer_id, src, dst, host_ids, device_ids, keys)
+
+    def _finish_to_host(self, transfer: _Transfer, success: bool) -> None:
+        nodes = transfer.nodes
+        if not success:
+            # Failed evictions go back to the head of the device list; in reverse,
+            # so they keep their least-recently-used-first order there.
+            nodes = nodes[::-1]
+        freed_device: list[int] = []
+        freed_host: list[int] = []
+        for node in nodes:
+            device_block, host_block = self.tree.finish_copy_to_host(node, success)
+            if device_block >= 0:
+                freed_device.append(device_block)
+            if host_block >= 0:
+                freed_host.append(host_block)
+        self.device_pool.free(freed_device)
+        self.host_pool.free(freed_host)
+
+    def _finish_to_device(
+        self, transfer: _Transfer, success: bool, rollbacks: dict[RequestId, list[int]]
+    ) -> None:
+        freed: list[int] = []
+        for node, req, pos in zip(
+            transfer.nodes, transfer.requests, transfer.positions, strict=True
+        ):
+            block = self.tree.finish_swap_in(node, success)
+            if block < 0:
+                continue
+            if req.done:
+                freed.append(block)
+            else:  # the request keeps the block in its table and recomputes it
+                req.owns_matched_positions = True
+                req.rolled_back.append(pos)
+                rollbacks.setdefault(req.request_id, []).append(pos)
+        self.device_pool.free(freed)
+
+    # -- checking -------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert block accounting and locking (O(cached blocks); for tests and
+        debugging).
+
+        Raises:
+            AssertionError: free + used != capacity in a pool, a block id owned
+                twice or leaked, a lock count that does not match its holders, an
+                in-flight block back in its pool, or a tree list invariant broken.
+        """
+        self.tree.check()
+        expected_ref: dict[TreeNode, int] = {}
+        owner: dict[int, object] = {}
+        host_owner: dict[int, TreeNode] = {}
+
+        def own(block: int, who: object) -> None:
+            assert block not in owner, f"device block {block} owned by {owner[block]} and {who}"
+            owner[block] = who
+
+        for node in self.tree:
+            if node.device_block >= 0:
+                own(node.device_block, node)
+            if node.host_block >= 0:
+                assert node.host_block not in host_owner, f"host block {node.host_block} twice"
+                host_owner[node.host_block] = node
+        for req in self._requests.values():
+            for node in req.nodes:
+                expected_ref[node] = expected_ref.get(node, 0) + 1
+            for pos, block in enumerate(req.blocks):
+                if pos >= len(req.nodes) or req.nodes[pos].device_block != block:
+                    own(block, req.request_id)
+        for transfer in [*self._transfers.values(), self._d2h, self._h2d]:
+            for lock in transfer.locks:
+                for node in self.tree.path_to(lock):
+                    expected_ref[node] = expected_ref.get(node, 0) + 1
+            expected = (SWAP_TO_HOST, BACKUP_TO_HOST) if transfer.to_host else (SWAP_TO_DEVICE,)
+            for node in transfer.nodes:
+                assert node.state in expected, f"{node} in a transfer but not moving"
+                assert self.device_pool.is_allocated(node.device_block), node
+                assert self.host_pool.is_allocated(node.host_block), node
+        for node in self.tree:
+            assert node.ref == expected_ref.get(node, 0), (
+                f"{node}: ref {node.ref}, holders {expected_ref.get(node, 0)}"
+            )
+        for pool, owned in ((self.device_pool, owner), (self.host_pool, host_owner)):
+            stats = pool.stats()
+            assert stats.free + stats.used == stats.capacity, stats
+            allocated = pool.allocated_ids()
+            assert set(owned) == allocated, (
+                f"{pool.name}: leaked {sorted(allocated - set(owned))[:8]}, "
+                f"owned but free {sorted(set(owned) - allocated)[:8]}"
+            )

@@ -1,0 +1,500 @@
+"""A radix tree of chained block hashes with per-tier leaf-first LRU eviction.
+
+One node per block. A block hash is chained: it commits to every block before it,
+so it names a whole prefix, and a request's blocks form one root-to-node path. The
+children of every node are therefore found by hash in one tree-wide dict (a child of
+`node` is `index[h]` when that entry's parent is `node`), and each node keeps counts
+of its children. One dict per node cost twice the time per block at 100,000 cached
+blocks, from memory traffic alone.
+
+Eviction order. A lock (`ref`) always covers a node *and all its ancestors*: the
+scheduler locks a request's whole path, and an in-flight swap-in or backup locks the
+path above the blocks it moves. Unlocking walks a path deepest-first and appends each
+node whose count drops to zero to the tail of its tier's LRU list. So, with no
+timestamps and no search, every list is ordered by last use (release time), oldest
+first, and a node's descendants come before it: the head of the device list is the
+least recently used device leaf.
+
+Failed transfers can disturb that order (a block whose eviction failed goes back to
+the head; one revived by a request meanwhile may have gained children). So victims
+are checked where they are taken: a node that still has a child holding a copy in
+that tier is parked instead of evicted, and goes back to the head of its list when
+that last child leaves. Only nodes without any children are ever deleted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from enum import IntEnum
+
+BlockHash = Hashable
+_ABSENT = object()
+
+
+class NodeState(IntEnum):
+    """Where a node's KV block lives. `TreeNode.host_block >= 0` in the DEVICE state
+    means the block also has a valid host copy (written through or written back)."""
+
+    DEVICE = 0
+    """The device copy is valid."""
+    HOST = 1
+    """Only the host copy is valid."""
+    SWAP_TO_HOST = 2
+    """Being evicted: the device block is read into the host block, then freed."""
+    SWAP_TO_DEVICE = 3
+    """Being loaded: the host block is read into the device block."""
+    BACKUP_TO_HOST = 4
+    """Being backed up (write-through): the device block is read into the host
+    block and stays."""
+
+
+DEVICE, HOST, SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST = NodeState
+
+
+class TreeNode:
+    """One cached block. State changes go through `RadixTree` methods, which keep the
+    counts and eviction lists consistent."""
+
+    __slots__ = (
+        "device_block",
+        "hits",
+        "host_block",
+        "key",
+        "num_children",
+        "num_device_children",
+        "parent",
+        "ref",
+        "state",
+    )
+
+    def __init__(
+        self, key: BlockHash, parent: TreeNode | None, device_block: int, num_children: int = 0
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.num_children = num_children
+        # Children whose device block stays: any state but HOST and SWAP_TO_HOST.
+        self.num_device_children = num_children
+        self.state = DEVICE
+        self.device_block = device_block
+        self.host_block = -1
+        self.ref = 1  # a new node starts locked by the request that computed it
+        self.hits = 0  # matches so far; only write_through_selective counts them
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode({self.key!r}, {self.state.name}, dev={self.device_block}, "
+            f"host={self.host_block}, ref={self.ref})"
+        )
+
+
+class RadixTree:
+    """Nodes, their lock counts, their states and the two tiers' eviction lists.
+
+    The tree does not own block ids: the cache manager allocates and frees them and
+    hands them to the tree's state transitions.
+    """
+
+    __slots__ = (
+        "_device_parked",
+        "_host_parked",
+        "_index",
+        "device_lru",
+        "host_lru",
+        "num_evicting",
+        "root",
+    )
+
+    def __init__(self) -> None:
+        self.root = TreeNode(None, None, -1)
+        self._index: dict[BlockHash, TreeNode] = {}
+        # Unlocked nodes whose copy in that tier could be evicted, oldest first.
+        self.device_lru: OrderedDict[TreeNode, None] = OrderedDict()
+        self.host_lru: OrderedDict[TreeNode, None] = OrderedDict()
+        # Taken off a list because a child still holds a copy in that tier.
+        self._device_parked: set[TreeNode] = set()
+        self._host_parked: set[TreeNode] = set()
+        self.num_evicting = 0  # nodes in SWAP_TO_HOST: device blocks on their way out
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._index)
+
+    # -- lookup and locks -----------------------------------------------------
+
+    def match_and_lock(self, hashes: Sequence[BlockHash]) -> tuple[list[TreeNode], int, bool]:
+        """Lock the longest usable cached prefix of `hashes`.
+
+        A node is usable when it holds a valid copy that can be read: DEVICE,
+        SWAP_TO_HOST (the device copy is intact while it is read) or HOST.
+
+        Returns:
+            The matched nodes (root side first), how many of them are host-only,
+            and whether the walk stopped at a block another request is loading
+            (SWAP_TO_DEVICE): matching after that transfer would find more.
+        """
+        nodes: list[TreeNode] = []
+        num_host = 0
+        index, device_lru = self._index, self.device_lru
+        waiting = False
+        parent = self.root
+        for h in hashes:
+            node = index.get(h)
+            if node is None or node.parent is not parent:
+                break
+            state = node.state
+            if node.ref or state == HOST:  # the common cases, inlined
+                num_host += state == HOST
+                if not node.ref:
+                    self.lock((node,))
+                    node.ref -= 1
+            elif state == DEVICE and node.host_block < 0 and node in device_lru:
+                del device_lru[node]
+            elif state == SWAP_TO_DEVICE:
+                waiting = True
+                break
+            else:
+                self.lock((node,))
+                node.ref -= 1
+            node.ref += 1
+            nodes.append(node)
+            parent = node
+        return nodes, num_host, waiting
+
+    def lock(self, nodes: Sequence[TreeNode]) -> None:
+        """Add one reference to each node, taking newly locked ones off the lists.
+
+        Locking a node that is being evicted keeps it: its device copy is intact
+        while the eviction reads it, so the copy carries on as a backup.
+        """
+        device_lru, host_lru = self.device_lru, self.host_lru
+        for node in nodes:
+            if node.ref == 0:
+                state = node.state
+                if state == DEVICE:
+                    if device_lru.pop(node, _ABSENT) is _ABSENT:
+                        self._device_parked.discard(node)
+                elif state == SWAP_TO_HOST:
+                    node.state = BACKUP_TO_HOST
+                    self.num_evicting -= 1
+                    self._gain_device_child(node.parent)  # type: ignore[arg-type]
+                if node.host_block >= 0 and host_lru.pop(node, _ABSENT) is _ABSENT:
+                    self._host_parked.discard(node)
+            node.ref += 1
+
+    def unlock(self, nodes: Sequence[TreeNode]) -> None:
+        """Drop one reference from each node, deepest first, listing freed nodes."""
+        device_lru, host_lru = self.device_lru, self.host_lru
+        for node in reversed(nodes):
+            node.ref -= 1
+            if node.ref == 0:
+                state = node.state
+                if state == DEVICE:
+                    device_lru[node] = None
+                    if node.host_block >= 0:
+                        host_lru[node] = None
+                elif state == HOST:
+                    host_lru[node] = None
+            elif node.ref < 0:
+                raise AssertionError(f"negative ref count on {node}")
+
+    def lock_path(self, node: TreeNode) -> None:
+        """Lock `node` and all its ancestors (an in-flight transfer's hold)."""
+        self.lock(self.path_to(node))
+
+    def unlock_path(self, node: TreeNode) -> None:
+        self.unlock(self.path_to(node))
+
+    def path_to(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        root = self.root
+        while node is not root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        path.reverse()
+        return path
+
+    # -- insertion ------------------------------------------------------------
+
+    def insert(
+        self, parent: TreeNode, keys: Sequence[BlockHash], device_blocks: Sequence[int]
+    ) -> tuple[list[TreeNode], list[int]]:
+        """Extend the path below `parent` with one node per key, each locked once
+        for the caller.
+
+        A key without a node gets a new DEVICE node holding its device block. A key
+        that already has one (cached meanwhile by another request) keeps its node
+        and is reported, so the caller can decide what its own block becomes. A key
+        cached under another parent (a hash collision, or keys that are not
+        chained) ends the path early.
+
+        Returns:
+            The path nodes, one per key up to where the path ended, and the offsets
+            of the pre-existing ones.
+        """
+        index = self._index
+        path: list[TreeNode] = []
+        existing: list[int] = []
+        if keys and index.keys().isdisjoint(keys):  # the common case: all new
+            self._gain_child(parent, device=True)
+            last = len(keys) - 1
+            for i, key in enumerate(keys):
+                parent = TreeNode(key, parent, device_blocks[i], 1 if i != last else 0)
+                path.append(parent)
+            index.update(zip(keys, path, strict=True))
+            return path, existing
+        for key, device_block in zip(keys, device_blocks, strict=True):
+            node = index.get(key)
+            if node is None:
+                node = index[key] = TreeNode(key, parent, device_block)
+                self._gain_child(parent, device=True)
+            elif node.parent is parent:
+                self.lock((node,))
+                existing.append(len(path))
+            else:
+                break
+            path.append(node)
+            parent = node
+        return path, existing
+
+    # -- state transitions ----------------------------------------------------
+
+    def attach_device(self, node: TreeNode, device_block: int, *, loading: bool) -> None:
+        """A host-only node gets a device block: a swap-in starts (`loading`) or a
+        request that recomputed the block hands its copy over."""
+        node.device_block = device_block
+        node.state = SWAP_TO_DEVICE if loading else DEVICE
+        self._gain_device_child(node.parent)  # type: ignore[arg-type]
+
+    def detach_device(self, node: TreeNode) -> int:
+        """The node's device copy goes (evicted, or a swap-in into it failed); the
+        host copy stays. Returns the device block, for the caller to free."""
+        block = node.device_block
+        node.device_block = -1
+        node.state = HOST
+        self._lose_device_child(node.parent)  # type: ignore[arg-type]
+        self.relist(node)
+        return block
+
+    def start_eviction(self, node: TreeNode, host_block: int) -> None:
+        """An unlocked device leaf starts moving to `host_block`."""
+        node.host_block = host_block
+        node.state = SWAP_TO_HOST
+        self.num_evicting += 1
+        self._lose_device_child(node.parent)  # type: ignore[arg-type]
+
+    def start_backup(self, node: TreeNode, host_block: int) -> None:
+        """A locked device node starts being copied to `host_block`."""
+        node.host_block = host_block
+        node.state = BACKUP_TO_HOST
+
+    def finish_copy_to_host(self, node: TreeNode, success: bool) -> tuple[int, int]:
+        """A device-to-host copy ended.
+
+        On success the host copy becomes valid, and an eviction frees the device
+        block unless a child came back to the device meanwhile (a failed eviction
+        of its own) and still needs this node as its path. On failure the host
+        block is released and the device copy stays.
+
+        Returns:
+            (device block to free, host block to free), -1 for none.
+        """
+        evicting = node.state == SWAP_TO_HOST
+        if evicting:
+            self.num_evicting -= 1
+        if not success:
+            block, node.host_block = node.host_block, -1
+            self._settle_on_device(node, evicting)
+            return -1, block
+        if evicting and not node.num_device_children:
+            block, node.device_block = node.device_block, -1
+            node.state = HOST
+            self.relist(node)
+            return block, -1
+        self._settle_on_device(node, evicting)
+        return -1, -1
+
+    def _settle_on_device(self, node: TreeNode, was_evicting: bool) -> None:
+        node.state = DEVICE
+        if was_evicting:  # back to where it was taken from: the head
+            self._gain_device_child(node.parent)  # type: ignore[arg-type]
+            self.relist(node, oldest=True)
+        else:
+            self.relist(node)
+
+    def finish_swap_in(self, node: TreeNode, success: bool) -> int:
+        """A host-to-device copy ended. Returns the device block to release on
+        failure (garbage), else -1."""
+        if success:
+            node.state = DEVICE
+            self.relist(node)
+            return -1
+        return self.detach_device(node)
+
+    def drop_host_copy(self, node: TreeNode) -> int:
+        """Evict a node's host copy (taken by `pop_host_victim`); a host-only node
+        leaves the tree. Returns the host block, for the caller to free."""
+        block, node.host_block = node.host_block, -1
+        if node.state == HOST:
+            self.remove(node)
+        return block
+
+    def remove(self, node: TreeNode) -> None:
+        """Delete an unlocked node without children whose blocks the caller frees."""
+        if node.num_children:
+            raise AssertionError(f"removing {node} would orphan {node.num_children} children")
+        del self._index[node.key]
+        parent = node.parent
+        assert parent is not None
+        if node.device_block >= 0 and node.state != SWAP_TO_HOST:
+            self._lose_device_child(parent)
+        parent.num_children -= 1
+        if not parent.num_children and parent in self._host_parked:
+            self._unpark(parent, self._host_parked, self.host_lru)
+
+    # -- eviction lists -------------------------------------------------------
+
+    def relist(self, node: TreeNode, *, oldest: bool = False) -> None:
+        """Put an unlocked node on the lists its state belongs to; `oldest` puts it at
+        the head of the device list (it was about to be evicted)."""
+        if node.ref:
+            return
+        state = node.state
+        if state == DEVICE:
+            self.device_lru[node] = None
+            if oldest:
+                self.device_lru.move_to_end(node, last=False)
+            if node.host_block >= 0:
+                self.host_lru[node] = None
+        elif state == HOST:
+            self.host_lru[node] = None
+
+    def pop_device_victims(self, n: int) -> list[TreeNode]:
+        """Take up to `n` least recently used unlocked device leaves off the list."""
+        lru = self.device_lru
+        pop = lru.popitem
+        victims = []
+        while len(victims) < n and lru:
+            node = pop(last=False)[0]
+            if node.num_device_children:
+                self._device_parked.add(node)
+            else:
+                victims.append(node)
+        return victims
+
+    def discard_device_leaves(self, n: int) -> list[int]:
+        """Delete up to `n` least recently used unlocked device leaves that have no
+        host copy and no children (the path without a host tier). Returns their
+        device blocks."""
+        lru = self.device_lru
+        pop = lru.popitem
+        index = self._index
+        freed = []
+        while len(freed) < n and lru:
+            node = pop(last=False)[0]
+            if node.num_children:  # only after a failure reordered the list
+                self._device_parked.add(node)
+                continue
+            del index[node.key]
+            parent = node.parent
+            parent.num_children -= 1  # type: ignore[union-attr]
+            self._lose_device_child(parent)  # type: ignore[arg-type]
+            freed.append(node.device_block)
+        return freed
+
+    def restore_device_victim(self, node: TreeNode) -> None:
+        """Put back a node taken by `pop_device_victims` that was not evicted."""
+        self.device_lru[node] = None
+        self.device_lru.move_to_end(node, last=False)
+
+    def pop_host_victim(self) -> TreeNode | None:
+        """Take the least recently used unlocked node whose host copy can be dropped:
+        one that keeps a device copy, or a host-only node without children."""
+        host_lru = self.host_lru
+        while host_lru:
+            node = host_lru.popitem(last=False)[0]
+            if node.state == HOST and node.num_children:
+                self._host_parked.add(node)
+                continue
+            return node
+        return None
+
+    # -- counts ---------------------------------------------------------------
+
+    def _gain_child(self, parent: TreeNode, *, device: bool) -> None:
+        parent.num_children += 1
+        if device:
+            self._gain_device_child(parent)
+
+    def _gain_device_child(self, parent: TreeNode) -> None:
+        parent.num_device_children += 1
+
+    def _lose_device_child(self, parent: TreeNode) -> None:
+        parent.num_device_children -= 1
+        if not parent.num_device_children and parent in self._device_parked:
+            self._unpark(parent, self._device_parked, self.device_lru)
+
+    @staticmethod
+    def _unpark(
+        node: TreeNode, parked: set[TreeNode], lru: OrderedDict[TreeNode, None]
+    ) -> None:
+        parked.discard(node)
+        lru[node] = None
+        lru.move_to_end(node, last=False)
+
+    # -- inspection -----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[TreeNode]:
+        """Every node except the root (a snapshot)."""
+        return iter(list(self._index.values()))
+
+    def check(self) -> None:
+        """Assert structure, counts and list membership (O(nodes); for tests).
+
+        Raises:
+            AssertionError: a dangling node, a wrong child count, a node listed
+                where its state and lock do not allow or missing from a list it
+                belongs to, or a state whose block fields disagree.
+        """
+        children: dict[TreeNode, int] = {}
+        device_children: dict[TreeNode, int] = {}
+        evicting = 0
+        for key, node in self._index.items():
+            assert node.key == key, node
+            parent = node.parent
+            assert parent is self.root or self._index.get(parent.key) is parent, (
+                f"{node} hangs under a node that left the tree"
+            )
+            children[parent] = children.get(parent, 0) + 1
+            if node.device_block >= 0 and node.state != SWAP_TO_HOST:
+                device_children[parent] = device_children.get(parent, 0) + 1
+            evicting += node.state == SWAP_TO_HOST
+            assert node.ref >= 0, node
+            in_device = node in self.device_lru or node in self._device_parked
+            in_host = node in self.host_lru or node in self._host_parked
+            listed = node.ref == 0
+            assert in_device == (listed and node.state == DEVICE), f"device list: {node}"
+            assert in_host == (
+                listed
+                and (node.state == HOST or (node.state == DEVICE and node.host_block >= 0))
+            ), f"host list: {node}"
+            if node.state == HOST:
+                assert node.device_block < 0 and node.host_block >= 0, node
+            else:
+                assert node.device_block >= 0, node
+            if node.state in (SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST):
+                assert node.host_block >= 0, node
+            if node.state == SWAP_TO_HOST:
+                assert node.ref == 0, f"{node} is locked but still being evicted"
+        assert evicting == self.num_evicting, (evicting, self.num_evicting)
+        for node in self._index.values():
+            assert node.num_children == children.get(node, 0), f"child count of {node}"
+            assert node.num_device_children == device_children.get(node, 0), (
+                f"device child count of {node}"
+            )
+        for node in self._device_parked:
+            assert node.num_device_children and node not in self.device_lru, node
+        for node in self._host_parked:
+            assert node.state == HOST and node.num_children, node
+            assert node not in self.host_lru, node

@@ -1,0 +1,220 @@
+"""Random request lifecycles with random transfer completions, reorderings and
+failures, checked after every step against the invariants of the brief."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fastkv import CacheConfig, CacheSwapMetadata, TransferResult
+from fastkv.metadata import CacheLevel
+from fastkv.scheduler import CacheManager
+
+# A few documents sharing prefixes, so requests hit, branch and evict.
+DOCUMENTS = [
+    ["sys", "a1", "a2", "a3", "a4", "a5"],
+    ["sys", "a1", "b2", "b3", "b4"],
+    ["sys", "c1", "c2", "c3", "c4", "c5", "c6"],
+    ["d0", "d1", "d2", "d3"],
+]
+
+
+class CacheLifecycle(RuleBasedStateMachine):
+    @initialize(
+        policy=st.sampled_from(["write_back", "write_through", "write_through_selective"]),
+        device_blocks=st.integers(8, 11),
+        host_blocks=st.sampled_from([0, 3, 8, 20]),
+    )
+    def setup(self, policy: str, device_blocks: int, host_blocks: int) -> None:
+        self.mgr = CacheManager(
+            CacheConfig(
+                block_size=4,
+                num_device_blocks=device_blocks,
+                num_host_blocks=host_blocks,
+                write_policy=policy,
+                selective_threshold=2,
+            )
+        )
+        self.next_id = 0
+        self.requests: dict[int, list[str]] = {}  # active request -> its hashes
+        self.allocated: set[int] = set()
+        self.outstanding: list[CacheSwapMetadata] = []  # emitted, no result yet
+
+    # -- requests -------------------------------------------------------------
+
+    @rule(doc=st.integers(0, len(DOCUMENTS) - 1), length=st.integers(1, 7), tail=st.booleans())
+    def arrive(self, doc: int, length: int, tail: bool) -> None:
+        rid = self.next_id
+        self.next_id += 1
+        hashes = DOCUMENTS[doc][:length] + ([f"u{rid}"] if tail else [])
+        hit = self.mgr.match(rid, hashes)
+        assert 0 <= hit.num_hits <= len(hashes)
+        self.requests[rid] = hashes
+
+    @rule(
+        doc=st.integers(0, len(DOCUMENTS) - 1),
+        length=st.integers(1, 7),
+        tail=st.booleans(),
+        keep=st.sampled_from([False, False, False, True]),
+    )
+    def serve(self, doc: int, length: int, tail: bool, keep: bool) -> None:
+        """Arrive and allocate at once; with `keep` the request stays active (so a
+        swap-in it started can fail under it), else it also commits and finishes."""
+        self.arrive(doc, length, tail)
+        rid = self.next_id - 1
+        self.allocate_request(rid)
+        if keep:
+            return
+        if rid in self.allocated:
+            self.mgr.commit(rid, self.requests[rid])
+        self.release_request(rid, abort=False)
+
+    def _pick(self, pool: list[int], i: int) -> int:
+        return sorted(pool)[i % len(pool)]
+
+    @precondition(lambda self: any(r not in self.allocated for r in self.requests))
+    @rule(i=st.integers(0, 1000))
+    def allocate(self, i: int) -> None:
+        self.allocate_request(
+            self._pick([r for r in self.requests if r not in self.allocated], i)
+        )
+
+    def allocate_request(self, rid: int) -> None:
+        before = self.mgr.block_table(rid)
+        pool = self.mgr.device_pool
+        was_free = {b for b in range(pool.capacity) if not pool.is_allocated(b)}
+        hashes = self.requests[rid]
+        # Blocks the request still needs beyond what match found.
+        matched = len(self.mgr._requests[rid].nodes)
+        table = self.mgr.allocate(rid, len(hashes) - matched)
+        if table is None:
+            event("allocate deferred")
+            assert self.mgr.block_table(rid) == before, "a failed allocate changed the table"
+            return
+        assert len(table) == len(hashes) and table[: len(before)] == before
+        fresh = set(table) & was_free
+        busy = self._outstanding_ids(CacheLevel.DEVICE)
+        assert not fresh & busy, f"device blocks {fresh & busy} handed out while in flight"
+        self.allocated.add(rid)
+
+    @precondition(lambda self: self.allocated)
+    @rule(i=st.integers(0, 1000), full=st.booleans())
+    def commit(self, i: int, full: bool) -> None:
+        rid = self._pick(list(self.allocated), i)
+        hashes = self.requests[rid]
+        self.mgr.commit(rid, hashes if full else hashes[: max(1, len(hashes) // 2)])
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 1000), abort=st.booleans())
+    def release(self, i: int, abort: bool) -> None:
+        self.release_request(self._pick(list(self.requests), i), abort)
+
+    def release_request(self, rid: int, abort: bool) -> None:
+        (self.mgr.abort if abort else self.mgr.finish)(rid)
+        del self.requests[rid]
+        self.allocated.discard(rid)
+
+    # -- the worker -----------------------------------------------------------
+
+    @rule()
+    def step(self) -> None:
+        tasks = self.mgr.take_swap_metadata()
+        for meta in (tasks.evict, tasks.swap_in):
+            if meta is None:
+                continue
+            dst_busy = self._outstanding_ids(meta.dst_level)
+            src_busy = self._outstanding_ids(meta.src_level, dst_only=True)
+            assert len(set(meta.dst_block_ids)) == meta.num_blocks, "duplicate destination"
+            assert not set(meta.dst_block_ids) & dst_busy, "destination used by another copy"
+            assert not set(meta.src_block_ids) & src_busy, "source still being written"
+            self.outstanding.append(meta)
+            event(f"emitted {meta.src_level.name}->{meta.dst_level.name}")
+
+    @rule()
+    def flush(self) -> None:
+        """The worker catches up: every planned copy runs and succeeds."""
+        self.step()
+        self.mgr.apply_results(TransferResult(m.transfer_id, True) for m in self.outstanding)
+        self.outstanding.clear()
+
+    @precondition(lambda self: self.outstanding)
+    @rule(i=st.integers(0, 1000), success=st.booleans())
+    def complete(self, i: int, success: bool) -> None:
+        meta = self.outstanding.pop(i % len(self.outstanding))  # any order
+        rollbacks = self.mgr.apply_results([TransferResult(meta.transfer_id, success)])
+        if success:
+            assert not rollbacks
+        if rollbacks:
+            event("swap-in rolled back")
+        for rb in rollbacks:
+            assert rb.request_id in self.requests
+            assert meta.dst_level == CacheLevel.DEVICE
+
+    @precondition(lambda self: any(m.dst_level == CacheLevel.DEVICE for m in self.outstanding))
+    @rule()
+    def swap_in_fails(self) -> None:
+        meta = next(m for m in self.outstanding if m.dst_level == CacheLevel.DEVICE)
+        self.outstanding.remove(meta)
+        rollbacks = self.mgr.apply_results([TransferResult(meta.transfer_id, False, "h2d")])
+        for rb in rollbacks:
+            event("swap-in rolled back")
+            assert rb.request_id in self.requests and rb.block_indices
+            # The engine recomputes the rolled-back blocks, then commits them.
+            if rb.request_id in self.allocated:
+                self.mgr.commit(rb.request_id, self.requests[rb.request_id])
+
+    # -- checks ---------------------------------------------------------------
+
+    def _outstanding_ids(self, level: CacheLevel, dst_only: bool = False) -> set[int]:
+        ids: set[int] = set()
+        for meta in self.outstanding:
+            if meta.dst_level == level:
+                ids.update(meta.dst_block_ids)
+            if meta.src_level == level and not dst_only:
+                ids.update(meta.src_block_ids)
+        return ids
+
+    @invariant()
+    def accounting_holds(self) -> None:
+        self.mgr.check_invariants()
+        for meta in self.outstanding:  # no block of an in-flight copy is free
+            for level, ids in (
+                (meta.src_level, meta.src_block_ids),
+                (meta.dst_level, meta.dst_block_ids),
+            ):
+                pool = (
+                    self.mgr.device_pool if level == CacheLevel.DEVICE else self.mgr.host_pool
+                )
+                assert all(pool.is_allocated(b) for b in ids), (
+                    f"{level.name} block freed in flight"
+                )
+
+    def teardown(self) -> None:
+        if not hasattr(self, "mgr"):
+            return
+        for rid in list(self.requests):
+            self.mgr.finish(rid)
+        # Transfers planned by the last operations, then everything outstanding.
+        self.step()
+        self.mgr.apply_results(TransferResult(m.transfer_id, True) for m in self.outstanding)
+        self.mgr.check_invariants()
+        stats = self.mgr.get_stats()
+        assert stats.inflight_transfers == 0 and stats.queued_blocks == 0
+        nodes = list(self.mgr.tree)
+        assert all(n.ref == 0 for n in nodes), "a lock outlived every holder"
+        device_owned = sum(1 for n in nodes if n.device_block >= 0)
+        host_owned = sum(1 for n in nodes if n.host_block >= 0)
+        assert self.mgr.device_pool.num_used == device_owned, "device blocks leaked"
+        assert self.mgr.host_pool.num_used == host_owned, "host blocks leaked"
+
+
+TestCacheLifecycle = CacheLifecycle.TestCase
+TestCacheLifecycle.settings = settings(
+    max_examples=int(os.environ.get("FASTKV_STATEFUL_EXAMPLES", "500")),
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
