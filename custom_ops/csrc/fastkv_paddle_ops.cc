@@ -26,9 +26,34 @@ std::string shape_str(const paddle::Tensor& t) {
 
 #define FKV_INVALID(op, ...) PD_THROW("fastkv[EINVAL] ", op, ": ", __VA_ARGS__)
 
-void check_core(const char* op, int rc) {
+// The core numbers segments from 0 within one call; the op's caller knows them as
+// caches[first + k], so name them that way ("segments[1].host_base" of layer 3's
+// call becomes "caches[13].host_base", i.e. host_ptrs[13]).
+std::string rename_segments(const std::string& msg, size_t first) {
+  static const std::string kFrom = "segments[";
+  std::string out;
+  size_t pos = 0;
+  for (;;) {
+    const size_t at = msg.find(kFrom, pos);
+    if (at == std::string::npos) break;
+    const size_t close = msg.find(']', at);
+    if (close == std::string::npos) break;
+    out.append(msg, pos, at - pos);
+    const std::string digits = msg.substr(at + kFrom.size(), close - at - kFrom.size());
+    if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
+      out += "caches[" + std::to_string(first + std::stoul(digits)) + "]";
+    } else {
+      out.append(msg, at, close + 1 - at);
+    }
+    pos = close + 1;
+  }
+  out.append(msg, pos, std::string::npos);
+  return out;
+}
+
+void check_core(const char* op, int rc, size_t first_segment = 0) {
   if (rc == FKV_OK) return;
-  const char* msg = fkv_last_error();
+  const std::string msg = rename_segments(fkv_last_error(), first_segment);
   if (rc == FKV_EINVAL) FKV_INVALID(op, msg);
   PD_THROW("fastkv[E", rc, "] ", op, ": ", msg);
 }
@@ -50,6 +75,7 @@ void check_host_tensor(const char* op, const char* name, const paddle::Tensor& t
 
 struct Call {
   std::vector<fkv_segment> segments;
+  size_t first = 0;  // index in caches of segments[0]
   int64_t num_device_blocks = 0;
   bool gpu = false;
 };
@@ -79,6 +105,8 @@ void build_segments(const char* op, const std::vector<paddle::Tensor>& caches, s
       FKV_INVALID(op, name, ": on ", t.place().DebugString(), " but caches[", first, "] is on ",
                   ref.place().DebugString());
     }
+    // Eager mode already hands us a contiguous copy of a strided input (which is
+    // why paddle_ops.py rejects those before the call); other callers may not.
     if (!t.is_contiguous()) FKV_INVALID(op, name, ": must be contiguous");
     if (t.dims().size() < 1 || t.numel() == 0) {
       FKV_INVALID(op, name, ": must be a non-empty [num_blocks, ...] tensor, got shape ",
@@ -93,6 +121,7 @@ void build_segments(const char* op, const std::vector<paddle::Tensor>& caches, s
     call->segments[k] = {const_cast<void*>(t.data()), reinterpret_cast<void*>(ptrs[i]),
                          block_bytes};
   }
+  call->first = first;
   call->num_device_blocks = ref.dims()[0];
   call->gpu = ref.is_gpu();
 }
@@ -111,11 +140,13 @@ void run_swap(const char* op, const Call& call, const paddle::Tensor& device_ids
     check_core(op, fkv_swap_cuda(call.segments.data(), n, call.num_device_blocks, num_host_blocks,
                                  device_ids.data<int64_t>(), host_ids.data<int64_t>(),
                                  device_ids.numel(), direction,
-                                 reinterpret_cast<void*>(static_cast<intptr_t>(stream))));
+                                 reinterpret_cast<void*>(static_cast<intptr_t>(stream))),
+               call.first);
   } else {
     check_core(op, fkv_swap_cpu(call.segments.data(), n, call.num_device_blocks, num_host_blocks,
                                 device_ids.data<int64_t>(), host_ids.data<int64_t>(),
-                                device_ids.numel(), direction, num_threads));
+                                device_ids.numel(), direction, num_threads),
+               call.first);
   }
 }
 

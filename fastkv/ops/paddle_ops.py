@@ -20,13 +20,19 @@ slice); host block b of tensor i is at `host_ptrs[i] + b * block_bytes_i`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import paddle
-from paddle import _C_ops
-from paddle.utils.cpp_extension import load_op_meta_info_and_register_op
+
+with warnings.catch_warnings():
+    # Importing paddle (its extension helpers) looks for ccache, which only matters
+    # when compiling; we only load a prebuilt library.
+    warnings.filterwarnings("ignore", message="No ccache found")
+    import paddle
+    from paddle import _C_ops
+    from paddle.utils.cpp_extension import load_op_meta_info_and_register_op
 
 from fastkv.ops import core
 
@@ -70,6 +76,15 @@ def int64_tensor(values: IdsLike, name: str = "ids") -> paddle.Tensor:
     return paddle.from_dlpack(np.ascontiguousarray(arr, dtype=np.int64))
 
 
+def _check_contiguous(caches: Sequence[paddle.Tensor], first: int, count: int) -> None:
+    # Paddle hands a custom op a contiguous *copy* of a strided input, so an in-place
+    # swap into a strided view would land in a temporary and vanish; refuse it here.
+    for i in range(first, min(first + count, len(caches))):
+        if not caches[i].is_contiguous():
+            shape = list(caches[i].shape)
+            raise ValueError(f"fastkv[EINVAL] caches[{i}]: must be contiguous (shape {shape})")
+
+
 def _call(op: str, *args: object) -> list[paddle.Tensor]:
     try:
         return _C_ops._run_custom_op(op, *args)
@@ -98,7 +113,8 @@ def swap_all_layers(
     """Copies the given blocks of every cache tensor in one call.
 
     Args:
-        caches: cache tensors `[num_device_blocks, ...]`, all on one place, contiguous.
+        caches: cache tensors `[num_device_blocks, ...]`, all on one place, contiguous
+            (a strided view is rejected: Paddle would pass the op a copy).
         device_ids, host_ids: equal-length int64 ids (CPU tensors or arrays).
         host_ptrs: host region address per cache tensor (len(caches) entries).
         num_host_blocks: blocks per host region.
@@ -110,6 +126,7 @@ def swap_all_layers(
         ValueError: an argument fails validation (names it); no memory was touched.
         RuntimeError: the copy failed (CUDA error, CUDA not built).
     """
+    _check_contiguous(caches, 0, len(caches))
     _call(
         "fastkv_swap_all_layers",
         list(caches),
@@ -151,6 +168,8 @@ def swap_layer(
         ValueError: an argument fails validation; no memory was touched.
         RuntimeError: the copy failed.
     """
+    if tensors_per_layer > 0 and layer >= 0:
+        _check_contiguous(caches, layer * tensors_per_layer, tensors_per_layer)
     _call(
         "fastkv_swap_layer",
         list(caches),
