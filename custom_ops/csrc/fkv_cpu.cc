@@ -23,10 +23,6 @@ constexpr int64_t kMinPartBytes = int64_t{512} << 10;
 // Smaller calls keep their data in cache for whoever reads it next.
 constexpr int64_t kStreamingMinBytes = int64_t{4} << 20;
 
-// How far ahead of the copy cursor the next run's first bytes are prefetched:
-// random blocks defeat the hardware prefetcher at every block boundary.
-constexpr int64_t kPrefetchBytes = 2048;
-
 using CopyFn = void (*)(char* dst, const char* src, size_t n);
 
 void copy_memcpy(char* dst, const char* src, size_t n) { std::memcpy(dst, src, n); }
@@ -98,16 +94,18 @@ CopyFn pick_streaming_copy() {
   return copy_stream_sse2;
 }
 
-inline void prefetch(const char* p, int64_t n) {
-  for (int64_t k = 0; k < n; k += 64) _mm_prefetch(p + k, _MM_HINT_T0);
+// NTA: the source is read once; keep it out of the caches the destination's
+// reader may want.
+inline void prefetch_once(const char* p, int64_t n) {
+  for (int64_t k = 0; k < n; k += 64) _mm_prefetch(p + k, _MM_HINT_NTA);
 }
 // Streaming stores are weakly ordered; without a fence another thread could see
 // the part reported done before its last bytes are globally visible.
 inline void store_fence() { _mm_sfence(); }
 #else
 CopyFn pick_streaming_copy() { return copy_memcpy; }
-inline void prefetch(const char* p, int64_t n) {
-  for (int64_t k = 0; k < n; k += 64) __builtin_prefetch(p + k);
+inline void prefetch_once(const char* p, int64_t n) {
+  for (int64_t k = 0; k < n; k += 64) __builtin_prefetch(p + k, 0, 0);
 }
 inline void store_fence() {}
 #endif
@@ -165,6 +163,53 @@ inline void run_pointers(const CopyPlan& plan, int32_t seg, int64_t run, char** 
   *src = plan.h2d ? host : dev;
 }
 
+inline Cursor next_run(const CopyPlan& plan, Cursor c) {
+  if (++c.run == plan.num_runs) {
+    c.run = 0;
+    ++c.seg;
+  }
+  c.offset = 0;
+  return c;
+}
+
+// Reads this far ahead of the copy cursor, across run boundaries: scattered blocks
+// defeat the hardware prefetcher at every block start. Measured on the dev VM
+// (64 KiB blocks, swap / contiguous copy): 0.84-0.90x without; 0.95-0.98x with 4
+// to 16 KiB ahead; 64 KiB ahead falls back to 0.93x.
+constexpr int64_t kPrefetchDistance = 8 << 10;
+// The copy advances in pieces of this size so the prefetcher keeps its distance
+// inside long runs too.
+constexpr int64_t kPieceBytes = 4 << 10;
+
+// Walks the same byte stream as copy_part, kPrefetchDistance ahead of it.
+struct Prefetcher {
+  const CopyPlan* plan;
+  Cursor at;
+  int64_t left;  // bytes of the part not yet prefetched
+  const char* p = nullptr;
+  int64_t avail = 0;
+
+  void issue(int64_t bytes) {
+    while (bytes > 0 && left > 0) {
+      if (avail == 0) {
+        const int64_t bb = plan->segments[at.seg].block_bytes;
+        char* dst;
+        const char* src;
+        run_pointers(*plan, at.seg, at.run, &dst, &src);
+        p = src + at.offset;
+        avail = std::min(plan->runs[at.run].num_blocks * bb - at.offset, left);
+        at = next_run(*plan, at);
+      }
+      const int64_t take = std::min(avail, bytes);
+      prefetch_once(p, take);
+      p += take;
+      avail -= take;
+      bytes -= take;
+      left -= take;
+    }
+  }
+};
+
 void copy_part(void* raw, int part) {
   const CopyPlan& plan = *static_cast<const CopyPlan*>(raw);
   const int64_t begin = plan.total_bytes * part / plan.num_parts;
@@ -172,32 +217,67 @@ void copy_part(void* raw, int part) {
   if (begin >= end) return;
   Cursor c = locate(plan, begin);
   int64_t left = end - begin;
+  Prefetcher ahead{&plan, c, left};
+  ahead.issue(kPrefetchDistance);
   while (left > 0) {
-    const int64_t bb = plan.segments[c.seg].block_bytes;
-    const int64_t run_bytes = plan.runs[c.run].num_blocks * bb;
+    const int64_t run_bytes = plan.runs[c.run].num_blocks * plan.segments[c.seg].block_bytes;
     const int64_t take = std::min(run_bytes - c.offset, left);
     char* dst;
     const char* src;
     run_pointers(plan, c.seg, c.run, &dst, &src);
-    Cursor next{c.seg, c.run + 1, 0};
-    if (next.run == plan.num_runs) {
-      next.run = 0;
-      ++next.seg;
+    dst += c.offset;
+    src += c.offset;
+    for (int64_t off = 0; off < take; off += kPieceBytes) {
+      const int64_t piece = std::min(kPieceBytes, take - off);
+      ahead.issue(piece);
+      plan.copy(dst + off, src + off, static_cast<size_t>(piece));
     }
-    if (left > take && next.seg < plan.num_segments) {
-      char* ndst;
-      const char* nsrc;
-      run_pointers(plan, next.seg, next.run, &ndst, &nsrc);
-      prefetch(nsrc, std::min(kPrefetchBytes, left - take));
-    }
-    plan.copy(dst + c.offset, src + c.offset, static_cast<size_t>(take));
     left -= take;
-    c = next;
+    c = next_run(plan, c);
   }
   if (plan.streaming) store_fence();
 }
 
 thread_local std::vector<BlockRun> t_runs;
+thread_local std::vector<BlockRun> t_sorted_runs;
+thread_local std::vector<uint32_t> t_counts;
+
+// Copies may run in any order (destinations are unique and never overlap a
+// source), and for small blocks reading the sources in address order is much
+// faster than in call order: neighbouring blocks share DRAM pages and the
+// hardware prefetcher runs on across block boundaries. Measured on the dev VM,
+// random ids, swap / contiguous copy: 4 KiB blocks 0.54x -> 0.81x, 16 KiB 0.83x ->
+// 0.95x, 64 KiB unchanged (0.97x), which is where sorting stops paying for itself.
+constexpr int64_t kSortBelowBytes = int64_t{64} << 10;
+
+bool ascending_sources(const std::vector<BlockRun>& runs, bool h2d) {
+  for (size_t r = 1; r < runs.size(); ++r) {
+    const int64_t prev = h2d ? runs[r - 1].host_id : runs[r - 1].device_id;
+    const int64_t cur = h2d ? runs[r].host_id : runs[r].device_id;
+    if (cur < prev) return false;
+  }
+  return true;
+}
+
+// Orders runs by source block id: a counting sort when the id range is not much
+// larger than the run count (the usual case, O(runs + range)), std::sort otherwise.
+void sort_by_source(std::vector<BlockRun>& runs, bool h2d, int64_t num_source_blocks) {
+  auto key = [h2d](const BlockRun& r) { return h2d ? r.host_id : r.device_id; };
+  const int64_t n = static_cast<int64_t>(runs.size());
+  if (num_source_blocks > 16 * n + 4096) {
+    std::sort(runs.begin(), runs.end(),
+              [&key](const BlockRun& a, const BlockRun& b) { return key(a) < key(b); });
+    return;
+  }
+  std::vector<uint32_t>& counts = t_counts;
+  counts.assign(static_cast<size_t>(num_source_blocks) + 1, 0);
+  for (const BlockRun& r : runs) ++counts[key(r) + 1];
+  for (int64_t k = 0; k < num_source_blocks; ++k) counts[k + 1] += counts[k];
+  std::vector<BlockRun>& out = t_sorted_runs;
+  out.resize(runs.size());
+  for (const BlockRun& r : runs) out[counts[key(r)]++] = r;
+  runs.swap(out);
+}
 
 }  // namespace
 }  // namespace fkv
@@ -234,6 +314,14 @@ extern "C" FKV_API int fkv_swap_cpu(const fkv_segment* segments, int32_t num_seg
   }
   plan.total_bytes = total;
   plan.h2d = direction == FKV_H2D;
+  const int64_t pieces = plan.num_runs * num_segments;
+  if (plan.num_runs > 1 && total / pieces < kSortBelowBytes &&
+      !ascending_sources(runs, plan.h2d)) {
+    sort_by_source(runs, plan.h2d, plan.h2d ? num_host_blocks : num_device_blocks);
+    plan.runs = runs.data();
+    int64_t acc = 0;
+    for (size_t r = 0; r < runs.size(); ++r) plan.run_end[r] = acc += runs[r].num_blocks;
+  }
   plan.streaming = total >= kStreamingMinBytes;
   plan.copy = plan.streaming ? streaming_copy() : copy_memcpy;
   const int threads = num_threads == 0 ? default_num_threads() : num_threads;

@@ -150,6 +150,37 @@ def test_large_calls_use_streaming_parts_exactly(threads: int, misalign: int) ->
         assert_bytes_equal(raw[misalign + n * block_bytes :], tail, "bytes after the region")
 
 
+@pytest.mark.parametrize("source_blocks", [64, 50_000])
+@pytest.mark.parametrize("direction", [H2D, D2H])
+def test_small_blocks_copied_in_source_order_give_the_same_result(
+    source_blocks: int, direction
+) -> None:
+    """Small-block calls are reordered by source address (counting sort for a
+    small id range, comparison sort for a large one); repeated sources included."""
+    rng = np.random.default_rng(source_blocks)
+    h2d = direction == H2D
+    block = 256
+    n_dst = 64
+    src_arr = rng.integers(0, 256, (source_blocks, block), dtype=np.uint8)
+    dst_arr = rng.integers(0, 256, (n_dst, block), dtype=np.uint8)
+    dst_ids = rng.permutation(n_dst)[:48].astype(np.int64)
+    src_ids = rng.integers(0, source_blocks, 48).astype(np.int64)  # repeats allowed
+    src_ids[:5] = src_ids[5]
+    dev, host = (dst_arr, src_arr) if h2d else (src_arr, dst_arr)
+    d_ids, h_ids = (dst_ids, src_ids) if h2d else (src_ids, dst_ids)
+    expected = dst_arr.copy()
+    expected[dst_ids] = src_arr[src_ids]
+    core.swap_cpu(
+        [(dev.ctypes.data, host.ctypes.data, block)],
+        len(dev),
+        len(host),
+        d_ids,
+        h_ids,
+        direction,
+    )
+    assert_bytes_equal(dst_arr, expected, "destination")
+
+
 def test_randomized_sequence_matches_reference_model() -> None:
     rng = np.random.default_rng(2024)
     cache, _buf, _ = _cache(rng, "uint8", layers=3, ndev=40, nhost=50)
