@@ -156,7 +156,9 @@ def gil_probe(call: Callable[[], None]) -> tuple[float, float]:
 
 
 def gil_bench(out: dict) -> None:
-    nbytes = 256 * MIB
+    """One long single-threaded copy (512 MiB) per probe, so a call that held the
+    GIL would stall the ticking thread for about the whole call."""
+    nbytes = 512 * MIB
     bs = 64 * KIB
     n = nbytes // bs
     dev = HostRegion(nbytes)
@@ -166,9 +168,9 @@ def gil_bench(out: dict) -> None:
     try:
 
         def ctypes_call():
-            for _ in range(8):
-                core.swap_cpu(segs, n, n, ids, ids, core.Direction.D2H, 1)
+            core.swap_cpu(segs, n, n, ids, ids, core.Direction.D2H, 1)
 
+        ctypes_call()
         span, gap = gil_probe(ctypes_call)
         out["ctypes_call_ms"] = round(span * 1e3, 1)
         out["ctypes_gil_max_gap_ms"] = round(gap * 1e3, 1)
@@ -182,11 +184,10 @@ def gil_bench(out: dict) -> None:
 
         caches = [paddle.zeros([n, bs], dtype="uint8")]
         ptrs = paddle_ops.int64_tensor([host.ptr])
-        dev_t = paddle_ops.int64_tensor(ids)
+        ids_t = paddle_ops.int64_tensor(ids)
 
         def paddle_call():
-            for _ in range(8):
-                paddle_ops.swap_all_layers(caches, dev_t, dev_t, ptrs, n, 1, 0, 1)
+            paddle_ops.swap_all_layers(caches, ids_t, ids_t, ptrs, n, 1, 0, 1)
 
         paddle_call()
         span, gap = gil_probe(paddle_call)

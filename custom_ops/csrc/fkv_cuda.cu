@@ -306,6 +306,7 @@ thread_local std::vector<BlockRun> t_runs;
 thread_local std::vector<ResolvedSegment> t_resolved;
 thread_local std::vector<int32_t> t_run_len;
 thread_local std::vector<DevSegment> t_descs;
+thread_local std::vector<DevSegment> t_kernel_segs;
 
 // Stages one launch's descriptors and id range through a ring slot and launches.
 int launch_kernel(Ring& ring, const DevSegment* descs, int32_t num_descs, const int64_t* dev_ids,
@@ -422,11 +423,11 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   std::vector<BlockRun>& runs = t_runs;
   int rc = validate_swap(segments, num_segments, num_device_blocks, num_host_blocks, device_ids,
                          host_ids, num_ids, direction, &runs);
-  if (rc != FKV_OK) return rc;
+  if (rc != FKV_OK || runs.empty()) return rc;
   std::vector<ResolvedSegment>& resolved = t_resolved;
   int device = -1;
   rc = resolve_segments(segments, num_segments, num_host_blocks, &resolved, &device);
-  if (rc != FKV_OK || runs.empty()) return rc;
+  if (rc != FKV_OK) return rc;
   if (device < 0 || device >= kMaxDevices) {
     return set_error(FKV_EINVAL, "segments[0].device_base: device %d out of range [0, %d)", device,
                      kMaxDevices);
@@ -440,8 +441,8 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   const int64_t memcpy_min = g_memcpy_min_bytes.load();
 
   // Long runs: one cudaMemcpyAsync per segment and run, on the copy engine.
-  std::vector<DevSegment> kernel_segs;
-  kernel_segs.reserve(num_segments);
+  std::vector<DevSegment>& kernel_segs = t_kernel_segs;
+  kernel_segs.clear();
   bool any_skipped = false;
   for (int32_t s = 0; s < num_segments; ++s) {
     const ResolvedSegment& r = resolved[s];
