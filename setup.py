@@ -51,10 +51,15 @@ class NativeBuildError(RuntimeError):
 
 
 class NativeLibrary(Extension):
-    """A plain shared library (no Python module init) placed in a package directory."""
+    """A plain shared library (no Python module init) placed in a package directory.
 
-    def __init__(self, name: str, filename: str, sources: list[str]) -> None:
-        super().__init__(name, sources=sources)
+    `optional` marks a library the build may deliberately skip (the Paddle ops where
+    paddle is absent); it does not hide failures: those raise SystemExit, which
+    setuptools' optional-extension handling does not catch.
+    """
+
+    def __init__(self, name: str, filename: str, sources: list[str], optional: bool) -> None:
+        super().__init__(name, sources=sources, optional=optional)
         self.filename = filename
 
 
@@ -326,9 +331,17 @@ setup(
     ext_modules=[
         chain_hash,
         # Order matters: the Paddle op library links against the core.
-        NativeLibrary("fastkv.ops.libfastkv_core", CORE_LIB, [f"custom_ops/csrc/{CORE_CUDA}"]),
         NativeLibrary(
-            "fastkv.ops.libfastkv_paddle_ops", PADDLE_LIB, [f"custom_ops/csrc/{PADDLE_OPS}"]
+            "fastkv.ops.libfastkv_core",
+            CORE_LIB,
+            [f"custom_ops/csrc/{CORE_CUDA}"],
+            optional=False,
+        ),
+        NativeLibrary(
+            "fastkv.ops.libfastkv_paddle_ops",
+            PADDLE_LIB,
+            [f"custom_ops/csrc/{PADDLE_OPS}"],
+            optional=True,
         ),
     ],
     cmdclass={"build_ext": NativeBuild},

@@ -2,6 +2,7 @@
 // and load the same ABI everywhere, and failing with a message that says why.
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "fkv_internal.h"
 
@@ -32,7 +33,7 @@ FKV_API int fkv_built_with_cuda(void) { return 0; }
 FKV_API int fkv_cuda_device_count(void) { return 0; }
 
 FKV_API int fkv_cuda_pci_bus_id(int, char*, int) {
-  return fkv::set_error(FKV_ENOTBUILT, "fkv_cuda_pci_bus_id: %s", fkv::kNotBuilt);
+  return fkv::set_error(FKV_ENOTBUILT, "%s", fkv::kNotBuilt);
 }
 
 FKV_API int fkv_cuda_set_tuning(int64_t memcpy_min_bytes, int32_t max_ctas) {
@@ -47,9 +48,17 @@ FKV_API void fkv_cuda_get_tuning(int64_t* memcpy_min_bytes, int32_t* max_ctas) {
   if (max_ctas) *max_ctas = fkv::g_max_ctas.load();
 }
 
-FKV_API int fkv_swap_cuda(const fkv_segment*, int32_t, int64_t, int64_t, const int64_t*,
-                          const int64_t*, int64_t, int32_t, void*) {
-  return fkv::set_error(FKV_ENOTBUILT, "fkv_swap_cuda: %s", fkv::kNotBuilt);
+// Validates like the real entry point, so a bad call is reported as such on every
+// build, then refuses.
+FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
+                          int64_t num_device_blocks, int64_t num_host_blocks,
+                          const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
+                          int32_t direction, void*) {
+  std::vector<fkv::BlockRun> runs;
+  const int rc = fkv::validate_swap(segments, num_segments, num_device_blocks, num_host_blocks,
+                                    device_ids, host_ids, num_ids, direction, &runs);
+  if (rc != FKV_OK) return rc;
+  return fkv::set_error(FKV_ENOTBUILT, "%s", fkv::kNotBuilt);
 }
 
 }  // extern "C"
