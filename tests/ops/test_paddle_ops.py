@@ -274,3 +274,15 @@ def test_int64_tensor_is_zero_copy_and_checks_input() -> None:
     assert t.data_ptr() == ids.ctypes.data
     with pytest.raises(ValueError, match="ids: expected a 1-D integer array"):
         ops.int64_tensor(np.ones(3))
+
+
+def test_paddle_ops_and_ctypes_share_one_core() -> None:
+    """One thread pool, one staging ring and one allocation registry per process:
+    memory from the ctypes binding is freed by the op and vice versa."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libfastkv_core.so" in line}
+    assert len(paths) == 1, paths
+    ptr = core.host_alloc(1 << 20)
+    ops.host_free(ptr, 1 << 20, pinned=False)
+    ptr = ops.host_alloc(1 << 20, pin=False)
+    core.host_free(ptr, 1 << 20, pinned=False)
