@@ -123,7 +123,19 @@ def cpu_bench(total_bytes: int, runs: int, threads: int, out: dict) -> None:
             out[f"cpu_swap_gbps_{tag}"] = round(swap_both, 2)
             out[f"cpu_copy_gbps_{tag}"] = round(copy_both, 2)
             out[f"numpy_gather_gbps_{tag}"] = round(gbps["numpy_gather"], 2)
-            out[f"cpu_swap_vs_copy_{tag}"] = round(swap_both / copy_both, 3)
+            # The ratio pairs each run's swap with the copy measured right next to it,
+            # so bandwidth drifting on a shared machine cancels out.
+            paired = [
+                (ch + cd) / (sh + sd)
+                for sh, sd, ch, cd in zip(
+                    times["swap_h2d"],
+                    times["swap_d2h"],
+                    times["copy_h2d"],
+                    times["copy_d2h"],
+                    strict=True,
+                )
+            ]
+            out[f"cpu_swap_vs_copy_{tag}"] = round(statistics.median(paired), 3)
             out[f"cpu_swap_vs_numpy_{tag}"] = round(swap_both / gbps["numpy_gather"], 2)
     finally:
         device.free()
