@@ -140,17 +140,35 @@ def _ids(name: str, ids: np.ndarray | Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _prepare(
+def _swap(
+    name: str,
     segments: SegmentsLike,
+    num_device_blocks: int,
+    num_host_blocks: int,
     device_ids: np.ndarray | Sequence[int],
     host_ids: np.ndarray | Sequence[int],
-) -> tuple[ctypes.Array, np.ndarray, np.ndarray]:  # type: ignore[type-arg]
+    direction: Direction | int,
+    last: object,
+) -> None:
+    """Calls fkv_swap_cpu or fkv_swap_cuda (`last` is num_threads or the stream)."""
     table = _segments(segments)
     dev = _ids("device_ids", device_ids)
     host = _ids("host_ids", host_ids)
     if dev.shape != host.shape:
         raise ValueError(f"host_ids: length {host.size} != device_ids length {dev.size}")
-    return table, dev, host
+    rc = getattr(_lib, name)(
+        table,
+        len(table),
+        num_device_blocks,
+        num_host_blocks,
+        dev.ctypes.data,
+        host.ctypes.data,
+        dev.size,
+        int(direction),
+        last,
+    )
+    if rc:
+        _raise(rc, name)
 
 
 def swap_cpu(
@@ -177,20 +195,16 @@ def swap_cpu(
             has been copied.
         RuntimeError: the core failed for another reason.
     """
-    table, dev, host = _prepare(segments, device_ids, host_ids)
-    rc = _lib.fkv_swap_cpu(
-        table,
-        len(table),
+    _swap(
+        "fkv_swap_cpu",
+        segments,
         num_device_blocks,
         num_host_blocks,
-        dev.ctypes.data,
-        host.ctypes.data,
-        dev.size,
-        int(direction),
+        device_ids,
+        host_ids,
+        direction,
         num_threads,
     )
-    if rc:
-        _raise(rc, "fkv_swap_cpu")
 
 
 def swap_cuda(
@@ -221,20 +235,16 @@ def swap_cuda(
         ValueError: an argument fails validation (nothing was enqueued).
         RuntimeError: a CUDA call failed, or the core was built without CUDA.
     """
-    table, dev, host = _prepare(segments, device_ids, host_ids)
-    rc = _lib.fkv_swap_cuda(
-        table,
-        len(table),
+    _swap(
+        "fkv_swap_cuda",
+        segments,
         num_device_blocks,
         num_host_blocks,
-        dev.ctypes.data,
-        host.ctypes.data,
-        dev.size,
-        int(direction),
+        device_ids,
+        host_ids,
+        direction,
         stream or None,
     )
-    if rc:
-        _raise(rc, "fkv_swap_cuda")
 
 
 def host_alloc(nbytes: int, numa_node: int = -1, pin: bool = False) -> int:
