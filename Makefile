@@ -35,4 +35,4 @@ lint: install
 	$(VENV)/bin/ruff format --check fastkv tests tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info fastkv/*.so
+	rm -rf $(VENV) build *.egg-info fastkv/*.so fastkv/ops/*.so

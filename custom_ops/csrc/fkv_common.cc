@@ -1,0 +1,242 @@
+// Error reporting and argument validation shared by the CPU and CUDA paths.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+
+#include "fkv_internal.h"
+
+namespace fkv {
+namespace {
+
+// Per thread, so two Python threads swapping at once each read their own error.
+thread_local char g_error[1024];
+thread_local int g_error_code = FKV_OK;
+
+struct Region {
+  uintptr_t begin;
+  uintptr_t end;
+  int32_t segment;
+  bool is_host;
+  bool is_destination;
+};
+
+const char* side_name(bool is_host) { return is_host ? "host" : "device"; }
+
+// Destination regions must not overlap anything: a wrong host_ptrs carve-up would
+// otherwise make two layers silently write the same bytes. Sweep over regions
+// sorted by start, remembering the furthest-reaching region and the
+// furthest-reaching destination seen so far; every overlapping pair with a
+// destination in it is caught by one of the two.
+int check_overlaps(std::vector<Region>& regions) {
+  std::sort(regions.begin(), regions.end(),
+            [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  const Region* reach_any = nullptr;
+  const Region* reach_dst = nullptr;
+  for (const Region& r : regions) {
+    const Region* hit = nullptr;
+    if (reach_dst && r.begin < reach_dst->end) {
+      hit = reach_dst;
+    } else if (r.is_destination && reach_any && r.begin < reach_any->end) {
+      hit = reach_any;
+    }
+    if (hit) {
+      return set_error(FKV_EINVAL,
+                       "segments[%d].%s_base: %s region overlaps the %s region of "
+                       "segments[%d] (a destination may not overlap any other region)",
+                       r.segment, side_name(r.is_host), side_name(r.is_host),
+                       side_name(hit->is_host), hit->segment);
+    }
+    if (!reach_any || r.end > reach_any->end) reach_any = &r;
+    if (r.is_destination && (!reach_dst || r.end > reach_dst->end)) reach_dst = &r;
+  }
+  return FKV_OK;
+}
+
+int check_region(const char* side, int32_t s, const void* base, int64_t num_blocks,
+                 int64_t block_bytes, uintptr_t* end) {
+  if (base == nullptr) return set_error(FKV_EINVAL, "segments[%d].%s_base: NULL", s, side);
+  if (reinterpret_cast<uintptr_t>(base) % FKV_MIN_ACCESS_BYTES != 0) {
+    return set_error(FKV_EINVAL, "segments[%d].%s_base: %p is not %d-byte aligned", s, side,
+                     base, FKV_MIN_ACCESS_BYTES);
+  }
+  int64_t bytes = 0;
+  uintptr_t last = 0;
+  if (__builtin_mul_overflow(num_blocks, block_bytes, &bytes) ||
+      __builtin_add_overflow(reinterpret_cast<uintptr_t>(base), static_cast<uintptr_t>(bytes),
+                             &last)) {
+    return set_error(FKV_EINVAL,
+                     "segments[%d].%s_base: %" PRId64 " blocks of %" PRId64
+                     " bytes overflow the address space",
+                     s, side, num_blocks, block_bytes);
+  }
+  *end = last;
+  return FKV_OK;
+}
+
+// Duplicate detection with a bitmap costs O(num_ids) per call (only the bits that
+// were set get cleared again); past this many destination blocks the bitmap
+// itself would be too big to keep per thread, so we sort a copy instead.
+constexpr int64_t kMaxBitmapBlocks = int64_t{1} << 27;
+
+thread_local std::vector<uint64_t> t_bitmap;
+thread_local std::vector<int64_t> t_sorted;
+thread_local std::vector<Region> t_regions;
+
+int check_ids_sorted(const int64_t* dst, int64_t n, const char* name) {
+  t_sorted.assign(dst, dst + n);
+  std::sort(t_sorted.begin(), t_sorted.end());
+  auto dup = std::adjacent_find(t_sorted.begin(), t_sorted.end());
+  if (dup == t_sorted.end()) return FKV_OK;
+  const int64_t value = *dup;
+  int64_t seen = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (dst[i] == value && seen++ == 1) {
+      return set_error(FKV_EINVAL, "%s[%" PRId64 "]: duplicate destination %" PRId64, name, i,
+                       value);
+    }
+  }
+  return set_error(FKV_EINVAL, "%s: duplicate destination %" PRId64, name, value);
+}
+
+}  // namespace
+
+int set_error(int code, const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(g_error, sizeof(g_error), fmt, args);
+  va_end(args);
+  g_error_code = code;
+  return code;
+}
+
+void clear_error() {
+  g_error[0] = '\0';
+  g_error_code = FKV_OK;
+}
+
+int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num_device_blocks,
+                  int64_t num_host_blocks, const int64_t* device_ids, const int64_t* host_ids,
+                  int64_t num_ids, int32_t direction, std::vector<BlockRun>* runs) {
+  runs->clear();
+  if (segments == nullptr) return set_error(FKV_EINVAL, "segments: NULL");
+  if (num_segments <= 0 || num_segments > FKV_MAX_SEGMENTS) {
+    return set_error(FKV_EINVAL, "num_segments: %d out of range [1, %d]", num_segments,
+                     FKV_MAX_SEGMENTS);
+  }
+  if (direction != FKV_H2D && direction != FKV_D2H) {
+    return set_error(FKV_EINVAL,
+                     "direction: %d is neither 0 (host->device) nor 1 (device->host)",
+                     direction);
+  }
+  if (num_device_blocks < 0) {
+    return set_error(FKV_EINVAL, "num_device_blocks: %" PRId64 " is negative",
+                     num_device_blocks);
+  }
+  if (num_host_blocks < 0) {
+    return set_error(FKV_EINVAL, "num_host_blocks: %" PRId64 " is negative", num_host_blocks);
+  }
+  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
+  if (num_ids > 0 && device_ids == nullptr) {
+    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+  if (num_ids > 0 && host_ids == nullptr) {
+    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+
+  std::vector<Region>& regions = t_regions;
+  regions.clear();
+  for (int32_t s = 0; s < num_segments; ++s) {
+    const fkv_segment& seg = segments[s];
+    if (seg.block_bytes <= 0 || seg.block_bytes % FKV_MIN_ACCESS_BYTES != 0) {
+      return set_error(FKV_EINVAL,
+                       "segments[%d].block_bytes: %" PRId64
+                       " is not a positive multiple of %d",
+                       s, seg.block_bytes, FKV_MIN_ACCESS_BYTES);
+    }
+    uintptr_t dev_end = 0;
+    uintptr_t host_end = 0;
+    int rc = check_region("device", s, seg.device_base, num_device_blocks, seg.block_bytes,
+                          &dev_end);
+    if (rc != FKV_OK) return rc;
+    rc = check_region("host", s, seg.host_base, num_host_blocks, seg.block_bytes, &host_end);
+    if (rc != FKV_OK) return rc;
+    const uintptr_t dev = reinterpret_cast<uintptr_t>(seg.device_base);
+    const uintptr_t host = reinterpret_cast<uintptr_t>(seg.host_base);
+    if (dev_end > dev) regions.push_back({dev, dev_end, s, false, direction == FKV_H2D});
+    if (host_end > host) regions.push_back({host, host_end, s, true, direction == FKV_D2H});
+  }
+  int rc = check_overlaps(regions);
+  if (rc != FKV_OK) return rc;
+  if (num_ids == 0) return FKV_OK;
+
+  const bool h2d = direction == FKV_H2D;
+  const int64_t* dst = h2d ? device_ids : host_ids;
+  const char* dst_name = h2d ? "device_ids" : "host_ids";
+  const int64_t num_dst_blocks = h2d ? num_device_blocks : num_host_blocks;
+  const bool use_bitmap = num_dst_blocks <= kMaxBitmapBlocks;
+  if (use_bitmap && t_bitmap.size() < static_cast<size_t>(num_dst_blocks / 64 + 1)) {
+    t_bitmap.resize(num_dst_blocks / 64 + 1, 0);
+  }
+  uint64_t* bits = t_bitmap.data();
+
+  rc = FKV_OK;
+  int64_t i = 0;
+  for (; i < num_ids; ++i) {
+    const int64_t d = device_ids[i];
+    const int64_t h = host_ids[i];
+    if (d < 0 || d >= num_device_blocks) {
+      rc = set_error(FKV_EINVAL,
+                     "device_ids[%" PRId64 "]=%" PRId64 " out of range [0, %" PRId64 ")", i, d,
+                     num_device_blocks);
+      break;
+    }
+    if (h < 0 || h >= num_host_blocks) {
+      rc = set_error(FKV_EINVAL, "host_ids[%" PRId64 "]=%" PRId64 " out of range [0, %" PRId64 ")",
+                     i, h, num_host_blocks);
+      break;
+    }
+    if (use_bitmap) {
+      const int64_t id = dst[i];
+      const uint64_t mask = uint64_t{1} << (id & 63);
+      if (bits[id >> 6] & mask) {
+        rc = set_error(FKV_EINVAL, "%s[%" PRId64 "]: duplicate destination %" PRId64, dst_name,
+                       i, id);
+        break;
+      }
+      bits[id >> 6] |= mask;
+    }
+    if (!runs->empty()) {
+      BlockRun& last = runs->back();
+      if (d == last.device_id + last.num_blocks && h == last.host_id + last.num_blocks) {
+        ++last.num_blocks;
+        continue;
+      }
+    }
+    runs->push_back({d, h, 1});
+  }
+  if (use_bitmap) {
+    // Only ids that passed the range check were marked; clear exactly those so the
+    // per-thread bitmap is all-zero for the next call.
+    for (int64_t k = 0; k < i; ++k) bits[dst[k] >> 6] = 0;
+  } else if (rc == FKV_OK) {
+    rc = check_ids_sorted(dst, num_ids, dst_name);
+  }
+  if (rc != FKV_OK) runs->clear();
+  return rc;
+}
+
+}  // namespace fkv
+
+extern "C" {
+
+FKV_API int fkv_abi_version(void) { return FKV_ABI_VERSION; }
+
+FKV_API const char* fkv_last_error(void) { return fkv::g_error; }
+
+FKV_API int fkv_last_error_code(void) { return fkv::g_error_code; }
+
+FKV_API int fkv_default_num_threads(void) { return fkv::default_num_threads(); }
+
+}  // extern "C"

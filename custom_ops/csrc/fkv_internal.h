@@ -1,0 +1,60 @@
+// Internal interfaces shared by the core's translation units (not part of the ABI).
+#ifndef FASTKV_INTERNAL_H_
+#define FASTKV_INTERNAL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "fastkv_core.h"
+
+namespace fkv {
+
+// printf-style; stores the calling thread's message and returns `code`.
+int set_error(int code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+void clear_error();
+
+// A maximal stretch i..i+n-1 of the id arrays where both device and host ids
+// ascend by one, so every segment can copy it as one contiguous range.
+struct BlockRun {
+  int64_t device_id;
+  int64_t host_id;
+  int64_t num_blocks;
+};
+
+// Checks every argument of a swap (see fastkv_core.h) and, on success, fills
+// `runs` with the coalesced runs of the id arrays in call order. Touches no cache
+// memory. Returns FKV_OK or FKV_EINVAL with the message set.
+int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num_device_blocks,
+                  int64_t num_host_blocks, const int64_t* device_ids, const int64_t* host_ids,
+                  int64_t num_ids, int32_t direction, std::vector<BlockRun>* runs);
+
+// ---- thread pool (fkv_pool.cc) ----
+
+// Runs fn(ctx, part) for part in [0, num_parts) on up to num_parts threads (the
+// caller plus pool workers) and returns when all parts are done. The caller runs
+// any part no worker has picked up, so concurrent calls cannot deadlock even when
+// every worker is busy with another caller's parts.
+void parallel_for(int num_parts, void (*fn)(void* ctx, int part), void* ctx);
+
+int default_num_threads();
+
+// Faults in [p, p + bytes) page by page on the pool.
+void parallel_first_touch(char* p, size_t bytes, int num_threads);
+
+// ---- CUDA side (fkv_cuda.cu or fkv_cuda_stub.cc) ----
+
+// Page-locks and maps [p, p + bytes) for every CUDA context; *device_ptr gets the
+// address kernels use for p.
+int cuda_host_register(void* p, size_t bytes, void** device_ptr);
+int cuda_host_unregister(void* p);
+
+// ---- host allocation registry (fkv_host_alloc.cc) ----
+
+// If [p, p + bytes) lies inside one live fkv_host_alloc allocation, returns true and
+// sets *pinned and *device_ptr (the kernel-side address of p when pinned).
+bool registry_lookup(const void* p, size_t bytes, bool* pinned, void** device_ptr);
+
+}  // namespace fkv
+
+#endif  // FASTKV_INTERNAL_H_

@@ -1,0 +1,1 @@
+"""Worker side of fastkv: moves KV blocks between device, host and storage."""

@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Transfer bandwidth of the fastkv copy core.
+
+CPU (always): swap bandwidth for 4/16/64/256 KiB blocks with random ids in both
+directions, next to a contiguous copy of the same bytes through the same core and
+thread pool (one consecutive run per segment), and next to numpy fancy-index
+gather into a preallocated array. Measurements of one size are interleaved run by
+run (swap, copy, numpy, ...) so drift on a shared machine hits all alike; the
+median of --runs is reported. Also probes whether a long native call (ctypes, and
+the Paddle op when paddle imports) lets other Python threads run.
+
+GPU (--gpu; needs a CUDA device and CuPy, not Paddle: drives the C ABI): H2D and
+D2H through the kernel path and the per-run cudaMemcpyAsync path, next to one
+contiguous cudaMemcpyAsync of the same bytes, and the slowdown of a bf16 matmul
+running concurrently on another stream. Without a GPU it says so and skips.
+
+    python tools/bench_transfer.py [--json] [--gpu] [--total-mib 256] [--runs 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastkv.ops import core
+
+KIB = 1024
+MIB = 1024 * KIB
+SIZES_KIB = (4, 16, 64, 256)
+SEGMENTS = 4  # e.g. K and V of two layers: the bytes of one call span several tensors
+NEVER = 2**63 - 1
+
+
+def elapsed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class HostRegion:
+    """A pre-faulted allocation from the core (what the worker uses for tiers)."""
+
+    def __init__(self, nbytes: int, pin: bool = False) -> None:
+        self.nbytes, self.pin = nbytes, pin
+        self.ptr = core.host_alloc(nbytes, pin=pin)
+        import ctypes
+
+        self.array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.ptr), np.uint8)
+
+    def free(self) -> None:
+        core.host_free(self.ptr, self.nbytes, self.pin)
+
+
+def cpu_bench(total_bytes: int, runs: int, threads: int, out: dict) -> None:
+    rng = np.random.default_rng(0)
+    seg_bytes = total_bytes // SEGMENTS
+    device = HostRegion(total_bytes)
+    host = HostRegion(2 * total_bytes)  # twice as many host blocks: ids are a random subset
+    device.array[:] = 1
+    host.array[:] = 2
+    try:
+        for kib in SIZES_KIB:
+            bs = kib * KIB
+            n = seg_bytes // bs
+            segs = core.make_segments(
+                [
+                    (device.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
+                    for s in range(SEGMENTS)
+                ]
+            )
+            dev_ids = rng.permutation(n).astype(np.int64)
+            host_ids = rng.choice(2 * n, size=n, replace=False).astype(np.int64)
+            run_ids = np.arange(n, dtype=np.int64)
+            dev_views = [
+                device.array[s * seg_bytes : (s + 1) * seg_bytes].reshape(n, bs)
+                for s in range(SEGMENTS)
+            ]
+            host_views = [
+                host.array[s * 2 * seg_bytes : (s + 1) * 2 * seg_bytes].reshape(2 * n, bs)
+                for s in range(SEGMENTS)
+            ]
+
+            def swap(direction, d=dev_ids, h=host_ids, segs=segs, n=n):
+                core.swap_cpu(segs, n, 2 * n, d, h, direction, threads)
+
+            def numpy_gather(dv=dev_views, hv=host_views, h=host_ids):
+                for s in range(SEGMENTS):
+                    np.take(hv[s], h, axis=0, out=dv[s])
+
+            cases: dict[str, Callable[[], None]] = {
+                "swap_h2d": lambda: swap(core.Direction.H2D),
+                "copy_h2d": lambda r=run_ids: swap(core.Direction.H2D, r, r),
+                "swap_d2h": lambda: swap(core.Direction.D2H),
+                "copy_d2h": lambda r=run_ids: swap(core.Direction.D2H, r, r),
+                "numpy_gather": numpy_gather,
+            }
+            times: dict[str, list[float]] = {k: [] for k in cases}
+            for fn in cases.values():
+                fn()  # warm-up: first touch of TLBs, pool workers started
+            for _ in range(runs):
+                for name, fn in cases.items():
+                    times[name].append(elapsed(fn))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            gbps = {k: n * bs * SEGMENTS / t / 1e9 for k, t in med.items()}
+            tag = f"{kib}k"
+            for d in ("h2d", "d2h"):
+                out[f"cpu_swap_{d}_gbps_{tag}"] = round(gbps[f"swap_{d}"], 2)
+                out[f"cpu_copy_{d}_gbps_{tag}"] = round(gbps[f"copy_{d}"], 2)
+            # Both directions together: bytes of both over time of both.
+            swap_both = 2 * n * bs * SEGMENTS / (med["swap_h2d"] + med["swap_d2h"]) / 1e9
+            copy_both = 2 * n * bs * SEGMENTS / (med["copy_h2d"] + med["copy_d2h"]) / 1e9
+            out[f"cpu_swap_gbps_{tag}"] = round(swap_both, 2)
+            out[f"cpu_copy_gbps_{tag}"] = round(copy_both, 2)
+            out[f"numpy_gather_gbps_{tag}"] = round(gbps["numpy_gather"], 2)
+            # The ratio pairs each run's swap with the copy measured right next to it,
+            # so bandwidth drifting on a shared machine cancels out.
+            paired = [
+                (ch + cd) / (sh + sd)
+                for sh, sd, ch, cd in zip(
+                    times["swap_h2d"],
+                    times["swap_d2h"],
+                    times["copy_h2d"],
+                    times["copy_d2h"],
+                    strict=True,
+                )
+            ]
+            out[f"cpu_swap_vs_copy_{tag}"] = round(statistics.median(paired), 3)
+            out[f"cpu_swap_vs_numpy_{tag}"] = round(swap_both / gbps["numpy_gather"], 2)
+    finally:
+        device.free()
+        host.free()
+
+
+def gil_probe(call: Callable[[], None]) -> tuple[float, float]:
+    """Runs `call` on a thread while this thread ticks; returns (call seconds,
+    longest gap between ticks). A call holding the GIL stalls the ticks for its
+    whole duration; one that releases it leaves gaps of a few ms at most."""
+    done = threading.Event()
+    span = [0.0]
+
+    def worker():
+        t0 = time.perf_counter()
+        call()
+        span[0] = time.perf_counter() - t0
+        done.set()
+
+    t = threading.Thread(target=worker)
+    last = time.perf_counter()
+    gap = 0.0
+    t.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        gap = max(gap, now - last)
+        last = now
+    t.join()
+    return span[0], gap
+
+
+def gil_bench(out: dict) -> None:
+    """One long single-threaded copy (512 MiB) per probe, so a call that held the
+    GIL would stall the ticking thread for about the whole call."""
+    nbytes = 512 * MIB
+    bs = 64 * KIB
+    n = nbytes // bs
+    dev = HostRegion(nbytes)
+    host = HostRegion(nbytes)
+    ids = np.random.default_rng(1).permutation(n).astype(np.int64)
+    segs = core.make_segments([(dev.ptr, host.ptr, bs)])
+    try:
+
+        def ctypes_call():
+            core.swap_cpu(segs, n, n, ids, ids, core.Direction.D2H, 1)
+
+        ctypes_call()
+        span, gap = gil_probe(ctypes_call)
+        out["ctypes_call_ms"] = round(span * 1e3, 1)
+        out["ctypes_gil_max_gap_ms"] = round(gap * 1e3, 1)
+        out["ctypes_releases_gil"] = gap < span / 2
+        try:
+            from fastkv.ops import paddle_ops
+        except ImportError as e:
+            out["paddle_op_gil"] = f"skipped: {e}"
+            return
+        import paddle
+
+        caches = [paddle.zeros([n, bs], dtype="uint8")]
+        ptrs = paddle_ops.int64_tensor([host.ptr])
+        ids_t = paddle_ops.int64_tensor(ids)
+
+        def paddle_call():
+            paddle_ops.swap_all_layers(caches, ids_t, ids_t, ptrs, n, 1, 0, 1)
+
+        paddle_call()
+        span, gap = gil_probe(paddle_call)
+        out["paddle_op_call_ms"] = round(span * 1e3, 1)
+        out["paddle_op_gil_max_gap_ms"] = round(gap * 1e3, 1)
+        out["paddle_op_releases_gil"] = gap < span / 2
+    finally:
+        dev.free()
+        host.free()
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def gpu_unavailable() -> str | None:
+    if not core.built_with_cuda():
+        return "the fastkv core was built without CUDA"
+    if core.cuda_device_count() == 0:
+        return "no CUDA device (or driver) on this machine"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed"
+    return None
+
+
+def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
+    import cupy as cp
+
+    seg_bytes = total_bytes // SEGMENTS
+    dev = cp.zeros(total_bytes, dtype=cp.uint8)
+    host = HostRegion(2 * total_bytes, pin=True)
+    host.array[:] = 3
+    stream = cp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(0)
+    saved = core.get_cuda_tuning()
+    out["gpu_name"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+    def timed(fn: Callable[[], None]) -> float:
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def memcpy_contiguous(direction: int) -> None:
+        kind = 1 if direction == 0 else 2  # cudaMemcpyHostToDevice / DeviceToHost
+        src, dst = (host.ptr, dev.data.ptr) if direction == 0 else (dev.data.ptr, host.ptr)
+        cp.cuda.runtime.memcpyAsync(dst, src, total_bytes, kind, stream.ptr)
+
+    try:
+        for kib in SIZES_KIB:
+            bs = kib * KIB
+            n = seg_bytes // bs
+            segs = core.make_segments(
+                [
+                    (dev.data.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
+                    for s in range(SEGMENTS)
+                ]
+            )
+            d_ids = rng.permutation(n).astype(np.int64)
+            h_ids = rng.choice(2 * n, size=n, replace=False).astype(np.int64)
+
+            def swap(direction: int, memcpy_min: int, segs=segs, n=n, d=d_ids, h=h_ids):
+                core.set_cuda_tuning(memcpy_min_bytes=memcpy_min)
+                core.swap_cuda(segs, n, 2 * n, d, h, direction, stream.ptr)
+
+            tag = f"{kib}k"
+            for direction, dname in ((0, "h2d"), (1, "d2h")):
+                cases = {
+                    "kernel": lambda d=direction: swap(d, NEVER),
+                    "memcpy_per_block": lambda d=direction: swap(d, 0),
+                    "contiguous": lambda d=direction: memcpy_contiguous(d),
+                }
+                times: dict[str, list[float]] = {k: [] for k in cases}
+                for fn in cases.values():
+                    timed(fn)
+                for _ in range(runs):
+                    for name, fn in cases.items():
+                        times[name].append(timed(fn))
+                gbps = {k: total_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+                for k, v in gbps.items():
+                    out[f"gpu_{dname}_{k}_gbps_{tag}"] = round(v, 2)
+                out[f"gpu_{dname}_kernel_vs_contiguous_{tag}"] = round(
+                    gbps["kernel"] / gbps["contiguous"], 3
+                )
+                out[f"gpu_{dname}_kernel_vs_memcpy_per_block_{tag}"] = round(
+                    gbps["kernel"] / gbps["memcpy_per_block"], 2
+                )
+        core.set_cuda_tuning(*saved)
+        matmul_slowdown(cp, dev, host, seg_bytes, stream, out)
+    finally:
+        core.set_cuda_tuning(*saved)
+        cp.cuda.Device().synchronize()
+        host.free()
+
+
+def matmul_slowdown(cp, dev, host, seg_bytes: int, stream, out: dict) -> None:
+    """bf16 GEMMs on one stream, alone and with 64 KiB-block swaps (both directions,
+    default tuning) kept queued on another stream for the whole GEMM batch."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    size, iters = 8192, 20
+    if torch is not None and torch.cuda.is_available():
+        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        ts = torch.cuda.Stream()
+
+        def gemms() -> tuple[object, object]:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(ts):
+                start.record()
+                for _ in range(iters):
+                    a @ b
+                end.record()
+            return start, end
+
+        def elapsed(ev) -> float:
+            ev[1].synchronize()
+            return ev[0].elapsed_time(ev[1]) / 1e3
+
+        out["matmul_dtype"] = "bfloat16 (torch)"
+    else:
+        a = cp.random.standard_normal((size, size), dtype=cp.float32).astype(cp.float16)
+        b = a.copy()
+        cs = cp.cuda.Stream(non_blocking=True)
+
+        def gemms() -> tuple[object, object]:
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            with cs:
+                start.record(cs)
+                for _ in range(iters):
+                    a @ b
+                end.record(cs)
+            return start, end
+
+        def elapsed(ev) -> float:
+            ev[1].synchronize()
+            return cp.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3
+
+        out["matmul_dtype"] = "float16 (cupy; torch unavailable for bf16)"
+
+    elapsed(gemms())  # warm-up (cuBLAS heuristics, clocks)
+    alone = statistics.median(elapsed(gemms()) for _ in range(3))
+    bs = 64 * KIB
+    n = seg_bytes // bs
+    segs = core.make_segments(
+        [
+            (dev.data.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
+            for s in range(SEGMENTS)
+        ]
+    )
+    ids = np.random.default_rng(5).permutation(n).astype(np.int64)
+    # Time one swap to know how many keep the copy stream busy during the GEMMs.
+    t0 = time.perf_counter()
+    core.swap_cuda(segs, n, 2 * n, ids, ids, 0, stream.ptr)
+    stream.synchronize()
+    one = time.perf_counter() - t0
+    together = []
+    for _ in range(3):
+        ev = gemms()
+        for i in range(int(alone / one * 1.5) + 2):
+            core.swap_cuda(segs, n, 2 * n, ids, ids, i % 2, stream.ptr)
+        together.append(elapsed(ev))
+        stream.synchronize()
+    busy = statistics.median(together)
+    out["matmul_alone_ms"] = round(alone * 1e3, 2)
+    out["matmul_with_swaps_ms"] = round(busy * 1e3, 2)
+    out["matmul_slowdown_pct"] = round((busy / alone - 1) * 100, 2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--gpu", action="store_true", help="add the CUDA measurements")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes per measurement")
+    parser.add_argument("--runs", type=int, default=7, help="timed runs per case (median)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = default)")
+    args = parser.parse_args()
+    if args.total_mib < 4 or args.total_mib % 4:
+        parser.error("--total-mib must be a multiple of 4, at least 4")
+    total = args.total_mib * MIB
+    threads = args.threads or core.default_num_threads()
+    out: dict = {
+        "total_mib": args.total_mib,
+        "runs": args.runs,
+        "cpu_threads": threads,
+        "cpus_available": len(os.sched_getaffinity(0)),
+        "built_with_cuda": core.built_with_cuda(),
+    }
+    cpu_bench(total, args.runs, threads, out)
+    gil_bench(out)
+    if args.gpu:
+        reason = gpu_unavailable()
+        if reason:
+            out["gpu_skipped"] = reason
+            if not args.json:
+                print(f"--gpu: skipped, {reason}", file=sys.stderr)
+        else:
+            gpu_bench(total, args.runs, out)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k, v in out.items():
+            print(f"{k:40s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
