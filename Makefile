@@ -6,7 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NATIVE := $(wildcard fastkv/*.c custom_ops/csrc/*)
-TRACE ?= ../shared/traces/conversation_trace.jsonl
+SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
+TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 
 .PHONY: install test demo replay bench lint clean
 
@@ -21,11 +22,11 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 test: install
 	$(PY) -m pytest -q tests
 
-demo: install
-	$(PY) tools/demo.py --trace $(TRACE)
+demo: replay
 
 replay: install
-	$(PY) tools/replay_trace.py $(TRACE)
+	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 1000 10000 30000 100000
+	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 10000 --host-blocks 20000 --write-policy write_back
 
 bench: install
 	$(PY) tools/bench_scheduler.py
