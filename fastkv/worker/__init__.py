@@ -1,1 +1,20 @@
-"""Worker side of fastkv: moves KV blocks between device, host and storage."""
+"""Worker side of fastkv: owns the KV tensors and the host cache and moves blocks.
+
+`CacheController` and `KVCacheSpec` need Paddle and the built ops; they load on
+first use, so `fastkv.worker.numa`, `.streams` and `.transfer_manager` import
+without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {"CacheController", "ControllerStats", "KVCacheSpec"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from fastkv.worker import cache_controller
+
+        return getattr(cache_controller, name)
+    raise AttributeError(f"module 'fastkv.worker' has no attribute {name!r}")

@@ -1,0 +1,380 @@
+"""Runs swap-ins layer by layer and evictions fire-and-forget, in order.
+
+Two streams: the input stream carries host-to-device loads, one event per layer, so
+layer L's attention waits for layer L only; the output stream carries
+device-to-host copies, which never block the caller. `BlockHazards` orders a new
+copy (or the model's writes) after every in-flight copy that touches the same
+block: nothing is overwritten while a copy still reads it, and nothing is read
+before the copy that fills it is done. On a GPU those orderings are stream waits on
+events, never a host synchronize.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+from fastkv.metadata import TransferResult
+from fastkv.worker.streams import Event, Stream
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class TransferTimeoutError(TimeoutError):
+    """A bounded wait on a transfer ran out."""
+
+
+class TransferFailedError(RuntimeError):
+    """A copy of the transfer failed; its destination blocks hold garbage."""
+
+    def __init__(self, transfer_id: int, error: str) -> None:
+        super().__init__(f"transfer {transfer_id} failed: {error}")
+        self.transfer_id = transfer_id
+        self.error = error
+
+
+class _Status:
+    """Outcome of one transfer, written by whichever thread ran its copies. Layers
+    before the first failed one were copied intact; that one and all after it
+    were not."""
+
+    __slots__ = ("error", "failed_layer", "lock")
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.failed_layer = -1
+        self.lock = threading.Lock()
+
+    def fail(self, exc: BaseException, layer: int = 0) -> None:
+        with self.lock:
+            if self.error is None:  # the first failure is the cause
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.failed_layer = layer
+
+    def failed_at(self, layer: int) -> bool:
+        return self.error is not None and self.failed_layer <= layer
+
+
+class BlockHazards:
+    """The in-flight copies touching each block of one tier.
+
+    A copy that writes a block must follow every in-flight copy reading or writing
+    it; a copy (or the model) that reads a block must follow the in-flight copy
+    writing it.
+    """
+
+    def __init__(self) -> None:
+        self._writer: dict[int, Event] = {}
+        self._readers: dict[int, list[Event]] = {}
+
+    def conflicts(self, reads: Iterable[int], writes: Iterable[int]) -> list[Event]:
+        """The events of unfinished copies that a new access must wait for."""
+        found: dict[int, Event] = {}
+        for block in writes:
+            writer = self._writer.get(block)
+            if writer is not None:
+                found[id(writer)] = writer
+            for reader in self._readers.get(block, ()):
+                found[id(reader)] = reader
+        for block in reads:
+            writer = self._writer.get(block)
+            if writer is not None:
+                found[id(writer)] = writer
+        return [e for e in found.values() if not e.query()]
+
+    def add(self, reads: Iterable[int], writes: Iterable[int], done: Event) -> None:
+        for block in reads:
+            self._readers.setdefault(block, []).append(done)
+        for block in writes:
+            self._writer[block] = done
+
+    def remove(self, reads: Iterable[int], writes: Iterable[int], done: Event) -> None:
+        for block in reads:
+            readers = self._readers.get(block)
+            if readers is not None:
+                readers[:] = [e for e in readers if e is not done]
+                if not readers:
+                    del self._readers[block]
+        for block in writes:
+            if self._writer.get(block) is done:
+                del self._writer[block]
+
+    def __len__(self) -> int:
+        return len(self._writer) + len(self._readers)
+
+
+class LayerDoneCounter:
+    """Completion of one step's swap-in, per layer.
+
+    Also carries the waits the model's own writes need this step (blocks it writes
+    that an in-flight eviction still reads), folded into each layer's wait.
+
+    Args:
+        transfer_id: the swap-in's transfer id, or -1 when the step has none.
+        layer_events: one event per layer (empty when there is no swap-in).
+        status: the swap-in's outcome.
+        compute: the stream the model runs on.
+        write_guards: events the model must wait for before writing KV.
+        num_layers: layers covered.
+    """
+
+    def __init__(
+        self,
+        transfer_id: int,
+        layer_events: Sequence[Event],
+        status: _Status | None,
+        compute: Stream,
+        write_guards: Sequence[Event],
+        num_layers: int,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self.num_layers = num_layers
+        self._events = list(layer_events)
+        self._status = status
+        self._compute = compute
+        self._guards = list(write_guards)
+
+    @property
+    def has_swap_in(self) -> bool:
+        return bool(self._events)
+
+    @property
+    def failed(self) -> bool:
+        """Some layer failed to load (those before it are intact)."""
+        return self._status is not None and self._status.error is not None
+
+    def is_layer_done(self, layer: int) -> bool:
+        self._check_layer(layer)
+        return not self._events or self._events[layer].query()
+
+    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Block the calling thread until layer `layer` is loaded (and the step's
+        write guards are done).
+
+        Raises:
+            TransferTimeoutError: not done within `timeout` seconds.
+            TransferFailedError: the swap-in failed; its blocks hold garbage.
+            IndexError: no such layer.
+        """
+        self._check_layer(layer)
+        for event in self._waits(layer):
+            if not event.synchronize(timeout):
+                raise TransferTimeoutError(
+                    f"transfer {self.transfer_id}: layer {layer} not loaded after {timeout} s"
+                )
+        self._raise_if_failed(layer)
+
+    def stream_wait_for_layer(self, layer: int) -> None:
+        """Make the compute stream wait for layer `layer` without blocking the host
+        (on the CPU stand-in the compute stream is the caller: this blocks, bounded).
+
+        A failure surfaces through `failed`, `wait_all` and the TransferResult.
+        """
+        self._check_layer(layer)
+        for event in self._waits(layer):
+            self._compute.wait_event(event)
+
+    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Block until every layer is loaded.
+
+        Raises:
+            TransferTimeoutError, TransferFailedError: as for `wait_for_layer`.
+        """
+        if self.num_layers:
+            self.wait_for_layer(self.num_layers - 1, timeout)
+
+    def _waits(self, layer: int) -> list[Event]:
+        return [*self._guards, *self._events[layer : layer + 1]]
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer: {layer} outside [0, {self.num_layers})")
+
+    def _raise_if_failed(self, layer: int) -> None:
+        if self._status is not None and self._status.failed_at(layer):
+            raise TransferFailedError(self.transfer_id, self._status.error or "")
+
+
+class _InFlight:
+    __slots__ = ("device_reads", "device_writes", "done", "host_reads", "host_writes", "status")
+
+    def __init__(
+        self,
+        status: _Status,
+        done: Event,
+        device_reads: Sequence[int],
+        device_writes: Sequence[int],
+        host_reads: Sequence[int],
+        host_writes: Sequence[int],
+    ) -> None:
+        self.status = status
+        self.done = done
+        self.device_reads = device_reads
+        self.device_writes = device_writes
+        self.host_reads = host_reads
+        self.host_writes = host_writes
+
+
+class TransferManager:
+    """Launches copies on the input and output streams and reports their results.
+
+    Args:
+        input_stream: host-to-device loads.
+        output_stream: device-to-host copies.
+        compute: the stream the model runs on; copies wait for its work so far.
+        num_layers: layers per swap-in (model layers plus extra layers).
+    """
+
+    def __init__(
+        self, input_stream: Stream, output_stream: Stream, compute: Stream, num_layers: int
+    ) -> None:
+        self.input_stream = input_stream
+        self.output_stream = output_stream
+        self.compute = compute
+        self.num_layers = num_layers
+        self.device_hazards = BlockHazards()
+        self.host_hazards = BlockHazards()
+        self._inflight: dict[int, _InFlight] = {}
+        self.ordering_waits = 0
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def is_inflight(self, transfer_id: int) -> bool:
+        return transfer_id in self._inflight
+
+    def submit_to_host(
+        self,
+        transfer_id: int,
+        device_ids: Sequence[int],
+        host_ids: Sequence[int],
+        copy: Callable[[int], None],
+    ) -> Event:
+        """Launch a device-to-host copy of all layers; returns its completion event.
+
+        It waits (on the device) for the model's work so far, which may have
+        written these blocks, and for in-flight copies touching the same blocks.
+        """
+        self._check_new(transfer_id)
+        stream = self.output_stream
+        stream.wait_event(self.compute.record())
+        self._order(stream, device_ids, (), (), host_ids)
+        status = _Status()
+        stream.launch(copy, status.fail)
+        done = stream.record()
+        self._track(transfer_id, status, done, device_ids, (), (), host_ids)
+        return done
+
+    def submit_to_device(
+        self,
+        transfer_id: int,
+        host_ids: Sequence[int],
+        device_ids: Sequence[int],
+        copy_layer: Callable[[int, int], None],
+        write_block_ids: Iterable[int] = (),
+    ) -> LayerDoneCounter:
+        """Launch a host-to-device load, one copy and one event per layer.
+
+        After the first failed layer the remaining layers are skipped (their events
+        still complete, so nothing waits forever).
+
+        Args:
+            copy_layer: `copy_layer(layer, stream_handle)` copies one layer.
+            write_block_ids: device blocks the model writes this step; the counter
+                also waits for in-flight copies still reading them.
+        """
+        self._check_new(transfer_id)
+        stream = self.input_stream
+        stream.wait_event(self.compute.record())
+        self._order(stream, (), device_ids, host_ids, ())
+        status = _Status()
+        events: list[Event] = []
+        for layer in range(self.num_layers):
+
+            def run(handle: int, layer: int = layer) -> None:
+                if status.error is None:
+                    copy_layer(layer, handle)
+
+            stream.launch(run, lambda e, layer=layer: status.fail(e, layer))
+            events.append(stream.record())
+        self._track(transfer_id, status, events[-1], (), device_ids, host_ids, ())
+        guards = self.device_hazards.conflicts((), write_block_ids)
+        return LayerDoneCounter(
+            transfer_id, events, status, self.compute, guards, self.num_layers
+        )
+
+    def guard_writes(self, write_block_ids: Iterable[int]) -> LayerDoneCounter:
+        """A counter for a step without swap-in: waits only for in-flight copies
+        still reading blocks the model is about to write."""
+        guards = self.device_hazards.conflicts((), write_block_ids)
+        return LayerDoneCounter(-1, (), None, self.compute, guards, self.num_layers)
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the transfers that finished since the last call (non-blocking)."""
+        return [self._retire(tid) for tid, t in list(self._inflight.items()) if t.done.query()]
+
+    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult]:
+        """Wait until every in-flight transfer has finished; return their results.
+
+        Raises:
+            TransferTimeoutError: some transfer is still running after `timeout`
+                seconds (those that finished are retired; poll later for the rest).
+        """
+        results = []
+        for tid in list(self._inflight):
+            if not self._inflight[tid].done.synchronize(timeout):
+                raise TransferTimeoutError(f"transfer {tid} not finished after {timeout} s")
+            results.append(self._retire(tid))
+        return results
+
+    def _order(
+        self,
+        stream: Stream,
+        device_reads: Sequence[int],
+        device_writes: Sequence[int],
+        host_reads: Sequence[int],
+        host_writes: Sequence[int],
+    ) -> None:
+        waits = self.device_hazards.conflicts(device_reads, device_writes)
+        waits += self.host_hazards.conflicts(host_reads, host_writes)
+        for event in waits:
+            stream.wait_event(event)
+        self.ordering_waits += len(waits)
+
+    def _track(
+        self,
+        transfer_id: int,
+        status: _Status,
+        done: Event,
+        device_reads: Sequence[int],
+        device_writes: Sequence[int],
+        host_reads: Sequence[int],
+        host_writes: Sequence[int],
+    ) -> None:
+        self.device_hazards.add(device_reads, device_writes, done)
+        self.host_hazards.add(host_reads, host_writes, done)
+        self._inflight[transfer_id] = _InFlight(
+            status, done, device_reads, device_writes, host_reads, host_writes
+        )
+
+    def _retire(self, transfer_id: int) -> TransferResult:
+        t = self._inflight.pop(transfer_id)
+        self.device_hazards.remove(t.device_reads, t.device_writes, t.done)
+        self.host_hazards.remove(t.host_reads, t.host_writes, t.done)
+        error = t.status.error
+        return TransferResult(transfer_id, error is None, error or "")
+
+    def _check_new(self, transfer_id: int) -> None:
+        if self.is_inflight(transfer_id):
+            raise ValueError(f"transfer_id: {transfer_id} is already in flight")
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "BlockHazards",
+    "LayerDoneCounter",
+    "TransferFailedError",
+    "TransferManager",
+    "TransferTimeoutError",
+]

@@ -1,0 +1,260 @@
+"""The CacheController on real Paddle tensors and host memory (CPU build): bit-exact
+round trips, per-layer loads, failure reporting, and a randomized ordering test
+against a reference model of what every block must hold."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import paddle
+import pytest
+
+from fastkv import CacheLevel, CacheSwapMetadata
+from fastkv.ops import paddle_ops
+from fastkv.worker import CacheController, KVCacheSpec
+from fastkv.worker.streams import HostStream, InlineStream
+from fastkv.worker.transfer_manager import TransferFailedError
+
+DTYPES = ["bfloat16", "float16", "float32", "fp8"]
+
+
+def d2h(tid: int, device: list[int], host: list[int]) -> CacheSwapMetadata:
+    return CacheSwapMetadata(tid, CacheLevel.DEVICE, CacheLevel.HOST, device, host)
+
+
+def h2d(tid: int, host: list[int], device: list[int]) -> CacheSwapMetadata:
+    return CacheSwapMetadata(tid, CacheLevel.HOST, CacheLevel.DEVICE, host, device)
+
+
+def make(dtype: str = "bfloat16", *, device_blocks: int = 24, host_blocks: int = 40, **kw):
+    spec = KVCacheSpec(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        num_device_blocks=device_blocks,
+        num_host_blocks=host_blocks,
+        dtype=dtype,
+        num_extra_layers=1,
+    )
+    return CacheController(spec, **kw)
+
+
+def fill_random(ctrl: CacheController, rng: np.random.Generator) -> None:
+    for i in range(len(ctrl.caches)):
+        view = ctrl.device_blocks(i)
+        view[:] = rng.integers(0, 256, size=view.shape, dtype=np.uint8)
+
+
+def snapshot(ctrl: CacheController) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    n = len(ctrl.caches)
+    return (
+        [ctrl.device_blocks(i).copy() for i in range(n)],
+        [ctrl.host_blocks(i).copy() for i in range(n)],
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_round_trip_is_bit_exact(dtype: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    with make(dtype) as ctrl:
+        fill_random(ctrl, rng)
+        original = [ctrl.device_blocks(i).copy() for i in range(len(ctrl.caches))]
+        n = int(rng.integers(1, 12))
+        src = rng.choice(24, n, replace=False).tolist()  # random, non-consecutive
+        host = rng.choice(40, n, replace=False).tolist()
+        dst = rng.choice(24, n, replace=False).tolist()
+        ctrl.submit_swap_tasks(d2h(0, src, host), None)
+        assert [r.success for r in ctrl.wait_all(5)] == [True]
+        for i in range(len(ctrl.caches)):  # every tensor, scales and extra layer too
+            np.testing.assert_array_equal(ctrl.host_blocks(i)[host], original[i][src])
+            ctrl.device_blocks(i)[dst] = 0
+        counter = ctrl.submit_swap_tasks(None, h2d(1, host, dst))
+        layers = list(range(ctrl.spec.total_layers))
+        random.Random(seed).shuffle(layers)
+        per_layer = ctrl.spec.tensors_per_layer
+        for layer in layers:  # a random layer order: each is usable once waited for
+            counter.wait_for_layer(layer, timeout=5)
+            for i in range(layer * per_layer, (layer + 1) * per_layer):
+                np.testing.assert_array_equal(ctrl.device_blocks(i)[dst], original[i][src])
+        assert [r.success for r in ctrl.wait_all(5)] == [True]
+        stats = ctrl.get_stats()
+        assert (stats.device_to_host_blocks, stats.host_to_device_blocks) == (n, n)
+        assert stats.device_to_host_bytes == n * sum(ctrl.block_bytes)
+
+
+def test_fp8_scales_and_extra_layers_are_allocated_and_move() -> None:
+    with make("fp8") as ctrl:
+        assert ctrl.spec.total_layers == 4 and len(ctrl.caches) == 16
+        k, v, k_scale, v_scale = ctrl.layer_caches(3)  # the extra layer
+        assert k.dtype == v.dtype == paddle.uint8
+        assert k_scale.dtype == v_scale.dtype == paddle.float32
+        assert list(k_scale.shape) == list(v_scale.shape) == [24, 2]
+        k_scale[5] = paddle.to_tensor([1.5, -2.0])
+        ctrl.submit_swap_tasks(d2h(0, [5], [9]), None)
+        ctrl.wait_all(5)
+        k_scale[5] = 0.0
+        ctrl.submit_swap_tasks(None, h2d(1, [9], [5])).wait_all(timeout=5)
+        np.testing.assert_array_equal(k_scale[5].numpy(), [1.5, -2.0])
+
+
+@pytest.mark.parametrize(
+    ("evict", "swap_in", "match"),
+    [
+        (h2d(0, [1], [1]), None, "expected DEVICE->HOST"),
+        (None, d2h(0, [1], [1]), "expected HOST->DEVICE"),
+        (d2h(0, [24], [1]), None, "device ids contain 24"),
+        (d2h(0, [-1], [1]), None, "device ids contain -1"),
+        (d2h(0, [1], [40]), None, "host ids contain 40"),
+        (d2h(0, [1, 2], [3, 3]), None, "duplicate destination"),
+        (None, h2d(0, [1, 2], [3, 3]), "duplicate destination"),
+        (d2h(0, [1], [1]), h2d(1, [5], [24]), "device ids contain 24"),
+    ],
+)
+def test_bad_metadata_raises_before_anything_moves(evict, swap_in, match) -> None:
+    rng = np.random.default_rng(0)
+    with make() as ctrl:
+        fill_random(ctrl, rng)
+        before = snapshot(ctrl)
+        with pytest.raises(ValueError, match=match):
+            ctrl.submit_swap_tasks(evict, swap_in)
+        time.sleep(0.05)
+        after = snapshot(ctrl)
+        for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert ctrl.get_stats().inflight_transfers == 0
+
+
+def test_a_transfer_id_still_in_flight_is_refused() -> None:
+    gate = HostStream("d2h")
+    with make(streams=(HostStream("h2d"), gate, InlineStream())) as ctrl:
+        import threading
+
+        release = threading.Event()
+        gate.launch(lambda _: release.wait(5), pytest.fail)  # hold the output stream
+        ctrl.submit_swap_tasks(d2h(3, [1], [1]), None)
+        with pytest.raises(ValueError, match="transfer_id: 3"):
+            ctrl.submit_swap_tasks(None, h2d(3, [2], [2]))
+        release.set()
+        assert [r.transfer_id for r in ctrl.wait_all(5)] == [3]
+
+
+def test_a_failed_load_is_reported_and_raises_at_its_layer(monkeypatch) -> None:
+    real = paddle_ops.swap_layer
+
+    def flaky(caches, device_ids, host_ids, host_ptrs, layer, *args):
+        if layer == 2:
+            raise RuntimeError("fastkv[ECUDA] injected")
+        return real(caches, device_ids, host_ids, host_ptrs, layer, *args)
+
+    monkeypatch.setattr(paddle_ops, "swap_layer", flaky)
+    with make() as ctrl:
+        counter = ctrl.submit_swap_tasks(None, h2d(5, [1, 2], [3, 4]))
+        counter.wait_for_layer(1, timeout=5)
+        with pytest.raises(TransferFailedError, match="injected"):
+            ctrl.wait_for_layer(2, timeout=5)
+        (result,) = ctrl.wait_all(5)
+        assert (result.transfer_id, result.success) == (5, False)
+        assert ctrl.get_stats().failed_transfers == 1
+
+
+def test_reset_zeroes_and_free_releases() -> None:
+    ctrl = make()
+    fill_random(ctrl, np.random.default_rng(0))
+    ctrl.submit_swap_tasks(d2h(0, [1, 2], [3, 4]), None)
+    assert [r.success for r in ctrl.reset_cache()] == [True]
+    assert not any(ctrl.device_blocks(i).any() for i in range(len(ctrl.caches)))
+    assert not any(ctrl.host_blocks(i).any() for i in range(len(ctrl.caches)))
+    ctrl.free_cache()
+    with pytest.raises(RuntimeError, match="freed"):
+        ctrl.submit_swap_tasks(d2h(1, [1], [1]), None)
+    assert ctrl.free_cache() == []  # idempotent
+
+
+class JitterStream(HostStream):
+    """A stand-in stream whose copies take random time, to shake out orderings."""
+
+    def __init__(self, name: str, rng: random.Random) -> None:
+        super().__init__(name)
+        self._rng = rng
+
+    def launch(self, fn, on_error) -> None:
+        delay = self._rng.random() * 0.002
+
+        def slow(handle: int) -> None:
+            time.sleep(delay)
+            fn(handle)
+
+        super().launch(slow, on_error)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_swaps_match_a_sequential_reference(seed: int) -> None:
+    """Evictions are never waited for; loads, evictions and model writes touch the
+    same blocks on purpose. The result must equal running every operation one after
+    the other in submission order."""
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    streams = (JitterStream("h2d", rng), JitterStream("d2h", rng), InlineStream())
+    with make(device_blocks=8, host_blocks=8, streams=streams) as ctrl:
+        fill_random(ctrl, nprng)
+        ref_device, ref_host = snapshot(ctrl)
+        tensors = range(len(ctrl.caches))
+        for step in range(40):
+            evict = swap_in = None
+            if rng.random() < 0.7:
+                n = rng.randint(1, 4)
+                src, dst = rng.choices(range(8), k=n), rng.sample(range(8), n)
+                evict = d2h(2 * step, src, dst)
+                for i in tensors:
+                    ref_host[i][dst] = ref_device[i][src]
+            if rng.random() < 0.7:
+                n = rng.randint(1, 4)
+                src, dst = rng.choices(range(8), k=n), rng.sample(range(8), n)
+                swap_in = h2d(2 * step + 1, src, dst)
+                for i in tensors:
+                    ref_device[i][dst] = ref_host[i][src]
+            writes = rng.sample(range(8), rng.randint(0, 2))
+            counter = ctrl.submit_swap_tasks(evict, swap_in, write_block_ids=writes)
+            for layer in range(ctrl.spec.total_layers):
+                counter.wait_for_layer(layer, timeout=10)
+            for block in writes:  # the model writes these blocks this step
+                value = step % 251 + 1
+                for i in tensors:
+                    ctrl.device_blocks(i)[block] = value
+                    ref_device[i][block] = value
+            ctrl.poll_results()
+        assert all(r.success for r in ctrl.wait_all(10))
+        device, host = snapshot(ctrl)
+        for i in tensors:
+            np.testing.assert_array_equal(device[i], ref_device[i], err_msg=f"device {i}")
+            np.testing.assert_array_equal(host[i], ref_host[i], err_msg=f"host {i}")
+
+
+def _gpu_available() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _gpu_available(),
+    reason="needs paddlepaddle-gpu and a CUDA device; without them the CUDA copy core "
+    "is exercised through its C ABI in tests/ops/test_cuda_core.py",
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_on_gpu(dtype: str) -> None:
+    with make(dtype, device="gpu:0") as ctrl:
+        originals = []
+        for tensor in ctrl.caches:
+            src = paddle.randint(0, 100, tensor.shape).astype(tensor.dtype)
+            paddle.assign(src, tensor)
+            originals.append(tensor.numpy().copy())
+        ctrl.submit_swap_tasks(d2h(0, [3, 1, 7], [10, 2, 31]), None)
+        ctrl.wait_all(10)
+        counter = ctrl.submit_swap_tasks(None, h2d(1, [10, 2, 31], [5, 6, 9]))
+        counter.wait_all(timeout=10)
+        for tensor, original in zip(ctrl.caches, originals, strict=True):
+            np.testing.assert_array_equal(tensor.numpy()[[5, 6, 9]], original[[3, 1, 7]])
