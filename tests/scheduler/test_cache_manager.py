@@ -276,6 +276,51 @@ def test_negative_block_count_raises() -> None:
     mgr.finish("r")
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_concurrently_computed_blocks_are_cached_once(policy: str) -> None:
+    mgr = make(policy, device=6, host=8)
+    hashes = keys("a", 2)
+    for rid in ("r1", "r2"):
+        assert mgr.match(rid, hashes).num_hits == 0  # both miss: both compute
+    t1 = mgr.allocate("r1", 2)
+    t2 = mgr.allocate("r2", 2)
+    mgr.commit("r1", hashes)
+    first = mgr.take_swap_metadata()
+    mgr.commit("r2", hashes)  # already cached by r1: r2's copies stay private
+    assert mgr.take_swap_metadata() == SwapTasks(None, None)  # no second backup
+    assert [node(mgr, k).device_block for k in hashes] == t1
+    mgr.apply_results(TransferResult(m.transfer_id, True) for m in emitted(first))
+    mgr.finish("r2")
+    assert not any(mgr.device_pool.is_allocated(b) for b in t2)
+    mgr.finish("r1")
+    assert mgr.device_pool.num_used == 2
+    assert mgr.get_stats().backups == (2 if policy == "write_through" else 0)
+    assert_no_leak(mgr)
+
+
+def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
+    mgr = make("write_back", device=3, host=8)
+    mgr.match("r1", ["a0"])
+    mgr.match("r2", ["a0"])
+    mgr.allocate("r1", 1)
+    (mine,) = mgr.allocate("r2", 1)
+    mgr.commit("r1", ["a0"])
+    mgr.finish("r1")
+    mgr.match("r3", keys("z", 2))
+    allocate(mgr, "r3", 2)  # pushes a0 out to host
+    a0 = node(mgr, "a0")
+    assert a0.state == NodeState.HOST
+    mgr.commit("r2", ["a0"])  # r2 computed a0 too: its block becomes a0's copy
+    assert (a0.state, a0.device_block) == (NodeState.DEVICE, mine) and a0.host_block >= 0
+    mgr.finish("r2")
+    assert mgr.device_pool.is_allocated(mine)
+    hit = mgr.match("r4", ["a0"])
+    assert (hit.num_device_hits, mgr.block_table("r4")) == (1, [mine])
+    mgr.finish("r4")
+    mgr.finish("r3")
+    assert_no_leak(mgr)
+
+
 # -- allocation outcomes --------------------------------------------------------
 
 
