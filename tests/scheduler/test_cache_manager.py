@@ -481,6 +481,43 @@ def test_write_through_eviction_drops_the_device_copy_without_a_copy() -> None:
     assert_no_leak(mgr)
 
 
+def test_failed_backup_frees_the_host_block_and_keeps_the_device_copy() -> None:
+    mgr = make("write_through", device=2, host=4)
+    mgr.match("r", ["a0"])
+    (block,) = mgr.allocate("r", 1)
+    mgr.commit("r", ["a0"])
+    mgr.finish("r")
+    tasks, _ = complete(mgr, success=False)
+    assert tasks.evict is not None
+    a0 = node(mgr, "a0")
+    assert (a0.state, a0.device_block, a0.host_block) == (NodeState.DEVICE, block, -1)
+    assert mgr.host_pool.num_used == 0
+    assert mgr.get_stats().failed_transfers == 1
+    # Without a host copy, evicting it under write_through simply discards it.
+    push_out(mgr)
+    assert node(mgr, "a0") is None
+    assert_no_leak(mgr)
+
+
+def test_eviction_without_host_room_discards_leaves() -> None:
+    mgr = on_host("write_back", device=2, host=1, chain=["a0"])
+    mgr.match("holder", ["a0"])  # a0's host block cannot be given up
+    for k in ("b0", "c0"):
+        serve(mgr, k, [k])
+    before = mgr.get_stats()
+    mgr.match("r", ["n0"])
+    table = mgr.allocate("r", 1)
+    assert table is not None  # b0 is a leaf: discarded, no copy to wait for
+    assert mgr.take_swap_metadata() == SwapTasks(None, None)
+    assert node(mgr, "b0") is None and node(mgr, "c0").state == NodeState.DEVICE
+    after = mgr.get_stats()
+    assert after.device_evictions == before.device_evictions + 1
+    assert after.device_to_host_blocks == before.device_to_host_blocks
+    mgr.finish("r")
+    mgr.finish("holder")
+    assert_no_leak(mgr)
+
+
 @pytest.mark.parametrize("threshold", [1, 2, 3])
 def test_write_through_selective_backs_up_after_threshold_hits(threshold: int) -> None:
     mgr = make("write_through_selective", device=4, host=8, threshold=threshold)
@@ -728,6 +765,28 @@ def test_failed_eviction_keeps_the_device_copy_and_frees_the_host_block() -> Non
     mgr.apply_results([TransferResult(retry.transfer_id, True)])
     assert mgr.allocate("r", 1) == [blocks["c0"]]
     mgr.finish("r")
+    assert_no_leak(mgr)
+
+
+def test_failed_evictions_return_to_the_head_in_their_lru_order() -> None:
+    mgr = make("write_back", device=3, host=4)
+    for k in ("c0", "c1", "c2"):
+        serve(mgr, k, [k])
+    mgr.match("r", keys("n", 2))
+    assert mgr.allocate("r", 2) is None
+    tasks, _ = complete(mgr, success=False)
+    assert list(tasks.evict.block_hashes) == ["c0", "c1"]
+    mgr.abort("r")
+    for expected in ("c0", "c1", "c2"):  # the oldest first, as before the failure
+        mgr.match(f"one-{expected}", ["x"])
+        assert mgr.allocate(f"one-{expected}", 1) is None
+        meta = mgr.take_swap_metadata().evict
+        assert list(meta.block_hashes) == [expected]
+        mgr.apply_results([TransferResult(meta.transfer_id, False)])
+        mgr.abort(f"one-{expected}")
+        # Put it behind the others so the next one is up.
+        mgr.match(f"touch-{expected}", [expected])
+        mgr.finish(f"touch-{expected}")
     assert_no_leak(mgr)
 
 
