@@ -30,7 +30,19 @@ static int read_token(const token_source *src, Py_ssize_t i, uint32_t *out) {
   long long v;
   if (src->buf != NULL) {
     const char *p = (const char *)src->buf->buf + i * src->buf->itemsize;
-    if (src->buf->itemsize == 4) {
+    if (src->buf->itemsize == 1) {
+      v = src->is_signed ? (long long)*(const int8_t *)p : (long long)*(const uint8_t *)p;
+    } else if (src->buf->itemsize == 2) {
+      if (src->is_signed) {
+        int16_t x;
+        memcpy(&x, p, 2);
+        v = x;
+      } else {
+        uint16_t x;
+        memcpy(&x, p, 2);
+        v = x;
+      }
+    } else if (src->buf->itemsize == 4) {
       if (src->is_signed) {
         int32_t x;
         memcpy(&x, p, 4);
@@ -78,17 +90,17 @@ static int open_tokens(PyObject *tokens, Py_buffer *view, token_source *src,
       PyObject_GetBuffer(tokens, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
     const char *fmt = view->format ? view->format : "B";
     if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
-    int ok = (view->itemsize == 4 || view->itemsize == 8) && fmt[1] == '\0' &&
-             strchr("iIlLqQ", fmt[0]) != NULL;
+    int ok = fmt[0] != '\0' && fmt[1] == '\0' && strchr("bBhHiIlLqQ", fmt[0]) != NULL &&
+             (view->itemsize == 1 || view->itemsize == 2 || view->itemsize == 4 ||
+              view->itemsize == 8);
     if (!ok) {
       PyBuffer_Release(view);
-      PyErr_Format(PyExc_TypeError,
-                   "tokens: buffer must hold 4- or 8-byte integers, got format '%s'",
+      PyErr_Format(PyExc_TypeError, "tokens: buffer must hold integers, got format '%s'",
                    view->format ? view->format : "B");
       return -1;
     }
     src->buf = view;
-    src->is_signed = (fmt[0] == 'i' || fmt[0] == 'l' || fmt[0] == 'q');
+    src->is_signed = strchr("bhilq", fmt[0]) != NULL;
     *count = view->len / view->itemsize;
     return 0;
   }

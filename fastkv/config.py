@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -84,13 +85,13 @@ class CacheConfig:
         return self.num_host_blocks > 0
 
     def namespace_key(self) -> str:
-        """The string every block hash of this cache is rooted in."""
+        """The string every block hash of this cache is rooted in: the explicit
+        namespace, or a JSON list of the parts (JSON, so that no two different sets
+        of parts can spell the same key)."""
         if self.namespace is not None:
             return self.namespace
-        return (
-            f"fastkv/v1|model={self.model_id}|dtype={self.kv_dtype}"
-            f"|block={self.block_size}|tp={self.tp_rank}/{self.tp_size}"
-        )
+        parts = ["fastkv/v1", self.model_id, self.kv_dtype, self.block_size]
+        return json.dumps([*parts, self.tp_rank, self.tp_size])
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

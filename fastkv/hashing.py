@@ -54,7 +54,10 @@ def encode_extra_key(key: ExtraKey) -> bytes:
         raw = key.encode()
         return b"s" + len(raw).to_bytes(4, "little") + raw
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-        return b"i" + int(key).to_bytes(16, "little", signed=True)
+        try:
+            return b"i" + int(key).to_bytes(16, "little", signed=True)
+        except OverflowError:
+            raise ValueError(f"extra key: int {key} does not fit in 128 bits") from None
     if isinstance(key, (list, tuple)):
         parts = [encode_extra_key(k) for k in key]
         return b"l" + len(parts).to_bytes(4, "little") + b"".join(parts)
@@ -106,8 +109,7 @@ def _chain_py(
     if len(parent) != DIGEST_BYTES:
         raise ValueError(f"parent: must be {DIGEST_BYTES} bytes, got {len(parent)}")
     words = np.asarray(tokens[: num_blocks * block_size])
-    if words.size and (words.min() < 0 or words.max() >= 2**32):
-        raise ValueError("tokens: a token id is outside [0, 2**32)")
+    _check_token_array(words)
     data = memoryview(words.astype("<u4", copy=False).tobytes())
     step = block_size * 4
     digests = []
@@ -120,6 +122,18 @@ def _chain_py(
         parent = h.digest()
         digests.append(parent)
     return digests
+
+
+def _check_token_array(words: np.ndarray) -> None:
+    if not words.size:
+        return
+    if words.dtype.kind == "O":  # Python ints too large for any numpy integer type
+        if not all(isinstance(t, int) for t in words.tolist()):
+            raise TypeError("tokens: expected integers")
+    elif words.dtype.kind not in "iu":
+        raise TypeError(f"tokens: expected integers, got {words.dtype}")
+    if words.min() < 0 or words.max() >= 2**32:
+        raise ValueError("tokens: a token id is outside [0, 2**32)")
 
 
 class BlockHasher:
@@ -153,9 +167,11 @@ class BlockHasher:
             tokens = self._pending + more
         parent = self.hashes[-1] if self.hashes else self._root
         new = hash_blocks(parent, tokens, self.block_size, extra_keys, len(self.hashes))
-        self.hashes.extend(new)
         rest = tokens[len(new) * self.block_size :]
-        self._pending = rest.tolist() if isinstance(rest, np.ndarray) else list(rest)
+        rest = rest.tolist() if isinstance(rest, np.ndarray) else list(rest)
+        _check_token_array(np.asarray(rest))  # the partial block is not hashed yet
+        self.hashes.extend(new)
+        self._pending = rest
         return new
 
     @property

@@ -58,7 +58,7 @@ class CacheSwapMetadata:
             raise ValueError(
                 f"dst_block_ids: length {len(self.dst_block_ids)} != src_block_ids length {n}"
             )
-        if self.block_hashes and len(self.block_hashes) != n:
+        if len(self.block_hashes) and len(self.block_hashes) != n:
             raise ValueError(
                 f"block_hashes: length {len(self.block_hashes)} != block count {n}"
             )

@@ -224,22 +224,8 @@ def test_library_uses_the_native_loop_when_built() -> None:
         np.int64,
         np.uint32,
         np.uint64,
-        pytest.param(
-            np.int16,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="QUESTIONABLE: the C loop rejects 1- and 2-byte integer arrays "
-                "(TypeError) that the Python fallback hashes",
-            ),
-        ),
-        pytest.param(
-            np.uint8,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="QUESTIONABLE: the C loop rejects 1- and 2-byte integer arrays "
-                "(TypeError) that the Python fallback hashes",
-            ),
-        ),
+        np.int16,
+        np.uint8,
     ],
 )
 def test_native_and_python_accept_the_same_integer_arrays(dtype) -> None:
@@ -249,11 +235,6 @@ def test_native_and_python_accept_the_same_integer_arrays(dtype) -> None:
     assert chain(ROOT, toks, BS, 2, None) == _chain_py(ROOT, toks, BS, 2, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (fallback path): _chain_py truncates float token arrays (0.5 -> 0) "
-    "instead of rejecting them; the C loop raises TypeError",
-)
 def test_python_chain_rejects_float_tokens() -> None:
     with pytest.raises((TypeError, ValueError)):
         _chain_py(ROOT, np.arange(BS, dtype=np.float64) + 0.5, BS, 1, None)
@@ -371,12 +352,6 @@ def test_out_of_range_tokens_raise(name: str, make) -> None:
     assert hasher.hashes == [] and hasher.num_tokens == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="QUESTIONABLE: BlockHasher.append accepts an out-of-range token into the "
-    "pending partial block and raises only on a later append that completes the block; "
-    "from then on every append raises (the hasher is poisoned)",
-)
 def test_block_hasher_rejects_bad_token_in_a_partial_block() -> None:
     hasher = BlockHasher(BS, ROOT)
     with pytest.raises(ValueError, match="tokens"):

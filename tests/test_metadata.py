@@ -58,12 +58,6 @@ def test_numpy_block_ids_are_accepted() -> None:
         CacheSwapMetadata(1, D, H, np.arange(3), np.arange(2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="QUESTIONABLE: block_hashes given as a numpy array (e.g. dtype S32) fails with "
-    "numpy's 'truth value of an array ... is ambiguous' ValueError, from the "
-    "`if self.block_hashes` check in __post_init__",
-)
 def test_numpy_block_hashes_are_accepted() -> None:
     hashes = np.array([b"\x01" * 32, b"\x02" * 32], dtype="S32")
     assert CacheSwapMetadata(1, D, H, [0, 1], [2, 3], hashes).num_blocks == 2

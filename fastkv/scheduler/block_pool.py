@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -99,19 +99,21 @@ class BlockPool:
             self._peak = self._num_used
         return ids
 
-    def free(self, ids: Collection[int]) -> None:
+    def free(self, ids: Iterable[int]) -> None:
         """Return allocated ids to the pool.
 
         Raises:
             ValueError: an id is not currently allocated (never allocated, freed
                 already, or listed twice in `ids`); nothing is freed.
         """
+        if not isinstance(ids, list):
+            ids = list(ids)  # one pass over generators and arrays alike
         if not ids:
             return
         allocated = self._allocated
         for i, block_id in enumerate(ids):
             if not (0 <= block_id < self.capacity) or not allocated[block_id]:
-                for undo in list(ids)[:i]:  # leave the pool as it was
+                for undo in ids[:i]:  # leave the pool as it was
                     allocated[undo] = 1
                 self._raise_bad_free(ids, block_id)
             allocated[block_id] = 0

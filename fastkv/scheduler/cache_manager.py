@@ -51,11 +51,14 @@ class MatchResult:
         num_host_hits: cached blocks that `allocate` will swap in from host.
         waiting_on_transfer: the match stopped at a block another request is
             loading; matching again after that transfer completes finds more.
+        first_host_hit: position of the first host hit, -1 without any (device
+            hits usually all come first, but not always).
     """
 
     num_device_hits: int
     num_host_hits: int
     waiting_on_transfer: bool
+    first_host_hit: int = -1
 
     @property
     def num_hits(self) -> int:
@@ -122,6 +125,7 @@ class _Request:
     __slots__ = (
         "blocks",
         "done",
+        "loading",
         "nodes",
         "owns_matched_positions",
         "request_id",
@@ -132,6 +136,7 @@ class _Request:
         self.request_id = request_id
         self.nodes = nodes  # locked path; position i holds block i's node
         self.blocks: list[int] = []  # device block table
+        self.loading = 0  # blocks of its swap-in whose result has not arrived
         self.rolled_back: list[int] = []  # positions whose swap-in failed
         # Set once some position below len(nodes) holds a block its node does not
         # own (a duplicate of a concurrently cached block, or a failed swap-in).
@@ -220,7 +225,8 @@ class CacheManager:
         self._lookup_blocks += len(block_hashes)
         self._device_hits += len(nodes) - num_host
         self._host_hits += num_host
-        return MatchResult(len(nodes) - num_host, num_host, waiting)
+        first_host = len(req.blocks) if num_host else -1
+        return MatchResult(len(nodes) - num_host, num_host, waiting, first_host)
 
     def allocate(self, request_id: RequestId, num_new_blocks: int) -> list[int] | None:
         """Give the request device blocks: one per matched host hit (swapped in with
@@ -273,11 +279,20 @@ class CacheManager:
         (computed or recomputed), making them matchable by later requests.
 
         Idempotent for blocks already committed; pass the whole hash list each time.
+        Apply the step's TransferResults first: a block computed on top of a swap-in
+        that then failed would be garbage, so committing while the request's swap-in
+        has no result yet is refused.
 
         Raises:
-            ValueError: unknown request, or more hashes than allocated blocks.
+            ValueError: unknown request, more hashes than allocated blocks, or the
+                request's swap-in has no result yet.
         """
         req = self._get(request_id)
+        if req.loading:
+            raise ValueError(
+                f"request_id: {request_id!r} has a swap-in without a result yet; "
+                "apply its TransferResult before committing"
+            )
         nodes, blocks = req.nodes, req.blocks
         if len(block_hashes) > len(blocks):
             raise ValueError(
@@ -358,15 +373,20 @@ class CacheManager:
         was loading them gets a `Rollback` naming the positions to recompute.
 
         Raises:
-            ValueError: a transfer id that is unknown or was already applied.
+            ValueError: a transfer id that is unknown, already applied or listed
+                twice; nothing in the batch is applied.
         """
-        rollbacks: dict[RequestId, list[int]] = {}
-        for result in results:
-            transfer = self._transfers.pop(result.transfer_id, None)
-            if transfer is None:
+        results = list(results)
+        seen: set[int] = set()
+        for result in results:  # all or nothing: check the whole batch first
+            if result.transfer_id not in self._transfers or result.transfer_id in seen:
                 raise ValueError(
                     f"transfer_id: {result.transfer_id} is unknown or already applied"
                 )
+            seen.add(result.transfer_id)
+        rollbacks: dict[RequestId, list[int]] = {}
+        for result in results:
+            transfer = self._transfers.pop(result.transfer_id)
             if not result.success:
                 self._failed_transfers += 1
             if transfer.to_host:
@@ -443,6 +463,7 @@ class CacheManager:
                 h2d.nodes.append(node)
                 h2d.requests.append(req)
                 h2d.positions.append(len(blocks))
+                req.loading += 1
                 deepest = node
             blocks.append(node.device_block)
         assert deepest is not None
@@ -500,38 +521,35 @@ class CacheManager:
         tree = self.tree
         if not self.host_pool.capacity:  # every victim is a leaf to discard
             freed = tree.discard_device_leaves(deficit)
-        else:
-            copy_all = self._policy is WritePolicy.WRITE_BACK
-            freed = []
-            to_copy: list[TreeNode] = []
-            for node in tree.pop_device_victims(deficit):
-                if node.host_block >= 0:
-                    freed.append(tree.detach_device(node))
-                elif copy_all or node.num_children:
-                    to_copy.append(node)
+            self._device_evictions += len(freed)
+            self.device_pool.free(freed)
+            return
+        copy_all = self._policy is WritePolicy.WRITE_BACK
+        freed = []
+        while len(freed) < deficit:
+            node = tree.pop_device_victim()
+            if node is None:
+                break
+            if node.host_block >= 0:  # backed up already: just drop the device copy
+                freed.append(tree.detach_device(node))
+            elif copy_all or node.num_children:  # keep it, on host
+                host = self._take_host_blocks(1)
+                if host:
+                    tree.start_eviction(node, host[0])
+                    self._d2h.nodes.append(node)
+                    self._device_evictions += 1
+                    deficit -= 1
+                elif node.num_children:  # no host room, and its children need it
+                    tree.restore_device_victim(node)
+                    break
                 else:
                     freed.append(node.device_block)
                     tree.remove(node)
-            if to_copy:
-                self._evict_to_host(to_copy, freed)
-        self._device_evictions += len(freed)
-        self.device_pool.free(freed)
-
-    def _evict_to_host(self, nodes: list[TreeNode], freed: list[int]) -> None:
-        host_ids = self._take_host_blocks(len(nodes))
-        d2h = self._d2h
-        for node, host_block in zip(nodes, host_ids, strict=False):
-            self.tree.start_eviction(node, host_block)
-            d2h.nodes.append(node)
-        self._device_evictions += len(host_ids)
-        # No host room for the rest: keep those whose children need them as the
-        # path to their host copies; the others are plain leaves and can go.
-        for node in reversed(nodes[len(host_ids) :]):
-            if node.num_children:
-                self.tree.restore_device_victim(node)
             else:
                 freed.append(node.device_block)
-                self.tree.remove(node)
+                tree.remove(node)
+        self._device_evictions += len(freed)
+        self.device_pool.free(freed)
 
     def _take_host_blocks(self, n: int) -> list[int]:
         """Up to `n` host blocks, evicting least recently used host copies."""
@@ -583,6 +601,7 @@ class CacheManager:
         for node, req, pos in zip(
             transfer.nodes, transfer.requests, transfer.positions, strict=True
         ):
+            req.loading -= 1
             block = self.tree.finish_swap_in(node, success)
             if block < 0:
                 continue

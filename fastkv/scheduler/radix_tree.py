@@ -144,44 +144,44 @@ class RadixTree:
             if node is None or node.parent is not parent:
                 break
             state = node.state
-            if node.ref or state == HOST:  # the common cases, inlined
-                num_host += state == HOST
-                if not node.ref:
-                    self.lock((node,))
-                    node.ref -= 1
-            elif state == DEVICE and node.host_block < 0 and node in device_lru:
-                del device_lru[node]
-            elif state == SWAP_TO_DEVICE:
+            if state == SWAP_TO_DEVICE:
                 waiting = True
                 break
-            else:
-                self.lock((node,))
-                node.ref -= 1
+            if state == HOST:
+                num_host += 1
+            # The common case inline: an unlocked device-only block, on the list.
+            if not node.ref and (
+                node.host_block >= 0 or device_lru.pop(node, _ABSENT) is _ABSENT
+            ):
+                self._unlist(node)
             node.ref += 1
             nodes.append(node)
             parent = node
         return nodes, num_host, waiting
 
     def lock(self, nodes: Sequence[TreeNode]) -> None:
-        """Add one reference to each node, taking newly locked ones off the lists.
-
-        Locking a node that is being evicted keeps it: its device copy is intact
-        while the eviction reads it, so the copy carries on as a backup.
-        """
-        device_lru, host_lru = self.device_lru, self.host_lru
+        """Add one reference to each node, taking newly locked ones off the lists."""
         for node in nodes:
-            if node.ref == 0:
-                state = node.state
-                if state == DEVICE:
-                    if device_lru.pop(node, _ABSENT) is _ABSENT:
-                        self._device_parked.discard(node)
-                elif state == SWAP_TO_HOST:
-                    node.state = BACKUP_TO_HOST
-                    self.num_evicting -= 1
-                    self._gain_device_child(node.parent)  # type: ignore[arg-type]
-                if node.host_block >= 0 and host_lru.pop(node, _ABSENT) is _ABSENT:
-                    self._host_parked.discard(node)
+            if not node.ref:
+                self._unlist(node)
             node.ref += 1
+
+    def _unlist(self, node: TreeNode) -> None:
+        """An unlocked node is being locked: take it off every list and parking set.
+        Locking a node that is being evicted keeps it: its device copy is intact
+        while the eviction reads it, so the copy carries on as a backup."""
+        if node.ref:
+            return
+        state = node.state
+        if state == DEVICE:
+            if self.device_lru.pop(node, _ABSENT) is _ABSENT:
+                self._device_parked.discard(node)
+        elif state == SWAP_TO_HOST:
+            node.state = BACKUP_TO_HOST
+            self.num_evicting -= 1
+            self._gain_device_child(node.parent)  # type: ignore[arg-type]
+        if node.host_block >= 0 and self.host_lru.pop(node, _ABSENT) is _ABSENT:
+            self._host_parked.discard(node)
 
     def unlock(self, nodes: Sequence[TreeNode]) -> None:
         """Drop one reference from each node, deepest first, listing freed nodes."""
@@ -236,7 +236,8 @@ class RadixTree:
         index = self._index
         path: list[TreeNode] = []
         existing: list[int] = []
-        if keys and index.keys().isdisjoint(keys):  # the common case: all new
+        distinct = set(keys)
+        if len(distinct) == len(keys) and index.keys().isdisjoint(distinct):  # all new
             self._gain_child(parent, device=True)
             last = len(keys) - 1
             for i, key in enumerate(keys):
@@ -370,18 +371,20 @@ class RadixTree:
         elif state == HOST:
             self.host_lru[node] = None
 
-    def pop_device_victims(self, n: int) -> list[TreeNode]:
-        """Take up to `n` least recently used unlocked device leaves off the list."""
+    def pop_device_victim(self) -> TreeNode | None:
+        """Take the least recently used unlocked device leaf off the list, or None.
+
+        The caller must move it off the device (`detach_device`, `start_eviction`,
+        `remove`) or `restore_device_victim` it before taking the next one: its
+        parent becomes a leaf, and a candidate, only once it has left.
+        """
         lru = self.device_lru
-        pop = lru.popitem
-        victims = []
-        while len(victims) < n and lru:
-            node = pop(last=False)[0]
-            if node.num_device_children:
-                self._device_parked.add(node)
-            else:
-                victims.append(node)
-        return victims
+        while lru:
+            node = lru.popitem(last=False)[0]
+            if not node.num_device_children:
+                return node
+            self._device_parked.add(node)
+        return None
 
     def discard_device_leaves(self, n: int) -> list[int]:
         """Delete up to `n` least recently used unlocked device leaves that have no

@@ -84,9 +84,11 @@ def allocate(mgr, rid, n: int, rounds: int = 16) -> list[int]:
 
 
 def serve(mgr, rid, hashes: list[str]) -> list[int]:
-    """A whole request: match, allocate the rest, commit every block, finish."""
+    """A whole request: match, allocate the rest, run the step (its swaps complete),
+    commit every block, finish."""
     hit = mgr.match(rid, hashes)
     table = allocate(mgr, rid, len(hashes) - hit.num_hits)
+    complete(mgr)
     mgr.commit(rid, hashes)
     mgr.finish(rid)
     complete(mgr)
@@ -380,13 +382,6 @@ def test_allocate_waits_for_evictions_in_flight() -> None:
     assert_no_leak(mgr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: pop_device_victims takes all n victims before any leaves the device, "
-    "so every ancestor of a victim is parked and one allocate call evicts only one "
-    "block per cached chain; with write_through copies it returns None although "
-    "enough blocks could be dropped at once and nothing is in flight",
-)
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_allocate_evicts_a_whole_chain_in_one_call(policy: str) -> None:
     mgr = make(policy, device=4, host=8)
@@ -679,13 +674,6 @@ def test_swap_in_of_an_aborted_request_resolves_on_its_result(success: bool) -> 
     assert_no_leak(mgr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a request that matches a block while another request's swap-in into "
-    "it is in flight gets it as a device hit (waiting_on_transfer stays False); if the "
-    "swap-in fails only the loading request gets a Rollback, and the second one keeps "
-    "the garbage block in its table (check_invariants: 'device block N owned by ...')",
-)
 def test_block_being_loaded_is_not_served_to_a_second_request() -> None:
     mgr = on_host(chain=["a0"])
     mgr.match("r1", ["a0"])
@@ -715,23 +703,23 @@ def test_second_request_with_the_host_hit_waits_for_the_first_swap_in() -> None:
     assert_no_leak(mgr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="QUESTIONABLE: blocks committed below a block whose swap-in is still in flight "
-    "(computed in the same step, from the loaded KV) stay cached as valid when that "
-    "swap-in fails; the Rollback names only the failed block, so a later request is "
-    "served the dependent block as a device hit",
-)
-def test_blocks_committed_on_a_failed_swap_in_are_not_served() -> None:
+def test_commit_waits_for_the_swap_in_result() -> None:
+    """Blocks computed on top of a swap-in are only valid if it succeeded, so commit
+    is refused until its result is applied; after a failure the request recomputes
+    and commits everything, and a later request is served the recomputed blocks."""
     mgr = on_host(chain=["a0"])
     mgr.match("r", ["a0", "b1"])
     mgr.allocate("r", 1)
     meta = mgr.take_swap_metadata().swap_in
-    mgr.commit("r", ["a0", "b1"])  # the step ran on the loaded a0
-    rollbacks = mgr.apply_results([TransferResult(meta.transfer_id, False)])
+    with pytest.raises(ValueError, match="swap-in without a result"):
+        mgr.commit("r", ["a0", "b1"])
+    assert mgr.apply_results([TransferResult(meta.transfer_id, False)]) == [Rollback("r", (0,))]
+    mgr.commit("r", ["a0", "b1"])  # recomputed a0, computed b1
     mgr.finish("r")
     hit = mgr.match("r2", ["a0", "b1"])
-    assert rollbacks == [Rollback("r", (0, 1))] or hit.num_device_hits == 0
+    assert (hit.num_device_hits, hit.num_host_hits) == (2, 0)
+    mgr.finish("r2")
+    assert_no_leak(mgr)
 
 
 # -- eviction results -------------------------------------------------------------
@@ -873,20 +861,16 @@ def test_unknown_or_repeated_transfer_id_raises() -> None:
     with pytest.raises(ValueError, match="transfer_id"):
         mgr.apply_results([TransferResult(-1, False)])
     with pytest.raises(ValueError, match=rf"transfer_id: {metas[1].transfer_id} is unknown"):
-        # Listed twice in one batch: the second is a repeat.
+        # Listed twice in one batch: the batch is refused as a whole.
         mgr.apply_results([TransferResult(metas[1].transfer_id, True)] * 2)
+    assert mgr.num_inflight_transfers == 2
+    mgr.apply_results([TransferResult(metas[1].transfer_id, True)])
     mgr.apply_results([TransferResult(metas[2].transfer_id, True)])
     for rid in ("r1", "r2", "r3"):
         mgr.abort(rid)
     assert_no_leak(mgr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: apply_results applies results one by one and raises at the first "
-    "unknown id; results before it are already applied and the Rollbacks they "
-    "produced are lost with the exception, so the engine is never told to recompute",
-)
 def test_batch_with_an_unknown_transfer_id_loses_no_rollback() -> None:
     mgr = on_host(chain=["a0"])
     mgr.match("r", ["a0"])
@@ -899,6 +883,16 @@ def test_batch_with_an_unknown_transfer_id_loses_no_rollback() -> None:
     assert mgr.apply_results([TransferResult(meta.transfer_id, False)]) == [Rollback("r", (0,))]
 
 
+def _run_step(mgr) -> list[int]:
+    tasks = mgr.take_swap_metadata()
+    metas = emitted(tasks)
+    assert metas
+    if tasks.evict and tasks.swap_in:
+        assert tasks.evict.transfer_id != tasks.swap_in.transfer_id
+    mgr.apply_results(TransferResult(m.transfer_id, True) for m in metas)
+    return [m.transfer_id for m in metas]
+
+
 def test_transfer_ids_are_unique_and_increasing() -> None:
     mgr = on_host("write_through", device=3, host=8, chain=keys("a", 2))
     ids = []
@@ -907,14 +901,9 @@ def test_transfer_ids_are_unique_and_increasing() -> None:
         mgr.match(f"r{i}", ["a0", f"n{i}"])
         table = allocate(mgr, f"r{i}", 1)
         assert table is not None
+        ids += _run_step(mgr)  # the swap-in and evictions
         mgr.commit(f"r{i}", ["a0", f"n{i}"])
-        tasks = mgr.take_swap_metadata()
-        metas = emitted(tasks)
-        assert metas
-        if tasks.evict and tasks.swap_in:
-            assert tasks.evict.transfer_id != tasks.swap_in.transfer_id
-        ids += [m.transfer_id for m in metas]
-        mgr.apply_results(TransferResult(m.transfer_id, True) for m in metas)
+        ids += _run_step(mgr)  # the backup the commit planned
         mgr.finish(f"r{i}")
         push_out(mgr)
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
@@ -1008,7 +997,16 @@ def test_mixed_workload_leaves_no_leak(policy: str, host: int) -> None:
         if table is None or step % 4 == 3:
             mgr.abort(rid)
         else:
-            mgr.commit(rid, doc)
+            try:
+                mgr.commit(rid, doc)
+            except ValueError:  # its swap-in has no result yet: the step catches up
+                results = [
+                    TransferResult(m.transfer_id, (m.transfer_id % 3) != 0) for m in outstanding
+                ]
+                outstanding.clear()
+                rollbacks = mgr.apply_results(results)
+                assert {r.request_id for r in rollbacks} <= {rid}
+                mgr.commit(rid, doc)  # recomputed, if its swap-in failed
             mgr.finish(rid)
         if step % 2:  # results arrive late, newest first, every third one failing
             results = [

@@ -33,7 +33,8 @@ def keys_of(nodes) -> list[str]:
 
 def evict_one(tree: RadixTree, host_block: int) -> TreeNode:
     """Start evicting the device LRU victim to `host_block`."""
-    (victim,) = tree.pop_device_victims(1)
+    victim = tree.pop_device_victim()
+    assert victim is not None
     tree.start_eviction(victim, host_block)
     tree.check()
     return victim
@@ -52,7 +53,7 @@ def move_to_host(tree: RadixTree, host_block: int) -> TreeNode:
 # -- LRU order ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("evict", ["pop_device_victims", "discard_device_leaves"])
+@pytest.mark.parametrize("evict", ["pop_device_victim", "discard_device_leaves"])
 def test_device_lru_follows_release_order(evict: str) -> None:
     tree = RadixTree()
     nodes = {}
@@ -62,11 +63,12 @@ def test_device_lru_follows_release_order(evict: str) -> None:
         tree.unlock([nodes[key]])
         tree.check()
     assert device_order(tree) == list("cadb")
-    if evict == "pop_device_victims":
-        victims = tree.pop_device_victims(3)
+    if evict == "pop_device_victim":
+        victims = []
+        for _ in range(3):
+            victims.append(tree.pop_device_victim())
+            tree.remove(victims[-1])
         assert keys_of(victims) == list("cad")
-        for v in victims:
-            tree.remove(v)
     else:
         freed = tree.discard_device_leaves(3)
         assert freed == [nodes[k].device_block for k in "cad"]
@@ -152,12 +154,13 @@ def test_locked_nodes_are_never_victims() -> None:
     nodes, _, _ = tree.match_and_lock(["c0", "c1"])  # a request holds the first two
     assert nodes == chain[:2]
     tree.check()
-    victims = tree.pop_device_victims(10)
+    victims = []
+    while (victim := tree.pop_device_victim()) is not None:
+        victims.append(victim)
+        tree.remove(victim)
     assert keys_of(victims) == ["free", "c2"]
-    for v in victims:
-        tree.remove(v)
     tree.check()
-    assert tree.pop_device_victims(10) == []
+    assert tree.pop_device_victim() is None
     assert tree.discard_device_leaves(10) == []
     assert sorted(keys_of(tree)) == ["c0", "c1", "held"]
     # Released, they become victims again, leaf first.
@@ -214,10 +217,11 @@ def test_parent_of_a_device_child_is_parked_then_returns_to_the_head() -> None:
     cache(tree, ["c"], [2])
     cache(tree, ["d"], [3])
     assert device_order(tree) == ["b", "a", "c", "d"]
-    victims = tree.pop_device_victims(2)
-    # a still has b on the device: parked, not a victim, and not counted.
-    assert keys_of(victims) == ["b", "c"]
-    b, c = victims
+    # While b is still on the device, a has a device child: taking the next victim
+    # parks a and returns c.
+    b = tree.pop_device_victim()
+    c = tree.pop_device_victim()
+    assert keys_of([b, c]) == ["b", "c"]
     a = b.parent
     assert a.key == "a" and a.state == NodeState.DEVICE and a.ref == 0
     assert device_order(tree) == ["d"]
@@ -225,7 +229,7 @@ def test_parent_of_a_device_child_is_parked_then_returns_to_the_head() -> None:
     tree.start_eviction(b, host_block=0)  # b leaves the device tier
     tree.check()
     assert device_order(tree) == ["a", "d"]  # a is back, at the head
-    assert keys_of(tree.pop_device_victims(1)) == ["a"]
+    assert tree.pop_device_victim().key == "a"
 
 
 def test_parked_parent_returns_when_its_child_is_dropped() -> None:
@@ -236,9 +240,10 @@ def test_parked_parent_returns_when_its_child_is_dropped() -> None:
     assert tree.finish_copy_to_host(path[1], True) == (-1, -1)
     tree.unlock(path)
     tree.check()
-    victims = tree.pop_device_victims(2)
-    assert keys_of(victims) == ["b"]  # a parked behind b
-    assert tree.detach_device(victims[0]) == 1
+    b = tree.pop_device_victim()
+    assert b.key == "b"
+    assert tree.pop_device_victim() is None  # a is parked behind b
+    assert tree.detach_device(b) == 1
     tree.check()
     assert device_order(tree) == ["a"]
     assert host_order(tree) == ["b"]
@@ -248,7 +253,7 @@ def test_restore_device_victim_puts_it_back_at_the_head() -> None:
     tree = RadixTree()
     for i, key in enumerate("abc"):
         cache(tree, [key], [i])
-    (a,) = tree.pop_device_victims(1)
+    a = tree.pop_device_victim()
     tree.restore_device_victim(a)
     tree.check()
     assert device_order(tree) == ["a", "b", "c"]
@@ -272,14 +277,14 @@ def test_failed_eviction_reorders_and_parent_is_parked_again() -> None:
     assert tree.num_evicting == 0
     assert device_order(tree) == ["a", "b"]  # a at the head, ahead of its child
     # Taking victims skips (parks) a, evicts b, then a comes back to the head.
-    assert tree.pop_device_victims(1) == [b]
+    assert tree.pop_device_victim() is b
     tree.start_eviction(b, host_block=12)
     tree.check()
     assert device_order(tree) == ["a"]
     assert tree.finish_copy_to_host(b, True) == (1, -1)
     tree.check()
     # a already has a host copy: its device block can simply be dropped.
-    assert tree.pop_device_victims(1) == [a]
+    assert tree.pop_device_victim() is a
     assert tree.detach_device(a) == 0
     tree.check()
     assert all(n.state == NodeState.HOST for n in tree)
@@ -381,12 +386,6 @@ def test_key_under_another_parent_ends_the_path() -> None:
     tree.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: insert's all-new fast path (index.keys().isdisjoint(keys)) does not "
-    "notice a key repeated within one call; it creates two nodes for one key, the index "
-    "keeps only the second, and the second hangs under a node that left the index",
-)
 def test_key_repeated_within_one_insert_ends_the_path() -> None:
     tree = RadixTree()
     path, existing = tree.insert(tree.root, ["a", "x", "a"], [0, 1, 2])
@@ -474,12 +473,6 @@ def test_swap_in_success_and_failure() -> None:
     assert host_order(tree) == ["a"] and device_order(tree) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: match_and_lock's inlined 'node.ref' branch accepts every locked node, "
-    "and a SWAP_TO_DEVICE node is always locked, so the documented stop (waiting=True) "
-    "is dead code: a block still being loaded is returned as a device hit",
-)
 def test_match_stops_at_a_block_being_loaded() -> None:
     tree, _, _ = _loading_tree()
     nodes, num_host, waiting = tree.match_and_lock(["a"])

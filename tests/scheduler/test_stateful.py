@@ -69,6 +69,7 @@ class CacheLifecycle(RuleBasedStateMachine):
         if keep:
             return
         if rid in self.allocated:
+            self.flush()  # the step ran: results come back before the commit
             self.mgr.commit(rid, self.requests[rid])
         self.release_request(rid, abort=False)
 
@@ -105,7 +106,11 @@ class CacheLifecycle(RuleBasedStateMachine):
     def commit(self, i: int, full: bool) -> None:
         rid = self._pick(list(self.allocated), i)
         hashes = self.requests[rid]
-        self.mgr.commit(rid, hashes if full else hashes[: max(1, len(hashes) // 2)])
+        try:
+            self.mgr.commit(rid, hashes if full else hashes[: max(1, len(hashes) // 2)])
+        except ValueError as e:  # its swap-in has no result yet: the engine waits
+            assert "swap-in" in str(e)
+            event("commit refused until the swap-in result")
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 1000), abort=st.booleans())
@@ -163,7 +168,10 @@ class CacheLifecycle(RuleBasedStateMachine):
             event("swap-in rolled back")
             assert rb.request_id in self.requests and rb.block_indices
             # The engine recomputes the rolled-back blocks, then commits them.
-            if rb.request_id in self.allocated:
+            if (
+                rb.request_id in self.allocated
+                and not self.mgr._requests[rb.request_id].loading
+            ):
                 self.mgr.commit(rb.request_id, self.requests[rb.request_id])
 
     # -- checks ---------------------------------------------------------------
