@@ -22,7 +22,8 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 test: install
 	$(PY) -m pytest -q tests
 
-demo: replay
+demo: install
+	$(PY) tools/demo.py
 
 replay: install
 	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 1000 10000 30000 100000

@@ -1,0 +1,80 @@
+"""Messages between the engine's scheduler and worker processes (picklable, no
+paddle). The swap metadata travels as fastkv.metadata types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastkv.metadata import CacheSwapMetadata, TransferResult
+
+
+@dataclass(slots=True)
+class RequestWork:
+    """One request's share of a step: compute KV for `tokens` at positions
+    `start .. start + len(tokens)` and predict the next token.
+
+    Attributes:
+        request_id: the engine's id.
+        tokens: the token ids to compute.
+        start: position of tokens[0]; positions before it are read from the cache.
+        block_table: device blocks of positions 0.. (block_size tokens each).
+        all_tokens: every token from position 0, when a failed swap-in may force
+            recomputing cached positions (prefill steps); else empty.
+        swapped_from: first block position loaded by this step's swap-in, or -1.
+        verify: (position, block hash) of cached blocks this step reads: their
+            bytes must match the checksum recorded when the block was written.
+        record: (position, block hash) of blocks this step completes: record
+            their checksum.
+    """
+
+    request_id: str
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    all_tokens: list[int] = field(default_factory=list)
+    swapped_from: int = -1
+    verify: list[tuple[int, bytes]] = field(default_factory=list)
+    record: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    step: int
+    requests: list[RequestWork]
+    evict: CacheSwapMetadata | None = None
+    swap_in: CacheSwapMetadata | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    next_token: int
+    logits: bytes  # float32 logits of the last position, raw bytes
+    recomputed_from: int = -1  # a failed swap-in made the worker recompute from here
+
+
+@dataclass(slots=True)
+class StepOutput:
+    step: int
+    outputs: dict[str, RequestOutput]
+    results: list[TransferResult]
+    checksum_mismatches: list[str]
+    seconds: float
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    device: str
+    kv_bytes_per_block: int
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Sent once at shutdown."""
+
+    device_to_host_blocks: int
+    host_to_device_blocks: int
+    device_to_host_bytes: int
+    host_to_device_bytes: int
+    failed_transfers: int
+    checksums_verified: int
+    checksum_mismatches: int
