@@ -170,8 +170,10 @@ def replay(
             if not mgr.num_inflight_transfers and not mgr.num_queued_blocks:
                 raise RuntimeError(f"request {i}: no blocks free and none being freed")
             complete_transfers()
+        if mgr.num_queued_blocks:  # the step: its swap-ins land before the commit
+            complete_transfers()
         mgr.commit(i, hashes)
-        if mgr.num_queued_blocks:
+        if mgr.num_queued_blocks:  # backups the commit planned
             complete_transfers()
         mgr.finish(i)
         if on_request is not None:
