@@ -162,6 +162,15 @@ int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num
     if (rc != FKV_OK) return rc;
     rc = check_region("host", s, seg.host_base, num_host_blocks, seg.block_bytes, &host_end);
     if (rc != FKV_OK) return rc;
+    size_t available = 0;
+    if (registry_overrun(seg.host_base, host_end - reinterpret_cast<uintptr_t>(seg.host_base),
+                         &available)) {
+      return set_error(FKV_EINVAL,
+                       "num_host_blocks: %" PRId64 " blocks of %" PRId64
+                       " bytes at segments[%d].host_base run past the end of its "
+                       "fkv_host_alloc allocation (%zu bytes left there)",
+                       num_host_blocks, seg.block_bytes, s, available);
+    }
     const uintptr_t dev = reinterpret_cast<uintptr_t>(seg.device_base);
     const uintptr_t host = reinterpret_cast<uintptr_t>(seg.host_base);
     if (dev_end > dev) regions.push_back({dev, dev_end, s, false, direction == FKV_H2D});

@@ -36,8 +36,13 @@ constexpr int kUnroll = 4;
 // accesses; a chunk is the unit of work one CTA takes from the grid-stride loop,
 // so blocks larger than a chunk are shared between CTAs.
 constexpr int64_t kChunkBytes = int64_t{16} << 10;
-constexpr int kSlots = 32;
-constexpr size_t kSlotBytes = size_t{256} << 10;
+// A layer-by-layer load takes one slot per layer, and its launches queue behind
+// the model's previous step (the input stream waits for it), so every layer of a
+// load must find a free slot without waiting: 256 slots cover two loads of a
+// 128-layer model. 64 KiB holds about 4,000 block ids; a larger call is split.
+// All slots: 16 MiB of device memory and 16 MiB pinned, per device.
+constexpr int kSlots = 256;
+constexpr size_t kSlotBytes = size_t{64} << 10;
 constexpr int kMaxDevices = 64;
 
 struct DevSegment {

@@ -27,7 +27,7 @@ constexpr int kMaxNumaNodes = 1024;
 
 struct Allocation {
   size_t bytes;        // as requested
-  void* map_base;      // what mmap returned (before alignment trimming)
+  void* map_base;      // the mapping after alignment trimming (what munmap takes)
   size_t map_bytes;
   bool pinned;
   void* device_ptr;    // kernel-side address of the allocation when pinned
@@ -70,6 +70,18 @@ bool registry_lookup(const void* p, size_t bytes, bool* pinned, void** device_pt
   *device_ptr = it->second.pinned ? static_cast<char*>(it->second.device_ptr) + (a - base)
                                   : nullptr;
   return true;
+}
+
+bool registry_overrun(const void* p, size_t bytes, size_t* available) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_allocs.upper_bound(a);
+  if (it == g_allocs.begin()) return false;
+  --it;
+  const uintptr_t offset = a - it->first;
+  if (offset >= it->second.bytes) return false;  // not inside one of ours
+  *available = it->second.bytes - offset;
+  return bytes > *available;
 }
 
 }  // namespace fkv

@@ -55,6 +55,11 @@ int cuda_host_unregister(void* p);
 // sets *pinned and *device_ptr (the kernel-side address of p when pinned).
 bool registry_lookup(const void* p, size_t bytes, bool* pinned, void** device_ptr);
 
+// True when p lies inside a live fkv_host_alloc allocation but [p, p + bytes) runs
+// past its end; *available gets the bytes from p to that end. Memory that is not
+// ours (numpy, cupyx.empty_pinned) cannot be checked and is never reported.
+bool registry_overrun(const void* p, size_t bytes, size_t* available);
+
 }  // namespace fkv
 
 #endif  // FASTKV_INTERNAL_H_

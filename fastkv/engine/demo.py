@@ -29,36 +29,48 @@ LOGITS_RTOL = 1e-5
 @dataclasses.dataclass(slots=True)
 class Comparison:
     requests: int
+    compared: int
     identical_tokens: int
     bitwise_logits: int
     max_logits_rel_diff: float
-    missing: list[str]
+    problems: list[str]
 
     @property
     def identical_outputs(self) -> bool:
         return (
-            not self.missing
-            and self.identical_tokens == self.requests
+            not self.problems
+            and self.compared > 0
+            and self.identical_tokens == self.compared
             and self.max_logits_rel_diff <= LOGITS_RTOL
         )
 
 
 def compare(cached: RunResult, baseline: RunResult) -> Comparison:
-    """Generated tokens must be equal; last-step logits equal within LOGITS_RTOL."""
-    missing = sorted(set(baseline.outputs) ^ set(cached.outputs))
-    same_tokens = bitwise = 0
+    """Generated tokens must be equal and last-step logits finite and equal within
+    LOGITS_RTOL; both runs must reject the same requests, and some must run."""
+    problems = [
+        f"missing output: {rid}" for rid in sorted(set(baseline.outputs) ^ set(cached.outputs))
+    ]
+    if set(cached.rejected) != set(baseline.rejected):
+        problems.append("the two runs rejected different requests")
+    same_tokens = bitwise = compared = 0
     worst = 0.0
     for rid, tokens in baseline.outputs.items():
-        if rid not in cached.outputs or rid in baseline.rejected:
-            same_tokens += rid in cached.rejected
+        if rid not in cached.outputs or rid in baseline.rejected or rid in cached.rejected:
             continue
+        compared += 1
         same_tokens += cached.outputs[rid] == tokens
         a = np.frombuffer(cached.last_logits[rid], dtype=np.float32)
         b = np.frombuffer(baseline.last_logits[rid], dtype=np.float32)
         bitwise += a.tobytes() == b.tobytes()
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            worst = float("inf")
+            continue
         scale = float(np.abs(b).max()) or 1.0
         worst = max(worst, float(np.abs(a - b).max()) / scale)
-    return Comparison(len(baseline.outputs), same_tokens, bitwise, worst, missing)
+    if not compared:
+        problems.append("no request ran in both runs")
+    return Comparison(len(baseline.outputs), compared, same_tokens, bitwise, worst, problems)
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
@@ -94,6 +106,7 @@ def summary(cached: RunResult, baseline: RunResult, cmp: Comparison) -> dict[str
         "seconds_without_cache": baseline.seconds,
         "speedup": baseline.seconds / cached.seconds if cached.seconds else 0.0,
         "requests": cmp.requests,
+        "compared_requests": cmp.compared,
         "rejected_requests": len(cached.rejected),
         "identical_token_requests": cmp.identical_tokens,
         "bitwise_logits_requests": cmp.bitwise_logits,
@@ -180,8 +193,8 @@ def table(s: dict[str, object], cached: RunResult) -> str:
         ),
         (
             "KV checksums",
-            f"{s['checksums_verified']:,} cached blocks verified on read, "
-            f"{s['checksum_mismatches']} mismatches",
+            f"{s['checksums_verified']:,} cached blocks read, each layer checked just "
+            f"before use: {s['checksum_mismatches']} mismatches",
         ),
     ]
     width = max(len(k) for k, _ in rows)
@@ -301,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'plot':<25}  {s['plot']}")
         for problem in cached.checksum_mismatches[:10]:
             print(f"  checksum: {problem}")
-        for rid in cmp.missing[:10]:
-            print(f"  missing output: {rid}")
+        for problem in cmp.problems[:10]:
+            print(f"  {problem}")
         print(
             f"\nverdict: {'PASS' if ok else 'FAIL'} - "
             + ("outputs identical to full recomputation" if ok else "outputs differ")

@@ -18,9 +18,8 @@ class RequestWork:
         tokens: the token ids to compute.
         start: position of tokens[0]; positions before it are read from the cache.
         block_table: device blocks of positions 0.. (block_size tokens each).
-        all_tokens: every token from position 0, when a failed swap-in may force
-            recomputing cached positions (prefill steps); else empty.
-        swapped_from: first block position loaded by this step's swap-in, or -1.
+        all_tokens: every token from position 0, for recomputing cached positions
+            if this step's swap-in fails (prefill steps); else empty.
         verify: (position, block hash) of cached blocks this step reads: their
             bytes must match the checksum recorded when the block was written.
         record: (position, block hash) of blocks this step completes: record
@@ -32,7 +31,6 @@ class RequestWork:
     start: int
     block_table: list[int]
     all_tokens: list[int] = field(default_factory=list)
-    swapped_from: int = -1
     verify: list[tuple[int, bytes]] = field(default_factory=list)
     record: list[tuple[int, bytes]] = field(default_factory=list)
 
@@ -77,4 +75,10 @@ class WorkerStats:
     host_to_device_bytes: int
     failed_transfers: int
     checksums_verified: int
-    checksum_mismatches: int
+
+
+@dataclass(slots=True)
+class WorkerFailed:
+    """Sent instead of an answer when the worker hit an error; it then exits."""
+
+    error: str

@@ -22,6 +22,7 @@ from fastkv.engine.protocol import (
     RequestWork,
     StepBatch,
     StepOutput,
+    WorkerFailed,
     WorkerReady,
     WorkerStats,
 )
@@ -40,7 +41,7 @@ class _Request:
     cached_tokens: int = 0  # prompt positions served from the cache
     matched: bool = False
     table: list[int] = field(default_factory=list)
-    swapped_from: int = -1
+    hits: tuple[int, int] = (0, 0)  # device and host hit tokens at admission
     logits: bytes = b""
 
     @property
@@ -204,9 +205,9 @@ class EngineScheduler:
                 )
                 hit = self.mgr.match(r.id, cacheable)
                 r.cached_tokens = hit.num_hits * bs
-                r.swapped_from = hit.first_host_hit
-                result.device_hit_tokens += hit.num_device_hits * bs
-                result.host_hit_tokens += hit.num_host_hits * bs
+                r.hits = (hit.num_device_hits * bs, hit.num_host_hits * bs)
+                result.device_hit_tokens += r.hits[0]
+                result.host_hit_tokens += r.hits[1]
             new_tokens = prompt_len - r.cached_tokens
             if new_tokens > budget and works:
                 return  # the next step has room
@@ -218,6 +219,8 @@ class EngineScheduler:
                 self.mgr.abort(r.id)
                 result.rejected[r.id] = str(e)
                 result.prompt_tokens -= prompt_len
+                result.device_hit_tokens -= r.hits[0]
+                result.host_hit_tokens -= r.hits[1]
                 result.outputs[r.id] = []
                 workload.finished(r.id, [], step)
                 continue
@@ -235,7 +238,6 @@ class EngineScheduler:
                     r.cached_tokens,
                     table,
                     all_tokens=r.prompt.tokens,
-                    swapped_from=r.swapped_from,
                     verify=list(enumerate(r.hasher.hashes[:cached_blocks])),
                     record=self._completed(r, prompt_len),
                 )
@@ -289,4 +291,7 @@ class EngineScheduler:
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no answer from the worker in {timeout:.0f} s")
-        return conn.recv()  # type: ignore[attr-defined]
+        message = conn.recv()  # type: ignore[attr-defined]
+        if isinstance(message, WorkerFailed):
+            raise RuntimeError(f"the worker process failed:\n{message.error}")
+        return message

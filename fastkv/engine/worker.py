@@ -2,11 +2,12 @@
 a time by the scheduler process over a pipe.
 
 Per step it submits the step's swaps (evictions fire-and-forget, the swap-in layer
-by layer), runs the model with layer L's attention waiting for layer L, verifies
-the bytes of every cached block the step reads against the checksum recorded when
-the block was written, and reports the finished transfers. A failed swap-in is
-handled inside the step: the affected requests recompute the positions it should
-have loaded, into the same blocks, so the step's outputs are still right.
+by layer) and runs the model; before layer L touches the cache it waits for layer
+L of the swap-in and checks the layer-L bytes of every cached block the step reads
+against the checksum recorded when that block was written. A failed swap-in is
+handled inside the step: the requests whose blocks it should have filled
+recompute those positions into the same blocks, so the step's outputs are still
+right, and its TransferResult tells the scheduler to roll the blocks back.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -27,6 +30,7 @@ from fastkv.engine.protocol import (
     RequestWork,
     StepBatch,
     StepOutput,
+    WorkerFailed,
     WorkerReady,
     WorkerStats,
 )
@@ -35,15 +39,30 @@ log = logging.getLogger(__name__)
 
 
 def serve(conn: Connection, config: EngineConfig) -> None:
-    """Process entry point: build the worker, then answer StepBatches until None."""
-    worker = Worker(config)
-    conn.send(WorkerReady(worker.device, sum(worker.ctrl.block_bytes)))
+    """Process entry point: build the worker, then answer StepBatches until None.
+    Any error goes back to the scheduler as a WorkerFailed message."""
+    worker = None
     try:
+        worker = Worker(config)
+        conn.send(WorkerReady(worker.device, sum(worker.ctrl.block_bytes)))
         while (batch := conn.recv()) is not None:
             conn.send(worker.step(batch))
         conn.send(worker.finish())
+    except Exception:
+        conn.send(WorkerFailed(traceback.format_exc()))
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A cached block a step reads: verified layer by layer before use."""
+
+    request_id: str
+    position: int
+    block: int
+    block_hash: bytes
 
 
 class Worker:
@@ -56,6 +75,11 @@ class Worker:
 
         self.config = config
         self.device = _pick_device(config.device, paddle)
+        if self.device == "cpu" and config.kv_dtype == "float16":
+            raise ValueError(
+                "kv_dtype: float16 needs a GPU (Paddle's CPU build has no float16 "
+                "gather); use bfloat16 or float32 on the CPU"
+            )
         m = config.model
         spec = KVCacheSpec(
             num_layers=m.num_layers,
@@ -73,50 +97,53 @@ class Worker:
         self.kv = [
             (self.ctrl.key_caches[i], self.ctrl.value_caches[i]) for i in range(m.num_layers)
         ]
-        self.checksums: dict[bytes, int] = {}
+        self.checksums: dict[bytes, list[int]] = {}  # block hash -> CRC-32 per layer
         self.verified = 0
-        self.mismatched = 0
+        self.problems: list[str] = []
 
     def step(self, batch: StepBatch) -> StepOutput:
-        from fastkv.engine.model import SeqRows
         from fastkv.worker.transfer_manager import TransferFailedError
 
         start = time.perf_counter()
-        bs = self.config.block_size
-        timeout = self.config.wait_timeout
+        self.problems = []
         works = batch.requests
-        writes = [
-            w.block_table[b]
+        counter = self.ctrl.submit_swap_tasks(
+            batch.evict, batch.swap_in, self._blocks_written(works, {})
+        )
+        reads = [
+            _Read(w.request_id, pos, w.block_table[pos], h)
             for w in works
-            for b in range(w.start // bs, (w.start + len(w.tokens) - 1) // bs + 1)
+            for pos, h in w.verify
         ]
-        counter = self.ctrl.submit_swap_tasks(batch.evict, batch.swap_in, writes)
         recomputed: dict[str, int] = {}
         logits = None
         if works:
-            seqs = [SeqRows(w.tokens, w.start, w.block_table) for w in works]
             try:
-                logits = self.model.forward(
-                    seqs, self.kv, bs, lambda layer: counter.wait_for_layer(layer, timeout)
-                )
+                logits = self._forward(works, {}, counter, reads)
+                counter.wait_all(self.config.wait_timeout)  # a failure after the last wait
             except TransferFailedError as e:
-                log.info(
-                    "step %d: %s; recomputing the blocks it should have loaded", batch.step, e
+                log.info("step %d: %s; recomputing what it should have loaded", batch.step, e)
+                _drain(counter, self.config.wait_timeout)
+                recomputed = self._lost_positions(works, batch)
+                guard = self.ctrl.submit_swap_tasks(
+                    None, None, self._blocks_written(works, recomputed)
                 )
-                _drain(counter, timeout)
-                for i, w in enumerate(works):
-                    if w.swapped_from >= 0:
-                        begin = w.swapped_from * bs
-                        recomputed[w.request_id] = begin
-                        tokens = w.all_tokens[begin : w.start + len(w.tokens)]
-                        seqs[i] = SeqRows(tokens, begin, w.block_table)
-                logits = self.model.forward(seqs, self.kv, bs)
+                kept = [
+                    r
+                    for r in reads
+                    if r.position * self.config.block_size
+                    < recomputed.get(r.request_id, 1 << 62)
+                ]
+                logits = self._forward(works, recomputed, guard, kept)
+                self._verify_recomputed(
+                    [r for r in reads if r not in kept]
+                )  # recomputation must reproduce the stored bytes
         elif batch.swap_in is not None:
-            _drain(counter, timeout)
-        mismatches = self._check(works)
+            _drain(counter, self.config.wait_timeout)
+        self._record(works)
         results = self.ctrl.poll_results()
         if not works and not results and self.ctrl.get_stats().inflight_transfers:
-            results = self.ctrl.wait_all(timeout)  # an idle step: let evictions land
+            results = self.ctrl.wait_all(self.config.wait_timeout)  # idle: let copies land
         outputs = {}
         for i, w in enumerate(works):
             row = logits[i]  # type: ignore[index]
@@ -125,7 +152,9 @@ class Worker:
                 row.astype(np.float32).tobytes(),
                 recomputed.get(w.request_id, -1),
             )
-        return StepOutput(batch.step, outputs, results, mismatches, time.perf_counter() - start)
+        return StepOutput(
+            batch.step, outputs, results, self.problems, time.perf_counter() - start
+        )
 
     def finish(self) -> WorkerStats:
         self.ctrl.wait_all(self.config.wait_timeout)
@@ -137,42 +166,126 @@ class Worker:
             host_to_device_bytes=s.host_to_device_bytes,
             failed_transfers=s.failed_transfers,
             checksums_verified=self.verified,
-            checksum_mismatches=self.mismatched,
         )
 
     def close(self) -> None:
         self.ctrl.free_cache(self.config.wait_timeout)
 
-    def _check(self, works: list[RequestWork]) -> list[str]:
-        """Verify the blocks read from the cache; record the blocks completed."""
-        wanted = {w.block_table[p] for w in works for p, _ in (*w.verify, *w.record)}
-        sums = self._block_checksums(sorted(wanted))
-        problems = []
-        for w in works:
-            for pos, h in w.verify:
-                expected = self.checksums.get(h)
-                self.verified += 1
-                if expected != sums[w.block_table[pos]]:
-                    problems.append(
-                        f"{w.request_id} block {pos}: read bytes differ from stored"
-                    )
-            for pos, h in w.record:
-                got = sums[w.block_table[pos]]
-                if self.checksums.setdefault(h, got) != got:
-                    problems.append(f"{w.request_id} block {pos}: recomputed bytes differ")
-        self.mismatched += len(problems)
-        return problems
+    # -- the forward pass -------------------------------------------------------
 
-    def _block_checksums(self, blocks: list[int]) -> dict[int, int]:
-        """CRC-32 of each block's bytes across every layer's K and V."""
-        if not blocks:
-            return {}
+    def _forward(
+        self,
+        works: list[RequestWork],
+        recompute_from: dict[str, int],
+        counter: object,
+        reads: list[_Read],
+    ) -> np.ndarray:
+        """Run the model over the step's rows; `recompute_from` moves a request's
+        first computed position back (its failed swap-in's positions)."""
+        from fastkv.engine.model import SeqRows
+        from fastkv.worker.transfer_manager import TransferFailedError
+
+        seqs = []
+        for w in works:
+            begin = recompute_from.get(w.request_id, w.start)
+            tokens = (
+                w.tokens if begin == w.start else w.all_tokens[begin : w.start + len(w.tokens)]
+            )
+            seqs.append(SeqRows(tokens, begin, w.block_table))
+        on_gpu = self.device != "cpu"
+        timeout = self.config.wait_timeout
+
+        def before_layer(layer: int) -> None:
+            if on_gpu:  # the model's stream waits on the device; the host goes on
+                counter.stream_wait_for_layer(layer)  # type: ignore[attr-defined]
+            else:
+                counter.wait_for_layer(layer, timeout)  # type: ignore[attr-defined]
+            if counter.failed:  # type: ignore[attr-defined]
+                raise TransferFailedError(counter.transfer_id, "a layer failed to load")  # type: ignore[attr-defined]
+            self._verify_layer(reads, layer)
+
+        return self.model.forward(seqs, self.kv, self.config.block_size, before_layer)
+
+    def _blocks_written(
+        self, works: list[RequestWork], recompute_from: dict[str, int]
+    ) -> list[int]:
+        bs = self.config.block_size
+        out = []
+        for w in works:
+            begin = recompute_from.get(w.request_id, w.start)
+            out += [
+                w.block_table[b]
+                for b in range(begin // bs, (w.start + len(w.tokens) - 1) // bs + 1)
+            ]
+        return out
+
+    def _lost_positions(self, works: list[RequestWork], batch: StepBatch) -> dict[str, int]:
+        """First token position of each request that the failed swap-in should have
+        filled (its destination blocks)."""
+        lost = set(batch.swap_in.dst_block_ids) if batch.swap_in is not None else set()
+        bs = self.config.block_size
+        out = {}
+        for w in works:
+            positions = [p for p in range(w.start // bs) if w.block_table[p] in lost]
+            if positions:
+                out[w.request_id] = positions[0] * bs
+        return out
+
+    # -- checksums --------------------------------------------------------------
+
+    def _layer_sums(self, blocks: list[int], layer: int) -> dict[int, int]:
+        """CRC-32 of layer `layer`'s K and V bytes of each block."""
         sums = dict.fromkeys(blocks, 0)
-        for i in range(len(self.ctrl.caches)):
-            view = self.ctrl.device_blocks(i)
-            for b in blocks:
-                sums[b] = zlib.crc32(view[b], sums[b])
+        if not blocks:
+            return sums
+        per_layer = self.ctrl.spec.tensors_per_layer
+        for i in range(layer * per_layer, (layer + 1) * per_layer):
+            rows = self._tensor_blocks(i, blocks)
+            for b, row in zip(blocks, rows, strict=True):
+                sums[b] = zlib.crc32(row, sums[b])
         return sums
+
+    def _tensor_blocks(self, tensor_index: int, blocks: list[int]) -> np.ndarray:
+        if self.device == "cpu":
+            return self.ctrl.device_blocks(tensor_index)[blocks]
+        import paddle
+
+        tensor = self.ctrl.caches[tensor_index]
+        picked = paddle.index_select(tensor, paddle.to_tensor(blocks, dtype="int64"), axis=0)
+        return picked.numpy().view(np.uint8).reshape(len(blocks), -1)
+
+    def _verify_layer(self, reads: list[_Read], layer: int) -> None:
+        sums = self._layer_sums(sorted({r.block for r in reads}), layer)
+        for r in reads:
+            stored = self.checksums.get(r.block_hash)
+            self.verified += layer == 0
+            if stored is None or stored[layer] != sums[r.block]:
+                self.problems.append(
+                    f"{r.request_id} block {r.position} layer {layer}: the bytes read "
+                    "differ from the bytes stored"
+                )
+
+    def _verify_recomputed(self, reads: list[_Read]) -> None:
+        for layer in range(self.ctrl.spec.num_layers):
+            self._verify_layer(reads, layer)
+
+    def _record(self, works: list[RequestWork]) -> None:
+        """Checksums of the blocks this step completed, per layer."""
+        done = [
+            (w.request_id, pos, w.block_table[pos], h) for w in works for pos, h in w.record
+        ]
+        if not done:
+            return
+        blocks = sorted({b for _, _, b, _ in done})
+        per_layer = [
+            self._layer_sums(blocks, layer) for layer in range(self.ctrl.spec.num_layers)
+        ]
+        for request_id, pos, block, h in done:
+            sums = [layer_sums[block] for layer_sums in per_layer]
+            if self.checksums.setdefault(h, sums) != sums:  # written twice, differently
+                self.problems.append(
+                    f"{request_id} block {pos}: recomputed bytes differ from the cached ones"
+                )
 
 
 def _drain(counter: object, timeout: float) -> None:
@@ -187,7 +300,8 @@ def _drain(counter: object, timeout: float) -> None:
 def _pick_device(device: str, paddle: object) -> str:
     if device != "auto":
         return device
-    has_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0  # type: ignore[attr-defined]
+    cuda = paddle.is_compiled_with_cuda()  # type: ignore[attr-defined]
+    has_gpu = cuda and paddle.device.cuda.device_count() > 0  # type: ignore[attr-defined]
     return "gpu:0" if has_gpu else "cpu"
 
 

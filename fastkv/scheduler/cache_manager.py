@@ -51,14 +51,11 @@ class MatchResult:
         num_host_hits: cached blocks that `allocate` will swap in from host.
         waiting_on_transfer: the match stopped at a block another request is
             loading; matching again after that transfer completes finds more.
-        first_host_hit: position of the first host hit, -1 without any (device
-            hits usually all come first, but not always).
     """
 
     num_device_hits: int
     num_host_hits: int
     waiting_on_transfer: bool
-    first_host_hit: int = -1
 
     @property
     def num_hits(self) -> int:
@@ -225,8 +222,7 @@ class CacheManager:
         self._lookup_blocks += len(block_hashes)
         self._device_hits += len(nodes) - num_host
         self._host_hits += num_host
-        first_host = len(req.blocks) if num_host else -1
-        return MatchResult(len(nodes) - num_host, num_host, waiting, first_host)
+        return MatchResult(len(nodes) - num_host, num_host, waiting)
 
     def allocate(self, request_id: RequestId, num_new_blocks: int) -> list[int] | None:
         """Give the request device blocks: one per matched host hit (swapped in with

@@ -187,8 +187,8 @@ class RadixTree:
         """Drop one reference from each node, deepest first, listing freed nodes."""
         device_lru, host_lru = self.device_lru, self.host_lru
         for node in reversed(nodes):
-            node.ref -= 1
-            if node.ref == 0:
+            if node.ref == 1:
+                node.ref = 0
                 state = node.state
                 if state == DEVICE:
                     device_lru[node] = None
@@ -196,8 +196,10 @@ class RadixTree:
                         host_lru[node] = None
                 elif state == HOST:
                     host_lru[node] = None
-            elif node.ref < 0:
-                raise AssertionError(f"negative ref count on {node}")
+            elif node.ref > 1:
+                node.ref -= 1
+            else:
+                raise AssertionError(f"unlocking {node}, which is not locked")
 
     def lock_path(self, node: TreeNode) -> None:
         """Lock `node` and all its ancestors (an in-flight transfer's hold)."""
@@ -238,7 +240,7 @@ class RadixTree:
         existing: list[int] = []
         distinct = set(keys)
         if len(distinct) == len(keys) and index.keys().isdisjoint(distinct):  # all new
-            self._gain_child(parent, device=True)
+            self._new_child(parent)
             last = len(keys) - 1
             for i, key in enumerate(keys):
                 parent = TreeNode(key, parent, device_blocks[i], 1 if i != last else 0)
@@ -249,7 +251,7 @@ class RadixTree:
             node = index.get(key)
             if node is None:
                 node = index[key] = TreeNode(key, parent, device_block)
-                self._gain_child(parent, device=True)
+                self._new_child(parent)
             elif node.parent is parent:
                 self.lock((node,))
                 existing.append(len(path))
@@ -407,7 +409,7 @@ class RadixTree:
         return freed
 
     def restore_device_victim(self, node: TreeNode) -> None:
-        """Put back a node taken by `pop_device_victims` that was not evicted."""
+        """Put back a node taken by `pop_device_victim` that was not evicted."""
         self.device_lru[node] = None
         self.device_lru.move_to_end(node, last=False)
 
@@ -425,12 +427,14 @@ class RadixTree:
 
     # -- counts ---------------------------------------------------------------
 
-    def _gain_child(self, parent: TreeNode, *, device: bool) -> None:
+    @staticmethod
+    def _new_child(parent: TreeNode) -> None:
+        """A new node (always on the device) was created under `parent`."""
         parent.num_children += 1
-        if device:
-            self._gain_device_child(parent)
+        parent.num_device_children += 1
 
-    def _gain_device_child(self, parent: TreeNode) -> None:
+    @staticmethod
+    def _gain_device_child(parent: TreeNode) -> None:
         parent.num_device_children += 1
 
     def _lose_device_child(self, parent: TreeNode) -> None:

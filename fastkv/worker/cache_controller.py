@@ -125,13 +125,17 @@ class CacheController:
         self.num_threads = num_threads
         self.device = device
         gpu_index = _parse_device(device)
-        if streams is None:
-            self._make_streams(gpu_index)
-        else:
-            self._input, self._output, self._compute = streams
         self.caches = self._make_device_caches()
         self.block_bytes = [_block_bytes(t) for t in self.caches]
         self._allocate_host(gpu_index, numa_node)
+        try:
+            if streams is None:
+                self._make_streams(gpu_index)
+            else:
+                self._input, self._output, self._compute = streams
+        except BaseException:
+            self._release_host()
+            raise
         self.transfers = TransferManager(
             self._input, self._output, self._compute, spec.total_layers
         )
@@ -208,6 +212,14 @@ class CacheController:
         self._check_live()
         writes = list(write_block_ids)
         evict = swap_in = None
+        if (
+            evict_metadata is not None
+            and swap_in_metadata is not None
+            and evict_metadata.transfer_id == swap_in_metadata.transfer_id
+        ):
+            raise ValueError(
+                f"transfer_id: {evict_metadata.transfer_id} used by both transfers"
+            )
         if evict_metadata is not None:
             evict = self._ids(evict_metadata, CacheLevel.DEVICE, CacheLevel.HOST)
         if swap_in_metadata is not None:
@@ -281,8 +293,7 @@ class CacheController:
         if self._freed:
             return []
         results = self.wait_all(timeout)
-        if self._host_bytes:
-            paddle_ops.host_free(self._host_base, self._host_bytes, self._host_pinned)
+        self._release_host()
         self.caches = []
         for stream in (self._input, self._output):
             if isinstance(stream, HostStream):
@@ -297,6 +308,11 @@ class CacheController:
         self.free_cache()
 
     # -- internals ------------------------------------------------------------
+
+    def _release_host(self) -> None:
+        if self._host_base:
+            paddle_ops.host_free(self._host_base, self._host_bytes, self._host_pinned)
+            self._host_base = 0
 
     def _make_streams(self, gpu_index: int | None) -> None:
         self._input: Stream
@@ -342,7 +358,7 @@ class CacheController:
                 self._host_base = paddle_ops.host_alloc(
                     self._host_bytes, self.numa_node, pin=self._host_pinned
                 )
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:  # refused, or a node we may not use
                 if self.numa_node < 0:
                     raise
                 log.warning(
@@ -379,8 +395,12 @@ class CacheController:
                 raise ValueError(
                     f"transfer {meta.transfer_id}: {name} contain {bad}, outside [0, {limit})"
                 )
-        if np.unique(dst_ids).size != dst_ids.size:
-            raise ValueError(f"transfer {meta.transfer_id}: duplicate destination block ids")
+        unique, counts = np.unique(dst_ids, return_counts=True)
+        if unique.size != dst_ids.size:
+            raise ValueError(
+                f"transfer {meta.transfer_id}: dst_block_ids lists block "
+                f"{unique[counts > 1][0]} more than once"
+            )
         if self.transfers.is_inflight(meta.transfer_id):
             raise ValueError(f"transfer_id: {meta.transfer_id} is already in flight")
         return device, host

@@ -12,6 +12,7 @@ events, never a host synchronize.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from fastkv.metadata import TransferResult
@@ -144,8 +145,9 @@ class LayerDoneCounter:
         return self._status is not None and self._status.error is not None
 
     def is_layer_done(self, layer: int) -> bool:
+        """Would `wait_for_layer(layer)` return without waiting?"""
         self._check_layer(layer)
-        return not self._events or self._events[layer].query()
+        return all(event.query() for event in self._waits(layer))
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Block the calling thread until layer `layer` is loaded (and the step's
@@ -318,15 +320,17 @@ class TransferManager:
         """Wait until every in-flight transfer has finished; return their results.
 
         Raises:
-            TransferTimeoutError: some transfer is still running after `timeout`
-                seconds (those that finished are retired; poll later for the rest).
+            TransferTimeoutError: something is still running after `timeout` seconds
+                in all. Nothing is retired then: `poll` reports every result later.
         """
-        results = []
-        for tid in list(self._inflight):
-            if not self._inflight[tid].done.synchronize(timeout):
-                raise TransferTimeoutError(f"transfer {tid} not finished after {timeout} s")
-            results.append(self._retire(tid))
-        return results
+        deadline = time.monotonic() + timeout
+        for tid, t in self._inflight.items():
+            if not t.done.synchronize(max(0.0, deadline - time.monotonic())):
+                raise TransferTimeoutError(
+                    f"transfer {tid} not finished after {timeout} s "
+                    f"({len(self._inflight)} in flight; poll for their results later)"
+                )
+        return [self._retire(tid) for tid in list(self._inflight)]
 
     def _order(
         self,

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fastkv.engine.config import EngineConfig
@@ -104,3 +105,30 @@ def test_the_scheduler_side_never_imports_paddle() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def _result(outputs: dict[str, list[int]], logits: dict[str, list[float]], rejected=()):
+    from fastkv.engine.scheduler import RunResult
+
+    return RunResult(
+        EngineConfig(),
+        "cpu",
+        outputs,
+        {rid: np.asarray(v, dtype=np.float32).tobytes() for rid, v in logits.items()},
+        0.0,
+        0,
+        rejected={rid: "too large" for rid in rejected},
+    )
+
+
+def test_compare_rejects_nan_logits_and_runs_that_compared_nothing() -> None:
+    same = _result({"a": [1, 2]}, {"a": [0.5, 1.0]})
+    assert compare(same, same).identical_outputs
+    nan = _result({"a": [1, 2]}, {"a": [float("nan"), 1.0]})
+    assert not compare(nan, same).identical_outputs
+    assert not compare(_result({"a": [1, 3]}, {"a": [0.5, 1.0]}), same).identical_outputs
+    nothing = _result({"a": []}, {}, rejected=["a"])
+    cmp = compare(nothing, nothing)
+    assert cmp.compared == 0 and not cmp.identical_outputs
+    assert "no request ran" in cmp.problems[0]
+    assert not compare(nothing, same).identical_outputs  # rejected in one run only

@@ -532,3 +532,19 @@ def test_ctypes_binding_exposes_the_documented_abi() -> None:
     assert core._lib.fkv_abi_version() == core.ABI_VERSION
     assert ctypes.sizeof(core.Segment) == 24
     assert core.MIN_ACCESS_BYTES == 4
+
+
+def test_a_host_region_past_the_end_of_its_allocation_is_refused() -> None:
+    """An overstated num_host_blocks would copy past a host_alloc allocation; the
+    registry of live allocations catches it before any byte moves."""
+    device = np.random.default_rng(0).integers(0, 256, 8 * 4096, dtype=np.uint8)
+    host = core.host_alloc(2 * 4096)
+    try:
+        segment = [(device.ctypes.data, host, 4096)]
+        with pytest.raises(ValueError, match=r"num_host_blocks: 1048576 .* run past the end"):
+            core.swap_cpu(segment, 8, 1 << 20, [0], [1 << 19], core.Direction.D2H)
+        core.swap_cpu(segment, 8, 2, [3], [1], core.Direction.D2H)  # within it: fine
+        copied = np.ctypeslib.as_array((ctypes.c_uint8 * 4096).from_address(host + 4096))
+        np.testing.assert_array_equal(copied, device[3 * 4096 : 4 * 4096])
+    finally:
+        core.host_free(host, 2 * 4096, False)

@@ -192,8 +192,9 @@ def test_locked_host_node_is_never_a_host_victim() -> None:
 def test_unlock_below_zero_raises() -> None:
     tree = RadixTree()
     path = cache(tree, ["a"], [0])
-    with pytest.raises(AssertionError, match="negative ref count"):
+    with pytest.raises(AssertionError, match="not locked"):
         tree.unlock(path)
+    assert path[0].ref == 0  # refused before the count went below zero
 
 
 def test_lock_path_covers_ancestors() -> None:

@@ -109,8 +109,9 @@ def test_fp8_scales_and_extra_layers_are_allocated_and_move() -> None:
         (d2h(0, [24], [1]), None, "device ids contain 24"),
         (d2h(0, [-1], [1]), None, "device ids contain -1"),
         (d2h(0, [1], [40]), None, "host ids contain 40"),
-        (d2h(0, [1, 2], [3, 3]), None, "duplicate destination"),
-        (None, h2d(0, [1, 2], [3, 3]), "duplicate destination"),
+        (d2h(0, [1, 2], [3, 3]), None, "dst_block_ids lists block 3 more than once"),
+        (None, h2d(0, [1, 2], [3, 3]), "dst_block_ids lists block 3 more than once"),
+        (d2h(4, [1], [1]), h2d(4, [2], [2]), "transfer_id: 4 used by both"),
         (d2h(0, [1], [1]), h2d(1, [5], [24]), "device ids contain 24"),
     ],
 )

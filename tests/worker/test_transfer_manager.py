@@ -68,6 +68,27 @@ def test_waits_are_bounded(tm: TransferManager) -> None:
     assert [r.success for r in tm.wait_all(timeout=5)] == [True]
 
 
+def test_a_wait_all_that_times_out_loses_no_result(tm: TransferManager) -> None:
+    gate = threading.Event()
+    tm.submit_to_host(1, [0], [0], lambda s: None)  # finishes at once
+    tm.submit_to_host(2, [1], [1], lambda s: gate.wait(5))
+    with pytest.raises(TransferTimeoutError, match="transfer 2"):
+        tm.wait_all(timeout=0.1)
+    gate.set()
+    results = tm.wait_all(timeout=5)
+    assert sorted(r.transfer_id for r in results) == [1, 2]
+
+
+def test_is_layer_done_includes_the_write_guards(tm: TransferManager) -> None:
+    gate = threading.Event()
+    tm.submit_to_host(1, [4], [0], lambda s: gate.wait(5))
+    guarded = tm.guard_writes([4])
+    assert not guarded.is_layer_done(0)
+    gate.set()
+    guarded.wait_for_layer(0, timeout=5)
+    assert guarded.is_layer_done(0)
+
+
 def test_a_failed_layer_fails_the_transfer_and_skips_the_rest(tm: TransferManager) -> None:
     gates = Gates(LAYERS)
 
