@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from fastkv.metadata import TransferResult
-from fastkv.worker.streams import Event, Stream
+from fastkv.worker.streams import DONE, Event, Stream
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -198,23 +198,30 @@ class LayerDoneCounter:
 
 
 class _InFlight:
-    __slots__ = ("device_reads", "device_writes", "done", "host_reads", "host_writes", "status")
+    """One launched transfer: a device-to-host copy reads its device blocks and
+    writes its host blocks; a host-to-device load does the opposite."""
+
+    __slots__ = ("device_ids", "done", "host_ids", "status", "to_host")
 
     def __init__(
         self,
         status: _Status,
         done: Event,
-        device_reads: Sequence[int],
-        device_writes: Sequence[int],
-        host_reads: Sequence[int],
-        host_writes: Sequence[int],
+        to_host: bool,
+        device_ids: Sequence[int],
+        host_ids: Sequence[int],
     ) -> None:
         self.status = status
         self.done = done
-        self.device_reads = device_reads
-        self.device_writes = device_writes
-        self.host_reads = host_reads
-        self.host_writes = host_writes
+        self.to_host = to_host
+        self.device_ids = device_ids
+        self.host_ids = host_ids
+
+    def accesses(self) -> tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[int]]:
+        """(device reads, device writes, host reads, host writes)."""
+        if self.to_host:
+            return self.device_ids, (), (), self.host_ids
+        return (), self.device_ids, self.host_ids, ()
 
 
 class TransferManager:
@@ -261,12 +268,12 @@ class TransferManager:
         self._check_new(transfer_id)
         stream = self.output_stream
         stream.wait_event(self.compute.record())
-        self._order(stream, device_ids, (), (), host_ids)
-        status = _Status()
-        stream.launch(copy, status.fail)
-        done = stream.record()
-        self._track(transfer_id, status, done, device_ids, (), (), host_ids)
-        return done
+        transfer = _InFlight(_Status(), DONE, True, device_ids, host_ids)
+        self._order(stream, transfer)
+        stream.launch(copy, transfer.status.fail)
+        transfer.done = stream.record()
+        self._track(transfer_id, transfer)
+        return transfer.done
 
     def submit_to_device(
         self,
@@ -289,8 +296,10 @@ class TransferManager:
         self._check_new(transfer_id)
         stream = self.input_stream
         stream.wait_event(self.compute.record())
-        self._order(stream, (), device_ids, host_ids, ())
-        status = _Status()
+        transfer = _InFlight(_Status(), DONE, False, device_ids, host_ids)
+        self._order(stream, transfer)
+        guards = self.device_hazards.conflicts((), write_block_ids)  # before our own
+        status = transfer.status
         events: list[Event] = []
         for layer in range(self.num_layers):
 
@@ -300,8 +309,8 @@ class TransferManager:
 
             stream.launch(run, lambda e, layer=layer: status.fail(e, layer))
             events.append(stream.record())
-        self._track(transfer_id, status, events[-1], (), device_ids, host_ids, ())
-        guards = self.device_hazards.conflicts((), write_block_ids)
+        transfer.done = events[-1]
+        self._track(transfer_id, transfer)
         return LayerDoneCounter(
             transfer_id, events, status, self.compute, guards, self.num_layers
         )
@@ -332,40 +341,25 @@ class TransferManager:
                 )
         return [self._retire(tid) for tid in list(self._inflight)]
 
-    def _order(
-        self,
-        stream: Stream,
-        device_reads: Sequence[int],
-        device_writes: Sequence[int],
-        host_reads: Sequence[int],
-        host_writes: Sequence[int],
-    ) -> None:
+    def _order(self, stream: Stream, transfer: _InFlight) -> None:
+        device_reads, device_writes, host_reads, host_writes = transfer.accesses()
         waits = self.device_hazards.conflicts(device_reads, device_writes)
         waits += self.host_hazards.conflicts(host_reads, host_writes)
         for event in waits:
             stream.wait_event(event)
         self.ordering_waits += len(waits)
 
-    def _track(
-        self,
-        transfer_id: int,
-        status: _Status,
-        done: Event,
-        device_reads: Sequence[int],
-        device_writes: Sequence[int],
-        host_reads: Sequence[int],
-        host_writes: Sequence[int],
-    ) -> None:
-        self.device_hazards.add(device_reads, device_writes, done)
-        self.host_hazards.add(host_reads, host_writes, done)
-        self._inflight[transfer_id] = _InFlight(
-            status, done, device_reads, device_writes, host_reads, host_writes
-        )
+    def _track(self, transfer_id: int, transfer: _InFlight) -> None:
+        device_reads, device_writes, host_reads, host_writes = transfer.accesses()
+        self.device_hazards.add(device_reads, device_writes, transfer.done)
+        self.host_hazards.add(host_reads, host_writes, transfer.done)
+        self._inflight[transfer_id] = transfer
 
     def _retire(self, transfer_id: int) -> TransferResult:
         t = self._inflight.pop(transfer_id)
-        self.device_hazards.remove(t.device_reads, t.device_writes, t.done)
-        self.host_hazards.remove(t.host_reads, t.host_writes, t.done)
+        device_reads, device_writes, host_reads, host_writes = t.accesses()
+        self.device_hazards.remove(device_reads, device_writes, t.done)
+        self.host_hazards.remove(host_reads, host_writes, t.done)
         error = t.status.error
         return TransferResult(transfer_id, error is None, error or "")
 
