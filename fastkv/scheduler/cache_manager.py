@@ -1,17 +1,14 @@
 """The scheduler's cache manager: prefix matching, allocation, eviction and swaps.
 
-Request lifecycle (one engine step may touch many requests):
+One engine step (it may touch many requests):
 
     hit = mgr.match(rid, block_hashes)       # lock the cached prefix
     table = mgr.allocate(rid, n_new)         # device blocks for host hits + new blocks
-    ... worker runs the step: swap-ins, then the model writes the new blocks ...
+    tasks = mgr.take_swap_metadata()         # D2H evictions/backups, H2D swap-ins
+    ... the worker runs the swaps, then the model writes the new blocks ...
+    rollbacks = mgr.apply_results(results)   # the TransferResults it reports, then
     mgr.commit(rid, block_hashes)            # the computed full blocks become cached
     mgr.finish(rid)  /  mgr.abort(rid)
-
-and once per step, around the worker:
-
-    tasks = mgr.take_swap_metadata()         # D2H evictions/backups, H2D swap-ins
-    rollbacks = mgr.apply_results(results)   # TransferResults reported by the worker
 
 Block lifetime (Invariant 1): a block leaves its pool when it is allocated and goes
 back only when nothing can read or write it any more. A device block being evicted
