@@ -23,48 +23,31 @@
 typedef struct {
   const Py_buffer *buf; /* NULL when reading a sequence */
   int is_signed;
+  int big_endian; /* the buffer's byte order */
   PyObject **items;
 } token_source;
+
+static uint64_t load_bytes(const unsigned char *p, Py_ssize_t n, int big_endian) {
+  uint64_t x = 0;
+  for (Py_ssize_t k = 0; k < n; k++) {
+    x |= (uint64_t)p[big_endian ? n - 1 - k : k] << (8 * k);
+  }
+  return x;
+}
 
 static int read_token(const token_source *src, Py_ssize_t i, uint32_t *out) {
   long long v;
   if (src->buf != NULL) {
-    const char *p = (const char *)src->buf->buf + i * src->buf->itemsize;
-    if (src->buf->itemsize == 1) {
-      v = src->is_signed ? (long long)*(const int8_t *)p : (long long)*(const uint8_t *)p;
-    } else if (src->buf->itemsize == 2) {
-      if (src->is_signed) {
-        int16_t x;
-        memcpy(&x, p, 2);
-        v = x;
-      } else {
-        uint16_t x;
-        memcpy(&x, p, 2);
-        v = x;
-      }
-    } else if (src->buf->itemsize == 4) {
-      if (src->is_signed) {
-        int32_t x;
-        memcpy(&x, p, 4);
-        v = x;
-      } else {
-        uint32_t x;
-        memcpy(&x, p, 4);
-        *out = x;
-        return 0;
-      }
+    const Py_ssize_t n = src->buf->itemsize;
+    const unsigned char *p = (const unsigned char *)src->buf->buf + i * n;
+    const uint64_t raw = load_bytes(p, n, src->big_endian);
+    if (src->is_signed) {
+      const int shift = 64 - 8 * (int)n; /* sign-extend from n bytes */
+      v = (long long)((int64_t)(raw << shift) >> shift);
     } else {
-      if (src->is_signed) {
-        int64_t x;
-        memcpy(&x, p, 8);
-        v = x;
-      } else {
-        uint64_t x;
-        memcpy(&x, p, 8);
-        if (x > UINT32_MAX) goto range_error;
-        *out = (uint32_t)x;
-        return 0;
-      }
+      if (raw > UINT32_MAX) goto range_error;
+      *out = (uint32_t)raw;
+      return 0;
     }
   } else {
     PyObject *item = src->items[i];
@@ -76,9 +59,19 @@ static int read_token(const token_source *src, Py_ssize_t i, uint32_t *out) {
       return 0;
     }
 #endif
+    if (PyBool_Check(item)) {
+      PyErr_Format(PyExc_TypeError, "tokens: position %zd: booleans are not token ids", i);
+      return -1;
+    }
     int overflow = 0;
-    v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (v == -1 && PyErr_Occurred()) return -1;
+    v = PyLong_AsLongLongAndOverflow(item, &overflow); /* any __index__ */
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Format(PyExc_TypeError, "tokens: position %zd: expected an int, got %s", i,
+                     Py_TYPE(item)->tp_name);
+      }
+      return -1;
+    }
     if (overflow) goto range_error;
   }
   if (v < 0 || v > (long long)UINT32_MAX) goto range_error;
@@ -93,19 +86,31 @@ static int open_tokens(PyObject *tokens, Py_buffer *view, token_source *src,
                        PyObject **fast, Py_ssize_t *count) {
   src->buf = NULL;
   src->is_signed = 0;
+  src->big_endian = 0;
   src->items = NULL;
   *fast = NULL;
+  if (PyBytes_Check(tokens) || PyByteArray_Check(tokens) || PyUnicode_Check(tokens)) {
+    PyErr_Format(PyExc_TypeError, "tokens: expected integer token ids, got %s (text, not ids)",
+                 Py_TYPE(tokens)->tp_name);
+    return -1;
+  }
   if (PyObject_CheckBuffer(tokens) &&
       PyObject_GetBuffer(tokens, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
     const char *fmt = view->format ? view->format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    src->big_endian = (*(const uint16_t *)"\x01\x00") != 1; /* the machine's order */
+    if (*fmt == '>' || *fmt == '!' || *fmt == '<') {
+      src->big_endian = *fmt != '<';
+      fmt++;
+    } else if (*fmt == '=' || *fmt == '@') {
+      fmt++;
+    }
     int ok = fmt[0] != '\0' && fmt[1] == '\0' && strchr("bBhHiIlLqQ", fmt[0]) != NULL &&
              (view->itemsize == 1 || view->itemsize == 2 || view->itemsize == 4 ||
               view->itemsize == 8);
-    if (!ok) {
-      PyBuffer_Release(view);
-      PyErr_Format(PyExc_TypeError, "tokens: buffer must hold integers, got format '%s'",
+    if (!ok || view->ndim > 1) {
+      PyErr_Format(PyExc_TypeError, "tokens: expected a 1-D integer array, got format '%s'",
                    view->format ? view->format : "B");
+      PyBuffer_Release(view);
       return -1;
     }
     src->buf = view;
@@ -173,7 +178,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
 
   for (Py_ssize_t b = 0; b < num_blocks; b++) {
     const Py_ssize_t base = b * block_size;
-    if (src.buf != NULL && src.buf->itemsize == 4 && !src.is_signed && little) {
+    if (src.buf != NULL && src.buf->itemsize == 4 && !src.is_signed && !src.big_endian && little) {
       memcpy(words, (const char *)src.buf->buf + base * 4, (size_t)block_size * 4);
     } else {
       for (Py_ssize_t t = 0; t < block_size; t++) {
@@ -209,6 +214,14 @@ static PyObject *chain(PyObject *self, PyObject *args) {
       goto done;
     }
     PyList_SET_ITEM(result, b, item);
+  }
+  /* The partial tail is not hashed, but it is part of the input: check it too. */
+  for (Py_ssize_t t = num_blocks * block_size; t < count; t++) {
+    uint32_t w;
+    if (read_token(&src, t, &w) < 0) {
+      Py_CLEAR(result);
+      goto done;
+    }
   }
 
 done:

@@ -7,14 +7,21 @@
 
 Equal token prefixes under the same namespace give equal digests in every process
 (Python's `hash()` is never involved), a block's digest commits to every block
-before it, and only full blocks are hashed. The per-block loop runs in the
+before it, and only full blocks are hashed.
+
+Tokens (one definition, enforced by both loops): a 1-D numpy array of any integer
+dtype and byte order, another buffer of integers (`array.array`), or a sequence of
+ints; every token id in [0, 2**32). Booleans, floats, `bytes`, `bytearray` and `str`
+are refused with TypeError, an id out of range with ValueError, and the whole input
+is checked, the partial tail included. The per-block loop runs in the
 `fastkv._chain_hash` C extension when it is built and in `_chain_py` otherwise; the
-two produce identical bytes.
+two accept and refuse the same inputs and produce identical bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -29,6 +36,7 @@ ExtraKey = bytes | str | int | Sequence["ExtraKey"]
 Tokens = Sequence[int] | np.ndarray
 
 DIGEST_BYTES = 32
+MAX_BLOCK_SIZE = 1 << 20  # the bound CacheConfig puts on block_size
 
 
 def namespace_root(namespace: str) -> BlockHash:
@@ -72,19 +80,26 @@ def hash_blocks(
     first_block: int = 0,
 ) -> list[BlockHash]:
     """Chained digests of every full block of `tokens`; a trailing partial block is
-    ignored.
+    checked but not hashed.
 
     Args:
         parent: digest of the block before `tokens[0]` (or a request root).
-        tokens: token ids in [0, 2**32), as a sequence or an integer array.
-        block_size: tokens per block.
+        tokens: token ids (see the module docstring for what is accepted).
+        block_size: tokens per block, in [1, 2**20].
         extra_keys: optional extra key per block index (multimodal hashes, ...),
-            indexed from `first_block`.
+            indexed from `first_block`; keys of blocks this call does not hash
+            (earlier blocks, the partial tail) play no part. `BlockHasher` keeps
+            keys across calls and never loses one.
         first_block: the block index of `tokens[0]` within its request.
 
     Raises:
-        ValueError: a token id is out of range or `parent` is not a digest.
+        TypeError: `tokens` is not an integer sequence or array, or an extra key
+            has an unsupported type.
+        ValueError: a token id is out of range, `parent` is not a digest, or
+            `block_size` is out of range.
     """
+    check_block_size(block_size)
+    tokens = _token_input(tokens)
     num_blocks = len(tokens) // block_size
     extras = None
     if extra_keys:
@@ -94,6 +109,27 @@ def hash_blocks(
             else None
             for i in range(num_blocks)
         ]
+    return _chain(parent, tokens, block_size, num_blocks, extras)
+
+
+def check_block_size(block_size: object) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ValueError(
+            f"block_size: must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}"
+        )
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size: {block_size} is outside the allowed range [1, {MAX_BLOCK_SIZE}]"
+        )
+
+
+def _chain(
+    parent: bytes,
+    tokens: Tokens,
+    block_size: int,
+    num_blocks: int,
+    extras: list[bytes | None] | None,
+) -> list[BlockHash]:
     if _chain_native is not None:
         return _chain_native(parent, tokens, block_size, num_blocks, extras)
     return _chain_py(parent, tokens, block_size, num_blocks, extras)
@@ -106,10 +142,12 @@ def _chain_py(
     num_blocks: int,
     extras: list[bytes | None] | None,
 ) -> list[BlockHash]:
+    """The reference loop: what `fastkv._chain_hash.chain` computes, in Python."""
     if len(parent) != DIGEST_BYTES:
         raise ValueError(f"parent: must be {DIGEST_BYTES} bytes, got {len(parent)}")
-    words = np.asarray(tokens[: num_blocks * block_size])
-    _check_token_array(words)
+    words = _token_words(tokens)
+    if num_blocks * block_size > len(words):
+        raise ValueError("num_blocks: more blocks than full blocks of tokens")
     data = memoryview(words.astype("<u4", copy=False).tobytes())
     step = block_size * 4
     digests = []
@@ -124,55 +162,147 @@ def _chain_py(
     return digests
 
 
-def _check_token_array(words: np.ndarray) -> None:
-    if not words.size:
-        return
-    if words.dtype.kind == "O":  # Python ints too large for any numpy integer type
-        if not all(isinstance(t, int) for t in words.tolist()):
-            raise TypeError("tokens: expected integers")
-    elif words.dtype.kind not in "iu":
-        raise TypeError(f"tokens: expected integers, got {words.dtype}")
-    if words.min() < 0 or words.max() >= 2**32:
-        raise ValueError("tokens: a token id is outside [0, 2**32)")
+def _token_words(tokens: object) -> np.ndarray:
+    """Every token of `tokens` as an int64 array, checked against the definition in
+    the module docstring: the pure-Python loop's check (the C loop enforces the same
+    rules item by item)."""
+    tokens = _token_input(tokens)
+    if isinstance(tokens, np.ndarray):
+        words = tokens
+        if words.size and (words.min() < 0 or words.max() >= 2**32):
+            raise ValueError("tokens: a token id is outside [0, 2**32)")
+        return words.astype(np.int64, copy=False)
+    values = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool):
+            raise TypeError(f"tokens: position {i}: booleans are not token ids")
+        try:
+            v = operator.index(t)  # refuses floats, strings, numpy bools
+        except TypeError:
+            raise TypeError(
+                f"tokens: position {i}: expected an int, got {type(t).__name__}"
+            ) from None
+        if not 0 <= v < 2**32:
+            raise ValueError("tokens: a token id is outside [0, 2**32)")
+        values.append(v)
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _token_input(tokens: object) -> np.ndarray | Sequence[int]:
+    """The container check shared by both loops (O(1), items are checked by the
+    loops): a 1-D integer array in native byte order, or a list, tuple or range."""
+    if isinstance(tokens, (list, tuple, range)):
+        return tokens
+    if isinstance(tokens, (bytes, bytearray, str)):
+        raise TypeError(
+            f"tokens: expected integer token ids, got {type(tokens).__name__} (text, not ids)"
+        )
+    if isinstance(tokens, np.ndarray) or _is_buffer(tokens):
+        words = np.asarray(tokens)
+        if words.ndim != 1 or words.dtype.kind not in "iu":
+            raise TypeError(
+                f"tokens: expected a 1-D integer array, got {words.dtype} {words.shape}"
+            )
+        if not words.dtype.isnative:
+            words = words.astype(words.dtype.newbyteorder("="))
+        return np.ascontiguousarray(words)
+    if isinstance(tokens, Sequence):
+        return list(tokens)
+    raise TypeError(f"tokens: expected a sequence of ints, got {type(tokens).__name__}")
+
+
+def _is_buffer(obj: object) -> bool:
+    try:
+        memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 class BlockHasher:
     """Incremental block hashes of one request: appending tokens hashes only the
     blocks they complete.
 
+    Extra keys (multimodal hashes) belong to a block index and stay with it until
+    the block is hashed, however many appends that takes; a key can be given again
+    (the same value is a no-op), but a different key for a block, or a key for a
+    block already hashed without it, is refused.
+
     Args:
-        block_size: tokens per block.
+        block_size: tokens per block, in [1, 2**20].
         root: `namespace_root(...)`, optionally through `request_root(...)`.
+
+    Raises:
+        ValueError: `block_size` out of range or `root` not a digest.
     """
 
-    __slots__ = ("_pending", "_root", "block_size", "hashes")
+    __slots__ = ("_keys", "_pending", "_root", "block_size", "hashes")
 
     def __init__(self, block_size: int, root: BlockHash) -> None:
-        if len(root) != DIGEST_BYTES:
-            raise ValueError(f"root: must be {DIGEST_BYTES} bytes, got {len(root)}")
+        check_block_size(block_size)
+        if not isinstance(root, bytes) or len(root) != DIGEST_BYTES:
+            raise ValueError(f"root: must be {DIGEST_BYTES} bytes, got {root!r:.40}")
         self.block_size = block_size
         self.hashes: list[BlockHash] = []
         self._root = root
-        self._pending: list[int] = []
+        self._pending: list[int] = []  # tokens of the partial block
+        self._keys: dict[int, bytes] = {}  # block index -> encoded extra key
 
     def append(
         self, tokens: Tokens, extra_keys: Mapping[int, ExtraKey] | None = None
     ) -> list[BlockHash]:
         """Add tokens; return the digests of the blocks they complete.
 
-        `extra_keys` is indexed by absolute block index within the request.
+        Args:
+            tokens: the request's next token ids.
+            extra_keys: extra key per absolute block index within the request; a
+                key for a block that is still partial (or not started) is kept
+                until that block is hashed.
+
+        Raises:
+            TypeError, ValueError: bad tokens or keys; nothing is added.
         """
+        keys = self._merge_keys(extra_keys) if extra_keys else self._keys
+        tokens = _token_input(tokens)
         if self._pending:
-            more = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
-            tokens = self._pending + more
+            if isinstance(tokens, np.ndarray):  # int64 keeps every id, bad ones too
+                tokens = np.concatenate(
+                    (np.asarray(self._pending, np.int64), tokens.astype(np.int64))
+                )
+            else:
+                tokens = self._pending + list(tokens)
+        first = len(self.hashes)
+        num_blocks = len(tokens) // self.block_size
+        extras = [keys.get(first + i) for i in range(num_blocks)] if keys else None
         parent = self.hashes[-1] if self.hashes else self._root
-        new = hash_blocks(parent, tokens, self.block_size, extra_keys, len(self.hashes))
-        rest = tokens[len(new) * self.block_size :]
-        rest = rest.tolist() if isinstance(rest, np.ndarray) else list(rest)
-        _check_token_array(np.asarray(rest))  # the partial block is not hashed yet
+        # Checks every token, the partial tail included, before anything changes.
+        new = _chain(parent, tokens, self.block_size, num_blocks, extras)
+        rest = tokens[num_blocks * self.block_size :]
         self.hashes.extend(new)
-        self._pending = rest
+        self._pending = rest.tolist() if isinstance(rest, np.ndarray) else list(rest)
+        self._keys = keys
         return new
+
+    def _merge_keys(self, extra_keys: Mapping[int, ExtraKey]) -> dict[int, bytes]:
+        merged = dict(self._keys)
+        for index, key in extra_keys.items():
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
+                raise ValueError(f"extra_keys: block index {index!r} is not an int >= 0")
+            index = int(index)
+            encoded = encode_extra_key(key)
+            known = merged.get(index)
+            if known == encoded:
+                continue
+            if known is not None:
+                raise ValueError(f"extra_keys[{index}]: block {index} already has another key")
+            if index < len(self.hashes):
+                raise ValueError(
+                    f"extra_keys[{index}]: block {index} was hashed without this key "
+                    f"({len(self.hashes)} blocks hashed); give a block's key no later "
+                    "than the append that completes it"
+                )
+            merged[index] = encoded
+        return merged
 
     @property
     def num_tokens(self) -> int:

@@ -416,3 +416,144 @@ def test_digests_are_stable_across_processes_and_hash_seeds(path: str) -> None:
     assert len(expected["plain"]) == 5
     for seed, out in outputs.items():
         assert out == expected, f"PYTHONHASHSEED={seed} gave other digests"
+
+
+# -- one definition of valid tokens, on both loops --------------------------------
+
+TOKEN_INPUTS = [
+    ("list", lambda: [1, 2, 3, 4, 5, 6, 7, 8, 9]),
+    ("tuple", lambda: (1, 2, 3, 4, 5, 6, 7, 8, 9)),
+    ("range", lambda: range(100, 109)),
+    ("numpy_int_items", lambda: [np.int64(1), np.uint32(2), 3, 4, 5, 6, 7, 8, 9]),
+    ("int8", lambda: np.arange(9, dtype=np.int8)),
+    ("uint16", lambda: np.arange(9, dtype=np.uint16)),
+    ("uint32", lambda: np.arange(9, dtype=np.uint32) + 2**31),
+    ("int64", lambda: np.arange(9, dtype=np.int64)),
+    ("uint64", lambda: np.arange(9, dtype=np.uint64)),
+    ("big_endian_uint32", lambda: (np.arange(9) + 2**31).astype(">u4")),
+    ("big_endian_int64", lambda: np.arange(9).astype(">i8")),
+    ("little_endian_int16", lambda: np.arange(9).astype("<i2")),
+    ("strided_view", lambda: np.arange(18, dtype=np.int64)[::2]),
+    ("array_I", lambda: array.array("I", range(9))),
+    ("memoryview", lambda: memoryview(np.arange(9, dtype=np.uint32))),
+    ("bool_list", lambda: [True, False, True, 1, 2, 3, 4, 5, 6]),
+    ("bool_in_tail", lambda: [1, 2, 3, 4, 5, 6, 7, 8, True]),
+    ("numpy_bool_item", lambda: [np.True_, 2, 3, 4, 5, 6, 7, 8, 9]),
+    ("bool_array", lambda: np.ones(9, dtype=bool)),
+    ("bytes", lambda: bytes(range(9))),
+    ("bytearray", lambda: bytearray(range(9))),
+    ("str", lambda: "abcdefghi"),
+    ("float_list", lambda: [1.0, 2, 3, 4, 5, 6, 7, 8, 9]),
+    ("float_array", lambda: np.arange(9, dtype=np.float32)),
+    ("object_array", lambda: np.arange(9).astype(object)),
+    ("2d_array", lambda: np.arange(8, dtype=np.int64).reshape(2, 4)),
+    ("none_item", lambda: [1, 2, 3, None, 5, 6, 7, 8, 9]),
+    ("negative", lambda: [1, 2, 3, 4, -1, 6, 7, 8, 9]),
+    ("negative_in_tail", lambda: [1, 2, 3, 4, 5, 6, 7, 8, -1]),
+    ("2**32", lambda: [1, 2, 3, 4, 5, 6, 7, 8, 2**32]),
+    ("int64_2**32", lambda: np.full(9, 2**32, dtype=np.int64)),
+    ("uint64_2**63", lambda: np.full(9, 2**63, dtype=np.uint64)),
+    ("generator", lambda: (t for t in range(9))),
+]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except (TypeError, ValueError) as e:
+        return type(e)
+
+
+@needs_native
+@pytest.mark.parametrize(("name", "make"), TOKEN_INPUTS, ids=[n for n, _ in TOKEN_INPUTS])
+def test_native_and_python_loops_accept_and_refuse_the_same_tokens(
+    name: str, make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same input gives the same digests, or the same error, whichever loop runs:
+    through hash_blocks and through BlockHasher (whose partial tail is checked too)."""
+
+    def both():
+        hasher = BlockHasher(BS, ROOT)
+        return hash_blocks(ROOT, make(), BS, {1: "img"}), hasher.append(make(), {1: "img"})
+
+    native = _outcome(both)
+    monkeypatch.setattr(hashing, "_chain_native", None)
+    python = _outcome(both)
+    assert native == python, name
+    if not isinstance(native, type):  # accepted: digests of the values themselves
+        values = [int(t) for t in make()]
+        assert native[0] == reference(ROOT, values, BS, {1: encode_extra_key("img")})
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**20 + 1, True, 1.5, "4", None], ids=repr)
+def test_block_size_is_validated_like_cache_config(bad) -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher(bad, ROOT)
+    with pytest.raises(ValueError, match="block_size"):
+        hash_blocks(ROOT, tokens(8), bad)
+
+
+def test_a_refused_append_leaves_the_hasher_unchanged() -> None:
+    hasher = BlockHasher(BS, ROOT)
+    hasher.append(tokens(BS + 2, seed=20), {1: "img"})
+    before = (list(hasher.hashes), hasher.num_tokens, dict(hasher._keys), list(hasher._pending))
+    for bad_tokens, keys in [
+        ([1, 2, -3], None),
+        ([1, 2, 3, 4, 5, True], None),
+        ([1, 2], {1: "other image"}),  # block 1 already has a key
+        ([1, 2], {0: "late"}),  # block 0 was hashed without a key
+        ([1, 2], {-1: "x"}),
+        ([1, 2], {3: 1.5}),
+    ]:
+        with pytest.raises((TypeError, ValueError)):
+            hasher.append(bad_tokens, keys)
+        after = (
+            list(hasher.hashes),
+            hasher.num_tokens,
+            dict(hasher._keys),
+            list(hasher._pending),
+        )
+        assert after == before
+
+
+# -- extra keys stay with their block ---------------------------------------------
+
+
+@pytest.mark.parametrize("split", range(1, 2 * BS))
+def test_extra_key_given_while_its_block_is_partial_is_used_when_it_completes(
+    split: int,
+) -> None:
+    """The key arrives with the first tokens of block 1 (or earlier); the block is
+    completed by later appends without keys, as decode does."""
+    toks = tokens(3 * BS, seed=21)
+    expected = hash_blocks(ROOT, toks, BS, {1: "image-A"})
+    hasher = BlockHasher(BS, ROOT)
+    hasher.append(toks[:split], {1: "image-A"})
+    for t in toks[split:]:
+        hasher.append([t])
+    assert hasher.hashes == expected
+    other = BlockHasher(BS, ROOT)
+    other.append(toks[:split], {1: "image-B"})
+    other.append(toks[split:])
+    assert other.hashes[0] == expected[0]  # block 0 has no key
+    assert other.hashes[1] != expected[1] and other.hashes[2] != expected[2]
+
+
+def test_extra_key_for_a_block_not_started_yet_waits_for_it() -> None:
+    toks = tokens(4 * BS, seed=22)
+    hasher = BlockHasher(BS, ROOT)
+    hasher.append(toks[:2], {3: "img"})
+    hasher.append(toks[2:])
+    assert hasher.hashes == hash_blocks(ROOT, toks, BS, {3: "img"})
+
+
+def test_extra_key_given_again_is_a_no_op_and_a_late_key_is_refused() -> None:
+    toks = tokens(3 * BS, seed=23)
+    hasher = BlockHasher(BS, ROOT)
+    hasher.append(toks[: 2 * BS], {1: "img"})
+    hasher.append(toks[2 * BS :], {1: "img"})  # the same key again: fine
+    assert hasher.hashes == hash_blocks(ROOT, toks, BS, {1: "img"})
+    with pytest.raises(ValueError, match=r"extra_keys\[0\].*hashed without"):
+        hasher.append([1], {0: "img"})
+    with pytest.raises(ValueError, match=r"extra_keys\[1\].*another key"):
+        hasher.append([1], {1: "img-2"})
