@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fastkv.config import CacheConfig
 from fastkv.metadata import TransferResult
-from fastkv.scheduler.cache_manager import CacheManager, CacheStats
+from fastkv.scheduler.cache_manager import AllocStatus, CacheManager, CacheStats
 
 TRACE_BLOCK_SIZE = 512
 
@@ -159,20 +159,24 @@ def replay(
         if done:
             apply(done)
 
+    bs = config.block_size
     blocks = 0
     start = time.perf_counter()
     for i, request in enumerate(trace):
         hashes = request.hash_ids
         blocks += len(hashes)
-        hit = mgr.match(i, hashes)
+        # Every id is a cacheable block (the trace's partial last block too, as in
+        # its reference hit rates), so the prompt is its blocks plus one token: the
+        # rule that a prompt's last token is computed then hides no block.
+        hit = mgr.match(i, hashes, len(hashes) * bs + 1)
         need = len(hashes) - hit.num_hits
-        while mgr.allocate(i, need) is None:
-            if not mgr.num_inflight_transfers and not mgr.num_queued_blocks:
+        while not (alloc := mgr.allocate(i, need)):
+            if alloc.status is AllocStatus.NO_SPACE:  # one request at a time: never
                 raise RuntimeError(f"request {i}: no blocks free and none being freed")
             complete_transfers()
         if mgr.num_queued_blocks:  # the step: its swap-ins land before the commit
             complete_transfers()
-        mgr.commit(i, hashes)
+        mgr.commit(i, len(hashes) * bs)
         if mgr.num_queued_blocks:  # backups the commit planned
             complete_transfers()
         mgr.finish(i)

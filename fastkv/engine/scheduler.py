@@ -199,12 +199,9 @@ class EngineScheduler:
             prompt_len = len(r.prompt.tokens)
             if not r.matched:
                 r.matched = True
-                # The last prompt token is always computed: its logits start decoding.
-                cacheable = (
-                    r.hasher.hashes[: (prompt_len - 1) // bs] if cfg.enable_cache else []
-                )
-                hit = self.mgr.match(r.id, cacheable)
-                r.cached_tokens = hit.num_hits * bs
+                hashes = r.hasher.hashes if cfg.enable_cache else []
+                hit = self.mgr.match(r.id, hashes, prompt_len)  # leaves the last token
+                r.cached_tokens = hit.num_cached_tokens
                 r.hits = (hit.num_device_hits * bs, hit.num_host_hits * bs)
                 result.device_hit_tokens += r.hits[0]
                 result.host_hit_tokens += r.hits[1]
@@ -213,7 +210,7 @@ class EngineScheduler:
                 return  # the next step has room
             blocks = -(-(prompt_len + r.prompt.max_new_tokens) // bs)
             try:
-                table = self.mgr.allocate(r.id, blocks - r.cached_tokens // bs)
+                alloc = self.mgr.allocate(r.id, blocks - r.cached_tokens // bs)
             except ValueError as e:  # larger than the whole device pool
                 waiting.pop(0)
                 self.mgr.abort(r.id)
@@ -224,10 +221,10 @@ class EngineScheduler:
                 result.outputs[r.id] = []
                 workload.finished(r.id, [], step)
                 continue
-            if table is None:
-                return  # blocks are being freed; retry next step
+            if not alloc:  # blocks being freed, or held by running requests
+                return  # the step's swaps and finishing requests free them: retry then
             waiting.pop(0)
-            r.table = table
+            r.table = table = alloc.block_table
             running.append(r)
             budget -= new_tokens
             cached_blocks = r.cached_tokens // bs
@@ -268,7 +265,7 @@ class EngineScheduler:
         r.computed = work.start + len(work.tokens)
         r.logits = out.logits
         if self.config.enable_cache:
-            self.mgr.commit(r.id, r.hasher.hashes[: r.computed // self.config.block_size])
+            self.mgr.commit(r.id, r.computed)
         r.generated.append(out.next_token)
         if len(r.generated) >= r.prompt.max_new_tokens:
             running.remove(r)
@@ -278,7 +275,9 @@ class EngineScheduler:
             workload.finished(r.id, r.generated, step)
         else:
             r.tokens.append(out.next_token)
-            r.hasher.append([out.next_token])
+            completed = r.hasher.append([out.next_token])
+            if completed and self.config.enable_cache:
+                self.mgr.append_hashes(r.id, completed)
 
     @staticmethod
     def _recv(conn: object, proc: object, timeout: float = 600.0) -> object:

@@ -5,6 +5,8 @@ Imports neither paddle nor cupy; talks to the worker through `fastkv.metadata`.
 
 from fastkv.scheduler.block_pool import BlockPool, OutOfBlocksError, PoolStats
 from fastkv.scheduler.cache_manager import (
+    Allocation,
+    AllocStatus,
     CacheManager,
     CacheStats,
     MatchResult,
@@ -14,6 +16,8 @@ from fastkv.scheduler.cache_manager import (
 from fastkv.scheduler.radix_tree import NodeState, RadixTree, TreeNode
 
 __all__ = [
+    "AllocStatus",
+    "Allocation",
     "BlockPool",
     "CacheManager",
     "CacheStats",

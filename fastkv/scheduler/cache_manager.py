@@ -1,26 +1,35 @@
 """The scheduler's cache manager: prefix matching, allocation, eviction and swaps.
 
-One engine step (it may touch many requests):
+The manager keeps each request's block hashes (given at `match`, extended with
+`append_hashes` as the request grows), so `commit` takes a count and cannot cache
+the wrong blocks. One engine step (it may touch many requests):
 
-    hit = mgr.match(rid, block_hashes)       # lock the cached prefix
-    table = mgr.allocate(rid, n_new)         # device blocks for host hits + new blocks
+    hit = mgr.match(rid, block_hashes, num_tokens)  # lock the cached prefix
+    alloc = mgr.allocate(rid, n_new)         # device blocks for host hits + new blocks
     tasks = mgr.take_swap_metadata()         # D2H evictions/backups, H2D swap-ins
     ... the worker runs the swaps, then the model writes the new blocks ...
     rollbacks = mgr.apply_results(results)   # the TransferResults it reports, then
-    mgr.commit(rid, block_hashes)            # the computed full blocks become cached
+    mgr.commit(rid, num_computed_tokens)     # the computed full blocks become cached
+    mgr.append_hashes(rid, new_hashes)       # blocks completed by decoded tokens
     mgr.finish(rid)  /  mgr.abort(rid)
+
+`allocate` says what to do when it cannot give blocks now (see `AllocStatus`): wait
+for the transfers it has planned (send `take_swap_metadata()` to the worker and
+apply the results), or free blocks other requests hold. A request that could never
+fit raises.
 
 Block lifetime (Invariant 1): a block leaves its pool when it is allocated and goes
 back only when nothing can read or write it any more. A device block being evicted
 stays allocated until its copy's TransferResult arrives; the host block of a swap-in
-stays with its node (the node keeps its host copy); a transfer locks the path above
-the blocks it moves, so none of them can be evicted while it is in flight.
+stays with its node (the node keeps its host copy); a node whose copy is in flight
+is on no eviction list, so nothing evicts it before the result.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from fastkv.config import CacheConfig, WritePolicy
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
@@ -46,17 +55,51 @@ class MatchResult:
     Attributes:
         num_device_hits: cached blocks usable in place.
         num_host_hits: cached blocks that `allocate` will swap in from host.
+        num_cached_tokens: tokens the engine skips: the hits times the block size
+            (always fewer than the prompt: its last token is computed).
         waiting_on_transfer: the match stopped at a block another request is
             loading; matching again after that transfer completes finds more.
     """
 
     num_device_hits: int
     num_host_hits: int
+    num_cached_tokens: int
     waiting_on_transfer: bool
 
     @property
     def num_hits(self) -> int:
         return self.num_device_hits + self.num_host_hits
+
+
+class AllocStatus(StrEnum):
+    """The outcome of `allocate`, and what the caller does next."""
+
+    ALLOCATED = "allocated"
+    """The blocks are in the request's table."""
+    WAIT_FOR_TRANSFERS = "wait_for_transfers"
+    """The request fits once transfers already planned complete: evictions that
+    free device blocks, or a load of a block it matched. Send `take_swap_metadata()`
+    to the worker, apply the results it reports, then call `allocate` again."""
+    NO_SPACE = "no_space"
+    """Other active requests hold the blocks it needs: finish or preempt (abort) one
+    of them, or wait for one to finish, then call `allocate` again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What `allocate` did. True exactly when the blocks were allocated.
+
+    Attributes:
+        status: see `AllocStatus`.
+        block_table: the request's whole device block table when ALLOCATED, else
+            empty.
+    """
+
+    status: AllocStatus
+    block_table: list[int]
+
+    def __bool__(self) -> bool:
+        return self.status is AllocStatus.ALLOCATED
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +123,18 @@ class Rollback:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
+    """Counters since the manager was created, and the state now.
+
+    `lookup_tokens` counts the prompt tokens given to `match`; the hit counts are
+    blocks found (after the rule that a prompt's last token is computed).
+    `backups_without_room` counts blocks a write-through policy owed a host copy
+    when no host block was free; `backup_retries` counts owed copies made when
+    such a block (or one whose backup failed) was evicted instead.
+    """
+
     block_size: int
     lookup_blocks: int
+    lookup_tokens: int
     device_hit_blocks: int
     host_hit_blocks: int
     device_to_host_blocks: int
@@ -89,6 +142,8 @@ class CacheStats:
     device_to_host_transfers: int
     host_to_device_transfers: int
     backups: int
+    backups_without_room: int
+    backup_retries: int
     device_evictions: int
     host_evictions: int
     failed_transfers: int
@@ -111,14 +166,51 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """Hit blocks per looked-up block."""
         hits = self.device_hit_blocks + self.host_hit_blocks
         return hits / self.lookup_blocks if self.lookup_blocks else 0.0
+
+    @property
+    def hit_token_rate(self) -> float:
+        """Prompt tokens served from the cache per prompt token."""
+        hits = self.device_hit_tokens + self.host_hit_tokens
+        return hits / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+def _hash_list(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+    """A request's hashes as a new list, checked: a sequence of distinct hashables."""
+    if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(
+        block_hashes, Sequence
+    ):
+        raise TypeError(
+            f"block_hashes: expected a sequence of block hashes, got "
+            f"{type(block_hashes).__name__}"
+        )
+    hashes = list(block_hashes)
+    try:
+        distinct = len(set(hashes))
+    except TypeError:
+        bad = next(i for i, h in enumerate(hashes) if not isinstance(h, Hashable))
+        raise TypeError(
+            f"block_hashes[{bad}]: {type(hashes[bad]).__name__} is not hashable"
+        ) from None
+    if distinct != len(hashes):
+        raise ValueError("block_hashes: a hash appears twice (chained hashes never repeat)")
+    return hashes
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: {value} is negative; must be >= 0")
 
 
 class _Request:
     __slots__ = (
         "blocks",
         "done",
+        "hashes",
         "loading",
         "nodes",
         "owns_matched_positions",
@@ -126,8 +218,11 @@ class _Request:
         "rolled_back",
     )
 
-    def __init__(self, request_id: RequestId, nodes: list[TreeNode]) -> None:
+    def __init__(
+        self, request_id: RequestId, hashes: list[BlockHash], nodes: list[TreeNode]
+    ) -> None:
         self.request_id = request_id
+        self.hashes = hashes  # block i's hash, as far as the request has full blocks
         self.nodes = nodes  # locked path; position i holds block i's node
         self.blocks: list[int] = []  # device block table
         self.loading = 0  # blocks of its swap-in whose result has not arrived
@@ -141,12 +236,11 @@ class _Request:
 class _Transfer:
     """Scheduler-side record of one emitted CacheSwapMetadata."""
 
-    __slots__ = ("locks", "nodes", "positions", "requests", "to_host")
+    __slots__ = ("nodes", "positions", "requests", "to_host")
 
-    def __init__(self, to_host: bool, nodes: list[TreeNode], locks: list[TreeNode]) -> None:
+    def __init__(self, to_host: bool) -> None:
         self.to_host = to_host
-        self.nodes = nodes
-        self.locks = locks  # deepest node of each path this transfer locked
+        self.nodes: list[TreeNode] = []
         self.requests: list[_Request] = []  # H2D: per node, the request loading it
         self.positions: list[int] = []  # H2D: per node, its position in that request
 
@@ -171,9 +265,10 @@ class CacheManager:
         self._transfers: dict[int, _Transfer] = {}
         self._next_transfer_id = 0
         # Queued for the next take_swap_metadata().
-        self._d2h = _Transfer(True, [], [])
-        self._h2d = _Transfer(False, [], [])
+        self._d2h = _Transfer(True)
+        self._h2d = _Transfer(False)
         self._lookup_blocks = 0
+        self._lookup_tokens = 0
         self._device_hits = 0
         self._host_hits = 0
         self._d2h_blocks = 0
@@ -181,6 +276,8 @@ class CacheManager:
         self._d2h_transfers = 0
         self._h2d_transfers = 0
         self._backups = 0
+        self._backups_without_room = 0
+        self._backup_retries = 0
         self._device_evictions = 0
         self._host_evictions = 0
         self._failed_transfers = 0
@@ -188,24 +285,44 @@ class CacheManager:
 
     # -- request lifecycle ----------------------------------------------------
 
-    def match(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> MatchResult:
-        """Find and lock the longest cached prefix of a new request.
+    def match(
+        self, request_id: RequestId, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> MatchResult:
+        """Register a new request and lock the longest cached prefix of its blocks.
 
-        Locked blocks cannot be evicted until the request finishes or aborts.
-        Device hits enter the request's block table now; host hits get device
-        blocks (and a planned swap-in) from `allocate`.
+        The manager keeps `block_hashes` for the request's later `commit`s. At most
+        `(num_tokens - 1) // block_size` blocks hit: the prompt's last token is
+        always computed, since its logits start decoding. Locked blocks cannot be
+        evicted until the request finishes or aborts. Device hits enter the
+        request's block table now; host hits get device blocks (and a planned
+        swap-in) from `allocate`.
 
         Args:
             request_id: any hashable id, unique among active requests.
-            block_hashes: the request's chained hashes of full blocks.
+            block_hashes: the chained hashes of the prompt's full blocks, in order
+                (fewer is fine: only hashed blocks are matched and cached).
+            num_tokens: the prompt's length in tokens.
 
         Raises:
-            ValueError: `request_id` is already active.
+            ValueError: `request_id` is already active, `num_tokens` is not an int
+                >= 0, the hashes cover more than `num_tokens` tokens, or a hash
+                appears twice.
+            TypeError: `block_hashes` is not a sequence, or a hash is unhashable.
+            Nothing changes when it raises.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already active")
-        nodes, num_host, waiting = self.tree.match_and_lock(block_hashes)
-        req = _Request(request_id, nodes)
+        hashes = _hash_list(block_hashes)
+        _check_count("num_tokens", num_tokens)
+        bs = self.block_size
+        if len(hashes) * bs > num_tokens:
+            raise ValueError(
+                f"block_hashes: {len(hashes)} full blocks of {bs} tokens are more than "
+                f"num_tokens={num_tokens}"
+            )
+        limit = (num_tokens - 1) // bs if num_tokens else 0
+        nodes, num_host, waiting = self.tree.match_and_lock(hashes, limit)
+        req = _Request(request_id, hashes, nodes)
         self._requests[request_id] = req
         if not num_host:
             req.blocks = [n.device_block for n in nodes]
@@ -216,103 +333,146 @@ class CacheManager:
                 req.blocks.append(node.device_block)
         if self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity:
             self._backup_hot(nodes)
-        self._lookup_blocks += len(block_hashes)
+        self._lookup_blocks += len(hashes)
+        self._lookup_tokens += num_tokens
         self._device_hits += len(nodes) - num_host
         self._host_hits += num_host
-        return MatchResult(len(nodes) - num_host, num_host, waiting)
+        return MatchResult(len(nodes) - num_host, num_host, len(nodes) * bs, waiting)
 
-    def allocate(self, request_id: RequestId, num_new_blocks: int) -> list[int] | None:
+    def append_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
+        """Add the hashes of blocks the request completed since `match` (decoded
+        tokens fill blocks too), so a later `commit` can cache them.
+
+        Raises:
+            ValueError: unknown request, or a hash repeats within `block_hashes`.
+            TypeError: not a sequence, or an unhashable entry. Nothing changes.
+        """
+        req = self._get(request_id)
+        req.hashes.extend(_hash_list(block_hashes))
+
+    def allocate(self, request_id: RequestId, num_new_blocks: int) -> Allocation:
         """Give the request device blocks: one per matched host hit (swapped in with
         the next `take_swap_metadata`) and `num_new_blocks` fresh ones.
 
-        All or nothing. When too few blocks are free even after evicting, nothing is
-        allocated and None is returned: a normal scheduling outcome (evictions whose
-        copies are in flight free blocks once their results are applied). Also None
-        while a matched host hit is being loaded by another request.
+        All or nothing. When too few blocks are free, evictions start (queued for
+        the next `take_swap_metadata`) and the result says what to do:
+        WAIT_FOR_TRANSFERS when the request fits once planned transfers complete,
+        NO_SPACE when other requests hold the blocks it needs (see `AllocStatus`).
 
         Returns:
-            The request's whole device block table, or None (see above).
+            An `Allocation`; `block_table` is the request's whole device block
+            table when allocated.
 
         Raises:
-            ValueError: unknown request, negative count, or a demand larger than the
-                device pool could ever hold.
+            ValueError: unknown request, `num_new_blocks` not an int >= 0, or a
+                demand larger than the device pool could ever hold for this request
+                alone (its table, the device blocks it has matched, its host hits
+                and the new blocks). Nothing changes when it raises.
         """
         req = self._get(request_id)
-        if num_new_blocks < 0:
-            raise ValueError(f"num_new_blocks: must be >= 0, got {num_new_blocks}")
+        _check_count("num_new_blocks", num_new_blocks)
         nodes, blocks = req.nodes, req.blocks
         pending = nodes[len(blocks) :]
         num_swap = 0
+        num_held = len(blocks)
+        loading_elsewhere = False
         for node in pending:
-            if node.state == HOST:
+            state = node.state
+            if state == HOST:
                 num_swap += 1
-            elif node.state == SWAP_TO_DEVICE:
-                return None
+            else:  # on the device below a host hit (after a failed swap-in)
+                num_held += 1
+                loading_elsewhere |= state == SWAP_TO_DEVICE
         need = num_swap + num_new_blocks
         pool = self.device_pool
+        if num_held + need > pool.capacity:
+            raise ValueError(
+                f"num_new_blocks: request {request_id!r} would hold {num_held + need} "
+                f"device blocks ({num_held} held, {num_swap} host hits to load, "
+                f"{num_new_blocks} new), more than the {pool.capacity} device blocks"
+            )
+        if loading_elsewhere:  # a block it matched is still being loaded by another
+            return Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
         if need > pool.num_free:
-            if need + len(blocks) > pool.capacity:
-                raise ValueError(
-                    f"num_new_blocks: request would hold {need + len(blocks)} blocks, "
-                    f"more than the {pool.capacity} device blocks"
-                )
+            if not self._reclaimable(need):  # others hold the blocks: evict nothing
+                return Allocation(AllocStatus.NO_SPACE, [])
             self._evict_device(need - pool.num_free)
             if need > pool.num_free:
-                return None
+                busy = self._transfers or self.num_queued_blocks
+                status = AllocStatus.WAIT_FOR_TRANSFERS if busy else AllocStatus.NO_SPACE
+                return Allocation(status, [])
         ids = pool.allocate(need)
         if num_swap:
             self._plan_swap_in(req, pending, ids)
         else:
             blocks.extend(n.device_block for n in pending)
         blocks.extend(ids[num_swap:])
-        return list(blocks)
+        return Allocation(AllocStatus.ALLOCATED, list(blocks))
 
-    def commit(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
-        """Record that the request's first `len(block_hashes)` blocks hold valid KV
-        (computed or recomputed), making them matchable by later requests.
+    def commit(self, request_id: RequestId, num_computed_tokens: int) -> None:
+        """Record that the request's first `num_computed_tokens` token positions hold
+        valid KV (computed or recomputed): its full blocks among them become
+        matchable by later requests, keyed by the hashes the manager holds.
 
-        Idempotent for blocks already committed; pass the whole hash list each time.
-        Apply the step's TransferResults first: a block computed on top of a swap-in
-        that then failed would be garbage, so committing while the request's swap-in
-        has no result yet is refused.
+        Idempotent: committing fewer blocks than before changes nothing. Apply the
+        step's TransferResults first: a block computed on top of a swap-in that then
+        failed would be garbage, so committing while the request's swap-in has no
+        result yet is refused.
 
         Raises:
-            ValueError: unknown request, more hashes than allocated blocks, or the
-                request's swap-in has no result yet.
+            ValueError: unknown request; `num_computed_tokens` not an int >= 0; it
+                fills more blocks than are allocated, or more than the request's
+                known hashes (`append_hashes` adds hashes of blocks completed after
+                `match`); the request's swap-in has no result yet; or a hash is
+                already cached under another prefix (not a chained hash). Nothing
+                changes when it raises.
         """
         req = self._get(request_id)
+        _check_count("num_computed_tokens", num_computed_tokens)
         if req.loading:
             raise ValueError(
                 f"request_id: {request_id!r} has a swap-in without a result yet; "
                 "apply its TransferResult before committing"
             )
         nodes, blocks = req.nodes, req.blocks
-        if len(block_hashes) > len(blocks):
+        num_blocks = num_computed_tokens // self.block_size
+        if num_blocks > len(blocks):
             raise ValueError(
-                f"block_hashes: {len(block_hashes)} hashes but only {len(blocks)} "
-                f"blocks allocated to request {request_id!r}"
+                f"num_computed_tokens: {num_computed_tokens} tokens fill {num_blocks} "
+                f"blocks, but request {request_id!r} has {len(blocks)} blocks allocated"
             )
-        if req.rolled_back:
-            self._readopt(req, len(block_hashes))
+        if num_blocks > len(req.hashes):
+            raise ValueError(
+                f"num_computed_tokens: {num_computed_tokens} tokens fill {num_blocks} "
+                f"blocks, but only {len(req.hashes)} block hashes of request "
+                f"{request_id!r} are known; add the hashes of blocks completed after "
+                "match with append_hashes"
+            )
         start = len(nodes)
-        if len(block_hashes) <= start:
-            return
-        parent = nodes[-1] if nodes else self.tree.root
-        end = len(block_hashes)
-        path, existing = self.tree.insert(parent, block_hashes[start:], blocks[start:end])
-        nodes.extend(path)
-        created = path
-        if existing:
-            for i in existing:
-                node = path[i]
-                if node.state == HOST:  # cached on host only: adopt our device copy
-                    self.tree.attach_device(node, blocks[start + i], loading=False)
-                else:  # cached on device concurrently: ours stays private
-                    req.owns_matched_positions = True
-            skip = set(existing)
-            created = [n for i, n in enumerate(path) if i not in skip]
-        if created and self._policy is WritePolicy.WRITE_THROUGH and self.host_pool.capacity:
-            self._backup(created)
+        if num_blocks > start:
+            parent = nodes[-1] if nodes else self.tree.root
+            # Raises before changing anything when a hash is cached elsewhere.
+            path, existing = self.tree.insert(
+                parent, req.hashes[start:num_blocks], blocks[start:num_blocks]
+            )
+            nodes.extend(path)
+            created = path
+            if existing:
+                for i in existing:
+                    node = path[i]
+                    if node.state == HOST:  # cached on host only: adopt our device copy
+                        self.tree.attach_device(node, blocks[start + i], loading=False)
+                    else:  # cached on device concurrently: ours stays private
+                        req.owns_matched_positions = True
+                created = path[len(existing) :]
+            if (
+                created
+                and self._policy is WritePolicy.WRITE_THROUGH
+                and self.host_pool.capacity
+            ):
+                self._backup(created)
+        if req.rolled_back:
+            self._readopt(req, num_blocks)
 
     def finish(self, request_id: RequestId) -> None:
         """Release a finished request: its committed blocks stay cached (evictable
@@ -345,12 +505,12 @@ class CacheManager:
         evict = swap_in = None
         d2h, h2d = self._d2h, self._h2d
         if d2h.nodes:
-            self._d2h = _Transfer(True, [], [])
+            self._d2h = _Transfer(True)
             evict = self._emit(d2h, CacheLevel.DEVICE, CacheLevel.HOST)
             self._d2h_transfers += 1
             self._d2h_blocks += len(d2h.nodes)
         if h2d.nodes:
-            self._h2d = _Transfer(False, [], [])
+            self._h2d = _Transfer(False)
             swap_in = self._emit(h2d, CacheLevel.HOST, CacheLevel.DEVICE)
             self._h2d_transfers += 1
             self._h2d_blocks += len(h2d.nodes)
@@ -366,12 +526,15 @@ class CacheManager:
         was loading them gets a `Rollback` naming the positions to recompute.
 
         Raises:
+            TypeError: an entry is not a TransferResult.
             ValueError: a transfer id that is unknown, already applied or listed
-                twice; nothing in the batch is applied.
+                twice. Nothing in the batch is applied when it raises.
         """
         results = list(results)
         seen: set[int] = set()
         for result in results:  # all or nothing: check the whole batch first
+            if not isinstance(result, TransferResult):
+                raise TypeError(f"results: expected TransferResult, got {result!r:.80}")
             if result.transfer_id not in self._transfers or result.transfer_id in seen:
                 raise ValueError(
                     f"transfer_id: {result.transfer_id} is unknown or already applied"
@@ -386,8 +549,6 @@ class CacheManager:
                 self._finish_to_host(transfer, result.success)
             else:
                 self._finish_to_device(transfer, result.success, rollbacks)
-            for node in transfer.locks:
-                self.tree.unlock_path(node)
         self._rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 
@@ -404,6 +565,7 @@ class CacheManager:
         return CacheStats(
             block_size=self.block_size,
             lookup_blocks=self._lookup_blocks,
+            lookup_tokens=self._lookup_tokens,
             device_hit_blocks=self._device_hits,
             host_hit_blocks=self._host_hits,
             device_to_host_blocks=self._d2h_blocks,
@@ -411,6 +573,8 @@ class CacheManager:
             device_to_host_transfers=self._d2h_transfers,
             host_to_device_transfers=self._h2d_transfers,
             backups=self._backups,
+            backups_without_room=self._backups_without_room,
+            backup_retries=self._backup_retries,
             device_evictions=self._device_evictions,
             host_evictions=self._host_evictions,
             failed_transfers=self._failed_transfers,
@@ -425,6 +589,23 @@ class CacheManager:
         )
 
     # -- internals ------------------------------------------------------------
+
+    def _reclaimable(self, need: int) -> bool:
+        """Will `need` device blocks be free once the transfers in flight or queued
+        complete (and evictions run), if no request releases any?
+
+        Every device block no active request holds counts: free ones, those being
+        evicted, unlocked cached ones (leaves first), and those whose copy outlived
+        its request.
+        """
+        tree = self.tree
+        count = self.device_pool.num_free + tree.num_evicting + tree.num_unlocked_device
+        if count >= need:
+            return True
+        for transfer in (*self._transfers.values(), self._d2h, self._h2d):
+            for node in transfer.nodes:
+                count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
+        return count >= need
 
     def _get(self, request_id: RequestId) -> _Request:
         req = self._requests.get(request_id)
@@ -447,7 +628,6 @@ class CacheManager:
     def _plan_swap_in(self, req: _Request, pending: list[TreeNode], ids: list[int]) -> None:
         h2d = self._h2d
         blocks = req.blocks
-        deepest = None
         i = 0
         for node in pending:
             if node.state == HOST:
@@ -457,11 +637,7 @@ class CacheManager:
                 h2d.requests.append(req)
                 h2d.positions.append(len(blocks))
                 req.loading += 1
-                deepest = node
             blocks.append(node.device_block)
-        assert deepest is not None
-        self.tree.lock_path(deepest)
-        h2d.locks.append(deepest)
 
     def _readopt(self, req: _Request, num_valid: int) -> None:
         """The engine recomputed blocks whose swap-in failed: their nodes take the
@@ -488,25 +664,27 @@ class CacheManager:
             self._backup(hot)
 
     def _backup(self, nodes: list[TreeNode]) -> None:
-        """Queue device-to-host copies of `nodes` (root side first, one path)."""
+        """Queue device-to-host copies of `nodes` (root side first). Blocks that find
+        no host room stay device-only; they get their copy if they are evicted."""
         host_ids = self._take_host_blocks(len(nodes))
+        self._backups_without_room += len(nodes) - len(host_ids)
         if not host_ids:
             return
         d2h = self._d2h
         for node, host_block in zip(nodes, host_ids, strict=False):
             self.tree.start_backup(node, host_block)
             d2h.nodes.append(node)
-        deepest = nodes[len(host_ids) - 1]
-        self.tree.lock_path(deepest)
-        d2h.locks.append(deepest)
         self._backups += len(host_ids)
 
     def _evict_device(self, num_blocks: int) -> None:
         """Start freeing `num_blocks` device blocks, least recently used leaves first.
 
-        A block with a host copy is dropped at once; one that must be kept (policy
-        write_back, or a node whose children live on host) is copied to host and
-        freed when the copy completes; any other is discarded.
+        A block with a host copy is dropped at once; one that must be kept is copied
+        to host and freed when the copy completes; any other is discarded. A block
+        must be kept when the policy owes it a host copy (every block under
+        write_back and write_through, a hot one under write_through_selective: a
+        write-through backup that found no room or failed is retried here, once)
+        or when its children live on host.
         """
         deficit = num_blocks - self.tree.num_evicting
         if deficit <= 0:
@@ -517,7 +695,9 @@ class CacheManager:
             self._device_evictions += len(freed)
             self.device_pool.free(freed)
             return
-        copy_all = self._policy is WritePolicy.WRITE_BACK
+        policy = self._policy
+        copy_all = policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
+        threshold = self.config.selective_threshold
         freed = []
         while len(freed) < deficit:
             node = tree.pop_device_victim()
@@ -525,12 +705,13 @@ class CacheManager:
                 break
             if node.host_block >= 0:  # backed up already: just drop the device copy
                 freed.append(tree.detach_device(node))
-            elif copy_all or node.num_children:  # keep it, on host
+            elif (owed := copy_all or node.hits >= threshold) or node.num_children:
                 host = self._take_host_blocks(1)
                 if host:
                     tree.start_eviction(node, host[0])
                     self._d2h.nodes.append(node)
                     self._device_evictions += 1
+                    self._backup_retries += owed and policy is not WritePolicy.WRITE_BACK
                     deficit -= 1
                 elif node.num_children:  # no host room, and its children need it
                     tree.restore_device_victim(node)
@@ -614,8 +795,10 @@ class CacheManager:
 
         Raises:
             AssertionError: free + used != capacity in a pool, a block id owned
-                twice or leaked, a lock count that does not match its holders, an
-                in-flight block back in its pool, or a tree list invariant broken.
+                twice or leaked, a lock count that does not match the requests
+                holding the node, a request whose nodes are not its hashes' path, a
+                moving node in no transfer (or in two), an in-flight block back in
+                its pool, or a tree list invariant broken.
         """
         self.tree.check()
         expected_ref: dict[TreeNode, int] = {}
@@ -633,20 +816,28 @@ class CacheManager:
                 assert node.host_block not in host_owner, f"host block {node.host_block} twice"
                 host_owner[node.host_block] = node
         for req in self._requests.values():
-            for node in req.nodes:
+            parent = self.tree.root
+            for pos, node in enumerate(req.nodes):
                 expected_ref[node] = expected_ref.get(node, 0) + 1
+                assert node.parent is parent and node.key == req.hashes[pos], (
+                    f"request {req.request_id!r}: node {pos} is not its hash path"
+                )
+                parent = node
             for pos, block in enumerate(req.blocks):
                 if pos >= len(req.nodes) or req.nodes[pos].device_block != block:
                     own(block, req.request_id)
+        moving: set[TreeNode] = set()
         for transfer in [*self._transfers.values(), self._d2h, self._h2d]:
-            for lock in transfer.locks:
-                for node in self.tree.path_to(lock):
-                    expected_ref[node] = expected_ref.get(node, 0) + 1
             expected = (SWAP_TO_HOST, BACKUP_TO_HOST) if transfer.to_host else (SWAP_TO_DEVICE,)
             for node in transfer.nodes:
                 assert node.state in expected, f"{node} in a transfer but not moving"
+                assert node not in moving, f"{node} in two transfers"
+                moving.add(node)
                 assert self.device_pool.is_allocated(node.device_block), node
                 assert self.host_pool.is_allocated(node.host_block), node
+        for node in self.tree:
+            if node.state in (SWAP_TO_HOST, BACKUP_TO_HOST, SWAP_TO_DEVICE):
+                assert node in moving, f"{node} is moving in no transfer"
         for node in self.tree:
             assert node.ref == expected_ref.get(node, 0), (
                 f"{node}: ref {node.ref}, holders {expected_ref.get(node, 0)}"

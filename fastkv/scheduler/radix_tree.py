@@ -7,19 +7,25 @@ children of every node are therefore found by hash in one tree-wide dict (a chil
 of its children. One dict per node cost twice the time per block at 100,000 cached
 blocks, from memory traffic alone.
 
-Eviction order. A lock (`ref`) always covers a node *and all its ancestors*: the
-scheduler locks a request's whole path, and an in-flight swap-in or backup locks the
-path above the blocks it moves. Unlocking walks a path deepest-first and appends each
-node whose count drops to zero to the tail of its tier's LRU list. So, with no
-timestamps and no search, every list is ordered by last use (release time), oldest
-first, and a node's descendants come before it: the head of the device list is the
-least recently used device leaf.
+Eviction order. A lock (`ref`) counts the requests holding a node, and a request
+always locks its whole path: the matched prefix at `match`, the blocks it caches at
+`commit`. Unlocking walks a path deepest-first and appends each node whose count
+drops to zero to the tail of its tier's LRU list. So, with no timestamps and no
+search, every list is ordered by last use (release time), oldest first, and a
+node's descendants come before it: the head of the device list is the least
+recently used device leaf.
 
-Failed transfers can disturb that order (a block whose eviction failed goes back to
-the head; one revived by a request meanwhile may have gained children). So victims
-are checked where they are taken: a node that still has a child holding a copy in
-that tier is parked instead of evicted, and goes back to the head of its list when
-that last child leaves. Only nodes without any children are ever deleted.
+An in-flight copy takes no lock: a node in SWAP_TO_DEVICE, SWAP_TO_HOST or
+BACKUP_TO_HOST is on no list, so nothing evicts it, and it is listed when its copy
+ends (if no request holds it by then). A transfer therefore costs O(its blocks),
+whatever the depth of the path above them.
+
+Failed transfers and copies that outlive their requests can disturb that order (a
+block whose eviction failed goes back to the head; one listed when its copy ends
+comes after its ancestors). So victims are checked where they are taken: a node
+that still has a child holding a copy in that tier is parked instead of evicted,
+and goes back to the head of its list when that last child leaves. Only nodes
+without any children are ever deleted.
 """
 
 from __future__ import annotations
@@ -121,13 +127,22 @@ class RadixTree:
     def num_nodes(self) -> int:
         return len(self._index)
 
+    @property
+    def num_unlocked_device(self) -> int:
+        """Device nodes no request holds and no copy moves: all can be evicted,
+        leaves first."""
+        return len(self.device_lru) + len(self._device_parked)
+
     # -- lookup and locks -----------------------------------------------------
 
-    def match_and_lock(self, hashes: Sequence[BlockHash]) -> tuple[list[TreeNode], int, bool]:
-        """Lock the longest usable cached prefix of `hashes`.
+    def match_and_lock(
+        self, hashes: Sequence[BlockHash], limit: int
+    ) -> tuple[list[TreeNode], int, bool]:
+        """Lock the longest usable cached prefix of `hashes`, at most `limit` nodes.
 
         A node is usable when it holds a valid copy that can be read: DEVICE,
-        SWAP_TO_HOST (the device copy is intact while it is read) or HOST.
+        SWAP_TO_HOST (the device copy is intact while it is read), BACKUP_TO_HOST
+        or HOST. Every entry of `hashes` must be hashable (the caller checks).
 
         Returns:
             The matched nodes (root side first), how many of them are host-only,
@@ -139,7 +154,7 @@ class RadixTree:
         index, device_lru = self._index, self.device_lru
         waiting = False
         parent = self.root
-        for h in hashes:
+        for h in hashes if limit >= len(hashes) else hashes[:limit]:
             node = index.get(h)
             if node is None or node.parent is not parent:
                 break
@@ -201,22 +216,6 @@ class RadixTree:
             else:
                 raise AssertionError(f"unlocking {node}, which is not locked")
 
-    def lock_path(self, node: TreeNode) -> None:
-        """Lock `node` and all its ancestors (an in-flight transfer's hold)."""
-        self.lock(self.path_to(node))
-
-    def unlock_path(self, node: TreeNode) -> None:
-        self.unlock(self.path_to(node))
-
-    def path_to(self, node: TreeNode) -> list[TreeNode]:
-        path = []
-        root = self.root
-        while node is not root:
-            path.append(node)
-            node = node.parent  # type: ignore[assignment]
-        path.reverse()
-        return path
-
     # -- insertion ------------------------------------------------------------
 
     def insert(
@@ -226,40 +225,68 @@ class RadixTree:
         for the caller.
 
         A key without a node gets a new DEVICE node holding its device block. A key
-        that already has one (cached meanwhile by another request) keeps its node
-        and is reported, so the caller can decide what its own block becomes. A key
-        cached under another parent (a hash collision, or keys that are not
-        chained) ends the path early.
+        that already has a node under the same parent (cached meanwhile by another
+        request) keeps it and is reported, so the caller can decide what its own
+        block becomes.
 
         Returns:
-            The path nodes, one per key up to where the path ended, and the offsets
-            of the pre-existing ones.
+            The path nodes, one per key, and the offsets of the pre-existing ones.
+
+        Raises:
+            ValueError: a key repeats, or is cached under another parent (keys that
+                are not chained hashes, or a hash collision); the tree is unchanged.
         """
         index = self._index
-        path: list[TreeNode] = []
-        existing: list[int] = []
         distinct = set(keys)
         if len(distinct) == len(keys) and index.keys().isdisjoint(distinct):  # all new
+            path: list[TreeNode] = []
             self._new_child(parent)
             last = len(keys) - 1
             for i, key in enumerate(keys):
                 parent = TreeNode(key, parent, device_blocks[i], 1 if i != last else 0)
                 path.append(parent)
             index.update(zip(keys, path, strict=True))
-            return path, existing
-        for key, device_block in zip(keys, device_blocks, strict=True):
-            node = index.get(key)
-            if node is None:
-                node = index[key] = TreeNode(key, parent, device_block)
-                self._new_child(parent)
-            elif node.parent is parent:
+            return path, []
+        num_existing = self._check_insert(parent, keys, len(distinct))
+        path = []
+        for i, key in enumerate(keys):
+            if i < num_existing:
+                node = index[key]
                 self.lock((node,))
-                existing.append(len(path))
             else:
-                break
+                node = index[key] = TreeNode(key, parent, device_blocks[i])
+                self._new_child(parent)
             path.append(node)
             parent = node
-        return path, existing
+        return path, list(range(num_existing))
+
+    def _check_insert(self, parent: TreeNode, keys: Sequence[BlockHash], distinct: int) -> int:
+        """How many leading keys already sit on the path below `parent`; raises if a
+        key repeats or sits anywhere else."""
+        if distinct != len(keys):
+            raise ValueError("block hashes: a hash appears twice in one request's chain")
+        index = self._index
+        num_existing = 0
+        for i, key in enumerate(keys):
+            node = index.get(key)
+            if node is None:
+                break
+            if node.parent is not parent:
+                raise ValueError(
+                    f"block hashes: position {i} of the new blocks is already cached under "
+                    "another prefix; block hashes must be chained (each commits to every "
+                    "block before it)"
+                )
+            num_existing += 1
+            parent = node
+        for i in range(num_existing, len(keys)):
+            if keys[i] in index:
+                raise ValueError(
+                    f"block hashes: position {i} of the new blocks is already cached under "
+                    "another prefix; block hashes must be chained (each commits to every "
+                    "block before it)"
+                )
+        return num_existing
 
     # -- state transitions ----------------------------------------------------
 

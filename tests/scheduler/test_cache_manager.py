@@ -11,7 +11,15 @@ import pytest
 
 from fastkv import CacheConfig, CacheLevel, TransferResult
 from fastkv.hashing import BlockHasher, namespace_root
-from fastkv.scheduler import CacheManager, NodeState, Rollback, SwapTasks, TreeNode
+from fastkv.scheduler import (
+    Allocation,
+    AllocStatus,
+    CacheManager,
+    NodeState,
+    Rollback,
+    SwapTasks,
+    TreeNode,
+)
 
 BS = 4
 POLICIES = ["write_back", "write_through", "write_through_selective"]
@@ -73,12 +81,20 @@ def complete(mgr, success: bool = True) -> tuple[SwapTasks, list[Rollback]]:
     return tasks, rollbacks
 
 
+def prompt(hashes: list[str]) -> int:
+    """A prompt length for `hashes`: its full blocks and one more token, so that
+    every block can hit (the last token is always computed)."""
+    return len(hashes) * BS + 1
+
+
 def allocate(mgr, rid, n: int, rounds: int = 16) -> list[int]:
-    """Allocate, letting the worker complete transfers while allocation is deferred."""
+    """Allocate, letting the worker complete transfers while allocation waits for
+    them (the documented retry)."""
     for _ in range(rounds):
-        table = mgr.allocate(rid, n)
-        if table is not None:
-            return table
+        alloc = mgr.allocate(rid, n)
+        if alloc:
+            return alloc.block_table
+        assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS, alloc
         complete(mgr)
     raise AssertionError(f"allocate({rid!r}, {n}) still deferred after {rounds} steps")
 
@@ -86,10 +102,10 @@ def allocate(mgr, rid, n: int, rounds: int = 16) -> list[int]:
 def serve(mgr, rid, hashes: list[str]) -> list[int]:
     """A whole request: match, allocate the rest, run the step (its swaps complete),
     commit every block, finish."""
-    hit = mgr.match(rid, hashes)
+    hit = mgr.match(rid, hashes, prompt(hashes))
     table = allocate(mgr, rid, len(hashes) - hit.num_hits)
     complete(mgr)
-    mgr.commit(rid, hashes)
+    mgr.commit(rid, len(hashes) * BS)
     mgr.finish(rid)
     complete(mgr)
     return table
@@ -98,7 +114,7 @@ def serve(mgr, rid, hashes: list[str]) -> list[int]:
 def push_out(mgr) -> None:
     """Everything unlocked leaves the device: a request takes the whole device pool,
     then aborts. Under write_back every cached block ends on host."""
-    mgr.match("filler", [])
+    mgr.match("filler", [], prompt([]))
     allocate(mgr, "filler", mgr.device_pool.capacity)
     mgr.abort("filler")
     complete(mgr)
@@ -137,20 +153,20 @@ def assert_reserved(mgr, meta) -> None:
 
 def test_lifecycle_counts_device_hits() -> None:
     mgr = make(device=8)
-    hit = mgr.match("r1", keys("a", 4))
+    hit = mgr.match("r1", keys("a", 4), prompt(keys("a", 4)))
     assert (hit.num_device_hits, hit.num_host_hits, hit.waiting_on_transfer) == (0, 0, False)
-    t1 = mgr.allocate("r1", 4)
+    t1 = mgr.allocate("r1", 4).block_table
     assert len(set(t1)) == 4
-    mgr.commit("r1", keys("a", 4))
+    mgr.commit("r1", len(keys("a", 4)) * BS)
     mgr.finish("r1")
 
     hashes = [*keys("a", 2), "b2"]
-    hit = mgr.match("r2", hashes)
+    hit = mgr.match("r2", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits, hit.num_hits) == (2, 0, 2)
     assert mgr.block_table("r2") == t1[:2]  # device hits enter the table at match
-    t2 = mgr.allocate("r2", 1)
+    t2 = mgr.allocate("r2", 1).block_table
     assert t2[:2] == t1[:2] and t2[2] not in t1
-    mgr.commit("r2", hashes)
+    mgr.commit("r2", len(hashes) * BS)
     mgr.finish("r2")
 
     stats = mgr.get_stats()
@@ -170,7 +186,7 @@ def test_lifecycle_with_real_block_hashes() -> None:
     serve(mgr, "r1", h1.hashes)
     h2 = BlockHasher(BS, root)
     h2.append([*system, 9, 9, 9, 9])  # shares the two system-prompt blocks
-    hit = mgr.match("r2", h2.hashes)
+    hit = mgr.match("r2", h2.hashes, prompt(h2.hashes))
     assert hit.num_device_hits == 2
     mgr.abort("r2")
     assert_no_leak(mgr)
@@ -179,15 +195,15 @@ def test_lifecycle_with_real_block_hashes() -> None:
 def test_allocate_returns_the_whole_table_and_grows_it() -> None:
     mgr = make(device=8)
     first = serve(mgr, "r1", keys("a", 2))
-    mgr.match("r2", keys("a", 3))
-    table = mgr.allocate("r2", 2)
+    mgr.match("r2", keys("a", 3), prompt(keys("a", 3)))
+    table = mgr.allocate("r2", 2).block_table
     assert len(table) == 4 and table[:2] == first
     assert mgr.block_table("r2") == table
-    grown = mgr.allocate("r2", 1)  # decode: one more block
+    grown = mgr.allocate("r2", 1).block_table  # decode: one more block
     assert grown[:4] == table and len(grown) == 5
-    assert mgr.allocate("r2", 0) == grown
+    assert mgr.allocate("r2", 0).block_table == grown
     assert len(set(grown)) == 5
-    mgr.commit("r2", keys("a", 3))
+    mgr.commit("r2", len(keys("a", 3)) * BS)
     mgr.finish("r2")
     assert mgr.get_stats().cached_nodes == 3
     assert_no_leak(mgr)
@@ -195,16 +211,18 @@ def test_allocate_returns_the_whole_table_and_grows_it() -> None:
 
 def test_commit_is_incremental_and_idempotent_and_finish_frees_the_rest() -> None:
     mgr = make(device=8)
-    mgr.match("r", keys("a", 4))
-    table = mgr.allocate("r", 5)  # 4 full blocks + one being filled
-    mgr.commit("r", keys("a", 2))
+    mgr.match("r", keys("a", 4), prompt(keys("a", 4)))
+    table = mgr.allocate("r", 5).block_table  # 4 full blocks + one being filled
+    mgr.commit("r", len(keys("a", 2)) * BS)
     assert [node(mgr, k).device_block for k in keys("a", 2)] == table[:2]
-    mgr.commit("r", keys("a", 3))
-    mgr.commit("r", keys("a", 3))
-    mgr.commit("r", keys("a", 1))  # shorter: nothing to do
+    mgr.commit("r", len(keys("a", 3)) * BS)
+    mgr.commit("r", len(keys("a", 3)) * BS)
+    mgr.commit("r", len(keys("a", 1)) * BS)  # shorter: nothing to do
     assert mgr.get_stats().cached_nodes == 3
-    with pytest.raises(ValueError, match="block_hashes"):
-        mgr.commit("r", keys("a", 6))
+    with pytest.raises(ValueError, match="num_computed_tokens: 24 tokens fill 6 blocks"):
+        mgr.commit("r", len(keys("a", 6)) * BS)
+    with pytest.raises(ValueError, match="only 4 block hashes"):
+        mgr.commit("r", 5 * BS)  # allocated, but its hash is not known
     mgr.finish("r")
     # Three cached; the uncommitted two blocks went back to the pool.
     assert mgr.device_pool.num_used == 3
@@ -215,12 +233,12 @@ def test_commit_is_incremental_and_idempotent_and_finish_frees_the_rest() -> Non
 @pytest.mark.parametrize("release", ["finish", "abort"])
 def test_release_keeps_committed_blocks_cached(release: str) -> None:
     mgr = make(device=8)
-    mgr.match("r", keys("a", 3))
+    mgr.match("r", keys("a", 3), prompt(keys("a", 3)))
     mgr.allocate("r", 3)
-    mgr.commit("r", keys("a", 2))
+    mgr.commit("r", len(keys("a", 2)) * BS)
     getattr(mgr, release)("r")
     assert mgr.device_pool.num_used == 2
-    hit = mgr.match("again", keys("a", 3))
+    hit = mgr.match("again", keys("a", 3), prompt(keys("a", 3)))
     assert hit.num_device_hits == 2
     mgr.abort("again")
     assert_no_leak(mgr)
@@ -229,14 +247,14 @@ def test_release_keeps_committed_blocks_cached(release: str) -> None:
 def test_match_of_an_active_id_raises_and_changes_nothing() -> None:
     mgr = make(device=8)
     serve(mgr, "r0", keys("a", 2))
-    mgr.match("r", keys("a", 2))
+    mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
     before = mgr.get_stats()
     with pytest.raises(ValueError, match="already active"):
-        mgr.match("r", keys("a", 2))
+        mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
     assert mgr.get_stats() == before
     assert [node(mgr, k).ref for k in keys("a", 2)] == [1, 1]
     mgr.finish("r")
-    mgr.match("r", keys("a", 2))  # a finished id may be used again
+    mgr.match("r", keys("a", 2), prompt(keys("a", 2)))  # a finished id may be used again
     mgr.finish("r")
     assert_no_leak(mgr)
 
@@ -245,7 +263,7 @@ def test_match_of_an_active_id_raises_and_changes_nothing() -> None:
     "call",
     [
         lambda m: m.allocate("nope", 1),
-        lambda m: m.commit("nope", []),
+        lambda m: m.commit("nope", len([]) * BS),
         lambda m: m.finish("nope"),
         lambda m: m.abort("nope"),
         lambda m: m.block_table("nope"),
@@ -271,8 +289,8 @@ def test_finished_request_is_unknown() -> None:
 
 def test_negative_block_count_raises() -> None:
     mgr = make()
-    mgr.match("r", [])
-    with pytest.raises(ValueError, match=r"num_new_blocks: must be >= 0"):
+    mgr.match("r", [], prompt([]))
+    with pytest.raises(ValueError, match=r"num_new_blocks: -1 is negative"):
         mgr.allocate("r", -1)
     assert mgr.block_table("r") == [] and mgr.device_pool.num_used == 0
     mgr.finish("r")
@@ -283,12 +301,12 @@ def test_concurrently_computed_blocks_are_cached_once(policy: str) -> None:
     mgr = make(policy, device=6, host=8)
     hashes = keys("a", 2)
     for rid in ("r1", "r2"):
-        assert mgr.match(rid, hashes).num_hits == 0  # both miss: both compute
-    t1 = mgr.allocate("r1", 2)
-    t2 = mgr.allocate("r2", 2)
-    mgr.commit("r1", hashes)
+        assert mgr.match(rid, hashes, prompt(hashes)).num_hits == 0  # both miss: both compute
+    t1 = mgr.allocate("r1", 2).block_table
+    t2 = mgr.allocate("r2", 2).block_table
+    mgr.commit("r1", len(hashes) * BS)
     first = mgr.take_swap_metadata()
-    mgr.commit("r2", hashes)  # already cached by r1: r2's copies stay private
+    mgr.commit("r2", len(hashes) * BS)  # already cached by r1: r2's copies stay private
     assert mgr.take_swap_metadata() == SwapTasks(None, None)  # no second backup
     assert [node(mgr, k).device_block for k in hashes] == t1
     mgr.apply_results(TransferResult(m.transfer_id, True) for m in emitted(first))
@@ -302,21 +320,21 @@ def test_concurrently_computed_blocks_are_cached_once(policy: str) -> None:
 
 def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
     mgr = make("write_back", device=3, host=8)
-    mgr.match("r1", ["a0"])
-    mgr.match("r2", ["a0"])
+    mgr.match("r1", ["a0"], prompt(["a0"]))
+    mgr.match("r2", ["a0"], prompt(["a0"]))
     mgr.allocate("r1", 1)
-    (mine,) = mgr.allocate("r2", 1)
-    mgr.commit("r1", ["a0"])
+    (mine,) = mgr.allocate("r2", 1).block_table
+    mgr.commit("r1", len(["a0"]) * BS)
     mgr.finish("r1")
-    mgr.match("r3", keys("z", 2))
+    mgr.match("r3", keys("z", 2), prompt(keys("z", 2)))
     allocate(mgr, "r3", 2)  # pushes a0 out to host
     a0 = node(mgr, "a0")
     assert a0.state == NodeState.HOST
-    mgr.commit("r2", ["a0"])  # r2 computed a0 too: its block becomes a0's copy
+    mgr.commit("r2", len(["a0"]) * BS)  # r2 computed a0 too: its block becomes a0's copy
     assert (a0.state, a0.device_block) == (NodeState.DEVICE, mine) and a0.host_block >= 0
     mgr.finish("r2")
     assert mgr.device_pool.is_allocated(mine)
-    hit = mgr.match("r4", ["a0"])
+    hit = mgr.match("r4", ["a0"], prompt(["a0"]))
     assert (hit.num_device_hits, mgr.block_table("r4")) == (1, [mine])
     mgr.finish("r4")
     mgr.finish("r3")
@@ -328,14 +346,14 @@ def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
 
 def test_allocate_is_all_or_nothing() -> None:
     mgr = make(device=4)
-    mgr.match("holder", keys("h", 3))
-    held = mgr.allocate("holder", 3)  # locked, uncommitted: nothing is evictable
-    mgr.match("r", [])
-    assert mgr.allocate("r", 2) is None
+    mgr.match("holder", keys("h", 3), prompt(keys("h", 3)))
+    held = mgr.allocate("holder", 3).block_table  # locked, uncommitted: nothing to evict
+    mgr.match("r", [], prompt([]))
+    assert mgr.allocate("r", 2) == Allocation(AllocStatus.NO_SPACE, [])
     assert mgr.block_table("r") == []
     assert mgr.device_pool.num_free == 1
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
-    table = mgr.allocate("r", 1)
+    table = mgr.allocate("r", 1).block_table
     assert len(table) == 1 and table[0] not in held
     mgr.finish("r")
     mgr.finish("holder")
@@ -347,12 +365,13 @@ def test_demand_larger_than_the_device_raises(held: int) -> None:
     mgr = make(device=4)
     if held:
         serve(mgr, "r0", keys("a", held))
-    mgr.match("r", keys("a", held))  # the request itself holds `held` blocks
+    # The request itself holds `held` blocks.
+    mgr.match("r", keys("a", held), prompt(keys("a", held)))
     before = (mgr.block_table("r"), mgr.device_pool.stats())
     with pytest.raises(ValueError, match=r"num_new_blocks: .* more than the 4 device blocks"):
         mgr.allocate("r", 5 - held)
     assert (mgr.block_table("r"), mgr.device_pool.stats()) == before
-    assert mgr.allocate("r", 4 - held) is not None  # the most that can ever fit
+    assert mgr.allocate("r", 4 - held)  # the most that can ever fit
     mgr.finish("r")
     assert_no_leak(mgr)
 
@@ -360,10 +379,10 @@ def test_demand_larger_than_the_device_raises(held: int) -> None:
 def test_allocate_waits_for_evictions_in_flight() -> None:
     mgr = make("write_back", device=4, host=8)
     tables = [serve(mgr, f"f{i}", [f"f{i}"])[0] for i in range(4)]
-    mgr.match("r", keys("r", 2))
-    assert mgr.allocate("r", 2) is None
+    mgr.match("r", keys("r", 2), prompt(keys("r", 2)))
+    assert not mgr.allocate("r", 2)
     assert mgr.get_stats().queued_blocks == 2
-    assert mgr.allocate("r", 2) is None  # the copies already planned will do
+    assert not mgr.allocate("r", 2)  # the copies already planned will do
     assert mgr.get_stats().queued_blocks == 2
     tasks = mgr.take_swap_metadata()
     meta = tasks.evict
@@ -372,10 +391,10 @@ def test_allocate_waits_for_evictions_in_flight() -> None:
     assert list(meta.src_block_ids) == tables[:2]  # least recently used first
     assert list(meta.block_hashes) == ["f0", "f1"]
     assert_reserved(mgr, meta)
-    assert mgr.allocate("r", 2) is None  # not before the result arrives
+    assert not mgr.allocate("r", 2)  # not before the result arrives
     assert_reserved(mgr, meta)
     assert mgr.apply_results([TransferResult(meta.transfer_id, True)]) == []
-    table = mgr.allocate("r", 2)
+    table = mgr.allocate("r", 2).block_table
     assert sorted(table) == sorted(meta.src_block_ids)
     assert [node(mgr, k).state for k in ("f0", "f1")] == [NodeState.HOST] * 2
     mgr.finish("r")
@@ -386,13 +405,14 @@ def test_allocate_waits_for_evictions_in_flight() -> None:
 def test_allocate_evicts_a_whole_chain_in_one_call(policy: str) -> None:
     mgr = make(policy, device=4, host=8)
     serve(mgr, "r1", keys("a", 4))
-    mgr.match("r2", keys("b", 4))
-    table = mgr.allocate("r2", 4)
+    mgr.match("r2", keys("b", 4), prompt(keys("b", 4)))
+    table = mgr.allocate("r2", 4).block_table
     if policy == "write_through":
         # Every block has a host copy: dropping the device copies needs no transfer.
-        assert table is not None
+        assert table
     else:
-        assert table is None
+        assert table == []
+        assert mgr.allocate("r2", 4).status is AllocStatus.WAIT_FOR_TRANSFERS
         assert mgr.get_stats().queued_blocks == 4
 
 
@@ -401,9 +421,9 @@ def test_allocate_evicts_a_whole_chain_in_one_call(policy: str) -> None:
 
 def test_write_back_copies_only_when_evicting() -> None:
     mgr = make("write_back", device=3, host=8)
-    mgr.match("r1", keys("a", 2))
-    table = mgr.allocate("r1", 2)
-    mgr.commit("r1", keys("a", 2))
+    mgr.match("r1", keys("a", 2), prompt(keys("a", 2)))
+    table = mgr.allocate("r1", 2).block_table
+    mgr.commit("r1", len(keys("a", 2)) * BS)
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     mgr.finish("r1")
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
@@ -420,16 +440,16 @@ def test_write_back_copies_only_when_evicting() -> None:
 
 def test_write_through_backs_up_every_committed_block() -> None:
     mgr = make("write_through", device=4, host=8)
-    mgr.match("r1", keys("a", 3))
-    table = mgr.allocate("r1", 3)
-    mgr.commit("r1", keys("a", 2))
+    mgr.match("r1", keys("a", 3), prompt(keys("a", 3)))
+    table = mgr.allocate("r1", 3).block_table
+    mgr.commit("r1", len(keys("a", 2)) * BS)
     backup = mgr.take_swap_metadata().evict
     assert (backup.src_level, backup.dst_level) == (CacheLevel.DEVICE, CacheLevel.HOST)
     assert list(backup.src_block_ids) == table[:2]
     assert list(backup.block_hashes) == keys("a", 2)
     assert len(set(backup.dst_block_ids)) == 2
-    mgr.commit("r1", keys("a", 3))
-    mgr.commit("r1", keys("a", 3))  # already committed: no second backup
+    mgr.commit("r1", len(keys("a", 3)) * BS)
+    mgr.commit("r1", len(keys("a", 3)) * BS)  # already committed: no second backup
     tail = mgr.take_swap_metadata()
     assert tail.swap_in is None
     assert list(tail.evict.src_block_ids) == table[2:] and list(tail.evict.block_hashes) == [
@@ -439,8 +459,8 @@ def test_write_through_backs_up_every_committed_block() -> None:
     mgr.finish("r1")
     # While the backups are in flight their blocks stay pinned on the device.
     assert_reserved(mgr, backup)
-    mgr.match("big", keys("z", 4))
-    assert mgr.allocate("big", 4) is None
+    mgr.match("big", keys("z", 4), prompt(keys("z", 4)))
+    assert not mgr.allocate("big", 4)
     assert mgr.get_stats().queued_blocks == 0
     mgr.apply_results(TransferResult(m.transfer_id, True) for m in (backup, tail.evict))
     for k, dst in zip(keys("a", 2), backup.dst_block_ids, strict=True):
@@ -448,7 +468,7 @@ def test_write_through_backs_up_every_committed_block() -> None:
         assert (n.state, n.host_block) == (NodeState.DEVICE, dst)
     mgr.abort("big")
     # A request matching them does not back them up again.
-    mgr.match("r2", keys("a", 3))
+    mgr.match("r2", keys("a", 3), prompt(keys("a", 3)))
     mgr.finish("r2")
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     assert_no_leak(mgr)
@@ -461,9 +481,9 @@ def test_write_through_eviction_drops_the_device_copy_without_a_copy() -> None:
     hosts = {k: node(mgr, k).host_block for k in "abc"}
     assert all(h >= 0 for h in hosts.values())
     before = mgr.get_stats()
-    mgr.match("r", keys("r", 2))
+    mgr.match("r", keys("r", 2), prompt(keys("r", 2)))
     table = mgr.allocate("r", 2)  # no transfer to wait for
-    assert table is not None
+    assert table
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     after = mgr.get_stats()
     assert after.device_to_host_blocks == before.device_to_host_blocks
@@ -478,9 +498,9 @@ def test_write_through_eviction_drops_the_device_copy_without_a_copy() -> None:
 
 def test_failed_backup_frees_the_host_block_and_keeps_the_device_copy() -> None:
     mgr = make("write_through", device=2, host=4)
-    mgr.match("r", ["a0"])
-    (block,) = mgr.allocate("r", 1)
-    mgr.commit("r", ["a0"])
+    mgr.match("r", ["a0"], prompt(["a0"]))
+    (block,) = mgr.allocate("r", 1).block_table
+    mgr.commit("r", len(["a0"]) * BS)
     mgr.finish("r")
     tasks, _ = complete(mgr, success=False)
     assert tasks.evict is not None
@@ -488,21 +508,23 @@ def test_failed_backup_frees_the_host_block_and_keeps_the_device_copy() -> None:
     assert (a0.state, a0.device_block, a0.host_block) == (NodeState.DEVICE, block, -1)
     assert mgr.host_pool.num_used == 0
     assert mgr.get_stats().failed_transfers == 1
-    # Without a host copy, evicting it under write_through simply discards it.
+    # write_through owes it a host copy: evicting it makes the copy (the retry).
     push_out(mgr)
-    assert node(mgr, "a0") is None
+    assert node(mgr, "a0").state == NodeState.HOST
+    stats = mgr.get_stats()
+    assert (stats.backups, stats.backup_retries, stats.device_to_host_blocks) == (1, 1, 2)
     assert_no_leak(mgr)
 
 
 def test_eviction_without_host_room_discards_leaves() -> None:
     mgr = on_host("write_back", device=2, host=1, chain=["a0"])
-    mgr.match("holder", ["a0"])  # a0's host block cannot be given up
+    mgr.match("holder", ["a0"], prompt(["a0"]))  # a0's host block cannot be given up
     for k in ("b0", "c0"):
         serve(mgr, k, [k])
     before = mgr.get_stats()
-    mgr.match("r", ["n0"])
-    table = mgr.allocate("r", 1)
-    assert table is not None  # b0 is a leaf: discarded, no copy to wait for
+    mgr.match("r", ["n0"], prompt(["n0"]))
+    table = mgr.allocate("r", 1).block_table
+    assert table  # b0 is a leaf: discarded, no copy to wait for
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     assert node(mgr, "b0") is None and node(mgr, "c0").state == NodeState.DEVICE
     after = mgr.get_stats()
@@ -520,7 +542,7 @@ def test_write_through_selective_backs_up_after_threshold_hits(threshold: int) -
     serve(mgr, "r1", ["cold"])
     assert mgr.get_stats().backups == 0
     for hit in range(1, threshold + 3):
-        mgr.match(f"m{hit}", ["hot"])
+        mgr.match(f"m{hit}", ["hot"], prompt(["hot"]))
         tasks = mgr.take_swap_metadata()
         if hit == threshold:
             assert tasks.evict is not None and tasks.swap_in is None
@@ -547,18 +569,18 @@ def test_without_host_tier_evictions_discard_leaves(policy: str) -> None:
     serve(mgr, "r1", keys("a", 3))  # a chain
     serve(mgr, "r2", ["b0"])
     for i in range(3):
-        mgr.match(f"m{i}", ["b0"])  # enough hits for write_through_selective
+        mgr.match(f"m{i}", ["b0"], prompt(["b0"]))  # enough hits for write_through_selective
         mgr.finish(f"m{i}")
-    mgr.match("r3", keys("z", 4))
-    table = mgr.allocate("r3", 4)
-    assert table is not None  # discarding needs no transfer
+    mgr.match("r3", keys("z", 4), prompt(keys("z", 4)))
+    table = mgr.allocate("r3", 4).block_table
+    assert table  # discarding needs no transfer
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     stats = mgr.get_stats()
     assert stats.cached_nodes == 0 and stats.device_evictions == 4
     assert stats.device_to_host_blocks == stats.backups == 0
     assert mgr.host_pool.num_used == 0
     mgr.finish("r3")
-    hit = mgr.match("again", keys("a", 3))
+    hit = mgr.match("again", keys("a", 3), prompt(keys("a", 3)))
     assert hit.num_hits == 0
     mgr.finish("again")
     assert_no_leak(mgr)
@@ -581,10 +603,10 @@ def test_host_hit_is_swapped_in() -> None:
     mgr = on_host()
     hosts = [node(mgr, k).host_block for k in keys("a", 2)]
     hashes = [*keys("a", 2), "b2"]
-    hit = mgr.match("r", hashes)
+    hit = mgr.match("r", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits) == (0, 2)
     assert mgr.block_table("r") == []  # host hits get device blocks from allocate
-    table = mgr.allocate("r", 1)
+    table = mgr.allocate("r", 1).block_table
     assert len(table) == 3 and len(set(table)) == 3
     tasks = mgr.take_swap_metadata()
     meta = tasks.swap_in
@@ -599,12 +621,12 @@ def test_host_hit_is_swapped_in() -> None:
     for k, dev, host in zip(keys("a", 2), table[:2], hosts, strict=True):
         n = node(mgr, k)
         assert (n.state, n.device_block, n.host_block) == (NodeState.DEVICE, dev, host)
-    mgr.commit("r", hashes)
+    mgr.commit("r", len(hashes) * BS)
     mgr.finish("r")
     stats = mgr.get_stats()
     assert (stats.host_hit_blocks, stats.host_to_device_blocks) == (2, 2)
     assert stats.host_to_device_transfers == 1 and stats.host_hit_tokens == 2 * BS
-    hit = mgr.match("r2", hashes)
+    hit = mgr.match("r2", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits) == (3, 0)
     mgr.finish("r2")
     assert_no_leak(mgr)
@@ -614,9 +636,9 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
     mgr = on_host(chain=keys("a", 3))
     serve(mgr, "warm", ["a0"])  # a0 back on device; a1, a2 stay on host
     hashes = [*keys("a", 3), "b3"]
-    hit = mgr.match("r", hashes)
+    hit = mgr.match("r", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits) == (1, 2)
-    table = mgr.allocate("r", 1)
+    table = mgr.allocate("r", 1).block_table
     meta = mgr.take_swap_metadata().swap_in
     assert list(meta.dst_block_ids) == table[1:3]
     rollbacks = mgr.apply_results([TransferResult(meta.transfer_id, False, "h2d failed")])
@@ -631,13 +653,13 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
     assert (stats.failed_transfers, stats.rollbacks) == (1, 2)
     assert mgr.device_pool.num_used == 4
     # Recomputed and committed: the nodes take the request's blocks back.
-    mgr.commit("r", hashes)
+    mgr.commit("r", len(hashes) * BS)
     for k, block in zip(keys("a", 3), table, strict=False):
         n = node(mgr, k)
         assert (n.state, n.device_block) == (NodeState.DEVICE, block)
     mgr.finish("r")
     assert mgr.device_pool.num_used == 4  # a0..a2 and b3, nothing private left
-    hit = mgr.match("r2", hashes)
+    hit = mgr.match("r2", hashes, prompt(hashes))
     assert hit.num_device_hits == 4
     mgr.finish("r2")
     assert_no_leak(mgr)
@@ -645,7 +667,7 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
 
 def test_rolled_back_request_that_finishes_without_recomputing_frees_its_blocks() -> None:
     mgr = on_host()
-    mgr.match("r", keys("a", 2))
+    mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
     mgr.allocate("r", 0)
     _, rollbacks = complete(mgr, success=False)
     assert rollbacks == [Rollback("r", (0, 1))]
@@ -658,8 +680,8 @@ def test_rolled_back_request_that_finishes_without_recomputing_frees_its_blocks(
 @pytest.mark.parametrize("success", [True, False])
 def test_swap_in_of_an_aborted_request_resolves_on_its_result(success: bool) -> None:
     mgr = on_host()
-    mgr.match("r", keys("a", 2))
-    table = mgr.allocate("r", 0)
+    mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
+    table = mgr.allocate("r", 0).block_table
     meta = mgr.take_swap_metadata().swap_in
     mgr.abort("r")
     assert_reserved(mgr, meta)  # still in flight: its blocks stay reserved
@@ -676,10 +698,10 @@ def test_swap_in_of_an_aborted_request_resolves_on_its_result(success: bool) -> 
 
 def test_block_being_loaded_is_not_served_to_a_second_request() -> None:
     mgr = on_host(chain=["a0"])
-    mgr.match("r1", ["a0"])
+    mgr.match("r1", ["a0"], prompt(["a0"]))
     mgr.allocate("r1", 0)
     meta = mgr.take_swap_metadata().swap_in
-    hit = mgr.match("r2", ["a0"])
+    hit = mgr.match("r2", ["a0"], prompt(["a0"]))
     rollbacks = mgr.apply_results([TransferResult(meta.transfer_id, False)])
     rolled_back = {rb.request_id for rb in rollbacks}
     assert hit.num_device_hits == 0 or "r2" in rolled_back
@@ -687,14 +709,14 @@ def test_block_being_loaded_is_not_served_to_a_second_request() -> None:
 
 def test_second_request_with_the_host_hit_waits_for_the_first_swap_in() -> None:
     mgr = on_host(chain=["a0"])
-    mgr.match("r1", ["a0"])
-    mgr.match("r2", ["a0", "b1"])  # both see a0 on host
-    t1 = mgr.allocate("r1", 0)
-    assert mgr.allocate("r2", 1) is None  # r1 is loading a0
+    mgr.match("r1", ["a0"], prompt(["a0"]))
+    mgr.match("r2", ["a0", "b1"], prompt(["a0", "b1"]))  # both see a0 on host
+    t1 = mgr.allocate("r1", 0).block_table
+    assert not mgr.allocate("r2", 1)  # r1 is loading a0
     meta = mgr.take_swap_metadata().swap_in
     assert meta.num_blocks == 1
     mgr.apply_results([TransferResult(meta.transfer_id, True)])
-    t2 = mgr.allocate("r2", 1)
+    t2 = mgr.allocate("r2", 1).block_table
     assert t2[0] == t1[0]  # shares the loaded block, no second swap-in
     assert mgr.take_swap_metadata().swap_in is None
     mgr.finish("r1")
@@ -708,15 +730,15 @@ def test_commit_waits_for_the_swap_in_result() -> None:
     is refused until its result is applied; after a failure the request recomputes
     and commits everything, and a later request is served the recomputed blocks."""
     mgr = on_host(chain=["a0"])
-    mgr.match("r", ["a0", "b1"])
+    mgr.match("r", ["a0", "b1"], prompt(["a0", "b1"]))
     mgr.allocate("r", 1)
     meta = mgr.take_swap_metadata().swap_in
     with pytest.raises(ValueError, match="swap-in without a result"):
-        mgr.commit("r", ["a0", "b1"])
+        mgr.commit("r", len(["a0", "b1"]) * BS)
     assert mgr.apply_results([TransferResult(meta.transfer_id, False)]) == [Rollback("r", (0,))]
-    mgr.commit("r", ["a0", "b1"])  # recomputed a0, computed b1
+    mgr.commit("r", len(["a0", "b1"]) * BS)  # recomputed a0, computed b1
     mgr.finish("r")
-    hit = mgr.match("r2", ["a0", "b1"])
+    hit = mgr.match("r2", ["a0", "b1"], prompt(["a0", "b1"]))
     assert (hit.num_device_hits, hit.num_host_hits) == (2, 0)
     mgr.finish("r2")
     assert_no_leak(mgr)
@@ -730,8 +752,8 @@ def _evicting(device: int = 2):
     allocation that started evicting the least recently used one."""
     mgr = make("write_back", device=device, host=4)
     blocks = {k: serve(mgr, k, [k])[0] for k in keys("c", device)}
-    mgr.match("r", ["new"])
-    assert mgr.allocate("r", 1) is None
+    mgr.match("r", ["new"], prompt(["new"]))
+    assert not mgr.allocate("r", 1)
     meta = mgr.take_swap_metadata().evict
     assert list(meta.block_hashes) == ["c0"] and list(meta.src_block_ids) == [blocks["c0"]]
     assert node(mgr, "c0").state == NodeState.SWAP_TO_HOST
@@ -747,11 +769,11 @@ def test_failed_eviction_keeps_the_device_copy_and_frees_the_host_block() -> Non
     assert mgr.host_pool.num_used == 0 and mgr.device_pool.num_free == 0
     assert mgr.get_stats().failed_transfers == 1
     # It went back to the head of the list: the next attempt picks it again.
-    assert mgr.allocate("r", 1) is None
+    assert not mgr.allocate("r", 1)
     retry = mgr.take_swap_metadata().evict
     assert list(retry.block_hashes) == ["c0"]
     mgr.apply_results([TransferResult(retry.transfer_id, True)])
-    assert mgr.allocate("r", 1) == [blocks["c0"]]
+    assert mgr.allocate("r", 1).block_table == [blocks["c0"]]
     mgr.finish("r")
     assert_no_leak(mgr)
 
@@ -760,20 +782,20 @@ def test_failed_evictions_return_to_the_head_in_their_lru_order() -> None:
     mgr = make("write_back", device=3, host=4)
     for k in ("c0", "c1", "c2"):
         serve(mgr, k, [k])
-    mgr.match("r", keys("n", 2))
-    assert mgr.allocate("r", 2) is None
+    mgr.match("r", keys("n", 2), prompt(keys("n", 2)))
+    assert not mgr.allocate("r", 2)
     tasks, _ = complete(mgr, success=False)
     assert list(tasks.evict.block_hashes) == ["c0", "c1"]
     mgr.abort("r")
     for expected in ("c0", "c1", "c2"):  # the oldest first, as before the failure
-        mgr.match(f"one-{expected}", ["x"])
-        assert mgr.allocate(f"one-{expected}", 1) is None
+        mgr.match(f"one-{expected}", ["x"], prompt(["x"]))
+        assert not mgr.allocate(f"one-{expected}", 1)
         meta = mgr.take_swap_metadata().evict
         assert list(meta.block_hashes) == [expected]
         mgr.apply_results([TransferResult(meta.transfer_id, False)])
         mgr.abort(f"one-{expected}")
         # Put it behind the others so the next one is up.
-        mgr.match(f"touch-{expected}", [expected])
+        mgr.match(f"touch-{expected}", [expected], prompt([expected]))
         mgr.finish(f"touch-{expected}")
     assert_no_leak(mgr)
 
@@ -781,7 +803,7 @@ def test_failed_evictions_return_to_the_head_in_their_lru_order() -> None:
 @pytest.mark.parametrize("release_before_result", [False, True])
 def test_eviction_revived_by_a_match_keeps_its_device_copy(release_before_result: bool) -> None:
     mgr, meta, blocks = _evicting()
-    hit = mgr.match("reader", ["c0"])
+    hit = mgr.match("reader", ["c0"], prompt(["c0"]))
     assert hit.num_device_hits == 1
     assert mgr.block_table("reader") == [blocks["c0"]]
     if release_before_result:
@@ -806,15 +828,15 @@ def _three_transfers():
     for k in ("b0", "c0", "d0"):
         serve(mgr, k, [k])
     metas = []
-    mgr.match("r1", keys("x", 2))
-    assert mgr.allocate("r1", 2) is None  # evicts b0
+    mgr.match("r1", keys("x", 2), prompt(keys("x", 2)))
+    assert not mgr.allocate("r1", 2)  # evicts b0
     metas.append(mgr.take_swap_metadata().evict)
-    mgr.match("r2", ["h0"])
-    assert mgr.allocate("r2", 0) is not None  # the last free block, swapped into
+    mgr.match("r2", ["h0"], prompt(["h0"]))
+    assert mgr.allocate("r2", 0)  # the last free block, swapped into
     metas.append(mgr.take_swap_metadata().swap_in)
-    mgr.match("r3", keys("y", 2))
+    mgr.match("r3", keys("y", 2), prompt(keys("y", 2)))
     # One block is already on its way out (for r1); r3 evicts the one more it needs.
-    assert mgr.allocate("r3", 2) is None  # evicts c0
+    assert not mgr.allocate("r3", 2)  # evicts c0
     metas.append(mgr.take_swap_metadata().evict)
     assert all(m is not None for m in metas)
     return mgr, metas
@@ -831,12 +853,12 @@ def test_results_apply_in_any_order(order: tuple[int, ...]) -> None:
         pending.remove(metas[i])
     assert [node(mgr, k).state for k in ("b0", "c0")] == [NodeState.HOST] * 2
     assert node(mgr, "h0").state == NodeState.DEVICE
-    assert sorted(mgr.allocate("r1", 2)) == sorted(
+    assert sorted(mgr.allocate("r1", 2).block_table) == sorted(
         [*metas[0].src_block_ids, *metas[2].src_block_ids]
     )
     mgr.finish("r1")
     mgr.finish("r2")
-    assert mgr.allocate("r3", 2) is not None
+    assert mgr.allocate("r3", 2)
     mgr.finish("r3")
     assert_no_leak(mgr)
 
@@ -873,7 +895,7 @@ def test_unknown_or_repeated_transfer_id_raises() -> None:
 
 def test_batch_with_an_unknown_transfer_id_loses_no_rollback() -> None:
     mgr = on_host(chain=["a0"])
-    mgr.match("r", ["a0"])
+    mgr.match("r", ["a0"], prompt(["a0"]))
     mgr.allocate("r", 0)
     meta = mgr.take_swap_metadata().swap_in
     with pytest.raises(ValueError, match="transfer_id"):
@@ -898,11 +920,11 @@ def test_transfer_ids_are_unique_and_increasing() -> None:
     ids = []
     for i in range(6):
         # Each round: a host hit to swap in, a new block to back up, and evictions.
-        mgr.match(f"r{i}", ["a0", f"n{i}"])
+        mgr.match(f"r{i}", ["a0", f"n{i}"], prompt(["a0", f"n{i}"]))
         table = allocate(mgr, f"r{i}", 1)
-        assert table is not None
+        assert table
         ids += _run_step(mgr)  # the swap-in and evictions
-        mgr.commit(f"r{i}", ["a0", f"n{i}"])
+        mgr.commit(f"r{i}", len(["a0", f"n{i}"]) * BS)
         ids += _run_step(mgr)  # the backup the commit planned
         mgr.finish(f"r{i}")
         push_out(mgr)
@@ -928,8 +950,8 @@ def test_get_stats_figures() -> None:
     assert (s.lookup_blocks, s.device_hit_blocks, s.host_hit_blocks) == (4, 0, 0)
     assert s.device_pool.used == 4 and s.device_pool.usage == 1.0
 
-    mgr.match("e", keys("e", 2))
-    assert mgr.allocate("e", 2) is None  # evicts a and b
+    mgr.match("e", keys("e", 2), prompt(keys("e", 2)))
+    assert not mgr.allocate("e", 2)  # evicts a and b
     s = mgr.get_stats()
     assert (s.queued_blocks, s.inflight_transfers, s.inflight_blocks) == (2, 0, 0)
     assert s.device_evictions == 2 and s.active_requests == 1
@@ -940,12 +962,12 @@ def test_get_stats_figures() -> None:
     assert s.host_pool.used == 2
     mgr.apply_results([TransferResult(evict.transfer_id, True)])
     allocate(mgr, "e", 2)
-    mgr.commit("e", keys("e", 2))
+    mgr.commit("e", len(keys("e", 2)) * BS)
     mgr.finish("e")
 
     # a comes back from host; the host tier is full, so b's host copy is dropped to
     # make room for c's eviction, which makes room on the device for a.
-    hit = mgr.match("a2", ["a"])
+    hit = mgr.match("a2", ["a"], prompt(["a"]))
     assert hit.num_host_hits == 1
     allocate(mgr, "a2", 0)
     assert node(mgr, "b") is None
@@ -970,7 +992,7 @@ def test_get_stats_figures() -> None:
 
 def test_failures_count_in_stats() -> None:
     mgr = on_host()
-    mgr.match("r", keys("a", 2))
+    mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
     mgr.allocate("r", 0)
     complete(mgr, success=False)
     s = mgr.get_stats()
@@ -990,15 +1012,15 @@ def test_mixed_workload_leaves_no_leak(policy: str, host: int) -> None:
     outstanding = []
     for step, doc in enumerate(docs * 3):
         rid = f"q{step}"
-        hit = mgr.match(rid, doc)
-        table = mgr.allocate(rid, len(doc) - hit.num_hits)
+        hit = mgr.match(rid, doc, prompt(doc))
+        alloc = mgr.allocate(rid, len(doc) - hit.num_hits)
         tasks = mgr.take_swap_metadata()
         outstanding += emitted(tasks)
-        if table is None or step % 4 == 3:
+        if not alloc or step % 4 == 3:
             mgr.abort(rid)
         else:
             try:
-                mgr.commit(rid, doc)
+                mgr.commit(rid, len(doc) * BS)
             except ValueError:  # its swap-in has no result yet: the step catches up
                 results = [
                     TransferResult(m.transfer_id, (m.transfer_id % 3) != 0) for m in outstanding
@@ -1006,7 +1028,7 @@ def test_mixed_workload_leaves_no_leak(policy: str, host: int) -> None:
                 outstanding.clear()
                 rollbacks = mgr.apply_results(results)
                 assert {r.request_id for r in rollbacks} <= {rid}
-                mgr.commit(rid, doc)  # recomputed, if its swap-in failed
+                mgr.commit(rid, len(doc) * BS)  # recomputed, if its swap-in failed
             mgr.finish(rid)
         if step % 2:  # results arrive late, newest first, every third one failing
             results = [
@@ -1016,4 +1038,187 @@ def test_mixed_workload_leaves_no_leak(policy: str, host: int) -> None:
             outstanding.clear()
             mgr.apply_results(results)
     mgr.apply_results(TransferResult(m.transfer_id, True) for m in outstanding)
+    assert_no_leak(mgr)
+
+
+# -- the API a user reaches for first ----------------------------------------------
+
+
+@pytest.mark.parametrize(("extra_tokens", "hits"), [(0, 2), (1, 3), (BS - 1, 3)])
+def test_full_hit_leaves_the_last_token_to_compute(extra_tokens: int, hits: int) -> None:
+    """Every block of a block-aligned prompt is cached: the manager still leaves its
+    last block to compute (its last token's logits start decoding)."""
+    mgr = make(device=8)
+    serve(mgr, "first", keys("a", 3))
+    hit = mgr.match("again", keys("a", 3), 3 * BS + extra_tokens)
+    assert (hit.num_device_hits, hit.num_cached_tokens) == (hits, hits * BS)
+    assert hit.num_cached_tokens < 3 * BS + extra_tokens
+    table = mgr.allocate("again", 3 - hits + (extra_tokens > 0)).block_table
+    mgr.commit("again", 3 * BS + extra_tokens)  # the recomputed block stays private
+    mgr.finish("again")
+    assert mgr.get_stats().cached_nodes == 3 and len(table) == 3 + (extra_tokens > 0)
+    assert mgr.match("empty", [], 0).num_hits == 0
+    mgr.finish("empty")
+    assert_no_leak(mgr)
+
+
+def test_commit_takes_a_count_and_uses_the_hashes_the_manager_holds() -> None:
+    """The decode loop of the README: the hashes of blocks completed by decoded
+    tokens are appended, and commit caches them from a token count alone."""
+    mgr = make(device=8)
+    mgr.match("r", keys("a", 2), 2 * BS + 2)  # two full blocks and two more tokens
+    assert mgr.allocate("r", 3)
+    mgr.commit("r", 2 * BS + 2)
+    assert mgr.get_stats().cached_nodes == 2
+    # Decoding completes block 2: its hash arrives, and the next step computes it.
+    mgr.append_hashes("r", ["a2"])
+    mgr.commit("r", 2 * BS + 3)  # block 2 not full yet: nothing new
+    assert mgr.get_stats().cached_nodes == 2
+    mgr.commit("r", 3 * BS)
+    assert node(mgr, "a2").device_block == mgr.block_table("r")[2]
+    # Computed tokens past the known hashes: refused, with the cure in the message.
+    assert mgr.allocate("r", 1)
+    with pytest.raises(ValueError, match=r"only 3 block hashes .* append_hashes"):
+        mgr.commit("r", 4 * BS)
+    mgr.finish("r")
+    hit = mgr.match("next", keys("a", 4), 4 * BS + 1)
+    assert hit.num_device_hits == 3
+    mgr.finish("next")
+    assert_no_leak(mgr)
+
+
+def test_a_hash_cached_under_another_prefix_is_refused_not_grafted() -> None:
+    mgr = make(device=8)
+    serve(mgr, "r0", ["x0", "x1"])
+    mgr.match("r", ["a0"], BS + 1)
+    assert mgr.allocate("r", 2)
+    mgr.append_hashes("r", ["x1"])  # not a chained hash: x1 hangs under x0
+    before = (mgr.get_stats(), [(n.key, n.ref) for n in mgr.tree])
+    with pytest.raises(ValueError, match="already cached under another prefix"):
+        mgr.commit("r", 2 * BS)
+    assert (mgr.get_stats(), [(n.key, n.ref) for n in mgr.tree]) == before
+    mgr.commit("r", BS)  # the good part still commits
+    mgr.finish("r")
+    assert node(mgr, "x1").parent is node(mgr, "x0")
+    assert_no_leak(mgr)
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda m: m.match("n", ["a0", "a1", ["late"]], 13), TypeError),
+        (lambda m: m.match("n", iter(["a0"]), 5), TypeError),
+        (lambda m: m.match("n", ["a0", "a0"], 9), ValueError),
+        (lambda m: m.match("n", ["a0", "a1"], 2 * BS - 1), ValueError),
+        (lambda m: m.match("n", ["a0"], 5.0), ValueError),
+        (lambda m: m.match("held", [], 1), ValueError),
+        (lambda m: m.allocate("held", 1.5), ValueError),
+        (lambda m: m.allocate("held", True), ValueError),
+        (lambda m: m.allocate("held", "1"), ValueError),
+        (lambda m: m.commit("held", 4.0), ValueError),
+        (lambda m: m.commit("held", True), ValueError),
+        (lambda m: m.append_hashes("held", ["z", ["unhashable"]]), TypeError),
+        (lambda m: m.append_hashes("held", "z"), TypeError),
+        (lambda m: m.apply_results([None]), TypeError),
+    ],
+    ids=[
+        "match-unhashable-late",
+        "match-iterator",
+        "match-repeated-hash",
+        "match-hashes-past-num_tokens",
+        "match-float-tokens",
+        "match-active-id",
+        "allocate-float",
+        "allocate-bool",
+        "allocate-str",
+        "commit-float",
+        "commit-bool",
+        "append-unhashable",
+        "append-str",
+        "apply-non-result",
+    ],
+)
+def test_a_refused_call_changes_nothing(call, error) -> None:
+    from tests.scheduler.test_stateful import snapshot
+
+    mgr = make(device=8)
+    serve(mgr, "old", keys("a", 2))
+    mgr.match("held", keys("a", 1), BS + 1)
+    before = snapshot(mgr.mgr)
+    with pytest.raises(error):
+        call(mgr)
+    assert snapshot(mgr.mgr) == before
+    mgr.finish("held")
+    assert_no_leak(mgr)
+
+
+def test_allocate_says_wait_only_while_planned_transfers_will_free_the_blocks() -> None:
+    mgr = make("write_back", device=4, host=8)
+    for i in range(4):
+        serve(mgr, f"f{i}", [f"f{i}"])
+    mgr.match("r", [], 1)
+    alloc = mgr.allocate("r", 3)
+    assert alloc == Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+    assert mgr.get_stats().queued_blocks == 3
+    # The documented loop: send the planned swaps, apply the results, retry.
+    while not (alloc := mgr.allocate("r", 3)):
+        assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS
+        complete(mgr)
+    assert len(alloc.block_table) == 3
+    # A second request: the blocks are held by "r", not in flight.
+    mgr.match("s", [], 1)
+    assert mgr.allocate("s", 2) == Allocation(AllocStatus.NO_SPACE, [])
+    assert mgr.take_swap_metadata() == SwapTasks(None, None)
+    mgr.finish("r")
+    assert mgr.allocate("s", 2)
+    mgr.finish("s")
+    assert_no_leak(mgr)
+
+
+def test_device_blocks_below_a_host_hit_count_toward_what_can_never_fit() -> None:
+    """A failed swap-in leaves X on host while another request's child Y of X stays
+    on the device; a request matching [X, Y] holds Y's device block too, so asking
+    for the rest of the pool can never fit and raises instead of waiting forever."""
+    mgr = on_host("write_back", device=4, host=8, chain=["X"])
+    mgr.match("C", ["X"], BS + 1)  # host hit: C loads X
+    assert mgr.allocate("C", 0)
+    load = mgr.take_swap_metadata().swap_in
+    mgr.match("A", ["X", "Y"], 2 * BS + 1)  # stops at X while it loads
+    assert mgr.allocate("A", 2)
+    mgr.commit("A", 2 * BS)  # A computed X itself; Y hangs under X on the device
+    mgr.finish("A")
+    mgr.apply_results([TransferResult(load.transfer_id, False)])  # X back to host only
+    mgr.abort("C")
+    x, y = node(mgr, "X"), node(mgr, "Y")
+    assert (x.state, y.state, y.parent) == (NodeState.HOST, NodeState.DEVICE, x)
+    hit = mgr.match("D", ["X", "Y", "Z"], 3 * BS + 1)
+    assert (hit.num_host_hits, hit.num_device_hits) == (1, 1)
+    before = mgr.get_stats()
+    with pytest.raises(ValueError, match="would hold 5 device blocks"):
+        mgr.allocate("D", 3)  # Y + X's swap-in + 3 new > 4
+    assert mgr.get_stats() == before
+    table = allocate(mgr, "D", 2)  # the most that fits, after the documented waits
+    assert table[1] == y.device_block and len(table) == 4
+    mgr.finish("D")
+    assert_no_leak(mgr)
+
+
+def test_backups_without_host_room_are_counted_and_retried_at_eviction() -> None:
+    mgr = make("write_through", device=4, host=1)
+    mgr.match("holder", ["h0"], BS + 1)
+    assert mgr.allocate("holder", 1)
+    mgr.commit("holder", BS)  # takes the only host block
+    complete(mgr)
+    mgr.match("r", keys("a", 2), 2 * BS + 1)
+    assert mgr.allocate("r", 2)
+    mgr.commit("r", 2 * BS)
+    stats = mgr.get_stats()
+    assert (stats.backups, stats.backups_without_room) == (1, 2)
+    mgr.finish("holder")  # its host copy may now be dropped
+    mgr.finish("r")
+    push_out(mgr)  # a1, then a0, get their owed copies as they are evicted
+    stats = mgr.get_stats()
+    assert (stats.backup_retries, stats.device_to_host_blocks) == (2, 3)
+    # One host block: the last copy made (a0's) is the one kept.
+    assert node(mgr, "a0").state == NodeState.HOST and node(mgr, "a1") is None
     assert_no_leak(mgr)

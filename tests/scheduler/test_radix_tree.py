@@ -80,7 +80,7 @@ def test_matching_again_moves_a_node_to_the_tail() -> None:
     tree = RadixTree()
     for i, key in enumerate("abc"):
         cache(tree, [key], [i])
-    nodes, num_host, waiting = tree.match_and_lock(["a"])
+    nodes, num_host, waiting = tree.match_and_lock(["a"], 1)
     assert keys_of(nodes) == ["a"] and num_host == 0 and not waiting
     tree.check()
     assert device_order(tree) == ["b", "c"]  # locked: off the list
@@ -115,7 +115,7 @@ def test_chain_is_evicted_tail_first_to_host() -> None:
 def _extend(tree: RadixTree, prefix: list[str], keys: list[str], blocks: list[int]) -> None:
     """A request that matched `prefix` caches `keys` below it and finishes, the way the
     cache manager does it: the whole path is locked, then released deepest first."""
-    nodes, _, _ = tree.match_and_lock(prefix)
+    nodes, _, _ = tree.match_and_lock(prefix, len(prefix))
     assert keys_of(nodes) == prefix
     path, _ = tree.insert(nodes[-1], keys, blocks)
     tree.unlock(nodes + path)
@@ -151,7 +151,7 @@ def test_locked_nodes_are_never_victims() -> None:
     held, _ = tree.insert(tree.root, ["held"], [0])
     cache(tree, ["free"], [1])
     chain = cache(tree, ["c0", "c1", "c2"], [2, 3, 4])
-    nodes, _, _ = tree.match_and_lock(["c0", "c1"])  # a request holds the first two
+    nodes, _, _ = tree.match_and_lock(["c0", "c1"], 2)  # a request holds the first two
     assert nodes == chain[:2]
     tree.check()
     victims = []
@@ -176,7 +176,7 @@ def test_locked_host_node_is_never_a_host_victim() -> None:
     cache(tree, ["b"], [1])
     move_to_host(tree, 5)  # a
     move_to_host(tree, 6)  # b
-    nodes, num_host, _ = tree.match_and_lock(["a"])
+    nodes, num_host, _ = tree.match_and_lock(["a"], 1)
     assert num_host == 1
     tree.check()
     victim = tree.pop_host_victim()
@@ -197,16 +197,20 @@ def test_unlock_below_zero_raises() -> None:
     assert path[0].ref == 0  # refused before the count went below zero
 
 
-def test_lock_path_covers_ancestors() -> None:
+def test_a_node_in_flight_is_on_no_list_until_its_copy_ends() -> None:
+    """Transfers take no locks: a node whose copy is in flight stays off the lists
+    through its state, even when the request that held it lets go."""
     tree = RadixTree()
-    path = cache(tree, ["a", "b", "c"], [0, 1, 2])
-    tree.lock_path(path[1])
-    tree.check()
-    assert [n.ref for n in path] == [1, 1, 0]
-    assert device_order(tree) == ["c"]
-    tree.unlock_path(path[1])
+    path, _ = tree.insert(tree.root, ["a", "b", "c"], [0, 1, 2])
+    tree.start_backup(path[2], 7)
+    tree.unlock(path)  # the request finishes before the backup's result
     tree.check()
     assert [n.ref for n in path] == [0, 0, 0]
+    assert device_order(tree) == ["b", "a"]  # c is being copied
+    assert tree.pop_device_victim() is None  # b and a are parked: c holds the device
+    assert tree.finish_copy_to_host(path[2], True) == (-1, -1)
+    tree.check()
+    assert device_order(tree) == ["c"] and host_order(tree) == ["c"]
 
 
 # -- parking --------------------------------------------------------------------
@@ -322,7 +326,7 @@ def test_host_only_parent_is_kept_while_a_child_is_cached() -> None:
     tree.finish_copy_to_host(a, True)
     tree.finish_copy_to_host(b, True)
     tree.check()
-    nodes, num_host, _ = tree.match_and_lock(["a", "b"])  # b is in use
+    nodes, num_host, _ = tree.match_and_lock(["a", "b"], 2)  # b is in use
     assert num_host == 2
     tree.unlock(nodes[:1])  # a released, b still held
     tree.check()
@@ -375,23 +379,23 @@ def test_insert_reports_existing_keys_in_the_middle() -> None:
     tree.check()
 
 
-def test_key_under_another_parent_ends_the_path() -> None:
+def test_key_under_another_parent_is_refused_and_changes_nothing() -> None:
     tree = RadixTree()
-    a = cache(tree, ["a"], [0])[0]
+    cache(tree, ["a"], [0])
     cache(tree, ["b"], [1])
-    path, existing = tree.insert(tree.root, ["a", "b", "c"], [5, 6, 7])
-    tree.check()
-    assert path == [a] and existing == [0]
-    assert sorted(keys_of(tree)) == ["a", "b"]  # c was not inserted
-    tree.unlock(path)
-    tree.check()
+    for keys in (["a", "b", "c"], ["n", "b"]):  # b hangs under the root
+        with pytest.raises(ValueError, match="already cached under another prefix"):
+            tree.insert(tree.root, keys, [5, 6, 7][: len(keys)])
+        tree.check()
+        assert sorted(keys_of(tree)) == ["a", "b"] and all(n.ref == 0 for n in tree)
 
 
-def test_key_repeated_within_one_insert_ends_the_path() -> None:
+def test_key_repeated_within_one_insert_is_refused() -> None:
     tree = RadixTree()
-    path, existing = tree.insert(tree.root, ["a", "x", "a"], [0, 1, 2])
-    assert keys_of(path) == ["a", "x"] and existing == []
+    with pytest.raises(ValueError, match="appears twice"):
+        tree.insert(tree.root, ["a", "x", "a"], [0, 1, 2])
     tree.check()
+    assert tree.num_nodes == 0
 
 
 # -- match and state transitions ------------------------------------------------
@@ -401,13 +405,13 @@ def test_match_stops_at_the_first_missing_or_foreign_key() -> None:
     tree = RadixTree()
     cache(tree, ["a", "b", "c"], [0, 1, 2])
     cache(tree, ["z"], [3])
-    nodes, _, _ = tree.match_and_lock(["a", "b", "x", "c"])
+    nodes, _, _ = tree.match_and_lock(["a", "b", "x", "c"], 4)
     assert keys_of(nodes) == ["a", "b"]
     tree.unlock(nodes)
-    nodes, _, _ = tree.match_and_lock(["a", "z"])  # z hangs under the root, not a
+    nodes, _, _ = tree.match_and_lock(["a", "z"], 2)  # z hangs under the root, not a
     assert keys_of(nodes) == ["a"]
     tree.unlock(nodes)
-    nodes, _, _ = tree.match_and_lock(["b"])
+    nodes, _, _ = tree.match_and_lock(["b"], 1)
     assert nodes == []
     tree.check()
 
@@ -416,7 +420,7 @@ def test_match_counts_host_only_nodes_and_locks_them() -> None:
     tree = RadixTree()
     cache(tree, ["a", "b", "c"], [0, 1, 2])
     move_to_host(tree, 10)  # c
-    nodes, num_host, waiting = tree.match_and_lock(["a", "b", "c"])
+    nodes, num_host, waiting = tree.match_and_lock(["a", "b", "c"], 3)
     tree.check()
     assert keys_of(nodes) == ["a", "b", "c"] and num_host == 1 and not waiting
     assert all(n.ref == 1 for n in nodes)
@@ -430,7 +434,7 @@ def test_match_revives_a_node_being_evicted() -> None:
     (a,) = cache(tree, ["a"], [0])
     evict_one(tree, host_block=3)
     assert a.state == NodeState.SWAP_TO_HOST and tree.num_evicting == 1
-    nodes, num_host, _ = tree.match_and_lock(["a"])
+    nodes, num_host, _ = tree.match_and_lock(["a"], 1)
     tree.check()
     # Still a device hit; the eviction carries on as a backup.
     assert nodes == [a] and num_host == 0
@@ -447,10 +451,9 @@ def _loading_tree() -> tuple[RadixTree, TreeNode, list[TreeNode]]:
     tree = RadixTree()
     (a,) = cache(tree, ["a"], [0])
     move_to_host(tree, 5)
-    loader, num_host, _ = tree.match_and_lock(["a"])
+    loader, num_host, _ = tree.match_and_lock(["a"], 1)
     assert num_host == 1
     tree.attach_device(a, 9, loading=True)
-    tree.lock_path(a)  # the swap-in's own hold
     tree.check()
     assert a.state == NodeState.SWAP_TO_DEVICE
     return tree, a, loader
@@ -459,7 +462,6 @@ def _loading_tree() -> tuple[RadixTree, TreeNode, list[TreeNode]]:
 def test_swap_in_success_and_failure() -> None:
     tree, a, loader = _loading_tree()
     assert tree.finish_swap_in(a, True) == -1
-    tree.unlock_path(a)
     tree.unlock(loader)
     tree.check()
     assert (a.state, a.device_block, a.host_block) == (NodeState.DEVICE, 9, 5)
@@ -467,7 +469,6 @@ def test_swap_in_success_and_failure() -> None:
 
     tree, a, loader = _loading_tree()
     assert tree.finish_swap_in(a, False) == 9  # garbage: the caller frees it
-    tree.unlock_path(a)
     tree.unlock(loader)
     tree.check()
     assert (a.state, a.device_block, a.host_block) == (NodeState.HOST, -1, 5)
@@ -476,7 +477,7 @@ def test_swap_in_success_and_failure() -> None:
 
 def test_match_stops_at_a_block_being_loaded() -> None:
     tree, _, _ = _loading_tree()
-    nodes, num_host, waiting = tree.match_and_lock(["a"])
+    nodes, num_host, waiting = tree.match_and_lock(["a"], 1)
     assert nodes == [] and num_host == 0 and waiting
 
 
@@ -485,12 +486,10 @@ def test_backup_success_and_failure() -> None:
     path, _ = tree.insert(tree.root, ["a", "b"], [0, 1])
     for node, host_block in zip(path, [7, 8], strict=True):
         tree.start_backup(node, host_block)
-    tree.lock_path(path[-1])
     tree.check()
     assert [n.state for n in path] == [NodeState.BACKUP_TO_HOST] * 2
     assert tree.finish_copy_to_host(path[0], True) == (-1, -1)
     assert tree.finish_copy_to_host(path[1], False) == (-1, 8)
-    tree.unlock_path(path[-1])
     tree.unlock(path)
     tree.check()
     assert [(n.state, n.device_block, n.host_block) for n in path] == [
@@ -519,7 +518,7 @@ def test_attach_device_to_host_node_without_loading() -> None:
     tree = RadixTree()
     (a,) = cache(tree, ["a"], [0])
     move_to_host(tree, 5)
-    nodes, _, _ = tree.match_and_lock(["a"])
+    nodes, _, _ = tree.match_and_lock(["a"], 1)
     tree.attach_device(a, 3, loading=False)  # a request recomputed it
     tree.unlock(nodes)
     tree.check()

@@ -1,5 +1,6 @@
-"""Random request lifecycles with random transfer completions, reorderings and
-failures, checked after every step against the invariants of the brief."""
+"""Random request lifecycles with random transfer completions, reorderings, failures,
+decode growth and bad calls, checked after every step against the invariants of the
+brief; a bad call at any point must raise and leave the manager exactly as it was."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fastkv import CacheConfig, CacheSwapMetadata, TransferResult
 from fastkv.metadata import CacheLevel
-from fastkv.scheduler import CacheManager
+from fastkv.scheduler import AllocStatus, CacheManager
+
+BS = 4
 
 # A few documents sharing prefixes, so requests hit, branch and evict.
 DOCUMENTS = [
@@ -31,7 +34,7 @@ class CacheLifecycle(RuleBasedStateMachine):
     def setup(self, policy: str, device_blocks: int, host_blocks: int) -> None:
         self.mgr = CacheManager(
             CacheConfig(
-                block_size=4,
+                block_size=BS,
                 num_device_blocks=device_blocks,
                 num_host_blocks=host_blocks,
                 write_policy=policy,
@@ -45,13 +48,23 @@ class CacheLifecycle(RuleBasedStateMachine):
 
     # -- requests -------------------------------------------------------------
 
-    @rule(doc=st.integers(0, len(DOCUMENTS) - 1), length=st.integers(1, 7), tail=st.booleans())
-    def arrive(self, doc: int, length: int, tail: bool) -> None:
+    @rule(
+        doc=st.integers(0, len(DOCUMENTS) - 1),
+        length=st.integers(1, 7),
+        tail=st.booleans(),
+        partial=st.integers(0, BS - 1),
+    )
+    def arrive(self, doc: int, length: int, tail: bool, partial: int) -> None:
         rid = self.next_id
         self.next_id += 1
         hashes = DOCUMENTS[doc][:length] + ([f"u{rid}"] if tail else [])
-        hit = self.mgr.match(rid, hashes)
-        assert 0 <= hit.num_hits <= len(hashes)
+        num_tokens = len(hashes) * BS + partial  # partial == 0: a block-aligned prompt
+        hit = self.mgr.match(rid, hashes, num_tokens)
+        # The prompt's last token is always computed.
+        assert 0 <= hit.num_hits <= (num_tokens - 1) // BS
+        assert hit.num_cached_tokens == hit.num_hits * BS < num_tokens
+        if partial == 0 and hit.num_hits == len(hashes) - 1:
+            event("full hit capped")
         self.requests[rid] = hashes
 
     @rule(
@@ -63,14 +76,14 @@ class CacheLifecycle(RuleBasedStateMachine):
     def serve(self, doc: int, length: int, tail: bool, keep: bool) -> None:
         """Arrive and allocate at once; with `keep` the request stays active (so a
         swap-in it started can fail under it), else it also commits and finishes."""
-        self.arrive(doc, length, tail)
+        self.arrive(doc, length, tail, 1)
         rid = self.next_id - 1
         self.allocate_request(rid)
         if keep:
             return
         if rid in self.allocated:
             self.flush()  # the step ran: results come back before the commit
-            self.mgr.commit(rid, self.requests[rid])
+            self.mgr.commit(rid, len(self.requests[rid]) * BS)
         self.release_request(rid, abort=False)
 
     def _pick(self, pool: list[int], i: int) -> int:
@@ -90,11 +103,18 @@ class CacheLifecycle(RuleBasedStateMachine):
         hashes = self.requests[rid]
         # Blocks the request still needs beyond what match found.
         matched = len(self.mgr._requests[rid].nodes)
-        table = self.mgr.allocate(rid, len(hashes) - matched)
-        if table is None:
-            event("allocate deferred")
+        alloc = self.mgr.allocate(rid, len(hashes) - matched)
+        if not alloc:
+            event(f"allocate: {alloc.status.value}")
+            assert alloc.block_table == []
             assert self.mgr.block_table(rid) == before, "a failed allocate changed the table"
+            busy = self.mgr.num_inflight_transfers or self.mgr.num_queued_blocks
+            if alloc.status is AllocStatus.WAIT_FOR_TRANSFERS:
+                assert busy, "told to wait with nothing in flight or queued"
+            else:  # other requests hold the blocks: alone, it would always fit
+                assert len(self.requests) > 1
             return
+        table = alloc.block_table
         assert len(table) == len(hashes) and table[: len(before)] == before
         fresh = set(table) & was_free
         busy = self._outstanding_ids(CacheLevel.DEVICE)
@@ -102,15 +122,33 @@ class CacheLifecycle(RuleBasedStateMachine):
         self.allocated.add(rid)
 
     @precondition(lambda self: self.allocated)
-    @rule(i=st.integers(0, 1000), full=st.booleans())
-    def commit(self, i: int, full: bool) -> None:
+    @rule(i=st.integers(0, 1000), full=st.booleans(), extra=st.integers(0, BS - 1))
+    def commit(self, i: int, full: bool, extra: int) -> None:
         rid = self._pick(list(self.allocated), i)
         hashes = self.requests[rid]
+        blocks = len(hashes) if full else max(1, len(hashes) // 2)
         try:
-            self.mgr.commit(rid, hashes if full else hashes[: max(1, len(hashes) // 2)])
+            self.mgr.commit(rid, blocks * BS + (extra if blocks < len(hashes) else 0))
         except ValueError as e:  # its swap-in has no result yet: the engine waits
             assert "swap-in" in str(e)
             event("commit refused until the swap-in result")
+
+    @precondition(lambda self: self.allocated)
+    @rule(i=st.integers(0, 1000))
+    def grow(self, i: int) -> None:
+        """Decode fills a block: its hash is appended and a block allocated for it."""
+        rid = self._pick(list(self.allocated), i)
+        hashes = self.requests[rid]
+        if len(hashes) >= self.mgr.device_pool.capacity:
+            return
+        new = f"g{rid}.{len(hashes)}"
+        self.mgr.append_hashes(rid, [new])
+        hashes.append(new)
+        if not self.mgr.allocate(rid, 1):
+            event("grow deferred")
+            self.mgr.abort(rid)  # preempted: it gives its blocks back
+            del self.requests[rid]
+            self.allocated.discard(rid)
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 1000), abort=st.booleans())
@@ -121,6 +159,67 @@ class CacheLifecycle(RuleBasedStateMachine):
         (self.mgr.abort if abort else self.mgr.finish)(rid)
         del self.requests[rid]
         self.allocated.discard(rid)
+
+    # -- bad calls ------------------------------------------------------------
+
+    @rule(data=st.data())
+    def bad_call(self, data: st.DataObject) -> None:
+        """A call with bad input, at any point of any lifecycle: it raises, and the
+        manager is exactly as it was (then `accounting_holds` checks it again)."""
+        mgr = self.mgr
+        active = sorted(self.requests)
+        rid = data.draw(st.sampled_from(active)) if active else None
+        outstanding = [m.transfer_id for m in self.outstanding]
+        calls = [
+            ("match unhashable late", lambda: mgr.match(-1, ["sys", "a1", ["x"]], 13)),
+            ("match iterator", lambda: mgr.match(-1, iter(["sys", "a1"]), 9)),
+            ("match repeated hash", lambda: mgr.match(-1, ["sys", "a1", "sys"], 13)),
+            ("match str", lambda: mgr.match(-1, "sys", 13)),
+            ("match too few tokens", lambda: mgr.match(-1, ["sys", "a1"], 7)),
+            ("match float tokens", lambda: mgr.match(-1, ["sys"], 5.0)),
+            ("match bool tokens", lambda: mgr.match(-1, [], True)),
+            ("match negative tokens", lambda: mgr.match(-1, [], -1)),
+            ("allocate unknown", lambda: mgr.allocate(-1, 1)),
+            ("finish unknown", lambda: mgr.finish(-1)),
+            ("abort unknown", lambda: mgr.abort(-1)),
+            ("commit unknown", lambda: mgr.commit(-1, 0)),
+            ("append unknown", lambda: mgr.append_hashes(-1, ["z"])),
+            ("apply unknown id", lambda: mgr.apply_results([TransferResult(10**9, True)])),
+            ("apply non-result", lambda: mgr.apply_results(["done"])),
+        ]
+        if outstanding:
+            tid = data.draw(st.sampled_from(outstanding))
+            calls += [
+                ("apply twice", lambda: mgr.apply_results([TransferResult(tid, True)] * 2)),
+                (
+                    "apply with a non-result",
+                    lambda: mgr.apply_results([TransferResult(tid, False), None]),
+                ),
+            ]
+        if rid is not None:
+            n = len(mgr._requests[rid].blocks)
+            calls += [
+                ("match active", lambda: mgr.match(rid, [], 1)),
+                ("allocate float", lambda: mgr.allocate(rid, 1.5)),
+                ("allocate bool", lambda: mgr.allocate(rid, True)),
+                ("allocate negative", lambda: mgr.allocate(rid, -1)),
+                ("allocate too many", lambda: mgr.allocate(rid, mgr.device_pool.capacity + 1)),
+                ("commit float", lambda: mgr.commit(rid, 4.0)),
+                ("commit negative", lambda: mgr.commit(rid, -4)),
+                ("commit past the table", lambda: mgr.commit(rid, (n + 1) * BS)),
+                ("append unhashable", lambda: mgr.append_hashes(rid, ["ok", {}])),
+                ("append repeated", lambda: mgr.append_hashes(rid, ["z", "z"])),
+                ("append non-sequence", lambda: mgr.append_hashes(rid, 7)),
+            ]
+        name, call = data.draw(st.sampled_from(calls))
+        before = snapshot(mgr)
+        try:
+            call()
+        except (ValueError, TypeError):
+            event(f"bad call refused: {name}")
+        else:
+            raise AssertionError(f"bad call accepted: {name}")
+        assert snapshot(mgr) == before, f"{name} changed the manager"
 
     # -- the worker -----------------------------------------------------------
 
@@ -172,7 +271,7 @@ class CacheLifecycle(RuleBasedStateMachine):
                 rb.request_id in self.allocated
                 and not self.mgr._requests[rb.request_id].loading
             ):
-                self.mgr.commit(rb.request_id, self.requests[rb.request_id])
+                self.mgr.commit(rb.request_id, len(self.requests[rb.request_id]) * BS)
 
     # -- checks ---------------------------------------------------------------
 
@@ -217,6 +316,58 @@ class CacheLifecycle(RuleBasedStateMachine):
         host_owned = sum(1 for n in nodes if n.host_block >= 0)
         assert self.mgr.device_pool.num_used == device_owned, "device blocks leaked"
         assert self.mgr.host_pool.num_used == host_owned, "host blocks leaked"
+
+
+def snapshot(mgr: CacheManager) -> tuple:
+    """Everything a call could change, in comparable form: the tree (every node's
+    fields, both LRU orders, the parked sets), both pools (free lists in order),
+    requests, transfers in flight and queued, counters and stats."""
+    tree = mgr.tree
+
+    def key(node):
+        return None if node is tree.root else node.key
+
+    def pool(p):
+        return list(p._free), bytes(p._allocated), p.stats()
+
+    return (
+        {
+            n.key: (
+                key(n.parent),
+                n.state,
+                n.device_block,
+                n.host_block,
+                n.ref,
+                n.hits,
+                n.num_children,
+                n.num_device_children,
+            )
+            for n in tree
+        },
+        [n.key for n in tree.device_lru],
+        [n.key for n in tree.host_lru],
+        sorted(n.key for n in tree._device_parked),
+        sorted(n.key for n in tree._host_parked),
+        tree.num_evicting,
+        pool(mgr.device_pool),
+        pool(mgr.host_pool),
+        {
+            rid: (
+                list(r.hashes),
+                [n.key for n in r.nodes],
+                list(r.blocks),
+                r.loading,
+                list(r.rolled_back),
+                r.owns_matched_positions,
+            )
+            for rid, r in mgr._requests.items()
+        },
+        {tid: (t.to_host, [n.key for n in t.nodes]) for tid, t in mgr._transfers.items()},
+        [n.key for n in mgr._d2h.nodes],
+        [n.key for n in mgr._h2d.nodes],
+        mgr._next_transfer_id,
+        mgr.get_stats(),
+    )
 
 
 TestCacheLifecycle = CacheLifecycle.TestCase
