@@ -33,8 +33,8 @@ bench: install
 	$(PY) tools/bench_scheduler.py
 
 lint: install
-	$(VENV)/bin/ruff check fastkv tests tools
-	$(VENV)/bin/ruff format --check fastkv tests tools
+	$(VENV)/bin/ruff check fastkv tests tools examples
+	$(VENV)/bin/ruff format --check fastkv tests tools examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info fastkv/*.so fastkv/ops/*.so

@@ -14,6 +14,11 @@
                  head without knowing which entries are leaves.
 (b) Chained block hashing in ns per token at block sizes 16, 64 and 512, next to
     raw hashlib SHA-256 over the same bytes in one call.
+(c) Commit cost per block at request depths 100, 1,000 and 8,000 under each write
+    policy: one request commits its blocks one at a time, each commit followed by a
+    step (take_swap_metadata, results applied), as decode does. Flat means the cost
+    of a commit does not grow with the depth of the path above it; the ratio of the
+    deepest to the shallowest depth is printed per policy.
 
 Every figure is the best of --repeats interleaved runs: the machines this runs on
 are shared, and the minimum is the least disturbed run.
@@ -33,13 +38,15 @@ from pathlib import Path
 
 import numpy as np
 
-from fastkv import CacheConfig
+from fastkv import CacheConfig, TransferResult, WritePolicy
 from fastkv.hashing import _chain_native, hash_blocks, namespace_root
 from fastkv.replay import TRACE_BLOCK_SIZE, TraceRequest, load_trace, replay, synthetic_trace
+from fastkv.scheduler import CacheManager
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
 CAPACITIES = (1_000, 10_000, 30_000, 100_000)
 HEADLINE_CAPACITY = 10_000
+DEPTHS = (100, 1_000, 8_000)
 
 
 def leaf_first_floor(trace: Sequence[TraceRequest], capacity: int) -> tuple[float, float]:
@@ -165,6 +172,41 @@ def bench_hashing(repeats: int) -> dict[str, float]:
     return out
 
 
+def commit_step_us(policy: WritePolicy, depth: int, block_size: int = 16) -> float:
+    """Microseconds per block for one request committing `depth` blocks one by one."""
+    mgr = CacheManager(
+        CacheConfig(
+            block_size=block_size,
+            num_device_blocks=depth,
+            num_host_blocks=depth,
+            write_policy=policy,
+            selective_threshold=1,
+        )
+    )
+    mgr.match("r", [f"b{i}" for i in range(depth)], depth * block_size + 1)
+    assert mgr.allocate("r", depth)
+    start = time.perf_counter()
+    for k in range(1, depth + 1):
+        mgr.commit("r", k * block_size)
+        tasks = mgr.take_swap_metadata()
+        done = [TransferResult(m.transfer_id, True) for m in (tasks.evict, tasks.swap_in) if m]
+        if done:
+            mgr.apply_results(done)
+    seconds = time.perf_counter() - start
+    mgr.finish("r")
+    return seconds * 1e6 / depth
+
+
+def bench_commit_depth(repeats: int) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for policy in WritePolicy:
+        best = {d: min(commit_step_us(policy, d) for _ in range(repeats)) for d in DEPTHS}
+        row = {f"us_per_block_d{d}": us for d, us in best.items()}
+        row["deepest_vs_shallowest"] = best[DEPTHS[-1]] / best[DEPTHS[0]]
+        out[policy.value] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -183,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     replay_figures = bench_replay(trace, args.repeats)
     hash_figures = bench_hashing(args.repeats)
+    depth_figures = bench_commit_depth(args.repeats)
     headline = replay_figures[str(HEADLINE_CAPACITY)]
     result = {
         "replay_us_per_block": headline["us_per_block"],
@@ -191,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "replay_vs_floor": headline["vs_floor"],
         "replay_vs_lru_floor": headline["vs_lru_floor"],
         "replay_by_capacity": replay_figures,
+        "commit_by_depth": depth_figures,
         **hash_figures,
     }
     if args.json:
@@ -216,6 +260,17 @@ def main(argv: list[str] | None = None) -> int:
             f" {hash_figures[f'hash_list_ns_per_token_b{block}']:>8.2f}"
             f" {hash_figures[f'hash_floor_ns_per_token_b{block}']:>10.2f}"
             f" {hash_figures[f'hash_vs_floor_b{block}']:>5.2f}x"
+        )
+    print(
+        f"\n{'write policy':<24}"
+        + "".join(f" {f'depth {d:,}':>12}" for d in DEPTHS)
+        + f" {'deepest/shallowest':>19}   (commit + step, us per block)"
+    )
+    for policy, row in depth_figures.items():
+        print(
+            f"{policy:<24}"
+            + "".join(f" {row[f'us_per_block_d{d}']:>12.2f}" for d in DEPTHS)
+            + f" {row['deepest_vs_shallowest']:>18.2f}x"
         )
     if not hash_figures["hash_native"]:
         print("(hashing ran the pure-Python loop: fastkv._chain_hash is not built)")

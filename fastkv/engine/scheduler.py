@@ -224,7 +224,7 @@ class EngineScheduler:
             if not alloc:  # blocks being freed, or held by running requests
                 return  # the step's swaps and finishing requests free them: retry then
             waiting.pop(0)
-            r.table = table = alloc.block_table
+            r.table = table = self.mgr.block_table(r.id)
             running.append(r)
             budget -= new_tokens
             cached_blocks = r.cached_tokens // bs

@@ -121,6 +121,12 @@ class BlockPool:
         self._num_used -= len(ids)
         self._freed_total += len(ids)
 
+    def recycled(self, n: int) -> None:
+        """Count `n` blocks that an owner gave up and another took at once, without
+        passing through the free list (evictions for an allocation)."""
+        self._freed_total += n
+        self._allocated_total += n
+
     def is_allocated(self, block_id: int) -> bool:
         return 0 <= block_id < self.capacity and bool(self._allocated[block_id])
 

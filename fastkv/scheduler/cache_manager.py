@@ -48,7 +48,7 @@ from fastkv.scheduler.radix_tree import (
 RequestId = Hashable
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MatchResult:
     """What `match` found for a request.
 
@@ -85,18 +85,20 @@ class AllocStatus(StrEnum):
     of them, or wait for one to finish, then call `allocate` again."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allocation:
-    """What `allocate` did. True exactly when the blocks were allocated.
+    """What `allocate` did; true exactly when the blocks were allocated.
 
     Attributes:
         status: see `AllocStatus`.
-        block_table: the request's whole device block table when ALLOCATED, else
-            empty.
+        new_blocks: the device blocks this call added to the request's table, in
+            table order: first the destinations of its host hits (the swap-in
+            writes them), then the fresh blocks. Empty unless ALLOCATED. The whole
+            table is `CacheManager.block_table(request_id)`.
     """
 
     status: AllocStatus
-    block_table: list[int]
+    new_blocks: list[int]
 
     def __bool__(self) -> bool:
         return self.status is AllocStatus.ALLOCATED
@@ -179,12 +181,16 @@ class CacheStats:
 
 def _hash_list(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
     """A request's hashes as a new list, checked: a sequence of distinct hashables."""
-    if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(
-        block_hashes, Sequence
+    kind = type(block_hashes)
+    if (
+        kind is not list
+        and kind is not tuple
+        and (
+            issubclass(kind, (str, bytes, bytearray)) or not isinstance(block_hashes, Sequence)
+        )
     ):
         raise TypeError(
-            f"block_hashes: expected a sequence of block hashes, got "
-            f"{type(block_hashes).__name__}"
+            f"block_hashes: expected a sequence of block hashes, got {kind.__name__}"
         )
     hashes = list(block_hashes)
     try:
@@ -200,9 +206,9 @@ def _hash_list(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
 
 
 def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
-    if value < 0:
+    if value < 0:  # type: ignore[operator]
         raise ValueError(f"{name}: {value} is negative; must be >= 0")
 
 
@@ -360,8 +366,8 @@ class CacheManager:
         NO_SPACE when other requests hold the blocks it needs (see `AllocStatus`).
 
         Returns:
-            An `Allocation`; `block_table` is the request's whole device block
-            table when allocated.
+            An `Allocation` with the blocks this call added (O(new blocks), so
+            growing a long request block by block stays cheap).
 
         Raises:
             ValueError: unknown request, `num_new_blocks` not an int >= 0, or a
@@ -393,21 +399,27 @@ class CacheManager:
             )
         if loading_elsewhere:  # a block it matched is still being loaded by another
             return Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
-        if need > pool.num_free:
+        if need <= pool.num_free:
+            ids = pool.allocate(need)
+        else:
             if not self._reclaimable(need):  # others hold the blocks: evict nothing
                 return Allocation(AllocStatus.NO_SPACE, [])
-            self._evict_device(need - pool.num_free)
-            if need > pool.num_free:
+            # Evicted blocks go straight to this request, not through the free list.
+            freed = self._evict_device(need - pool.num_free)
+            if need > pool.num_free + len(freed):
+                pool.free(freed)
                 busy = self._transfers or self.num_queued_blocks
                 status = AllocStatus.WAIT_FOR_TRANSFERS if busy else AllocStatus.NO_SPACE
                 return Allocation(status, [])
-        ids = pool.allocate(need)
+            pool.recycled(len(freed))
+            ids = pool.allocate(need - len(freed))
+            ids += freed
         if num_swap:
             self._plan_swap_in(req, pending, ids)
-        else:
+        elif pending:
             blocks.extend(n.device_block for n in pending)
-        blocks.extend(ids[num_swap:])
-        return Allocation(AllocStatus.ALLOCATED, list(blocks))
+        blocks += ids[num_swap:]
+        return Allocation(AllocStatus.ALLOCATED, ids)
 
     def commit(self, request_id: RequestId, num_computed_tokens: int) -> None:
         """Record that the request's first `num_computed_tokens` token positions hold
@@ -676,8 +688,11 @@ class CacheManager:
             d2h.nodes.append(node)
         self._backups += len(host_ids)
 
-    def _evict_device(self, num_blocks: int) -> None:
-        """Start freeing `num_blocks` device blocks, least recently used leaves first.
+    def _evict_device(self, num_blocks: int) -> list[int]:
+        """Start freeing `num_blocks` device blocks, least recently used leaves first;
+        return the blocks freed at once (the caller owns them: they are still marked
+        allocated in the pool). Blocks whose copy to host starts now are freed when
+        its result arrives.
 
         A block with a host copy is dropped at once; one that must be kept is copied
         to host and freed when the copy completes; any other is discarded. A block
@@ -688,13 +703,12 @@ class CacheManager:
         """
         deficit = num_blocks - self.tree.num_evicting
         if deficit <= 0:
-            return
+            return []
         tree = self.tree
         if not self.host_pool.capacity:  # every victim is a leaf to discard
             freed = tree.discard_device_leaves(deficit)
             self._device_evictions += len(freed)
-            self.device_pool.free(freed)
-            return
+            return freed
         policy = self._policy
         copy_all = policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
         threshold = self.config.selective_threshold
@@ -723,7 +737,7 @@ class CacheManager:
                 freed.append(node.device_block)
                 tree.remove(node)
         self._device_evictions += len(freed)
-        self.device_pool.free(freed)
+        return freed
 
     def _take_host_blocks(self, n: int) -> list[int]:
         """Up to `n` host blocks, evicting least recently used host copies."""

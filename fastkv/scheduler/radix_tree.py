@@ -422,17 +422,21 @@ class RadixTree:
         lru = self.device_lru
         pop = lru.popitem
         index = self._index
-        freed = []
-        while len(freed) < n and lru:
+        parked = self._device_parked
+        freed: list[int] = []
+        while n and lru:
             node = pop(last=False)[0]
             if node.num_children:  # only after a failure reordered the list
-                self._device_parked.add(node)
+                parked.add(node)
                 continue
             del index[node.key]
             parent = node.parent
             parent.num_children -= 1  # type: ignore[union-attr]
-            self._lose_device_child(parent)  # type: ignore[arg-type]
+            parent.num_device_children -= 1  # type: ignore[union-attr]
+            if not parent.num_device_children and parent in parked:  # type: ignore[union-attr]
+                self._unpark(parent, parked, lru)  # type: ignore[arg-type]
             freed.append(node.device_block)
+            n -= 1
         return freed
 
     def restore_device_victim(self, node: TreeNode) -> None:

@@ -87,13 +87,22 @@ def prompt(hashes: list[str]) -> int:
     return len(hashes) * BS + 1
 
 
+def table_after(mgr, rid, n: int) -> list[int]:
+    """Allocate, which must succeed at once; the request's whole table after it."""
+    alloc = mgr.allocate(rid, n)
+    assert alloc, alloc
+    table = mgr.block_table(rid)
+    assert table[len(table) - n :] == alloc.new_blocks[len(alloc.new_blocks) - n :]
+    return table
+
+
 def allocate(mgr, rid, n: int, rounds: int = 16) -> list[int]:
     """Allocate, letting the worker complete transfers while allocation waits for
     them (the documented retry)."""
     for _ in range(rounds):
         alloc = mgr.allocate(rid, n)
         if alloc:
-            return alloc.block_table
+            return mgr.block_table(rid)
         assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS, alloc
         complete(mgr)
     raise AssertionError(f"allocate({rid!r}, {n}) still deferred after {rounds} steps")
@@ -155,7 +164,7 @@ def test_lifecycle_counts_device_hits() -> None:
     mgr = make(device=8)
     hit = mgr.match("r1", keys("a", 4), prompt(keys("a", 4)))
     assert (hit.num_device_hits, hit.num_host_hits, hit.waiting_on_transfer) == (0, 0, False)
-    t1 = mgr.allocate("r1", 4).block_table
+    t1 = table_after(mgr, "r1", 4)
     assert len(set(t1)) == 4
     mgr.commit("r1", len(keys("a", 4)) * BS)
     mgr.finish("r1")
@@ -164,7 +173,7 @@ def test_lifecycle_counts_device_hits() -> None:
     hit = mgr.match("r2", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits, hit.num_hits) == (2, 0, 2)
     assert mgr.block_table("r2") == t1[:2]  # device hits enter the table at match
-    t2 = mgr.allocate("r2", 1).block_table
+    t2 = table_after(mgr, "r2", 1)
     assert t2[:2] == t1[:2] and t2[2] not in t1
     mgr.commit("r2", len(hashes) * BS)
     mgr.finish("r2")
@@ -196,12 +205,12 @@ def test_allocate_returns_the_whole_table_and_grows_it() -> None:
     mgr = make(device=8)
     first = serve(mgr, "r1", keys("a", 2))
     mgr.match("r2", keys("a", 3), prompt(keys("a", 3)))
-    table = mgr.allocate("r2", 2).block_table
+    table = table_after(mgr, "r2", 2)
     assert len(table) == 4 and table[:2] == first
     assert mgr.block_table("r2") == table
-    grown = mgr.allocate("r2", 1).block_table  # decode: one more block
+    grown = table_after(mgr, "r2", 1)  # decode: one more block
     assert grown[:4] == table and len(grown) == 5
-    assert mgr.allocate("r2", 0).block_table == grown
+    assert mgr.allocate("r2", 0).new_blocks == [] and mgr.block_table("r2") == grown
     assert len(set(grown)) == 5
     mgr.commit("r2", len(keys("a", 3)) * BS)
     mgr.finish("r2")
@@ -212,7 +221,7 @@ def test_allocate_returns_the_whole_table_and_grows_it() -> None:
 def test_commit_is_incremental_and_idempotent_and_finish_frees_the_rest() -> None:
     mgr = make(device=8)
     mgr.match("r", keys("a", 4), prompt(keys("a", 4)))
-    table = mgr.allocate("r", 5).block_table  # 4 full blocks + one being filled
+    table = table_after(mgr, "r", 5)  # 4 full blocks + one being filled
     mgr.commit("r", len(keys("a", 2)) * BS)
     assert [node(mgr, k).device_block for k in keys("a", 2)] == table[:2]
     mgr.commit("r", len(keys("a", 3)) * BS)
@@ -302,8 +311,8 @@ def test_concurrently_computed_blocks_are_cached_once(policy: str) -> None:
     hashes = keys("a", 2)
     for rid in ("r1", "r2"):
         assert mgr.match(rid, hashes, prompt(hashes)).num_hits == 0  # both miss: both compute
-    t1 = mgr.allocate("r1", 2).block_table
-    t2 = mgr.allocate("r2", 2).block_table
+    t1 = table_after(mgr, "r1", 2)
+    t2 = table_after(mgr, "r2", 2)
     mgr.commit("r1", len(hashes) * BS)
     first = mgr.take_swap_metadata()
     mgr.commit("r2", len(hashes) * BS)  # already cached by r1: r2's copies stay private
@@ -323,7 +332,7 @@ def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
     mgr.match("r1", ["a0"], prompt(["a0"]))
     mgr.match("r2", ["a0"], prompt(["a0"]))
     mgr.allocate("r1", 1)
-    (mine,) = mgr.allocate("r2", 1).block_table
+    (mine,) = table_after(mgr, "r2", 1)
     mgr.commit("r1", len(["a0"]) * BS)
     mgr.finish("r1")
     mgr.match("r3", keys("z", 2), prompt(keys("z", 2)))
@@ -347,13 +356,13 @@ def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
 def test_allocate_is_all_or_nothing() -> None:
     mgr = make(device=4)
     mgr.match("holder", keys("h", 3), prompt(keys("h", 3)))
-    held = mgr.allocate("holder", 3).block_table  # locked, uncommitted: nothing to evict
+    held = table_after(mgr, "holder", 3)  # locked, uncommitted: nothing to evict
     mgr.match("r", [], prompt([]))
     assert mgr.allocate("r", 2) == Allocation(AllocStatus.NO_SPACE, [])
     assert mgr.block_table("r") == []
     assert mgr.device_pool.num_free == 1
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
-    table = mgr.allocate("r", 1).block_table
+    table = table_after(mgr, "r", 1)
     assert len(table) == 1 and table[0] not in held
     mgr.finish("r")
     mgr.finish("holder")
@@ -394,7 +403,7 @@ def test_allocate_waits_for_evictions_in_flight() -> None:
     assert not mgr.allocate("r", 2)  # not before the result arrives
     assert_reserved(mgr, meta)
     assert mgr.apply_results([TransferResult(meta.transfer_id, True)]) == []
-    table = mgr.allocate("r", 2).block_table
+    table = table_after(mgr, "r", 2)
     assert sorted(table) == sorted(meta.src_block_ids)
     assert [node(mgr, k).state for k in ("f0", "f1")] == [NodeState.HOST] * 2
     mgr.finish("r")
@@ -406,13 +415,12 @@ def test_allocate_evicts_a_whole_chain_in_one_call(policy: str) -> None:
     mgr = make(policy, device=4, host=8)
     serve(mgr, "r1", keys("a", 4))
     mgr.match("r2", keys("b", 4), prompt(keys("b", 4)))
-    table = mgr.allocate("r2", 4).block_table
+    alloc = mgr.allocate("r2", 4)
     if policy == "write_through":
         # Every block has a host copy: dropping the device copies needs no transfer.
-        assert table
+        assert alloc and len(alloc.new_blocks) == 4
     else:
-        assert table == []
-        assert mgr.allocate("r2", 4).status is AllocStatus.WAIT_FOR_TRANSFERS
+        assert alloc == Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
         assert mgr.get_stats().queued_blocks == 4
 
 
@@ -422,7 +430,7 @@ def test_allocate_evicts_a_whole_chain_in_one_call(policy: str) -> None:
 def test_write_back_copies_only_when_evicting() -> None:
     mgr = make("write_back", device=3, host=8)
     mgr.match("r1", keys("a", 2), prompt(keys("a", 2)))
-    table = mgr.allocate("r1", 2).block_table
+    table = table_after(mgr, "r1", 2)
     mgr.commit("r1", len(keys("a", 2)) * BS)
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     mgr.finish("r1")
@@ -441,7 +449,7 @@ def test_write_back_copies_only_when_evicting() -> None:
 def test_write_through_backs_up_every_committed_block() -> None:
     mgr = make("write_through", device=4, host=8)
     mgr.match("r1", keys("a", 3), prompt(keys("a", 3)))
-    table = mgr.allocate("r1", 3).block_table
+    table = table_after(mgr, "r1", 3)
     mgr.commit("r1", len(keys("a", 2)) * BS)
     backup = mgr.take_swap_metadata().evict
     assert (backup.src_level, backup.dst_level) == (CacheLevel.DEVICE, CacheLevel.HOST)
@@ -499,7 +507,7 @@ def test_write_through_eviction_drops_the_device_copy_without_a_copy() -> None:
 def test_failed_backup_frees_the_host_block_and_keeps_the_device_copy() -> None:
     mgr = make("write_through", device=2, host=4)
     mgr.match("r", ["a0"], prompt(["a0"]))
-    (block,) = mgr.allocate("r", 1).block_table
+    (block,) = table_after(mgr, "r", 1)
     mgr.commit("r", len(["a0"]) * BS)
     mgr.finish("r")
     tasks, _ = complete(mgr, success=False)
@@ -523,7 +531,7 @@ def test_eviction_without_host_room_discards_leaves() -> None:
         serve(mgr, k, [k])
     before = mgr.get_stats()
     mgr.match("r", ["n0"], prompt(["n0"]))
-    table = mgr.allocate("r", 1).block_table
+    table = table_after(mgr, "r", 1)
     assert table  # b0 is a leaf: discarded, no copy to wait for
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     assert node(mgr, "b0") is None and node(mgr, "c0").state == NodeState.DEVICE
@@ -572,7 +580,7 @@ def test_without_host_tier_evictions_discard_leaves(policy: str) -> None:
         mgr.match(f"m{i}", ["b0"], prompt(["b0"]))  # enough hits for write_through_selective
         mgr.finish(f"m{i}")
     mgr.match("r3", keys("z", 4), prompt(keys("z", 4)))
-    table = mgr.allocate("r3", 4).block_table
+    table = table_after(mgr, "r3", 4)
     assert table  # discarding needs no transfer
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     stats = mgr.get_stats()
@@ -606,7 +614,7 @@ def test_host_hit_is_swapped_in() -> None:
     hit = mgr.match("r", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits) == (0, 2)
     assert mgr.block_table("r") == []  # host hits get device blocks from allocate
-    table = mgr.allocate("r", 1).block_table
+    table = table_after(mgr, "r", 1)
     assert len(table) == 3 and len(set(table)) == 3
     tasks = mgr.take_swap_metadata()
     meta = tasks.swap_in
@@ -638,7 +646,7 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
     hashes = [*keys("a", 3), "b3"]
     hit = mgr.match("r", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits) == (1, 2)
-    table = mgr.allocate("r", 1).block_table
+    table = table_after(mgr, "r", 1)
     meta = mgr.take_swap_metadata().swap_in
     assert list(meta.dst_block_ids) == table[1:3]
     rollbacks = mgr.apply_results([TransferResult(meta.transfer_id, False, "h2d failed")])
@@ -681,7 +689,7 @@ def test_rolled_back_request_that_finishes_without_recomputing_frees_its_blocks(
 def test_swap_in_of_an_aborted_request_resolves_on_its_result(success: bool) -> None:
     mgr = on_host()
     mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
-    table = mgr.allocate("r", 0).block_table
+    table = table_after(mgr, "r", 0)
     meta = mgr.take_swap_metadata().swap_in
     mgr.abort("r")
     assert_reserved(mgr, meta)  # still in flight: its blocks stay reserved
@@ -711,12 +719,12 @@ def test_second_request_with_the_host_hit_waits_for_the_first_swap_in() -> None:
     mgr = on_host(chain=["a0"])
     mgr.match("r1", ["a0"], prompt(["a0"]))
     mgr.match("r2", ["a0", "b1"], prompt(["a0", "b1"]))  # both see a0 on host
-    t1 = mgr.allocate("r1", 0).block_table
+    t1 = table_after(mgr, "r1", 0)
     assert not mgr.allocate("r2", 1)  # r1 is loading a0
     meta = mgr.take_swap_metadata().swap_in
     assert meta.num_blocks == 1
     mgr.apply_results([TransferResult(meta.transfer_id, True)])
-    t2 = mgr.allocate("r2", 1).block_table
+    t2 = table_after(mgr, "r2", 1)
     assert t2[0] == t1[0]  # shares the loaded block, no second swap-in
     assert mgr.take_swap_metadata().swap_in is None
     mgr.finish("r1")
@@ -773,7 +781,7 @@ def test_failed_eviction_keeps_the_device_copy_and_frees_the_host_block() -> Non
     retry = mgr.take_swap_metadata().evict
     assert list(retry.block_hashes) == ["c0"]
     mgr.apply_results([TransferResult(retry.transfer_id, True)])
-    assert mgr.allocate("r", 1).block_table == [blocks["c0"]]
+    assert table_after(mgr, "r", 1) == [blocks["c0"]]
     mgr.finish("r")
     assert_no_leak(mgr)
 
@@ -853,7 +861,7 @@ def test_results_apply_in_any_order(order: tuple[int, ...]) -> None:
         pending.remove(metas[i])
     assert [node(mgr, k).state for k in ("b0", "c0")] == [NodeState.HOST] * 2
     assert node(mgr, "h0").state == NodeState.DEVICE
-    assert sorted(mgr.allocate("r1", 2).block_table) == sorted(
+    assert sorted(table_after(mgr, "r1", 2)) == sorted(
         [*metas[0].src_block_ids, *metas[2].src_block_ids]
     )
     mgr.finish("r1")
@@ -1053,7 +1061,7 @@ def test_full_hit_leaves_the_last_token_to_compute(extra_tokens: int, hits: int)
     hit = mgr.match("again", keys("a", 3), 3 * BS + extra_tokens)
     assert (hit.num_device_hits, hit.num_cached_tokens) == (hits, hits * BS)
     assert hit.num_cached_tokens < 3 * BS + extra_tokens
-    table = mgr.allocate("again", 3 - hits + (extra_tokens > 0)).block_table
+    table = table_after(mgr, "again", 3 - hits + (extra_tokens > 0))
     mgr.commit("again", 3 * BS + extra_tokens)  # the recomputed block stays private
     mgr.finish("again")
     assert mgr.get_stats().cached_nodes == 3 and len(table) == 3 + (extra_tokens > 0)
@@ -1164,7 +1172,7 @@ def test_allocate_says_wait_only_while_planned_transfers_will_free_the_blocks() 
     while not (alloc := mgr.allocate("r", 3)):
         assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS
         complete(mgr)
-    assert len(alloc.block_table) == 3
+    assert len(alloc.new_blocks) == 3 and mgr.block_table("r") == alloc.new_blocks
     # A second request: the blocks are held by "r", not in flight.
     mgr.match("s", [], 1)
     assert mgr.allocate("s", 2) == Allocation(AllocStatus.NO_SPACE, [])

@@ -106,7 +106,7 @@ class CacheLifecycle(RuleBasedStateMachine):
         alloc = self.mgr.allocate(rid, len(hashes) - matched)
         if not alloc:
             event(f"allocate: {alloc.status.value}")
-            assert alloc.block_table == []
+            assert alloc.new_blocks == []
             assert self.mgr.block_table(rid) == before, "a failed allocate changed the table"
             busy = self.mgr.num_inflight_transfers or self.mgr.num_queued_blocks
             if alloc.status is AllocStatus.WAIT_FOR_TRANSFERS:
@@ -114,7 +114,12 @@ class CacheLifecycle(RuleBasedStateMachine):
             else:  # other requests hold the blocks: alone, it would always fit
                 assert len(self.requests) > 1
             return
-        table = alloc.block_table
+        table = self.mgr.block_table(rid)
+        added, new, fresh = table[len(before) :], alloc.new_blocks, len(hashes) - matched
+        # New blocks in table order (host-hit destinations, then fresh ones); blocks
+        # already on the device below a host hit sit between them.
+        assert [b for b in added if b in set(new)] == new
+        assert added[len(added) - fresh :] == new[len(new) - fresh :]
         assert len(table) == len(hashes) and table[: len(before)] == before
         fresh = set(table) & was_free
         busy = self._outstanding_ids(CacheLevel.DEVICE)
