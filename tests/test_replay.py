@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fastkv import CacheConfig
-from fastkv.replay import TraceRequest, load_trace, replay, synthetic_trace
+from tools.trace_replay import TraceRequest, load_trace, replay, synthetic_trace
 
 TRACE = synthetic_trace(num_requests=400, seed=1)
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

@@ -38,10 +38,19 @@ from pathlib import Path
 
 import numpy as np
 
+if __package__ in (None, ""):  # run as a file: make `tools` and `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from fastkv import CacheConfig, TransferResult, WritePolicy
 from fastkv.hashing import _chain_native, hash_blocks, namespace_root
-from fastkv.replay import TRACE_BLOCK_SIZE, TraceRequest, load_trace, replay, synthetic_trace
 from fastkv.scheduler import CacheManager
+from tools.trace_replay import (
+    TRACE_BLOCK_SIZE,
+    TraceRequest,
+    load_trace,
+    replay,
+    synthetic_trace,
+)
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
 CAPACITIES = (1_000, 10_000, 30_000, 100_000)

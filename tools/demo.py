@@ -4,8 +4,12 @@ FastDeploy-style engine with fastkv, and again with every prompt recomputed, the
 check that the outputs are identical. See `python tools/demo.py --help`."""
 
 import sys
+from pathlib import Path
 
-from fastkv.engine.demo import main
+if __package__ in (None, ""):  # run as a file: make `tools` and `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.engine.demo import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,9 +18,18 @@ import json
 import sys
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file: make `tools` and `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from fastkv import CacheConfig, WritePolicy
-from fastkv.progress import Progress
-from fastkv.replay import TRACE_BLOCK_SIZE, ReplayResult, load_trace, replay, synthetic_trace
+from tools.progress import Progress
+from tools.trace_replay import (
+    TRACE_BLOCK_SIZE,
+    ReplayResult,
+    load_trace,
+    replay,
+    synthetic_trace,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,8 +24,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from fastkv.engine.config import EngineConfig
-from fastkv.engine.protocol import (
+from examples.engine.config import EngineConfig
+from examples.engine.protocol import (
     RequestOutput,
     RequestWork,
     StepBatch,
@@ -69,7 +69,7 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         import paddle
 
-        from fastkv.engine.model import TinyTransformer
+        from examples.engine.model import TinyTransformer
         from fastkv.ops import paddle_ops
         from fastkv.worker import CacheController, KVCacheSpec
 
@@ -182,7 +182,7 @@ class Worker:
     ) -> np.ndarray:
         """Run the model over the step's rows; `recompute_from` moves a request's
         first computed position back (its failed swap-in's positions)."""
-        from fastkv.engine.model import SeqRows
+        from examples.engine.model import SeqRows
         from fastkv.worker.transfer_manager import TransferFailedError
 
         seqs = []

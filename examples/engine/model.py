@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from fastkv.engine.config import ModelConfig
+from examples.engine.config import ModelConfig
 
 ROW_TILE = 16
 

@@ -9,8 +9,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fastkv.engine.config import ModelConfig
-from fastkv.engine.model import SeqRows, TinyTransformer
+from examples.engine.config import ModelConfig
+from examples.engine.model import SeqRows, TinyTransformer
 
 BS = 16
 

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from fastkv.engine.config import EngineConfig
-from fastkv.engine.demo import compare, main
-from fastkv.engine.scheduler import EngineScheduler
-from fastkv.engine.workload import ConversationSpec, MultiTurnChat
+from examples.engine.config import EngineConfig
+from examples.engine.demo import compare, main
+from examples.engine.scheduler import EngineScheduler
+from examples.engine.workload import ConversationSpec, MultiTurnChat
 
 SMALL = ConversationSpec(conversations=5, turns=3, new_tokens=6, system_prompts=2)
 
@@ -98,7 +98,7 @@ def test_demo_cli_prints_json_and_a_plot(tmp_path, capsys) -> None:
 
 def test_the_scheduler_side_never_imports_paddle() -> None:
     code = (
-        "import sys, fastkv.engine.scheduler, fastkv.engine.demo, fastkv.scheduler; "
+        "import sys, examples.engine.scheduler, examples.engine.demo, fastkv.scheduler; "
         "print('paddle' in sys.modules)"
     )
     out = subprocess.run(
@@ -108,7 +108,7 @@ def test_the_scheduler_side_never_imports_paddle() -> None:
 
 
 def _result(outputs: dict[str, list[int]], logits: dict[str, list[float]], rejected=()):
-    from fastkv.engine.scheduler import RunResult
+    from examples.engine.scheduler import RunResult
 
     return RunResult(
         EngineConfig(),

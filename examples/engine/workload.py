@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from fastkv.replay import TraceRequest
+from tools.trace_replay import TraceRequest
 
 
 @dataclass(slots=True)

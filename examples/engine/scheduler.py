@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastkv.config import CacheConfig
-from fastkv.engine.config import EngineConfig
-from fastkv.engine.protocol import (
+from examples.engine.config import EngineConfig
+from examples.engine.protocol import (
     RequestWork,
     StepBatch,
     StepOutput,
@@ -26,7 +25,8 @@ from fastkv.engine.protocol import (
     WorkerReady,
     WorkerStats,
 )
-from fastkv.engine.workload import Prompt, Workload
+from examples.engine.workload import Prompt, Workload
+from fastkv.config import CacheConfig
 from fastkv.hashing import BlockHasher, namespace_root
 from fastkv.scheduler import CacheManager
 
@@ -113,7 +113,7 @@ class EngineScheduler:
     def run(self, workload: Workload) -> RunResult:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        from fastkv.engine.worker import serve  # the child imports paddle, not us
+        from examples.engine.worker import serve  # the child imports paddle, not us
 
         proc = ctx.Process(target=serve, args=(child, self.config), daemon=True)
         proc.start()

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fastkv.engine.config import EngineConfig
-from fastkv.engine.scheduler import EngineScheduler, RunResult
-from fastkv.engine.workload import ConversationSpec, MultiTurnChat, TraceWorkload, Workload
-from fastkv.progress import Progress
-from fastkv.replay import load_trace
+from examples.engine.config import EngineConfig
+from examples.engine.scheduler import EngineScheduler, RunResult
+from examples.engine.workload import ConversationSpec, MultiTurnChat, TraceWorkload, Workload
+from tools.progress import Progress
+from tools.trace_replay import load_trace
 
 LOGITS_RTOL = 1e-5
 
