@@ -37,6 +37,11 @@ class CacheConfig:
         model_id, kv_dtype, tp_rank, tp_size: parts of the cache namespace, so two
             models, dtypes or tensor-parallel shards never share a block hash.
         namespace: an explicit namespace string; replaces the parts above.
+        reuse_evicted_blocks: False (default): a device block being evicted to host
+            returns to the pool when its copy's result arrives. True: it goes to
+            the next allocation at once and the worker orders the copy before the
+            new owner's writes (FastDeploy v1's synchronous allocation); a failed
+            copy then loses the block, and its descendants leave the cache.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the
@@ -53,6 +58,7 @@ class CacheConfig:
     tp_rank: int = 0
     tp_size: int = 1
     namespace: str | None = None
+    reuse_evicted_blocks: bool = False
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
@@ -73,6 +79,10 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name}: must be a non-empty string, got {value!r}")
+        if not isinstance(self.reuse_evicted_blocks, bool):
+            raise ValueError(
+                f"reuse_evicted_blocks: must be a bool, got {self.reuse_evicted_blocks!r}"
+            )
         if self.namespace is not None and (
             not isinstance(self.namespace, str) or not self.namespace
         ):

@@ -27,7 +27,8 @@ is on no eviction list, so nothing evicts it before the result.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -37,7 +38,9 @@ from fastkv.scheduler.block_pool import BlockPool, PoolStats
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
+    DROPPED,
     HOST,
+    PENDING_HOST,
     SWAP_TO_DEVICE,
     SWAP_TO_HOST,
     BlockHash,
@@ -46,6 +49,10 @@ from fastkv.scheduler.radix_tree import (
 )
 
 RequestId = Hashable
+DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
+TransferListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
+"""`listener(src_level, dst_level, num_blocks, seconds, success)`: one applied transfer
+result; `seconds` from `take_swap_metadata` to `apply_results`."""
 
 
 @dataclass(slots=True)
@@ -242,11 +249,15 @@ class _Request:
 class _Transfer:
     """Scheduler-side record of one emitted CacheSwapMetadata."""
 
-    __slots__ = ("nodes", "positions", "requests", "to_host")
+    __slots__ = ("device_ids", "emitted_at", "nodes", "positions", "requests", "to_host")
 
     def __init__(self, to_host: bool) -> None:
         self.to_host = to_host
+        self.emitted_at = 0.0
         self.nodes: list[TreeNode] = []
+        # Per node, its device block when planned (a released eviction's node no
+        # longer holds it).
+        self.device_ids: list[int] = []
         self.requests: list[_Request] = []  # H2D: per node, the request loading it
         self.positions: list[int] = []  # H2D: per node, its position in that request
 
@@ -288,6 +299,7 @@ class CacheManager:
         self._host_evictions = 0
         self._failed_transfers = 0
         self._rollbacks = 0
+        self._listeners: list[TransferListener] = []
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -472,7 +484,7 @@ class CacheManager:
             if existing:
                 for i in existing:
                     node = path[i]
-                    if node.state == HOST:  # cached on host only: adopt our device copy
+                    if node.state == HOST or node.state == PENDING_HOST:  # adopt ours
                         self.tree.attach_device(node, blocks[start + i], loading=False)
                     else:  # cached on device concurrently: ours stays private
                         req.owns_matched_positions = True
@@ -553,8 +565,18 @@ class CacheManager:
                 )
             seen.add(result.transfer_id)
         rollbacks: dict[RequestId, list[int]] = {}
+        now = time.monotonic() if self._listeners else 0.0
         for result in results:
             transfer = self._transfers.pop(result.transfer_id)
+            for listener in self._listeners:
+                levels = (
+                    (DEVICE_LEVEL, HOST_LEVEL)
+                    if transfer.to_host
+                    else (HOST_LEVEL, DEVICE_LEVEL)
+                )
+                listener(
+                    *levels, len(transfer.nodes), now - transfer.emitted_at, result.success
+                )
             if not result.success:
                 self._failed_transfers += 1
             if transfer.to_host:
@@ -563,6 +585,10 @@ class CacheManager:
                 self._finish_to_device(transfer, result.success, rollbacks)
         self._rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
+
+    def add_transfer_listener(self, listener: TransferListener) -> None:
+        """Call `listener` for every transfer result applied from now on (metrics)."""
+        self._listeners.append(listener)
 
     @property
     def num_inflight_transfers(self) -> int:
@@ -646,6 +672,7 @@ class CacheManager:
                 self.tree.attach_device(node, ids[i], loading=True)
                 i += 1
                 h2d.nodes.append(node)
+                h2d.device_ids.append(node.device_block)
                 h2d.requests.append(req)
                 h2d.positions.append(len(blocks))
                 req.loading += 1
@@ -686,6 +713,7 @@ class CacheManager:
         for node, host_block in zip(nodes, host_ids, strict=False):
             self.tree.start_backup(node, host_block)
             d2h.nodes.append(node)
+            d2h.device_ids.append(node.device_block)
         self._backups += len(host_ids)
 
     def _evict_device(self, num_blocks: int) -> list[int]:
@@ -712,6 +740,8 @@ class CacheManager:
         policy = self._policy
         copy_all = policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
         threshold = self.config.selective_threshold
+        reuse = self.config.reuse_evicted_blocks
+        d2h = self._d2h
         freed = []
         while len(freed) < deficit:
             node = tree.pop_device_victim()
@@ -722,11 +752,15 @@ class CacheManager:
             elif (owed := copy_all or node.hits >= threshold) or node.num_children:
                 host = self._take_host_blocks(1)
                 if host:
-                    tree.start_eviction(node, host[0])
-                    self._d2h.nodes.append(node)
-                    self._device_evictions += 1
+                    d2h.nodes.append(node)
+                    d2h.device_ids.append(node.device_block)
                     self._backup_retries += owed and policy is not WritePolicy.WRITE_BACK
-                    deficit -= 1
+                    if reuse:  # the block goes to the caller now; the worker copies first
+                        freed.append(tree.release_to_host(node, host[0]))
+                    else:  # freed when the copy's result arrives
+                        tree.start_eviction(node, host[0])
+                        self._device_evictions += 1
+                        deficit -= 1
                 elif node.num_children:  # no host room, and its children need it
                     tree.restore_device_victim(node)
                     break
@@ -758,7 +792,9 @@ class CacheManager:
         transfer_id = self._next_transfer_id
         self._next_transfer_id += 1
         self._transfers[transfer_id] = transfer
-        device_ids = [n.device_block for n in transfer.nodes]
+        if self._listeners:
+            transfer.emitted_at = time.monotonic()
+        device_ids = transfer.device_ids
         host_ids = [n.host_block for n in transfer.nodes]
         keys = [n.key for n in transfer.nodes]
         if transfer.to_host:
@@ -774,6 +810,8 @@ class CacheManager:
         freed_device: list[int] = []
         freed_host: list[int] = []
         for node in nodes:
+            if not success and node.state == PENDING_HOST:  # its block was reused: lost
+                freed_host += self.tree.drop_subtree(node)
             device_block, host_block = self.tree.finish_copy_to_host(node, success)
             if device_block >= 0:
                 freed_device.append(device_block)
@@ -841,16 +879,32 @@ class CacheManager:
                 if pos >= len(req.nodes) or req.nodes[pos].device_block != block:
                     own(block, req.request_id)
         moving: set[TreeNode] = set()
-        for transfer in [*self._transfers.values(), self._d2h, self._h2d]:
-            expected = (SWAP_TO_HOST, BACKUP_TO_HOST) if transfer.to_host else (SWAP_TO_DEVICE,)
+        released = (PENDING_HOST, DROPPED)  # device block already handed on
+        for transfer in self._transfers.values():
             for node in transfer.nodes:
+                if node.state == DROPPED:  # out of the tree; its host block is still its
+                    assert node.host_block not in host_owner, f"{node}: host block owned"
+                    host_owner[node.host_block] = node
+        for transfer in [*self._transfers.values(), self._d2h, self._h2d]:
+            expected = (
+                (SWAP_TO_HOST, BACKUP_TO_HOST, *released)
+                if transfer.to_host
+                else (SWAP_TO_DEVICE,)
+            )
+            assert len(transfer.device_ids) == len(transfer.nodes)
+            for node, device_block in zip(transfer.nodes, transfer.device_ids, strict=True):
                 assert node.state in expected, f"{node} in a transfer but not moving"
                 assert node not in moving, f"{node} in two transfers"
                 moving.add(node)
-                assert self.device_pool.is_allocated(node.device_block), node
                 assert self.host_pool.is_allocated(node.host_block), node
+                if node.state in released:  # its block may be anyone's, or free
+                    assert self.config.reuse_evicted_blocks, node
+                    continue
+                assert self.device_pool.is_allocated(device_block), node
+                if node.state != BACKUP_TO_HOST:  # a backup may hold a recomputed block
+                    assert node.device_block == device_block, node
         for node in self.tree:
-            if node.state in (SWAP_TO_HOST, BACKUP_TO_HOST, SWAP_TO_DEVICE):
+            if node.state in (SWAP_TO_HOST, BACKUP_TO_HOST, SWAP_TO_DEVICE, PENDING_HOST):
                 assert node in moving, f"{node} is moving in no transfer"
         for node in self.tree:
             assert node.ref == expected_ref.get(node, 0), (

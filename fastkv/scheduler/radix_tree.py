@@ -53,9 +53,16 @@ class NodeState(IntEnum):
     BACKUP_TO_HOST = 4
     """Being backed up (write-through): the device block is read into the host
     block and stays."""
+    PENDING_HOST = 5
+    """Evicted with its device block handed to a new owner at once (the worker orders
+    the copy before the new owner's writes): only the copy in flight to the host
+    block will hold the KV, so nothing may read it until that copy lands."""
+    DROPPED = 6
+    """Left the tree while a copy to its host block was in flight (the copy of an
+    ancestor failed); the host block is freed when that copy's result arrives."""
 
 
-DEVICE, HOST, SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST = NodeState
+DEVICE, HOST, SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST, PENDING_HOST, DROPPED = NodeState
 
 
 class TreeNode:
@@ -146,8 +153,8 @@ class RadixTree:
 
         Returns:
             The matched nodes (root side first), how many of them are host-only,
-            and whether the walk stopped at a block another request is loading
-            (SWAP_TO_DEVICE): matching after that transfer would find more.
+            and whether the walk stopped at a block whose copy is in flight
+            (SWAP_TO_DEVICE, PENDING_HOST): matching after it lands finds more.
         """
         nodes: list[TreeNode] = []
         num_host = 0
@@ -159,7 +166,7 @@ class RadixTree:
             if node is None or node.parent is not parent:
                 break
             state = node.state
-            if state == SWAP_TO_DEVICE:
+            if state is SWAP_TO_DEVICE or state is PENDING_HOST:
                 waiting = True
                 break
             if state == HOST:
@@ -292,9 +299,13 @@ class RadixTree:
 
     def attach_device(self, node: TreeNode, device_block: int, *, loading: bool) -> None:
         """A host-only node gets a device block: a swap-in starts (`loading`) or a
-        request that recomputed the block hands its copy over."""
+        request that recomputed the block hands its copy over. A PENDING_HOST node
+        handed a recomputed copy keeps its copy to host going, as a backup."""
         node.device_block = device_block
-        node.state = SWAP_TO_DEVICE if loading else DEVICE
+        if node.state == PENDING_HOST:
+            node.state = BACKUP_TO_HOST
+        else:
+            node.state = SWAP_TO_DEVICE if loading else DEVICE
         self._gain_device_child(node.parent)  # type: ignore[arg-type]
 
     def detach_device(self, node: TreeNode) -> int:
@@ -314,6 +325,16 @@ class RadixTree:
         self.num_evicting += 1
         self._lose_device_child(node.parent)  # type: ignore[arg-type]
 
+    def release_to_host(self, node: TreeNode, host_block: int) -> int:
+        """An unlocked device leaf starts moving to `host_block` and gives up its
+        device block at once (returned, for the caller to hand to a new owner whose
+        writes the worker orders after the copy). The node becomes PENDING_HOST."""
+        block, node.device_block = node.device_block, -1
+        node.host_block = host_block
+        node.state = PENDING_HOST
+        self._lose_device_child(node.parent)  # type: ignore[arg-type]
+        return block
+
     def start_backup(self, node: TreeNode, host_block: int) -> None:
         """A locked device node starts being copied to `host_block`."""
         node.host_block = host_block
@@ -327,10 +348,26 @@ class RadixTree:
         of its own) and still needs this node as its path. On failure the host
         block is released and the device copy stays.
 
+        A PENDING_HOST node (its device block already reused) becomes host-only on
+        success; on failure it holds no copy at all, so it leaves the tree with its
+        descendants (see `drop_subtree`), and its host block is freed. A DROPPED
+        node's host block is freed either way.
+
         Returns:
             (device block to free, host block to free), -1 for none.
         """
-        evicting = node.state == SWAP_TO_HOST
+        state = node.state
+        if state in (PENDING_HOST, DROPPED):
+            if success and state == PENDING_HOST:
+                node.state = HOST
+                self.relist(node)
+                return -1, -1
+            block, node.host_block = node.host_block, -1
+            if state == PENDING_HOST:
+                node.state = DROPPED  # drop_subtree skips it: its host block goes here
+                self.remove(node)
+            return -1, block
+        evicting = state == SWAP_TO_HOST
         if evicting:
             self.num_evicting -= 1
         if not success:
@@ -382,6 +419,39 @@ class RadixTree:
         parent.num_children -= 1
         if not parent.num_children and parent in self._host_parked:
             self._unpark(parent, self._host_parked, self.host_lru)
+
+    def drop_subtree(self, node: TreeNode) -> list[int]:
+        """Take every descendant of `node` out of the tree: their prefix lost its
+        only copy, so they can never be matched again. Returns the host blocks to
+        free now; a descendant whose copy to host is still in flight becomes
+        DROPPED and its host block is freed when that copy ends. O(cached nodes):
+        only a failed copy that already gave its device block away comes here.
+
+        Every descendant is host-only or PENDING_HOST and unlocked: a request
+        holding one would hold `node` too, and a node with device children is
+        never released.
+        """
+        children: dict[TreeNode, list[TreeNode]] = {}
+        for other in self._index.values():
+            children.setdefault(other.parent, []).append(other)  # type: ignore[arg-type]
+        doomed: list[TreeNode] = []
+        stack = list(children.get(node, ()))
+        while stack:
+            child = stack.pop()
+            doomed.append(child)
+            stack.extend(children.get(child, ()))
+        freed = []
+        for child in reversed(doomed):  # deepest first: each is a leaf when removed
+            assert not child.ref and child.device_block < 0, child
+            if child.state == HOST:
+                if self.host_lru.pop(child, _ABSENT) is _ABSENT:
+                    self._host_parked.discard(child)
+                freed.append(child.host_block)
+                child.host_block = -1
+            else:  # PENDING_HOST: its copy frees the host block when it ends
+                child.state = DROPPED
+            self.remove(child)
+        return freed
 
     # -- eviction lists -------------------------------------------------------
 
@@ -517,10 +587,13 @@ class RadixTree:
                 listed
                 and (node.state == HOST or (node.state == DEVICE and node.host_block >= 0))
             ), f"host list: {node}"
-            if node.state == HOST:
+            assert node.state != DROPPED, node
+            if node.state in (HOST, PENDING_HOST):
                 assert node.device_block < 0 and node.host_block >= 0, node
             else:
                 assert node.device_block >= 0, node
+            if node.state == PENDING_HOST:
+                assert node.ref == 0, f"{node} is locked but its copy has not landed"
             if node.state in (SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST):
                 assert node.host_block >= 0, node
             if node.state == SWAP_TO_HOST:

@@ -1230,3 +1230,72 @@ def test_backups_without_host_room_are_counted_and_retried_at_eviction() -> None
     # One host block: the last copy made (a0's) is the one kept.
     assert node(mgr, "a0").state == NodeState.HOST and node(mgr, "a1") is None
     assert_no_leak(mgr)
+
+
+# -- reuse_evicted_blocks: FastDeploy's synchronous allocation ----------------------
+
+
+def _reusing(device: int = 3):
+    """write_back with reuse: a chain a0 <- a1 cached, then a request taking the
+    whole pool gets a1's and a0's device blocks at once, their copies planned."""
+    mgr = Checked(
+        CacheManager(
+            CacheConfig(
+                block_size=BS,
+                num_device_blocks=device,
+                num_host_blocks=8,
+                write_policy="write_back",
+                reuse_evicted_blocks=True,
+            )
+        )
+    )
+    serve(mgr, "setup", keys("a", 2))
+    mgr.match("big", [], 1)
+    alloc = mgr.allocate("big", device)
+    assert alloc, "reuse hands evicted blocks over without waiting"
+    meta = mgr.take_swap_metadata().evict
+    assert list(meta.block_hashes) == ["a1", "a0"]  # leaf first
+    assert sorted(meta.src_block_ids) == sorted(alloc.new_blocks[-2:])
+    assert [node(mgr, k).state for k in ("a0", "a1")] == [NodeState.PENDING_HOST] * 2
+    return mgr, meta
+
+
+def test_reused_eviction_lands_on_host_and_is_not_read_before() -> None:
+    mgr, meta = _reusing()
+    hit = mgr.match("early", keys("a", 2), prompt(keys("a", 2)))
+    assert (hit.num_hits, hit.waiting_on_transfer) == (0, True)  # not readable yet
+    mgr.abort("early")
+    mgr.apply_results([TransferResult(meta.transfer_id, True)])
+    hit = mgr.match("late", keys("a", 2), prompt(keys("a", 2)))
+    assert hit.num_host_hits == 2
+    mgr.abort("late")
+    mgr.abort("big")
+    assert_no_leak(mgr)
+
+
+def test_failed_reused_eviction_drops_the_lost_blocks_and_their_subtree() -> None:
+    mgr, meta = _reusing()
+    mgr.apply_results([TransferResult(meta.transfer_id, False)])
+    assert node(mgr, "a0") is None and node(mgr, "a1") is None
+    assert mgr.host_pool.num_used == 0
+    assert mgr.match("again", keys("a", 2), prompt(keys("a", 2))).num_hits == 0
+    mgr.abort("again")
+    mgr.abort("big")
+    assert_no_leak(mgr)
+
+
+def test_a_recomputed_block_rescues_a_reused_eviction() -> None:
+    """A request that computed a0 itself commits it while a0's copy is in flight:
+    its device block becomes a0's copy, so a0 survives the copy failing."""
+    mgr, meta = _reusing()
+    mgr.abort("big")  # its blocks are free again; the copies still read them first
+    mgr.match("r", ["a0"], BS + 1)  # stops at a0: in flight
+    assert table_after(mgr, "r", 1)
+    mgr.commit("r", BS)
+    assert node(mgr, "a0").state == NodeState.BACKUP_TO_HOST
+    mgr.apply_results([TransferResult(meta.transfer_id, False)])
+    a0 = node(mgr, "a0")
+    assert (a0.state, a0.device_block) == (NodeState.DEVICE, mgr.block_table("r")[0])
+    assert node(mgr, "a1") is None  # a1 had no other copy
+    mgr.finish("r")
+    assert_no_leak(mgr)

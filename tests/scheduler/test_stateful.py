@@ -30,8 +30,9 @@ class CacheLifecycle(RuleBasedStateMachine):
         policy=st.sampled_from(["write_back", "write_through", "write_through_selective"]),
         device_blocks=st.integers(8, 11),
         host_blocks=st.sampled_from([0, 3, 8, 20]),
+        reuse=st.booleans(),
     )
-    def setup(self, policy: str, device_blocks: int, host_blocks: int) -> None:
+    def setup(self, policy: str, device_blocks: int, host_blocks: int, reuse: bool) -> None:
         self.mgr = CacheManager(
             CacheConfig(
                 block_size=BS,
@@ -39,8 +40,12 @@ class CacheLifecycle(RuleBasedStateMachine):
                 num_host_blocks=host_blocks,
                 write_policy=policy,
                 selective_threshold=2,
+                reuse_evicted_blocks=reuse,
             )
         )
+        # With reuse, a device block an eviction still reads may go to a new owner
+        # (the worker orders the copy first); a block being written never may.
+        self.reuse = reuse
         self.next_id = 0
         self.requests: dict[int, list[str]] = {}  # active request -> its hashes
         self.allocated: set[int] = set()
@@ -253,7 +258,10 @@ class CacheLifecycle(RuleBasedStateMachine):
     @rule(i=st.integers(0, 1000), success=st.booleans())
     def complete(self, i: int, success: bool) -> None:
         meta = self.outstanding.pop(i % len(self.outstanding))  # any order
+        nodes = self.mgr.get_stats().cached_nodes
         rollbacks = self.mgr.apply_results([TransferResult(meta.transfer_id, success)])
+        if self.reuse and self.mgr.get_stats().cached_nodes < nodes:
+            event("failed released eviction dropped its subtree")
         if success:
             assert not rollbacks
         if rollbacks:
@@ -281,11 +289,14 @@ class CacheLifecycle(RuleBasedStateMachine):
     # -- checks ---------------------------------------------------------------
 
     def _outstanding_ids(self, level: CacheLevel, dst_only: bool = False) -> set[int]:
+        """Blocks of `level` that in-flight copies write (and read, unless
+        `dst_only`, or the block is a device block an eviction reads under reuse)."""
         ids: set[int] = set()
         for meta in self.outstanding:
             if meta.dst_level == level:
                 ids.update(meta.dst_block_ids)
-            if meta.src_level == level and not dst_only:
+            reads_reusable = self.reuse and level == CacheLevel.DEVICE
+            if meta.src_level == level and not dst_only and not reads_reusable:
                 ids.update(meta.src_block_ids)
         return ids
 
@@ -297,6 +308,8 @@ class CacheLifecycle(RuleBasedStateMachine):
                 (meta.src_level, meta.src_block_ids),
                 (meta.dst_level, meta.dst_block_ids),
             ):
+                if self.reuse and level == meta.src_level == CacheLevel.DEVICE:
+                    continue  # handed on at once: the worker reads it before any write
                 pool = (
                     self.mgr.device_pool if level == CacheLevel.DEVICE else self.mgr.host_pool
                 )
