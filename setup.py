@@ -27,6 +27,7 @@ Environment:
   FASTKV_BUILD_PADDLE_OPS=auto|0|1 build the Paddle op library (auto: when paddle imports)
   FASTKV_CUDA_ARCHS="80 90"        SASS targets instead of the default sm_75 80 86 89 90
                                    (+100 120 where nvcc has them); PTX of the lowest
+  FASTKV_CUDA_EXTRA_ARCHS="8.7"    SASS targets added to those (make gpu-test: this GPU)
   CUDA_HOME                        the toolkit to use (must match Paddle's CUDA major)
   CXX                              C++ compiler (default c++)
 """
@@ -119,7 +120,9 @@ def choose_toolkit(mode: str) -> tuple[str | None, list[str], str]:
         return None, [], ""
     try:
         archs, ptx = cb.select_archs(
-            cb.supported_archs(toolkit.nvcc), os.environ.get("FASTKV_CUDA_ARCHS")
+            cb.supported_archs(toolkit.nvcc),
+            os.environ.get("FASTKV_CUDA_ARCHS"),
+            os.environ.get("FASTKV_CUDA_EXTRA_ARCHS"),
         )
     except cb.ToolkitError as e:
         raise NativeBuildError(f"fastkv: {e}") from None

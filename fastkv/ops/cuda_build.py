@@ -171,30 +171,41 @@ def supported_archs(nvcc: str) -> set[int] | None:
     return archs or None
 
 
-def select_archs(supported: set[int] | None, requested: str | None) -> tuple[list[int], int]:
+def _parse_archs(name: str, text: str, supported: set[int] | None) -> list[int]:
+    try:
+        archs = sorted({int(a) for a in text.replace(",", " ").replace(".", "").split()})
+    except ValueError:
+        raise ToolkitError(f"{name}: {text!r} is not a list of numbers like '80 90'") from None
+    bad = [a for a in archs if supported is not None and a not in supported]
+    if bad:
+        raise ToolkitError(
+            f"{name}: sm_{bad[0]} is not supported by this nvcc "
+            f"(it offers {', '.join(f'sm_{a}' for a in sorted(supported or ()))})"
+        )
+    return archs
+
+
+def select_archs(
+    supported: set[int] | None, requested: str | None, extra: str | None = None
+) -> tuple[list[int], int]:
     """(SASS architectures, PTX architecture) to build.
 
     Args:
         supported: what the toolkit can build (None: assume the defaults).
         requested: FASTKV_CUDA_ARCHS, e.g. "80 90" (None or "": the defaults).
+        extra: FASTKV_CUDA_EXTRA_ARCHS, added to either (e.g. "8.7" for the GPU
+            at hand, which `make gpu-test` passes).
 
     Raises:
         ToolkitError: a requested architecture is malformed or unsupported, or the
             toolkit supports none of the defaults.
     """
+    if extra and extra.strip():
+        added = _parse_archs("FASTKV_CUDA_EXTRA_ARCHS", extra, supported)
+        archs, ptx = select_archs(supported, requested)
+        return sorted({*archs, *added}), ptx
     if requested and requested.strip():
-        try:
-            archs = sorted({int(a) for a in requested.replace(",", " ").split()})
-        except ValueError:
-            raise ToolkitError(
-                f"FASTKV_CUDA_ARCHS: {requested!r} is not a list of numbers like '80 90'"
-            ) from None
-        bad = [a for a in archs if supported is not None and a not in supported]
-        if bad:
-            raise ToolkitError(
-                f"FASTKV_CUDA_ARCHS: sm_{bad[0]} is not supported by this nvcc "
-                f"(it offers {', '.join(f'sm_{a}' for a in sorted(supported or ()))})"
-            )
+        archs = _parse_archs("FASTKV_CUDA_ARCHS", requested, supported)
     else:
         wanted = DEFAULT_ARCHS + OPTIONAL_ARCHS
         archs = [a for a in wanted if supported is None or a in supported]
