@@ -455,11 +455,13 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments, int64_t 
     }
     const size_t host_bytes = static_cast<size_t>(num_host_blocks * seg.block_bytes);
     bool pinned = false;
+    void* attr_device_ptr = nullptr;
     if (!registry_lookup(seg.host_base, host_bytes, &pinned)) {
       // Not ours (e.g. cupyx.empty_pinned): ask the driver about both ends.
       err = cudaPointerGetAttributes(&attr, seg.host_base);
       if (err != cudaSuccess) return cuda_error(err, "cudaPointerGetAttributes(host_base)");
       pinned = attr.type == cudaMemoryTypeHost;
+      attr_device_ptr = attr.devicePointer;
       if (pinned && host_bytes > 1) {
         cudaPointerAttributes last;
         err = cudaPointerGetAttributes(&last, static_cast<char*>(seg.host_base) + host_bytes - 1);
@@ -469,10 +471,12 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments, int64_t 
     }
     void* kernel_addr = nullptr;
     if (pinned) {
+      // The device's own mapping of this address: equal to the host address only
+      // where cudaDevAttrCanUseHostPointerForRegisteredMem says so.
       err = cudaHostGetDevicePointer(&kernel_addr, seg.host_base, 0);
       if (err != cudaSuccess) {
         cudaGetLastError();
-        kernel_addr = nullptr;
+        kernel_addr = attr_device_ptr;  // what the pointer query reported on this device
       }
     }
     if (!pinned || kernel_addr == nullptr) {
