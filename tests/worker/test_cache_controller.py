@@ -312,3 +312,51 @@ def test_gpu_controller_initialises_at_construction_on_its_own_device() -> None:
         counter = ctrl.submit_swap_tasks(d2h(0, [1], [2]), None, compute_stream=int(handle))
         counter.wait_all(timeout=10)
         assert [r.success for r in ctrl.wait_all(10)] == [True]
+
+
+class NativeHostStream(HostStream):
+    """Launches all layers of a swap-in in one call, as a CUDA stream does."""
+
+    def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None):
+        if copy_layers is None:
+            return super().launch_layers(num_layers, copy_layer, on_error)
+        import ctypes
+
+        handles = (ctypes.c_void_p * num_layers)()  # a CPU layout ignores events
+        self.launch(
+            lambda handle: copy_layers(handle, handles),
+            lambda e: on_error(e, getattr(e, "failed_layer", 0)),
+        )
+        return [self.record() for _ in range(num_layers)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_the_gpu_controllers_layout_path_round_trips_on_a_cpu_layout(dtype: str) -> None:
+    """The controller's GPU data path (a core layout: ids validated and staged once,
+    every layer of a swap-in from one call) run over a CPU layout, so its Python
+    side is checked where no GPU is."""
+    streams = (NativeHostStream("h2d"), HostStream("d2h"), InlineStream())
+    with make(dtype, streams=streams) as ctrl:
+        segments = [
+            (t.data_ptr(), h, b)
+            for t, h, b in zip(ctrl.caches, ctrl.host_ptrs, ctrl.block_bytes, strict=True)
+        ]
+        spec = ctrl.spec
+        ctrl._layout = core.Layout(
+            segments, spec.tensors_per_layer, spec.num_device_blocks, spec.num_host_blocks
+        )
+        try:
+            rng = np.random.default_rng(3)
+            fill_random(ctrl, rng)
+            original = [ctrl.device_blocks(i).copy() for i in range(len(ctrl.caches))]
+            ctrl.submit_swap_tasks(d2h(0, [3, 1, 7], [10, 2, 31]), None)
+            assert [r.success for r in ctrl.wait_all(5)] == [True]
+            counter = ctrl.submit_swap_tasks(None, h2d(1, [10, 2, 31], [5, 6, 9]))
+            counter.wait_all(timeout=5)
+            for i in range(len(ctrl.caches)):
+                np.testing.assert_array_equal(
+                    ctrl.device_blocks(i)[[5, 6, 9]], original[i][[3, 1, 7]]
+                )
+            assert [r.success for r in ctrl.wait_all(5)] == [True]
+        finally:
+            ctrl._layout.close()
