@@ -28,7 +28,7 @@ test: install
 # a venv that sees them, the core built for this GPU too, and every `gpu` test run
 # through the C ABI (and the Paddle ops when Paddle has CUDA) with skips as failures.
 GPU_PYTHON ?= python3
-GPU_VENV := .venv-gpu
+GPU_VENV := build/venv-gpu
 GPU_PY := $(GPU_VENV)/bin/python
 gpu-test:
 	test -x $(GPU_PY) || $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
@@ -59,4 +59,4 @@ lint: install
 	$(VENV)/bin/ruff format --check fastkv tests tools
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) build *.egg-info fastkv/*.so fastkv/ops/*.so
+	rm -rf $(VENV) build *.egg-info fastkv/*.so fastkv/ops/*.so
