@@ -9,7 +9,7 @@ NATIVE := $(wildcard fastkv/*.c custom_ops/csrc/*)
 SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
 TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 
-.PHONY: install test demo replay bench lint clean
+.PHONY: install test gpu-test demo replay bench lint clean
 
 install: $(STAMP)
 
@@ -21,6 +21,28 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 
 test: install
 	$(PY) -m pytest -q tests
+	@# On a GPU runner the GPU tests run for real (make gpu-test), never skipped.
+	@if nvidia-smi -L >/dev/null 2>&1; then $(MAKE) --no-print-directory gpu-test; fi
+
+# GPU machine with CuPy (and optionally paddlepaddle-gpu) in GPU_PYTHON's site-packages:
+# a venv that sees them, the core built for this GPU too, and every `gpu` test run
+# through the C ABI (and the Paddle ops when Paddle has CUDA) with skips as failures.
+GPU_PYTHON ?= python3
+GPU_VENV := build/venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+gpu-test:
+	test -x $(GPU_PY) || $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_PY) -c "import numpy, pytest, setuptools" 2>/dev/null || \
+		$(GPU_PY) -m pip install --quiet numpy pytest setuptools
+	@# In place, with no packaging step: works offline and with any setuptools.
+	FASTKV_CUDA_EXTRA_ARCHS="$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | sort -u | tr '\n' ' ')" \
+		$(GPU_PY) setup.py --quiet build_ext --inplace
+	$(GPU_PY) -c "from fastkv.ops import core; print(core.cuda_info().describe())"
+	@# The in-place libraries were just built for this venv's Paddle (if any): make
+	@# the next `make install` rebuild them for .venv's.
+	rm -f $(STAMP)
+	FASTKV_REQUIRE_GPU=1 $(GPU_PY) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
+	@cat build/gpu-test-first-call.json 2>/dev/null || true
 
 demo: install
 	$(PY) tools/demo.py

@@ -14,11 +14,21 @@ so a broken source surfaces later as a misleading `ld: cannot find *.o`, and its
 CUDAExtension needs GPU-Paddle headers. Here every compiler call is checked and the
 build stops at the first error, with the compiler's own output above it.
 
+CUDA toolkit (fastkv/ops/cuda_build.py has the rules): the core links a static CUDA
+runtime, which needs a driver for that runtime's major version. With paddlepaddle-gpu
+installed the core is built with a toolkit of Paddle's CUDA major version
+(`paddle.version.cuda()`), found through CUDA_HOME / CUDA_PATH, /usr/local/cuda,
+/usr/local/cuda-X.Y or PATH; if there is none the build stops and says what to
+install. With a CPU-only Paddle (or none) any nvcc found builds the CUDA core.
+
 Environment:
   FASTKV_WITH_CUDA=auto|0|1        compile the CUDA core (auto: when nvcc is found;
                                    1: fail if it is not)
   FASTKV_BUILD_PADDLE_OPS=auto|0|1 build the Paddle op library (auto: when paddle imports)
-  FASTKV_CUDA_ARCHS="80 90"        SASS targets (PTX of the last is embedded too)
+  FASTKV_CUDA_ARCHS="80 90"        SASS targets instead of the default sm_75 80 86 89 90
+                                   (+100 120 where nvcc has them); PTX of the lowest
+  FASTKV_CUDA_EXTRA_ARCHS="8.7"    SASS targets added to those (make gpu-test: this GPU)
+  CUDA_HOME                        the toolkit to use (must match Paddle's CUDA major)
   CXX                              C++ compiler (default c++)
 """
 
@@ -32,16 +42,29 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import importlib.util
+import json
+
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "custom_ops" / "csrc"
-CORE_CXX = ["fkv_common.cc", "fkv_pool.cc", "fkv_cpu.cc", "fkv_host_alloc.cc"]
+CORE_CXX = ["fkv_common.cc", "fkv_pool.cc", "fkv_cpu.cc", "fkv_host_alloc.cc", "fkv_layout.cc"]
 CORE_CUDA = "fkv_cuda.cu"
 CORE_CUDA_STUB = "fkv_cuda_stub.cc"
 PADDLE_OPS = "fastkv_paddle_ops.cc"
-HEADERS = ["fastkv_core.h", "fkv_internal.h"]
+HEADERS = ["fastkv_core.h", "fkv_internal.h", "fkv_cuda_plan.h"]
+CUDA_BUILD = ROOT / "fastkv" / "ops" / "cuda_build.py"
+
+
+def _load_cuda_build():
+    """fastkv/ops/cuda_build.py by path: importing the package would need numpy."""
+    spec = importlib.util.spec_from_file_location("fastkv_cuda_build", CUDA_BUILD)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 CORE_LIB = "libfastkv_core.so"
 PADDLE_LIB = "libfastkv_paddle_ops.so"
 
@@ -70,16 +93,46 @@ def _env_mode(name: str) -> str:
     return value
 
 
-def find_nvcc() -> str | None:
-    candidates = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "bin" / "nvcc")
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    return shutil.which("nvcc")
+def choose_toolkit(mode: str) -> tuple[str | None, list[str], str]:
+    """(nvcc or None, gencode flags, architecture list) for the core.
+
+    Raises:
+        NativeBuildError: Paddle has CUDA and no toolkit of its major version is
+            found, FASTKV_WITH_CUDA=1 without nvcc, or bad FASTKV_CUDA_ARCHS.
+    """
+    if mode == "0":
+        return None, [], ""
+    cb = _load_cuda_build()
+    env = dict(os.environ)
+    toolkits = []
+    for nvcc in cb.candidate_nvccs(env):
+        version = cb.nvcc_version(nvcc)
+        if version is not None:
+            toolkits.append(cb.Toolkit(nvcc, version))
+    paddle_cuda = cb.paddle_cuda_version(sys.executable)
+    try:
+        toolkit = cb.select_toolkit(paddle_cuda, toolkits, cb.explicit_nvcc(env))
+    except cb.ToolkitError as e:
+        raise NativeBuildError(f"fastkv: {e}") from None
+    if toolkit is None:
+        if mode == "1":
+            raise NativeBuildError("FASTKV_WITH_CUDA=1 but no nvcc found (CUDA_HOME, PATH)")
+        return None, [], ""
+    try:
+        archs, ptx = cb.select_archs(
+            cb.supported_archs(toolkit.nvcc),
+            os.environ.get("FASTKV_CUDA_ARCHS"),
+            os.environ.get("FASTKV_CUDA_EXTRA_ARCHS"),
+        )
+    except cb.ToolkitError as e:
+        raise NativeBuildError(f"fastkv: {e}") from None
+    why = f"Paddle is built for CUDA {paddle_cuda}" if paddle_cuda else "CPU-only Paddle"
+    print(
+        f"[fastkv] CUDA {toolkit.version_text} ({toolkit.nvcc}; {why}); "
+        f"targets {cb.arch_list(archs, ptx)}",
+        flush=True,
+    )
+    return toolkit.nvcc, cb.gencode_flags(archs, ptx), cb.arch_list(archs, ptx)
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -148,13 +201,20 @@ class NativeBuild(build_ext):
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
         mode = _env_mode("FASTKV_WITH_CUDA")
-        nvcc = None if mode == "0" else find_nvcc()
-        if mode == "1" and nvcc is None:
-            raise NativeBuildError("FASTKV_WITH_CUDA=1 but no nvcc found (CUDA_HOME, PATH)")
+        nvcc, gencode, archs = choose_toolkit(mode)
         cuda_src = CORE_CUDA if nvcc else CORE_CUDA_STUB
         inputs = [CSRC / s for s in [*CORE_CXX, cuda_src, *HEADERS]] + [ROOT / "setup.py"]
-        stamp = out.with_suffix(".so.cuda" if nvcc else ".so.nocuda")
-        if not self.force and stamp.exists() and _up_to_date(out, inputs):
+        inputs.append(CUDA_BUILD)
+        # The stamp records what the library was built with: a change of toolkit or
+        # architectures rebuilds it even when no source changed.
+        stamp = out.with_suffix(".so.build.json")
+        config = json.dumps({"nvcc": nvcc, "gencode": gencode}, sort_keys=True)
+        if (
+            not self.force
+            and stamp.exists()
+            and stamp.read_text() == config
+            and _up_to_date(out, inputs)
+        ):
             print(f"[fastkv] {out.name} is up to date", flush=True)
             return
         tmp = self._tmp("fastkv_core")
@@ -189,12 +249,6 @@ class NativeBuild(build_ext):
             )
         link_extra: list[str] = []
         if nvcc:
-            archs = os.environ.get("FASTKV_CUDA_ARCHS", "80 90").split()
-            gencode = []
-            for a in archs:
-                gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-            # PTX of the newest arch lets GPUs newer than the SASS targets JIT the kernel.
-            gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
             obj = tmp / (CORE_CUDA + ".o")
             objects.append(obj)
             jobs.append(
@@ -204,6 +258,8 @@ class NativeBuild(build_ext):
                         "-std=c++17",
                         "-O3",
                         *gencode,
+                        # The core reports what it holds (fkv_cuda_get_info).
+                        f'-DFKV_CUDA_ARCH_LIST="{archs}"',
                         "-Xcompiler",
                         "-fPIC,-fvisibility=hidden,-Wall,-Wextra",
                         f"-I{CSRC}",
@@ -239,8 +295,8 @@ class NativeBuild(build_ext):
             f"link {CORE_LIB}",
         )
         for old in out.parent.glob(out.name + ".*cuda"):
-            old.unlink()
-        stamp.touch()
+            old.unlink()  # stamps of earlier versions of this script
+        stamp.write_text(config)
         print(f"[fastkv] built {out} ({'with' if nvcc else 'without'} CUDA)", flush=True)
 
     def _build_paddle_ops(self, ext: NativeLibrary) -> None:

@@ -9,10 +9,19 @@ run (swap, copy, numpy, ...) so drift on a shared machine hits all alike; the
 median of --runs is reported. Also probes whether a long native call (ctypes, and
 the Paddle op when paddle imports) lets other Python threads run.
 
-GPU (--gpu; needs a CUDA device and CuPy, not Paddle: drives the C ABI): H2D and
-D2H through the kernel path and the per-run cudaMemcpyAsync path, next to one
-contiguous cudaMemcpyAsync of the same bytes, and the slowdown of a bf16 matmul
-running concurrently on another stream. Without a GPU it says so and skips.
+GPU (--gpu; needs a CUDA device and CuPy, not Paddle: drives the C ABI), all in
+the same run, medians of --runs, timed with CUDA events:
+  - H2D and D2H GB/s of a layout swap (default tuning) at 4/16/64/256 KiB blocks
+    with random ids, next to one contiguous cudaMemcpyAsync of the same bytes and
+    next to one cudaMemcpyAsync per block (the core's copy-engine path);
+  - the host time to launch one step's swap-in, per layer: one native call for
+    every layer (what the controller does) and through TransferManager, next to
+    the old way (one call and one event record per layer);
+  - a bf16 GEMM's slowdown (torch; fp16 with CuPy when torch is missing) while
+    swaps in both directions keep running on other streams.
+Targets (reported, never asserted): >= 0.9x the contiguous copy at >= 16 KiB
+blocks, >= 2x one memcpy per block at 4 KiB, <= 10 us per layer to launch a
+step's swap-in, <= 5% GEMM slowdown. Without a GPU it says why and skips.
 
     python tools/bench_transfer.py [--json] [--gpu] [--total-mib 256] [--runs 7]
 """
@@ -20,6 +29,7 @@ running concurrently on another stream. Without a GPU it says so and skips.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -51,9 +61,9 @@ def elapsed(fn: Callable[[], None]) -> float:
 class HostRegion:
     """A pre-faulted allocation from the core (what the worker uses for tiers)."""
 
-    def __init__(self, nbytes: int, pin: bool = False) -> None:
+    def __init__(self, nbytes: int, pin: bool = False, device: int = -1) -> None:
         self.nbytes, self.pin = nbytes, pin
-        self.ptr = core.host_alloc(nbytes, pin=pin)
+        self.ptr = core.host_alloc(nbytes, pin=pin, device=device)
         import ctypes
 
         self.array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.ptr), np.uint8)
@@ -215,10 +225,11 @@ def gil_bench(out: dict) -> None:
 
 
 def gpu_unavailable() -> str | None:
-    if not core.built_with_cuda():
+    info = core.cuda_info()
+    if not info.built_with_cuda:
         return "the fastkv core was built without CUDA"
-    if core.cuda_device_count() == 0:
-        return "no CUDA device (or driver) on this machine"
+    if info.device_count == 0:
+        return f"no usable CUDA device: {info.status}"
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -226,17 +237,28 @@ def gpu_unavailable() -> str | None:
     return None
 
 
+TARGETS = {
+    "kernel_vs_contiguous_min": 0.9,  # at >= 16 KiB blocks
+    "kernel_vs_memcpy_per_block_at_4k_min": 2.0,
+    "launch_us_per_layer_max": 10.0,
+    "gemm_slowdown_pct_max": 5.0,
+}
+
+
 def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
     import cupy as cp
 
+    device = 0
+    core.cuda_init(device)
     seg_bytes = total_bytes // SEGMENTS
     dev = cp.zeros(total_bytes, dtype=cp.uint8)
-    host = HostRegion(2 * total_bytes, pin=True)
+    host = HostRegion(2 * total_bytes, pin=True, device=device)
     host.array[:] = 3
     stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
     saved = core.get_cuda_tuning()
-    out["gpu_name"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    out["gpu_name"] = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
+    out["gpu_core"] = core.cuda_info().describe()
 
     def timed(fn: Callable[[], None]) -> float:
         start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -255,23 +277,22 @@ def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
         for kib in SIZES_KIB:
             bs = kib * KIB
             n = seg_bytes // bs
-            segs = core.make_segments(
-                [
-                    (dev.data.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
-                    for s in range(SEGMENTS)
-                ]
-            )
+            segs = [
+                (dev.data.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
+                for s in range(SEGMENTS)
+            ]
+            layout = core.Layout(segs, SEGMENTS, n, 2 * n, device)
             d_ids = rng.permutation(n).astype(np.int64)
             h_ids = rng.choice(2 * n, size=n, replace=False).astype(np.int64)
 
-            def swap(direction: int, memcpy_min: int, segs=segs, n=n, d=d_ids, h=h_ids):
+            def swap(direction: int, memcpy_min: int, layout=layout, d=d_ids, h=h_ids):
                 core.set_cuda_tuning(memcpy_min_bytes=memcpy_min)
-                core.swap_cuda(segs, n, 2 * n, d, h, direction, stream.ptr)
+                layout.swap(d, h, direction, stream=stream.ptr)
 
             tag = f"{kib}k"
             for direction, dname in ((0, "h2d"), (1, "d2h")):
                 cases = {
-                    "kernel": lambda d=direction: swap(d, NEVER),
+                    "kernel": lambda d=direction: swap(d, saved[0]),
                     "memcpy_per_block": lambda d=direction: swap(d, 0),
                     "contiguous": lambda d=direction: memcpy_contiguous(d),
                 }
@@ -290,17 +311,107 @@ def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
                 out[f"gpu_{dname}_kernel_vs_memcpy_per_block_{tag}"] = round(
                     gbps["kernel"] / gbps["memcpy_per_block"], 2
                 )
+            layout.close()
         core.set_cuda_tuning(*saved)
+        launch_cost(cp, runs, out)
         matmul_slowdown(cp, dev, host, seg_bytes, stream, out)
+        report_targets(out)
     finally:
         core.set_cuda_tuning(*saved)
-        cp.cuda.Device().synchronize()
+        cp.cuda.Device(device).synchronize()
         host.free()
+
+
+def launch_cost(cp, runs: int, out: dict) -> None:
+    """Host time to launch one step's swap-in of an 80-layer model (K and V per
+    layer, 32 scattered blocks of 16 KiB), per layer."""
+    from fastkv.worker.streams import CudaEventPool, CudaStream
+    from fastkv.worker.transfer_manager import TransferManager
+
+    device, layers, bs, nblocks, nids = 0, 80, 16 * KIB, 64, 32
+    dev = cp.zeros(2 * layers * nblocks * bs, dtype=cp.uint8)
+    host = HostRegion(2 * layers * nblocks * bs, pin=True, device=device)
+    region = nblocks * bs
+    segs = [(dev.data.ptr + i * region, host.ptr + i * region, bs) for i in range(2 * layers)]
+    layout = core.Layout(segs, 2, nblocks, nblocks, device)
+    pool = CudaEventPool(device, prefill=4 * layers)
+    load = CudaStream.new(device, pool, priority=1)
+    compute = CudaStream.new(device, pool)
+    rng = np.random.default_rng(3)
+    d = rng.choice(nblocks, nids, replace=False).astype(np.int64)
+    h = rng.choice(nblocks, nids, replace=False).astype(np.int64)
+    handles = (ctypes.c_void_p * layers)(*[pool.take() for _ in range(layers)])
+
+    def one_call() -> None:
+        layout.swap(d, h, core.Direction.H2D, 0, layers, load.handle, handles)
+
+    def per_layer() -> None:
+        for layer in range(layers):
+            layout.swap(d, h, core.Direction.H2D, layer, 1, load.handle)
+            core.event_record(device, handles[layer], load.handle)
+
+    tm = TransferManager(load, CudaStream.new(device, pool, priority=-1), compute, layers)
+    dl, hl = d.tolist(), h.tolist()
+    tid = [0]
+
+    def through_manager() -> None:
+        tid[0] += 1
+        tm.submit_to_device(
+            tid[0],
+            hl,
+            dl,
+            lambda layer, s: layout.swap(d, h, core.Direction.H2D, layer, 1, s),
+            (),
+            None,
+            lambda s, ev: layout.swap(d, h, core.Direction.H2D, 0, layers, s, ev),
+        )
+
+    results = {}
+    for name, fn in (
+        ("one_call", one_call),
+        ("manager", through_manager),
+        ("per_layer", per_layer),
+    ):
+        samples = []
+        for _ in range(max(runs, 20) + 3):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+            cp.cuda.Device(device).synchronize()
+            tm.poll()
+        results[name] = statistics.median(samples[3:]) / layers * 1e6
+    out["gpu_swap_in_launch_us_per_layer"] = round(results["one_call"], 2)
+    out["gpu_swap_in_submit_us_per_layer"] = round(results["manager"], 2)
+    out["gpu_swap_in_per_layer_calls_us_per_layer"] = round(results["per_layer"], 2)
+    tm.wait_all(30)
+    layout.close()
+    host.free()
+
+
+def report_targets(out: dict) -> None:
+    worst = min(
+        out[f"gpu_{d}_kernel_vs_contiguous_{k}k"] for d in ("h2d", "d2h") for k in (16, 64, 256)
+    )
+    at4k = min(out[f"gpu_{d}_kernel_vs_memcpy_per_block_4k"] for d in ("h2d", "d2h"))
+    out["target_kernel_vs_contiguous_ge_16k"] = (
+        f"{worst} (target >= {TARGETS['kernel_vs_contiguous_min']})"
+    )
+    out["target_kernel_vs_memcpy_per_block_4k"] = (
+        f"{at4k} (target >= {TARGETS['kernel_vs_memcpy_per_block_at_4k_min']})"
+    )
+    out["target_launch_us_per_layer"] = (
+        f"{out['gpu_swap_in_launch_us_per_layer']} (target <= "
+        f"{TARGETS['launch_us_per_layer_max']})"
+    )
+    out["target_gemm_slowdown_pct"] = (
+        f"{out['matmul_slowdown_pct']} (target <= {TARGETS['gemm_slowdown_pct_max']})"
+    )
 
 
 def matmul_slowdown(cp, dev, host, seg_bytes: int, stream, out: dict) -> None:
     """bf16 GEMMs on one stream, alone and with 64 KiB-block swaps (both directions,
-    default tuning) kept queued on another stream for the whole GEMM batch."""
+    default tuning, a load stream at high and an eviction stream at low priority)
+    kept queued for the whole GEMM batch."""
     try:
         import torch
     except ImportError:
@@ -350,29 +461,34 @@ def matmul_slowdown(cp, dev, host, seg_bytes: int, stream, out: dict) -> None:
     alone = statistics.median(elapsed(gemms()) for _ in range(3))
     bs = 64 * KIB
     n = seg_bytes // bs
-    segs = core.make_segments(
-        [
-            (dev.data.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
-            for s in range(SEGMENTS)
-        ]
-    )
+    segs = [
+        (dev.data.ptr + s * seg_bytes, host.ptr + s * 2 * seg_bytes, bs)
+        for s in range(SEGMENTS)
+    ]
+    layout = core.Layout(segs, SEGMENTS, n, 2 * n, 0)
+    load, evict = core.stream_create(0, 1), core.stream_create(0, -1)
+    half = n // 2
     ids = np.random.default_rng(5).permutation(n).astype(np.int64)
-    # Time one swap to know how many keep the copy stream busy during the GEMMs.
+    ins, outs = ids[:half], ids[half:]  # disjoint blocks for the two directions
     t0 = time.perf_counter()
-    core.swap_cuda(segs, n, 2 * n, ids, ids, 0, stream.ptr)
-    stream.synchronize()
+    layout.swap(ins, ins, 0, stream=load)
+    cp.cuda.Device().synchronize()
     one = time.perf_counter() - t0
     together = []
     for _ in range(3):
         ev = gemms()
-        for i in range(int(alone / one * 1.5) + 2):
-            core.swap_cuda(segs, n, 2 * n, ids, ids, i % 2, stream.ptr)
+        for _ in range(int(alone / one * 1.5) + 2):
+            layout.swap(ins, ins, 0, stream=load)
+            layout.swap(outs, outs, 1, stream=evict)
         together.append(elapsed(ev))
-        stream.synchronize()
+        cp.cuda.Device().synchronize()
     busy = statistics.median(together)
     out["matmul_alone_ms"] = round(alone * 1e3, 2)
     out["matmul_with_swaps_ms"] = round(busy * 1e3, 2)
     out["matmul_slowdown_pct"] = round((busy / alone - 1) * 100, 2)
+    layout.close()
+    core.stream_destroy(0, load)
+    core.stream_destroy(0, evict)
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or struct below changes; Python checks it at load. */
-#define FKV_ABI_VERSION 1
+#define FKV_ABI_VERSION 2
 
 #define FKV_H2D 0 /* host -> device: swap-in */
 #define FKV_D2H 1 /* device -> host: evict / back up */
@@ -70,7 +70,10 @@ enum {
   FKV_ECUDA = 2,       /* a CUDA call failed (message has the CUDA error) */
   FKV_ENOMEM = 3,      /* an allocation failed */
   FKV_ENOTBUILT = 4,   /* this library was built without CUDA */
-  FKV_ESYSTEM = 5      /* an OS call (mmap, mbind...) failed */
+  FKV_ESYSTEM = 5,     /* an OS call (mmap, mbind...) failed */
+  FKV_ETIMEDOUT = 6,   /* a bounded wait ran out (event wait, staging ring) */
+  FKV_ECAPTURE = 7,    /* the stream is capturing a CUDA graph; nothing was enqueued */
+  FKV_ENOTREADY = 8    /* fkv_cuda_event_query: the event has not completed yet */
 };
 
 typedef struct fkv_segment {
@@ -106,7 +109,11 @@ FKV_API int fkv_swap_cpu(const fkv_segment* segments, int32_t num_segments,
  * pointers must be device memory of one device; host_base regions must be pinned
  * (page-locked and mapped) host memory, e.g. from fkv_host_alloc(..., 1).
  * The id arrays are read before this function returns; the caller may reuse them
- * at once. Safe to call from several threads at once (different streams). */
+ * at once. Safe to call from several threads at once (different streams).
+ * Refuses (FKV_ECAPTURE, nothing enqueued) while the stream is capturing a CUDA
+ * graph: ids are staged through host memory at launch time, which a graph replay
+ * would not repeat. Resolves and validates the segments on every call: for
+ * repeated transfers over one cache use a layout (fkv_layout_create). */
 FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
                           int64_t num_device_blocks, int64_t num_host_blocks,
                           const int64_t* device_ids, const int64_t* host_ids,
@@ -116,28 +123,116 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
 FKV_API int fkv_built_with_cuda(void);
 
 /* Number of usable CUDA devices; 0 when built without CUDA, with no driver or no
- * device (never an error). */
+ * device (never an error; fkv_cuda_get_info says why). */
 FKV_API int fkv_cuda_device_count(void);
+
+/* What the core was built with and what this machine offers, so "0 devices"
+ * always comes with a reason. */
+typedef struct fkv_cuda_info {
+  int32_t built_with_cuda;
+  int32_t runtime_version; /* CUDA runtime compiled in, 1000*major + 10*minor; 0 = none */
+  int32_t driver_version;  /* newest CUDA the installed driver supports; 0 = no driver */
+  int32_t device_count;    /* usable devices */
+  char archs[256];         /* compiled targets, e.g. "sm_75 sm_80 sm_86 compute_75" */
+  char status[512];        /* "ok", or why device_count is 0 and what to do */
+} fkv_cuda_info;
+
+FKV_API int fkv_cuda_get_info(fkv_cuda_info* info);
+
+/* Initialises everything the CUDA path of `device` needs before the first
+ * transfer, so an engine that then sizes its KV cache to fill the GPU cannot make
+ * the first swap fail: the staging ring (device + pinned memory), the copy
+ * kernel's module (loaded now, not at the first launch; a GPU the library has no
+ * kernel image for fails here, naming its architecture). Idempotent. */
+FKV_API int fkv_cuda_init(int device);
+
+/* Staging ring of `device`: slots allocated, bytes per slot, times it grew. */
+FKV_API int fkv_cuda_staging_stats(int device, int64_t* slots, int64_t* slot_bytes,
+                                   int64_t* grows);
 
 /* PCI bus id of CUDA device `device` ("0000:3b:00.0", lower case, as sysfs spells
  * it) into buf. Returns FKV_OK or an error code. */
 FKV_API int fkv_cuda_pci_bus_id(int device, char* buf, int buf_len);
 
+/* Streams and events, each on an explicit device: the calling thread's current
+ * device and context are left exactly as they were (a thread with no CUDA context
+ * keeps none; no context is ever created on another device).
+ * priority: > 0 the highest priority the device offers, < 0 the lowest, 0 default.
+ * Streams are non-blocking (no implicit sync with the legacy default stream);
+ * events have timing disabled. */
+FKV_API int fkv_cuda_stream_create(int device, int priority, void** stream);
+FKV_API int fkv_cuda_stream_destroy(int device, void* stream);
+/* *priority gets the stream's priority (numerically lower = higher priority). */
+FKV_API int fkv_cuda_stream_priority(int device, void* stream, int* priority);
+/* *capturing gets 1 while the stream is capturing a CUDA graph, else 0. */
+FKV_API int fkv_cuda_stream_capturing(int device, void* stream, int* capturing);
+FKV_API int fkv_cuda_event_create(int device, void** event);
+FKV_API int fkv_cuda_event_destroy(int device, void* event);
+FKV_API int fkv_cuda_event_record(int device, void* event, void* stream);
+/* Work enqueued on `stream` afterwards waits (on the device) for `event`. */
+FKV_API int fkv_cuda_stream_wait_event(int device, void* stream, void* event);
+/* FKV_OK: completed (or never recorded); FKV_ENOTREADY: not yet; else the CUDA
+ * error (a sticky error from an earlier fault is reported here, not raised). */
+FKV_API int fkv_cuda_event_query(int device, void* event);
+/* Waits at most timeout_ns for the event: polls, yielding for the first 100 us,
+ * then sleeping 20 us between queries, so it returns within tens of microseconds
+ * of completion. FKV_OK, FKV_ETIMEDOUT or the CUDA error. */
+FKV_API int fkv_cuda_event_wait(int device, void* event, int64_t timeout_ns);
+
 /* Tuning knobs of the CUDA path (process-wide). A consecutive run whose bytes in
  * one segment reach memcpy_min_bytes is copied with cudaMemcpyAsync (copy engine)
  * instead of the kernel; max_ctas bounds the kernel's grid so it leaves SMs to
  * compute. A negative argument leaves that knob unchanged. Defaults: 1 MiB and 16
- * (or FASTKV_CUDA_MEMCPY_MIN_BYTES / FASTKV_CUDA_MAX_CTAS). Returns FKV_EINVAL for
- * max_ctas == 0. */
+ * (or FASTKV_CUDA_MEMCPY_MIN_BYTES / FASTKV_CUDA_MAX_CTAS, read once per process).
+ * Returns FKV_EINVAL for max_ctas == 0. */
 FKV_API int fkv_cuda_set_tuning(int64_t memcpy_min_bytes, int32_t max_ctas);
 FKV_API void fkv_cuda_get_tuning(int64_t* memcpy_min_bytes, int32_t* max_ctas);
 
+/* ---- Layouts: validate and resolve a cache once, then transfer many times ----
+ *
+ * A layout is a fixed segment table (a KV cache and its host tier), grouped into
+ * layers of `segments_per_layer` consecutive segments. Creating it checks every
+ * region (as fkv_swap_* do) and, for a CUDA layout (cuda_device >= 0), that the
+ * device bases are memory of that device and the host regions pinned and mapped,
+ * resolves the address the kernel uses for each host region on that device, uploads
+ * the segment descriptors once, and initialises the device (fkv_cuda_init).
+ * A CPU layout (cuda_device == -1) copies with the CPU core. */
+typedef struct fkv_layout fkv_layout;
+
+FKV_API int fkv_layout_create(const fkv_segment* segments, int32_t num_segments,
+                              int32_t segments_per_layer, int64_t num_device_blocks,
+                              int64_t num_host_blocks, int32_t cuda_device,
+                              fkv_layout** layout);
+FKV_API int fkv_layout_destroy(fkv_layout* layout);
+
+/* Copies the given blocks of layers [first_layer, first_layer + num_layers).
+ * The ids are validated once per call (range, duplicate destinations). CUDA: the
+ * ids are staged once (one staging slot for up to several thousand ids), then
+ * every layer is launched from this call, in order, on `cuda_stream`, and
+ * layer_events[k] (a cudaEvent_t of the layout's device, or NULL to skip) is
+ * recorded right after layer first_layer + k; returns once all is enqueued.
+ * CPU: copies synchronously with num_threads threads; events are ignored.
+ * *failed_layer (may be NULL) gets -1 on success, else the first layer not
+ * enqueued intact; on a CUDA failure after validation the remaining events are
+ * still recorded so no waiter hangs. A validation failure enqueues nothing and
+ * records no event (*failed_layer = first_layer). */
+FKV_API int fkv_layout_swap(fkv_layout* layout, const int64_t* device_ids,
+                            const int64_t* host_ids, int64_t num_ids, int32_t direction,
+                            int32_t first_layer, int32_t num_layers, void* cuda_stream,
+                            void* const* layer_events, int32_t num_threads,
+                            int32_t* failed_layer);
+
 /* Host memory for a cache tier: anonymous mmap, 2 MiB-aligned with MADV_HUGEPAGE
  * when large, bound to `numa_node` (preferred policy via mbind; -1 = no binding),
- * faulted in by the thread pool so start-up does not zero hundreds of GB on one
- * core, then (pin_for_cuda != 0) registered with CUDA as portable, mapped memory.
+ * marked MADV_DONTFORK (a forked child neither copies nor shares the tier: it is
+ * absent there), faulted in by the thread pool so start-up does not zero hundreds
+ * of GB on one core, then (pin_for_cuda != 0) registered with CUDA as portable,
+ * mapped memory (the kernel-side address is resolved per device by layouts).
+ * pin_device: the device made current for the registration (>= 0; the caller's
+ * context is restored afterwards, no context is created on another device), or -1
+ * for the calling thread's current device.
  * Returns NULL on failure (see fkv_last_error). bytes must be > 0. */
-FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda);
+FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda, int pin_device);
 
 /* Frees memory from fkv_host_alloc. `bytes` and `pinned` must match the
  * allocation (they are checked; a mismatch frees nothing and returns FKV_EINVAL). */

@@ -182,10 +182,10 @@ void SwapLayer(std::vector<paddle::Tensor>& caches, const paddle::Tensor& device
   run_swap(op, t_call, device_ids, host_ids, num_host_blocks, direction, stream, num_threads);
 }
 
-std::vector<paddle::Tensor> HostAlloc(int64_t nbytes, int numa_node, bool pin) {
+std::vector<paddle::Tensor> HostAlloc(int64_t nbytes, int numa_node, bool pin, int pin_device) {
   const char* op = "fastkv_host_alloc";
   if (nbytes <= 0) FKV_INVALID(op, "nbytes: ", nbytes, " must be > 0");
-  void* p = fkv_host_alloc(static_cast<size_t>(nbytes), numa_node, pin ? 1 : 0);
+  void* p = fkv_host_alloc(static_cast<size_t>(nbytes), numa_node, pin ? 1 : 0, pin_device);
   if (p == nullptr) check_core(op, fkv_last_error_code());
   paddle::Tensor out = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
   out.data<int64_t>()[0] = static_cast<int64_t>(reinterpret_cast<intptr_t>(p));
@@ -225,7 +225,7 @@ PD_BUILD_OP(fastkv_swap_layer)
 PD_BUILD_OP(fastkv_host_alloc)
     .Inputs({})
     .Outputs({"Ptr"})
-    .Attrs({"nbytes: int64_t", "numa_node: int", "pin: bool"})
+    .Attrs({"nbytes: int64_t", "numa_node: int", "pin: bool", "pin_device: int"})
     .SetKernelFn(PD_KERNEL(HostAlloc))
     .SetInferShapeFn(PD_INFER_SHAPE(ScalarShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Int64Dtype));

@@ -3,6 +3,7 @@
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "fkv_internal.h"
@@ -116,19 +117,12 @@ void clear_error() {
   g_error_code = FKV_OK;
 }
 
-int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num_device_blocks,
-                  int64_t num_host_blocks, const int64_t* device_ids, const int64_t* host_ids,
-                  int64_t num_ids, int32_t direction, std::vector<BlockRun>* runs) {
-  runs->clear();
+int validate_segments(const fkv_segment* segments, int32_t num_segments,
+                      int64_t num_device_blocks, int64_t num_host_blocks, int32_t direction) {
   if (segments == nullptr) return set_error(FKV_EINVAL, "segments: NULL");
   if (num_segments <= 0 || num_segments > FKV_MAX_SEGMENTS) {
     return set_error(FKV_EINVAL, "num_segments: %d out of range [1, %d]", num_segments,
                      FKV_MAX_SEGMENTS);
-  }
-  if (direction != FKV_H2D && direction != FKV_D2H) {
-    return set_error(FKV_EINVAL,
-                     "direction: %d is neither 0 (host->device) nor 1 (device->host)",
-                     direction);
   }
   if (num_device_blocks < 0) {
     return set_error(FKV_EINVAL, "num_device_blocks: %" PRId64 " is negative",
@@ -137,14 +131,8 @@ int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num
   if (num_host_blocks < 0) {
     return set_error(FKV_EINVAL, "num_host_blocks: %" PRId64 " is negative", num_host_blocks);
   }
-  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
-  if (num_ids > 0 && device_ids == nullptr) {
-    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
-  }
-  if (num_ids > 0 && host_ids == nullptr) {
-    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
-  }
-
+  const bool device_dst = direction != FKV_D2H;  // H2D, or both (-1)
+  const bool host_dst = direction != FKV_H2D;
   std::vector<Region>& regions = t_regions;
   regions.clear();
   for (int32_t s = 0; s < num_segments; ++s) {
@@ -173,11 +161,23 @@ int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num
     }
     const uintptr_t dev = reinterpret_cast<uintptr_t>(seg.device_base);
     const uintptr_t host = reinterpret_cast<uintptr_t>(seg.host_base);
-    if (dev_end > dev) regions.push_back({dev, dev_end, s, false, direction == FKV_H2D});
-    if (host_end > host) regions.push_back({host, host_end, s, true, direction == FKV_D2H});
+    if (dev_end > dev) regions.push_back({dev, dev_end, s, false, device_dst});
+    if (host_end > host) regions.push_back({host, host_end, s, true, host_dst});
   }
-  int rc = check_overlaps(regions);
-  if (rc != FKV_OK) return rc;
+  return check_overlaps(regions);
+}
+
+int validate_ids(int64_t num_device_blocks, int64_t num_host_blocks, const int64_t* device_ids,
+                 const int64_t* host_ids, int64_t num_ids, int32_t direction,
+                 std::vector<BlockRun>* runs) {
+  runs->clear();
+  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
+  if (num_ids > 0 && device_ids == nullptr) {
+    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+  if (num_ids > 0 && host_ids == nullptr) {
+    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
   if (num_ids == 0) return FKV_OK;
 
   const bool h2d = direction == FKV_H2D;
@@ -190,7 +190,7 @@ int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num
   }
   uint64_t* bits = t_bitmap.data();
 
-  rc = FKV_OK;
+  int rc = FKV_OK;
   int64_t i = 0;
   for (; i < num_ids; ++i) {
     const int64_t d = device_ids[i];
@@ -234,6 +234,51 @@ int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num
   }
   if (rc != FKV_OK) runs->clear();
   return rc;
+}
+
+int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num_device_blocks,
+                  int64_t num_host_blocks, const int64_t* device_ids, const int64_t* host_ids,
+                  int64_t num_ids, int32_t direction, std::vector<BlockRun>* runs) {
+  runs->clear();
+  if (segments == nullptr) return set_error(FKV_EINVAL, "segments: NULL");
+  if (num_segments <= 0 || num_segments > FKV_MAX_SEGMENTS) {
+    return set_error(FKV_EINVAL, "num_segments: %d out of range [1, %d]", num_segments,
+                     FKV_MAX_SEGMENTS);
+  }
+  if (direction != FKV_H2D && direction != FKV_D2H) {
+    return set_error(FKV_EINVAL,
+                     "direction: %d is neither 0 (host->device) nor 1 (device->host)",
+                     direction);
+  }
+  // The scalar id arguments are checked before the (longer) segment walk, as before
+  // the split, so the first error named stays the same.
+  if (num_device_blocks < 0) {
+    return set_error(FKV_EINVAL, "num_device_blocks: %" PRId64 " is negative",
+                     num_device_blocks);
+  }
+  if (num_host_blocks < 0) {
+    return set_error(FKV_EINVAL, "num_host_blocks: %" PRId64 " is negative", num_host_blocks);
+  }
+  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
+  if (num_ids > 0 && device_ids == nullptr) {
+    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+  if (num_ids > 0 && host_ids == nullptr) {
+    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+  int rc = validate_segments(segments, num_segments, num_device_blocks, num_host_blocks,
+                             direction);
+  if (rc != FKV_OK) return rc;
+  return validate_ids(num_device_blocks, num_host_blocks, device_ids, host_ids, num_ids,
+                      direction, runs);
+}
+
+int64_t env_int64(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return (end && *end == '\0' && n >= 0) ? n : fallback;
 }
 
 }  // namespace fkv

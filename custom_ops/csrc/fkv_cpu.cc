@@ -281,22 +281,11 @@ void sort_by_source(std::vector<BlockRun>& runs, bool h2d, int64_t num_source_bl
 }
 
 }  // namespace
-}  // namespace fkv
 
-extern "C" FKV_API int fkv_swap_cpu(const fkv_segment* segments, int32_t num_segments,
-                                    int64_t num_device_blocks, int64_t num_host_blocks,
-                                    const int64_t* device_ids, const int64_t* host_ids,
-                                    int64_t num_ids, int32_t direction, int32_t num_threads) {
-  using namespace fkv;
-  if (num_threads < 0 || num_threads > FKV_MAX_THREADS) {
-    return set_error(FKV_EINVAL, "num_threads: %d out of range [0, %d]", num_threads,
-                     FKV_MAX_THREADS);
-  }
-  std::vector<BlockRun>& runs = t_runs;
-  int rc = validate_swap(segments, num_segments, num_device_blocks, num_host_blocks, device_ids,
-                         host_ids, num_ids, direction, &runs);
-  if (rc != FKV_OK || runs.empty()) return rc;
-
+void copy_cpu(const fkv_segment* segments, int32_t num_segments, int64_t num_device_blocks,
+              int64_t num_host_blocks, std::vector<BlockRun>& runs, int32_t direction,
+              int num_threads) {
+  if (runs.empty()) return;
   CopyPlan plan;
   plan.segments = segments;
   plan.num_segments = num_segments;
@@ -328,5 +317,24 @@ extern "C" FKV_API int fkv_swap_cpu(const fkv_segment* segments, int32_t num_seg
   const int64_t by_size = (total + kMinPartBytes - 1) / kMinPartBytes;
   plan.num_parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, by_size)));
   parallel_for(plan.num_parts, copy_part, &plan);
+}
+
+}  // namespace fkv
+
+extern "C" FKV_API int fkv_swap_cpu(const fkv_segment* segments, int32_t num_segments,
+                                    int64_t num_device_blocks, int64_t num_host_blocks,
+                                    const int64_t* device_ids, const int64_t* host_ids,
+                                    int64_t num_ids, int32_t direction, int32_t num_threads) {
+  using namespace fkv;
+  if (num_threads < 0 || num_threads > FKV_MAX_THREADS) {
+    return set_error(FKV_EINVAL, "num_threads: %d out of range [0, %d]", num_threads,
+                     FKV_MAX_THREADS);
+  }
+  std::vector<BlockRun>& runs = t_runs;
+  int rc = validate_swap(segments, num_segments, num_device_blocks, num_host_blocks, device_ids,
+                         host_ids, num_ids, direction, &runs);
+  if (rc != FKV_OK || runs.empty()) return rc;
+  copy_cpu(segments, num_segments, num_device_blocks, num_host_blocks, runs, direction,
+           num_threads);
   return FKV_OK;
 }

@@ -1,79 +1,72 @@
-// CUDA implementation of fkv_swap_cuda and the CUDA half of host allocation.
+// CUDA implementation: block copies, layouts, streams/events, device init, info.
 //
 // Short runs (the usual case: scattered blocks) go through one gather/scatter
 // kernel that reads or writes pinned host memory directly over UVA; runs long
 // enough to keep a copy engine busy go through cudaMemcpyAsync, which costs no SM
 // time at all. The kernel's grid is small and fixed (grid-stride loop): a swap is
 // PCIe-bound, so a few CTAs with enough bytes in flight saturate the link and the
-// rest of the SMs stay with the model.
+// rest of the SMs stay with the model. The index mapping lives in fkv_cuda_plan.h,
+// shared with a host harness that checks it in CI.
 //
-// Block ids and segment descriptors reach the kernel through a per-device ring of
-// staging slots allocated once (device memory + a pinned host mirror). Each slot
-// carries an event recorded after the launch that read it; a slot is reused only
-// after that event has completed, so a caller never overwrites ids a previous,
-// still-queued launch is about to read.
+// Block ids (and, for fkv_swap_cuda, segment descriptors) reach the kernel through
+// a per-device ring of staging slots (device memory + a pinned host mirror). Each
+// slot carries an event recorded after the launches that read it; a slot is
+// reused only once that event has completed. The ring never blocks without a
+// bound: when every slot is still in use it grows, and when it cannot grow it
+// polls until a deadline and then fails the transfer.
+//
+// Every entry point that takes a device makes it current only for the call and
+// then restores the calling thread's exact CUDA context (none, if it had none), so
+// no hidden context is created on device 0 or left current on a worker thread.
 #include <cuda_runtime.h>
+#include <sched.h>
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <chrono>
 #include <cinttypes>
 #include <climits>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
+#include "fkv_cuda_plan.h"
 #include "fkv_internal.h"
+
+#ifndef FKV_CUDA_ARCH_LIST
+#define FKV_CUDA_ARCH_LIST "unknown (built without FKV_CUDA_ARCH_LIST)"
+#endif
 
 namespace fkv {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
-// One CTA moves kThreads * kUnroll * 16 B = 16 KiB per iteration with 16-byte
-// accesses; a chunk is the unit of work one CTA takes from the grid-stride loop,
-// so blocks larger than a chunk are shared between CTAs.
-constexpr int64_t kChunkBytes = int64_t{16} << 10;
-// A layer-by-layer load takes one slot per layer, and its launches queue behind
-// the model's previous step (the input stream waits for it), so every layer of a
-// load must find a free slot without waiting: 256 slots cover two loads of a
-// 128-layer model. 64 KiB holds about 4,000 block ids; a larger call is split.
-// All slots: 16 MiB of device memory and 16 MiB pinned, per device.
-constexpr int kSlots = 256;
+// 64 KiB holds about 4,000 block ids (plus run lengths); a larger transfer takes
+// several slots. One slot per transfer (not per layer), so 64 slots cover 64
+// queued transfers; the ring grows by that much when all are in use.
 constexpr size_t kSlotBytes = size_t{64} << 10;
+constexpr int kSlotsPerChunk = 64;
+constexpr int kMaxSlots = 1024;  // 64 MiB device + 64 MiB pinned at most
 constexpr int kMaxDevices = 64;
 
-struct DevSegment {
-  char* device;              // segment's device_base
-  char* host;                // kernel-side address of host_base
-  int64_t block_bytes;
-  int64_t chunks_per_block;
-  int64_t chunk_begin;       // first chunk index of this segment in the launch
-  int32_t memcpy_min_run;    // ids in runs at least this long (blocks) are skipped
-  int32_t vec_bytes;         // 16, 8 or 4
-};
+// ---------------------------------------------------------------- tuning, env
 
-std::atomic<int64_t> g_memcpy_min_bytes{-1};
-std::atomic<int32_t> g_max_ctas{-1};
+std::atomic<int64_t> g_memcpy_min_bytes{int64_t{1} << 20};
+std::atomic<int32_t> g_max_ctas{16};
+int64_t g_staging_timeout_ms = 10000;
+std::once_flag g_env_once;
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return (end && *end == '\0' && n >= 0) ? n : fallback;
-}
-
-void load_tuning_defaults() {
-  int64_t expect = -1;
-  g_memcpy_min_bytes.compare_exchange_strong(
-      expect, env_int("FASTKV_CUDA_MEMCPY_MIN_BYTES", int64_t{1} << 20));
-  int32_t expect_ctas = -1;
-  const int64_t ctas = env_int("FASTKV_CUDA_MAX_CTAS", 16);
-  g_max_ctas.compare_exchange_strong(expect_ctas,
-                                     static_cast<int32_t>(std::clamp<int64_t>(ctas, 1, 65535)));
+// Environment variables are read once per process, not on every call.
+void load_env_once() {
+  std::call_once(g_env_once, [] {
+    g_memcpy_min_bytes.store(env_int64("FASTKV_CUDA_MEMCPY_MIN_BYTES", int64_t{1} << 20));
+    g_max_ctas.store(
+        static_cast<int32_t>(std::clamp<int64_t>(env_int64("FASTKV_CUDA_MAX_CTAS", 16), 1, 65535)));
+    g_staging_timeout_ms = env_int64("FASTKV_CUDA_STAGING_TIMEOUT_MS", 10000);
+  });
 }
 
 int cuda_error(cudaError_t err, const char* what) {
@@ -81,30 +74,156 @@ int cuda_error(cudaError_t err, const char* what) {
                    cudaGetErrorString(err));
 }
 
-#define FKV_CUDA_TRY(call)                                       \
-  do {                                                           \
-    const cudaError_t fkv_err_ = (call);                         \
+#define FKV_CUDA_TRY(call)                                           \
+  do {                                                               \
+    const cudaError_t fkv_err_ = (call);                             \
     if (fkv_err_ != cudaSuccess) return cuda_error(fkv_err_, #call); \
   } while (0)
+
+// ------------------------------------------------------------- context guard
+
+// cuCtxGetCurrent / cuCtxSetCurrent through the runtime's entry-point query, so
+// the core needs no link against libcuda.
+using CtxGetFn = int (*)(void**);
+using CtxSetFn = int (*)(void*);
+
+struct DriverCtx {
+  CtxGetFn get = nullptr;
+  CtxSetFn set = nullptr;
+};
+
+void* driver_symbol(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+
+const DriverCtx& driver_ctx() {
+  static const DriverCtx ctx = [] {
+    DriverCtx d;
+    d.get = reinterpret_cast<CtxGetFn>(driver_symbol("cuCtxGetCurrent"));
+    d.set = reinterpret_cast<CtxSetFn>(driver_symbol("cuCtxSetCurrent"));
+    if (d.get == nullptr || d.set == nullptr) d.get = nullptr, d.set = nullptr;
+    return d;
+  }();
+  return ctx;
+}
+
+// Makes `device` current for its lifetime and then restores the thread's previous
+// context exactly (NULL included). Without the driver entry points (no driver) it
+// falls back to cudaGetDevice/cudaSetDevice.
+class DeviceGuard {
+ public:
+  DeviceGuard() = default;
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  ~DeviceGuard() { restore(); }
+
+  int use(int device) {
+    restore();
+    const DriverCtx& d = driver_ctx();
+    void* ctx = nullptr;
+    if (d.get != nullptr && d.get(&ctx) == 0) {
+      if (ctx != nullptr) {
+        int current = -1;
+        if (cudaGetDevice(&current) == cudaSuccess && current == device) return FKV_OK;
+      }
+      FKV_CUDA_TRY(cudaSetDevice(device));
+      saved_ctx_ = ctx;
+      mode_ = kDriver;
+      return FKV_OK;
+    }
+    int current = -1;
+    FKV_CUDA_TRY(cudaGetDevice(&current));
+    if (current != device) {
+      FKV_CUDA_TRY(cudaSetDevice(device));
+      saved_device_ = current;
+      mode_ = kRuntime;
+    }
+    return FKV_OK;
+  }
+
+ private:
+  void restore() {
+    if (mode_ == kDriver) {
+      driver_ctx().set(saved_ctx_);
+    } else if (mode_ == kRuntime) {
+      cudaSetDevice(saved_device_);
+    }
+    mode_ = kNone;
+  }
+
+  enum Mode { kNone, kDriver, kRuntime };
+  Mode mode_ = kNone;
+  void* saved_ctx_ = nullptr;
+  int saved_device_ = -1;
+};
+
+// Keeps the thread's context as it was across calls made before the device is
+// known (pointer queries of fkv_swap_cuda).
+class ContextKeeper {
+ public:
+  ContextKeeper() {
+    const DriverCtx& d = driver_ctx();
+    active_ = d.get != nullptr && d.get(&saved_) == 0;
+  }
+  ~ContextKeeper() {
+    if (active_) driver_ctx().set(saved_);
+  }
+
+ private:
+  bool active_ = false;
+  void* saved_ = nullptr;
+};
+
+int check_device_ordinal(int device, const char* name) {
+  if (device < 0 || device >= kMaxDevices) {
+    return set_error(FKV_EINVAL, "%s: %d out of range [0, %d)", name, device, kMaxDevices);
+  }
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    fkv_cuda_info info;
+    fkv_cuda_get_info(&info);
+    return set_error(FKV_ECUDA, "%s: %d: no usable CUDA device: %s", name, device, info.status);
+  }
+  if (device >= count) {
+    return set_error(FKV_EINVAL, "%s: %d out of range [0, %d) (CUDA devices visible here)",
+                     name, device, count);
+  }
+  return FKV_OK;
+}
+
+// -------------------------------------------------------------------- kernel
 
 template <typename V>
 __device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t nbytes) {
   const V* s = reinterpret_cast<const V*>(src);
   V* d = reinterpret_cast<V*>(dst);
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
-  const int64_t stride = static_cast<int64_t>(blockDim.x) * kUnroll;
-  for (int64_t base = threadIdx.x; base < n; base += stride) {
+  for (int64_t base = threadIdx.x; base < n; base += int64_t{kThreads} * kUnroll) {
     // All loads first, then all stores: kUnroll independent PCIe reads in flight
     // per thread is what hides the ~1-2 us latency of host memory.
     V r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + static_cast<int64_t>(u) * blockDim.x;
+      const int64_t k = thread_element(base, u);
       if (k < n) r[u] = __ldcs(s + k);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + static_cast<int64_t>(u) * blockDim.x;
+      const int64_t k = thread_element(base, u);
       // Streaming stores: the blocks are not read again by this kernel, so they
       // should not evict the model's working set from L2.
       if (k < n) __stcs(d + k, r[u]);
@@ -115,143 +234,212 @@ __device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t n
 __global__ void __launch_bounds__(kThreads)
     swap_kernel(const DevSegment* __restrict__ segs, int32_t num_segs,
                 const int64_t* __restrict__ device_ids, const int64_t* __restrict__ host_ids,
-                const int32_t* __restrict__ run_len, int64_t num_chunks, int32_t h2d) {
+                const int32_t* __restrict__ run_len, int64_t count, int64_t num_chunks,
+                int64_t memcpy_min_bytes, int32_t h2d) {
   for (int64_t g = blockIdx.x; g < num_chunks; g += gridDim.x) {
-    // Last segment whose first chunk is <= g (every staged segment has chunks).
-    int32_t lo = 0;
-    int32_t hi = num_segs - 1;
-    while (lo < hi) {
-      const int32_t mid = (lo + hi + 1) / 2;
-      if (segs[mid].chunk_begin <= g) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
+    ChunkCopy c;
+    if (!locate_chunk(segs, num_segs, count, g, device_ids, host_ids, run_len,
+                      memcpy_min_bytes, h2d != 0, &c)) {
+      continue;
     }
-    const DevSegment& seg = segs[lo];
-    const int64_t local = g - seg.chunk_begin;
-    const int64_t i = local / seg.chunks_per_block;
-    if (run_len != nullptr && run_len[i] >= seg.memcpy_min_run) continue;
-    const int64_t off = (local - i * seg.chunks_per_block) * kChunkBytes;
-    const int64_t nbytes = min(kChunkBytes, seg.block_bytes - off);
-    char* dev = seg.device + device_ids[i] * seg.block_bytes + off;
-    char* host = seg.host + host_ids[i] * seg.block_bytes + off;
-    char* dst = h2d ? dev : host;
-    const char* src = h2d ? host : dev;
-    if (seg.vec_bytes == 16) {
-      copy_chunk<uint4>(dst, src, nbytes);
-    } else if (seg.vec_bytes == 8) {
-      copy_chunk<uint2>(dst, src, nbytes);
+    if (c.vec_bytes == 16) {
+      copy_chunk<uint4>(c.dst, c.src, c.nbytes);
+    } else if (c.vec_bytes == 8) {
+      copy_chunk<uint2>(c.dst, c.src, c.nbytes);
     } else {
-      copy_chunk<unsigned int>(dst, src, nbytes);
+      copy_chunk<unsigned int>(c.dst, c.src, c.nbytes);
     }
   }
 }
 
-struct Ring {
-  std::mutex mu;
-  std::condition_variable freed;
-  bool ready = false;
-  char* device_buf = nullptr;
-  char* host_buf = nullptr;
-  cudaEvent_t events[kSlots] = {};
-  bool busy[kSlots] = {};
-  int cursor = 0;
+// ---------------------------------------------------------- per-device state
+
+struct Slot {
+  char* device;
+  char* host;
+  cudaEvent_t event;
+  bool busy;  // claimed by a caller that has not recorded its event yet
+  bool used;  // its event was recorded at least once
 };
 
-Ring g_rings[kMaxDevices];
+struct SlotRef {
+  size_t index;
+  char* device;
+  char* host;
+  cudaEvent_t event;
+};
 
-int init_ring_locked(Ring& ring) {
-  if (ring.ready) return FKV_OK;
-  FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&ring.device_buf), kSlots * kSlotBytes));
-  const cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&ring.host_buf),
-                                        kSlots * kSlotBytes, cudaHostAllocPortable);
+struct DeviceState {
+  std::mutex mu;
+  bool ready = false;
+  std::vector<Slot> slots;
+  size_t cursor = 0;
+  int64_t grows = 0;
+  cudaFuncAttributes kernel{};
+};
+
+DeviceState g_devices[kMaxDevices];
+
+// Adds kSlotsPerChunk slots. Caller holds mu, with the device current.
+int grow_locked(DeviceState& st) {
+  char* dev = nullptr;
+  char* host = nullptr;
+  const size_t bytes = kSlotsPerChunk * kSlotBytes;
+  FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&dev), bytes));
+  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocPortable);
   if (err != cudaSuccess) {
-    cudaFree(ring.device_buf);
-    ring.device_buf = nullptr;
+    cudaFree(dev);
     return cuda_error(err, "cudaHostAlloc(staging ring)");
   }
-  for (int k = 0; k < kSlots; ++k) {
-    const cudaError_t e = cudaEventCreateWithFlags(&ring.events[k], cudaEventDisableTiming);
-    if (e != cudaSuccess) {
-      for (int j = 0; j < k; ++j) cudaEventDestroy(ring.events[j]);
-      cudaFreeHost(ring.host_buf);
-      cudaFree(ring.device_buf);
-      ring.host_buf = ring.device_buf = nullptr;
-      return cuda_error(e, "cudaEventCreateWithFlags(staging ring)");
+  std::vector<cudaEvent_t> events(kSlotsPerChunk);
+  for (int k = 0; k < kSlotsPerChunk; ++k) {
+    err = cudaEventCreateWithFlags(&events[k], cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      for (int j = 0; j < k; ++j) cudaEventDestroy(events[j]);
+      cudaFreeHost(host);
+      cudaFree(dev);
+      return cuda_error(err, "cudaEventCreateWithFlags(staging ring)");
     }
   }
-  ring.ready = true;
+  for (int k = 0; k < kSlotsPerChunk; ++k) {
+    st.slots.push_back({dev + k * kSlotBytes, host + k * kSlotBytes, events[k], false, false});
+  }
+  ++st.grows;
   return FKV_OK;
 }
 
-// Claims a slot and waits until the last launch that used it has finished
-// reading it. Slots are claimed round-robin, so with kSlots slots the wait only
-// blocks when that many launches are still queued on the GPU.
-int acquire_slot(Ring& ring, int* slot) {
-  {
-    std::unique_lock<std::mutex> lock(ring.mu);
-    int rc = init_ring_locked(ring);
+int device_name(int device, char* buf, size_t len) {
+  int major = 0;
+  int minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  cudaGetLastError();
+  return snprintf(buf, len, "sm_%d%d", major, minor);
+}
+
+// Device current (caller's guard). Allocates the first ring chunk and loads the
+// kernel's module, so neither happens at the first transfer.
+int init_device_locked(DeviceState& st, int device) {
+  if (st.ready) return FKV_OK;
+  if (st.slots.empty()) {
+    const int rc = grow_locked(st);
     if (rc != FKV_OK) return rc;
-    ring.freed.wait(lock, [&ring] {
-      return std::find(std::begin(ring.busy), std::end(ring.busy), false) != std::end(ring.busy);
-    });
-    int k = ring.cursor;
-    while (ring.busy[k]) k = (k + 1) % kSlots;
-    ring.busy[k] = true;
-    ring.cursor = (k + 1) % kSlots;
-    *slot = k;
+    st.grows = 0;  // the initial chunk is not growth
   }
-  const cudaError_t err = cudaEventSynchronize(ring.events[*slot]);
+  const cudaError_t err = cudaFuncGetAttributes(&st.kernel, swap_kernel);
   if (err != cudaSuccess) {
-    std::lock_guard<std::mutex> lock(ring.mu);
-    ring.busy[*slot] = false;
-    ring.freed.notify_one();
-    return cuda_error(err, "cudaEventSynchronize(staging slot)");
+    cudaGetLastError();
+    char arch[32];
+    device_name(device, arch, sizeof(arch));
+    return set_error(FKV_ECUDA,
+                     "device %d (%s): the copy kernel cannot be loaded: %s (%s); this core "
+                     "holds code for %s: rebuild with FASTKV_CUDA_ARCHS including this GPU",
+                     device, arch, cudaGetErrorName(err), cudaGetErrorString(err),
+                     FKV_CUDA_ARCH_LIST);
+  }
+  st.ready = true;
+  return FKV_OK;
+}
+
+int init_device(int device) {
+  DeviceState& st = g_devices[device];
+  std::lock_guard<std::mutex> lock(st.mu);
+  return init_device_locked(st, device);
+}
+
+void sleep_us(int64_t us) {
+  timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>((us % 1000000) * 1000)};
+  nanosleep(&ts, nullptr);
+}
+
+// Claims a slot whose previous launches have finished reading it. Grows the ring
+// when none is free; when it cannot grow, polls until the staging deadline and
+// then fails (FKV_ETIMEDOUT). Device current (caller's guard).
+int acquire_slot(int device, SlotRef* out) {
+  DeviceState& st = g_devices[device];
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(g_staging_timeout_ms);
+  char growth_error[256] = "";
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      int rc = init_device_locked(st, device);
+      if (rc != FKV_OK) return rc;
+      const size_t n = st.slots.size();
+      for (size_t k = 0; k < n; ++k) {
+        const size_t idx = (st.cursor + k) % n;
+        Slot& s = st.slots[idx];
+        if (s.busy) continue;
+        if (s.used) {
+          const cudaError_t q = cudaEventQuery(s.event);
+          if (q == cudaErrorNotReady) {
+            cudaGetLastError();  // not an error; do not leave it for the caller
+            continue;
+          }
+          if (q != cudaSuccess) return cuda_error(q, "cudaEventQuery(staging slot)");
+        }
+        s.busy = true;
+        st.cursor = (idx + 1) % n;
+        *out = {idx, s.device, s.host, s.event};
+        return FKV_OK;
+      }
+      if (n < static_cast<size_t>(kMaxSlots) && growth_error[0] == '\0') {
+        rc = grow_locked(st);
+        if (rc == FKV_OK) continue;
+        snprintf(growth_error, sizeof(growth_error), "; growing it failed: %s",
+                 fkv_last_error());
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return set_error(FKV_ETIMEDOUT,
+                       "staging ring of device %d: all %zu slots are still read by queued "
+                       "launches after %" PRId64 " ms%s (is a stream blocked?); "
+                       "FASTKV_CUDA_STAGING_TIMEOUT_MS sets the bound",
+                       device, st.slots.size(), g_staging_timeout_ms,
+                       growth_error[0] ? growth_error : " (at its size limit)");
+    }
+    sleep_us(50);
+  }
+}
+
+// Records the slot's event on `stream` (after the launches that read it) and
+// frees the claim. If the record fails the slot stays claimed for good: a queued
+// copy may still read it.
+void release_slot(int device, const SlotRef& ref, cudaStream_t stream) {
+  const cudaError_t err = cudaEventRecord(ref.event, stream);
+  DeviceState& st = g_devices[device];
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  st.slots[ref.index].busy = false;
+  st.slots[ref.index].used = true;
+}
+
+int check_not_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FKV_CUDA_TRY(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) {
+    return set_error(FKV_ECAPTURE,
+                     "cuda_stream: %p is capturing a CUDA graph; fastkv transfers stage block "
+                     "ids from host memory at launch time, which a replay would not repeat. "
+                     "Launch transfers outside the captured region and make the graph's "
+                     "stream wait for their events (see the README, 'CUDA graphs')",
+                     static_cast<void*>(stream));
   }
   return FKV_OK;
 }
 
-void release_slot(Ring& ring, int slot) {
-  std::lock_guard<std::mutex> lock(ring.mu);
-  ring.busy[slot] = false;
-  ring.freed.notify_one();
-}
+// ----------------------------------------------------------- segment checks
 
-// Restores the caller's current device on every exit path.
-class DeviceGuard {
- public:
-  ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
-  }
-  int use(int device) {
-    int current = -1;
-    FKV_CUDA_TRY(cudaGetDevice(&current));
-    if (current != device) {
-      FKV_CUDA_TRY(cudaSetDevice(device));
-      prev_ = current;
-    }
-    return FKV_OK;
-  }
-
- private:
-  int prev_ = -1;
-};
-
-struct ResolvedSegment {
-  char* device;
-  char* host;         // host address (for cudaMemcpyAsync)
-  char* host_kernel;  // the same memory as the kernel addresses it
-  int64_t block_bytes;
-};
-
-// Checks what validation on the CPU cannot: device_base is device memory of one
-// device, host_base regions are pinned and mapped (a kernel touching pageable
-// memory would fault and poison the whole CUDA context).
-int resolve_segments(const fkv_segment* segments, int32_t num_segments,
-                     int64_t num_host_blocks, std::vector<ResolvedSegment>* out, int* device) {
+// Resolves and checks segments for `device` (device current): device bases are
+// memory of that device, host regions pinned and mapped; the kernel's address of
+// every host region is asked of the driver on this device, never assumed equal to
+// the host address.
+int resolve_segments(const fkv_segment* segments, int32_t num_segments, int64_t num_host_blocks,
+                     int device, std::vector<PlanSegment>* out) {
   out->resize(num_segments);
-  *device = -1;
   for (int32_t s = 0; s < num_segments; ++s) {
     const fkv_segment& seg = segments[s];
     cudaPointerAttributes attr;
@@ -261,22 +449,19 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments,
       return set_error(FKV_EINVAL, "segments[%d].device_base: %p is not CUDA device memory", s,
                        seg.device_base);
     }
-    if (*device < 0) {
-      *device = attr.device;
-    } else if (attr.device != *device) {
-      return set_error(FKV_EINVAL,
-                       "segments[%d].device_base: on device %d, segments[0] is on device %d", s,
-                       attr.device, *device);
+    if (attr.device != device) {
+      return set_error(FKV_EINVAL, "segments[%d].device_base: %p is on device %d, not %d", s,
+                       seg.device_base, attr.device, device);
     }
     const size_t host_bytes = static_cast<size_t>(num_host_blocks * seg.block_bytes);
     bool pinned = false;
-    void* kernel_addr = nullptr;
-    if (!registry_lookup(seg.host_base, host_bytes, &pinned, &kernel_addr)) {
+    void* attr_device_ptr = nullptr;
+    if (!registry_lookup(seg.host_base, host_bytes, &pinned)) {
       // Not ours (e.g. cupyx.empty_pinned): ask the driver about both ends.
       err = cudaPointerGetAttributes(&attr, seg.host_base);
       if (err != cudaSuccess) return cuda_error(err, "cudaPointerGetAttributes(host_base)");
-      pinned = attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr;
-      kernel_addr = attr.devicePointer;
+      pinned = attr.type == cudaMemoryTypeHost;
+      attr_device_ptr = attr.devicePointer;
       if (pinned && host_bytes > 1) {
         cudaPointerAttributes last;
         err = cudaPointerGetAttributes(&last, static_cast<char*>(seg.host_base) + host_bytes - 1);
@@ -284,7 +469,17 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments,
         pinned = last.type == cudaMemoryTypeHost;
       }
     }
-    if (!pinned) {
+    void* kernel_addr = nullptr;
+    if (pinned) {
+      // The device's own mapping of this address: equal to the host address only
+      // where cudaDevAttrCanUseHostPointerForRegisteredMem says so.
+      err = cudaHostGetDevicePointer(&kernel_addr, seg.host_base, 0);
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        kernel_addr = attr_device_ptr;  // what the pointer query reported on this device
+      }
+    }
+    if (!pinned || kernel_addr == nullptr) {
       return set_error(FKV_EINVAL,
                        "segments[%d].host_base: %p region is not pinned, mapped host memory "
                        "(allocate it with fkv_host_alloc(..., pin_for_cuda=1) or cudaHostAlloc)",
@@ -296,84 +491,235 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments,
   return FKV_OK;
 }
 
-int vec_bytes_for(const ResolvedSegment& r) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(r.device) |
-                         reinterpret_cast<uintptr_t>(r.host_kernel) |
-                         static_cast<uintptr_t>(r.block_bytes);
-  if (bits % 16 == 0) return 16;
-  if (bits % 8 == 0) return 8;
-  return 4;
-}
+int64_t memcpy_min_bytes_now() { return g_memcpy_min_bytes.load(std::memory_order_relaxed); }
 
-size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
-
-thread_local std::vector<BlockRun> t_runs;
-thread_local std::vector<ResolvedSegment> t_resolved;
-thread_local std::vector<int32_t> t_run_len;
-thread_local std::vector<DevSegment> t_descs;
-thread_local std::vector<DevSegment> t_kernel_segs;
-
-// Stages one launch's descriptors and id range through a ring slot and launches.
-int launch_kernel(Ring& ring, const DevSegment* descs, int32_t num_descs, const int64_t* dev_ids,
-                  const int64_t* host_ids, const int32_t* run_len, int64_t count, bool h2d,
-                  cudaStream_t stream) {
-  int64_t chunks = 0;
-  std::vector<DevSegment>& staged = t_descs;
-  staged.assign(descs, descs + num_descs);
-  for (DevSegment& d : staged) {
-    d.chunk_begin = chunks;
-    chunks += count * d.chunks_per_block;
-  }
-  const size_t desc_bytes = align_up(num_descs * sizeof(DevSegment), 16);
-  const size_t ids_bytes = align_up(count * sizeof(int64_t), 16);
-  const size_t len_bytes = run_len ? align_up(count * sizeof(int32_t), 16) : 0;
-  const size_t total = desc_bytes + 2 * ids_bytes + len_bytes;
-
-  int slot = -1;
-  int rc = acquire_slot(ring, &slot);
-  if (rc != FKV_OK) return rc;
-  char* host = ring.host_buf + slot * kSlotBytes;
-  char* dev = ring.device_buf + slot * kSlotBytes;
-  std::memcpy(host, staged.data(), num_descs * sizeof(DevSegment));
-  std::memcpy(host + desc_bytes, dev_ids, count * sizeof(int64_t));
-  std::memcpy(host + desc_bytes + ids_bytes, host_ids, count * sizeof(int64_t));
-  if (run_len) std::memcpy(host + desc_bytes + 2 * ids_bytes, run_len, count * sizeof(int32_t));
-
-  cudaError_t err = cudaMemcpyAsync(dev, host, total, cudaMemcpyHostToDevice, stream);
-  if (err == cudaSuccess) {
-    const int grid = static_cast<int>(std::min<int64_t>(g_max_ctas.load(), chunks));
-    swap_kernel<<<grid, kThreads, 0, stream>>>(
-        reinterpret_cast<const DevSegment*>(dev), num_descs,
-        reinterpret_cast<const int64_t*>(dev + desc_bytes),
-        reinterpret_cast<const int64_t*>(dev + desc_bytes + ids_bytes),
-        run_len ? reinterpret_cast<const int32_t*>(dev + desc_bytes + 2 * ids_bytes) : nullptr,
-        chunks, h2d ? 1 : 0);
-    err = cudaGetLastError();
-    rc = err == cudaSuccess ? FKV_OK : cuda_error(err, "swap_kernel launch");
-  } else {
-    rc = cuda_error(err, "cudaMemcpyAsync(staging slot)");
-  }
-  // Record even after a failed launch: the staging copy may be queued and still
-  // reading the host slot.
-  const cudaError_t rec = cudaEventRecord(ring.events[slot], stream);
-  if (rec != cudaSuccess && rc == FKV_OK) rc = cuda_error(rec, "cudaEventRecord(staging slot)");
-  release_slot(ring, slot);
-  return rc;
-}
-
-}  // namespace
-
-int cuda_host_register(void* p, size_t bytes, void** device_ptr) {
-  FKV_CUDA_TRY(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
-  const cudaError_t err = cudaHostGetDevicePointer(device_ptr, p, 0);
-  if (err != cudaSuccess) {
-    cudaHostUnregister(p);
-    return cuda_error(err, "cudaHostGetDevicePointer");
+// One segment's copy-engine runs.
+int enqueue_memcpy_runs(const PlanSegment& seg, const std::vector<BlockRun>& runs, int64_t min_run,
+                        bool h2d, cudaStream_t stream) {
+  const int64_t bb = seg.block_bytes;
+  for (const BlockRun& run : runs) {
+    if (run.num_blocks < min_run) continue;
+    char* dev = seg.device + run.device_id * bb;
+    char* host = seg.host + run.host_id * bb;
+    const size_t bytes = static_cast<size_t>(run.num_blocks * bb);
+    const cudaError_t err =
+        h2d ? cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream)
+            : cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream);
+    if (err != cudaSuccess) return cuda_error(err, "cudaMemcpyAsync(run)");
   }
   return FKV_OK;
 }
 
-int cuda_host_unregister(void* p) {
+int launch_kernel(const DevSegment* dev_descs, const DevSegment& last_desc, int32_t num_descs,
+                  const char* slot_device, const SlotLayout& layout, bool with_run_len,
+                  int64_t count, int64_t memcpy_min, bool h2d, cudaStream_t stream) {
+  const int64_t chunks = launch_chunks(last_desc, count);
+  if (chunks == 0) return FKV_OK;
+  const int grid = static_cast<int>(std::min<int64_t>(g_max_ctas.load(), chunks));
+  swap_kernel<<<grid, kThreads, 0, stream>>>(
+      dev_descs, num_descs, reinterpret_cast<const int64_t*>(slot_device + layout.device_ids),
+      reinterpret_cast<const int64_t*>(slot_device + layout.host_ids),
+      with_run_len ? reinterpret_cast<const int32_t*>(slot_device + layout.run_len) : nullptr,
+      count, chunks, memcpy_min, h2d ? 1 : 0);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? FKV_OK : cuda_error(err, "swap_kernel launch");
+}
+
+thread_local std::vector<BlockRun> t_runs;
+thread_local std::vector<PlanSegment> t_resolved;
+thread_local std::vector<int32_t> t_run_len;
+thread_local std::vector<DevSegment> t_descs;
+thread_local std::vector<SlotRef> t_slots;
+
+}  // namespace
+
+// ------------------------------------------------------------------ layouts
+
+struct CudaLayout {
+  int device = -1;
+  int32_t segments_per_layer = 0;
+  int32_t num_layers = 0;
+  std::vector<PlanSegment> segs;
+  std::vector<DevSegment> descs;  // chunk prefixes restart at every layer
+  DevSegment* device_descs = nullptr;
+};
+
+int cuda_layout_create(const fkv_segment* segments, int32_t num_segments,
+                       int32_t segments_per_layer, int64_t num_host_blocks, int device,
+                       CudaLayout** out) {
+  load_env_once();
+  int rc = check_device_ordinal(device, "cuda_device");
+  if (rc != FKV_OK) return rc;
+  DeviceGuard guard;
+  rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  rc = init_device(device);
+  if (rc != FKV_OK) return rc;
+  auto* layout = new CudaLayout();
+  layout->device = device;
+  layout->segments_per_layer = segments_per_layer;
+  layout->num_layers = num_segments / segments_per_layer;
+  rc = resolve_segments(segments, num_segments, num_host_blocks, device, &layout->segs);
+  if (rc != FKV_OK) {
+    delete layout;
+    return rc;
+  }
+  layout->descs.resize(num_segments);
+  for (int32_t s = 0; s < num_segments; ++s) layout->descs[s] = make_dev_segment(layout->segs[s]);
+  for (int32_t l = 0; l < layout->num_layers; ++l) {
+    set_chunk_prefixes(layout->descs.data() + static_cast<size_t>(l) * segments_per_layer,
+                       segments_per_layer);
+  }
+  const size_t bytes = layout->descs.size() * sizeof(DevSegment);
+  cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&layout->device_descs), bytes);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(layout->device_descs, layout->descs.data(), bytes, cudaMemcpyHostToDevice);
+  }
+  if (err != cudaSuccess) {
+    rc = cuda_error(err, "layout descriptors (cudaMalloc/cudaMemcpy)");
+    if (layout->device_descs) cudaFree(layout->device_descs);
+    delete layout;
+    return rc;
+  }
+  *out = layout;
+  return FKV_OK;
+}
+
+void cuda_layout_destroy(CudaLayout* layout) {
+  if (layout == nullptr) return;
+  if (layout->device_descs != nullptr) {
+    DeviceGuard guard;
+    // The caller has finished every transfer of this layout (its contract); a
+    // queued kernel reading the descriptors would otherwise fault.
+    if (guard.use(layout->device) == FKV_OK) cudaFree(layout->device_descs);
+  }
+  delete layout;
+}
+
+int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
+                     const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
+                     int32_t direction, int32_t first_layer, int32_t num_layers,
+                     void* cuda_stream, void* const* layer_events, int32_t* failed_layer) {
+  load_env_once();
+  *failed_layer = first_layer;
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  DeviceGuard guard;
+  int rc = guard.use(layout->device);
+  if (rc != FKV_OK) return rc;
+  rc = check_not_capturing(stream);
+  if (rc != FKV_OK) return rc;
+
+  const bool h2d = direction == FKV_H2D;
+  const int64_t memcpy_min = memcpy_min_bytes_now();
+  const int32_t spl = layout->segments_per_layer;
+  const size_t seg_begin = static_cast<size_t>(first_layer) * spl;
+  const size_t seg_end = seg_begin + static_cast<size_t>(num_layers) * spl;
+
+  // Which segments have copy-engine runs, and so whether the kernel needs run
+  // lengths to skip those ids.
+  bool with_run_len = false;
+  for (size_t s = seg_begin; s < seg_end && num_ids > 0; ++s) {
+    const int64_t min_run = memcpy_min_run(memcpy_min, layout->segs[s].block_bytes);
+    if (memcpy_blocks(runs, min_run) > 0) {
+      with_run_len = true;
+      break;
+    }
+  }
+
+  // Stage the ids once for every layer of this call.
+  std::vector<SlotRef>& slots = t_slots;
+  slots.clear();
+  const int64_t per_slot = ids_per_slot(kSlotBytes, 0, with_run_len);
+  if (with_run_len) {
+    t_run_len.resize(num_ids);
+    fill_run_len(runs, t_run_len.data());
+  }
+  for (int64_t i0 = 0; i0 < num_ids && rc == FKV_OK; i0 += per_slot) {
+    const int64_t count = std::min(per_slot, num_ids - i0);
+    SlotRef ref{};
+    rc = acquire_slot(layout->device, &ref);
+    if (rc != FKV_OK) break;
+    slots.push_back(ref);
+    const SlotLayout sl = slot_layout(0, count, with_run_len);
+    std::memcpy(ref.host + sl.device_ids, device_ids + i0, count * sizeof(int64_t));
+    std::memcpy(ref.host + sl.host_ids, host_ids + i0, count * sizeof(int64_t));
+    if (with_run_len) {
+      std::memcpy(ref.host + sl.run_len, t_run_len.data() + i0, count * sizeof(int32_t));
+    }
+    const cudaError_t err =
+        cudaMemcpyAsync(ref.device, ref.host, sl.total, cudaMemcpyHostToDevice, stream);
+    if (err != cudaSuccess) rc = cuda_error(err, "cudaMemcpyAsync(staging slot)");
+  }
+
+  int32_t layer = first_layer;
+  if (rc == FKV_OK) {
+    for (; layer < first_layer + num_layers; ++layer) {
+      const size_t s0 = static_cast<size_t>(layer) * spl;
+      bool needs_kernel = false;
+      for (int32_t k = 0; k < spl && rc == FKV_OK; ++k) {
+        const PlanSegment& seg = layout->segs[s0 + k];
+        const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
+        const int64_t by_engine = num_ids > 0 ? memcpy_blocks(runs, min_run) : 0;
+        if (by_engine > 0) rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
+        needs_kernel = needs_kernel || by_engine < num_ids;
+      }
+      for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
+        const int64_t i0 = static_cast<int64_t>(c) * per_slot;
+        const int64_t count = std::min(per_slot, num_ids - i0);
+        rc = launch_kernel(layout->device_descs + s0, layout->descs[s0 + spl - 1], spl,
+                           slots[c].device, slot_layout(0, count, with_run_len), with_run_len,
+                           count, memcpy_min, h2d, stream);
+      }
+      if (rc != FKV_OK) break;
+      void* event = layer_events != nullptr ? layer_events[layer - first_layer] : nullptr;
+      if (event != nullptr) {
+        const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(event), stream);
+        if (err != cudaSuccess) {
+          rc = cuda_error(err, "cudaEventRecord(layer event)");
+          break;
+        }
+      }
+    }
+  }
+  if (rc != FKV_OK) {
+    // Complete the events of the layers not enqueued intact, so waiters wake up
+    // (and learn of the failure from the caller) instead of hanging.
+    *failed_layer = layer;
+    for (int32_t l = layer; l < first_layer + num_layers && layer_events != nullptr; ++l) {
+      if (layer_events[l - first_layer] != nullptr) {
+        cudaEventRecord(static_cast<cudaEvent_t>(layer_events[l - first_layer]), stream);
+      }
+    }
+    cudaGetLastError();
+  } else {
+    *failed_layer = -1;
+  }
+  for (const SlotRef& ref : slots) release_slot(layout->device, ref, stream);
+  return rc;
+}
+
+// -------------------------------------------------------- host registration
+
+// Registration and unregistration make a context current; with device >= 0 it is
+// that device's (and the caller's context is restored), never a hidden device 0.
+int cuda_host_register(void* p, size_t bytes, int device) {
+  DeviceGuard guard;
+  if (device >= 0) {
+    const int rc = check_device_ordinal(device, "pin_device");
+    if (rc != FKV_OK) return rc;
+    const int used = guard.use(device);
+    if (used != FKV_OK) return used;
+  }
+  FKV_CUDA_TRY(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  return FKV_OK;
+}
+
+int cuda_host_unregister(void* p, int device) {
+  DeviceGuard guard;
+  if (device >= 0) {
+    const int used = guard.use(device);
+    if (used != FKV_OK) return used;
+  }
   FKV_CUDA_TRY(cudaHostUnregister(p));
   return FKV_OK;
 }
@@ -393,6 +739,71 @@ FKV_API int fkv_cuda_device_count(void) {
   return n;
 }
 
+FKV_API int fkv_cuda_get_info(fkv_cuda_info* info) {
+  using namespace fkv;
+  if (info == nullptr) return set_error(FKV_EINVAL, "info: NULL");
+  std::memset(info, 0, sizeof(*info));
+  info->built_with_cuda = 1;
+  info->runtime_version = CUDART_VERSION;
+  snprintf(info->archs, sizeof(info->archs), "%s", FKV_CUDA_ARCH_LIST);
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  cudaGetLastError();
+  info->driver_version = driver;
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  cudaGetLastError();
+  const int rt_major = CUDART_VERSION / 1000;
+  const int rt_minor = CUDART_VERSION % 1000 / 10;
+  if (err == cudaSuccess && count > 0) {
+    info->device_count = count;
+    snprintf(info->status, sizeof(info->status), "ok");
+  } else if (driver == 0) {
+    snprintf(info->status, sizeof(info->status),
+             "no NVIDIA driver (libcuda.so.1 could not be loaded): install the NVIDIA driver");
+  } else if (driver < CUDART_VERSION || err == cudaErrorInsufficientDriver) {
+    snprintf(info->status, sizeof(info->status),
+             "the driver supports CUDA %d.%d but the core was built with the CUDA %d.%d "
+             "runtime: update the driver (CUDA 13 needs >= 580, CUDA 12 >= 525), or rebuild "
+             "fastkv with a CUDA %d.x toolkit (CUDA_HOME=<toolkit> make install)",
+             driver / 1000, driver % 1000 / 10, rt_major, rt_minor, driver / 1000);
+  } else if (err == cudaErrorNoDevice || count == 0) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    snprintf(info->status, sizeof(info->status),
+             "the driver (CUDA %d.%d) sees no CUDA device (CUDA_VISIBLE_DEVICES=%s)",
+             driver / 1000, driver % 1000 / 10, visible ? visible : "<unset>");
+  } else {
+    snprintf(info->status, sizeof(info->status), "cudaGetDeviceCount: %s (%s)",
+             cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_init(int device) {
+  using namespace fkv;
+  load_env_once();
+  int rc = check_device_ordinal(device, "device");
+  if (rc != FKV_OK) return rc;
+  DeviceGuard guard;
+  rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  return init_device(device);
+}
+
+FKV_API int fkv_cuda_staging_stats(int device, int64_t* slots, int64_t* slot_bytes,
+                                   int64_t* grows) {
+  using namespace fkv;
+  if (device < 0 || device >= kMaxDevices) {
+    return set_error(FKV_EINVAL, "device: %d out of range [0, %d)", device, kMaxDevices);
+  }
+  DeviceState& st = g_devices[device];
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (slots) *slots = static_cast<int64_t>(st.slots.size());
+  if (slot_bytes) *slot_bytes = static_cast<int64_t>(kSlotBytes);
+  if (grows) *grows = st.grows;
+  return FKV_OK;
+}
+
 FKV_API int fkv_cuda_pci_bus_id(int device, char* buf, int buf_len) {
   using namespace fkv;
   if (buf == nullptr || buf_len < 16) {
@@ -403,9 +814,141 @@ FKV_API int fkv_cuda_pci_bus_id(int device, char* buf, int buf_len) {
   return FKV_OK;
 }
 
+FKV_API int fkv_cuda_stream_create(int device, int priority, void** stream) {
+  using namespace fkv;
+  if (stream == nullptr) return set_error(FKV_EINVAL, "stream: NULL output pointer");
+  int rc = check_device_ordinal(device, "device");
+  if (rc != FKV_OK) return rc;
+  DeviceGuard guard;
+  rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  int least = 0;
+  int greatest = 0;
+  FKV_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  const int prio = priority > 0 ? greatest : priority < 0 ? least : 0;
+  cudaStream_t s = nullptr;
+  FKV_CUDA_TRY(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
+  *stream = s;
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_stream_destroy(int device, void* stream) {
+  using namespace fkv;
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  FKV_CUDA_TRY(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_stream_priority(int device, void* stream, int* priority) {
+  using namespace fkv;
+  if (priority == nullptr) return set_error(FKV_EINVAL, "priority: NULL output pointer");
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  FKV_CUDA_TRY(cudaStreamGetPriority(static_cast<cudaStream_t>(stream), priority));
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_stream_capturing(int device, void* stream, int* capturing) {
+  using namespace fkv;
+  if (capturing == nullptr) return set_error(FKV_EINVAL, "capturing: NULL output pointer");
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FKV_CUDA_TRY(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  *capturing = status != cudaStreamCaptureStatusNone ? 1 : 0;
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_event_create(int device, void** event) {
+  using namespace fkv;
+  if (event == nullptr) return set_error(FKV_EINVAL, "event: NULL output pointer");
+  int rc = check_device_ordinal(device, "device");
+  if (rc != FKV_OK) return rc;
+  DeviceGuard guard;
+  rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  cudaEvent_t e = nullptr;
+  FKV_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  *event = e;
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_event_destroy(int device, void* event) {
+  using namespace fkv;
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  FKV_CUDA_TRY(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_event_record(int device, void* event, void* stream) {
+  using namespace fkv;
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  FKV_CUDA_TRY(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_stream_wait_event(int device, void* stream, void* event) {
+  using namespace fkv;
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  FKV_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                   static_cast<cudaEvent_t>(event), 0));
+  return FKV_OK;
+}
+
+FKV_API int fkv_cuda_event_query(int device, void* event) {
+  using namespace fkv;
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaSuccess) return FKV_OK;
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();
+    return FKV_ENOTREADY;
+  }
+  return cuda_error(err, "cudaEventQuery");
+}
+
+FKV_API int fkv_cuda_event_wait(int device, void* event, int64_t timeout_ns) {
+  using namespace fkv;
+  DeviceGuard guard;
+  int rc = guard.use(device);
+  if (rc != FKV_OK) return rc;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::nanoseconds(std::max<int64_t>(timeout_ns, 0));
+  for (;;) {
+    const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (err == cudaSuccess) return FKV_OK;
+    if (err != cudaErrorNotReady) return cuda_error(err, "cudaEventQuery");
+    cudaGetLastError();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return set_error(FKV_ETIMEDOUT, "event: not complete after %.3f s",
+                       std::chrono::duration<double>(now - start).count());
+    }
+    // Yield while the wait is young (a layer usually lands within microseconds of
+    // the first query), then sleep briefly: precise without burning a core.
+    if (now - start < std::chrono::microseconds(100)) {
+      sched_yield();
+    } else {
+      sleep_us(20);
+    }
+  }
+}
+
 FKV_API int fkv_cuda_set_tuning(int64_t memcpy_min_bytes, int32_t max_ctas) {
   using namespace fkv;
-  load_tuning_defaults();
+  load_env_once();
   if (max_ctas == 0) return set_error(FKV_EINVAL, "max_ctas: must be > 0 (or < 0 to keep)");
   if (memcpy_min_bytes >= 0) g_memcpy_min_bytes.store(memcpy_min_bytes);
   if (max_ctas > 0) g_max_ctas.store(std::min(max_ctas, 65535));
@@ -414,7 +957,7 @@ FKV_API int fkv_cuda_set_tuning(int64_t memcpy_min_bytes, int32_t max_ctas) {
 
 FKV_API void fkv_cuda_get_tuning(int64_t* memcpy_min_bytes, int32_t* max_ctas) {
   using namespace fkv;
-  load_tuning_defaults();
+  load_env_once();
   if (memcpy_min_bytes) *memcpy_min_bytes = g_memcpy_min_bytes.load();
   if (max_ctas) *max_ctas = g_max_ctas.load();
 }
@@ -424,84 +967,95 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
                           const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
                           int32_t direction, void* cuda_stream) {
   using namespace fkv;
-  load_tuning_defaults();
+  load_env_once();
   std::vector<BlockRun>& runs = t_runs;
   int rc = validate_swap(segments, num_segments, num_device_blocks, num_host_blocks, device_ids,
                          host_ids, num_ids, direction, &runs);
   if (rc != FKV_OK || runs.empty()) return rc;
-  std::vector<ResolvedSegment>& resolved = t_resolved;
   int device = -1;
-  rc = resolve_segments(segments, num_segments, num_host_blocks, &resolved, &device);
-  if (rc != FKV_OK) return rc;
+  {
+    ContextKeeper keep;
+    cudaPointerAttributes attr;
+    const cudaError_t err = cudaPointerGetAttributes(&attr, segments[0].device_base);
+    if (err != cudaSuccess) return cuda_error(err, "cudaPointerGetAttributes(device_base)");
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+      return set_error(FKV_EINVAL, "segments[0].device_base: %p is not CUDA device memory",
+                       segments[0].device_base);
+    }
+    device = attr.device;
+  }
   if (device < 0 || device >= kMaxDevices) {
-    return set_error(FKV_EINVAL, "segments[0].device_base: device %d out of range [0, %d)", device,
-                     kMaxDevices);
+    return set_error(FKV_EINVAL, "segments[0].device_base: device %d out of range [0, %d)",
+                     device, kMaxDevices);
   }
   DeviceGuard guard;
   rc = guard.use(device);
   if (rc != FKV_OK) return rc;
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  rc = check_not_capturing(stream);
+  if (rc != FKV_OK) return rc;
+  std::vector<PlanSegment>& resolved = t_resolved;
+  rc = resolve_segments(segments, num_segments, num_host_blocks, device, &resolved);
+  if (rc != FKV_OK) return rc;
 
   const bool h2d = direction == FKV_H2D;
-  cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
-  const int64_t memcpy_min = g_memcpy_min_bytes.load();
+  const int64_t memcpy_min = memcpy_min_bytes_now();
 
-  // Long runs: one cudaMemcpyAsync per segment and run, on the copy engine.
-  std::vector<DevSegment>& kernel_segs = t_kernel_segs;
-  kernel_segs.clear();
+  // Long runs: cudaMemcpyAsync per segment and run, on the copy engine.
+  std::vector<DevSegment>& descs = t_descs;
+  descs.clear();
   bool any_skipped = false;
   for (int32_t s = 0; s < num_segments; ++s) {
-    const ResolvedSegment& r = resolved[s];
-    const int64_t bb = r.block_bytes;
-    const int64_t min_run64 =
-        memcpy_min <= 0 ? 1 : memcpy_min / bb + (memcpy_min % bb != 0 ? 1 : 0);
-    const int32_t min_run = static_cast<int32_t>(std::min<int64_t>(min_run64, INT32_MAX));
-    int64_t memcpy_blocks = 0;
-    for (const BlockRun& run : runs) {
-      if (run.num_blocks < min_run) continue;
-      char* dev = r.device + run.device_id * bb;
-      char* host = r.host + run.host_id * bb;
-      const size_t bytes = static_cast<size_t>(run.num_blocks * bb);
-      const cudaError_t err =
-          h2d ? cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream)
-              : cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream);
-      if (err != cudaSuccess) return cuda_error(err, "cudaMemcpyAsync(run)");
-      memcpy_blocks += run.num_blocks;
+    const int64_t min_run = memcpy_min_run(memcpy_min, resolved[s].block_bytes);
+    const int64_t by_engine = memcpy_blocks(runs, min_run);
+    if (by_engine > 0) {
+      rc = enqueue_memcpy_runs(resolved[s], runs, min_run, h2d, stream);
+      if (rc != FKV_OK) return rc;
     }
-    if (memcpy_blocks == num_ids) continue;
-    any_skipped = any_skipped || memcpy_blocks > 0;
-    kernel_segs.push_back({r.device, r.host_kernel, bb, (bb + kChunkBytes - 1) / kChunkBytes, 0,
-                           min_run, vec_bytes_for(r)});
+    if (by_engine == num_ids) continue;
+    any_skipped = any_skipped || by_engine > 0;
+    descs.push_back(make_dev_segment(resolved[s]));
   }
-  if (kernel_segs.empty()) return FKV_OK;
-
-  // Per id, the length of its run, so the kernel can skip ids the copy engine
-  // already handles for a given segment.
-  const int32_t* run_len = nullptr;
+  if (descs.empty()) return FKV_OK;
   if (any_skipped) {
-    std::vector<int32_t>& lens = t_run_len;
-    lens.resize(num_ids);
-    int64_t i = 0;
-    for (const BlockRun& run : runs) {
-      const int32_t n = static_cast<int32_t>(std::min<int64_t>(run.num_blocks, INT32_MAX));
-      for (int64_t k = 0; k < run.num_blocks; ++k) lens[i++] = n;
-    }
-    run_len = lens.data();
+    t_run_len.resize(num_ids);
+    fill_run_len(runs, t_run_len.data());
   }
 
-  // Split into launches that fit one staging slot: segment groups of at most half
-  // a slot of descriptors, then id ranges filling the rest.
-  Ring& ring = g_rings[device];
-  const int32_t nk = static_cast<int32_t>(kernel_segs.size());
+  // Launches that fit one staging slot each: segment groups of at most half a
+  // slot of descriptors, then id ranges filling the rest.
+  const int32_t nk = static_cast<int32_t>(descs.size());
   const int32_t max_group = static_cast<int32_t>(kSlotBytes / 2 / sizeof(DevSegment));
-  const size_t per_id = 2 * sizeof(int64_t) + (run_len ? sizeof(int32_t) : 0);
   for (int32_t g0 = 0; g0 < nk; g0 += max_group) {
     const int32_t group = std::min(max_group, nk - g0);
-    const size_t room = kSlotBytes - align_up(group * sizeof(DevSegment), 16) - 3 * 16;
-    const int64_t max_ids = static_cast<int64_t>(room / per_id);
+    DevSegment* gdescs = descs.data() + g0;
+    set_chunk_prefixes(gdescs, group);
+    const size_t desc_bytes = group * sizeof(DevSegment);
+    const int64_t max_ids = ids_per_slot(kSlotBytes, desc_bytes, any_skipped);
     for (int64_t i0 = 0; i0 < num_ids; i0 += max_ids) {
       const int64_t count = std::min(max_ids, num_ids - i0);
-      rc = launch_kernel(ring, kernel_segs.data() + g0, group, device_ids + i0, host_ids + i0,
-                         run_len ? run_len + i0 : nullptr, count, h2d, stream);
+      const SlotLayout sl = slot_layout(desc_bytes, count, any_skipped);
+      SlotRef ref{};
+      rc = acquire_slot(device, &ref);
+      if (rc != FKV_OK) return rc;
+      std::memcpy(ref.host + sl.descs, gdescs, desc_bytes);
+      std::memcpy(ref.host + sl.device_ids, device_ids + i0, count * sizeof(int64_t));
+      std::memcpy(ref.host + sl.host_ids, host_ids + i0, count * sizeof(int64_t));
+      if (any_skipped) {
+        std::memcpy(ref.host + sl.run_len, t_run_len.data() + i0, count * sizeof(int32_t));
+      }
+      cudaError_t err =
+          cudaMemcpyAsync(ref.device, ref.host, sl.total, cudaMemcpyHostToDevice, stream);
+      if (err == cudaSuccess) {
+        rc = launch_kernel(reinterpret_cast<const DevSegment*>(ref.device + sl.descs),
+                           gdescs[group - 1], group, ref.device, sl, any_skipped, count,
+                           memcpy_min, h2d, stream);
+      } else {
+        rc = cuda_error(err, "cudaMemcpyAsync(staging slot)");
+      }
+      // Record even after a failed launch: the staging copy may be queued and still
+      // reading the host slot.
+      release_slot(device, ref, stream);
       if (rc != FKV_OK) return rc;
     }
   }

@@ -2,6 +2,8 @@
 // and load the same ABI everywhere, and failing with a message that says why.
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "fkv_internal.h"
@@ -16,13 +18,28 @@ constexpr const char* kNotBuilt =
 std::atomic<int64_t> g_memcpy_min_bytes{int64_t{1} << 20};
 std::atomic<int32_t> g_max_ctas{16};
 
+int not_built() { return set_error(FKV_ENOTBUILT, "%s", kNotBuilt); }
+
 }  // namespace
 
-int cuda_host_register(void*, size_t, void**) {
+struct CudaLayout {};
+
+int cuda_host_register(void*, size_t, int) {
   return set_error(FKV_ENOTBUILT, "pin_for_cuda: %s", kNotBuilt);
 }
 
-int cuda_host_unregister(void*) { return set_error(FKV_ENOTBUILT, "pinned: %s", kNotBuilt); }
+int cuda_host_unregister(void*, int) { return set_error(FKV_ENOTBUILT, "pinned: %s", kNotBuilt); }
+
+int cuda_layout_create(const fkv_segment*, int32_t, int32_t, int64_t, int, CudaLayout**) {
+  return set_error(FKV_ENOTBUILT, "cuda_device: %s", kNotBuilt);
+}
+
+void cuda_layout_destroy(CudaLayout*) {}
+
+int cuda_layout_swap(CudaLayout*, const std::vector<BlockRun>&, const int64_t*, const int64_t*,
+                     int64_t, int32_t, int32_t, int32_t, void*, void* const*, int32_t*) {
+  return not_built();
+}
 
 }  // namespace fkv
 
@@ -32,9 +49,32 @@ FKV_API int fkv_built_with_cuda(void) { return 0; }
 
 FKV_API int fkv_cuda_device_count(void) { return 0; }
 
-FKV_API int fkv_cuda_pci_bus_id(int, char*, int) {
-  return fkv::set_error(FKV_ENOTBUILT, "%s", fkv::kNotBuilt);
+FKV_API int fkv_cuda_get_info(fkv_cuda_info* info) {
+  if (info == nullptr) return fkv::set_error(FKV_EINVAL, "info: NULL");
+  std::memset(info, 0, sizeof(*info));
+  std::snprintf(info->archs, sizeof(info->archs), "none");
+  std::snprintf(info->status, sizeof(info->status), "%s", fkv::kNotBuilt);
+  return FKV_OK;
 }
+
+FKV_API int fkv_cuda_init(int) { return fkv::not_built(); }
+
+FKV_API int fkv_cuda_staging_stats(int, int64_t*, int64_t*, int64_t*) {
+  return fkv::not_built();
+}
+
+FKV_API int fkv_cuda_pci_bus_id(int, char*, int) { return fkv::not_built(); }
+
+FKV_API int fkv_cuda_stream_create(int, int, void**) { return fkv::not_built(); }
+FKV_API int fkv_cuda_stream_destroy(int, void*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_stream_priority(int, void*, int*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_stream_capturing(int, void*, int*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_event_create(int, void**) { return fkv::not_built(); }
+FKV_API int fkv_cuda_event_destroy(int, void*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_event_record(int, void*, void*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_stream_wait_event(int, void*, void*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_event_query(int, void*) { return fkv::not_built(); }
+FKV_API int fkv_cuda_event_wait(int, void*, int64_t) { return fkv::not_built(); }
 
 FKV_API int fkv_cuda_set_tuning(int64_t memcpy_min_bytes, int32_t max_ctas) {
   if (max_ctas == 0) return fkv::set_error(FKV_EINVAL, "max_ctas: must be > 0 (or < 0 to keep)");
@@ -58,7 +98,7 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   const int rc = fkv::validate_swap(segments, num_segments, num_device_blocks, num_host_blocks,
                                     device_ids, host_ids, num_ids, direction, &runs);
   if (rc != FKV_OK) return rc;
-  return fkv::set_error(FKV_ENOTBUILT, "%s", fkv::kNotBuilt);
+  return fkv::not_built();
 }
 
 }  // extern "C"

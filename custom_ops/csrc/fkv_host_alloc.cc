@@ -30,7 +30,7 @@ struct Allocation {
   void* map_base;      // the mapping after alignment trimming (what munmap takes)
   size_t map_bytes;
   bool pinned;
-  void* device_ptr;    // kernel-side address of the allocation when pinned
+  int pin_device;      // the device current at registration (-1: the caller's)
 };
 
 std::shared_mutex g_mu;
@@ -58,7 +58,7 @@ int bind_to_node(void* p, size_t bytes, int node) {
 
 }  // namespace
 
-bool registry_lookup(const void* p, size_t bytes, bool* pinned, void** device_ptr) {
+bool registry_lookup(const void* p, size_t bytes, bool* pinned) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   std::shared_lock<std::shared_mutex> lock(g_mu);
   auto it = g_allocs.upper_bound(a);
@@ -67,8 +67,6 @@ bool registry_lookup(const void* p, size_t bytes, bool* pinned, void** device_pt
   const uintptr_t base = it->first;
   if (a - base > it->second.bytes || bytes > it->second.bytes - (a - base)) return false;
   *pinned = it->second.pinned;
-  *device_ptr = it->second.pinned ? static_cast<char*>(it->second.device_ptr) + (a - base)
-                                  : nullptr;
   return true;
 }
 
@@ -88,7 +86,8 @@ bool registry_overrun(const void* p, size_t bytes, size_t* available) {
 
 extern "C" {
 
-FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda) {
+FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda,
+                             int pin_device) {
   using namespace fkv;
   clear_error();
   if (bytes == 0) {
@@ -97,6 +96,11 @@ FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda) {
   }
   if (numa_node < -1 || numa_node >= kMaxNumaNodes) {
     set_error(FKV_EINVAL, "numa_node: %d out of range [-1, %d)", numa_node, kMaxNumaNodes);
+    return nullptr;
+  }
+  if (pin_device < -1) {
+    set_error(FKV_EINVAL, "pin_device: %d is neither -1 (current device) nor an ordinal",
+              pin_device);
     return nullptr;
   }
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -126,6 +130,14 @@ FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda) {
     // Best effort: without THP the allocation still works, just with 4 KiB pages.
     madvise(p, rounded, MADV_HUGEPAGE);
   }
+  // A fork (a launcher, a tokenizer pool, a storage helper) must neither copy nor
+  // share a tier of possibly hundreds of GB: copy-on-write of pinned pages either
+  // duplicates them or leaves parent and child diverged under the DMA engine.
+  if (madvise(p, rounded, MADV_DONTFORK) != 0) {
+    set_error(FKV_ESYSTEM, "bytes: madvise(MADV_DONTFORK) failed: %s", strerror(errno));
+    munmap(p, rounded);
+    return nullptr;
+  }
   if (numa_node >= 0) {
     const int rc = bind_to_node(p, rounded, numa_node);
     if (rc != FKV_OK) {
@@ -134,9 +146,8 @@ FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda) {
     }
   }
   parallel_first_touch(p, rounded, default_num_threads());
-  void* device_ptr = nullptr;
   if (pin_for_cuda) {
-    const int rc = cuda_host_register(p, rounded, &device_ptr);
+    const int rc = cuda_host_register(p, rounded, pin_device);
     if (rc != FKV_OK) {
       munmap(p, rounded);
       return nullptr;
@@ -145,7 +156,7 @@ FKV_API void* fkv_host_alloc(size_t bytes, int numa_node, int pin_for_cuda) {
   {
     std::unique_lock<std::shared_mutex> lock(g_mu);
     g_allocs[reinterpret_cast<uintptr_t>(p)] =
-        Allocation{bytes, p, rounded, pin_for_cuda != 0, device_ptr};
+        Allocation{bytes, p, rounded, pin_for_cuda != 0, pin_device};
   }
   return p;
 }
@@ -173,7 +184,7 @@ FKV_API int fkv_host_free(void* ptr, size_t bytes, int pinned) {
     g_allocs.erase(it);
   }
   int rc = FKV_OK;
-  if (a.pinned) rc = cuda_host_unregister(a.map_base);
+  if (a.pinned) rc = cuda_host_unregister(a.map_base, a.pin_device);
   if (munmap(a.map_base, a.map_bytes) != 0 && rc == FKV_OK) {
     rc = set_error(FKV_ESYSTEM, "ptr: munmap failed: %s", strerror(errno));
   }

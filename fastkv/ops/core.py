@@ -16,16 +16,28 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
 
 LIB_PATH = Path(__file__).resolve().with_name("libfastkv_core.so")
-ABI_VERSION = 1
+ABI_VERSION = 2
 MIN_ACCESS_BYTES = 4
 
 _EINVAL = 1
+_ETIMEDOUT = 6
+_ECAPTURE = 7
+_ENOTREADY = 8
+
+
+class CudaCaptureError(RuntimeError):
+    """A transfer was refused because its stream is capturing a CUDA graph."""
+
+
+class CudaTimeoutError(TimeoutError):
+    """A bounded wait in the core ran out (an event wait, the staging ring)."""
 
 
 class Direction(IntEnum):
@@ -35,6 +47,17 @@ class Direction(IntEnum):
     """host -> device: swap-in."""
     D2H = 1
     """device -> host: evict or back up."""
+
+
+class _CudaInfo(ctypes.Structure):
+    _fields_ = (
+        ("built_with_cuda", ctypes.c_int32),
+        ("runtime_version", ctypes.c_int32),
+        ("driver_version", ctypes.c_int32),
+        ("device_count", ctypes.c_int32),
+        ("archs", ctypes.c_char * 256),
+        ("status", ctypes.c_char * 512),
+    )
 
 
 class Segment(ctypes.Structure):
@@ -48,6 +71,7 @@ class Segment(ctypes.Structure):
 
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_pp, _pint = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 _SWAP_ARGS = [ctypes.POINTER(Segment), _i32, _i64, _i64, _ptr, _ptr, _i64, _i32]
 
 
@@ -69,9 +93,31 @@ def _load() -> ctypes.CDLL:
         "fkv_built_with_cuda": ([], ctypes.c_int),
         "fkv_cuda_device_count": ([], ctypes.c_int),
         "fkv_cuda_pci_bus_id": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_int], ctypes.c_int),
+        "fkv_cuda_get_info": ([ctypes.POINTER(_CudaInfo)], ctypes.c_int),
+        "fkv_cuda_init": ([ctypes.c_int], ctypes.c_int),
+        "fkv_cuda_staging_stats": ([ctypes.c_int, *[ctypes.POINTER(_i64)] * 3], ctypes.c_int),
+        "fkv_cuda_stream_create": ([ctypes.c_int, ctypes.c_int, _pp], ctypes.c_int),
+        "fkv_cuda_stream_destroy": ([ctypes.c_int, _ptr], ctypes.c_int),
+        "fkv_cuda_stream_priority": ([ctypes.c_int, _ptr, _pint], ctypes.c_int),
+        "fkv_cuda_stream_capturing": ([ctypes.c_int, _ptr, _pint], ctypes.c_int),
+        "fkv_cuda_event_create": ([ctypes.c_int, _pp], ctypes.c_int),
+        "fkv_cuda_event_destroy": ([ctypes.c_int, _ptr], ctypes.c_int),
+        "fkv_cuda_event_record": ([ctypes.c_int, _ptr, _ptr], ctypes.c_int),
+        "fkv_cuda_stream_wait_event": ([ctypes.c_int, _ptr, _ptr], ctypes.c_int),
+        "fkv_cuda_event_query": ([ctypes.c_int, _ptr], ctypes.c_int),
+        "fkv_cuda_event_wait": ([ctypes.c_int, _ptr, _i64], ctypes.c_int),
         "fkv_cuda_set_tuning": ([_i64, _i32], ctypes.c_int),
         "fkv_cuda_get_tuning": ([ctypes.POINTER(_i64), ctypes.POINTER(_i32)], None),
-        "fkv_host_alloc": ([ctypes.c_size_t, ctypes.c_int, ctypes.c_int], _ptr),
+        "fkv_layout_create": (
+            [ctypes.POINTER(Segment), _i32, _i32, _i64, _i64, _i32, _pp],
+            ctypes.c_int,
+        ),
+        "fkv_layout_destroy": ([_ptr], ctypes.c_int),
+        "fkv_layout_swap": (
+            [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32, ctypes.POINTER(_i32)],
+            ctypes.c_int,
+        ),
+        "fkv_host_alloc": ([ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int], _ptr),
         "fkv_host_free": ([_ptr, ctypes.c_size_t, ctypes.c_int], ctypes.c_int),
         "fkv_numa_node_of": ([_ptr], ctypes.c_int),
     }
@@ -94,6 +140,10 @@ def _raise(rc: int, what: str) -> None:
     msg = f"{what}: {_lib.fkv_last_error().decode(errors='replace')}"
     if rc == _EINVAL:
         raise ValueError(msg)
+    if rc == _ECAPTURE:
+        raise CudaCaptureError(msg)
+    if rc == _ETIMEDOUT:
+        raise CudaTimeoutError(msg)
     raise RuntimeError(msg)
 
 
@@ -247,13 +297,18 @@ def swap_cuda(
     )
 
 
-def host_alloc(nbytes: int, numa_node: int = -1, pin: bool = False) -> int:
+def host_alloc(nbytes: int, numa_node: int = -1, pin: bool = False, device: int = -1) -> int:
     """Allocates host memory for a cache tier (see `fkv_host_alloc`).
+
+    The memory is marked MADV_DONTFORK: a child process forked afterwards does not
+    have it.
 
     Args:
         nbytes: size in bytes, > 0.
         numa_node: NUMA node to bind the pages to (preferred policy); -1 = no binding.
         pin: page-lock and map it for CUDA (requires a CUDA build and device).
+        device: the CUDA device to register it on (its context, not a hidden
+            device 0's); -1 = the calling thread's current device.
 
     Returns:
         The address, 2 MiB-aligned for allocations of 2 MiB or more, page-aligned
@@ -263,7 +318,7 @@ def host_alloc(nbytes: int, numa_node: int = -1, pin: bool = False) -> int:
         ValueError: bad nbytes or numa_node.
         RuntimeError: out of memory, mbind refused, or CUDA registration failed.
     """
-    ptr = _lib.fkv_host_alloc(nbytes, numa_node, int(pin))
+    ptr = _lib.fkv_host_alloc(nbytes, numa_node, int(pin), device)
     if not ptr:
         _raise(_lib.fkv_last_error_code(), "fkv_host_alloc")
     return int(ptr)
@@ -293,6 +348,288 @@ def built_with_cuda() -> bool:
 def cuda_device_count() -> int:
     """Usable CUDA devices; 0 without a CUDA build, driver or device (never raises)."""
     return int(_lib.fkv_cuda_device_count())
+
+
+@dataclass(frozen=True, slots=True)
+class CudaInfo:
+    """What the core was built with and what this machine offers.
+
+    Attributes:
+        built_with_cuda: compiled with nvcc.
+        runtime_version: the CUDA runtime compiled in (13000 = 13.0); 0 without CUDA.
+        driver_version: newest CUDA the installed driver supports; 0 = no driver.
+        device_count: usable devices.
+        archs: compiled targets, e.g. ("sm_75", ..., "compute_75").
+        status: "ok", or why there is no usable device and what to do.
+    """
+
+    built_with_cuda: bool
+    runtime_version: int
+    driver_version: int
+    device_count: int
+    archs: tuple[str, ...]
+    status: str
+
+    @staticmethod
+    def version_text(version: int) -> str:
+        return f"{version // 1000}.{version % 1000 // 10}" if version else "none"
+
+    def describe(self) -> str:
+        """One line for logs and error messages."""
+        return (
+            f"fastkv core: CUDA runtime {self.version_text(self.runtime_version)}, driver "
+            f"supports {self.version_text(self.driver_version)}, {self.device_count} "
+            f"device(s), targets {' '.join(self.archs) or 'none'}: {self.status}"
+        )
+
+
+def cuda_info() -> CudaInfo:
+    """The core's CUDA build and the machine's driver and devices (never raises)."""
+    raw = _CudaInfo()
+    _lib.fkv_cuda_get_info(ctypes.byref(raw))
+    return CudaInfo(
+        bool(raw.built_with_cuda),
+        int(raw.runtime_version),
+        int(raw.driver_version),
+        int(raw.device_count),
+        tuple(raw.archs.decode().split()) if raw.built_with_cuda else (),
+        raw.status.decode(errors="replace"),
+    )
+
+
+def cuda_init(device: int) -> None:
+    """Creates what the CUDA path of `device` needs (staging ring, the kernel's
+    module) now rather than at the first transfer.
+
+    Raises:
+        ValueError: no such device.
+        RuntimeError: no usable device (the message says why), out of memory, or no
+            kernel image for this GPU's architecture.
+    """
+    rc = _lib.fkv_cuda_init(device)
+    if rc:
+        _raise(rc, "fkv_cuda_init")
+
+
+def cuda_staging_stats(device: int) -> tuple[int, int, int]:
+    """(slots, bytes per slot, times grown) of `device`'s staging ring."""
+    slots, slot_bytes, grows = _i64(), _i64(), _i64()
+    rc = _lib.fkv_cuda_staging_stats(
+        device, ctypes.byref(slots), ctypes.byref(slot_bytes), ctypes.byref(grows)
+    )
+    if rc:
+        _raise(rc, "fkv_cuda_staging_stats")
+    return slots.value, slot_bytes.value, grows.value
+
+
+def stream_create(device: int, priority: int = 0) -> int:
+    """A non-blocking CUDA stream on `device` (> 0: the highest priority the device
+    offers, < 0: the lowest, 0: default); returns the cudaStream_t as an int."""
+    out = ctypes.c_void_p()
+    rc = _lib.fkv_cuda_stream_create(device, priority, ctypes.byref(out))
+    if rc:
+        _raise(rc, "fkv_cuda_stream_create")
+    return int(out.value or 0)
+
+
+def stream_destroy(device: int, stream: int) -> None:
+    rc = _lib.fkv_cuda_stream_destroy(device, stream)
+    if rc:
+        _raise(rc, "fkv_cuda_stream_destroy")
+
+
+def stream_priority(device: int, stream: int) -> int:
+    """The stream's priority (numerically lower = higher priority)."""
+    out = ctypes.c_int()
+    rc = _lib.fkv_cuda_stream_priority(device, stream or None, ctypes.byref(out))
+    if rc:
+        _raise(rc, "fkv_cuda_stream_priority")
+    return out.value
+
+
+def stream_capturing(device: int, stream: int) -> bool:
+    """True while the stream is capturing a CUDA graph."""
+    out = ctypes.c_int()
+    rc = _lib.fkv_cuda_stream_capturing(device, stream or None, ctypes.byref(out))
+    if rc:
+        _raise(rc, "fkv_cuda_stream_capturing")
+    return bool(out.value)
+
+
+def event_create(device: int) -> int:
+    out = ctypes.c_void_p()
+    rc = _lib.fkv_cuda_event_create(device, ctypes.byref(out))
+    if rc:
+        _raise(rc, "fkv_cuda_event_create")
+    return int(out.value or 0)
+
+
+def event_destroy(device: int, event: int) -> None:
+    rc = _lib.fkv_cuda_event_destroy(device, event)
+    if rc:
+        _raise(rc, "fkv_cuda_event_destroy")
+
+
+def event_record(device: int, event: int, stream: int) -> None:
+    rc = _lib.fkv_cuda_event_record(device, event, stream or None)
+    if rc:
+        _raise(rc, "fkv_cuda_event_record")
+
+
+def stream_wait_event(device: int, stream: int, event: int) -> None:
+    """Work enqueued on `stream` afterwards waits on the device for `event`."""
+    rc = _lib.fkv_cuda_stream_wait_event(device, stream or None, event)
+    if rc:
+        _raise(rc, "fkv_cuda_stream_wait_event")
+
+
+def event_query(device: int, event: int) -> bool:
+    """True once the event completed (or was never recorded).
+
+    Raises:
+        RuntimeError: a CUDA error, e.g. a sticky one from an earlier fault.
+    """
+    rc = _lib.fkv_cuda_event_query(device, event)
+    if rc == 0:
+        return True
+    if rc == _ENOTREADY:
+        return False
+    _raise(rc, "fkv_cuda_event_query")
+    return False  # unreachable
+
+
+def event_wait(device: int, event: int, timeout: float) -> bool:
+    """Waits at most `timeout` seconds (precisely: polls, then 20 us sleeps) with the
+    GIL released; True if the event completed.
+
+    Raises:
+        RuntimeError: a CUDA error.
+    """
+    rc = _lib.fkv_cuda_event_wait(device, event, max(0, int(timeout * 1e9)))
+    if rc == 0:
+        return True
+    if rc == _ETIMEDOUT:
+        return False
+    _raise(rc, "fkv_cuda_event_wait")
+    return False  # unreachable
+
+
+class LayerCopyError(RuntimeError):
+    """A layout transfer failed; layers before `failed_layer` were enqueued intact."""
+
+    def __init__(self, message: str, failed_layer: int) -> None:
+        super().__init__(message)
+        self.failed_layer = failed_layer
+
+
+class Layout:
+    """A cache's segment table, validated (and on CUDA resolved and uploaded) once.
+
+    Segments are grouped into layers of `segments_per_layer` consecutive segments.
+    A transfer then validates and stages only its ids, and on CUDA launches every
+    layer it covers from one native call, recording one event per layer.
+
+    Args:
+        segments: (device_base, host_base, block_bytes) per tensor, layer-major.
+        segments_per_layer: tensors per layer, dividing len(segments).
+        num_device_blocks, num_host_blocks: blocks per segment on each side.
+        device: CUDA device ordinal, or -1 for the CPU core.
+
+    Raises:
+        ValueError: a segment or count fails validation (the message names it), a
+            device base is not memory of `device`, or a host region is not pinned.
+        RuntimeError: CUDA failed (no device, out of memory, no kernel image).
+    """
+
+    def __init__(
+        self,
+        segments: SegmentsLike,
+        segments_per_layer: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        device: int = -1,
+    ) -> None:
+        self._handle: int | None = None
+        table = _segments(segments)
+        out = ctypes.c_void_p()
+        rc = _lib.fkv_layout_create(
+            table,
+            len(table),
+            segments_per_layer,
+            num_device_blocks,
+            num_host_blocks,
+            device,
+            ctypes.byref(out),
+        )
+        if rc:
+            _raise(rc, "fkv_layout_create")
+        self._handle = out.value
+        self.device = device
+        self.num_layers = len(table) // segments_per_layer
+        self._destroy = _lib.fkv_layout_destroy
+
+    def swap(
+        self,
+        device_ids: np.ndarray,
+        host_ids: np.ndarray,
+        direction: Direction | int,
+        first_layer: int = 0,
+        num_layers: int | None = None,
+        stream: int = 0,
+        layer_events: ctypes.Array | None = None,  # type: ignore[type-arg]
+        num_threads: int = 0,
+    ) -> None:
+        """Copies the blocks of layers [first_layer, first_layer + num_layers).
+
+        Args:
+            device_ids, host_ids: equal-length int64 arrays (contiguous; others are
+                converted, which costs a copy).
+            direction: Direction.H2D or Direction.D2H.
+            first_layer, num_layers: the layers (num_layers None: through the last).
+            stream: CUDA: the cudaStream_t to enqueue on. CPU: ignored.
+            layer_events: CUDA: a ctypes array of cudaEvent_t, one per layer, each
+                recorded right after its layer (None: record nothing).
+            num_threads: CPU: copy threads (0 = default). CUDA: ignored.
+
+        Raises:
+            ValueError: bad ids or arguments; nothing was enqueued.
+            LayerCopyError: CUDA failed at `failed_layer`; the events of that layer
+                and the later ones were still recorded.
+            CudaCaptureError: the stream is capturing a CUDA graph; nothing enqueued.
+        """
+        dev = _ids("device_ids", device_ids)
+        host = _ids("host_ids", host_ids)
+        if dev.shape != host.shape:
+            raise ValueError(f"host_ids: length {host.size} != device_ids length {dev.size}")
+        count = self.num_layers - first_layer if num_layers is None else num_layers
+        failed = _i32()  # per call: two streams' threads may share a layout
+        rc = _lib.fkv_layout_swap(
+            self._handle,
+            dev.ctypes.data,
+            host.ctypes.data,
+            dev.size,
+            int(direction),
+            first_layer,
+            count,
+            stream or None,
+            layer_events,
+            num_threads,
+            ctypes.byref(failed),
+        )
+        if rc:
+            msg = f"fkv_layout_swap: {_lib.fkv_last_error().decode(errors='replace')}"
+            if rc in (_EINVAL, _ECAPTURE):
+                _raise(rc, "fkv_layout_swap")
+            raise LayerCopyError(msg, int(failed.value))
+
+    def close(self) -> None:
+        """Releases the layout (after its last transfer has completed)."""
+        if self._handle is not None:
+            self._destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def cuda_pci_bus_id(device: int) -> str:

@@ -185,13 +185,17 @@ def swap_layer(
     )
 
 
-def host_alloc(nbytes: int, numa_node: int = -1, pin: bool | None = None) -> int:
-    """Allocates one host cache tier (zero-filled, pre-faulted, NUMA-bound).
+def host_alloc(
+    nbytes: int, numa_node: int = -1, pin: bool | None = None, device: int = -1
+) -> int:
+    """Allocates one host cache tier (zero-filled, pre-faulted, NUMA-bound, absent
+    from forked children).
 
     Args:
         nbytes: size in bytes, > 0.
         numa_node: node to bind to (see fastkv.worker.numa); -1 = no binding.
         pin: page-lock and map for CUDA; None = pin when a CUDA device is usable.
+        device: CUDA device whose context registers the memory; -1 = current.
 
     Returns:
         The address as an int; free it with `host_free(ptr, nbytes, pinned)`.
@@ -202,7 +206,7 @@ def host_alloc(nbytes: int, numa_node: int = -1, pin: bool | None = None) -> int
     """
     if pin is None:
         pin = core.cuda_device_count() > 0
-    (out,) = _call("fastkv_host_alloc", int(nbytes), int(numa_node), bool(pin))
+    (out,) = _call("fastkv_host_alloc", int(nbytes), int(numa_node), bool(pin), int(device))
     return int(out.numpy()[0])
 
 

@@ -10,6 +10,15 @@ one allocation per tier, pinned and bound to the GPU's NUMA node on a CUDA machi
 carved into one region per cache tensor: host block b of tensor i sits at
 `host_ptrs[i] + b * block_bytes[i]`, so the blocks of one layer are contiguous and
 consecutive ids coalesce into one copy.
+
+On a GPU the controller initialises the CUDA path when it is created (staging ring,
+kernel module, events, streams: nothing is allocated at the first swap, after an
+engine has sized its KV cache to fill the GPU), uses its own device for every
+stream and event, loads on a highest-priority stream and evicts on a lowest-priority
+one, and moves bytes through a core layout: the cache is validated and resolved
+once, a transfer's ids are validated and staged once, and a swap-in launches every
+layer from one native call with one reused event per layer. The compute stream is
+the engine's: passed per step, or Paddle's current stream on the controller's GPU.
 """
 
 from __future__ import annotations
@@ -22,10 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
-from fastkv.ops import paddle_ops
-from fastkv.ops.core import Direction
+from fastkv.ops import core, paddle_ops
+from fastkv.ops.core import CudaCaptureError, Direction
 from fastkv.worker.numa import host_numa_node
-from fastkv.worker.streams import CudaStream, HostStream, InlineStream, Stream
+from fastkv.worker.streams import (
+    CudaEventPool,
+    CudaStream,
+    HostStream,
+    InlineStream,
+    Stream,
+)
 from fastkv.worker.transfer_manager import (
     DEFAULT_TIMEOUT,
     LayerDoneCounter,
@@ -106,11 +121,15 @@ class CacheController:
         num_threads: CPU copy threads per call; 0 = the core's default.
         numa_node: host-cache NUMA node; None finds the GPU's (see fastkv.worker.numa).
         streams: (input, output, compute) streams to use instead of the device's
-            own, e.g. an engine's compute stream or instrumented streams in tests.
+            own, e.g. instrumented streams in tests. On a GPU the compute stream is
+            otherwise the one `submit_swap_tasks` is given, or Paddle's current
+            stream on this controller's GPU, looked up at every step.
 
     Raises:
-        ValueError: bad device string.
-        RuntimeError: a GPU was asked for on a CPU-only Paddle, or CuPy is missing.
+        ValueError: bad device string, or a GPU ordinal the core does not see.
+        RuntimeError: a GPU was asked for on a CPU-only Paddle, the core sees no
+            usable CUDA device (the message says why: driver, build, devices), or
+            initialising the CUDA path failed (out of memory, no kernel image).
     """
 
     def __init__(
@@ -125,6 +144,13 @@ class CacheController:
         self.num_threads = num_threads
         self.device = device
         gpu_index = _parse_device(device)
+        self.gpu_index = gpu_index
+        self._layout: core.Layout | None = None
+        self._pool: CudaEventPool | None = None
+        self._fixed_compute: Stream | None = None
+        self._external: dict[int, CudaStream] = {}
+        if gpu_index is not None:
+            _init_cuda(device, gpu_index)
         self.caches = self._make_device_caches()
         self.block_bytes = [_block_bytes(t) for t in self.caches]
         self._allocate_host(gpu_index, numa_node)
@@ -133,7 +159,11 @@ class CacheController:
                 self._make_streams(gpu_index)
             else:
                 self._input, self._output, self._compute = streams
+                self._fixed_compute = self._compute
+            if gpu_index is not None and spec.num_host_blocks > 0:
+                self._layout = self._make_layout(gpu_index)
         except BaseException:
+            self._release_gpu()
             self._release_host()
             raise
         self.transfers = TransferManager(
@@ -188,19 +218,23 @@ class CacheController:
         evict_metadata: CacheSwapMetadata | None,
         swap_in_metadata: CacheSwapMetadata | None,
         write_block_ids: Iterable[int] = (),
+        compute_stream: int | Stream | None = None,
     ) -> LayerDoneCounter:
         """Start one step's transfers without waiting for them.
 
         The device-to-host copy (evictions and backups) runs on the output stream,
         fire-and-forget; the host-to-device load runs layer by layer on the input
         stream. Each is ordered after every in-flight copy touching the same blocks
-        and after the model's work so far.
+        and after the model's work so far on the step's compute stream.
 
         Args:
             evict_metadata: DEVICE -> HOST copy, or None.
             swap_in_metadata: HOST -> DEVICE copy, or None.
             write_block_ids: device blocks the model writes this step; the returned
                 counter also waits until no in-flight copy still reads them.
+            compute_stream: the stream the model runs this step on, as a
+                cudaStream_t int or a Stream (GPU); None: the `streams` given at
+                construction, else Paddle's current stream on this GPU.
 
         Returns:
             The step's LayerDoneCounter (also kept for `wait_for_layer`).
@@ -208,9 +242,12 @@ class CacheController:
         Raises:
             ValueError: wrong levels, ids out of range, duplicate destinations, or a
                 transfer id already in flight; nothing is launched.
+            CudaCaptureError: the compute stream is capturing a CUDA graph (launch
+                transfers outside the captured region); nothing is launched.
         """
         self._check_live()
         writes = list(write_block_ids)
+        compute = self._step_compute(compute_stream)
         evict = swap_in = None
         if (
             evict_metadata is not None
@@ -225,19 +262,21 @@ class CacheController:
         if swap_in_metadata is not None:
             swap_in = self._ids(swap_in_metadata, CacheLevel.HOST, CacheLevel.DEVICE)
         if evict is not None:
-            self._submit_to_host(evict_metadata.transfer_id, *evict)  # type: ignore[union-attr]
+            self._submit_to_host(evict_metadata.transfer_id, *evict, compute)  # type: ignore[union-attr]
         if swap_in is not None:
             self._counter = self._submit_to_device(
                 swap_in_metadata.transfer_id,  # type: ignore[union-attr]
                 *swap_in,
                 writes,
+                compute,
             )
         else:
-            self._counter = self.transfers.guard_writes(writes)
+            self._counter = self.transfers.guard_writes(writes, compute)
         return self._counter
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """`LayerDoneCounter.wait_for_layer` on the latest step's counter."""
+        """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
+        a device-side wait of the step's compute stream; on the CPU a host wait)."""
         self._counter.wait_for_layer(layer, timeout)
 
     def poll_results(self) -> list[TransferResult]:
@@ -293,6 +332,7 @@ class CacheController:
         if self._freed:
             return []
         results = self.wait_all(timeout)
+        self._release_gpu()
         self._release_host()
         self.caches = []
         for stream in (self._input, self._output):
@@ -314,6 +354,18 @@ class CacheController:
             paddle_ops.host_free(self._host_base, self._host_bytes, self._host_pinned)
             self._host_base = 0
 
+    def _release_gpu(self) -> None:
+        """Layout, owned streams and pooled events (after the last copy finished)."""
+        if self._layout is not None:
+            self._layout.close()
+            self._layout = None
+        for name in ("_input", "_output"):
+            stream = getattr(self, name, None)
+            if isinstance(stream, CudaStream):
+                stream.close()
+        if self._pool is not None:
+            self._pool.close()
+
     def _make_streams(self, gpu_index: int | None) -> None:
         self._input: Stream
         self._output: Stream
@@ -322,15 +374,62 @@ class CacheController:
             self._input = HostStream("fastkv-h2d")
             self._output = HostStream("fastkv-d2h")
             self._compute = InlineStream()
+            self._fixed_compute = self._compute
             return
-        try:
-            import cupy
-        except ImportError as e:
-            raise RuntimeError(f"device {self.device!r} needs CuPy for its streams: {e}") from e
-        cupy.cuda.Device(gpu_index).use()
-        self._input = CudaStream.new()
-        self._output = CudaStream.new()
-        self._compute = CudaStream.external(_paddle_stream_handle())
+        # Events for a few steps of per-layer loads, created now rather than on the
+        # launch path; the pool grows if an engine keeps more in flight.
+        self._pool = CudaEventPool(gpu_index, prefill=2 * self.spec.total_layers + 8)
+        # Loads gate the model's next layer: highest priority. Evictions and backups
+        # are fire-and-forget: lowest, so they yield to everything else.
+        self._input = CudaStream.new(gpu_index, self._pool, priority=1)
+        self._output = CudaStream.new(gpu_index, self._pool, priority=-1)
+        self._compute = self._external_stream(_paddle_stream_handle(gpu_index))
+
+    def _external_stream(self, handle: int) -> CudaStream:
+        stream = self._external.get(handle)
+        if stream is None:
+            assert self._pool is not None and self.gpu_index is not None
+            stream = CudaStream.external(self.gpu_index, handle, self._pool)
+            self._external[handle] = stream
+        return stream
+
+    def _step_compute(self, compute_stream: int | Stream | None) -> Stream:
+        """This step's compute stream; refuses one that is capturing a CUDA graph."""
+        if compute_stream is None:
+            compute = self._fixed_compute
+            if compute is None:
+                assert self.gpu_index is not None
+                compute = self._external_stream(_paddle_stream_handle(self.gpu_index))
+        elif isinstance(compute_stream, int):
+            if self.gpu_index is None:
+                raise ValueError(
+                    f"compute_stream: {compute_stream} is a CUDA stream handle, but the "
+                    "cache is on the CPU"
+                )
+            compute = self._external_stream(compute_stream)
+        else:
+            compute = compute_stream
+        if isinstance(compute, CudaStream) and compute.capturing():
+            raise CudaCaptureError(
+                f"compute_stream: {compute.handle:#x} is capturing a CUDA graph; submit "
+                "swaps before capture or replay, outside the captured region"
+            )
+        return compute
+
+    def _make_layout(self, gpu_index: int) -> core.Layout:
+        segments = [
+            (t.data_ptr(), host, block_bytes)
+            for t, host, block_bytes in zip(
+                self.caches, self.host_ptrs, self.block_bytes, strict=True
+            )
+        ]
+        return core.Layout(
+            segments,
+            self.spec.tensors_per_layer,
+            self.spec.num_device_blocks,
+            self.spec.num_host_blocks,
+            gpu_index,
+        )
 
     def _make_device_caches(self) -> list[paddle.Tensor]:
         s = self.spec
@@ -356,7 +455,10 @@ class CacheController:
         if self._host_bytes:
             try:
                 self._host_base = paddle_ops.host_alloc(
-                    self._host_bytes, self.numa_node, pin=self._host_pinned
+                    self._host_bytes,
+                    self.numa_node,
+                    pin=self._host_pinned,
+                    device=-1 if gpu_index is None else gpu_index,
                 )
             except (RuntimeError, ValueError) as e:  # refused, or a node we may not use
                 if self.numa_node < 0:
@@ -368,7 +470,10 @@ class CacheController:
                 )
                 self.numa_node = -1
                 self._host_base = paddle_ops.host_alloc(
-                    self._host_bytes, -1, pin=self._host_pinned
+                    self._host_bytes,
+                    -1,
+                    pin=self._host_pinned,
+                    device=-1 if gpu_index is None else gpu_index,
                 )
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self.host_ptrs = [self._host_base + int(o) for o in offsets]
@@ -405,48 +510,82 @@ class CacheController:
             raise ValueError(f"transfer_id: {meta.transfer_id} is already in flight")
         return device, host
 
-    def _submit_to_host(self, transfer_id: int, device: np.ndarray, host: np.ndarray) -> None:
-        device_t = paddle_ops.int64_tensor(device, "device_ids")
-        host_t = paddle_ops.int64_tensor(host, "host_ids")
+    def _submit_to_host(
+        self, transfer_id: int, device: np.ndarray, host: np.ndarray, compute: Stream
+    ) -> None:
+        layout = self._layout
+        if layout is not None:
 
-        def copy(stream: int) -> None:
-            paddle_ops.swap_all_layers(
-                self.caches,
-                device_t,
-                host_t,
-                self._host_ptrs_tensor,
-                self.spec.num_host_blocks,
-                Direction.D2H,
-                stream,
-                self.num_threads,
-            )
+            def copy(stream: int) -> None:
+                layout.swap(device, host, Direction.D2H, stream=stream)
 
-        self.transfers.submit_to_host(transfer_id, device.tolist(), host.tolist(), copy)
+        else:
+            device_t = paddle_ops.int64_tensor(device, "device_ids")
+            host_t = paddle_ops.int64_tensor(host, "host_ids")
+
+            def copy(stream: int) -> None:
+                paddle_ops.swap_all_layers(
+                    self.caches,
+                    device_t,
+                    host_t,
+                    self._host_ptrs_tensor,
+                    self.spec.num_host_blocks,
+                    Direction.D2H,
+                    stream,
+                    self.num_threads,
+                )
+
+        self.transfers.submit_to_host(
+            transfer_id, device.tolist(), host.tolist(), copy, compute
+        )
         self._account(self._d2h, device.size)
 
     def _submit_to_device(
-        self, transfer_id: int, device: np.ndarray, host: np.ndarray, writes: list[int]
+        self,
+        transfer_id: int,
+        device: np.ndarray,
+        host: np.ndarray,
+        writes: list[int],
+        compute: Stream,
     ) -> LayerDoneCounter:
-        device_t = paddle_ops.int64_tensor(device, "device_ids")
-        host_t = paddle_ops.int64_tensor(host, "host_ids")
-        per_layer = self.spec.tensors_per_layer
+        layout = self._layout
+        copy_layers = None
+        if layout is not None:
+            # GPU: the ids are validated and staged once, and every layer is
+            # launched from this one call, recording the pooled per-layer events.
+            def copy_layer(layer: int, stream: int) -> None:
+                layout.swap(device, host, Direction.H2D, layer, 1, stream)
 
-        def copy_layer(layer: int, stream: int) -> None:
-            paddle_ops.swap_layer(
-                self.caches,
-                device_t,
-                host_t,
-                self._host_ptrs_tensor,
-                layer,
-                per_layer,
-                self.spec.num_host_blocks,
-                Direction.H2D,
-                stream,
-                self.num_threads,
-            )
+            def copy_layers(stream: int, events: ctypes.Array) -> None:  # type: ignore[type-arg]
+                layout.swap(device, host, Direction.H2D, 0, None, stream, events)
+
+        else:
+            device_t = paddle_ops.int64_tensor(device, "device_ids")
+            host_t = paddle_ops.int64_tensor(host, "host_ids")
+            per_layer = self.spec.tensors_per_layer
+
+            def copy_layer(layer: int, stream: int) -> None:
+                paddle_ops.swap_layer(
+                    self.caches,
+                    device_t,
+                    host_t,
+                    self._host_ptrs_tensor,
+                    layer,
+                    per_layer,
+                    self.spec.num_host_blocks,
+                    Direction.H2D,
+                    stream,
+                    self.num_threads,
+                )
 
         counter = self.transfers.submit_to_device(
-            transfer_id, host.tolist(), device.tolist(), copy_layer, writes
+            transfer_id,
+            host.tolist(),
+            device.tolist(),
+            copy_layer,
+            writes,
+            compute,
+            copy_layers,
         )
         self._account(self._h2d, device.size)
         return counter
@@ -473,13 +612,30 @@ def _parse_device(device: str) -> int | None:
     if name != "gpu" or (index and not index.isdigit()):
         raise ValueError(f"device: expected 'cpu', 'gpu' or 'gpu:N', got {device!r}")
     if not paddle.is_compiled_with_cuda():
-        raise RuntimeError(f"device {device!r}: this Paddle build has no CUDA")
+        raise RuntimeError(
+            f"device {device!r}: this Paddle build has no CUDA (install paddlepaddle-gpu); "
+            f"{core.cuda_info().describe()}"
+        )
     return int(index or 0)
 
 
-def _paddle_stream_handle() -> int:
-    """cudaStream_t of Paddle's current stream (where the model's kernels run)."""
-    stream = paddle.device.cuda.current_stream()
+def _init_cuda(device: str, gpu_index: int) -> None:
+    """Checks the core can use the GPU and initialises its CUDA path now (staging
+    ring, kernel module), so problems surface here and not at the first swap."""
+    info = core.cuda_info()
+    if info.device_count == 0:
+        raise RuntimeError(f"device {device!r}: no usable CUDA device. {info.describe()}")
+    if gpu_index >= info.device_count:
+        raise ValueError(
+            f"device: {device!r} out of range: the core sees {info.device_count} device(s)"
+        )
+    core.cuda_init(gpu_index)
+
+
+def _paddle_stream_handle(gpu_index: int) -> int:
+    """cudaStream_t of Paddle's current stream on `gpu_index` (where the model's
+    kernels run), whatever device the calling thread has current."""
+    stream = paddle.device.cuda.current_stream(gpu_index)
     return int(stream.cuda_stream)
 
 

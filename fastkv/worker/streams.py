@@ -1,19 +1,24 @@
-"""Streams and events for the transfer manager: CuPy's on a GPU, and a CPU stand-in
-with the same ordering semantics so the ordering logic runs (and is tested) on
-machines without CUDA.
+"""Streams and events for the transfer manager: CUDA streams and events created by
+the fastkv core on an explicit device, and a CPU stand-in with the same ordering
+semantics so the ordering logic runs (and is tested) on machines without CUDA.
 
 A stream runs the work launched on it in order. `record()` returns an event that
 completes once everything launched before it has run; `wait_event(e)` makes work
 launched on the stream afterwards wait for `e` (on a GPU, on the device, without
 blocking the host). Host-side waits on events are always bounded.
+
+On a GPU nothing here touches the calling thread's current device: every stream and
+event belongs to one device, and the core makes that device current only for the
+call (so a thread with no CUDA context keeps none, and no context appears on
+device 0). Events are pooled per device and reused once completed and dropped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,6 +27,13 @@ log = logging.getLogger(__name__)
 Launch = Callable[[int], None]
 """A unit of work: called with the stream's native handle (cudaStream_t or 0)."""
 OnError = Callable[[BaseException], None]
+CopyLayer = Callable[[int, int], None]
+"""`copy_layer(layer, stream_handle)`: enqueue (or run) one layer's copy."""
+CopyLayers = Callable[[int, "ctypes.Array[ctypes.c_void_p]"], None]
+"""`copy_layers(stream_handle, events)`: enqueue every layer in one native call,
+recording events[layer] after each; raises `fastkv.ops.core.LayerCopyError` naming
+the first layer not enqueued intact."""
+OnLayerError = Callable[[BaseException, int], None]
 
 
 class Event(Protocol):
@@ -37,15 +49,42 @@ class Event(Protocol):
 
 class Stream(Protocol):
     handle: int
+    on_device: bool
+    """True for a CUDA stream: waits on it are device-side, the host goes on."""
 
     def launch(self, fn: Launch, on_error: OnError) -> None:
         """Enqueue `fn`. If it raises, `on_error` gets the exception (from whichever
         thread ran it) and the stream carries on with the next item."""
         ...
 
+    def launch_layers(
+        self,
+        num_layers: int,
+        copy_layer: CopyLayer,
+        on_error: OnLayerError,
+        copy_layers: CopyLayers | None = None,
+    ) -> list[Event]:
+        """Enqueue a layer-by-layer copy; returns one event per layer, each complete
+        once its layer is. A failure goes to `on_error(exc, layer)`; the events of
+        the failed layer and later ones still complete (nothing waits forever)."""
+        ...
+
     def record(self) -> Event: ...
 
     def wait_event(self, event: Event) -> None: ...
+
+
+def _launch_layers_one_by_one(
+    stream: Stream, num_layers: int, copy_layer: CopyLayer, on_error: OnLayerError
+) -> list[Event]:
+    events: list[Event] = []
+    for layer in range(num_layers):
+        stream.launch(
+            lambda handle, layer=layer: copy_layer(layer, handle),
+            lambda e, layer=layer: on_error(e, layer),
+        )
+        events.append(stream.record())
+    return events
 
 
 # -- CPU stand-in ---------------------------------------------------------------
@@ -89,6 +128,7 @@ class HostStream:
     """
 
     handle = 0
+    on_device = False
 
     def __init__(self, name: str, wait_limit: float = 600.0) -> None:
         self.name = name
@@ -100,6 +140,16 @@ class HostStream:
 
     def launch(self, fn: Launch, on_error: OnError) -> None:
         self._queue.put((fn, on_error))
+
+    def launch_layers(
+        self,
+        num_layers: int,
+        copy_layer: CopyLayer,
+        on_error: OnLayerError,
+        copy_layers: CopyLayers | None = None,
+    ) -> list[Event]:
+        """One queued item and one event per layer (`copy_layers` is for CUDA)."""
+        return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
 
     def record(self) -> HostEvent:
         event = HostEvent()
@@ -145,6 +195,7 @@ class InlineStream:
     thread, so work runs at once and a wait blocks the caller (bounded)."""
 
     handle = 0
+    on_device = False
 
     def __init__(self, wait_limit: float = 600.0) -> None:
         self._wait_limit = wait_limit
@@ -155,6 +206,15 @@ class InlineStream:
         except BaseException as e:
             on_error(e)
 
+    def launch_layers(
+        self,
+        num_layers: int,
+        copy_layer: CopyLayer,
+        on_error: OnLayerError,
+        copy_layers: CopyLayers | None = None,
+    ) -> list[Event]:
+        return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
+
     def record(self) -> HostEvent:
         return DONE
 
@@ -163,56 +223,123 @@ class InlineStream:
             raise TimeoutError(f"compute waited {self._wait_limit:.0f} s for a copy")
 
 
-# -- CUDA through CuPy ----------------------------------------------------------
+# -- CUDA through the fastkv core -----------------------------------------------
+
+
+class CudaEventPool:
+    """Completed cudaEvent_t handles of one device, reused instead of created and
+    destroyed per record (creation costs microseconds on the launch path).
+
+    Args:
+        device: CUDA ordinal the events belong to.
+        prefill: events to create now (at start-up, not mid-serving).
+    """
+
+    def __init__(self, device: int, prefill: int = 0) -> None:
+        from fastkv.ops import core
+
+        self._core = core
+        self.device = device
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+        self.created = 0
+        for _ in range(prefill):
+            self._free.append(core.event_create(device))
+            self.created += 1
+
+    def take(self) -> int:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.created += 1
+        return self._core.event_create(self.device)
+
+    def give(self, handle: int) -> None:
+        with self._lock:
+            self._free.append(handle)
+
+    def close(self) -> None:
+        """Destroys the pooled events (events still held elsewhere are unaffected)."""
+        with self._lock:
+            handles, self._free = self._free, []
+        for h in handles:
+            self._core.event_destroy(self.device, h)
 
 
 class CudaEvent:
-    """A CuPy event; host waits poll it so they can time out."""
+    """A cudaEvent_t recorded once; returned to its pool when dropped.
 
-    __slots__ = ("raw",)
+    Completion is latched: once a query has seen it complete, later queries answer
+    without calling CUDA. A CUDA error seen by a query (e.g. a sticky one from a
+    fault) raises RuntimeError from `query`/`synchronize`; callers report it as a
+    failed transfer.
+    """
 
-    def __init__(self, raw: object) -> None:
-        self.raw = raw
+    __slots__ = ("_done", "device", "handle", "pool")
+
+    def __init__(self, pool: CudaEventPool, handle: int) -> None:
+        self.pool = pool
+        self.device = pool.device
+        self.handle = handle
+        self._done = False
 
     def query(self) -> bool:
-        return bool(self.raw.done)  # type: ignore[attr-defined]
+        if not self._done:
+            self._done = self.pool._core.event_query(self.device, self.handle)
+        return self._done
 
     def synchronize(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        pause = 2e-5
-        while not self.raw.done:  # type: ignore[attr-defined]
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return True
+        """Bounded, precise host wait (the core polls with the GIL released)."""
+        if not self._done:
+            self._done = self.pool._core.event_wait(self.device, self.handle, timeout)
+        return self._done
+
+    def __del__(self) -> None:
+        # A completed event goes back to the pool; a pending one is destroyed
+        # (CUDA frees it once it completes). Never raises from a finalizer.
+        try:
+            if self.query():
+                self.pool.give(self.handle)
+            else:
+                self.pool._core.event_destroy(self.device, self.handle)
+        except Exception:  # interpreter shutdown, or a dead context: nothing to do
+            pass
 
 
 class CudaStream:
-    """A CuPy stream: work is launched asynchronously from the calling thread.
+    """A CUDA stream of one device; work is launched asynchronously from the
+    calling thread.
 
     Args:
-        stream: a `cupy.cuda.Stream` or `cupy.cuda.ExternalStream`.
+        device: the stream's CUDA ordinal.
+        handle: its cudaStream_t as an int.
+        pool: where its events come from (one pool per device is plenty).
+        owned: destroy the stream on `close()` (False for an engine's stream).
     """
 
-    def __init__(self, stream: object) -> None:
-        import cupy
+    on_device = True
 
-        self._cupy = cupy
-        self.stream = stream
-        self.handle = int(stream.ptr)  # type: ignore[attr-defined]
+    def __init__(self, device: int, handle: int, pool: CudaEventPool, owned: bool) -> None:
+        from fastkv.ops import core
 
-    @classmethod
-    def new(cls) -> CudaStream:
-        import cupy
-
-        return cls(cupy.cuda.Stream(non_blocking=True))
+        self._core = core
+        self.device = device
+        self.handle = handle
+        self.pool = pool
+        self.owned = owned
 
     @classmethod
-    def external(cls, handle: int) -> CudaStream:
-        import cupy
+    def new(cls, device: int, pool: CudaEventPool, priority: int = 0) -> CudaStream:
+        """A new non-blocking stream; priority > 0: the device's highest, < 0: its
+        lowest, 0: default."""
+        from fastkv.ops import core
 
-        return cls(cupy.cuda.ExternalStream(handle))
+        return cls(device, core.stream_create(device, priority), pool, owned=True)
+
+    @classmethod
+    def external(cls, device: int, handle: int, pool: CudaEventPool) -> CudaStream:
+        """An engine's stream (e.g. Paddle's compute stream), used but not owned."""
+        return cls(device, handle, pool, owned=False)
 
     def launch(self, fn: Launch, on_error: OnError) -> None:
         try:
@@ -220,13 +347,48 @@ class CudaStream:
         except BaseException as e:
             on_error(e)
 
+    def launch_layers(
+        self,
+        num_layers: int,
+        copy_layer: CopyLayer,
+        on_error: OnLayerError,
+        copy_layers: CopyLayers | None = None,
+    ) -> list[Event]:
+        """With `copy_layers`: one native call enqueues every layer and records one
+        pooled event per layer; otherwise a launch and a record per layer."""
+        if copy_layers is None:
+            return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
+        events = [CudaEvent(self.pool, self.pool.take()) for _ in range(num_layers)]
+        handles = (ctypes.c_void_p * num_layers)(*[e.handle for e in events])
+        try:
+            copy_layers(self.handle, handles)
+        except BaseException as e:
+            # The core records the events of the failed layer and the later ones;
+            # an event never recorded reads as complete. Either way nobody hangs.
+            on_error(e, int(getattr(e, "failed_layer", 0)))
+        return events
+
     def record(self) -> CudaEvent:
-        event = self._cupy.cuda.Event(disable_timing=True)
-        event.record(self.stream)
-        return CudaEvent(event)
+        event = CudaEvent(self.pool, self.pool.take())
+        self._core.event_record(self.device, event.handle, self.handle)
+        return event
 
     def wait_event(self, event: Event) -> None:
         if isinstance(event, CudaEvent):
-            self.stream.wait_event(event.raw)  # type: ignore[attr-defined]
+            if not event._done:
+                self._core.stream_wait_event(self.device, self.handle, event.handle)
         elif not event.query():  # a host event on a GPU stream: only DONE is expected
             raise TypeError("a CUDA stream can only wait on CUDA events")
+
+    def capturing(self) -> bool:
+        """Is the stream capturing a CUDA graph?"""
+        return self._core.stream_capturing(self.device, self.handle)
+
+    def priority(self) -> int:
+        return self._core.stream_priority(self.device, self.handle)
+
+    def close(self) -> None:
+        """Destroys an owned stream (after its work is done)."""
+        if self.owned and self.handle:
+            self._core.stream_destroy(self.device, self.handle)
+            self.handle = 0

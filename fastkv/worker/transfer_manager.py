@@ -7,6 +7,11 @@ copy (or the model's writes) after every in-flight copy that touches the same
 block: nothing is overwritten while a copy still reads it, and nothing is read
 before the copy that fills it is done. On a GPU those orderings are stream waits on
 events, never a host synchronize.
+
+The compute stream (where the model runs) may change from step to step: every
+submission takes the step's compute stream, falling back to the one given at
+construction. A CUDA error seen while checking a transfer (a sticky fault) fails
+that transfer's result; it never escapes `poll()` and loses the others.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from fastkv.metadata import TransferResult
-from fastkv.worker.streams import DONE, Event, Stream
+from fastkv.worker.streams import DONE, CopyLayers, Event, Stream
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -145,22 +150,45 @@ class LayerDoneCounter:
         return self._status is not None and self._status.error is not None
 
     def is_layer_done(self, layer: int) -> bool:
-        """Would `wait_for_layer(layer)` return without waiting?"""
+        """Would a host wait for layer `layer` return without waiting? (A CUDA error
+        while checking fails the transfer and counts as done.)"""
         self._check_layer(layer)
-        return all(event.query() for event in self._waits(layer))
+        for event in self._waits(layer):
+            try:
+                if not event.query():
+                    return False
+            except Exception as e:
+                self._fail(e, layer)
+        return True
 
-    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Block the calling thread until layer `layer` is loaded (and the step's
-        write guards are done).
+    def wait_for_layer(
+        self, layer: int, timeout: float = DEFAULT_TIMEOUT, *, on_device: bool | None = None
+    ) -> None:
+        """Wait until layer `layer` is loaded (and the step's write guards are done).
+
+        On a GPU the wait is on the device by default: the compute stream waits for
+        the layer's event and the host goes on at once (as `stream_wait_for_layer`).
+        On the CPU stand-in, or with `on_device=False`, the calling thread blocks:
+        precisely (it wakes within tens of microseconds) and at most `timeout`.
 
         Raises:
-            TransferTimeoutError: not done within `timeout` seconds.
-            TransferFailedError: the swap-in failed; its blocks hold garbage.
+            TransferTimeoutError: a host wait not done within `timeout` seconds.
+            TransferFailedError: the swap-in failed at or before this layer (known
+                once the launch failed, or after a host wait); its blocks hold garbage.
             IndexError: no such layer.
         """
         self._check_layer(layer)
+        if self._compute.on_device if on_device is None else on_device:
+            self.stream_wait_for_layer(layer)
+            self._raise_if_failed(layer)
+            return
         for event in self._waits(layer):
-            if not event.synchronize(timeout):
+            try:
+                done = event.synchronize(timeout)
+            except Exception as e:  # a CUDA error: the copy's bytes cannot be trusted
+                self._fail(e, layer)
+                break
+            if not done:
                 raise TransferTimeoutError(
                     f"transfer {self.transfer_id}: layer {layer} not loaded after {timeout} s"
                 )
@@ -177,13 +205,20 @@ class LayerDoneCounter:
             self._compute.wait_event(event)
 
     def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Block until every layer is loaded.
+        """Block the calling thread until every layer is loaded (a host wait on every
+        device, so a failure is known when it returns).
 
         Raises:
             TransferTimeoutError, TransferFailedError: as for `wait_for_layer`.
         """
         if self.num_layers:
-            self.wait_for_layer(self.num_layers - 1, timeout)
+            self.wait_for_layer(self.num_layers - 1, timeout, on_device=False)
+
+    def _fail(self, exc: BaseException, layer: int) -> None:
+        if self._status is None:  # a write guard's copy failed: not this step's load
+            self._status = _Status()
+        # A CUDA error is not tied to a layer (the context is broken): fail them all.
+        self._status.fail(exc, 0)
 
     def _waits(self, layer: int) -> list[Event]:
         return [*self._guards, *self._events[layer : layer + 1]]
@@ -230,7 +265,8 @@ class TransferManager:
     Args:
         input_stream: host-to-device loads.
         output_stream: device-to-host copies.
-        compute: the stream the model runs on; copies wait for its work so far.
+        compute: the stream the model runs on by default; copies wait for its work
+            so far. A submission may name the step's own compute stream instead.
         num_layers: layers per swap-in (model layers plus extra layers).
     """
 
@@ -259,15 +295,17 @@ class TransferManager:
         device_ids: Sequence[int],
         host_ids: Sequence[int],
         copy: Callable[[int], None],
+        compute: Stream | None = None,
     ) -> Event:
         """Launch a device-to-host copy of all layers; returns its completion event.
 
-        It waits (on the device) for the model's work so far, which may have
-        written these blocks, and for in-flight copies touching the same blocks.
+        It waits (on the device) for the model's work so far on `compute` (this
+        step's compute stream; default: the manager's), which may have written
+        these blocks, and for in-flight copies touching the same blocks.
         """
         self._check_new(transfer_id)
         stream = self.output_stream
-        stream.wait_event(self.compute.record())
+        stream.wait_event((compute or self.compute).record())
         transfer = _InFlight(_Status(), DONE, True, device_ids, host_ids)
         self._order(stream, transfer)
         stream.launch(copy, transfer.status.fail)
@@ -282,8 +320,10 @@ class TransferManager:
         device_ids: Sequence[int],
         copy_layer: Callable[[int, int], None],
         write_block_ids: Iterable[int] = (),
+        compute: Stream | None = None,
+        copy_layers: CopyLayers | None = None,
     ) -> LayerDoneCounter:
-        """Launch a host-to-device load, one copy and one event per layer.
+        """Launch a host-to-device load with one event per layer.
 
         After the first failed layer the remaining layers are skipped (their events
         still complete, so nothing waits forever).
@@ -292,38 +332,45 @@ class TransferManager:
             copy_layer: `copy_layer(layer, stream_handle)` copies one layer.
             write_block_ids: device blocks the model writes this step; the counter
                 also waits for in-flight copies still reading them.
+            compute: this step's compute stream (default: the manager's).
+            copy_layers: `copy_layers(stream_handle, events)` enqueues every layer
+                in one native call, recording events[layer] after each; a CUDA input
+                stream uses it instead of one `copy_layer` call per layer.
         """
         self._check_new(transfer_id)
+        compute = compute or self.compute
         stream = self.input_stream
-        stream.wait_event(self.compute.record())
+        stream.wait_event(compute.record())
         transfer = _InFlight(_Status(), DONE, False, device_ids, host_ids)
         self._order(stream, transfer)
         guards = self.device_hazards.conflicts((), write_block_ids)  # before our own
         status = transfer.status
-        events: list[Event] = []
-        for layer in range(self.num_layers):
 
-            def run(handle: int, layer: int = layer) -> None:
-                if status.error is None:
-                    copy_layer(layer, handle)
+        def run(layer: int, handle: int) -> None:
+            if status.error is None:
+                copy_layer(layer, handle)
 
-            stream.launch(run, lambda e, layer=layer: status.fail(e, layer))
-            events.append(stream.record())
+        events = stream.launch_layers(self.num_layers, run, status.fail, copy_layers)
         transfer.done = events[-1]
         self._track(transfer_id, transfer)
-        return LayerDoneCounter(
-            transfer_id, events, status, self.compute, guards, self.num_layers
-        )
+        return LayerDoneCounter(transfer_id, events, status, compute, guards, self.num_layers)
 
-    def guard_writes(self, write_block_ids: Iterable[int]) -> LayerDoneCounter:
+    def guard_writes(
+        self, write_block_ids: Iterable[int], compute: Stream | None = None
+    ) -> LayerDoneCounter:
         """A counter for a step without swap-in: waits only for in-flight copies
         still reading blocks the model is about to write."""
         guards = self.device_hazards.conflicts((), write_block_ids)
-        return LayerDoneCounter(-1, (), None, self.compute, guards, self.num_layers)
+        return LayerDoneCounter(-1, (), None, compute or self.compute, guards, self.num_layers)
 
     def poll(self) -> list[TransferResult]:
-        """Results of the transfers that finished since the last call (non-blocking)."""
-        return [self._retire(tid) for tid, t in list(self._inflight.items()) if t.done.query()]
+        """Results of the transfers that finished since the last call (non-blocking).
+
+        A transfer whose completion check raises (a CUDA error, e.g. a sticky fault)
+        is reported failed with that error; the others are reported as usual.
+        """
+        finished = [tid for tid, t in list(self._inflight.items()) if self._finished(t)]
+        return [self._retire(tid) for tid in finished]
 
     def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult]:
         """Wait until every in-flight transfer has finished; return their results.
@@ -334,12 +381,24 @@ class TransferManager:
         """
         deadline = time.monotonic() + timeout
         for tid, t in self._inflight.items():
-            if not t.done.synchronize(max(0.0, deadline - time.monotonic())):
+            if not self._finished(t, max(0.0, deadline - time.monotonic())):
                 raise TransferTimeoutError(
                     f"transfer {tid} not finished after {timeout} s "
                     f"({len(self._inflight)} in flight; poll for their results later)"
                 )
         return [self._retire(tid) for tid in list(self._inflight)]
+
+    @staticmethod
+    def _finished(transfer: _InFlight, timeout: float | None = None) -> bool:
+        """Has the transfer completed (None: query; else wait up to `timeout`)? A
+        CUDA error while checking fails it and counts as finished."""
+        try:
+            if timeout is None:
+                return transfer.done.query()
+            return transfer.done.synchronize(timeout)
+        except Exception as e:
+            transfer.status.fail(e)
+            return True
 
     def _order(self, stream: Stream, transfer: _InFlight) -> None:
         device_reads, device_writes, host_reads, host_writes = transfer.accesses()

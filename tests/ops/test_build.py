@@ -15,7 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "custom_ops" / "csrc"
-CORE_SOURCES = ["fkv_common.cc", "fkv_pool.cc", "fkv_cpu.cc", "fkv_host_alloc.cc"]
+CORE_SOURCES = [
+    "fkv_common.cc",
+    "fkv_pool.cc",
+    "fkv_cpu.cc",
+    "fkv_host_alloc.cc",
+    "fkv_layout.cc",
+]
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
@@ -58,7 +64,7 @@ def test_core_without_cuda_says_so_and_still_copies(stub_core: ctypes.CDLL) -> N
     assert not host.any()
     assert lib.fkv_swap_cpu(*args, 1) == 0
     assert np.array_equal(host[[2, 5]], dev[[2, 5]])
-    assert lib.fkv_host_alloc(1 << 20, -1, 1) is None
+    assert lib.fkv_host_alloc(1 << 20, -1, 1, -1) is None
     assert b"built without CUDA" in lib.fkv_last_error()
 
 

@@ -1,6 +1,8 @@
-"""The CUDA core through its C ABI, driven with CuPy device arrays and pinned host
-memory. Skipped (with the reason) where there is no CUDA device or no CuPy; the
-first tests run everywhere and check the no-GPU behaviour of the same entry points."""
+"""The CUDA core's one-call entry point (fkv_swap_cuda) through its C ABI, driven
+with CuPy device arrays and pinned host memory. Skipped (with the reason) where
+there is no CUDA device or no CuPy; the first tests run everywhere and check the
+no-GPU behaviour of the same entry points. Layouts, ordering and the rest of the
+GPU matrix: test_cuda_gpu.py and tests/worker/test_gpu_ordering.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import pytest
 
 from fastkv.ops import core
 
+from .gpu_support import GPU_REASON, needs_gpu
+from .gpu_support import gpu as gpu_marker
 from .layout import (
     KINDS,
     HostBuffer,
@@ -58,23 +62,12 @@ def test_cuda_tuning_knobs_round_trip() -> None:
 # ------------------------------------------------------------------- GPU only
 
 
-def _gpu_skip_reason() -> str | None:
-    if not core.built_with_cuda():
-        return "fastkv core built without CUDA (no nvcc at build time)"
-    if core.cuda_device_count() == 0:
-        return "no CUDA device (or no driver) on this machine"
-    try:
-        import cupy  # noqa: F401
-        import cupyx  # noqa: F401
-    except ImportError:
-        return "CuPy is not installed (pip install cupy-cuda12x / cupy-cuda13x)"
-    return None
+def gpu(test):
+    """A GPU test: marked `gpu`, skipped with the reason where it cannot run."""
+    return gpu_marker(needs_gpu(test))
 
 
-_REASON = _gpu_skip_reason()
-gpu = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
-
-if _REASON is None:
+if GPU_REASON is None:
     import cupy as cp
     import cupyx
 

@@ -286,3 +286,38 @@ def test_paddle_ops_and_ctypes_share_one_core() -> None:
     ops.host_free(ptr, 1 << 20, pinned=False)
     ptr = ops.host_alloc(1 << 20, pin=False)
     core.host_free(ptr, 1 << 20, pinned=False)
+
+
+def _paddle_gpu_reason() -> str | None:
+    from .gpu_support import paddle_gpu_skip_reason
+
+    return paddle_gpu_skip_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_paddle_gpu_reason() is not None, reason=_paddle_gpu_reason() or "")
+@pytest.mark.parametrize("kind", ["bf16", "uint8"])
+def test_ops_on_gpu_tensors_round_trip(kind: str) -> None:
+    """The Paddle ops on GPU tensors and a tier pinned on the tensors' GPU."""
+    rng = np.random.default_rng(11)
+    nbytes = host_bytes_needed(kind, 2, 40, heads=2, tokens=4, head_dim=8)
+    ptr = ops.host_alloc(nbytes, pin=True, device=0)
+    try:
+        cache = make_cache(rng, kind, 2, 32, 40, HostBuffer.at(ptr, nbytes))
+        tensors = [_to_paddle(d, kind).cuda() for d in cache.device]
+        host_ptrs = ops.int64_tensor(cache.host_ptrs, "host_ptrs")
+        src, hid, dst = random_ids(rng, 7, 32), random_ids(rng, 7, 40), random_ids(rng, 7, 32)
+        stream = paddle.device.cuda.current_stream(0).cuda_stream
+        ops.swap_all_layers(tensors, src, hid, host_ptrs, 40, D2H, stream)
+        paddle.device.cuda.synchronize(0)
+        for s, h in enumerate(cache.host):
+            assert_bytes_equal(h[hid], cache.device[s][src], f"host segment {s}")
+        tpl = cache.tensors_per_layer
+        for layer in range(2):
+            ops.swap_layer(tensors, dst, hid, host_ptrs, layer, tpl, 40, H2D, stream)
+        paddle.device.cuda.synchronize(0)
+        for s, t in enumerate(tensors):
+            assert_bytes_equal(_bits(t.cpu())[dst], cache.device[s][src], f"device segment {s}")
+    finally:
+        paddle.device.cuda.synchronize(0)
+        ops.host_free(ptr, nbytes, pinned=True)

@@ -8,14 +8,17 @@ import random
 import time
 
 import numpy as np
-import paddle
 import pytest
 
-from fastkv import CacheLevel, CacheSwapMetadata
-from fastkv.ops import paddle_ops
-from fastkv.worker import CacheController, KVCacheSpec
-from fastkv.worker.streams import HostStream, InlineStream
-from fastkv.worker.transfer_manager import TransferFailedError
+paddle = pytest.importorskip("paddle", reason="the CacheController needs paddle")
+
+from ops.gpu_support import paddle_gpu_skip_reason  # noqa: E402
+
+from fastkv import CacheLevel, CacheSwapMetadata  # noqa: E402
+from fastkv.ops import core, paddle_ops  # noqa: E402
+from fastkv.worker import CacheController, KVCacheSpec  # noqa: E402
+from fastkv.worker.streams import HostStream, InlineStream  # noqa: E402
+from fastkv.worker.transfer_manager import TransferFailedError  # noqa: E402
 
 DTYPES = ["bfloat16", "float16", "float32", "fp8"]
 
@@ -235,16 +238,50 @@ def test_random_swaps_match_a_sequential_reference(seed: int) -> None:
             np.testing.assert_array_equal(host[i], ref_host[i], err_msg=f"host {i}")
 
 
-def _gpu_available() -> bool:
-    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+def test_a_gpu_controller_without_a_usable_gpu_says_why() -> None:
+    if paddle.is_compiled_with_cuda() and core.cuda_device_count() > 0:
+        pytest.skip("this machine can run a GPU controller")
+    with pytest.raises(RuntimeError) as info:
+        make(device="gpu:0")
+    message = str(info.value)
+    assert "device 'gpu:0'" in message
+    assert "fastkv core:" in message and core.cuda_info().status in message
+
+
+def test_a_cuda_stream_handle_is_refused_for_a_cpu_cache() -> None:
+    with (
+        make() as ctrl,
+        pytest.raises(ValueError, match="compute_stream: 1234 is a CUDA stream"),
+    ):
+        ctrl.submit_swap_tasks(None, None, compute_stream=1234)
+
+
+def test_the_compute_stream_can_be_handed_per_step() -> None:
+    """Each step's copies and write guards follow the stream that step names."""
+
+    class Recording(InlineStream):
+        records = 0
+
+        def record(self):
+            Recording.records += 1
+            return super().record()
+
+    with make() as ctrl:
+        fill_random(ctrl, np.random.default_rng(0))
+        counter = ctrl.submit_swap_tasks(
+            d2h(0, [1], [2]), h2d(1, [3], [4]), compute_stream=Recording()
+        )
+        assert Recording.records == 2  # one per transfer of this step
+        counter.wait_all(timeout=5)
+        assert all(r.success for r in ctrl.wait_all(5))
+
+
+_GPU_REASON = paddle_gpu_skip_reason()
+paddle_gpu = pytest.mark.skipif(_GPU_REASON is not None, reason=_GPU_REASON or "")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not _gpu_available(),
-    reason="needs paddlepaddle-gpu and a CUDA device; without them the CUDA copy core "
-    "is exercised through its C ABI in tests/ops/test_cuda_core.py",
-)
+@paddle_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_trip_on_gpu(dtype: str) -> None:
     with make(dtype, device="gpu:0") as ctrl:
@@ -256,6 +293,70 @@ def test_round_trip_on_gpu(dtype: str) -> None:
         ctrl.submit_swap_tasks(d2h(0, [3, 1, 7], [10, 2, 31]), None)
         ctrl.wait_all(10)
         counter = ctrl.submit_swap_tasks(None, h2d(1, [10, 2, 31], [5, 6, 9]))
-        counter.wait_all(timeout=10)
+        for layer in range(ctrl.spec.total_layers):
+            counter.wait_for_layer(layer)  # device-side: Paddle's stream waits
         for tensor, original in zip(ctrl.caches, originals, strict=True):
             np.testing.assert_array_equal(tensor.numpy()[[5, 6, 9]], original[[3, 1, 7]])
+        counter.wait_all(timeout=10)
+
+
+@pytest.mark.gpu
+@paddle_gpu
+def test_gpu_controller_initialises_at_construction_on_its_own_device() -> None:
+    with make(device="gpu:0") as ctrl:
+        slots, _, _ = core.cuda_staging_stats(0)
+        assert slots >= 64  # the ring exists before the first swap
+        assert ctrl._input.device == ctrl._output.device == 0
+        assert ctrl._input.priority() < ctrl._output.priority()  # loads first
+        handle = paddle.device.cuda.current_stream(0).cuda_stream
+        counter = ctrl.submit_swap_tasks(d2h(0, [1], [2]), None, compute_stream=int(handle))
+        counter.wait_all(timeout=10)
+        assert [r.success for r in ctrl.wait_all(10)] == [True]
+
+
+class NativeHostStream(HostStream):
+    """Launches all layers of a swap-in in one call, as a CUDA stream does."""
+
+    def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None):
+        if copy_layers is None:
+            return super().launch_layers(num_layers, copy_layer, on_error)
+        import ctypes
+
+        handles = (ctypes.c_void_p * num_layers)()  # a CPU layout ignores events
+        self.launch(
+            lambda handle: copy_layers(handle, handles),
+            lambda e: on_error(e, getattr(e, "failed_layer", 0)),
+        )
+        return [self.record() for _ in range(num_layers)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_the_gpu_controllers_layout_path_round_trips_on_a_cpu_layout(dtype: str) -> None:
+    """The controller's GPU data path (a core layout: ids validated and staged once,
+    every layer of a swap-in from one call) run over a CPU layout, so its Python
+    side is checked where no GPU is."""
+    streams = (NativeHostStream("h2d"), HostStream("d2h"), InlineStream())
+    with make(dtype, streams=streams) as ctrl:
+        segments = [
+            (t.data_ptr(), h, b)
+            for t, h, b in zip(ctrl.caches, ctrl.host_ptrs, ctrl.block_bytes, strict=True)
+        ]
+        spec = ctrl.spec
+        ctrl._layout = core.Layout(
+            segments, spec.tensors_per_layer, spec.num_device_blocks, spec.num_host_blocks
+        )
+        try:
+            rng = np.random.default_rng(3)
+            fill_random(ctrl, rng)
+            original = [ctrl.device_blocks(i).copy() for i in range(len(ctrl.caches))]
+            ctrl.submit_swap_tasks(d2h(0, [3, 1, 7], [10, 2, 31]), None)
+            assert [r.success for r in ctrl.wait_all(5)] == [True]
+            counter = ctrl.submit_swap_tasks(None, h2d(1, [10, 2, 31], [5, 6, 9]))
+            counter.wait_all(timeout=5)
+            for i in range(len(ctrl.caches)):
+                np.testing.assert_array_equal(
+                    ctrl.device_blocks(i)[[5, 6, 9]], original[i][[3, 1, 7]]
+                )
+            assert [r.success for r in ctrl.wait_all(5)] == [True]
+        finally:
+            ctrl._layout.close()

@@ -88,3 +88,113 @@ def test_inline_stream_runs_at_once_and_bounds_its_waits() -> None:
     stream.wait_event(DONE)
     with pytest.raises(TimeoutError):
         stream.wait_event(HostEvent())
+
+
+class FakeCudaCore:
+    """The few core calls CudaStream/CudaEvent make, on plain counters: checks the
+    Python side's bookkeeping (pooling, latching, failed layers) without a GPU. The
+    real calls run in tests/worker/test_gpu_ordering.py on a GPU."""
+
+    def __init__(self) -> None:
+        self.next = 100
+        self.pending: set[int] = set()
+        self.destroyed: list[int] = []
+        self.recorded: list[tuple[int, int]] = []
+        self.waits: list[tuple[int, int]] = []
+        self.queries = 0
+
+    def event_create(self, device: int) -> int:
+        self.next += 1
+        return self.next
+
+    def event_destroy(self, device: int, event: int) -> None:
+        self.destroyed.append(event)
+
+    def event_record(self, device: int, event: int, stream: int) -> None:
+        self.recorded.append((event, stream))
+        self.pending.add(event)
+
+    def event_query(self, device: int, event: int) -> bool:
+        self.queries += 1
+        return event not in self.pending
+
+    def event_wait(self, device: int, event: int, timeout: float) -> bool:
+        return self.event_query(device, event)
+
+    def stream_wait_event(self, device: int, stream: int, event: int) -> None:
+        self.waits.append((stream, event))
+
+
+@pytest.fixture
+def fake_cuda():
+    from fastkv.worker import streams as mod
+
+    fake = FakeCudaCore()
+    pool = mod.CudaEventPool.__new__(mod.CudaEventPool)
+    pool._core, pool.device, pool._free, pool._lock, pool.created = (
+        fake,
+        3,
+        [],
+        threading.Lock(),
+        0,
+    )
+    stream = mod.CudaStream.__new__(mod.CudaStream)
+    stream._core, stream.device, stream.handle, stream.pool, stream.owned = (
+        fake,
+        3,
+        77,
+        pool,
+        False,
+    )
+    return fake, pool, stream
+
+
+def test_cuda_events_are_latched_and_pooled(fake_cuda) -> None:
+    fake, pool, stream = fake_cuda
+    event = stream.record()
+    assert fake.recorded == [(event.handle, 77)] and not event.query()
+    fake.pending.clear()  # the GPU reached it
+    assert event.query() and event.query()
+    assert fake.queries == 2  # latched: the second answer needs no CUDA call
+    handle = event.handle
+    del event
+    assert pool.take() == handle  # a completed, dropped event is reused
+    pending = stream.record()
+    pending_handle = pending.handle
+    del pending
+    assert pending_handle in fake.destroyed  # a pending one is destroyed, never reused
+
+
+def test_cuda_stream_launches_layers_in_one_call_and_names_the_failed_layer(fake_cuda) -> None:
+    from fastkv.ops.core import LayerCopyError
+
+    _fake, _pool, stream = fake_cuda
+    calls: list[tuple[int, list[int]]] = []
+    failures: list[tuple[str, int]] = []
+
+    def copy_layers(handle, events) -> None:
+        calls.append((handle, list(events)))
+        raise LayerCopyError("layer 2 failed", 2)
+
+    events = stream.launch_layers(
+        4,
+        lambda layer, h: pytest.fail("per-layer path used"),
+        lambda e, layer: failures.append((str(e), layer)),
+        copy_layers,
+    )
+    assert len(calls) == 1 and calls[0][0] == 77
+    assert calls[0][1] == [e.handle for e in events] and len(events) == 4
+    assert failures == [("layer 2 failed", 2)]
+
+
+def test_a_cuda_stream_skips_waits_on_completed_events(fake_cuda) -> None:
+    fake, _pool, stream = fake_cuda
+    event = stream.record()
+    stream.wait_event(event)
+    fake.pending.clear()
+    event.query()
+    stream.wait_event(event)
+    assert fake.waits == [(77, event.handle)]
+    stream.wait_event(DONE)  # a completed host event needs no wait
+    with pytest.raises(TypeError):
+        stream.wait_event(HostEvent())

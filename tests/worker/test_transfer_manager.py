@@ -199,3 +199,162 @@ def test_layer_index_is_checked(tm: TransferManager) -> None:
         counter.wait_for_layer(LAYERS)
     with pytest.raises(IndexError):
         counter.is_layer_done(-1)
+
+
+class RecordingCompute(InlineStream):
+    """A compute stream that counts its records and the waits asked of it."""
+
+    def __init__(self, on_device: bool = False) -> None:
+        super().__init__()
+        self.on_device = on_device
+        self.records = 0
+        self.waits: list[object] = []
+
+    def record(self):
+        self.records += 1
+        return super().record()
+
+    def wait_event(self, event) -> None:
+        self.waits.append(event)
+        if not self.on_device:
+            super().wait_event(event)
+
+
+def test_each_submission_orders_after_its_own_steps_compute_stream(tm: TransferManager) -> None:
+    """The engine hands its compute stream per step; copies wait for that stream's
+    work, not for the stream the manager was built with."""
+    step_a, step_b = RecordingCompute(), RecordingCompute()
+    default = tm.compute
+    tm.submit_to_host(1, [0], [0], lambda s: None, compute=step_a)
+    counter = tm.submit_to_device(2, [1], [1], lambda layer, s: None, (), compute=step_b)
+    guard = tm.guard_writes([3], compute=step_a)
+    assert (step_a.records, step_b.records) == (1, 1)
+    counter.stream_wait_for_layer(0)
+    assert len(step_b.waits) == 1 and not step_a.waits
+    guard.stream_wait_for_layer(0)
+    assert tm.compute is default
+    tm.wait_all(timeout=5)
+
+
+class BrokenEvent:
+    """An event whose checks raise, as a CUDA event does after a sticky fault."""
+
+    def query(self) -> bool:
+        raise RuntimeError("fkv_cuda_event_query: cudaErrorIllegalAddress")
+
+    def synchronize(self, timeout: float) -> bool:
+        return self.query()
+
+
+class BreakingStream(HostStream):
+    """A stand-in whose next recorded event is broken."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.break_next = False
+
+    def record(self):
+        event = super().record()
+        if self.break_next:
+            self.break_next = False
+            event.synchronize(5)
+            return BrokenEvent()
+        return event
+
+
+def test_a_sticky_cuda_error_fails_its_transfer_and_loses_no_other_result() -> None:
+    out = BreakingStream("d2h")
+    tm = TransferManager(HostStream("h2d"), out, InlineStream(), LAYERS)
+    try:
+        tm.submit_to_host(1, [0], [0], lambda s: None)
+        out.break_next = True
+        tm.submit_to_host(2, [1], [1], lambda s: None)
+        tm.submit_to_host(3, [2], [2], lambda s: None)
+        out.record().synchronize(5)
+        results = {r.transfer_id: r for r in tm.poll()}  # must not raise
+        assert sorted(results) == [1, 2, 3]
+        assert results[1].success and results[3].success
+        assert not results[2].success and "cudaErrorIllegalAddress" in results[2].error
+        assert tm.num_inflight == 0 and len(tm.device_hazards) == 0
+        out.break_next = True
+        tm.submit_to_host(4, [3], [3], lambda s: None)
+        (result,) = tm.wait_all(timeout=5)  # the waiting path reports it too
+        assert (result.transfer_id, result.success) == (4, False)
+    finally:
+        tm.input_stream.close()
+        out.close()
+
+
+def test_a_layer_wait_that_hits_a_cuda_error_raises_transfer_failed(
+    tm: TransferManager,
+) -> None:
+    counter = tm.submit_to_device(5, [0], [0], lambda layer, s: None)
+    counter.wait_all(timeout=5)
+    counter._events[1] = BrokenEvent()  # the event a fault broke
+    with pytest.raises(TransferFailedError, match="cudaErrorIllegalAddress"):
+        counter.wait_for_layer(1, timeout=5)
+    assert counter.failed
+    assert counter.is_layer_done(1)  # settled (failed), not pending forever
+
+
+def test_on_a_device_stream_the_layer_wait_is_device_side_by_default(
+    tm: TransferManager,
+) -> None:
+    """On a GPU, wait_for_layer makes the compute stream wait and returns at once
+    (no host polling); on_device=False is the bounded host wait."""
+    gates = Gates(LAYERS)
+    compute = RecordingCompute(on_device=True)
+    counter = tm.submit_to_device(6, [0], [0], gates.copy_layer, (), compute=compute)
+    counter.wait_for_layer(2, timeout=0.01)  # the copy is held back: a host wait would time out
+    assert len(compute.waits) == 1
+    with pytest.raises(TransferTimeoutError):
+        counter.wait_for_layer(2, timeout=0.05, on_device=False)
+    gates.open()
+    counter.wait_for_layer(3, timeout=5, on_device=False)
+    counter.wait_all(timeout=5)
+    tm.wait_all(timeout=5)
+
+
+def test_a_device_side_wait_still_raises_a_known_failure(tm: TransferManager) -> None:
+    compute = RecordingCompute(on_device=True)
+
+    def copy_layer(layer: int, stream: int) -> None:
+        raise RuntimeError("launch failed")
+
+    counter = tm.submit_to_device(7, [0], [0], copy_layer, (), compute=compute)
+    tm.wait_all(timeout=5)
+    with pytest.raises(TransferFailedError, match="launch failed"):
+        counter.wait_for_layer(0)
+
+
+def test_a_native_launch_of_every_layer_reports_its_failed_layer(tm: TransferManager) -> None:
+    """copy_layers is used by streams that launch natively; a HostStream keeps the
+    per-layer path, and either way the failure lands on the right layer."""
+    from fastkv.ops.core import LayerCopyError
+
+    class NativeStream(HostStream):
+        def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None):
+            events = [self.record() for _ in range(num_layers)]
+            try:
+                copy_layers(self.handle, events)
+            except BaseException as e:
+                on_error(e, getattr(e, "failed_layer", 0))
+            return events
+
+    def copy_layers(handle, events) -> None:
+        raise LayerCopyError("fkv_layout_swap: cudaErrorLaunchFailure", 2)
+
+    native = TransferManager(HostStream("h2d"), HostStream("d2h"), InlineStream(), LAYERS)
+    native.input_stream = NativeStream("native")
+    try:
+        counter = native.submit_to_device(
+            8, [0], [0], lambda layer, s: None, (), None, copy_layers
+        )
+        counter.wait_for_layer(1, timeout=5)  # layers before the failed one are intact
+        with pytest.raises(TransferFailedError, match="cudaErrorLaunchFailure"):
+            counter.wait_for_layer(2, timeout=5)
+        (result,) = native.wait_all(timeout=5)
+        assert not result.success
+    finally:
+        for s in (native.input_stream, native.output_stream):
+            s.close()

@@ -1,0 +1,207 @@
+// The CUDA path's index mapping and launch planning, written once for nvcc and the
+// host compiler: the kernel and the launcher in fkv_cuda.cu use these functions,
+// and tests/ops/mapping_harness.cc compiles them for the host and runs whole grids
+// against a plain copy, so CI catches mapping bugs without a GPU.
+//
+// A launch covers one group of segments (a layer, or a slice of a long segment
+// list) and `count` ids. Its work is a sequence of 16 KiB chunks: segment 0's
+// chunks for id 0, 1, ... then segment 1's, ...; CTA b takes chunks b, b + grid,
+// ... (grid-stride). Chunk g of segment s and id i covers bytes
+// [c * 16 KiB, min((c + 1) * 16 KiB, block_bytes)) of that id's block, where
+// g = count * chunk_prefix[s] + i * chunks_per_block[s] + c.
+#ifndef FASTKV_CUDA_PLAN_H_
+#define FASTKV_CUDA_PLAN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <climits>
+#include <vector>
+
+#include "fkv_internal.h"
+
+#if defined(__CUDACC__)
+#define FKV_HD __host__ __device__ __forceinline__
+#else
+#define FKV_HD inline
+#endif
+
+namespace fkv {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+// One CTA moves kThreads * kUnroll * 16 B = 16 KiB per iteration with 16-byte
+// accesses; blocks larger than a chunk are shared between CTAs.
+constexpr int64_t kChunkBytes = int64_t{16} << 10;
+
+// What the kernel knows of one segment (48 bytes, read from device memory).
+struct DevSegment {
+  char* device;              // device_base
+  char* host;                // the kernel's address of host_base on this device
+  int64_t block_bytes;
+  int64_t chunks_per_block;
+  int64_t chunk_prefix;      // chunks per id of the earlier segments of the group
+  int32_t vec_bytes;         // 16, 8 or 4
+  int32_t reserved;
+};
+
+FKV_HD int64_t chunks_per_block(int64_t block_bytes) {
+  return (block_bytes + kChunkBytes - 1) / kChunkBytes;
+}
+
+// The widest access every block start of both regions is aligned to.
+FKV_HD int32_t vec_bytes_for(uintptr_t device, uintptr_t host_kernel, int64_t block_bytes) {
+  const uintptr_t bits = device | host_kernel | static_cast<uintptr_t>(block_bytes);
+  if (bits % 16 == 0) return 16;
+  if (bits % 8 == 0) return 8;
+  return 4;
+}
+
+// Runs of at least this many blocks of a segment go to cudaMemcpyAsync.
+FKV_HD int64_t memcpy_min_run(int64_t memcpy_min_bytes, int64_t block_bytes) {
+  return memcpy_min_bytes <= 0 ? 1 : memcpy_min_bytes / block_bytes +
+                                         (memcpy_min_bytes % block_bytes != 0 ? 1 : 0);
+}
+
+// Chunks of one launch: count ids of every segment of the group.
+FKV_HD int64_t launch_chunks(const DevSegment& last_segment, int64_t count) {
+  return count * (last_segment.chunk_prefix + last_segment.chunks_per_block);
+}
+
+// One chunk's copy.
+struct ChunkCopy {
+  char* dst;
+  const char* src;
+  int64_t nbytes;
+  int32_t vec_bytes;
+};
+
+// Locates chunk g (< launch_chunks) of a launch. Returns false when the chunk's
+// block belongs to a run the copy engine moves (run_len non-NULL and the id's run
+// reaches the segment's memcpy_min_run).
+FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count, int64_t g,
+                         const int64_t* device_ids, const int64_t* host_ids,
+                         const int32_t* run_len, int64_t memcpy_min_bytes, bool h2d,
+                         ChunkCopy* out) {
+  // Last segment whose first chunk is <= g (every segment has chunks).
+  int32_t lo = 0;
+  int32_t hi = num_segs - 1;
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo + 1) / 2;
+    if (segs[mid].chunk_prefix * count <= g) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const DevSegment& seg = segs[lo];
+  const int64_t local = g - seg.chunk_prefix * count;
+  const int64_t i = local / seg.chunks_per_block;
+  if (run_len != nullptr && run_len[i] >= memcpy_min_run(memcpy_min_bytes, seg.block_bytes)) {
+    return false;
+  }
+  const int64_t off = (local - i * seg.chunks_per_block) * kChunkBytes;
+  const int64_t rest = seg.block_bytes - off;
+  char* dev = seg.device + device_ids[i] * seg.block_bytes + off;
+  char* host = seg.host + host_ids[i] * seg.block_bytes + off;
+  out->dst = h2d ? dev : host;
+  out->src = h2d ? host : dev;
+  out->nbytes = rest < kChunkBytes ? rest : kChunkBytes;
+  out->vec_bytes = seg.vec_bytes;
+  return true;
+}
+
+// Element k (in vec_bytes units) that thread `tid` moves in unrolled step u of the
+// iteration starting at `base` (base = tid, tid + kThreads * kUnroll, ...).
+FKV_HD int64_t thread_element(int64_t base, int u) {
+  return base + static_cast<int64_t>(u) * kThreads;
+}
+
+// ---- host-side planning (shared by the launcher and the host harness) ----
+
+// A segment as the launcher sees it: the host address for cudaMemcpyAsync and the
+// kernel's address of the same memory.
+struct PlanSegment {
+  char* device;
+  char* host;
+  char* host_kernel;
+  int64_t block_bytes;
+};
+
+inline DevSegment make_dev_segment(const PlanSegment& s) {
+  DevSegment d{};
+  d.device = s.device;
+  d.host = s.host_kernel;
+  d.block_bytes = s.block_bytes;
+  d.chunks_per_block = chunks_per_block(s.block_bytes);
+  d.chunk_prefix = 0;
+  d.vec_bytes = vec_bytes_for(reinterpret_cast<uintptr_t>(s.device),
+                              reinterpret_cast<uintptr_t>(s.host_kernel), s.block_bytes);
+  d.reserved = 0;
+  return d;
+}
+
+// Numbers the chunks of a launch group from its first segment.
+inline void set_chunk_prefixes(DevSegment* segs, int32_t num_segs) {
+  int64_t prefix = 0;
+  for (int32_t s = 0; s < num_segs; ++s) {
+    segs[s].chunk_prefix = prefix;
+    prefix += segs[s].chunks_per_block;
+  }
+}
+
+// Blocks of one segment that go to the copy engine.
+inline int64_t memcpy_blocks(const std::vector<BlockRun>& runs, int64_t min_run) {
+  int64_t n = 0;
+  for (const BlockRun& r : runs) {
+    if (r.num_blocks >= min_run) n += r.num_blocks;
+  }
+  return n;
+}
+
+// Per id, the length of its run (clamped to INT32_MAX): lets the kernel skip the
+// ids a segment's copy-engine runs already move.
+inline void fill_run_len(const std::vector<BlockRun>& runs, int32_t* out) {
+  int64_t i = 0;
+  for (const BlockRun& run : runs) {
+    const int32_t n = static_cast<int32_t>(std::min<int64_t>(run.num_blocks, INT32_MAX));
+    for (int64_t k = 0; k < run.num_blocks; ++k) out[i++] = n;
+  }
+}
+
+inline size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+// Where the pieces of one staged launch sit in a slot: descriptors (may be 0
+// bytes), device ids, host ids, run lengths (optional); each 16-byte aligned.
+struct SlotLayout {
+  size_t descs;
+  size_t device_ids;
+  size_t host_ids;
+  size_t run_len;
+  size_t total;
+};
+
+inline SlotLayout slot_layout(size_t desc_bytes, int64_t count, bool with_run_len) {
+  SlotLayout l{};
+  l.descs = 0;
+  l.device_ids = align16(desc_bytes);
+  l.host_ids = l.device_ids + align16(static_cast<size_t>(count) * sizeof(int64_t));
+  l.run_len = l.host_ids + align16(static_cast<size_t>(count) * sizeof(int64_t));
+  l.total = l.run_len + (with_run_len ? align16(static_cast<size_t>(count) * sizeof(int32_t))
+                                      : 0);
+  return l;
+}
+
+// The most ids one slot holds next to desc_bytes of descriptors (>= 1 whenever
+// desc_bytes leaves room for one id).
+inline int64_t ids_per_slot(size_t slot_bytes, size_t desc_bytes, bool with_run_len) {
+  const size_t per_id = 2 * sizeof(int64_t) + (with_run_len ? sizeof(int32_t) : 0);
+  const size_t used = align16(desc_bytes) + 3 * 16;  // alignment padding of three arrays
+  if (used >= slot_bytes) return 0;
+  return static_cast<int64_t>((slot_bytes - used) / per_id);
+}
+
+}  // namespace fkv
+
+#endif  // FASTKV_CUDA_PLAN_H_

@@ -1,0 +1,239 @@
+// Host harness for the CUDA path's index mapping (custom_ops/csrc/fkv_cuda_plan.h).
+//
+// Plays both launchers of fkv_cuda.cu on host memory: the same validation and
+// coalescing, the same copy-engine/kernel split, the same staging-slot chunking and
+// descriptor groups, then every CTA of every launch walking its grid-stride chunks
+// and every thread its unrolled elements, with the plan's own functions. The
+// "device" and "host" regions are both host memory here, so the result can be
+// compared byte for byte with a plain copy. Built by tests/ops/test_cuda_plan.py.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "fkv_cuda_plan.h"
+#include "fkv_internal.h"
+
+namespace {
+
+using namespace fkv;
+
+struct Totals {
+  int64_t kernel_bytes = 0;
+  int64_t memcpy_bytes = 0;
+  int64_t launches = 0;
+  int64_t misaligned = 0;  // accesses not aligned to the chosen vector width
+};
+
+// One kernel launch, simulated: CTA b takes chunks b, b + grid, ...; thread t of a
+// chunk moves elements thread_element(base, u) for base = t, t + kThreads * kUnroll.
+void simulate_launch(const DevSegment* segs, int32_t num_segs, const int64_t* dev_ids,
+                     const int64_t* host_ids, const int32_t* run_len, int64_t count,
+                     int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
+  const int64_t chunks = launch_chunks(segs[num_segs - 1], count);
+  if (chunks == 0) return;
+  ++t->launches;
+  const int32_t g_size = static_cast<int32_t>(std::min<int64_t>(grid, chunks));
+  for (int32_t b = 0; b < g_size; ++b) {
+    for (int64_t g = b; g < chunks; g += g_size) {
+      ChunkCopy c;
+      if (!locate_chunk(segs, num_segs, count, g, dev_ids, host_ids, run_len, memcpy_min, h2d,
+                        &c)) {
+        continue;
+      }
+      const int v = c.vec_bytes;
+      if (reinterpret_cast<uintptr_t>(c.dst) % v || reinterpret_cast<uintptr_t>(c.src) % v ||
+          c.nbytes % v) {
+        ++t->misaligned;
+      }
+      const int64_t n = c.nbytes / v;
+      for (int tid = 0; tid < kThreads; ++tid) {
+        for (int64_t base = tid; base < n; base += int64_t{kThreads} * kUnroll) {
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t k = thread_element(base, u);
+            if (k < n) {
+              std::memcpy(c.dst + k * v, c.src + k * v, v);
+              t->kernel_bytes += v;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+int copy_runs(const PlanSegment& seg, const std::vector<BlockRun>& runs, int64_t min_run,
+              bool h2d, Totals* t) {
+  for (const BlockRun& run : runs) {
+    if (run.num_blocks < min_run) continue;
+    char* dev = seg.device + run.device_id * seg.block_bytes;
+    char* host = seg.host + run.host_id * seg.block_bytes;
+    const size_t bytes = static_cast<size_t>(run.num_blocks * seg.block_bytes);
+    if (h2d) {
+      std::memcpy(dev, host, bytes);
+    } else {
+      std::memcpy(host, dev, bytes);
+    }
+    t->memcpy_bytes += static_cast<int64_t>(bytes);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// fkv_swap_cuda's plan: descriptors and ids staged together, segment groups of at
+// most max_group descriptors (<= 0: what a slot of slot_bytes allows).
+int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num_device_blocks,
+                  int64_t num_host_blocks, const int64_t* device_ids, const int64_t* host_ids,
+                  int64_t num_ids, int32_t direction, int64_t memcpy_min, int32_t grid,
+                  int64_t slot_bytes, int32_t max_group, int64_t* totals) {
+  std::vector<BlockRun> runs;
+  int rc = validate_swap(segments, num_segments, num_device_blocks, num_host_blocks, device_ids,
+                         host_ids, num_ids, direction, &runs);
+  if (rc != FKV_OK || runs.empty()) return rc;
+  const bool h2d = direction == FKV_H2D;
+  Totals t;
+  std::vector<DevSegment> descs;
+  bool any_skipped = false;
+  for (int32_t s = 0; s < num_segments; ++s) {
+    const fkv_segment& f = segments[s];
+    PlanSegment seg{static_cast<char*>(f.device_base), static_cast<char*>(f.host_base),
+                    static_cast<char*>(f.host_base), f.block_bytes};
+    const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
+    const int64_t by_engine = memcpy_blocks(runs, min_run);
+    if (by_engine > 0) copy_runs(seg, runs, min_run, h2d, &t);
+    if (by_engine == num_ids) continue;
+    any_skipped = any_skipped || by_engine > 0;
+    descs.push_back(make_dev_segment(seg));
+  }
+  std::vector<int32_t> run_len;
+  if (any_skipped) {
+    run_len.resize(num_ids);
+    fill_run_len(runs, run_len.data());
+  }
+  const int32_t nk = static_cast<int32_t>(descs.size());
+  const int32_t limit =
+      max_group > 0 ? max_group : static_cast<int32_t>(slot_bytes / 2 / sizeof(DevSegment));
+  for (int32_t g0 = 0; g0 < nk; g0 += limit) {
+    const int32_t group = std::min(limit, nk - g0);
+    DevSegment* gdescs = descs.data() + g0;
+    set_chunk_prefixes(gdescs, group);
+    const int64_t max_ids = ids_per_slot(static_cast<size_t>(slot_bytes),
+                                         group * sizeof(DevSegment), any_skipped);
+    if (max_ids <= 0) return -2;  // a slot too small for its descriptors
+    for (int64_t i0 = 0; i0 < num_ids; i0 += max_ids) {
+      const int64_t count = std::min(max_ids, num_ids - i0);
+      const SlotLayout sl = slot_layout(group * sizeof(DevSegment), count, any_skipped);
+      if (sl.total > static_cast<size_t>(slot_bytes)) return -3;  // overflowed the slot
+      // Stage through a buffer laid out exactly like a slot.
+      std::vector<char> slot(sl.total);
+      std::memcpy(slot.data() + sl.descs, gdescs, group * sizeof(DevSegment));
+      std::memcpy(slot.data() + sl.device_ids, device_ids + i0, count * sizeof(int64_t));
+      std::memcpy(slot.data() + sl.host_ids, host_ids + i0, count * sizeof(int64_t));
+      if (any_skipped) {
+        std::memcpy(slot.data() + sl.run_len, run_len.data() + i0, count * sizeof(int32_t));
+      }
+      simulate_launch(reinterpret_cast<const DevSegment*>(slot.data() + sl.descs), group,
+                      reinterpret_cast<const int64_t*>(slot.data() + sl.device_ids),
+                      reinterpret_cast<const int64_t*>(slot.data() + sl.host_ids),
+                      any_skipped ? reinterpret_cast<const int32_t*>(slot.data() + sl.run_len)
+                                  : nullptr,
+                      count, memcpy_min, h2d, grid, &t);
+    }
+  }
+  totals[0] = t.kernel_bytes;
+  totals[1] = t.memcpy_bytes;
+  totals[2] = t.launches;
+  totals[3] = t.misaligned;
+  return 0;
+}
+
+// fkv_layout_swap's plan: descriptors uploaded once with chunk prefixes restarting
+// at every layer, ids staged once in slots of slot_bytes, then per layer the
+// copy-engine runs and one launch per staged chunk of ids.
+int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t segments_per_layer,
+                    int64_t num_device_blocks, int64_t num_host_blocks, const int64_t* device_ids,
+                    const int64_t* host_ids, int64_t num_ids, int32_t direction,
+                    int32_t first_layer, int32_t num_layers, int64_t memcpy_min, int32_t grid,
+                    int64_t slot_bytes, int64_t* totals) {
+  int rc = validate_segments(segments, num_segments, num_device_blocks, num_host_blocks, -1);
+  if (rc != FKV_OK) return rc;
+  std::vector<BlockRun> runs;
+  rc = validate_ids(num_device_blocks, num_host_blocks, device_ids, host_ids, num_ids, direction,
+                    &runs);
+  if (rc != FKV_OK) return rc;
+  const bool h2d = direction == FKV_H2D;
+  const int32_t spl = segments_per_layer;
+  std::vector<PlanSegment> segs(num_segments);
+  std::vector<DevSegment> descs(num_segments);
+  for (int32_t s = 0; s < num_segments; ++s) {
+    const fkv_segment& f = segments[s];
+    segs[s] = {static_cast<char*>(f.device_base), static_cast<char*>(f.host_base),
+               static_cast<char*>(f.host_base), f.block_bytes};
+    descs[s] = make_dev_segment(segs[s]);
+  }
+  for (int32_t l = 0; l < num_segments / spl; ++l) set_chunk_prefixes(&descs[l * spl], spl);
+  bool with_run_len = false;
+  for (int32_t s = first_layer * spl; s < (first_layer + num_layers) * spl && num_ids; ++s) {
+    if (memcpy_blocks(runs, memcpy_min_run(memcpy_min, segs[s].block_bytes)) > 0) {
+      with_run_len = true;
+    }
+  }
+  std::vector<int32_t> run_len;
+  if (with_run_len) {
+    run_len.resize(num_ids);
+    fill_run_len(runs, run_len.data());
+  }
+  const int64_t per_slot = ids_per_slot(static_cast<size_t>(slot_bytes), 0, with_run_len);
+  if (per_slot <= 0) return -2;
+  Totals t;
+  for (int32_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+    const int32_t s0 = layer * spl;
+    bool needs_kernel = false;
+    for (int32_t k = 0; k < spl; ++k) {
+      const int64_t min_run = memcpy_min_run(memcpy_min, segs[s0 + k].block_bytes);
+      const int64_t by_engine = num_ids > 0 ? memcpy_blocks(runs, min_run) : 0;
+      if (by_engine > 0) copy_runs(segs[s0 + k], runs, min_run, h2d, &t);
+      needs_kernel = needs_kernel || by_engine < num_ids;
+    }
+    for (int64_t i0 = 0; needs_kernel && i0 < num_ids; i0 += per_slot) {
+      const int64_t count = std::min(per_slot, num_ids - i0);
+      const SlotLayout sl = slot_layout(0, count, with_run_len);
+      if (sl.total > static_cast<size_t>(slot_bytes)) return -3;
+      simulate_launch(&descs[s0], spl, device_ids + i0, host_ids + i0,
+                      with_run_len ? run_len.data() + i0 : nullptr, count, memcpy_min, h2d, grid,
+                      &t);
+    }
+  }
+  totals[0] = t.kernel_bytes;
+  totals[1] = t.memcpy_bytes;
+  totals[2] = t.launches;
+  totals[3] = t.misaligned;
+  return 0;
+}
+
+// The addresses chunk g of a launch would touch, without touching them: lets the
+// test check 64-bit offsets (beyond 4 GiB) and vector widths on made-up base
+// addresses. `triples` holds (device base, kernel host base, block bytes) per segment.
+int sim_locate(const int64_t* triples, int32_t num_segs, int64_t count, int64_t g,
+               const int64_t* device_ids, const int64_t* host_ids, int32_t h2d,
+               uint64_t* out /* dst, src, nbytes, vec */) {
+  std::vector<DevSegment> copy(num_segs);
+  for (int32_t s = 0; s < num_segs; ++s) {
+    char* dev = reinterpret_cast<char*>(static_cast<uintptr_t>(triples[3 * s]));
+    char* host = reinterpret_cast<char*>(static_cast<uintptr_t>(triples[3 * s + 1]));
+    copy[s] = make_dev_segment(PlanSegment{dev, host, host, triples[3 * s + 2]});
+  }
+  set_chunk_prefixes(copy.data(), num_segs);
+  if (g < 0 || g >= launch_chunks(copy[num_segs - 1], count)) return -1;
+  ChunkCopy c;
+  locate_chunk(copy.data(), num_segs, count, g, device_ids, host_ids, nullptr, 0, h2d != 0, &c);
+  out[0] = reinterpret_cast<uintptr_t>(c.dst);
+  out[1] = reinterpret_cast<uintptr_t>(c.src);
+  out[2] = static_cast<uint64_t>(c.nbytes);
+  out[3] = static_cast<uint64_t>(c.vec_bytes);
+  return 0;
+}
+
+}  // extern "C"

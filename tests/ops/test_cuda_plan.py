@@ -1,0 +1,295 @@
+"""The CUDA kernel's index mapping and launch planning, checked on the CPU.
+
+`fkv_cuda_plan.h` holds the mapping the kernel and its launchers use; the harness
+(mapping_harness.cc) compiles it for the host with the core's own validation and
+plays whole grids — every CTA's grid-stride chunks, every thread's unrolled
+elements — on host memory. Random block sizes, base alignments, id sets (scattered
+and runs), segment counts (up to 800), grid sizes, copy-engine thresholds, staging
+slot sizes and descriptor groups are compared byte for byte with a plain numpy copy,
+so CI catches mapping bugs without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastkv.ops import core
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "custom_ops" / "csrc"
+HARNESS = Path(__file__).resolve().with_name("mapping_harness.cc")
+CORE_SOURCES = [
+    "fkv_common.cc",
+    "fkv_pool.cc",
+    "fkv_cpu.cc",
+    "fkv_host_alloc.cc",
+    "fkv_layout.cc",
+    "fkv_cuda_stub.cc",
+]
+NEVER = 2**63 - 1
+H2D, D2H = int(core.Direction.H2D), int(core.Direction.D2H)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> ctypes.CDLL:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.fail(f"no C++ compiler ({cxx}): the mapping check needs one (it is in CI)")
+    out = tmp_path_factory.mktemp("plan") / "libmapping_harness.so"
+    sources = [str(HARNESS), *(str(CSRC / s) for s in CORE_SOURCES)]
+    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", f"-I{CSRC}", *sources, "-o", str(out)]
+    proc = subprocess.run([*cmd, "-pthread"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(out))
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    seg_ptr = ctypes.POINTER(core.Segment)
+    lib.sim_swap_cuda.argtypes = [seg_ptr, i32, i64, i64, p, p, i64, i32, i64, i32, i64, i32, p]
+    lib.sim_layout_swap.argtypes = [
+        seg_ptr,
+        i32,
+        i32,
+        i64,
+        i64,
+        p,
+        p,
+        i64,
+        i32,
+        i32,
+        i32,
+        i64,
+        i32,
+        i64,
+        p,
+    ]
+    lib.sim_locate.argtypes = [p, i32, i64, i64, p, p, i32, p]
+    return lib
+
+
+class Regions:
+    """Device and host regions of random bytes with random base misalignment."""
+
+    def __init__(self, rng: np.random.Generator, block_sizes: list[int], ndev: int, nhost: int):
+        self.block_sizes = block_sizes
+        self.ndev, self.nhost = ndev, nhost
+        self.dev: list[np.ndarray] = []
+        self.host: list[np.ndarray] = []
+        self._keep: list[np.ndarray] = []
+        for bb in block_sizes:
+            for n, out in ((ndev, self.dev), (nhost, self.host)):
+                shift = int(rng.choice([0, 4, 8, 12]))  # bases 4-, 8- or 16-byte aligned
+                raw = np.empty(n * bb + 64, np.uint8)
+                off = (-raw.ctypes.data) % 16 + shift
+                view = raw[off : off + n * bb].reshape(n, bb)
+                view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+                out.append(view)
+                self._keep.append(raw)
+
+    def segments(self) -> ctypes.Array:
+        return core.make_segments(
+            [
+                (d.ctypes.data, h.ctypes.data, bb)
+                for d, h, bb in zip(self.dev, self.host, self.block_sizes, strict=True)
+            ]
+        )
+
+    def expected(self, dev_ids, host_ids, h2d: bool, selected) -> tuple[list, list]:
+        dev = [d.copy() for d in self.dev]
+        host = [h.copy() for h in self.host]
+        for s in selected:
+            if h2d:
+                dev[s][dev_ids] = self.host[s][host_ids]
+            else:
+                host[s][host_ids] = self.dev[s][dev_ids]
+        return dev, host
+
+    def check(self, expected: tuple[list, list], what: str) -> None:
+        for s, (d, e) in enumerate(zip(self.dev, expected[0], strict=True)):
+            assert np.array_equal(d, e), f"{what}: device segment {s} differs"
+        for s, (h, e) in enumerate(zip(self.host, expected[1], strict=True)):
+            assert np.array_equal(h, e), f"{what}: host segment {s} differs"
+
+
+def random_block_size(rng: np.random.Generator) -> int:
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        return 4 * int(rng.integers(1, 64))  # tiny, often not 16-byte multiples
+    if kind == 1:
+        return 16 * int(rng.integers(1, 1100))  # up to ~17 KiB: one or two chunks
+    if kind == 2:
+        return 4 * int(rng.integers(4000, 13000))  # odd multiples of 4 over 16 KiB
+    return int(rng.choice([4096, 8192, 16384, 32768, 65536]))
+
+
+def random_ids(rng: np.random.Generator, n: int, ndev: int, nhost: int):
+    """Scattered ids with a consecutive run mixed in (coalesced by the planner)."""
+    n = min(n, ndev, nhost)
+    run = int(rng.integers(0, n + 1))
+    d_start = int(rng.integers(0, ndev - run + 1))
+    h_start = int(rng.integers(0, nhost - run + 1))
+    d_run = np.arange(d_start, d_start + run)
+    h_run = np.arange(h_start, h_start + run)
+    d_rest = rng.permutation(np.setdiff1d(np.arange(ndev), d_run))[: n - run]
+    h_rest = rng.permutation(np.setdiff1d(np.arange(nhost), h_run))[: n - run]
+    cut = int(rng.integers(0, n - run + 1))
+    d = np.r_[d_rest[:cut], d_run, d_rest[cut:]].astype(np.int64)
+    h = np.r_[h_rest[:cut], h_run, h_rest[cut:]].astype(np.int64)
+    return d, h
+
+
+def random_memcpy_min(rng: np.random.Generator, block_sizes: list[int]) -> int:
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        return NEVER  # kernel only
+    if kind == 1:
+        return 0  # copy engine only
+    return int(rng.choice(block_sizes)) * int(rng.integers(1, 6))  # mixed
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_swap_cuda_plan_matches_a_plain_copy(harness, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    nsegs = int(rng.integers(700, 820)) if seed % 15 == 0 else int(rng.integers(1, 9))
+    small = nsegs > 100
+    sizes = [4 * int(rng.integers(1, 40)) if small else random_block_size(rng)] * nsegs
+    if not small:
+        sizes = [random_block_size(rng) for _ in range(nsegs)]
+    ndev, nhost = int(rng.integers(4, 100)), int(rng.integers(4, 100))
+    regions = Regions(rng, sizes, ndev, nhost)
+    d, h = random_ids(rng, int(rng.integers(1, 100)), ndev, nhost)
+    direction = int(rng.integers(0, 2))
+    memcpy_min = random_memcpy_min(rng, sizes)
+    grid = int(rng.integers(1, 40))
+    slot_bytes = int(rng.choice([1000, 1024, 4096, 64 << 10]))
+    max_group = int(rng.choice([0, 1, 3, 7]))
+    expected = regions.expected(d, h, direction == H2D, range(nsegs))
+    totals = (ctypes.c_int64 * 4)()
+    rc = harness.sim_swap_cuda(
+        regions.segments(),
+        nsegs,
+        ndev,
+        nhost,
+        d.ctypes.data,
+        h.ctypes.data,
+        d.size,
+        direction,
+        memcpy_min,
+        grid,
+        slot_bytes,
+        max_group,
+        totals,
+    )
+    assert rc == 0, (rc, core._lib.fkv_last_error())
+    regions.check(expected, f"seed {seed}")
+    kernel_bytes, memcpy_bytes, _, misaligned = list(totals)
+    # Every byte moved exactly once, by the kernel or by the copy engine.
+    assert kernel_bytes + memcpy_bytes == d.size * sum(sizes)
+    assert misaligned == 0
+    if memcpy_min == NEVER:
+        assert memcpy_bytes == 0
+    if memcpy_min == 0:
+        assert kernel_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
+    rng = np.random.default_rng(1000 + seed)
+    per_layer = int(rng.choice([1, 2, 4]))
+    layers = int(rng.integers(1, 6)) if seed % 10 else 200  # 200 layers x per_layer segments
+    nsegs = per_layer * layers
+    sizes = [random_block_size(rng) for _ in range(per_layer)] * layers
+    if nsegs > 100:
+        sizes = [4 * int(rng.integers(1, 64)) for _ in range(per_layer)] * layers
+    ndev, nhost = int(rng.integers(4, 160)), int(rng.integers(4, 160))
+    regions = Regions(rng, sizes, ndev, nhost)
+    d, h = random_ids(rng, int(rng.integers(0, 160)), ndev, nhost)
+    direction = int(rng.integers(0, 2))
+    first = int(rng.integers(0, layers))
+    count = int(rng.integers(1, layers - first + 1))
+    memcpy_min = random_memcpy_min(rng, sizes)
+    # Small and odd slot sizes: several slots per call, and padding that must fit.
+    slot_bytes = int(rng.choice([256, 1000, 1024, 1500, 64 << 10]))
+    selected = range(first * per_layer, (first + count) * per_layer)
+    expected = regions.expected(d, h, direction == H2D, selected)
+    totals = (ctypes.c_int64 * 4)()
+    rc = harness.sim_layout_swap(
+        regions.segments(),
+        nsegs,
+        per_layer,
+        ndev,
+        nhost,
+        d.ctypes.data,
+        h.ctypes.data,
+        d.size,
+        direction,
+        first,
+        count,
+        memcpy_min,
+        int(rng.integers(1, 33)),
+        slot_bytes,
+        totals,
+    )
+    assert rc == 0, (rc, core._lib.fkv_last_error())
+    regions.check(expected, f"seed {seed}")
+    assert totals[0] + totals[1] == d.size * sum(sizes[s] for s in selected)
+    assert totals[3] == 0
+
+
+def test_vector_width_follows_the_alignment_of_both_sides(harness) -> None:
+    """16-byte accesses only where both bases and the block size allow them."""
+    cases = [((0, 0, 4096), 16), ((8, 0, 4096), 8), ((0, 4, 4096), 4), ((0, 0, 4104), 8)]
+    for (dev_shift, host_shift, bb), vec in cases:
+        seg = np.array([1 << 40 | dev_shift, 1 << 41 | host_shift, bb], np.int64)
+        ids = np.array([3], np.int64)
+        out = (ctypes.c_uint64 * 4)()
+        args = (seg.ctypes.data, 1, 1, 0, ids.ctypes.data, ids.ctypes.data, 0, out)
+        assert harness.sim_locate(*args) == 0
+        assert out[3] == vec, (dev_shift, host_shift, bb)
+        assert out[0] % vec == 0 and out[1] % vec == 0
+
+
+def test_offsets_beyond_4_gib_are_computed_in_64_bits(harness) -> None:
+    """Block ids times block sizes far past 2**32, for both sides and every chunk of
+    a multi-chunk block, on made-up base addresses (nothing is dereferenced)."""
+    bb = [40 * 1024 + 4, 8192, 4]  # three segments: multi-chunk, one chunk, tiny
+    nseg = len(bb)
+    raw = np.zeros(3 * nseg, np.int64)
+    bases = [
+        (0x7F0000000000 + s * (1 << 36), 0x100000000000 + s * (1 << 38)) for s in range(nseg)
+    ]
+    for s, (dev, host) in enumerate(bases):
+        raw[3 * s : 3 * s + 3] = (dev, host, bb[s])
+    count = 3
+    dev_ids = np.array([(1 << 21) + 5, 7, (1 << 22) - 1], np.int64)  # x 40 KiB: > 64 GiB
+    host_ids = np.array([(1 << 23) + 1, (1 << 20) * 3, 11], np.int64)
+    chunks_per_block = [(b + 16383) // 16384 for b in bb]
+    out = (ctypes.c_uint64 * 4)()
+    g = 0
+    for s in range(nseg):
+        for i in range(count):
+            for c in range(chunks_per_block[s]):
+                for h2d in (0, 1):
+                    rc = harness.sim_locate(
+                        raw.ctypes.data,
+                        nseg,
+                        count,
+                        g,
+                        dev_ids.ctypes.data,
+                        host_ids.ctypes.data,
+                        h2d,
+                        out,
+                    )
+                    assert rc == 0
+                    dev = bases[s][0] + int(dev_ids[i]) * bb[s] + c * 16384
+                    host = bases[s][1] + int(host_ids[i]) * bb[s] + c * 16384
+                    dst, src = (dev, host) if h2d else (host, dev)
+                    assert (out[0], out[1]) == (dst, src), (s, i, c, h2d)
+                    assert out[2] == min(16384, bb[s] - c * 16384)
+                g += 1
+    assert g == sum(count * c for c in chunks_per_block)
