@@ -20,7 +20,7 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests
 	@# On a GPU runner the GPU tests run for real (make gpu-test), never skipped.
 	@if nvidia-smi -L >/dev/null 2>&1; then $(MAKE) --no-print-directory gpu-test; fi
 

@@ -1,0 +1,57 @@
+"""Per-rank transfer results combine into one per transfer: applied when every rank
+has reported, successful only if every rank succeeded."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastkv import TransferResult
+from fastkv.tp import RankResults
+
+
+def test_a_transfer_completes_when_every_rank_has_reported() -> None:
+    ranks = RankResults(3)
+    assert ranks.add(0, [TransferResult(1, True), TransferResult(2, True)]) == []
+    assert ranks.add(2, [TransferResult(2, True)]) == []
+    assert ranks.missing() == {1: [1, 2], 2: [1]}
+    assert ranks.add(1, [TransferResult(2, True)]) == [TransferResult(2, True)]
+    assert ranks.add(1, [TransferResult(1, True)]) == []
+    assert ranks.add(2, [TransferResult(1, True)]) == [TransferResult(1, True)]
+    assert ranks.missing() == {}
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_one_failing_rank_fails_the_transfer_and_is_named(failing: int) -> None:
+    ranks = RankResults(2)
+    first = 1 - failing
+    assert ranks.add(first, [TransferResult(7, True)]) == []
+    (combined,) = ranks.add(failing, [TransferResult(7, False, "injected")])
+    assert combined == TransferResult(7, False, f"rank {failing}: injected")
+
+
+def test_a_single_rank_passes_results_through() -> None:
+    ranks = RankResults(1)
+    batch = [TransferResult(3, False, "x"), TransferResult(4, True)]
+    assert ranks.add(0, batch) == [TransferResult(3, False, "rank 0: x"), batch[1]]
+
+
+@pytest.mark.parametrize(
+    ("rank", "batch", "error"),
+    [
+        (2, [TransferResult(1, True)], ValueError),
+        (-1, [TransferResult(1, True)], ValueError),
+        (True, [TransferResult(1, True)], ValueError),
+        (0, [TransferResult(1, True), TransferResult(1, True)], ValueError),
+        (0, [TransferResult(9, True)], ValueError),  # reported before
+        (0, [TransferResult(1, True), "done"], TypeError),
+    ],
+)
+def test_bad_reports_are_refused_and_record_nothing(rank, batch, error) -> None:
+    ranks = RankResults(2)
+    ranks.add(0, [TransferResult(9, True)])
+    with pytest.raises(error):
+        ranks.add(rank, batch)
+    assert ranks.missing() == {9: [1]}
+    assert ranks.add(1, [TransferResult(9, True)]) == [TransferResult(9, True)]
+    with pytest.raises(ValueError, match="tp_size"):
+        RankResults(0)
