@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import traceback
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -70,7 +68,6 @@ class Worker:
         import paddle
 
         from examples.engine.model import TinyTransformer
-        from fastkv.ops import paddle_ops
         from fastkv.worker import CacheController, KVCacheSpec
 
         self.config = config
@@ -90,9 +87,7 @@ class Worker:
             num_host_blocks=config.num_host_blocks,
             dtype=config.kv_dtype,
         )
-        if config.fail_rate > 0:
-            _inject_copy_failures(paddle_ops, config.fail_rate)
-        self.ctrl = CacheController(spec, device=self.device)
+        self.ctrl = CacheController(spec, device=self.device, fail_rate=config.fail_rate)
         self.model = TinyTransformer(m, device=self.device)
         self.kv = [
             (self.ctrl.key_caches[i], self.ctrl.value_caches[i]) for i in range(m.num_layers)
@@ -303,25 +298,3 @@ def _pick_device(device: str, paddle: object) -> str:
     cuda = paddle.is_compiled_with_cuda()  # type: ignore[attr-defined]
     has_gpu = cuda and paddle.device.cuda.device_count() > 0  # type: ignore[attr-defined]
     return "gpu:0" if has_gpu else "cpu"
-
-
-def _inject_copy_failures(paddle_ops: object, rate: float) -> None:
-    """Fault injection: a `rate` fraction of copy calls fail (spread evenly: call n
-    fails when floor(n * rate) steps up), before touching memory, as a failed DMA
-    would be reported."""
-    lock = threading.Lock()
-    calls = [0]
-
-    def flaky(op: Callable[..., None]) -> Callable[..., None]:
-        def call(*args: object, **kwargs: object) -> None:
-            with lock:
-                calls[0] += 1
-                n = calls[0]
-            if int(n * rate) > int((n - 1) * rate):
-                raise RuntimeError("fastkv[ECUDA] injected copy failure")
-            op(*args, **kwargs)
-
-        return call
-
-    for name in ("swap_layer", "swap_all_layers"):
-        setattr(paddle_ops, name, flaky(getattr(paddle_ops, name)))

@@ -33,6 +33,7 @@ import numpy as np
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
 from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
+from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
 from fastkv.worker.streams import (
     CudaEventPool,
@@ -124,6 +125,8 @@ class CacheController:
             own, e.g. instrumented streams in tests. On a GPU the compute stream is
             otherwise the one `submit_swap_tasks` is given, or Paddle's current
             stream on this controller's GPU, looked up at every step.
+        fail_rate: fault injection: this fraction of copy calls fail before they
+            touch memory (see `fastkv.worker.faults`); 0 in production.
 
     Raises:
         ValueError: bad device string, or a GPU ordinal the core does not see.
@@ -139,7 +142,9 @@ class CacheController:
         num_threads: int = 0,
         numa_node: int | None = None,
         streams: tuple[Stream, Stream, Stream] | None = None,
+        fail_rate: float = 0.0,
     ) -> None:
+        self.faults = FaultInjector(fail_rate)
         self.spec = spec
         self.num_threads = num_threads
         self.device = device
@@ -536,7 +541,7 @@ class CacheController:
                 )
 
         self.transfers.submit_to_host(
-            transfer_id, device.tolist(), host.tolist(), copy, compute
+            transfer_id, device.tolist(), host.tolist(), self.faults.wrap(copy), compute
         )
         self._account(self._d2h, device.size)
 
@@ -582,10 +587,10 @@ class CacheController:
             transfer_id,
             host.tolist(),
             device.tolist(),
-            copy_layer,
+            self.faults.wrap(copy_layer),
             writes,
             compute,
-            copy_layers,
+            None if copy_layers is None else self.faults.wrap(copy_layers),
         )
         self._account(self._h2d, device.size)
         return counter

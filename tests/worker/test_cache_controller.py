@@ -360,3 +360,27 @@ def test_the_gpu_controllers_layout_path_round_trips_on_a_cpu_layout(dtype: str)
             assert [r.success for r in ctrl.wait_all(5)] == [True]
         finally:
             ctrl._layout.close()
+
+
+def test_fault_injection_fails_copies_before_they_touch_memory() -> None:
+    """fail_rate=1: every copy call fails; the swap-in's result says so, the layer
+    wait raises, and the destination blocks are left exactly as they were."""
+    from fastkv.worker.faults import InjectedCopyError
+    from fastkv.worker.transfer_manager import TransferFailedError
+
+    spec = KVCacheSpec(2, 1, 4, 4, num_device_blocks=4, num_host_blocks=4, dtype="float32")
+    with CacheController(spec, fail_rate=1.0) as ctrl:
+        ctrl.host_blocks(0)[1] = 7
+        before = [ctrl.device_blocks(t).copy() for t in range(len(ctrl.caches))]
+        swap = CacheSwapMetadata(0, CacheLevel.HOST, CacheLevel.DEVICE, [1], [2])
+        counter = ctrl.submit_swap_tasks(None, swap)
+        with pytest.raises(TransferFailedError, match="injected copy failure"):
+            counter.wait_for_layer(0, timeout=10)
+        (result,) = ctrl.wait_all(timeout=10)
+        assert not result.success and InjectedCopyError.__name__ in result.error
+        assert all(
+            np.array_equal(ctrl.device_blocks(t), before[t]) for t in range(len(before))
+        )
+        assert ctrl.faults.failures >= 1 and ctrl.get_stats().failed_transfers == 1
+    with pytest.raises(ValueError, match="fail_rate"):
+        CacheController(spec, fail_rate=1.5)
