@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,10 @@ from fastkv.worker.transfer_manager import (
 
 paddle = paddle_ops.paddle
 log = logging.getLogger(__name__)
+
+ResultListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
+"""`listener(src_level, dst_level, num_blocks, seconds, success)` for each transfer
+result the controller reports; `seconds` from launch to the result being collected."""
 
 KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
 _HOST_REGION_ALIGN = 4096
@@ -179,6 +184,8 @@ class CacheController:
         self._h2d = [0, 0, 0]
         self._failed = 0
         self._freed = False
+        self._listeners: list[ResultListener] = []
+        self._launched: dict[int, tuple[bool, int, float]] = {}  # id -> (to host, blocks, t)
 
     # -- tensors --------------------------------------------------------------
 
@@ -278,6 +285,10 @@ class CacheController:
         else:
             self._counter = self.transfers.guard_writes(writes, compute)
         return self._counter
+
+    def add_result_listener(self, listener: ResultListener) -> None:
+        """Call `listener` for every transfer result reported from now on (metrics)."""
+        self._listeners.append(listener)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
@@ -544,6 +555,7 @@ class CacheController:
             transfer_id, device.tolist(), host.tolist(), self.faults.wrap(copy), compute
         )
         self._account(self._d2h, device.size)
+        self._launched[transfer_id] = (True, device.size, time.monotonic())
 
     def _submit_to_device(
         self,
@@ -593,6 +605,7 @@ class CacheController:
             None if copy_layers is None else self.faults.wrap(copy_layers),
         )
         self._account(self._h2d, device.size)
+        self._launched[transfer_id] = (False, device.size, time.monotonic())
         return counter
 
     def _account(self, counters: list[int], num_blocks: int) -> None:
@@ -602,6 +615,13 @@ class CacheController:
 
     def _count_failures(self, results: list[TransferResult]) -> list[TransferResult]:
         self._failed += sum(not r.success for r in results)
+        now = time.monotonic()
+        for r in results:
+            to_host, blocks, launched = self._launched.pop(r.transfer_id, (True, 0, now))
+            levels = (CacheLevel.DEVICE, CacheLevel.HOST)
+            src, dst = levels if to_host else levels[::-1]
+            for listener in self._listeners:
+                listener(src, dst, blocks, now - launched, r.success)
         return results
 
     def _check_live(self) -> None:

@@ -384,3 +384,22 @@ def test_fault_injection_fails_copies_before_they_touch_memory() -> None:
         assert ctrl.faults.failures >= 1 and ctrl.get_stats().failed_transfers == 1
     with pytest.raises(ValueError, match="fail_rate"):
         CacheController(spec, fail_rate=1.5)
+
+
+def test_result_listeners_hear_each_transfer_with_its_direction_and_size() -> None:
+    spec = KVCacheSpec(2, 1, 4, 4, num_device_blocks=4, num_host_blocks=4, dtype="float32")
+    heard = []
+    with CacheController(spec) as ctrl:
+        ctrl.add_result_listener(lambda *event: heard.append(event))
+        ctrl.submit_swap_tasks(
+            CacheSwapMetadata(0, CacheLevel.DEVICE, CacheLevel.HOST, [0, 1], [2, 3]),
+            CacheSwapMetadata(1, CacheLevel.HOST, CacheLevel.DEVICE, [0], [3]),
+        )
+        results = ctrl.wait_all(timeout=10)
+    assert sorted(r.transfer_id for r in results) == [0, 1]
+    by_direction = {(src, dst): (n, ok) for src, dst, n, _, ok in heard}
+    assert by_direction == {
+        (CacheLevel.DEVICE, CacheLevel.HOST): (2, True),
+        (CacheLevel.HOST, CacheLevel.DEVICE): (1, True),
+    }
+    assert all(seconds >= 0 for *_, seconds, _ in heard)
