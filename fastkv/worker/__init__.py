@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"CacheController", "ControllerStats", "KVCacheSpec"}
+_LAZY = {"CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"}
 
 
 def __getattr__(name: str) -> Any:

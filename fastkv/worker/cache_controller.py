@@ -26,11 +26,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from fastkv.config import CacheConfig
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
 from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
@@ -57,6 +58,7 @@ ResultListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
 result the controller reports; `seconds` from launch to the result being collected."""
 
 KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 _HOST_REGION_ALIGN = 4096
 
 
@@ -100,6 +102,86 @@ class KVCacheSpec:
     @property
     def tensors_per_layer(self) -> int:
         return 4 if self.dtype == "fp8" else 2
+
+    def shape(self) -> CacheShape:
+        return CacheShape(
+            self.total_layers,
+            self.tensors_per_layer,
+            self.num_device_blocks,
+            self.num_host_blocks,
+            self.block_size,
+            self.dtype,
+        )
+
+    def block_bytes(self) -> list[int]:
+        """Bytes of one block of each cache tensor, in `caches` order."""
+        kv = self.num_kv_heads * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
+        per_layer = [kv, kv] + ([4 * self.num_kv_heads] * 2 if self.dtype == "fp8" else [])
+        return per_layer * self.total_layers
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """What the controller needs to know of its cache, however it was made.
+
+    Attributes:
+        num_layers: layers with cache tensors (model layers, then extra layers).
+        tensors_per_layer: cache tensors per layer (K, V; plus scales for fp8; one
+            latent tensor for MLA).
+        num_device_blocks: block ids the scheduler hands out (every tensor has at
+            least this many blocks).
+        num_host_blocks: blocks of the host tier.
+        block_size: tokens per block.
+        dtype: the KV dtype name (CacheConfig.kv_dtype's vocabulary).
+    """
+
+    num_layers: int
+    tensors_per_layer: int
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    dtype: str
+
+    def check_against(self, config: CacheConfig) -> None:
+        """The one shape contract between the halves: the scheduler's CacheConfig
+        and the worker's cache agree on block size, block counts and dtype.
+
+        Raises:
+            ValueError: they disagree; the message names the field and both values.
+        """
+        for name, mine, theirs in (
+            ("block_size", self.block_size, config.block_size),
+            ("num_device_blocks", self.num_device_blocks, config.num_device_blocks),
+            ("num_host_blocks", self.num_host_blocks, config.num_host_blocks),
+            ("kv_dtype", self.dtype, config.kv_dtype),
+        ):
+            if mine != theirs:
+                raise ValueError(
+                    f"{name}: the worker's cache has {mine!r}, the scheduler's CacheConfig "
+                    f"{theirs!r}; build both from one configuration"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """The memory a controller takes, stated (and checked) before it takes it.
+
+    Attributes:
+        device_bytes: KV tensors (already allocated by the engine when adopted).
+        host_bytes: the host tier, one allocation.
+        allocates_device: whether the controller allocates the device tensors.
+    """
+
+    device_bytes: int
+    host_bytes: int
+    allocates_device: bool
+
+    def describe(self) -> str:
+        made = "to allocate" if self.allocates_device else "adopted"
+        return (
+            f"device KV {self.device_bytes / 2**30:.2f} GiB ({made}), host tier "
+            f"{self.host_bytes / 2**30:.2f} GiB"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,21 +230,118 @@ class CacheController:
         numa_node: int | None = None,
         streams: tuple[Stream, Stream, Stream] | None = None,
         fail_rate: float = 0.0,
+        config: CacheConfig | None = None,
+    ) -> None:
+        shape = spec.shape()
+        if config is not None:
+            shape.check_against(config)
+        block_bytes = spec.block_bytes()
+        plan = MemoryPlan(
+            sum(block_bytes) * spec.num_device_blocks,
+            _host_tier_bytes(block_bytes, spec.num_host_blocks),
+            allocates_device=True,
+        )
+        self.spec: KVCacheSpec | None = spec
+        self._start(
+            shape,
+            plan,
+            device,
+            lambda: self._make_device_caches(spec),
+            num_threads,
+            numa_node,
+            streams,
+            fail_rate,
+        )
+
+    @classmethod
+    def adopt(
+        cls,
+        caches: Sequence[paddle.Tensor],
+        config: CacheConfig,
+        *,
+        tensors_per_layer: int,
+        num_extra_layers: int = 0,
+        block_axis: int = 2,
+        num_threads: int = 0,
+        numa_node: int | None = None,
+        streams: tuple[Stream, Stream, Stream] | None = None,
+        fail_rate: float = 0.0,
+    ) -> CacheController:
+        """A controller over KV tensors the engine already made (FastDeploy's
+        attention backends create them), with a host tier sized from them.
+
+        Any per-block shape works: a block is one `[b, ...]` slice of a contiguous
+        tensor. `caches` is layer-major, `tensors_per_layer` tensors per layer: K, V
+        (`[blocks, kv_heads, block_size, head_dim]`); K, V, K scale, V scale for
+        block-wise fp8 (uint8 K/V; scales in any float dtype); one latent tensor for
+        MLA (`[blocks, 1, block_size, dim]`). The last `num_extra_layers` layers
+        (speculative decoding) may have more blocks than the scheduler hands out;
+        only ids below `config.num_device_blocks` are ever moved.
+
+        Args:
+            caches: the engine's cache tensors, all on one place (CPU or one GPU).
+            config: the scheduler's CacheConfig: block size, device and host block
+                counts and KV dtype are checked against the tensors.
+            tensors_per_layer: tensors per layer, dividing len(caches).
+            num_extra_layers: trailing layers allowed more blocks.
+            block_axis: the axis of each tensor holding the block's tokens (2 in
+                FastDeploy's layouts); tensors without it are not checked for it.
+            num_threads, numa_node, streams, fail_rate: as for the constructor.
+
+        Raises:
+            ValueError: a tensor that cannot be swapped (not contiguous, another
+                place, too few blocks or a block count that disagrees, a block not a
+                multiple of 4 bytes, another block size or dtype), a bad count, or
+                a host tier larger than the memory available; nothing is allocated.
+        """
+        caches = list(caches)
+        shape, block_bytes, device = _adopted_shape(
+            caches, config, tensors_per_layer, num_extra_layers, block_axis
+        )
+        plan = MemoryPlan(
+            sum(block_bytes) * config.num_device_blocks,
+            _host_tier_bytes(block_bytes, config.num_host_blocks),
+            allocates_device=False,
+        )
+        self = cls.__new__(cls)
+        self.spec = None
+        self._start(
+            shape, plan, device, lambda: caches, num_threads, numa_node, streams, fail_rate
+        )
+        return self
+
+    def _start(
+        self,
+        shape: CacheShape,
+        plan: MemoryPlan,
+        device: str,
+        make_caches: Callable[[], list[paddle.Tensor]],
+        num_threads: int,
+        numa_node: int | None,
+        streams: tuple[Stream, Stream, Stream] | None,
+        fail_rate: float,
     ) -> None:
         self.faults = FaultInjector(fail_rate)
-        self.spec = spec
+        self.shape = shape
         self.num_threads = num_threads
         self.device = device
         gpu_index = _parse_device(device)
         self.gpu_index = gpu_index
+        _check_memory(plan, gpu_index)
+        self.memory = plan
+        log.info("fastkv cache on %s: %s", device, plan.describe())
         self._layout: core.Layout | None = None
         self._pool: CudaEventPool | None = None
         self._fixed_compute: Stream | None = None
         self._external: dict[int, CudaStream] = {}
         if gpu_index is not None:
             _init_cuda(device, gpu_index)
-        self.caches = self._make_device_caches()
+        self.caches = make_caches()
         self.block_bytes = [_block_bytes(t) for t in self.caches]
+        # The ops see every tensor with exactly the block ids the scheduler hands out
+        # (extra layers may hold more): a leading slice is a contiguous view.
+        n = shape.num_device_blocks
+        self._op_caches = [t if t.shape[0] == n else t[:n] for t in self.caches]
         self._allocate_host(gpu_index, numa_node)
         try:
             if streams is None:
@@ -170,14 +349,14 @@ class CacheController:
             else:
                 self._input, self._output, self._compute = streams
                 self._fixed_compute = self._compute
-            if gpu_index is not None and spec.num_host_blocks > 0:
+            if gpu_index is not None and shape.num_host_blocks > 0:
                 self._layout = self._make_layout(gpu_index)
         except BaseException:
             self._release_gpu()
             self._release_host()
             raise
         self.transfers = TransferManager(
-            self._input, self._output, self._compute, spec.total_layers
+            self._input, self._output, self._compute, shape.num_layers
         )
         self._counter = self.transfers.guard_writes(())
         self._d2h = [0, 0, 0]  # transfers, blocks, bytes
@@ -191,25 +370,25 @@ class CacheController:
 
     def layer_caches(self, layer: int) -> list[paddle.Tensor]:
         """Layer `layer`'s tensors: [K, V] or, for fp8, [K, V, K scale, V scale]."""
-        n = self.spec.tensors_per_layer
+        n = self.shape.tensors_per_layer
         return self.caches[layer * n : (layer + 1) * n]
 
     @property
     def key_caches(self) -> list[paddle.Tensor]:
-        return self.caches[0 :: self.spec.tensors_per_layer]
+        return self.caches[0 :: self.shape.tensors_per_layer]
 
     @property
     def value_caches(self) -> list[paddle.Tensor]:
-        return self.caches[1 :: self.spec.tensors_per_layer]
+        return self.caches[1 :: self.shape.tensors_per_layer]
 
     def host_blocks(self, tensor_index: int) -> np.ndarray:
         """A zero-copy uint8 view `[num_host_blocks, block_bytes]` of one tensor's
         host region (for checks and the storage tier)."""
         self._check_live()
-        nbytes = self.spec.num_host_blocks * self.block_bytes[tensor_index]
+        nbytes = self.shape.num_host_blocks * self.block_bytes[tensor_index]
         raw = (ctypes.c_uint8 * nbytes).from_address(self.host_ptrs[tensor_index])
         return np.ctypeslib.as_array(raw).reshape(
-            self.spec.num_host_blocks, self.block_bytes[tensor_index]
+            self.shape.num_host_blocks, self.block_bytes[tensor_index]
         )
 
     def device_blocks(self, tensor_index: int) -> np.ndarray:
@@ -217,7 +396,7 @@ class CacheController:
         a zero-copy view on CPU, a copy from a GPU."""
         self._check_live()
         tensor = self.caches[tensor_index]
-        shape = (self.spec.num_device_blocks, self.block_bytes[tensor_index])
+        shape = (self.shape.num_device_blocks, self.block_bytes[tensor_index])
         if tensor.place.is_cpu_place():
             raw = (ctypes.c_uint8 * (shape[0] * shape[1])).from_address(tensor.data_ptr())
             return np.ctypeslib.as_array(raw).reshape(shape)
@@ -320,7 +499,7 @@ class CacheController:
             failed_transfers=self._failed,
             inflight_transfers=self.transfers.num_inflight,
             ordering_waits=self.transfers.ordering_waits,
-            device_cache_bytes=sum(self.block_bytes) * self.spec.num_device_blocks,
+            device_cache_bytes=sum(self.block_bytes) * self.shape.num_device_blocks,
             host_cache_bytes=self._host_bytes,
             numa_node=self.numa_node,
         )
@@ -351,6 +530,7 @@ class CacheController:
         self._release_gpu()
         self._release_host()
         self.caches = []
+        self._op_caches = []
         for stream in (self._input, self._output):
             if isinstance(stream, HostStream):
                 stream.close()
@@ -394,7 +574,7 @@ class CacheController:
             return
         # Events for a few steps of per-layer loads, created now rather than on the
         # launch path; the pool grows if an engine keeps more in flight.
-        self._pool = CudaEventPool(gpu_index, prefill=2 * self.spec.total_layers + 8)
+        self._pool = CudaEventPool(gpu_index, prefill=2 * self.shape.num_layers + 8)
         # Loads gate the model's next layer: highest priority. Evictions and backups
         # are fire-and-forget: lowest, so they yield to everything else.
         self._input = CudaStream.new(gpu_index, self._pool, priority=1)
@@ -441,14 +621,13 @@ class CacheController:
         ]
         return core.Layout(
             segments,
-            self.spec.tensors_per_layer,
-            self.spec.num_device_blocks,
-            self.spec.num_host_blocks,
+            self.shape.tensors_per_layer,
+            self.shape.num_device_blocks,
+            self.shape.num_host_blocks,
             gpu_index,
         )
 
-    def _make_device_caches(self) -> list[paddle.Tensor]:
-        s = self.spec
+    def _make_device_caches(self, s: KVCacheSpec) -> list[paddle.Tensor]:
         place = self.device if self.device != "gpu" else "gpu:0"
         kv_shape = [s.num_device_blocks, s.num_kv_heads, s.block_size, s.head_dim]
         scale_shape = [s.num_device_blocks, s.num_kv_heads]
@@ -463,7 +642,7 @@ class CacheController:
         return caches
 
     def _allocate_host(self, gpu_index: int | None, numa_node: int | None) -> None:
-        sizes = [_align(self.spec.num_host_blocks * b) for b in self.block_bytes]
+        sizes = [_align(self.shape.num_host_blocks * b) for b in self.block_bytes]
         self._host_bytes = sum(sizes)
         self.numa_node = host_numa_node(gpu_index) if numa_node is None else numa_node
         self._host_pinned = gpu_index is not None
@@ -508,8 +687,8 @@ class CacheController:
         dst_ids = np.asarray(meta.dst_block_ids, dtype=np.int64)
         device, host = (src_ids, dst_ids) if src == CacheLevel.DEVICE else (dst_ids, src_ids)
         for name, ids, limit in (
-            ("device ids", device, self.spec.num_device_blocks),
-            ("host ids", host, self.spec.num_host_blocks),
+            ("device ids", device, self.shape.num_device_blocks),
+            ("host ids", host, self.shape.num_host_blocks),
         ):
             if ids.size and (ids.min() < 0 or ids.max() >= limit):
                 bad = ids[(ids < 0) | (ids >= limit)][0]
@@ -541,11 +720,11 @@ class CacheController:
 
             def copy(stream: int) -> None:
                 paddle_ops.swap_all_layers(
-                    self.caches,
+                    self._op_caches,
                     device_t,
                     host_t,
                     self._host_ptrs_tensor,
-                    self.spec.num_host_blocks,
+                    self.shape.num_host_blocks,
                     Direction.D2H,
                     stream,
                     self.num_threads,
@@ -579,17 +758,17 @@ class CacheController:
         else:
             device_t = paddle_ops.int64_tensor(device, "device_ids")
             host_t = paddle_ops.int64_tensor(host, "host_ids")
-            per_layer = self.spec.tensors_per_layer
+            per_layer = self.shape.tensors_per_layer
 
             def copy_layer(layer: int, stream: int) -> None:
                 paddle_ops.swap_layer(
-                    self.caches,
+                    self._op_caches,
                     device_t,
                     host_t,
                     self._host_ptrs_tensor,
                     layer,
                     per_layer,
-                    self.spec.num_host_blocks,
+                    self.shape.num_host_blocks,
                     Direction.H2D,
                     stream,
                     self.num_threads,
@@ -664,6 +843,137 @@ def _paddle_stream_handle(gpu_index: int) -> int:
     return int(stream.cuda_stream)
 
 
+def _host_tier_bytes(block_bytes: list[int], num_host_blocks: int) -> int:
+    return sum(_align(num_host_blocks * b) for b in block_bytes)
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _check_memory(plan: MemoryPlan, gpu_index: int | None) -> None:
+    """Refuses a plan that cannot fit before anything is allocated."""
+    needed = plan.host_bytes + (
+        plan.device_bytes if plan.allocates_device and gpu_index is None else 0
+    )
+    available = _available_host_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"num_host_blocks: the cache needs {needed / 2**30:.2f} GiB of host memory "
+            f"({plan.describe()}), {available / 2**30:.2f} GiB is available; lower "
+            "num_host_blocks (or num_device_blocks on the CPU)"
+        )
+    if gpu_index is not None and plan.allocates_device:
+        cuda = paddle.device.cuda
+        total = cuda.get_device_properties(gpu_index).total_memory
+        free = total - cuda.memory_reserved(gpu_index)
+        if plan.device_bytes > free:
+            raise ValueError(
+                f"num_device_blocks: the KV tensors need {plan.device_bytes / 2**30:.2f} GiB "
+                f"on gpu:{gpu_index}, {free / 2**30:.2f} GiB is free for Paddle there"
+            )
+
+
+def _adopted_shape(
+    caches: list[paddle.Tensor],
+    config: CacheConfig,
+    tensors_per_layer: int,
+    num_extra_layers: int,
+    block_axis: int,
+) -> tuple[CacheShape, list[int], str]:
+    """Validates an engine's cache tensors against the scheduler's config."""
+    for name, value, low in (
+        ("tensors_per_layer", tensors_per_layer, 1),
+        ("num_extra_layers", num_extra_layers, 0),
+        ("block_axis", block_axis, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+    if not caches or len(caches) % tensors_per_layer:
+        raise ValueError(
+            f"caches: {len(caches)} tensors is not a positive multiple of "
+            f"tensors_per_layer={tensors_per_layer}"
+        )
+    num_layers = len(caches) // tensors_per_layer
+    if num_extra_layers >= num_layers:
+        raise ValueError(
+            f"num_extra_layers: {num_extra_layers} leaves no model layer of {num_layers}"
+        )
+    if config.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    kv_dtype = KV_DTYPES[config.kv_dtype]
+    first_extra = (num_layers - num_extra_layers) * tensors_per_layer
+    places = set()
+    block_bytes = []
+    for i, t in enumerate(caches):
+        if not isinstance(t, paddle.Tensor):
+            raise ValueError(f"caches[{i}]: expected a paddle.Tensor, got {type(t).__name__}")
+        shape = list(t.shape)
+        if len(shape) < 2 or not t.is_contiguous():
+            raise ValueError(
+                f"caches[{i}]: must be a contiguous tensor of >= 2 dims, got shape {shape}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
+        places.add(_place_name(t))
+        blocks = shape[0]
+        if blocks < config.num_device_blocks or (
+            i < first_extra and blocks != config.num_device_blocks
+        ):
+            want = "exactly" if i < first_extra else "at least"
+            raise ValueError(
+                f"caches[{i}]: {blocks} blocks, the scheduler hands out "
+                f"{config.num_device_blocks} (num_device_blocks): need {want} that many"
+            )
+        if len(shape) > block_axis and shape[block_axis] != config.block_size:
+            raise ValueError(
+                f"caches[{i}]: axis {block_axis} is {shape[block_axis]} tokens, the "
+                f"scheduler's block_size is {config.block_size}"
+            )
+        role = i % tensors_per_layer
+        is_kv = role == 0 or (role == 1 and tensors_per_layer in (2, 4))
+        dtype = str(t.dtype).removeprefix("paddle.")
+        if is_kv and dtype != kv_dtype:
+            raise ValueError(
+                f"caches[{i}]: dtype {dtype}, the scheduler's kv_dtype {config.kv_dtype!r} "
+                f"stores {kv_dtype}"
+            )
+        nbytes = _block_bytes(t)
+        if nbytes % core.MIN_ACCESS_BYTES:
+            raise ValueError(
+                f"caches[{i}]: a block is {nbytes} bytes, not a multiple of "
+                f"{core.MIN_ACCESS_BYTES} (the copy kernels' narrowest access)"
+            )
+        block_bytes.append(nbytes)
+    if len(places) != 1:
+        raise ValueError(f"caches: tensors on several places {sorted(places)}; need one")
+    shape = CacheShape(
+        num_layers,
+        tensors_per_layer,
+        config.num_device_blocks,
+        config.num_host_blocks,
+        config.block_size,
+        config.kv_dtype,
+    )
+    return shape, block_bytes, places.pop()
+
+
+def _place_name(tensor: paddle.Tensor) -> str:
+    place = tensor.place
+    if place.is_cpu_place():
+        return "cpu"
+    if place.is_gpu_place():
+        return f"gpu:{place.gpu_device_id()}"
+    raise ValueError(f"caches: tensor on {place}, which is neither the CPU nor a GPU")
+
+
 def _block_bytes(tensor: paddle.Tensor) -> int:
     return int(np.prod(tensor.shape[1:])) * tensor.element_size()
 
@@ -672,4 +982,4 @@ def _align(n: int) -> int:
     return (n + _HOST_REGION_ALIGN - 1) // _HOST_REGION_ALIGN * _HOST_REGION_ALIGN
 
 
-__all__ = ["CacheController", "ControllerStats", "KVCacheSpec"]
+__all__ = ["CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"]
