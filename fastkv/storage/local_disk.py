@@ -68,6 +68,7 @@ META_FILE = "fastkv-storage.json"
 LOCK_FILE = "LOCK"
 _SLAB_BYTES = 1 << 30
 _SCAN_CHUNK = 4096
+_GROW_RETRY_S = 1.0
 
 
 class StorageDirectoryLocked(RuntimeError):
@@ -189,6 +190,8 @@ class LocalDiskBackend(StorageBackend):
             self.close()
             raise
         self._lock = threading.Lock()
+        self._grow_error: OSError | None = None
+        self._grow_retry_at = 0.0
         self._seq = time.time_ns()
         self._stats = StorageStats(capacity_blocks=capacity)
         self._local = threading.local()
@@ -324,32 +327,46 @@ class LocalDiskBackend(StorageBackend):
         slots = self._slots
         if slots.free:
             return slots.free.pop()
-        if slots.allocated < slots.capacity and self._grow():
-            return slots.free.pop()
+        if slots.allocated < slots.capacity:
+            # Below capacity the file grows; when the filesystem is full, puts fail
+            # (fast) rather than evict: the configured capacity is not there.
+            return slots.free.pop() if self._grow() else None
         slot = slots.evict_one()
         if slot is not None:
             self._stats.evictions += 1
         return slot
 
     def _grow(self) -> bool:
-        """Preallocate the next slab; False (and a remembered error) on failure."""
+        """Preallocate more slots: a slab, or as much of one as the filesystem has
+        room for (halving down to one slot). After a failure, puts fail fast
+        (no I/O) for `_GROW_RETRY_S` before the next attempt."""
         slots = self._slots
-        new = min(slots.capacity, slots.allocated + self._slab_slots)
+        if time.monotonic() < self._grow_retry_at:
+            return False
+        step = min(self._slab_slots, slots.capacity - slots.allocated)
         start = slots.allocated * self.geometry.slot_bytes
-        length = (new - slots.allocated) * self.geometry.slot_bytes
-        try:
-            os.posix_fallocate(self._fd, start, length)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                self._grow_error = e
-                return False
-            os.ftruncate(self._fd, start + length)  # no preallocation: a sparse file
+        while step >= 1:
+            length = step * self.geometry.slot_bytes
+            try:
+                os.posix_fallocate(self._fd, start, length)
+                break
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    os.ftruncate(self._fd, start + length)  # no preallocation: sparse
+                    break
+                if e.errno != errno.ENOSPC or step == 1:
+                    self._grow_error = e
+                    self._grow_retry_at = time.monotonic() + _GROW_RETRY_S
+                    return False
+                step //= 2
+        new = slots.allocated + step
         slots.free.extend(range(new - 1, slots.allocated - 1, -1))
         slots.allocated = new
+        self._grow_error = None
         return True
 
     def _no_slot_result(self) -> KeyResult:
-        err = getattr(self, "_grow_error", None)
+        err = self._grow_error
         if err is not None and self._slots.allocated < self._slots.capacity:
             reason = f"no space to grow the slot file: {err.strerror}"
         elif self.recovering:
