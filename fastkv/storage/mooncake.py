@@ -196,6 +196,7 @@ class MooncakeBackend(StorageBackend):
         self._arena_addr = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data
         self._register(self._arena_addr, len(self._arena))
         self._free_arenas = list(range(max_concurrency))
+        self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
         self._closed = False
 
@@ -361,6 +362,8 @@ class MooncakeBackend(StorageBackend):
                 or time.monotonic() + self.retry_backoff_s >= deadline
             ):
                 break
+            with self._lock:
+                self.pool_full_retries += len(pending)
             time.sleep(self.retry_backoff_s)
         for j in pending:
             results[j] = KeyResult(
@@ -380,10 +383,10 @@ class MooncakeBackend(StorageBackend):
         fatal: str | None = None
         corrupt = 0
         for j, code in enumerate(codes):
-            result, is_fatal = self._read_result(keys[j], blocks[j], arena, j, code)
-            if is_fatal:
+            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code)
+            if outcome == "fatal":
                 fatal = f"get answered {code}"
-            corrupt += result.status == KeyStatus.MISS and result.reason.startswith("rejected")
+            corrupt += outcome == "corrupt"
             results.append(result)
         with self._lock:
             self._stats.corrupt += corrupt
@@ -391,7 +394,9 @@ class MooncakeBackend(StorageBackend):
 
     def _read_result(
         self, key: StorageKey, segs: BlockSegments, arena: int, j: int, code: int
-    ) -> tuple[KeyResult, bool]:
+    ) -> tuple[KeyResult, str]:
+        """The result of one get and its kind: "", "corrupt" (counted) or "fatal"
+        (opens the breaker)."""
         if code == self._expected_bytes:
             status = _disk_io.verify_block(
                 self._header_view(arena, j),
@@ -399,25 +404,31 @@ class MooncakeBackend(StorageBackend):
                 np.asarray(segs, dtype=np.int64),
             )
             if status == _disk_io.ST_OK:
-                return OK, False
+                return OK, ""
             what = (
                 "header mismatch" if status == _disk_io.ST_BAD_HEADER else "checksum mismatch"
             )
-            return KeyResult(KeyStatus.MISS, f"rejected: {what}"), False
+            return KeyResult(KeyStatus.MISS, f"rejected: {what}"), "corrupt"
         if 0 <= code < self._expected_bytes:
-            return KeyResult(KeyStatus.MISS, f"rejected: short object ({code} bytes)"), False
+            return KeyResult(
+                KeyStatus.MISS, f"rejected: short object ({code} bytes)"
+            ), "corrupt"
         if code > self._expected_bytes or code == BUFFER_TOO_SMALL:
-            return KeyResult(KeyStatus.MISS, "rejected: object larger than the block"), False
+            return KeyResult(
+                KeyStatus.MISS, "rejected: object larger than the block"
+            ), "corrupt"
         if code == OBJECT_NOT_FOUND:
-            return KeyResult(KeyStatus.MISS, "not stored"), False
+            return KeyResult(KeyStatus.MISS, "not stored"), ""
         if code == TRANSFER_FAIL:
             # A short object also fails a multi-buffer read with -800: ask its size.
             size = self.store.get_size(key.text())
             if 0 <= size != self._expected_bytes:
-                return KeyResult(
-                    KeyStatus.MISS, f"rejected: short object ({size} bytes)"
-                ), False
-        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), code in FATAL_CODES
+                return (
+                    KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
+                    "corrupt",
+                )
+        fatal = "fatal" if code in FATAL_CODES else ""
+        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
 
     # -- helpers ------------------------------------------------------------------
 
