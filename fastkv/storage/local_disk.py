@@ -41,6 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,7 @@ LOCK_FILE = "LOCK"
 _SLAB_BYTES = 1 << 30
 _SCAN_CHUNK = 4096
 _GROW_RETRY_S = 1.0
+_SCAN_THREADS = 8
 
 
 class StorageDirectoryLocked(RuntimeError):
@@ -476,8 +478,9 @@ class LocalDiskBackend(StorageBackend):
     def _scan_slots(self) -> None:
         g = self.geometry
         want_layout = self.layout.digest32()
-        buf = mmap.mmap(-1, ALIGN)
-        addr = _address(buf)
+        # Header reads are small and random: several in flight keep the disk busy.
+        buffers = [mmap.mmap(-1, ALIGN) for _ in range(_SCAN_THREADS)]
+        pool = ThreadPoolExecutor(_SCAN_THREADS, thread_name_prefix="fastkv-disk-scan")
         start = 0
         end = self._scan_slots_upto
         found = 0
@@ -485,7 +488,7 @@ class LocalDiskBackend(StorageBackend):
             stop = min(end, start + _SCAN_CHUNK)
             offsets = np.arange(start, stop, dtype=np.int64) * g.slot_bytes
             out = bytearray(HEADER_BYTES * (stop - start))
-            statuses = _disk_io.scan_headers(self._fd, offsets, out, addr, len(buf))
+            statuses = self._read_headers(pool, buffers, offsets, out)
             recovered: list[tuple[int, bytes, int]] = []  # (seq, key, slot)
             empty: list[int] = []
             view = memoryview(out)
@@ -527,7 +530,31 @@ class LocalDiskBackend(StorageBackend):
             self.directory,
             start,
         )
-        buf.close()
+        pool.shutdown()
+        for buf in buffers:
+            buf.close()
+
+    def _read_headers(
+        self,
+        pool: ThreadPoolExecutor,
+        buffers: list[mmap.mmap],
+        offsets: np.ndarray,
+        out: bytearray,
+    ) -> list[int]:
+        """scan_headers over `offsets`, split among the pool's threads."""
+        bounds = np.linspace(0, len(offsets), len(buffers) + 1).astype(int)
+
+        def run(k: int) -> list[int]:
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            part = bytearray(HEADER_BYTES * (hi - lo))
+            buf = buffers[k]
+            statuses = _disk_io.scan_headers(
+                self._fd, offsets[lo:hi], part, _address(buf), ALIGN
+            )
+            out[lo * HEADER_BYTES : hi * HEADER_BYTES] = part
+            return statuses
+
+        return [s for part in pool.map(run, range(len(buffers))) for s in part]
 
     # -- setup ----------------------------------------------------------------------
 
