@@ -25,6 +25,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
@@ -259,19 +260,26 @@ static int batch_parse(Batch *b, PyObject *headers, PyObject *offsets, PyObject 
     return 0;
 }
 
-/* Builds one block's iovec list. Returns the count, or -1 when the block must go
- * through a full bounce (a large segment is misaligned for O_DIRECT). */
+/* Builds one block's iovec list (when `iov` is not NULL). Returns the count, or -1
+ * when the block must go through a full bounce (a large segment is misaligned for
+ * O_DIRECT). */
 static int block_iovecs(const Batch *b, const int64_t *segs, uint8_t *bounce, int direct, struct iovec *iov) {
     const int64_t *so = (const int64_t *)b->seg_off.buf;
     int n = 0;
-    iov[n].iov_base = bounce;
-    iov[n++].iov_len = (size_t)b->header_area;
+    if (iov) {
+        iov[n].iov_base = bounce;
+        iov[n].iov_len = (size_t)b->header_area;
+    }
+    n++;
     for (Py_ssize_t s = 0; s < b->nseg; s++) {
         if (so[s] < b->header_area) continue; /* packed into the header area */
         uintptr_t p = (uintptr_t)segs[2 * s];
         if (direct && (p % ALIGN)) return -1;
-        iov[n].iov_base = (void *)p;
-        iov[n++].iov_len = (size_t)segs[2 * s + 1];
+        if (iov) {
+            iov[n].iov_base = (void *)p;
+            iov[n].iov_len = (size_t)segs[2 * s + 1];
+        }
+        n++;
     }
     return n;
 }
@@ -283,156 +291,223 @@ static PyObject *status_list(const int32_t *st, Py_ssize_t n) {
     return out;
 }
 
-/* ---- write_batch -------------------------------------------------------------- */
+/* ---- write_batch / read_batch ----------------------------------------------------
+ *
+ * With two or more blocks the checksum work runs on a helper thread, pipelined
+ * with the I/O: a write seals block i+1's header while block i is being written, a
+ * read verifies block i while block i+1 is being read. Checksums of cold host
+ * memory are memory-bound (about a fifth of an O_DIRECT write's time at 2 MiB
+ * here); overlapped, one thread gets close to raw I/O speed.
+ */
 
-static PyObject *write_batch(PyObject *self, PyObject *args) {
-    (void)self;
-    int fd, direct;
+typedef struct {
+    Batch *b;
+    int fd, direct, is_write, pipelined;
+    uint8_t *bounce;
+    unsigned long long bounce_len;
+    double deadline, delay;
+    int32_t *st;    /* final status per block */
+    int32_t *io_st; /* read: outcome of the I/O (ST_OK: to be verified) */
+    uint8_t *lanes_main, *lanes_helper;
+    struct iovec *iov; /* nseg + 1 entries, for the main thread */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    Py_ssize_t ready; /* write: headers sealed below this; read: I/O done below this */
+    int main_done;    /* the main thread will make no more progress */
+} Job;
+
+static const int64_t *job_segs(const Job *j, Py_ssize_t i) { return (const int64_t *)j->b->segs.buf + 2 * j->b->nseg * i; }
+
+static uint8_t *job_bounce(const Job *j, Py_ssize_t i) {
+    return j->pipelined && !j->is_write ? j->bounce + i * j->b->header_area : j->bounce;
+}
+
+static void seal(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
+    uint8_t *hdr = (uint8_t *)j->b->headers.buf + HDR_BYTES * i;
+    put_u32(hdr + HDR_PAYLOAD_CRC, block_checksum(job_segs(j, i), j->b->nseg, lanes_buf));
+    put_u32(hdr + HDR_CRC, crc32c(hdr, HDR_CRC));
+}
+
+/* The final status of read block i whose I/O ended with io_st[i]. */
+static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
+    if (j->io_st[i] != ST_OK) {
+        j->st[i] = j->io_st[i];
+        return;
+    }
+    const Batch *b = j->b;
+    const int64_t *sg = job_segs(j, i);
+    const int64_t *so = (const int64_t *)b->seg_off.buf;
+    const uint8_t *want = (const uint8_t *)b->headers.buf + HDR_BYTES * i;
+    uint8_t *bounce = job_bounce(j, i);
+    if (memcmp(bounce, want, HDR_CMP_END) != 0 || get_u32(bounce + HDR_CRC) != crc32c(bounce, HDR_CRC)) {
+        j->st[i] = ST_BAD_HEADER;
+        return;
+    }
+    int full_bounce = !j->pipelined && block_iovecs(b, sg, bounce, j->direct, NULL) < 0;
+    for (Py_ssize_t s = 0; s < b->nseg; s++)
+        if (full_bounce || so[s] < b->header_area)
+            memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
+    j->st[i] = get_u32(bounce + HDR_PAYLOAD_CRC) == block_checksum(sg, b->nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+}
+
+static void *helper(void *arg) {
+    Job *j = arg;
+    for (Py_ssize_t i = 0; i < j->b->n; i++) {
+        if (j->is_write) {
+            pthread_mutex_lock(&j->mu);
+            int stop = j->main_done;
+            pthread_mutex_unlock(&j->mu);
+            if (stop) break;
+            seal(j, i, j->lanes_helper);
+            pthread_mutex_lock(&j->mu);
+            j->ready = i + 1;
+            pthread_cond_broadcast(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+        } else {
+            pthread_mutex_lock(&j->mu);
+            while (j->ready <= i && !j->main_done) pthread_cond_wait(&j->cv, &j->mu);
+            int have = j->ready > i;
+            pthread_mutex_unlock(&j->mu);
+            if (!have) break;
+            verify(j, i, j->lanes_helper);
+        }
+    }
+    return NULL;
+}
+
+/* The main thread's loop: deadline, injected delay, then one block's I/O. */
+static void run_job(Job *j) {
+    const Batch *b = j->b;
+    const int64_t *so = (const int64_t *)b->seg_off.buf;
+    struct iovec *iov = j->iov;
+    pthread_t tid;
+    if (j->pipelined && pthread_create(&tid, NULL, helper, j) != 0) j->pipelined = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        if (now_monotonic() >= j->deadline) {
+            for (Py_ssize_t k = i; k < b->n; k++) j->st[k] = ST_TIMEOUT;
+            break;
+        }
+        sleep_seconds(j->delay);
+        const int64_t *sg = job_segs(j, i);
+        uint8_t *bounce = job_bounce(j, i);
+        if (j->is_write) {
+            if (j->pipelined) {
+                pthread_mutex_lock(&j->mu);
+                while (j->ready <= i) pthread_cond_wait(&j->cv, &j->mu);
+                pthread_mutex_unlock(&j->mu);
+            } else {
+                seal(j, i, j->lanes_main);
+            }
+            memset(bounce, 0, (size_t)b->header_area);
+            memcpy(bounce, (uint8_t *)b->headers.buf + HDR_BYTES * i, HDR_BYTES);
+            for (Py_ssize_t s = 0; s < b->nseg; s++)
+                if (so[s] < b->header_area) memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+        }
+        int niov = block_iovecs(b, sg, bounce, j->direct, iov);
+        if (niov < 0) { /* full bounce: the whole slot is staged in `bounce` */
+            if (j->pipelined || j->bounce_len < (unsigned long long)b->slot_bytes) {
+                j->io_st[i] = j->st[i] = ST_NO_BOUNCE;
+                goto next;
+            }
+            if (j->is_write)
+                for (Py_ssize_t s = 0; s < b->nseg; s++)
+                    if (so[s] >= b->header_area)
+                        memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+            iov[0].iov_base = bounce;
+            iov[0].iov_len = (size_t)b->slot_bytes;
+            niov = 1;
+        }
+        int64_t r = rw_all(j->fd, j->is_write, iov, niov, ((const int64_t *)b->offsets.buf)[i]);
+        if (j->is_write) {
+            j->st[i] = r < 0 ? (int32_t)r : r == b->slot_bytes ? ST_OK : -ENOSPC;
+            continue;
+        }
+        j->io_st[i] = r < 0 ? (int32_t)r : r == b->slot_bytes ? ST_OK : ST_SHORT;
+    next:
+        if (j->is_write) continue;
+        if (j->pipelined) {
+            pthread_mutex_lock(&j->mu);
+            j->ready = i + 1;
+            pthread_cond_broadcast(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+        } else {
+            verify(j, i, j->lanes_main);
+        }
+    }
+    if (j->pipelined) {
+        pthread_mutex_lock(&j->mu);
+        j->main_done = 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+        pthread_join(tid, NULL);
+    }
+}
+
+static PyObject *run_batch(PyObject *args, int is_write) {
+    int fd, direct, pipelined;
     PyObject *headers, *offsets, *segs, *seg_off;
     unsigned long long bounce_ptr, bounce_len;
     long long header_area, slot_bytes;
     double deadline, delay;
-    if (!PyArg_ParseTuple(args, "ipOOOOLLKKdd", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
-                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay))
+    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddp", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
+                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined))
         return NULL;
     Batch b;
-    if (batch_parse(&b, headers, offsets, segs, seg_off, 1) < 0) return NULL;
+    if (batch_parse(&b, headers, offsets, segs, seg_off, is_write) < 0) return NULL;
     b.header_area = header_area;
     b.slot_bytes = slot_bytes;
-    if (bounce_len < (unsigned long long)header_area) {
+    pipelined = pipelined && b.n >= 2;
+    unsigned long long need = (unsigned long long)header_area * (pipelined && !is_write ? (unsigned long long)b.n : 1);
+    if (header_area < HDR_BYTES || slot_bytes < header_area || bounce_len < need) {
         batch_release(&b);
-        return PyErr_Format(PyExc_ValueError, "_disk_io: bounce buffer smaller than the header area");
+        return PyErr_Format(PyExc_ValueError, "_disk_io: bounce buffer or slot geometry too small");
     }
-    int32_t *st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
-    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1));
-    uint8_t *lanes_buf = PyMem_Malloc((size_t)(12 * b.nseg));
-    if (!st || !iov || !lanes_buf) {
-        PyMem_Free(st);
-        PyMem_Free(iov);
-        PyMem_Free(lanes_buf);
-        batch_release(&b);
-        return PyErr_NoMemory();
+    Job j;
+    memset(&j, 0, sizeof(j));
+    j.b = &b;
+    j.fd = fd;
+    j.direct = direct;
+    j.is_write = is_write;
+    j.pipelined = pipelined;
+    j.bounce = (uint8_t *)(uintptr_t)bounce_ptr;
+    j.bounce_len = bounce_len;
+    j.deadline = deadline;
+    j.delay = delay;
+    j.st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
+    j.io_st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
+    j.lanes_main = PyMem_Malloc((size_t)(12 * b.nseg));
+    j.lanes_helper = PyMem_Malloc((size_t)(12 * b.nseg));
+    j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1));
+    PyObject *out = NULL;
+    if (!j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov) {
+        PyErr_NoMemory();
+    } else {
+        pthread_mutex_init(&j.mu, NULL);
+        pthread_cond_init(&j.cv, NULL);
+        Py_BEGIN_ALLOW_THREADS;
+        run_job(&j);
+        Py_END_ALLOW_THREADS;
+        pthread_mutex_destroy(&j.mu);
+        pthread_cond_destroy(&j.cv);
+        out = status_list(j.st, b.n);
     }
-    uint8_t *bounce = (uint8_t *)(uintptr_t)bounce_ptr;
-    const int64_t *so = (const int64_t *)b.seg_off.buf;
-    Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        if (now_monotonic() >= deadline) {
-            st[i] = ST_TIMEOUT;
-            continue;
-        }
-        sleep_seconds(delay);
-        const int64_t *sg = (const int64_t *)b.segs.buf + 2 * b.nseg * i;
-        uint8_t *hdr = (uint8_t *)b.headers.buf + HDR_BYTES * i;
-        put_u32(hdr + HDR_PAYLOAD_CRC, block_checksum(sg, b.nseg, lanes_buf));
-        put_u32(hdr + HDR_CRC, crc32c(hdr, HDR_CRC));
-        memset(bounce, 0, (size_t)header_area);
-        memcpy(bounce, hdr, HDR_BYTES);
-        for (Py_ssize_t s = 0; s < b.nseg; s++)
-            if (so[s] < header_area) memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
-        int niov = block_iovecs(&b, sg, bounce, direct, iov);
-        if (niov < 0) { /* full bounce: the whole slot is staged in `bounce` */
-            if (bounce_len < (unsigned long long)slot_bytes) {
-                st[i] = ST_NO_BOUNCE;
-                continue;
-            }
-            for (Py_ssize_t s = 0; s < b.nseg; s++)
-                if (so[s] >= header_area)
-                    memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
-            iov[0].iov_base = bounce;
-            iov[0].iov_len = (size_t)slot_bytes;
-            niov = 1;
-        }
-        int64_t r = rw_all(fd, 1, iov, niov, ((const int64_t *)b.offsets.buf)[i]);
-        st[i] = r < 0 ? (int32_t)r : r == slot_bytes ? ST_OK : -ENOSPC;
-    }
-    Py_END_ALLOW_THREADS;
-    PyObject *out = status_list(st, b.n);
-    PyMem_Free(st);
-    PyMem_Free(iov);
-    PyMem_Free(lanes_buf);
+    PyMem_Free(j.st);
+    PyMem_Free(j.io_st);
+    PyMem_Free(j.lanes_main);
+    PyMem_Free(j.lanes_helper);
+    PyMem_Free(j.iov);
     batch_release(&b);
     return out;
 }
 
-/* ---- read_batch --------------------------------------------------------------- */
+static PyObject *write_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_batch(args, 1);
+}
 
 static PyObject *read_batch(PyObject *self, PyObject *args) {
     (void)self;
-    int fd, direct;
-    PyObject *headers, *offsets, *segs, *seg_off;
-    unsigned long long bounce_ptr, bounce_len;
-    long long header_area, slot_bytes;
-    double deadline, delay;
-    if (!PyArg_ParseTuple(args, "ipOOOOLLKKdd", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
-                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay))
-        return NULL;
-    Batch b;
-    if (batch_parse(&b, headers, offsets, segs, seg_off, 0) < 0) return NULL;
-    b.header_area = header_area;
-    b.slot_bytes = slot_bytes;
-    if (bounce_len < (unsigned long long)header_area) {
-        batch_release(&b);
-        return PyErr_Format(PyExc_ValueError, "_disk_io: bounce buffer smaller than the header area");
-    }
-    int32_t *st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
-    struct iovec *iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1));
-    uint8_t *lanes_buf = PyMem_Malloc((size_t)(12 * b.nseg));
-    if (!st || !iov || !lanes_buf) {
-        PyMem_Free(st);
-        PyMem_Free(iov);
-        PyMem_Free(lanes_buf);
-        batch_release(&b);
-        return PyErr_NoMemory();
-    }
-    uint8_t *bounce = (uint8_t *)(uintptr_t)bounce_ptr;
-    const int64_t *so = (const int64_t *)b.seg_off.buf;
-    Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        if (now_monotonic() >= deadline) {
-            st[i] = ST_TIMEOUT;
-            continue;
-        }
-        sleep_seconds(delay);
-        const int64_t *sg = (const int64_t *)b.segs.buf + 2 * b.nseg * i;
-        const uint8_t *want = (const uint8_t *)b.headers.buf + HDR_BYTES * i;
-        int niov = block_iovecs(&b, sg, bounce, direct, iov);
-        int full_bounce = niov < 0;
-        if (full_bounce) {
-            if (bounce_len < (unsigned long long)slot_bytes) {
-                st[i] = ST_NO_BOUNCE;
-                continue;
-            }
-            iov[0].iov_base = bounce;
-            iov[0].iov_len = (size_t)slot_bytes;
-            niov = 1;
-        }
-        int64_t r = rw_all(fd, 0, iov, niov, ((const int64_t *)b.offsets.buf)[i]);
-        if (r < 0) {
-            st[i] = (int32_t)r;
-            continue;
-        }
-        if (r != slot_bytes) {
-            st[i] = ST_SHORT;
-            continue;
-        }
-        if (memcmp(bounce, want, HDR_CMP_END) != 0 || get_u32(bounce + HDR_CRC) != crc32c(bounce, HDR_CRC)) {
-            st[i] = ST_BAD_HEADER;
-            continue;
-        }
-        for (Py_ssize_t s = 0; s < b.nseg; s++)
-            if (full_bounce || so[s] < header_area)
-                memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
-        st[i] = get_u32(bounce + HDR_PAYLOAD_CRC) == block_checksum(sg, b.nseg, lanes_buf) ? ST_OK
-                                                                                          : ST_BAD_CHECKSUM;
-    }
-    Py_END_ALLOW_THREADS;
-    PyObject *out = status_list(st, b.n);
-    PyMem_Free(st);
-    PyMem_Free(iov);
-    PyMem_Free(lanes_buf);
-    batch_release(&b);
-    return out;
+    return run_batch(args, 0);
 }
 
 /* ---- scan_headers ------------------------------------------------------------- */
@@ -604,10 +679,12 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"write_batch", write_batch, METH_VARARGS,
      "write_batch(fd, direct, headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
-     "bounce_len, deadline, delay) -> list[int]: seal each header and write each block to its slot."},
+     "bounce_len, deadline, delay, pipelined) -> list[int]: seal each header and write each block to its "
+     "slot."},
     {"read_batch", read_batch, METH_VARARGS,
      "read_batch(fd, direct, expected_headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
-     "bounce_len, deadline, delay) -> list[int]: read and verify each block into its segments."},
+     "bounce_len, deadline, delay, pipelined) -> list[int]: read and verify each block into its segments "
+     "(pipelined reads need a bounce of header_area per block)."},
     {"scan_headers", scan_headers, METH_VARARGS,
      "scan_headers(fd, offsets, out, bounce_ptr, bounce_len) -> list[int]: read slot headers that verify."},
     {"block_checksum", py_block_checksum, METH_VARARGS,

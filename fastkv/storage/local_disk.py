@@ -427,8 +427,14 @@ class LocalDiskBackend(StorageBackend):
         )
         offsets = np.array([slot * g.slot_bytes for slot, _ in where], dtype=np.int64)
         segs = np.array([blocks[i] for i in todo], dtype=np.int64).reshape(len(todo), -1, 2)
+        # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
+        # otherwise checksums are pipelined with the I/O, and a read keeps each
+        # block's header page until its verification.
         full = self.direct_io and bool((segs[:, g.large, 0] % ALIGN).any())
-        bounce = self._bounce(g.slot_bytes if full else g.header_area)
+        if full:
+            bounce = self._bounce(g.slot_bytes)
+        else:
+            bounce = self._bounce(g.header_area * (1 if write else len(todo)))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
             self._fd,
@@ -443,6 +449,7 @@ class LocalDiskBackend(StorageBackend):
             bounce[1],
             deadline,
             self.io_delay_s,
+            not full,
         )
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
