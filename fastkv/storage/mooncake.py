@@ -78,6 +78,12 @@ class CircuitBreaker:
         self.trips = 0
 
     @property
+    def cooldown_s(self) -> float:
+        """The current cooldown (doubles while probes fail)."""
+        with self._lock:
+            return self._cooldown_s
+
+    @property
     def is_open(self) -> bool:
         with self._lock:
             return self._open_until is not None
@@ -229,7 +235,11 @@ class MooncakeBackend(StorageBackend):
             if time.monotonic() >= deadline or not self.breaker.allow():
                 break
             part = keys[start : start + self.max_batch]
-            codes = self.store.batch_is_exist([k.text() for k in part])
+            try:
+                codes = self.store.batch_is_exist([k.text() for k in part])
+            except Exception as e:  # the binding raised: answer "not found"
+                self.breaker.record(f"is_exist raised {type(e).__name__}: {e}")
+                break
             fatal = next((c for c in codes if c in FATAL_CODES), None)
             self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
             for j, code in enumerate(codes):
@@ -299,7 +309,15 @@ class MooncakeBackend(StorageBackend):
                     results[start:] = [refused] * (len(keys) - start)
                     break
                 stop = min(len(keys), start + self.max_batch)
-                part, fatal = run_part(keys[start:stop], blocks[start:stop], arena, deadline)
+                try:
+                    part, fatal = run_part(
+                        keys[start:stop], blocks[start:stop], arena, deadline
+                    )
+                except Exception as e:  # the binding raised: a failure, never a hang
+                    fatal = f"{type(e).__name__}: {e}"
+                    part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * (
+                        stop - start
+                    )
                 self.breaker.record(fatal)
                 results[start:stop] = part
         finally:
