@@ -185,7 +185,7 @@ def master_killed(cluster: Cluster, during: str) -> dict:
     backend.register_host_memory(host.base, host.nbytes)
     want = [host.fill(b, seed=b) for b in range(4)]
     engine = StorageIOEngine(backend, num_threads=2, chunk_bytes=LAYOUT.payload_bytes)
-    deadline_s = 1.5
+    deadline_s = 1.0
     keys = make_keys(16)
     assert all(
         r.ok
@@ -230,7 +230,7 @@ def master_killed(cluster: Cluster, during: str) -> dict:
     time.sleep(0.5)
     ok_before = sum(r.success for r in results)
     cluster.kill_master()
-    time.sleep(3 * deadline_s)
+    time.sleep(2.5 * deadline_s)
     stop.set()
     streamer.join(30)
     after_kill = results[ok_before:]
