@@ -9,8 +9,10 @@ in the same run on the same blocks.
    blocks (16 segments each, as K/V of 8 layers) with 1 and 2 threads. Runs
    alternate raw and backend (and which goes first); the median is reported.
 2. Mooncake Store over TCP loopback to a storage-node process (mooncake_client),
-   in a private network namespace: the backend (multi-buffer zero-copy, header,
-   checksum) against raw `batch_put_from` / `batch_get_into` of contiguous blocks.
+   in a private network namespace: the backend zero-copy (one Mooncake buffer per
+   segment) and staged (`staging_bytes`: one contiguous object per block), header
+   and checksum on, against raw `batch_put_from` / `batch_get_into` of contiguous
+   blocks.
 3. Recovery: a new backend on a directory of 100k slots (2 MiB blocks; a sparse
    file holding only the headers): time until the background scan has indexed all.
 
@@ -234,6 +236,12 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
         backend = MooncakeBackend(layout, cluster.master_address, max_batch=BATCH)
         host = Host(layout, n)
         backend.register_host_memory(host.base, host.nbytes)
+        staged = MooncakeBackend(
+            layout,
+            max_batch=BATCH,
+            staging_bytes=4 * BATCH * (HEADER_BYTES + layout.payload_bytes),
+            store=backend.store,
+        )
         contiguous = mmap.mmap(-1, n * block_bytes)
         arr = np.frombuffer(contiguous, dtype=np.uint8)
         arr[:] = 7
@@ -241,10 +249,11 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
         backend.register_host_memory(flat, arr.size)
         store = backend.store
         ns = os.urandom(32)
-        figures: dict[str, list[float]] = {k: [] for k in ("rw", "rr", "bw", "br")}
+        figures: dict[str, list[float]] = {k: [] for k in ("rw", "rr", "bw", "br", "sw", "sr")}
         nbytes = n * block_bytes
         for rep in range(reps):
             keys = keys_for(rep, n, ns)
+            staged_keys = keys_for(1000 + rep, n, ns)
             raw_keys = [f"raw-{rep}-{i}" for i in range(n)]
             ptrs = [flat + i * block_bytes for i in range(n)]
 
@@ -262,23 +271,30 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
                     codes = store.batch_get_into(raw_keys[s:e], ptrs[s:e], sizes)
                     assert all(c == block_bytes for c in codes), codes
 
-            def put(lo: int, hi: int, keys: list = keys) -> None:
+            def put(lo: int, hi: int, keys: list = keys, be: MooncakeBackend = backend) -> None:
                 for s in range(lo, hi, BATCH):
                     e = min(hi, s + BATCH)
                     segs = [host.segments(b) for b in range(s, e)]
-                    res = backend.put_from(keys[s:e], segs, deadline_after(600))
+                    res = be.put_from(keys[s:e], segs, deadline_after(600))
                     assert all(r.ok for r in res), res
 
-            def get(lo: int, hi: int, keys: list = keys) -> None:
+            def get(lo: int, hi: int, keys: list = keys, be: MooncakeBackend = backend) -> None:
                 for s in range(lo, hi, BATCH):
                     e = min(hi, s + BATCH)
                     segs = [host.segments(b) for b in range(s, e)]
-                    res = backend.get_into(keys[s:e], segs, deadline_after(600))
+                    res = be.get_into(keys[s:e], segs, deadline_after(600))
                     assert all(r.ok for r in res), res
 
-            runs = [("rw", raw_put), ("bw", put), ("rr", raw_get), ("br", get)]
+            def staged_put(lo: int, hi: int, keys: list = staged_keys) -> None:
+                put(lo, hi, keys, staged)
+
+            def staged_get(lo: int, hi: int, keys: list = staged_keys) -> None:
+                get(lo, hi, keys, staged)
+
+            runs = [("rw", raw_put), ("bw", put), ("sw", staged_put)]
+            runs += [("rr", raw_get), ("br", get), ("sr", staged_get)]
             if rep % 2:
-                runs = [runs[1], runs[0], runs[3], runs[2]]
+                runs = [runs[1], runs[2], runs[0], runs[4], runs[5], runs[3]]
             for name, work in runs:
                 figures[name].append(nbytes / in_threads(1, n, work) / 1e9)
         med = {k: statistics.median(v) for k, v in figures.items()}
@@ -291,6 +307,10 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
                 "raw_get_GBps": round(med["rr"], 3),
                 "backend_get_GBps": round(med["br"], 3),
                 "get_ratio": round(med["br"] / med["rr"], 3),
+                "staged_put_GBps": round(med["sw"], 3),
+                "staged_put_ratio": round(med["sw"] / med["rw"], 3),
+                "staged_get_GBps": round(med["sr"], 3),
+                "staged_get_ratio": round(med["sr"] / med["rr"], 3),
                 "blocks": n,
                 "reps": reps,
             }
@@ -381,8 +401,9 @@ def main() -> None:
         print(f"\nMooncake: {mooncake}")
     else:
         print_table(
-            "Mooncake over TCP loopback (storage-node process): backend (multi-buffer "
-            "zero-copy, header, checksum) vs raw batch_put_from/batch_get_into, GB/s",
+            "Mooncake over TCP loopback (storage-node process): backend zero-copy (one "
+            "buffer per segment) and staged (one contiguous object), header and checksum "
+            "on, vs raw batch_put_from/batch_get_into of contiguous blocks, GB/s",
             mooncake,
             [
                 "block_KiB",
@@ -392,6 +413,10 @@ def main() -> None:
                 "raw_get_GBps",
                 "backend_get_GBps",
                 "get_ratio",
+                "staged_put_GBps",
+                "staged_put_ratio",
+                "staged_get_GBps",
+                "staged_get_ratio",
             ],
         )
 

@@ -667,6 +667,91 @@ static PyObject *verify_block(PyObject *self, PyObject *args) {
     return status < 0 ? NULL : PyLong_FromLong(status);
 }
 
+/* Gathers a block into one contiguous object at `dst`: the header (sealed here:
+ * payload and header CRCs) followed by the segments in order. */
+static PyObject *stage_block(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dst_ptr;
+    PyObject *hdr_obj, *segs_obj;
+    if (!PyArg_ParseTuple(args, "KOO", &dst_ptr, &hdr_obj, &segs_obj)) return NULL;
+    Py_buffer hdr, segs;
+    if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&hdr);
+        return NULL;
+    }
+    Py_ssize_t nseg = segs.len / 16;
+    uint8_t *lanes_buf = NULL;
+    int ok = 0;
+    if (hdr.len < HDR_BYTES || segs.len % 16 || nseg < 1 || !dst_ptr) {
+        PyErr_Format(PyExc_ValueError, "stage_block: a destination, a 128-byte header and (ptr, len) pairs");
+    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
+        PyErr_NoMemory();
+    } else {
+        uint8_t *h = hdr.buf, *dst = (uint8_t *)(uintptr_t)dst_ptr;
+        const int64_t *sg = segs.buf;
+        Py_BEGIN_ALLOW_THREADS;
+        put_u32(h + HDR_PAYLOAD_CRC, block_checksum(sg, nseg, lanes_buf));
+        put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+        memcpy(dst, h, HDR_BYTES);
+        size_t off = HDR_BYTES;
+        for (Py_ssize_t s = 0; s < nseg; s++) {
+            memcpy(dst + off, (const void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+            off += (size_t)sg[2 * s + 1];
+        }
+        Py_END_ALLOW_THREADS;
+        ok = 1;
+    }
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&hdr);
+    PyBuffer_Release(&segs);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The reverse of stage_block: checks the header at `src` against `want`, scatters
+ * the payload into the segments and verifies its checksum there. Returns 0,
+ * ST_BAD_HEADER (nothing scattered) or ST_BAD_CHECKSUM. */
+static PyObject *unstage_block(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long src_ptr;
+    PyObject *want_obj, *segs_obj;
+    if (!PyArg_ParseTuple(args, "KOO", &src_ptr, &want_obj, &segs_obj)) return NULL;
+    Py_buffer want, segs;
+    if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&want);
+        return NULL;
+    }
+    Py_ssize_t nseg = segs.len / 16;
+    uint8_t *lanes_buf = NULL;
+    int status = -1;
+    if (want.len < HDR_BYTES || segs.len % 16 || nseg < 1 || !src_ptr) {
+        PyErr_Format(PyExc_ValueError, "unstage_block: a source, a 128-byte header and (ptr, len) pairs");
+    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
+        PyErr_NoMemory();
+    } else {
+        const uint8_t *src = (const uint8_t *)(uintptr_t)src_ptr;
+        const int64_t *sg = segs.buf;
+        Py_BEGIN_ALLOW_THREADS;
+        if (memcmp(src, want.buf, HDR_CMP_END) != 0 || get_u32(src + HDR_CRC) != crc32c(src, HDR_CRC)) {
+            status = ST_BAD_HEADER;
+        } else {
+            size_t off = HDR_BYTES;
+            for (Py_ssize_t s = 0; s < nseg; s++) {
+                memcpy((void *)(uintptr_t)sg[2 * s], src + off, (size_t)sg[2 * s + 1]);
+                off += (size_t)sg[2 * s + 1];
+            }
+            status = get_u32(src + HDR_PAYLOAD_CRC) == block_checksum(sg, nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&want);
+    PyBuffer_Release(&segs);
+    return status < 0 ? NULL : PyLong_FromLong(status);
+}
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer data;
@@ -692,6 +777,10 @@ static PyMethodDef methods[] = {
     {"seal_header", seal_header, METH_VARARGS, "seal_header(header, segs): fill payload and header CRCs."},
     {"verify_block", verify_block, METH_VARARGS,
      "verify_block(got, want, segs) -> int: 0, BAD_HEADER or BAD_CHECKSUM."},
+    {"stage_block", stage_block, METH_VARARGS,
+     "stage_block(dst_ptr, header, segs): seal the header and gather header + segments at dst."},
+    {"unstage_block", unstage_block, METH_VARARGS,
+     "unstage_block(src_ptr, want_header, segs) -> int: verify, scatter and checksum a staged object."},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int"},
     {NULL, NULL, 0, NULL},
 };

@@ -42,11 +42,18 @@ def backend_for(cluster: Cluster, **kw) -> MooncakeBackend:
     return MooncakeBackend(LAYOUT, cluster.master_address, **kw)
 
 
-def round_trip(cluster: Cluster, two_process: bool) -> dict:
+STAGING = 4 * 2 * (HEADER_BYTES + LAYOUT.payload_bytes)  # 2 objects per concurrent call
+
+
+def round_trip(cluster: Cluster, two_process: bool, staged: bool = False) -> dict:
     cluster.start_master()
     if two_process:
         cluster.start_node()
-    backend = backend_for(cluster, segment_bytes=0 if two_process else 64 << 20)
+    backend = backend_for(
+        cluster,
+        segment_bytes=0 if two_process else 64 << 20,
+        staging_bytes=STAGING if staged else 0,
+    )
     host = HostMemory(LAYOUT, 16)
     backend.register_host_memory(host.base, host.nbytes)
     want = [host.fill(b, seed=b) for b in range(8)]
@@ -65,10 +72,12 @@ def round_trip(cluster: Cluster, two_process: bool) -> dict:
     )
     unregistered = HostMemory(LAYOUT, 1)
     try:
-        backend.get_into(keys[:1], [unregistered.segments(0)], deadline_after(10))
+        res = backend.get_into(keys[:1], [unregistered.segments(0)], deadline_after(10))
         refused = ""
+        unregistered_exact = res[0].ok and unregistered.read(0) == want[0]
     except ValueError as e:
         refused = str(e)
+        unregistered_exact = False
     stats = backend.stats()
     return {
         "put": names(put),
@@ -78,17 +87,19 @@ def round_trip(cluster: Cluster, two_process: bool) -> dict:
         "exists": backend.exists([*keys[:2], *probes], deadline_after(10)),
         "probes": names(misses),
         "unregistered": refused,
+        "unregistered_exact": unregistered_exact,
+        "max_batch": backend.max_batch,
         "corrupt": stats.corrupt,
         "breaker_open": backend.breaker.is_open,
     }
 
 
-def bad_objects(cluster: Cluster) -> dict:
+def bad_objects(cluster: Cluster, staged: bool = False) -> dict:
     """Objects under a block's key that are not that block: short, oversized, a
     same-size object with another key's header, one with a flipped payload byte."""
     cluster.start_master()
     cluster.start_node()
-    backend = backend_for(cluster)
+    backend = backend_for(cluster, staging_bytes=STAGING if staged else 0)
     host = HostMemory(LAYOUT, 8)
     backend.register_host_memory(host.base, host.nbytes)
     staging = HostMemory(LAYOUT, 4)  # raw objects are assembled here
@@ -313,7 +324,9 @@ def node_killed(cluster: Cluster) -> dict:
 CASES = {
     "round_trip_two_process": lambda c: round_trip(c, two_process=True),
     "round_trip_one_process": lambda c: round_trip(c, two_process=False),
+    "round_trip_staged": lambda c: round_trip(c, two_process=True, staged=True),
     "bad_objects": bad_objects,
+    "bad_objects_staged": lambda c: bad_objects(c, staged=True),
     "pool_full_storm": pool_full_storm,
     "master_killed_mid_put": lambda c: master_killed(c, "put"),
     "master_killed_mid_get": lambda c: master_killed(c, "get"),

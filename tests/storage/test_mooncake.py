@@ -43,7 +43,9 @@ def run_case(case: str, tmp_path: Path) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.parametrize("case", ["round_trip_two_process", "round_trip_one_process"])
+@pytest.mark.parametrize(
+    "case", ["round_trip_two_process", "round_trip_one_process", "round_trip_staged"]
+)
 def test_round_trip_is_bit_exact(case: str, tmp_path: Path) -> None:
     out = run_case(case, tmp_path)
     assert out["put"] == ["OK"] * 8
@@ -53,12 +55,17 @@ def test_round_trip_is_bit_exact(case: str, tmp_path: Path) -> None:
     # another namespace or rank never hits
     assert out["exists"] == [True, True, False, False, False, False]
     assert out["probes"] == ["MISS"] * 4
-    assert "register_host_memory" in out["unregistered"]
+    if case.endswith("staged"):  # blocks pass through the staging area, 2 per call
+        assert out["unregistered"] == "" and out["unregistered_exact"]
+        assert out["max_batch"] == 2
+    else:  # zero-copy needs the host memory registered
+        assert "register_host_memory" in out["unregistered"]
     assert out["corrupt"] == 0 and not out["breaker_open"]
 
 
-def test_objects_that_are_not_the_block_are_counted_misses(tmp_path: Path) -> None:
-    out = run_case("bad_objects", tmp_path)
+@pytest.mark.parametrize("case", ["bad_objects", "bad_objects_staged"])
+def test_objects_that_are_not_the_block_are_counted_misses(case: str, tmp_path: Path) -> None:
+    out = run_case(case, tmp_path)
     assert out["raw_codes"] == [0, 0, 0, 0]
     assert out["get"] == ["MISS"] * 4, out
     reasons = out["reasons"]
