@@ -292,22 +292,30 @@ class StorageBackend(ABC):
         blocks: Sequence[BlockSegments] | None,
         deadline: float,
     ) -> None:
-        if not isinstance(keys, Sequence) or isinstance(keys, (str, bytes)):
-            raise ValueError(
-                f"keys: must be a sequence of StorageKey, got {type(keys).__name__}"
-            )
-        for i, key in enumerate(keys):
-            if not isinstance(key, StorageKey):
-                raise ValueError(f"keys[{i}]: must be a StorageKey, got {type(key).__name__}")
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
-            raise ValueError(f"deadline: must be a time.monotonic() value, got {deadline!r}")
-        if math.isnan(deadline):
-            raise ValueError("deadline: is NaN")
+        check_keys(keys)
+        check_deadline(deadline)
         if blocks is None:
             return
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
         check_segments(blocks, self.layout)
+
+
+def check_keys(keys: Sequence[StorageKey]) -> None:
+    """Raises ValueError unless `keys` is a sequence of StorageKey."""
+    if not isinstance(keys, Sequence) or isinstance(keys, (str, bytes)):
+        raise ValueError(f"keys: must be a sequence of StorageKey, not {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, StorageKey):
+            raise ValueError(f"keys[{i}]: must be a StorageKey, got {type(key).__name__}")
+
+
+def check_deadline(deadline: float) -> None:
+    """Raises ValueError unless `deadline` is a number (a time.monotonic() value)."""
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        raise ValueError(f"deadline: must be a time.monotonic() value, got {deadline!r}")
+    if math.isnan(deadline):
+        raise ValueError("deadline: is NaN")
 
 
 def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None:
@@ -345,6 +353,8 @@ __all__ = [
     "StorageKey",
     "StorageNamespace",
     "StorageStats",
+    "check_deadline",
+    "check_keys",
     "check_segments",
     "deadline_after",
 ]

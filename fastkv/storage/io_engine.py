@@ -40,6 +40,8 @@ from fastkv.storage.base import (
     KeyStatus,
     StorageBackend,
     StorageKey,
+    check_deadline,
+    check_keys,
     check_segments,
 )
 
@@ -301,12 +303,9 @@ class StorageIOEngine:
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise ValueError(f"request_id: must be an int, got {request_id!r}")
         keys = list(keys)
-        for i, key in enumerate(keys):
-            if not isinstance(key, StorageKey):
-                raise ValueError(f"keys[{i}]: must be a StorageKey, got {type(key).__name__}")
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
-            raise ValueError(f"deadline: must be a time.monotonic() value, got {deadline!r}")
-        if not math.isfinite(deadline):
+        check_keys(keys)
+        check_deadline(deadline)
+        if not math.isfinite(deadline):  # it also schedules the request's expiry
             raise ValueError(f"deadline: must be finite, got {deadline!r}")
         ids: list[int] = []
         segs: list[BlockSegments] = []
