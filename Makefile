@@ -5,13 +5,25 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-NATIVE := $(wildcard fastkv/*.c custom_ops/csrc/*)
+NATIVE := $(wildcard fastkv/*.c fastkv/storage/*.c custom_ops/csrc/*)
+# Mooncake Store's wheel links these; `ip` brings up loopback in the test namespaces.
+SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2
 SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
 TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 
-.PHONY: install test gpu-test demo replay bench lint clean
+.PHONY: install system-packages test gpu-test demo replay bench lint clean
 
-install: $(STAMP)
+install: system-packages $(STAMP)
+
+# Idempotent and quiet: one dpkg query per package when everything is there.
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q " installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 $(STAMP): requirements.txt setup.py $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

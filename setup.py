@@ -377,6 +377,13 @@ chain_hash = Extension(
     optional=True,  # fastkv.hashing falls back to an equivalent pure-Python loop
 )
 
+# The storage tier's batched, verified block I/O (fastkv/storage/local_disk.py needs it).
+disk_io = Extension(
+    "fastkv.storage._disk_io",
+    sources=["fastkv/storage/_disk_io.c"],
+    extra_compile_args=["-O3", "-Wall", "-Wextra"],
+)
+
 setup(
     name="fastkv",
     version="0.1.0",
@@ -386,6 +393,7 @@ setup(
     install_requires=["numpy"],
     ext_modules=[
         chain_hash,
+        disk_io,
         # Order matters: the Paddle op library links against the core.
         NativeLibrary(
             "fastkv.ops.libfastkv_core",

@@ -1,0 +1,27 @@
+"""The storage tier behind host memory: one backend interface (`base`), a local-disk
+backend (`local_disk`, the embedded default), Mooncake Store (`mooncake`) and the
+worker-side I/O engine (`io_engine`)."""
+
+from fastkv.storage.base import (
+    BlockLayout,
+    KeyResult,
+    KeyStatus,
+    Segment,
+    StorageBackend,
+    StorageKey,
+    StorageNamespace,
+    StorageStats,
+    deadline_after,
+)
+
+__all__ = [
+    "BlockLayout",
+    "KeyResult",
+    "KeyStatus",
+    "Segment",
+    "StorageBackend",
+    "StorageKey",
+    "StorageNamespace",
+    "StorageStats",
+    "deadline_after",
+]

@@ -1,0 +1,808 @@
+/* Batched, verified block I/O for fastkv's storage tier (CPython extension).
+ *
+ * One call moves a whole batch of blocks between host memory and slot files and
+ * drops the GIL once for it: measured here, Python `os.preadv` + crc of 8 MiB blocks
+ * ran at 7 GB/s alone and 2 GB/s next to one busy Python thread.
+ *
+ * A block is a list of (pointer, length) segments in host memory. Its slot on disk:
+ *
+ *   [ header area: 128-byte header | packed small segments | zero pad to 4 KiB ]
+ *   [ large segments (length a multiple of 4096), back to back, in order      ]
+ *
+ * Large segments travel zero-copy (their iovecs point into host memory) when their
+ * addresses are 4096-aligned or the file is buffered; otherwise, or for the small
+ * segments (fp8 scales), they go through a per-call bounce buffer. Which segment is
+ * large and where it sits in the slot is decided by the caller (`seg_offsets`).
+ *
+ * Checksum ("crc32c-3way"): per segment, three CRC-32C lanes over its 8-byte
+ * words (word i feeds lane i % 3; trailing bytes feed lane 0 after its words); the
+ * block checksum is CRC-32C over the little-endian lanes of all segments in order.
+ * Three independent lanes keep the CPU's crc32 unit busy (latency 3, throughput 1),
+ * about 3x one lane. fastkv/storage/checksum.py holds the same definition in Python.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+#define HDR_BYTES 128
+#define HDR_CMP_END 104     /* bytes a read must match exactly: key, layout, seq */
+#define HDR_PAYLOAD_CRC 104 /* u32 */
+#define HDR_CRC 124         /* u32, CRC-32C of bytes [0, 124) */
+#define ALIGN 4096
+
+enum {
+    ST_OK = 0,
+    ST_TIMEOUT = 1,
+    ST_SHORT = 2,
+    ST_BAD_HEADER = 3,
+    ST_BAD_CHECKSUM = 4,
+    ST_NO_BOUNCE = 5,
+};
+
+/* ---- CRC-32C ---------------------------------------------------------------- */
+
+static uint32_t crc_table[8][256];
+static int have_sse42;
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    have_sse42 = __builtin_cpu_supports("sse4.2") != 0;
+#endif
+}
+
+static inline uint32_t sw_u8(uint32_t c, uint8_t b) { return (c >> 8) ^ crc_table[0][(c ^ b) & 0xff]; }
+
+static inline uint32_t sw_u64(uint32_t c, uint64_t w) {
+    w ^= c;
+    return crc_table[7][w & 0xff] ^ crc_table[6][(w >> 8) & 0xff] ^ crc_table[5][(w >> 16) & 0xff] ^
+           crc_table[4][(w >> 24) & 0xff] ^ crc_table[3][(w >> 32) & 0xff] ^
+           crc_table[2][(w >> 40) & 0xff] ^ crc_table[1][(w >> 48) & 0xff] ^ crc_table[0][w >> 56];
+}
+
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static void lanes_hw(const uint8_t *p, size_t n, uint32_t out[3]) {
+    uint64_t c0 = 0xffffffffu, c1 = 0xffffffffu, c2 = 0xffffffffu;
+    size_t nw = n / 8, i = 0;
+    for (; i + 12 <= nw; i += 12) { /* unrolled: same lanes, fewer loop branches */
+        const uint8_t *q = p + 8 * i;
+        c0 = _mm_crc32_u64(c0, load64(q));
+        c1 = _mm_crc32_u64(c1, load64(q + 8));
+        c2 = _mm_crc32_u64(c2, load64(q + 16));
+        c0 = _mm_crc32_u64(c0, load64(q + 24));
+        c1 = _mm_crc32_u64(c1, load64(q + 32));
+        c2 = _mm_crc32_u64(c2, load64(q + 40));
+        c0 = _mm_crc32_u64(c0, load64(q + 48));
+        c1 = _mm_crc32_u64(c1, load64(q + 56));
+        c2 = _mm_crc32_u64(c2, load64(q + 64));
+        c0 = _mm_crc32_u64(c0, load64(q + 72));
+        c1 = _mm_crc32_u64(c1, load64(q + 80));
+        c2 = _mm_crc32_u64(c2, load64(q + 88));
+    }
+    for (; i + 3 <= nw; i += 3) {
+        c0 = _mm_crc32_u64(c0, load64(p + 8 * i));
+        c1 = _mm_crc32_u64(c1, load64(p + 8 * i + 8));
+        c2 = _mm_crc32_u64(c2, load64(p + 8 * i + 16));
+    }
+    if (i < nw) c0 = _mm_crc32_u64(c0, load64(p + 8 * i++));
+    if (i < nw) c1 = _mm_crc32_u64(c1, load64(p + 8 * i++));
+    uint32_t t0 = (uint32_t)c0;
+    for (size_t b = nw * 8; b < n; b++) t0 = _mm_crc32_u8(t0, p[b]);
+    out[0] = ~t0;
+    out[1] = ~(uint32_t)c1;
+    out[2] = ~(uint32_t)c2;
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) {
+    uint64_t c64 = c;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) c64 = _mm_crc32_u64(c64, load64(p + i));
+    c = (uint32_t)c64;
+    for (; i < n; i++) c = _mm_crc32_u8(c, p[i]);
+    return c;
+}
+#endif
+
+static void lanes_sw(const uint8_t *p, size_t n, uint32_t out[3]) {
+    uint32_t c[3] = {0xffffffffu, 0xffffffffu, 0xffffffffu};
+    size_t nw = n / 8;
+    for (size_t i = 0; i < nw; i++) c[i % 3] = sw_u64(c[i % 3], load64(p + 8 * i));
+    for (size_t b = nw * 8; b < n; b++) c[0] = sw_u8(c[0], p[b]);
+    for (int k = 0; k < 3; k++) out[k] = ~c[k];
+}
+
+static uint32_t crc32c(const uint8_t *p, size_t n) {
+#if defined(__x86_64__)
+    if (have_sse42) return ~crc_hw(0xffffffffu, p, n);
+#endif
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) c = sw_u8(c, p[i]);
+    return ~c;
+}
+
+static void lanes(const uint8_t *p, size_t n, uint32_t out[3]) {
+#if defined(__x86_64__)
+    if (have_sse42) {
+        lanes_hw(p, n, out);
+        return;
+    }
+#endif
+    lanes_sw(p, n, out);
+}
+
+/* The block checksum over `nseg` segments; lanes_buf has room for 12 * nseg bytes. */
+static uint32_t block_checksum(const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf) {
+    for (Py_ssize_t s = 0; s < nseg; s++) {
+        uint32_t l[3];
+        lanes((const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1], l);
+        for (int k = 0; k < 3; k++) {
+            uint8_t *d = lanes_buf + 12 * s + 4 * k;
+            d[0] = (uint8_t)l[k];
+            d[1] = (uint8_t)(l[k] >> 8);
+            d[2] = (uint8_t)(l[k] >> 16);
+            d[3] = (uint8_t)(l[k] >> 24);
+        }
+    }
+    return crc32c(lanes_buf, (size_t)(12 * nseg));
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+static double now_monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void sleep_seconds(double s) {
+    if (s <= 0) return;
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* pwritev/preadv of a whole iovec list (chunks of IOV_MAX); returns bytes moved or
+ * -errno. A short transfer stops the loop and returns what was moved. */
+static int64_t rw_all(int fd, int is_write, struct iovec *iov, int n, int64_t off) {
+    int64_t done = 0;
+    int i = 0;
+    while (i < n) {
+        int chunk = n - i > IOV_MAX ? IOV_MAX : n - i;
+        int64_t want = 0;
+        for (int k = 0; k < chunk; k++) want += (int64_t)iov[i + k].iov_len;
+        ssize_t r = is_write ? pwritev(fd, iov + i, chunk, off + done) : preadv(fd, iov + i, chunk, off + done);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        done += r;
+        if (r != want) return done; /* short: end of file or out of space */
+        i += chunk;
+    }
+    return done;
+}
+
+typedef struct {
+    Py_buffer headers; /* n * HDR_BYTES */
+    Py_buffer offsets; /* n int64: slot offsets in the file */
+    Py_buffer segs;    /* n * nseg * 2 int64: (ptr, len) */
+    Py_buffer seg_off; /* nseg int64: segment offset inside the slot */
+    Py_ssize_t n, nseg;
+    int64_t header_area, slot_bytes;
+} Batch;
+
+static void batch_release(Batch *b) {
+    if (b->headers.obj) PyBuffer_Release(&b->headers);
+    if (b->offsets.obj) PyBuffer_Release(&b->offsets);
+    if (b->segs.obj) PyBuffer_Release(&b->segs);
+    if (b->seg_off.obj) PyBuffer_Release(&b->seg_off);
+}
+
+static int batch_parse(Batch *b, PyObject *headers, PyObject *offsets, PyObject *segs, PyObject *seg_off,
+                       int headers_writable) {
+    memset(b, 0, sizeof(*b));
+    if (PyObject_GetBuffer(headers, &b->headers, headers_writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(offsets, &b->offsets, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(segs, &b->segs, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(seg_off, &b->seg_off, PyBUF_SIMPLE) < 0) {
+        batch_release(b);
+        return -1;
+    }
+    b->n = b->offsets.len / 8;
+    b->nseg = b->seg_off.len / 8;
+    if (b->offsets.len % 8 || b->seg_off.len % 8 || b->nseg < 1 || b->headers.len != b->n * HDR_BYTES ||
+        b->segs.len != b->n * b->nseg * 16) {
+        PyErr_Format(PyExc_ValueError,
+                     "_disk_io: inconsistent batch (%zd blocks, %zd segments, %zd header bytes, %zd segment "
+                     "bytes)",
+                     b->n, b->nseg, b->headers.len, b->segs.len);
+        batch_release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* Builds one block's iovec list (when `iov` is not NULL). Returns the count, or -1
+ * when the block must go through a full bounce (a large segment is misaligned for
+ * O_DIRECT). */
+static int block_iovecs(const Batch *b, const int64_t *segs, uint8_t *bounce, int direct, struct iovec *iov) {
+    const int64_t *so = (const int64_t *)b->seg_off.buf;
+    int n = 0;
+    if (iov) {
+        iov[n].iov_base = bounce;
+        iov[n].iov_len = (size_t)b->header_area;
+    }
+    n++;
+    for (Py_ssize_t s = 0; s < b->nseg; s++) {
+        if (so[s] < b->header_area) continue; /* packed into the header area */
+        uintptr_t p = (uintptr_t)segs[2 * s];
+        if (direct && (p % ALIGN)) return -1;
+        if (iov) {
+            iov[n].iov_base = (void *)p;
+            iov[n].iov_len = (size_t)segs[2 * s + 1];
+        }
+        n++;
+    }
+    return n;
+}
+
+static PyObject *status_list(const int32_t *st, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(st[i]));
+    return out;
+}
+
+/* ---- write_batch / read_batch ----------------------------------------------------
+ *
+ * With two or more blocks the checksum work runs on a helper thread, pipelined
+ * with the I/O: a write seals block i+1's header while block i is being written, a
+ * read verifies block i while block i+1 is being read. Checksums of cold host
+ * memory are memory-bound (about a fifth of an O_DIRECT write's time at 2 MiB
+ * here); overlapped, one thread gets close to raw I/O speed.
+ */
+
+typedef struct {
+    Batch *b;
+    int fd, direct, is_write, pipelined;
+    uint8_t *bounce;
+    unsigned long long bounce_len;
+    double deadline, delay;
+    int32_t *st;    /* final status per block */
+    int32_t *io_st; /* read: outcome of the I/O (ST_OK: to be verified) */
+    uint8_t *lanes_main, *lanes_helper;
+    struct iovec *iov; /* nseg + 1 entries, for the main thread */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    Py_ssize_t ready; /* write: headers sealed below this; read: I/O done below this */
+    int main_done;    /* the main thread will make no more progress */
+} Job;
+
+static const int64_t *job_segs(const Job *j, Py_ssize_t i) { return (const int64_t *)j->b->segs.buf + 2 * j->b->nseg * i; }
+
+static uint8_t *job_bounce(const Job *j, Py_ssize_t i) {
+    return j->pipelined && !j->is_write ? j->bounce + i * j->b->header_area : j->bounce;
+}
+
+static void seal(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
+    uint8_t *hdr = (uint8_t *)j->b->headers.buf + HDR_BYTES * i;
+    put_u32(hdr + HDR_PAYLOAD_CRC, block_checksum(job_segs(j, i), j->b->nseg, lanes_buf));
+    put_u32(hdr + HDR_CRC, crc32c(hdr, HDR_CRC));
+}
+
+/* The final status of read block i whose I/O ended with io_st[i]. */
+static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
+    if (j->io_st[i] != ST_OK) {
+        j->st[i] = j->io_st[i];
+        return;
+    }
+    const Batch *b = j->b;
+    const int64_t *sg = job_segs(j, i);
+    const int64_t *so = (const int64_t *)b->seg_off.buf;
+    const uint8_t *want = (const uint8_t *)b->headers.buf + HDR_BYTES * i;
+    uint8_t *bounce = job_bounce(j, i);
+    if (memcmp(bounce, want, HDR_CMP_END) != 0 || get_u32(bounce + HDR_CRC) != crc32c(bounce, HDR_CRC)) {
+        j->st[i] = ST_BAD_HEADER;
+        return;
+    }
+    int full_bounce = !j->pipelined && block_iovecs(b, sg, bounce, j->direct, NULL) < 0;
+    for (Py_ssize_t s = 0; s < b->nseg; s++)
+        if (full_bounce || so[s] < b->header_area)
+            memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
+    j->st[i] = get_u32(bounce + HDR_PAYLOAD_CRC) == block_checksum(sg, b->nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+}
+
+static void *helper(void *arg) {
+    Job *j = arg;
+    for (Py_ssize_t i = 0; i < j->b->n; i++) {
+        if (j->is_write) {
+            pthread_mutex_lock(&j->mu);
+            int stop = j->main_done;
+            pthread_mutex_unlock(&j->mu);
+            if (stop) break;
+            seal(j, i, j->lanes_helper);
+            pthread_mutex_lock(&j->mu);
+            j->ready = i + 1;
+            pthread_cond_broadcast(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+        } else {
+            pthread_mutex_lock(&j->mu);
+            while (j->ready <= i && !j->main_done) pthread_cond_wait(&j->cv, &j->mu);
+            int have = j->ready > i;
+            pthread_mutex_unlock(&j->mu);
+            if (!have) break;
+            verify(j, i, j->lanes_helper);
+        }
+    }
+    return NULL;
+}
+
+/* The main thread's loop: deadline, injected delay, then one block's I/O. */
+static void run_job(Job *j) {
+    const Batch *b = j->b;
+    const int64_t *so = (const int64_t *)b->seg_off.buf;
+    struct iovec *iov = j->iov;
+    pthread_t tid;
+    if (j->pipelined && pthread_create(&tid, NULL, helper, j) != 0) j->pipelined = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        if (now_monotonic() >= j->deadline) {
+            for (Py_ssize_t k = i; k < b->n; k++) j->st[k] = ST_TIMEOUT;
+            break;
+        }
+        sleep_seconds(j->delay);
+        const int64_t *sg = job_segs(j, i);
+        uint8_t *bounce = job_bounce(j, i);
+        if (j->is_write) {
+            if (j->pipelined) {
+                pthread_mutex_lock(&j->mu);
+                while (j->ready <= i) pthread_cond_wait(&j->cv, &j->mu);
+                pthread_mutex_unlock(&j->mu);
+            } else {
+                seal(j, i, j->lanes_main);
+            }
+            memset(bounce, 0, (size_t)b->header_area);
+            memcpy(bounce, (uint8_t *)b->headers.buf + HDR_BYTES * i, HDR_BYTES);
+            for (Py_ssize_t s = 0; s < b->nseg; s++)
+                if (so[s] < b->header_area) memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+        }
+        int niov = block_iovecs(b, sg, bounce, j->direct, iov);
+        if (niov < 0) { /* full bounce: the whole slot is staged in `bounce` */
+            if (j->pipelined || j->bounce_len < (unsigned long long)b->slot_bytes) {
+                j->io_st[i] = j->st[i] = ST_NO_BOUNCE;
+                goto next;
+            }
+            if (j->is_write)
+                for (Py_ssize_t s = 0; s < b->nseg; s++)
+                    if (so[s] >= b->header_area)
+                        memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+            iov[0].iov_base = bounce;
+            iov[0].iov_len = (size_t)b->slot_bytes;
+            niov = 1;
+        }
+        int64_t r = rw_all(j->fd, j->is_write, iov, niov, ((const int64_t *)b->offsets.buf)[i]);
+        if (j->is_write) {
+            j->st[i] = r < 0 ? (int32_t)r : r == b->slot_bytes ? ST_OK : -ENOSPC;
+            continue;
+        }
+        j->io_st[i] = r < 0 ? (int32_t)r : r == b->slot_bytes ? ST_OK : ST_SHORT;
+    next:
+        if (j->is_write) continue;
+        if (j->pipelined) {
+            pthread_mutex_lock(&j->mu);
+            j->ready = i + 1;
+            pthread_cond_broadcast(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+        } else {
+            verify(j, i, j->lanes_main);
+        }
+    }
+    if (j->pipelined) {
+        pthread_mutex_lock(&j->mu);
+        j->main_done = 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+        pthread_join(tid, NULL);
+    }
+}
+
+static PyObject *run_batch(PyObject *args, int is_write) {
+    int fd, direct, pipelined;
+    PyObject *headers, *offsets, *segs, *seg_off;
+    unsigned long long bounce_ptr, bounce_len;
+    long long header_area, slot_bytes;
+    double deadline, delay;
+    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddp", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
+                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined))
+        return NULL;
+    Batch b;
+    if (batch_parse(&b, headers, offsets, segs, seg_off, is_write) < 0) return NULL;
+    b.header_area = header_area;
+    b.slot_bytes = slot_bytes;
+    pipelined = pipelined && b.n >= 2;
+    unsigned long long need = (unsigned long long)header_area * (pipelined && !is_write ? (unsigned long long)b.n : 1);
+    if (header_area < HDR_BYTES || slot_bytes < header_area || bounce_len < need) {
+        batch_release(&b);
+        return PyErr_Format(PyExc_ValueError, "_disk_io: bounce buffer or slot geometry too small");
+    }
+    Job j;
+    memset(&j, 0, sizeof(j));
+    j.b = &b;
+    j.fd = fd;
+    j.direct = direct;
+    j.is_write = is_write;
+    j.pipelined = pipelined;
+    j.bounce = (uint8_t *)(uintptr_t)bounce_ptr;
+    j.bounce_len = bounce_len;
+    j.deadline = deadline;
+    j.delay = delay;
+    j.st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
+    j.io_st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
+    j.lanes_main = PyMem_Malloc((size_t)(12 * b.nseg));
+    j.lanes_helper = PyMem_Malloc((size_t)(12 * b.nseg));
+    j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1));
+    PyObject *out = NULL;
+    if (!j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov) {
+        PyErr_NoMemory();
+    } else {
+        pthread_mutex_init(&j.mu, NULL);
+        pthread_cond_init(&j.cv, NULL);
+        Py_BEGIN_ALLOW_THREADS;
+        run_job(&j);
+        Py_END_ALLOW_THREADS;
+        pthread_mutex_destroy(&j.mu);
+        pthread_cond_destroy(&j.cv);
+        out = status_list(j.st, b.n);
+    }
+    PyMem_Free(j.st);
+    PyMem_Free(j.io_st);
+    PyMem_Free(j.lanes_main);
+    PyMem_Free(j.lanes_helper);
+    PyMem_Free(j.iov);
+    batch_release(&b);
+    return out;
+}
+
+static PyObject *write_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_batch(args, 1);
+}
+
+static PyObject *read_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    return run_batch(args, 0);
+}
+
+/* ---- scan_headers ------------------------------------------------------------- */
+
+/* Reads the first 4 KiB of each slot into `bounce` and copies the 128-byte header
+ * to out[i] when its own CRC verifies. Returns per slot: 0 valid, ST_BAD_HEADER
+ * (never written, torn or foreign), ST_SHORT (past the end of the file), -errno. */
+static PyObject *scan_headers(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    PyObject *offsets, *out_obj;
+    unsigned long long bounce_ptr, bounce_len;
+    if (!PyArg_ParseTuple(args, "iOOKK", &fd, &offsets, &out_obj, &bounce_ptr, &bounce_len)) return NULL;
+    Py_buffer off, out;
+    if (PyObject_GetBuffer(offsets, &off, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&off);
+        return NULL;
+    }
+    Py_ssize_t n = off.len / 8;
+    if (off.len % 8 || out.len != n * HDR_BYTES || bounce_len < ALIGN) {
+        PyBuffer_Release(&off);
+        PyBuffer_Release(&out);
+        return PyErr_Format(PyExc_ValueError, "_disk_io.scan_headers: inconsistent arguments");
+    }
+    int32_t *st = PyMem_Calloc((size_t)n + 1, sizeof(int32_t));
+    if (!st) {
+        PyBuffer_Release(&off);
+        PyBuffer_Release(&out);
+        return PyErr_NoMemory();
+    }
+    uint8_t *bounce = (uint8_t *)(uintptr_t)bounce_ptr;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ssize_t r;
+        do r = pread(fd, bounce, ALIGN, ((const int64_t *)off.buf)[i]);
+        while (r < 0 && errno == EINTR);
+        if (r < 0) {
+            st[i] = -errno;
+        } else if (r < HDR_BYTES) {
+            st[i] = ST_SHORT;
+        } else if (get_u32(bounce + HDR_CRC) != crc32c(bounce, HDR_CRC)) {
+            st[i] = ST_BAD_HEADER;
+        } else {
+            memcpy((uint8_t *)out.buf + HDR_BYTES * i, bounce, HDR_BYTES);
+            st[i] = ST_OK;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    PyObject *res = status_list(st, n);
+    PyMem_Free(st);
+    PyBuffer_Release(&off);
+    PyBuffer_Release(&out);
+    return res;
+}
+
+/* ---- checksums for other backends and tests ------------------------------------ */
+
+static PyObject *py_block_checksum(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *segs_obj;
+    if (!PyArg_ParseTuple(args, "O", &segs_obj)) return NULL;
+    Py_buffer segs;
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t nseg = segs.len / 16;
+    if (segs.len % 16 || nseg < 1) {
+        PyBuffer_Release(&segs);
+        return PyErr_Format(PyExc_ValueError, "block_checksum: expected int64 (ptr, len) pairs");
+    }
+    uint8_t *lanes_buf = PyMem_Malloc((size_t)(12 * nseg));
+    if (!lanes_buf) {
+        PyBuffer_Release(&segs);
+        return PyErr_NoMemory();
+    }
+    uint32_t c;
+    Py_BEGIN_ALLOW_THREADS;
+    c = block_checksum((const int64_t *)segs.buf, nseg, lanes_buf);
+    Py_END_ALLOW_THREADS;
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&segs);
+    return PyLong_FromUnsignedLong(c);
+}
+
+/* Seals a header in place: payload CRC of the block, then the header CRC. */
+static PyObject *seal_header(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *hdr_obj, *segs_obj;
+    if (!PyArg_ParseTuple(args, "OO", &hdr_obj, &segs_obj)) return NULL;
+    Py_buffer hdr, segs;
+    if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&hdr);
+        return NULL;
+    }
+    Py_ssize_t nseg = segs.len / 16;
+    if (hdr.len < HDR_BYTES || segs.len % 16 || nseg < 1) {
+        PyBuffer_Release(&hdr);
+        PyBuffer_Release(&segs);
+        return PyErr_Format(PyExc_ValueError, "seal_header: a 128-byte header and (ptr, len) pairs expected");
+    }
+    uint8_t *lanes_buf = PyMem_Malloc((size_t)(12 * nseg));
+    if (!lanes_buf) {
+        PyBuffer_Release(&hdr);
+        PyBuffer_Release(&segs);
+        return PyErr_NoMemory();
+    }
+    uint8_t *h = hdr.buf;
+    Py_BEGIN_ALLOW_THREADS;
+    put_u32(h + HDR_PAYLOAD_CRC, block_checksum((const int64_t *)segs.buf, nseg, lanes_buf));
+    put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+    Py_END_ALLOW_THREADS;
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&hdr);
+    PyBuffer_Release(&segs);
+    Py_RETURN_NONE;
+}
+
+/* Verifies a header read back (`got`) against the expected one and the payload now
+ * in the segments. Returns 0, ST_BAD_HEADER or ST_BAD_CHECKSUM. */
+static PyObject *verify_block(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *got_obj, *want_obj, *segs_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &got_obj, &want_obj, &segs_obj)) return NULL;
+    Py_buffer got, want, segs;
+    if (PyObject_GetBuffer(got_obj, &got, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&got);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&got);
+        PyBuffer_Release(&want);
+        return NULL;
+    }
+    Py_ssize_t nseg = segs.len / 16;
+    int status = -1;
+    uint8_t *lanes_buf = NULL;
+    if (got.len < HDR_BYTES || want.len < HDR_BYTES || segs.len % 16 || nseg < 1) {
+        PyErr_Format(PyExc_ValueError, "verify_block: two 128-byte headers and (ptr, len) pairs expected");
+    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
+        PyErr_NoMemory();
+    } else {
+        const uint8_t *g = got.buf;
+        Py_BEGIN_ALLOW_THREADS;
+        if (memcmp(g, want.buf, HDR_CMP_END) != 0 || get_u32(g + HDR_CRC) != crc32c(g, HDR_CRC))
+            status = ST_BAD_HEADER;
+        else
+            status = get_u32(g + HDR_PAYLOAD_CRC) == block_checksum((const int64_t *)segs.buf, nseg, lanes_buf)
+                         ? ST_OK
+                         : ST_BAD_CHECKSUM;
+        Py_END_ALLOW_THREADS;
+    }
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&got);
+    PyBuffer_Release(&want);
+    PyBuffer_Release(&segs);
+    return status < 0 ? NULL : PyLong_FromLong(status);
+}
+
+/* Gathers a block into one contiguous object at `dst`: the header (sealed here:
+ * payload and header CRCs) followed by the segments in order. */
+static PyObject *stage_block(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dst_ptr;
+    PyObject *hdr_obj, *segs_obj;
+    if (!PyArg_ParseTuple(args, "KOO", &dst_ptr, &hdr_obj, &segs_obj)) return NULL;
+    Py_buffer hdr, segs;
+    if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&hdr);
+        return NULL;
+    }
+    Py_ssize_t nseg = segs.len / 16;
+    uint8_t *lanes_buf = NULL;
+    int ok = 0;
+    if (hdr.len < HDR_BYTES || segs.len % 16 || nseg < 1 || !dst_ptr) {
+        PyErr_Format(PyExc_ValueError, "stage_block: a destination, a 128-byte header and (ptr, len) pairs");
+    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
+        PyErr_NoMemory();
+    } else {
+        uint8_t *h = hdr.buf, *dst = (uint8_t *)(uintptr_t)dst_ptr;
+        const int64_t *sg = segs.buf;
+        Py_BEGIN_ALLOW_THREADS;
+        put_u32(h + HDR_PAYLOAD_CRC, block_checksum(sg, nseg, lanes_buf));
+        put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+        memcpy(dst, h, HDR_BYTES);
+        size_t off = HDR_BYTES;
+        for (Py_ssize_t s = 0; s < nseg; s++) {
+            memcpy(dst + off, (const void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+            off += (size_t)sg[2 * s + 1];
+        }
+        Py_END_ALLOW_THREADS;
+        ok = 1;
+    }
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&hdr);
+    PyBuffer_Release(&segs);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The reverse of stage_block: checks the header at `src` against `want`, scatters
+ * the payload into the segments and verifies its checksum there. Returns 0,
+ * ST_BAD_HEADER (nothing scattered) or ST_BAD_CHECKSUM. */
+static PyObject *unstage_block(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long src_ptr;
+    PyObject *want_obj, *segs_obj;
+    if (!PyArg_ParseTuple(args, "KOO", &src_ptr, &want_obj, &segs_obj)) return NULL;
+    Py_buffer want, segs;
+    if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&want);
+        return NULL;
+    }
+    Py_ssize_t nseg = segs.len / 16;
+    uint8_t *lanes_buf = NULL;
+    int status = -1;
+    if (want.len < HDR_BYTES || segs.len % 16 || nseg < 1 || !src_ptr) {
+        PyErr_Format(PyExc_ValueError, "unstage_block: a source, a 128-byte header and (ptr, len) pairs");
+    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
+        PyErr_NoMemory();
+    } else {
+        const uint8_t *src = (const uint8_t *)(uintptr_t)src_ptr;
+        const int64_t *sg = segs.buf;
+        Py_BEGIN_ALLOW_THREADS;
+        if (memcmp(src, want.buf, HDR_CMP_END) != 0 || get_u32(src + HDR_CRC) != crc32c(src, HDR_CRC)) {
+            status = ST_BAD_HEADER;
+        } else {
+            size_t off = HDR_BYTES;
+            for (Py_ssize_t s = 0; s < nseg; s++) {
+                memcpy((void *)(uintptr_t)sg[2 * s], src + off, (size_t)sg[2 * s + 1]);
+                off += (size_t)sg[2 * s + 1];
+            }
+            status = get_u32(src + HDR_PAYLOAD_CRC) == block_checksum(sg, nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    PyMem_Free(lanes_buf);
+    PyBuffer_Release(&want);
+    PyBuffer_Release(&segs);
+    return status < 0 ? NULL : PyLong_FromLong(status);
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+    uint32_t c = crc32c(data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyMethodDef methods[] = {
+    {"write_batch", write_batch, METH_VARARGS,
+     "write_batch(fd, direct, headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
+     "bounce_len, deadline, delay, pipelined) -> list[int]: seal each header and write each block to its "
+     "slot."},
+    {"read_batch", read_batch, METH_VARARGS,
+     "read_batch(fd, direct, expected_headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
+     "bounce_len, deadline, delay, pipelined) -> list[int]: read and verify each block into its segments "
+     "(pipelined reads need a bounce of header_area per block)."},
+    {"scan_headers", scan_headers, METH_VARARGS,
+     "scan_headers(fd, offsets, out, bounce_ptr, bounce_len) -> list[int]: read slot headers that verify."},
+    {"block_checksum", py_block_checksum, METH_VARARGS,
+     "block_checksum(segs) -> int: the crc32c-3way checksum of int64 (ptr, len) segments."},
+    {"seal_header", seal_header, METH_VARARGS, "seal_header(header, segs): fill payload and header CRCs."},
+    {"verify_block", verify_block, METH_VARARGS,
+     "verify_block(got, want, segs) -> int: 0, BAD_HEADER or BAD_CHECKSUM."},
+    {"stage_block", stage_block, METH_VARARGS,
+     "stage_block(dst_ptr, header, segs): seal the header and gather header + segments at dst."},
+    {"unstage_block", unstage_block, METH_VARARGS,
+     "unstage_block(src_ptr, want_header, segs) -> int: verify, scatter and checksum a staged object."},
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_disk_io", "Batched verified block I/O.", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__disk_io(void) {
+    crc_init();
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "HDR_BYTES", HDR_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "HDR_CMP_END", HDR_CMP_END) < 0 ||
+        PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0 || PyModule_AddIntConstant(m, "ST_OK", ST_OK) < 0 ||
+        PyModule_AddIntConstant(m, "ST_TIMEOUT", ST_TIMEOUT) < 0 ||
+        PyModule_AddIntConstant(m, "ST_SHORT", ST_SHORT) < 0 ||
+        PyModule_AddIntConstant(m, "ST_BAD_HEADER", ST_BAD_HEADER) < 0 ||
+        PyModule_AddIntConstant(m, "ST_BAD_CHECKSUM", ST_BAD_CHECKSUM) < 0 ||
+        PyModule_AddIntConstant(m, "ST_NO_BOUNCE", ST_NO_BOUNCE) < 0 ||
+        PyModule_AddIntConstant(m, "HW_CRC", have_sse42) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

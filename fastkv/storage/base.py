@@ -1,0 +1,360 @@
+"""The storage tier's one backend interface, its keys and its per-key results.
+
+A storage backend moves whole KV blocks between the host cache and a store (a local
+directory, Mooncake Store). A block is addressed by a `StorageKey` and, in host
+memory, is a list of (pointer, length) segments exactly as it sits in the host tier
+(K and V of every layer, fp8 scales, extra layers): backends read into and write from
+those segments, zero-copy where the medium allows.
+
+Contract every backend keeps:
+- batched calls with one result per key; a per-key failure is a result, never an
+  exception (exceptions are for bad input, raised before anything changes);
+- a deadline per call (absolute, `time.monotonic()` seconds): keys not started by
+  then answer TIMEOUT;
+- a block is served (OK) only if its header (namespace, hash, rank, layout) and its
+  checksum verify; anything else is a MISS with a reason, counted, never served;
+- a put answers OK only once the block is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+
+Segment = tuple[int, int]
+"""(address, length in bytes) of one piece of a block in host memory."""
+
+BlockSegments = Sequence[Segment]
+
+DIGEST_BYTES = 32
+MAX_RANK = (1 << 16) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StorageNamespace:
+    """Everything that changes a block's bytes; its digest roots every storage key,
+    so two caches that differ in any field never share a hit.
+
+    Attributes:
+        cache_namespace: the scheduler's namespace string (CacheConfig.namespace_key()).
+        model_id, revision: the weights.
+        kv_dtype: cache dtype ("bfloat16", "fp8", ...).
+        block_size: tokens per block.
+        tp_size: tensor-parallel world size (the rank is part of each key).
+        num_layers, num_extra_layers: model layers and extra (speculative) layers.
+        num_kv_heads: KV heads held by one rank.
+        head_dim: head dimension.
+        scale_format: how fp8 scales are laid out ("" when there are none).
+        layout_version: bumped whenever fastkv changes how a block is laid out.
+
+    Raises:
+        ValueError: a field is empty or out of range (the message names it).
+    """
+
+    cache_namespace: str
+    model_id: str
+    kv_dtype: str
+    block_size: int
+    tp_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    revision: str = ""
+    num_extra_layers: int = 0
+    scale_format: str = ""
+    layout_version: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("cache_namespace", "model_id", "kv_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}: must be a non-empty string, got {value!r}")
+        for name in ("revision", "scale_format"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: must be a string, got {getattr(self, name)!r}")
+        for name, low in (
+            ("block_size", 1),
+            ("tp_size", 1),
+            ("num_layers", 1),
+            ("num_kv_heads", 1),
+            ("head_dim", 1),
+            ("num_extra_layers", 0),
+            ("layout_version", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+
+    def digest(self) -> bytes:
+        """32 bytes: SHA-256 of the fields as canonical JSON (sorted keys)."""
+        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(b"fastkv/storage-namespace\0" + text.encode()).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class StorageKey:
+    """One block of one rank in one namespace.
+
+    Attributes:
+        namespace: `StorageNamespace.digest()` (32 bytes).
+        block_hash: the scheduler's chained block hash (32 bytes, fastkv.hashing).
+        rank: the tensor-parallel rank whose shard this block is, in [0, 65535].
+
+    Raises:
+        ValueError: wrong digest length or rank out of range.
+    """
+
+    namespace: bytes
+    block_hash: bytes
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "block_hash"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
+                raise ValueError(f"{name}: must be {DIGEST_BYTES} bytes, got {value!r:.80}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
+            raise ValueError(f"rank: must be an int in [0, {MAX_RANK}], got {self.rank!r}")
+        if not 0 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank: {self.rank} is outside [0, {MAX_RANK}]")
+
+    @property
+    def packed(self) -> bytes:
+        """66 bytes that identify the key: namespace, hash, rank (little-endian u16)."""
+        return self.namespace + self.block_hash + self.rank.to_bytes(2, "little")
+
+    def text(self) -> str:
+        """A printable form (Mooncake object keys)."""
+        return f"fkv1/{self.namespace.hex()}/{self.block_hash.hex()}/r{self.rank}"
+
+
+class KeyStatus(IntEnum):
+    """What happened to one key of a batched call."""
+
+    OK = 0
+    """Served (verified) or stored."""
+    MISS = 1
+    """Not there, or there but not provably this block (counted, never served)."""
+    FAILED = 2
+    """An error: I/O error, no space, the store unreachable, the breaker open."""
+    TIMEOUT = 3
+    """The call's deadline passed before this key was done."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyResult:
+    status: KeyStatus
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == KeyStatus.OK
+
+
+OK = KeyResult(KeyStatus.OK)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """The segment lengths of one block, in order; every block of a backend has it.
+
+    Raises:
+        ValueError: empty, or a length that is not a positive int.
+    """
+
+    segment_lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        lengths = tuple(self.segment_lengths)
+        if not lengths:
+            raise ValueError("segment_lengths: a block needs at least one segment")
+        for i, n in enumerate(lengths):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"segment_lengths[{i}]: must be a positive int, got {n!r}")
+        object.__setattr__(self, "segment_lengths", lengths)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_lengths)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.segment_lengths)
+
+    def digest32(self) -> int:
+        """A 32-bit fingerprint of the lengths (stored in each header)."""
+        raw = b"".join(n.to_bytes(8, "little") for n in self.segment_lengths)
+        return int.from_bytes(hashlib.sha256(raw).digest()[:4], "little")
+
+
+@dataclass(slots=True)
+class StorageStats:
+    """Counters of one backend (monotonic since it was opened)."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    put_already_stored: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    """Reads refused because the header or checksum did not verify (or the object had
+    the wrong size): each is also a miss."""
+    get_failures: int = 0
+    timeouts: int = 0
+    evictions: int = 0
+    stored_blocks: int = 0
+    capacity_blocks: int = 0
+
+
+def deadline_after(timeout: float) -> float:
+    """The absolute deadline `timeout` seconds from now (for the calls below).
+
+    Raises:
+        ValueError: timeout is negative or not finite.
+    """
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"timeout: must be a finite number of seconds >= 0, got {timeout!r}")
+    return time.monotonic() + timeout
+
+
+class StorageBackend(ABC):
+    """One store of KV blocks. Thread-safe: an I/O engine calls it from several
+    threads at once.
+
+    Every method validates its whole input first (raising ValueError that names the
+    bad argument) and then answers per key.
+    """
+
+    layout: BlockLayout
+
+    @abstractmethod
+    def exists(self, keys: Sequence[StorageKey], deadline: float) -> list[bool]:
+        """Which keys the store probably holds (a hint: a later get still verifies).
+
+        Never blocks on I/O for the local disk; a remote store answers False for keys
+        it could not ask about by the deadline.
+        """
+
+    @abstractmethod
+    def get_into(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> list[KeyResult]:
+        """Read each key's block into its host segments and verify it.
+
+        Args:
+            keys: blocks to read.
+            blocks: per key, the destination segments (lengths = `layout`).
+            deadline: absolute `time.monotonic()` time.
+
+        Returns:
+            One result per key. On anything but OK the destination bytes are garbage.
+        """
+
+    @abstractmethod
+    def put_from(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> list[KeyResult]:
+        """Store each key's block from its host segments.
+
+        A key already stored answers OK without rewriting (keys name content).
+
+        Returns:
+            One result per key; OK means stored.
+        """
+
+    @abstractmethod
+    def stats(self) -> StorageStats:
+        """A snapshot of the counters."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files, locks and connections. Idempotent."""
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- shared validation ------------------------------------------------------
+
+    def _check_batch(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments] | None,
+        deadline: float,
+    ) -> None:
+        check_keys(keys)
+        check_deadline(deadline)
+        if blocks is None:
+            return
+        if len(blocks) != len(keys):
+            raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
+        check_segments(blocks, self.layout)
+
+
+def check_keys(keys: Sequence[StorageKey]) -> None:
+    """Raises ValueError unless `keys` is a sequence of StorageKey."""
+    if not isinstance(keys, Sequence) or isinstance(keys, (str, bytes)):
+        raise ValueError(f"keys: must be a sequence of StorageKey, not {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, StorageKey):
+            raise ValueError(f"keys[{i}]: must be a StorageKey, got {type(key).__name__}")
+
+
+def check_deadline(deadline: float) -> None:
+    """Raises ValueError unless `deadline` is a number (a time.monotonic() value)."""
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        raise ValueError(f"deadline: must be a time.monotonic() value, got {deadline!r}")
+    if math.isnan(deadline):
+        raise ValueError("deadline: is NaN")
+
+
+def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None:
+    """Raises ValueError naming the first block or segment that does not match
+    `layout` (count, lengths) or has a null address."""
+    want = layout.segment_lengths
+    for b, segs in enumerate(blocks):
+        if len(segs) != len(want):
+            raise ValueError(f"blocks[{b}]: {len(segs)} segments, the layout has {len(want)}")
+        for s, seg in enumerate(segs):
+            try:
+                ptr, length = seg
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"blocks[{b}][{s}]: must be an (address, length) pair"
+                ) from None
+            if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr <= 0:
+                raise ValueError(
+                    f"blocks[{b}][{s}]: address must be a positive int, got {ptr!r}"
+                )
+            if length != want[s]:
+                raise ValueError(
+                    f"blocks[{b}][{s}]: length {length} != layout length {want[s]}"
+                )
+
+
+__all__ = [
+    "OK",
+    "BlockLayout",
+    "BlockSegments",
+    "KeyResult",
+    "KeyStatus",
+    "Segment",
+    "StorageBackend",
+    "StorageKey",
+    "StorageNamespace",
+    "StorageStats",
+    "check_deadline",
+    "check_keys",
+    "check_segments",
+    "deadline_after",
+]

@@ -1,0 +1,96 @@
+"""The 128-byte header in front of every stored block, and its checksum.
+
+    offset  field
+         0  magic         8 bytes  b"FKVBLK\\0\\1"
+         8  version       u32      1
+        12  num_segments  u32
+        16  namespace     32 bytes StorageNamespace digest
+        48  block_hash    32 bytes
+        80  rank          u32
+        84  layout        u32      BlockLayout.digest32()
+        88  payload_len   u64      sum of the segment lengths
+        96  seq           u64      write sequence (0 where the store keeps one version)
+       104  payload_crc   u32      crc32c-3way of the segments (below)
+       108  reserved      16 bytes zero
+       124  header_crc    u32      CRC-32C of bytes [0, 124)
+
+A read proves it holds the block it asked for when bytes [0, 104) equal the header
+it expects, the header CRC verifies and the payload checksum matches the bytes
+that landed in host memory. Little-endian throughout.
+
+crc32c-3way: per segment, three CRC-32C lanes over its 8-byte words (word i feeds
+lane i % 3; the trailing len % 8 bytes feed lane 0 after its words); the block
+checksum is CRC-32C over the lanes of all segments as little-endian u32s, in order.
+Three independent lanes run about three times as fast as one on x86's crc32
+instruction. `fastkv.storage._disk_io` computes it natively; `reference_checksum`
+below is the same definition in Python, for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import crc32c
+import numpy as np
+
+from fastkv.storage import _disk_io
+from fastkv.storage.base import BlockLayout, StorageKey
+
+HEADER_BYTES = 128
+MAGIC = b"FKVBLK\0\1"
+VERSION = 1
+_FIXED = struct.Struct("<8sII32s32sIIQQ")  # bytes [0, 104)
+MATCHED_BYTES = _FIXED.size
+assert MATCHED_BYTES == _disk_io.HDR_CMP_END
+assert HEADER_BYTES == _disk_io.HDR_BYTES
+
+
+def expected_header(key: StorageKey, layout: BlockLayout, seq: int) -> bytes:
+    """The 128 bytes a block of `key` written with `seq` starts with, CRC fields zero
+    (a writer seals them; a reader compares the first 104 bytes)."""
+    nseg, digest, length = _layout_fields(layout)
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, nseg, key.namespace, key.block_hash, key.rank, digest, length, seq
+    )
+    return fixed + _PAD
+
+
+_PAD = bytes(HEADER_BYTES - MATCHED_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_fields(layout: BlockLayout) -> tuple[int, int, int]:
+    return layout.num_segments, layout.digest32(), layout.payload_bytes
+
+
+def parse_header(raw: bytes | memoryview) -> tuple[StorageKey, int, int, int, int] | None:
+    """(key, num_segments, layout digest, payload length, seq) of a header whose
+    magic and version match, else None. The caller has verified its CRC."""
+    magic, version, nseg, ns, block_hash, rank, layout, length, seq = _FIXED.unpack_from(raw)
+    if magic != MAGIC or version != VERSION or rank > 0xFFFF:
+        return None
+    return StorageKey(bytes(ns), bytes(block_hash), rank), nseg, layout, length, seq
+
+
+def reference_checksum(segments: list[bytes]) -> int:
+    """crc32c-3way of a block given as the bytes of its segments (slow; tests)."""
+    lanes = bytearray()
+    for seg in segments:
+        nwords = len(seg) // 8
+        words = np.frombuffer(seg, dtype="<u8", count=nwords)
+        tail = seg[nwords * 8 :]
+        lane0 = crc32c.crc32c(words[0::3].tobytes() + tail)
+        lane1 = crc32c.crc32c(words[1::3].tobytes())
+        lane2 = crc32c.crc32c(words[2::3].tobytes())
+        lanes += struct.pack("<III", lane0, lane1, lane2)
+    return crc32c.crc32c(bytes(lanes))
+
+
+__all__ = [
+    "HEADER_BYTES",
+    "MATCHED_BYTES",
+    "expected_header",
+    "parse_header",
+    "reference_checksum",
+]

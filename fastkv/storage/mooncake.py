@@ -1,0 +1,573 @@
+"""Mooncake Store backend: blocks as objects in a distributed memory pool.
+
+Object key: `StorageKey.text()` ("fkv1/<namespace digest>/<block hash>/r<rank>").
+Object bytes: the 128-byte block header (fastkv.storage.block_header) followed by
+the block's segments in order, gathered zero-copy from the host cache by
+`batch_put_from_multi_buffers` and scattered back by `batch_get_into_multi_buffers`
+(both need the memory registered: `register_host_memory` once for the whole host
+cache; the headers live in a small registered arena of the backend's own).
+
+Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
+
+    put   0, -705 (exists)      stored (an existing key keeps its old value; keys name
+                                content, so it is the same block)
+          -200 (pool full)      retried with a short backoff, at most `put_retries`
+                                times and never past the deadline; then FAILED
+    get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
+          0 < n < size          short object -> MISS (corrupt)
+          -600                  object larger than the block -> MISS (corrupt)
+          -704                  not stored -> MISS
+          -800 (transfer fail)  also what a short object gives with multi-buffer reads:
+                                `get_size` tells them apart -> MISS or FAILED
+    any   -800, -900, -901      FAILED, and the circuit breaker opens (RPC or transfer
+                                failure: a dead master or storage node)
+          anything else         FAILED with the code
+
+While the breaker is open every call fails fast without touching Mooncake; after
+`breaker_cooldown_s` one call goes through as a probe and closes it on success
+(the cooldown doubles, up to 30 s, while probes fail). `health_check()` answered 0
+with the master dead, so the breaker learns from real calls only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from fastkv.storage import _disk_io
+from fastkv.storage.base import (
+    OK,
+    BlockLayout,
+    BlockSegments,
+    KeyResult,
+    KeyStatus,
+    StorageBackend,
+    StorageKey,
+    StorageStats,
+)
+from fastkv.storage.block_header import HEADER_BYTES, expected_header
+
+PUT_OK = 0
+OBJECT_EXISTS = -705
+POOL_FULL = -200
+BUFFER_TOO_SMALL = -600
+OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+FATAL_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
+_MAX_COOLDOWN_S = 30.0
+
+
+class CircuitBreaker:
+    """Closed: calls go through. Open: they fail fast. After the cooldown one probe
+    call goes through; its success closes the breaker, its failure reopens it with
+    twice the cooldown (at most 30 s)."""
+
+    def __init__(self, cooldown_s: float) -> None:
+        self.base_cooldown_s = cooldown_s
+        self._cooldown_s = cooldown_s
+        self._lock = threading.Lock()
+        self._open_until: float | None = None
+        self._probing = False
+        self.reason = ""
+        self.trips = 0
+
+    @property
+    def cooldown_s(self) -> float:
+        """The current cooldown (doubles while probes fail)."""
+        with self._lock:
+            return self._cooldown_s
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._open_until is not None
+
+    def allow(self) -> bool:
+        """May a call go to Mooncake now? (True for the one probe when half-open.)"""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            if self._probing or time.monotonic() < self._open_until:
+                return False
+            self._probing = True
+            return True
+
+    def record(self, fatal: str | None) -> None:
+        """The outcome of an allowed call: None if it saw no fatal code."""
+        with self._lock:
+            was_probe = self._probing
+            self._probing = False
+            if fatal is None:
+                if was_probe or self._open_until is None:
+                    self._open_until = None
+                    self._cooldown_s = self.base_cooldown_s
+                return
+            if self._open_until is not None and was_probe:
+                self._cooldown_s = min(self._cooldown_s * 2, _MAX_COOLDOWN_S)
+            if self._open_until is None:
+                self.trips += 1
+            self._open_until = time.monotonic() + self._cooldown_s
+            self.reason = fatal
+
+
+class MooncakeBackend(StorageBackend):
+    """Blocks in Mooncake Store.
+
+    Args:
+        layout: the segment lengths of every block.
+        master_address: "host:port" of mooncake_master.
+        local_hostname: this client's address as the other nodes reach it.
+        protocol, device_name, metadata_server: Mooncake transfer settings.
+        segment_bytes: memory this process contributes to the pool (0: a pure
+            client; the blocks then live on storage-node processes).
+        put_retries: how often a put answered -200 (pool full) is retried.
+        retry_backoff_s: pause before each retry.
+        breaker_cooldown_s: how long the breaker stays open before a probe.
+        max_batch: keys per Mooncake call (the deadline is checked between calls).
+        max_concurrency: calls running at once (each holds max_batch header slots);
+            further calls wait for a slot until their deadline.
+        staging_bytes: 0 (default) moves blocks zero-copy, one Mooncake buffer per
+            segment. Above 0, a registered staging area of this size (split among
+            `max_concurrency` calls, at least one object each) gathers each block
+            into one contiguous object first: over TCP, Mooncake's per-buffer cost
+            made multi-buffer transfers 2-4x slower than contiguous ones here
+            (tools/bench_storage.py); with RDMA, zero-copy is the natural choice.
+        store: an already set-up `MooncakeDistributedStore` to use instead.
+
+    Raises:
+        ValueError: a bad argument.
+        RuntimeError: Mooncake is not installed or its setup failed.
+    """
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        master_address: str = "",
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        metadata_server: str = "P2PHANDSHAKE",
+        segment_bytes: int = 0,
+        put_retries: int = 5,
+        retry_backoff_s: float = 0.01,
+        breaker_cooldown_s: float = 2.0,
+        max_batch: int = 64,
+        max_concurrency: int = 4,
+        staging_bytes: int = 0,
+        store: object | None = None,
+    ) -> None:
+        if not isinstance(layout, BlockLayout):
+            raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
+        for name, value, low, high in (
+            ("segment_bytes", segment_bytes, 0, 1 << 50),
+            ("put_retries", put_retries, 0, 1000),
+            ("max_batch", max_batch, 1, 4096),
+            ("max_concurrency", max_concurrency, 1, 256),
+            ("staging_bytes", staging_bytes, 0, 1 << 40),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not low <= value <= high
+            ):
+                raise ValueError(f"{name}: must be an int in [{low}, {high}], got {value!r}")
+        for name, value in (
+            ("retry_backoff_s", retry_backoff_s),
+            ("breaker_cooldown_s", breaker_cooldown_s),
+        ):
+            if not isinstance(value, (int, float)) or not 0 <= value <= 600:
+                raise ValueError(f"{name}: must be in [0, 600] seconds, got {value!r}")
+        if store is None and (not isinstance(master_address, str) or ":" not in master_address):
+            raise ValueError(f"master_address: expected 'host:port', got {master_address!r}")
+        object_bytes = HEADER_BYTES + layout.payload_bytes
+        per_call = staging_bytes // max_concurrency
+        if staging_bytes and per_call < object_bytes:
+            raise ValueError(
+                f"staging_bytes: {staging_bytes} holds less than one {object_bytes}-byte "
+                f"object per concurrent call ({max_concurrency}); give at least "
+                f"{max_concurrency * object_bytes}"
+            )
+        if staging_bytes:
+            max_batch = min(max_batch, per_call // object_bytes)
+        self.staged = staging_bytes > 0
+        self.layout = layout
+        self.put_retries = put_retries
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.max_batch = max_batch
+        self.breaker = CircuitBreaker(float(breaker_cooldown_s))
+        self._expected_bytes = HEADER_BYTES + layout.payload_bytes
+        self._lengths = [HEADER_BYTES, *layout.segment_lengths]
+        if store is None:
+            store = _setup_store(
+                local_hostname,
+                metadata_server,
+                segment_bytes,
+                protocol,
+                device_name,
+                master_address,
+            )
+        self.store = store
+        self._lock = threading.Lock()
+        self._stats = StorageStats()
+        self._regions: list[tuple[int, int]] = []
+        # Header slots: one arena, registered once, split among concurrent calls.
+        self._arena = mmap.mmap(-1, max(4096, max_concurrency * max_batch * HEADER_BYTES))
+        self._arena_addr = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data
+        self._register(self._arena_addr, len(self._arena))
+        self._staging: mmap.mmap | None = None
+        if self.staged:
+            self._staging = mmap.mmap(-1, max_concurrency * max_batch * object_bytes)
+            self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
+            self._register(self._staging_addr, len(self._staging))
+        self._free_arenas = list(range(max_concurrency))
+        self.pool_full_retries = 0
+        self._arena_ready = threading.Condition(self._lock)
+        self._closed = False
+
+    def register_host_memory(self, address: int, nbytes: int) -> None:
+        """Register host memory (the whole host cache, once) for zero-copy transfers
+        (staged mode does not need it).
+
+        Raises:
+            ValueError: a bad address or size, or overlap with a registered range.
+            RuntimeError: Mooncake refused the registration.
+        """
+        if isinstance(address, bool) or not isinstance(address, int) or address <= 0:
+            raise ValueError(f"address: must be a positive int, got {address!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
+        with self._lock:
+            for start, length in self._regions:
+                if address < start + length and start < address + nbytes:
+                    raise ValueError(
+                        f"address: [{address:#x}, +{nbytes}) overlaps a registered range"
+                    )
+        self._register(address, nbytes)
+
+    # -- the interface ----------------------------------------------------------
+
+    def exists(self, keys: Sequence[StorageKey], deadline: float) -> list[bool]:
+        self._check_batch(keys, None, deadline)
+        self._check_open()
+        found = [False] * len(keys)
+        for start in range(0, len(keys), self.max_batch):
+            if time.monotonic() >= deadline or not self.breaker.allow():
+                break
+            part = keys[start : start + self.max_batch]
+            try:
+                codes = self.store.batch_is_exist([k.text() for k in part])
+            except Exception as e:  # the binding raised: answer "not found"
+                self.breaker.record(f"is_exist raised {type(e).__name__}: {e}")
+                break
+            fatal = next((c for c in codes if c in FATAL_CODES), None)
+            self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
+            for j, code in enumerate(codes):
+                found[start + j] = code == 1
+        return found
+
+    def get_into(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> list[KeyResult]:
+        self._check_batch(keys, blocks, deadline)
+        self._check_registered(blocks)
+        self._check_open()
+        results = self._batched(keys, blocks, deadline, self._get_part)
+        with self._lock:
+            st = self._stats
+            st.gets += len(keys)
+            st.misses += sum(r.status == KeyStatus.MISS for r in results)
+            st.get_failures += sum(r.status == KeyStatus.FAILED for r in results)
+            st.timeouts += sum(r.status == KeyStatus.TIMEOUT for r in results)
+            st.get_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        return results
+
+    def put_from(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> list[KeyResult]:
+        self._check_batch(keys, blocks, deadline)
+        self._check_registered(blocks)
+        self._check_open()
+        results = self._batched(keys, blocks, deadline, self._put_part)
+        with self._lock:
+            st = self._stats
+            st.puts += len(keys)
+            st.put_failures += sum(not r.ok for r in results)
+            st.timeouts += sum(r.status == KeyStatus.TIMEOUT for r in results)
+            st.put_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        return results
+
+    def stats(self) -> StorageStats:
+        with self._lock:
+            return StorageStats(**{f: getattr(self._stats, f) for f in StorageStats.__slots__})
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()
+
+    # -- batching -----------------------------------------------------------------
+
+    def _batched(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        deadline: float,
+        run_part: Callable[..., tuple[list[KeyResult], str | None]],
+    ) -> list[KeyResult]:
+        results: list[KeyResult] = [
+            KeyResult(KeyStatus.TIMEOUT, "deadline passed before the call")
+        ] * len(keys)
+        arena = self._take_arena(deadline)
+        if arena is None:
+            return results
+        try:
+            for start in range(0, len(keys), self.max_batch):
+                if time.monotonic() >= deadline:
+                    break
+                if not self.breaker.allow():
+                    refused = KeyResult(
+                        KeyStatus.FAILED, f"circuit breaker open ({self.breaker.reason})"
+                    )
+                    results[start:] = [refused] * (len(keys) - start)
+                    break
+                stop = min(len(keys), start + self.max_batch)
+                try:
+                    part, fatal = run_part(
+                        keys[start:stop], blocks[start:stop], arena, deadline
+                    )
+                except Exception as e:  # the binding raised: a failure, never a hang
+                    fatal = f"{type(e).__name__}: {e}"
+                    part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * (
+                        stop - start
+                    )
+                self.breaker.record(fatal)
+                results[start:stop] = part
+        finally:
+            self._give_arena(arena)
+        return results
+
+    def _take_arena(self, deadline: float) -> int | None:
+        with self._arena_ready:
+            while not self._free_arenas:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._arena_ready.wait(left)
+            return self._free_arenas.pop()
+
+    def _give_arena(self, arena: int) -> None:
+        with self._arena_ready:
+            self._free_arenas.append(arena)
+            self._arena_ready.notify()
+
+    def _header_addr(self, arena: int, j: int) -> int:
+        return self._arena_addr + (arena * self.max_batch + j) * HEADER_BYTES
+
+    def _object_addr(self, arena: int, j: int) -> int:
+        """Staged mode: where object j of a call holding `arena` is assembled."""
+        return self._staging_addr + (arena * self.max_batch + j) * self._expected_bytes
+
+    def _header_view(self, arena: int, j: int) -> memoryview:
+        off = (arena * self.max_batch + j) * HEADER_BYTES
+        return memoryview(self._arena)[off : off + HEADER_BYTES]
+
+    def _put_part(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        arena: int,
+        deadline: float,
+    ) -> tuple[list[KeyResult], str | None]:
+        ptrs: list = []
+        for j, (key, segs) in enumerate(zip(keys, blocks, strict=True)):
+            seg_array = np.asarray(segs, dtype=np.int64)
+            if self.staged:
+                header = bytearray(expected_header(key, self.layout, 0))
+                _disk_io.stage_block(self._object_addr(arena, j), header, seg_array)
+                ptrs.append(self._object_addr(arena, j))
+                continue
+            header_view = self._header_view(arena, j)
+            header_view[:] = expected_header(key, self.layout, 0)
+            _disk_io.seal_header(header_view, seg_array)
+            ptrs.append([self._header_addr(arena, j), *(p for p, _ in segs)])
+        results: list[KeyResult | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        fatal: str | None = None
+        for attempt in range(self.put_retries + 1):
+            names = [keys[j].text() for j in pending]
+            if self.staged:
+                codes = self.store.batch_put_from(
+                    names, [ptrs[j] for j in pending], [self._expected_bytes] * len(pending)
+                )
+            else:
+                codes = self.store.batch_put_from_multi_buffers(
+                    names, [ptrs[j] for j in pending], [self._lengths] * len(pending)
+                )
+            retry = []
+            for j, code in zip(pending, codes, strict=True):
+                if code in (PUT_OK, OBJECT_EXISTS):
+                    results[j] = OK
+                elif code == POOL_FULL:
+                    retry.append(j)
+                else:
+                    if code in FATAL_CODES:
+                        fatal = f"put answered {code}"
+                    results[j] = KeyResult(KeyStatus.FAILED, f"Mooncake put answered {code}")
+            pending = retry
+            if not pending:
+                break
+            if (
+                attempt == self.put_retries
+                or time.monotonic() + self.retry_backoff_s >= deadline
+            ):
+                break
+            with self._lock:
+                self.pool_full_retries += len(pending)
+            time.sleep(self.retry_backoff_s)
+        for j in pending:
+            results[j] = KeyResult(
+                KeyStatus.FAILED, "Mooncake pool full (-200) after every retry"
+            )
+        return results, fatal  # type: ignore[return-value]
+
+    def _get_part(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        arena: int,
+        deadline: float,
+    ) -> tuple[list[KeyResult], str | None]:
+        names = [k.text() for k in keys]
+        if self.staged:
+            ptrs = [self._object_addr(arena, j) for j in range(len(keys))]
+            codes = self.store.batch_get_into(names, ptrs, [self._expected_bytes] * len(keys))
+        else:
+            codes = self.store.batch_get_into_multi_buffers(
+                names,
+                [
+                    [self._header_addr(arena, j), *(p for p, _ in segs)]
+                    for j, segs in enumerate(blocks)
+                ],
+                [self._lengths] * len(keys),
+            )
+        results: list[KeyResult] = []
+        fatal: str | None = None
+        corrupt = 0
+        for j, code in enumerate(codes):
+            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code)
+            if outcome == "fatal":
+                fatal = f"get answered {code}"
+            corrupt += outcome == "corrupt"
+            results.append(result)
+        with self._lock:
+            self._stats.corrupt += corrupt
+        return results, fatal
+
+    def _read_result(
+        self, key: StorageKey, segs: BlockSegments, arena: int, j: int, code: int
+    ) -> tuple[KeyResult, str]:
+        """The result of one get and its kind: "", "corrupt" (counted) or "fatal"
+        (opens the breaker)."""
+        if code == self._expected_bytes:
+            want = expected_header(key, self.layout, 0)
+            seg_array = np.asarray(segs, dtype=np.int64)
+            if self.staged:
+                status = _disk_io.unstage_block(self._object_addr(arena, j), want, seg_array)
+            else:
+                status = _disk_io.verify_block(self._header_view(arena, j), want, seg_array)
+            if status == _disk_io.ST_OK:
+                return OK, ""
+            what = (
+                "header mismatch" if status == _disk_io.ST_BAD_HEADER else "checksum mismatch"
+            )
+            return KeyResult(KeyStatus.MISS, f"rejected: {what}"), "corrupt"
+        if 0 <= code < self._expected_bytes:
+            return KeyResult(
+                KeyStatus.MISS, f"rejected: short object ({code} bytes)"
+            ), "corrupt"
+        if code > self._expected_bytes or code == BUFFER_TOO_SMALL:
+            return KeyResult(
+                KeyStatus.MISS, "rejected: object larger than the block"
+            ), "corrupt"
+        if code == OBJECT_NOT_FOUND:
+            return KeyResult(KeyStatus.MISS, "not stored"), ""
+        if code == TRANSFER_FAIL:
+            # A short object also fails a multi-buffer read with -800: ask its size.
+            size = self.store.get_size(key.text())
+            if 0 <= size != self._expected_bytes:
+                return (
+                    KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
+                    "corrupt",
+                )
+        fatal = "fatal" if code in FATAL_CODES else ""
+        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _register(self, address: int, nbytes: int) -> None:
+        rc = self.store.register_buffer(address, nbytes)
+        if rc != 0:
+            raise RuntimeError(
+                f"Mooncake register_buffer({address:#x}, {nbytes}) answered {rc}"
+            )
+        with self._lock:
+            self._regions.append((address, nbytes))
+
+    def _check_registered(self, blocks: Sequence[BlockSegments]) -> None:
+        if self.staged:  # Mooncake touches only the staging area
+            return
+        with self._lock:
+            regions = sorted(self._regions)
+        starts = np.array([s for s, _ in regions], dtype=np.int64)
+        ends = np.array([s + n for s, n in regions], dtype=np.int64)
+        segs = np.asarray(blocks, dtype=np.int64).reshape(-1, 2)
+        if not len(segs):
+            return
+        idx = np.searchsorted(starts, segs[:, 0], side="right") - 1
+        inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
+        if not inside.all():
+            bad = int(np.argmin(inside))
+            nseg = self.layout.num_segments
+            raise ValueError(
+                f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
+                "register_host_memory"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the storage backend is closed")
+
+
+def _setup_store(
+    local_hostname: str,
+    metadata_server: str,
+    segment_bytes: int,
+    protocol: str,
+    device_name: str,
+    master_address: str,
+) -> object:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise RuntimeError(
+            f"Mooncake is not installed ({e}): pip install mooncake-transfer-engine-non-cuda"
+        ) from e
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        local_hostname, metadata_server, segment_bytes, 0, protocol, device_name, master_address
+    )
+    if rc != 0:
+        raise RuntimeError(f"Mooncake setup with master {master_address} answered {rc}")
+    return store
+
+
+__all__ = ["CircuitBreaker", "MooncakeBackend"]

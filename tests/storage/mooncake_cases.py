@@ -1,0 +1,356 @@
+"""Mooncake scenarios, each run by test_mooncake.py as its own process inside a
+private network namespace:
+
+    unshare --net --fork python tests/storage/mooncake_cases.py CASE LOGDIR
+
+A case starts a real master (and storage nodes), drives the MooncakeBackend (and
+the I/O engine) through it, checks bytes itself, and prints one line
+`RESULT <json>` with what it saw for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+
+import numpy as np  # noqa: E402
+from mooncake_cluster import Cluster  # noqa: E402
+from storage_helpers import LAYOUTS, HostMemory, make_keys, make_namespace  # noqa: E402
+
+from fastkv.storage import KeyStatus, _disk_io, deadline_after  # noqa: E402
+from fastkv.storage.block_header import HEADER_BYTES, expected_header  # noqa: E402
+from fastkv.storage.io_engine import StorageIOEngine  # noqa: E402
+from fastkv.storage.mooncake import MooncakeBackend  # noqa: E402
+
+LAYOUT = LAYOUTS["fp8"]  # 196,800 bytes: K/V of 3 layers and their 32-byte scales
+
+
+def names(results) -> list[str]:
+    return [r.status.name for r in results]
+
+
+def backend_for(cluster: Cluster, **kw) -> MooncakeBackend:
+    return MooncakeBackend(LAYOUT, cluster.master_address, **kw)
+
+
+STAGING = 4 * 2 * (HEADER_BYTES + LAYOUT.payload_bytes)  # 2 objects per concurrent call
+
+
+def round_trip(cluster: Cluster, two_process: bool, staged: bool = False) -> dict:
+    cluster.start_master()
+    if two_process:
+        cluster.start_node()
+    backend = backend_for(
+        cluster,
+        segment_bytes=0 if two_process else 64 << 20,
+        staging_bytes=STAGING if staged else 0,
+    )
+    host = HostMemory(LAYOUT, 16)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = [host.fill(b, seed=b) for b in range(8)]
+    keys = make_keys(8)
+    put = backend.put_from(keys, [host.segments(b) for b in range(8)], deadline_after(10))
+    again = backend.put_from(keys[:2], [host.segments(b) for b in range(2)], deadline_after(10))
+    for b in range(8, 16):
+        host.clear(b, 0x5A)
+    got = backend.get_into(keys, [host.segments(b) for b in range(8, 16)], deadline_after(10))
+    exact = [host.read(8 + b) == want[b] for b in range(8)]
+    other_ns = make_keys(2, namespace=make_namespace(kv_dtype="fp8").digest())
+    other_rank = make_keys(2, rank=1)
+    probes = [*other_ns, *other_rank]
+    misses = backend.get_into(
+        probes, [host.segments(b) for b in range(12, 16)], deadline_after(10)
+    )
+    unregistered = HostMemory(LAYOUT, 1)
+    try:
+        res = backend.get_into(keys[:1], [unregistered.segments(0)], deadline_after(10))
+        refused = ""
+        unregistered_exact = res[0].ok and unregistered.read(0) == want[0]
+    except ValueError as e:
+        refused = str(e)
+        unregistered_exact = False
+    stats = backend.stats()
+    return {
+        "put": names(put),
+        "again": names(again),
+        "get": names(got),
+        "exact": exact,
+        "exists": backend.exists([*keys[:2], *probes], deadline_after(10)),
+        "probes": names(misses),
+        "unregistered": refused,
+        "unregistered_exact": unregistered_exact,
+        "max_batch": backend.max_batch,
+        "corrupt": stats.corrupt,
+        "breaker_open": backend.breaker.is_open,
+    }
+
+
+def bad_objects(cluster: Cluster, staged: bool = False) -> dict:
+    """Objects under a block's key that are not that block: short, oversized, a
+    same-size object with another key's header, one with a flipped payload byte."""
+    cluster.start_master()
+    cluster.start_node()
+    backend = backend_for(cluster, staging_bytes=STAGING if staged else 0)
+    host = HostMemory(LAYOUT, 8)
+    backend.register_host_memory(host.base, host.nbytes)
+    staging = HostMemory(LAYOUT, 4)  # raw objects are assembled here
+    backend.register_host_memory(staging.base, staging.nbytes)
+    store = backend.store
+    size = HEADER_BYTES + LAYOUT.payload_bytes
+    keys = make_keys(5)
+    # short and oversized objects, written with the raw Mooncake API
+    codes = store.batch_put_from(
+        [keys[0].text(), keys[1].text()], [staging.base] * 2, [1000, size + 4096]
+    )
+    # a genuine block of keys[4], copied under keys[2]: valid object, another header
+    want = host.fill(0, seed=0)
+    assert backend.put_from(keys[4:5], [host.segments(0)], deadline_after(10))[0].ok
+    assert store.get_into(keys[4].text(), staging.base, size) == size
+    codes += store.batch_put_from([keys[2].text()], [staging.base], [size])
+    # keys[3]'s own sealed header over the block, then one payload byte flipped
+    header = bytearray(expected_header(keys[3], LAYOUT, 0))
+    _disk_io.seal_header(header, np.array(host.segments(0), dtype=np.int64))
+    staging.array[:HEADER_BYTES] = np.frombuffer(bytes(header), dtype=np.uint8)
+    staging.array[HEADER_BYTES:size] = np.frombuffer(want, dtype=np.uint8)
+    staging.array[HEADER_BYTES + 100] ^= 0x01
+    codes += store.batch_put_from([keys[3].text()], [staging.base], [size])
+    for b in range(4):
+        host.clear(b)
+    got = backend.get_into(keys[:4], [host.segments(b) for b in range(4)], deadline_after(10))
+    good = backend.get_into(keys[4:], [host.segments(5)], deadline_after(10))
+    return {
+        "raw_codes": codes,
+        "get": names(got),
+        "reasons": [r.reason for r in got],
+        "good": names(good),
+        "good_exact": host.read(5) == want,
+        "corrupt": backend.stats().corrupt,
+        "breaker_open": backend.breaker.is_open,
+    }
+
+
+def pool_full_storm(cluster: Cluster) -> dict:
+    """Four threads put 160 blocks (31 MB) into a 16 MB pool: -200 answers."""
+    cluster.start_master()
+    cluster.start_node(segment="16MB")
+    backend = backend_for(cluster, put_retries=3, retry_backoff_s=0.01, max_batch=8)
+    host = HostMemory(LAYOUT, 4)
+    backend.register_host_memory(host.base, host.nbytes)
+    blocks = [host.fill(b, seed=b) for b in range(4)]
+    out: dict[int, list[str]] = {}
+    overrun: list[float] = []
+
+    def writer(t: int) -> None:
+        keys = make_keys(40, start=1000 * t)
+        deadline = deadline_after(5)
+        res = backend.put_from(keys, [host.segments(i % 4) for i in range(40)], deadline)
+        overrun.append(time.monotonic() - deadline)
+        out[t] = names(res)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # whatever was reported stored reads back exactly, or is gone (evicted): no garbage
+    wrong = 0
+    served = 0
+    for t, res in out.items():
+        keys = make_keys(40, start=1000 * t)
+        for i, status in enumerate(res):
+            if status != "OK":
+                continue
+            host.clear(3)
+            got = backend.get_into([keys[i]], [host.segments(3)], deadline_after(10))[0]
+            if got.ok:
+                served += 1
+                wrong += host.read(3) != blocks[i % 4]
+    return {
+        "threads_done": sorted(out),
+        "statuses": sorted({s for res in out.values() for s in res}),
+        "ok": sum(res.count("OK") for res in out.values()),
+        "failed": sum(res.count("FAILED") for res in out.values()),
+        "retries": backend.pool_full_retries,
+        "max_overrun_s": max(overrun),
+        "served": served,
+        "wrong": wrong,
+        "breaker_open": backend.breaker.is_open,
+    }
+
+
+def master_killed(cluster: Cluster, during: str) -> dict:
+    """The master dies while the I/O engine streams puts or gets; then it restarts."""
+    cluster.start_master()
+    cluster.start_node()
+    backend = backend_for(cluster, breaker_cooldown_s=1.0)
+    host = HostMemory(LAYOUT, 8)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = [host.fill(b, seed=b) for b in range(4)]
+    engine = StorageIOEngine(backend, num_threads=2, chunk_bytes=LAYOUT.payload_bytes)
+    deadline_s = 1.0
+    keys = make_keys(16)
+    assert all(
+        r.ok
+        for r in backend.put_from(
+            keys, [host.segments(i % 4) for i in range(16)], deadline_after(10)
+        )
+    )
+    results: list = []
+    done_at: list[float] = []
+    wrong = [0]
+    stop = threading.Event()
+
+    def stream() -> None:
+        rid = 0
+        while not stop.is_set() and rid < 400:
+            rid += 1
+            t0 = time.monotonic()
+            if during == "put":
+                ks = make_keys(4, start=100 + 4 * rid)
+                engine.submit_store(rid, ks, [host.segments(b) for b in range(4)], range(4),
+                                    t0 + deadline_s)  # fmt: skip
+            else:
+                ks = [keys[(4 * rid + j) % 16] for j in range(4)]
+                engine.submit_load(rid, ks, [host.segments(4 + j) for j in range(4)],
+                                   range(4, 8), t0 + deadline_s)  # fmt: skip
+            while True:  # the engine's own bounded wait, then wait out fenced blocks
+                got = engine.wait_all(deadline_s + 1)
+                if got:
+                    results.extend(got)
+                    if during == "get" and got[0].success:
+                        wrong[0] += sum(
+                            host.read(4 + j) != want[(4 * rid + j) % 16 % 4] for j in range(4)
+                        )
+                    done_at.append(time.monotonic() - (t0 + deadline_s))
+                    break
+            end = time.monotonic() + 10
+            while engine.busy_host_blocks() and time.monotonic() < end:
+                time.sleep(0.01)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    time.sleep(0.5)
+    ok_before = sum(r.success for r in results)
+    cluster.kill_master()
+    time.sleep(2.5 * deadline_s)
+    stop.set()
+    streamer.join(30)
+    after_kill = results[ok_before:]
+    breaker_tripped = backend.breaker.trips
+    # a fresh master: old metadata is gone; the node re-registers, the breaker closes
+    cluster.start_master()
+    recovered_after = None
+    t0 = time.monotonic()
+    probe = make_keys(1, start=5000)
+    while time.monotonic() - t0 < 20:
+        res = backend.put_from(probe, [host.segments(0)], deadline_after(3))
+        if res[0].ok:
+            recovered_after = round(time.monotonic() - t0, 2)
+            break
+        time.sleep(0.2)
+    host.clear(5)
+    back = backend.get_into(probe, [host.segments(5)], deadline_after(3))
+    old = backend.get_into(keys[:1], [host.segments(6)], deadline_after(3))
+    engine.close(5)
+    return {
+        "requests": len(results),
+        "ok_before_kill": ok_before,
+        "after_kill_statuses": sorted({s for r in after_kill for s in names(r.results)}),
+        "after_kill_failed": sum(not r.success for r in after_kill),
+        "max_report_after_deadline_s": max(done_at) if done_at else None,
+        "breaker_trips": breaker_tripped,
+        "recovered_after_s": recovered_after,
+        "probe_read": names(back),
+        "probe_exact": host.read(5) == host.read(0),
+        "old_key_after_restart": names(old),
+        "wrong_loads": wrong[0],
+        "breaker_open_at_end": backend.breaker.is_open,
+    }
+
+
+def node_killed(cluster: Cluster) -> dict:
+    """The storage node holding the blocks dies; a new one joins later."""
+    cluster.start_master()
+    node = cluster.start_node()
+    backend = backend_for(cluster, breaker_cooldown_s=1.0)
+    host = HostMemory(LAYOUT, 8)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = host.fill(0, seed=0)
+    keys = make_keys(4)
+    assert all(r.ok for r in backend.put_from(keys, [host.segments(0)] * 4, deadline_after(10)))
+    cluster.kill_node(node)
+    host.clear(1)
+    t0 = time.monotonic()
+    first = backend.get_into(keys[:2], [host.segments(1), host.segments(2)], deadline_after(5))
+    first_s = time.monotonic() - t0
+    fast = backend.get_into(keys[2:3], [host.segments(3)], deadline_after(5))
+    time.sleep(1.1)
+    cluster.start_node()
+    recovered_after = None
+    t0 = time.monotonic()
+    probe = make_keys(1, start=77)
+    while time.monotonic() - t0 < 20:
+        if backend.put_from(probe, [host.segments(0)], deadline_after(3))[0].ok:
+            recovered_after = round(time.monotonic() - t0, 2)
+            break
+        time.sleep(0.2)
+    host.clear(4)
+    back = backend.get_into(probe, [host.segments(4)], deadline_after(3))
+    lost = backend.get_into(keys[:1], [host.segments(5)], deadline_after(3))
+    return {
+        "first": names(first),
+        "first_reasons": [r.reason for r in first],
+        "first_call_s": round(first_s, 2),
+        "while_open": names(fast),
+        "while_open_reason": fast[0].reason,
+        "breaker_trips": backend.breaker.trips,
+        "recovered_after_s": recovered_after,
+        "probe_read": names(back),
+        "probe_exact": host.read(4) == want,
+        "lost_key": names(lost),
+        "lost_exact_or_absent": lost[0].status != KeyStatus.OK or host.read(5) == want,
+    }
+
+
+CASES = {
+    "round_trip_two_process": lambda c: round_trip(c, two_process=True),
+    "round_trip_one_process": lambda c: round_trip(c, two_process=False),
+    "round_trip_staged": lambda c: round_trip(c, two_process=True, staged=True),
+    "bad_objects": bad_objects,
+    "bad_objects_staged": lambda c: bad_objects(c, staged=True),
+    "pool_full_storm": pool_full_storm,
+    "master_killed_mid_put": lambda c: master_killed(c, "put"),
+    "master_killed_mid_get": lambda c: master_killed(c, "get"),
+    "node_killed": node_killed,
+}
+
+
+def main() -> None:
+    case, logdir = sys.argv[1], Path(sys.argv[2])
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    cluster = Cluster(logdir)
+    code = 0
+    try:
+        print("RESULT " + json.dumps(CASES[case](cluster)), flush=True)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        code = 1
+    finally:
+        cluster.close()
+    sys.stderr.flush()
+    # Mooncake's client threads keep retrying a dead master; skip their teardown.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

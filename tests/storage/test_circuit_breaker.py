@@ -1,0 +1,48 @@
+"""The Mooncake backend's circuit breaker on its own (the real-Mooncake behaviour is
+in test_mooncake.py)."""
+
+from __future__ import annotations
+
+import time
+
+from fastkv.storage.mooncake import CircuitBreaker
+
+
+def test_opens_on_a_fatal_call_and_fails_fast() -> None:
+    breaker = CircuitBreaker(cooldown_s=60)
+    assert breaker.allow()
+    breaker.record(None)
+    assert not breaker.is_open
+    assert breaker.allow()
+    breaker.record("get answered -900")
+    assert breaker.is_open and breaker.trips == 1 and breaker.reason == "get answered -900"
+    assert not breaker.allow()  # fails fast for the whole cooldown
+
+
+def test_one_probe_after_the_cooldown_closes_it_on_success() -> None:
+    breaker = CircuitBreaker(cooldown_s=0.05)
+    assert breaker.allow()
+    breaker.record("put answered -800")
+    time.sleep(0.06)
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # only one probe at a time
+    breaker.record(None)
+    assert not breaker.is_open
+    assert breaker.allow() and breaker.allow()
+    assert breaker.trips == 1
+
+
+def test_a_failed_probe_reopens_with_a_longer_cooldown() -> None:
+    breaker = CircuitBreaker(cooldown_s=0.05)
+    assert breaker.allow()
+    breaker.record("put answered -900")
+    time.sleep(0.06)
+    assert breaker.allow()
+    breaker.record("put answered -900")  # the probe failed
+    assert breaker.is_open and breaker.trips == 1
+    assert not breaker.allow()
+    assert breaker.cooldown_s == 0.1
+    time.sleep(0.11)
+    assert breaker.allow()
+    breaker.record(None)
+    assert not breaker.is_open and breaker.cooldown_s == 0.05

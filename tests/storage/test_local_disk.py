@@ -1,0 +1,598 @@
+"""The local-disk backend on a real filesystem: every test asserts that nothing is
+served wrong (bit-exact or a counted miss)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from storage_helpers import LAYOUTS, HostMemory, make_keys, make_namespace, statuses
+
+from fastkv.storage import BlockLayout, KeyStatus, StorageKey, deadline_after, local_disk
+from fastkv.storage.local_disk import (
+    DATA_FILE,
+    LocalDiskBackend,
+    SlotGeometry,
+    StorageDirectoryLocked,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SOON = 30.0
+
+
+def open_backend(path: Path, layout: BlockLayout, capacity: int = 16, **kw) -> LocalDiskBackend:
+    return LocalDiskBackend(path, layout, capacity_blocks=capacity, **kw)
+
+
+def put(backend, host: HostMemory, keys, blocks) -> list[str]:
+    return statuses(
+        backend.put_from(keys, [host.segments(b) for b in blocks], deadline_after(SOON))
+    )
+
+
+def get(backend, host: HostMemory, keys, blocks) -> list[str]:
+    return statuses(
+        backend.get_into(keys, [host.segments(b) for b in blocks], deadline_after(SOON))
+    )
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_round_trip_is_bit_exact(tmp_path: Path, layout_name: str, direct_io: bool) -> None:
+    layout = LAYOUTS[layout_name]
+    host = HostMemory(layout, 12)
+    want = [host.fill(b, seed=b) for b in range(6)]
+    keys = make_keys(6)
+    with open_backend(tmp_path, layout, direct_io=direct_io) as backend:
+        assert backend.direct_io is direct_io
+        assert put(backend, host, keys, range(6)) == ["OK"] * 6
+        for b in range(6, 12):
+            host.clear(b, 0xAB)
+        assert get(backend, host, keys, range(6, 12)) == ["OK"] * 6
+        assert [host.read(b) for b in range(6, 12)] == want
+        stats = backend.stats()
+    assert (stats.puts, stats.gets, stats.misses, stats.corrupt) == (6, 6, 0, 0)
+    assert stats.put_bytes == stats.get_bytes == 6 * layout.payload_bytes
+
+
+def test_misaligned_host_memory_goes_through_the_bounce_buffer(tmp_path: Path) -> None:
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 4, misalign=64)
+    assert host.segments(0)[0][0] % 4096 == 64
+    want = [host.fill(b, seed=10 + b) for b in range(2)]
+    with open_backend(tmp_path, layout, direct_io=True) as backend:
+        assert put(backend, host, make_keys(2), [0, 1]) == ["OK", "OK"]
+        assert get(backend, host, make_keys(2), [2, 3]) == ["OK", "OK"]
+    assert [host.read(2), host.read(3)] == want
+
+
+def test_round_trip_from_the_cache_controllers_host_tier(tmp_path: Path) -> None:
+    """fp8 K/V per layer, their float32 scales and an extra layer, exactly as the
+    worker's host cache lays them out."""
+    from fastkv.worker import CacheController, KVCacheSpec
+
+    spec = KVCacheSpec(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        num_device_blocks=4,
+        num_host_blocks=8,
+        dtype="fp8",
+        num_extra_layers=1,
+    )
+    with CacheController(spec) as ctrl:
+        n = len(ctrl.block_bytes)
+        assert n == 12
+        layout = BlockLayout(tuple(ctrl.block_bytes))
+
+        def segments(b: int) -> list[tuple[int, int]]:
+            return [
+                (ctrl.host_ptrs[i] + b * ctrl.block_bytes[i], ctrl.block_bytes[i])
+                for i in range(n)
+            ]
+
+        rng = np.random.default_rng(5)
+        for i in range(n):
+            view = ctrl.host_blocks(i)
+            view[:4] = rng.integers(0, 256, view[:4].shape, dtype=np.uint8)
+        want = [[ctrl.host_blocks(i)[b].copy() for i in range(n)] for b in range(4)]
+        keys = make_keys(4)
+        with open_backend(tmp_path, layout) as backend:
+            res = backend.put_from(keys, [segments(b) for b in range(4)], deadline_after(SOON))
+            assert statuses(res) == ["OK"] * 4
+            res = backend.get_into(
+                keys, [segments(b) for b in range(4, 8)], deadline_after(SOON)
+            )
+            assert statuses(res) == ["OK"] * 4
+        for b in range(4):
+            for i in range(n):
+                assert np.array_equal(ctrl.host_blocks(i)[4 + b], want[b][i])
+
+
+def _slot_offset(backend: LocalDiskBackend, key: StorageKey) -> int:
+    slot, _ = backend._slots.index[key.packed]
+    return slot * backend.geometry.slot_bytes
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("where", ["large_segment", "scale_segment", "header"])
+def test_flipped_byte_is_a_counted_miss(tmp_path: Path, where: str) -> None:
+    layout = LAYOUTS["fp8"]
+    geometry = SlotGeometry.of(layout)
+    host = HostMemory(layout, 6)
+    want = [host.fill(b, seed=b) for b in range(3)]
+    keys = make_keys(3)
+    with open_backend(tmp_path, layout) as backend:
+        assert put(backend, host, keys, range(3)) == ["OK"] * 3
+        inside = {
+            "large_segment": int(geometry.segment_offsets[1]) + 1000,
+            "scale_segment": int(geometry.segment_offsets[2]) + 5,
+            "header": 50,  # inside the block hash
+        }[where]
+        _flip_byte(tmp_path / DATA_FILE, _slot_offset(backend, keys[1]) + inside)
+        res = backend.get_into(
+            keys, [host.segments(b) for b in range(3, 6)], deadline_after(SOON)
+        )
+        assert statuses(res) == ["OK", "MISS", "OK"]
+        assert "rejected" in res[1].reason
+        assert [host.read(3), host.read(5)] == [want[0], want[2]]
+        stats = backend.stats()
+        assert (stats.corrupt, stats.misses) == (1, 1)
+        # forgotten: a second read is a plain miss, and the slot is free again
+        assert backend.exists(keys, deadline_after(1)) == [True, False, True]
+        assert get(backend, host, keys[1:2], [4]) == ["MISS"]
+        assert backend.stats().corrupt == 1
+
+
+def test_truncated_slab_is_a_miss_and_the_rest_is_served(tmp_path: Path) -> None:
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 8)
+    want = [host.fill(b, seed=b) for b in range(4)]
+    keys = make_keys(4)
+    with open_backend(tmp_path, layout, capacity=4) as backend:
+        assert put(backend, host, keys, range(4)) == ["OK"] * 4
+        last = max(range(4), key=lambda i: _slot_offset(backend, keys[i]))
+        cut = _slot_offset(backend, keys[last]) + backend.geometry.slot_bytes // 2
+        os.truncate(tmp_path / DATA_FILE, cut)
+        res = get(backend, host, keys, range(4, 8))
+        assert res == ["MISS" if i == last else "OK" for i in range(4)]
+        assert all(host.read(4 + i) == want[i] for i in range(4) if i != last)
+        assert backend.stats().corrupt == 1
+    # a new process drops the partial slot and recovers the others
+    with open_backend(tmp_path, layout, capacity=4) as backend:
+        assert backend.wait_recovered(SOON)
+        assert backend.exists(keys, deadline_after(1)) == [i != last for i in range(4)]
+
+
+def test_slot_holding_another_block_is_a_miss(tmp_path: Path) -> None:
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 4)
+    host.fill(0, seed=0)
+    host.fill(1, seed=1)
+    keys = make_keys(2)
+    with open_backend(tmp_path, layout) as backend:
+        assert put(backend, host, keys, [0, 1]) == ["OK", "OK"]
+        slot_bytes = backend.geometry.slot_bytes
+        fd = os.open(tmp_path / DATA_FILE, os.O_RDWR)
+        a, b = _slot_offset(backend, keys[0]), _slot_offset(backend, keys[1])
+        os.pwrite(fd, os.pread(fd, slot_bytes, a), b)  # a same-size, valid, wrong block
+        os.close(fd)
+        assert get(backend, host, keys, [2, 3]) == ["OK", "MISS"]
+        assert backend.stats().corrupt == 1
+
+
+def test_restart_recovers_in_the_background_and_lookups_never_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 16)
+    want = [host.fill(b, seed=b) for b in range(8)]
+    keys = make_keys(8)
+    with open_backend(tmp_path, layout, capacity=16) as backend:
+        assert put(backend, host, keys, range(8)) == ["OK"] * 8
+
+    gate = threading.Event()
+    real_scan = local_disk._disk_io.scan_headers
+
+    def gated_scan(*args):
+        assert gate.wait(SOON)
+        return real_scan(*args)
+
+    monkeypatch.setattr(local_disk._disk_io, "scan_headers", gated_scan)
+    # a larger capacity than the file holds: a put may grow the file meanwhile
+    with open_backend(tmp_path, layout, capacity=32) as backend:
+        # the scan has not reached anything: misses, answered at once
+        assert backend.recovering
+        assert backend.exists(keys, deadline_after(1)) == [False] * 8
+        assert get(backend, host, keys[:2], [8, 9]) == ["MISS", "MISS"]
+        # a put during the scan takes a new slot, never an unscanned one
+        new = make_keys(1, start=100)
+        host.fill(10, seed=100)
+        assert put(backend, host, new, [10]) == ["OK"]
+        gate.set()
+        assert backend.wait_recovered(SOON)
+        assert backend.exists([*keys, *new], deadline_after(1)) == [True] * 9
+        assert get(backend, host, keys, range(8, 16)) == ["OK"] * 8
+        assert [host.read(b) for b in range(8, 16)] == want
+        assert backend.stats().stored_blocks == 9
+
+
+def test_put_into_a_full_file_during_recovery_fails_fast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = LAYOUTS["odd"]
+    host = HostMemory(layout, 4)
+    host.fill(0, seed=0)
+    with open_backend(tmp_path, layout, capacity=2) as backend:
+        assert put(backend, host, make_keys(2), [0, 0]) == ["OK", "OK"]
+    gate = threading.Event()
+    real_scan = local_disk._disk_io.scan_headers
+    monkeypatch.setattr(
+        local_disk._disk_io, "scan_headers", lambda *a: gate.wait(SOON) and real_scan(*a)
+    )
+    with open_backend(tmp_path, layout, capacity=2) as backend:
+        res = backend.put_from(make_keys(1, 50), [host.segments(1)], deadline_after(SOON))
+        assert statuses(res) == ["FAILED"]
+        assert "recovery" in res[0].reason
+        gate.set()
+        assert backend.wait_recovered(SOON)
+        assert backend.exists(make_keys(2), deadline_after(1)) == [True, True]
+
+
+def test_second_backend_on_a_directory_is_refused(tmp_path: Path) -> None:
+    layout = LAYOUTS["odd"]
+    with open_backend(tmp_path, layout):
+        with pytest.raises(StorageDirectoryLocked, match=f"pid {os.getpid()}"):
+            open_backend(tmp_path, layout)
+        code = (
+            "import sys; from fastkv.storage import BlockLayout\n"
+            "from fastkv.storage.local_disk import LocalDiskBackend, StorageDirectoryLocked\n"
+            "try:\n"
+            f"    LocalDiskBackend(sys.argv[1], BlockLayout({layout.segment_lengths}), 4)\n"
+            "except StorageDirectoryLocked as e:\n"
+            "    print('LOCKED', e); sys.exit(0)\n"
+            "sys.exit(1)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "in use by another fastkv storage backend" in proc.stdout
+    # released on close
+    open_backend(tmp_path, layout).close()
+
+
+def test_directory_of_another_layout_is_refused(tmp_path: Path) -> None:
+    open_backend(tmp_path, LAYOUTS["odd"]).close()
+    with pytest.raises(ValueError, match="another layout"):
+        open_backend(tmp_path, LAYOUTS["fp8"])
+    open_backend(tmp_path, LAYOUTS["odd"]).close()  # the lock was released
+
+
+def test_lru_eviction_keeps_recently_used_blocks(tmp_path: Path) -> None:
+    layout = LAYOUTS["odd"]
+    host = HostMemory(layout, 8)
+    want = [host.fill(b, seed=b) for b in range(4)]
+    keys = make_keys(4)
+    with open_backend(tmp_path, layout, capacity=3) as backend:
+        assert put(backend, host, keys[:3], range(3)) == ["OK"] * 3
+        assert get(backend, host, keys[:1], [5]) == ["OK"]  # 0 is now the most recent
+        assert put(backend, host, keys[3:], [3]) == ["OK"]  # evicts 1
+        assert backend.exists(keys, deadline_after(1)) == [True, False, True, True]
+        assert get(backend, host, keys, range(4, 8)) == ["OK", "MISS", "OK", "OK"]
+        assert [host.read(4), host.read(6), host.read(7)] == [want[0], want[2], want[3]]
+        stats = backend.stats()
+    assert (stats.evictions, stats.stored_blocks, stats.corrupt) == (1, 3, 0)
+
+
+def test_capacity_in_bytes_rounds_down_to_whole_slots(tmp_path: Path) -> None:
+    layout = LAYOUTS["bf16"]
+    slot = SlotGeometry.of(layout).slot_bytes
+    with LocalDiskBackend(tmp_path, layout, capacity_bytes=3 * slot + slot // 2) as backend:
+        assert backend.stats().capacity_blocks == 3
+
+
+def test_slot_being_read_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 4)
+    want = host.fill(0, seed=0)
+    host.fill(1, seed=1)
+    a, b = make_keys(2)
+    reading, release = threading.Event(), threading.Event()
+    real_read = local_disk._disk_io.read_batch
+
+    def slow_read(*args):
+        reading.set()
+        assert release.wait(SOON)
+        return real_read(*args)
+
+    with open_backend(tmp_path, layout, capacity=1) as backend:
+        assert put(backend, host, [a], [0]) == ["OK"]
+        monkeypatch.setattr(local_disk._disk_io, "read_batch", slow_read)
+        out: list = []
+        reader = threading.Thread(target=lambda: out.append(get(backend, host, [a], [2])))
+        reader.start()
+        assert reading.wait(SOON)
+        res = backend.put_from([b], [host.segments(1)], deadline_after(SOON))
+        assert statuses(res) == ["FAILED"]  # the only slot is being read
+        assert "being read or written" in res[0].reason
+        release.set()
+        reader.join(SOON)
+        assert out == [["OK"]]
+        assert host.read(2) == want
+        monkeypatch.setattr(local_disk._disk_io, "read_batch", real_read)
+        assert put(backend, host, [b], [1]) == ["OK"]  # now it may evict a
+        assert backend.exists([a, b], deadline_after(1)) == [False, True]
+
+
+def test_slow_disk_deadlines_hold(tmp_path: Path) -> None:
+    layout = LAYOUTS["odd"]
+    host = HostMemory(layout, 20)
+    want = [host.fill(b, seed=b) for b in range(10)]
+    keys = make_keys(10)
+    with open_backend(tmp_path, layout, io_delay_s=0.05) as backend:
+        res = backend.put_from(
+            keys, [host.segments(b) for b in range(10)], time.monotonic() + 0.12
+        )
+        got = statuses(res)
+        assert set(got) <= {"OK", "TIMEOUT"}
+        assert "TIMEOUT" in got
+        ok = got.count("OK")
+        assert got == ["OK"] * ok + ["TIMEOUT"] * (10 - ok)  # in order, nothing lost
+        assert backend.exists(keys, deadline_after(1)) == [s == "OK" for s in got]
+        # a deadline already passed: nothing is read (keys not stored answer miss)
+        late = backend.get_into(
+            keys, [host.segments(b) for b in range(10, 20)], time.monotonic()
+        )
+        assert statuses(late) == ["TIMEOUT"] * ok + ["MISS"] * (10 - ok)
+        backend.io_delay_s = 0.0
+        assert get(backend, host, keys[:ok], range(10, 10 + ok)) == ["OK"] * ok
+        assert [host.read(10 + b) for b in range(ok)] == want[:ok]
+        assert backend.stats().timeouts == 10
+
+
+def test_namespaces_differing_in_one_field_never_share_a_hit(tmp_path: Path) -> None:
+    layout = LAYOUTS["odd"]
+    host = HostMemory(layout, 2)
+    host.fill(0, seed=0)
+    base = make_namespace()
+    changes = {
+        "cache_namespace": "other-ns",
+        "model_id": "other-model",
+        "revision": "r2",
+        "kv_dtype": "fp8",
+        "block_size": 32,
+        "tp_size": 2,
+        "num_layers": 5,
+        "num_extra_layers": 1,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "scale_format": "per-head-f32",
+        "layout_version": 2,
+    }
+    assert set(changes) == {f.name for f in dataclasses.fields(base)}
+    others = [dataclasses.replace(base, **{k: v}).digest() for k, v in changes.items()]
+    assert len({base.digest(), *others}) == len(others) + 1
+    with open_backend(tmp_path, layout) as backend:
+        stored = make_keys(1, namespace=base.digest())
+        assert put(backend, host, stored, [0]) == ["OK"]
+        probes = [make_keys(1, namespace=ns)[0] for ns in others]
+        probes.append(make_keys(1, namespace=base.digest(), rank=1)[0])  # another rank
+        assert backend.exists(probes, deadline_after(1)) == [False] * len(probes)
+        assert get(backend, host, probes, [1] * len(probes)) == ["MISS"] * len(probes)
+        assert backend.exists(stored, deadline_after(1)) == [True]
+
+
+def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 2)
+    keys = make_keys(2)
+    segs = [host.segments(0), host.segments(1)]
+    with open_backend(tmp_path, layout) as backend:
+        before = backend.stats()
+        bad_cases = [
+            (keys, segs[:1], "blocks: 1 entries for 2 keys"),
+            (keys, [segs[0], segs[1][:-1]], r"blocks\[1\]: 11 segments"),
+            (keys, [segs[0], [*segs[1][:-1], (segs[1][-1][0], 31)]], r"length 31"),
+            (keys, [segs[0], [(0, n) for _, n in segs[1]]], r"address must be"),
+            ([keys[0], "nope"], segs, r"keys\[1\]"),
+        ]
+        for k, s, match in bad_cases:
+            with pytest.raises(ValueError, match=match):
+                backend.put_from(k, s, deadline_after(1))
+            with pytest.raises(ValueError, match=match):
+                backend.get_into(k, s, deadline_after(1))
+        with pytest.raises(ValueError, match="deadline"):
+            backend.put_from(keys, segs, float("nan"))
+        assert backend.stats() == before
+        assert backend.exists(keys, deadline_after(1)) == [False, False]
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        LocalDiskBackend(tmp_path / "x", layout, capacity_blocks=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        LocalDiskBackend(tmp_path / "x", layout, capacity_blocks=1, capacity_bytes=1 << 30)
+    with pytest.raises(ValueError, match="rank"):
+        StorageKey(b"n" * 32, b"h" * 32, 70000)
+
+
+def test_put_of_a_stored_key_keeps_the_stored_block(tmp_path: Path) -> None:
+    layout = LAYOUTS["odd"]
+    host = HostMemory(layout, 3)
+    want = host.fill(0, seed=0)
+    host.fill(1, seed=1)
+    key = make_keys(1)
+    with open_backend(tmp_path, layout) as backend:
+        assert put(backend, host, key + key, [0, 0]) == ["OK", "OK"]  # duplicate in a batch
+        assert put(backend, host, key, [1]) == ["OK"]  # keys name content: no rewrite
+        assert get(backend, host, key, [2]) == ["OK"]
+        assert host.read(2) == want
+        assert backend.stats().stored_blocks == 1
+
+
+def test_torn_block_after_a_crash_is_never_served(tmp_path: Path) -> None:
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 8)
+    want = [host.fill(b, seed=b) for b in range(4)]
+    keys = make_keys(4)
+    with open_backend(tmp_path, layout) as backend:
+        assert put(backend, host, keys, range(4)) == ["OK"] * 4
+        torn = _slot_offset(backend, keys[2])
+        slot_bytes = backend.geometry.slot_bytes
+    # the second half of slot 2 never reached the disk (old bytes stayed)
+    fd = os.open(tmp_path / DATA_FILE, os.O_RDWR)
+    os.pwrite(fd, bytes(slot_bytes // 2), torn + slot_bytes // 2)
+    os.close(fd)
+    with open_backend(tmp_path, layout) as backend:
+        assert backend.wait_recovered(SOON)
+        assert get(backend, host, keys, range(4, 8)) == ["OK", "OK", "MISS", "OK"]
+        assert [host.read(4), host.read(5), host.read(7)] == [want[0], want[1], want[3]]
+        assert backend.stats().corrupt == 1
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from storage_helpers import LAYOUTS, HostMemory, make_keys
+    from fastkv.storage import deadline_after
+    from fastkv.storage.local_disk import LocalDiskBackend
+
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 4)
+    backend = LocalDiskBackend(sys.argv[1], layout, capacity_blocks=4096)
+    for i in range(4096):
+        host.fill(i % 4, seed=i)
+        key = make_keys(1, start=i)
+        res = backend.put_from(key, [host.segments(i % 4)], deadline_after(30))
+        assert res[0].ok, res
+        print(i, flush=True)
+    """
+)
+
+
+def test_writer_killed_mid_write_then_restart(tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    store = tmp_path / "store"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(store), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    acked = -1
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            acked = int(line)
+            if acked >= 40:
+                break
+        time.sleep(0.003)  # into the next write
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(SOON)
+    assert acked >= 40, "the writer died before writing"
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 1)
+    with open_backend(store, layout, capacity=4096) as backend:
+        assert backend.wait_recovered(SOON)
+        probe = acked + 64
+        keys = make_keys(probe)
+        found = backend.exists(keys, deadline_after(1))
+        assert all(found[: acked + 1]), "a block acknowledged before the kill was lost"
+        served = 0
+        for i in range(probe):
+            if not found[i]:
+                continue
+            host.clear(0)
+            res = backend.get_into([keys[i]], [host.segments(0)], deadline_after(SOON))
+            if res[0].ok:
+                scratch = HostMemory(layout, 1)
+                assert host.read(0) == scratch.fill(0, seed=i), f"block {i} served wrong"
+                served += 1
+            else:
+                assert res[0].status == KeyStatus.MISS and i > acked
+        assert served >= acked + 1
+
+
+_DISK_FULL = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[2])
+    from storage_helpers import LAYOUTS, HostMemory, make_keys
+    from fastkv.storage import deadline_after
+    from fastkv.storage.local_disk import LocalDiskBackend
+
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 24)
+    want = [host.fill(b, seed=b) for b in range(12)]
+    keys = make_keys(12)
+    out = {}
+    with LocalDiskBackend(sys.argv[1], layout, capacity_blocks=100) as backend:
+        out["direct_io"] = backend.direct_io
+        res = backend.put_from(keys, [host.segments(b) for b in range(12)], deadline_after(30))
+        out["first"] = [r.status.name for r in res]
+        out["reasons"] = sorted({r.reason for r in res if not r.ok})
+        res = backend.put_from(make_keys(4, 50), [host.segments(b) for b in range(4)],
+                               deadline_after(30))
+        out["again"] = [r.status.name for r in res]
+        for b in range(12, 24):
+            host.clear(b)
+        segs = [host.segments(b) for b in range(12, 24)]
+        res = backend.get_into(keys, segs, deadline_after(30))
+        out["reads"] = [r.status.name for r in res]
+        out["exact"] = [host.read(12 + b) == want[b] for b in range(12) if res[b].ok]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_disk_full_puts_fail_fast_and_reads_keep_working(tmp_path: Path) -> None:
+    """A 1 MiB tmpfs in a private mount namespace holds a few 196 KiB slots."""
+    script = tmp_path / "full.py"
+    script.write_text(_DISK_FULL)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    shell = (
+        f"mount -t tmpfs -o size=1m fastkv-test {mnt} && "
+        f"exec {sys.executable} {script} {mnt}/store {Path(__file__).parent}"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ok = out["first"].count("OK")
+    assert 1 <= ok < 12, out
+    assert out["first"] == ["OK"] * ok + ["FAILED"] * (12 - ok)
+    assert all("no space" in r for r in out["reasons"]), out
+    assert out["again"] == ["FAILED"] * 4
+    assert out["reads"] == ["OK"] * ok + ["MISS"] * (12 - ok)  # every stored block reads
+    assert out["exact"] == [True] * ok

@@ -1,0 +1,116 @@
+"""Mooncake Store backend against a real mooncake_master (and mooncake_client storage
+nodes), each scenario in its own private network namespace. Nothing here is skipped:
+without Mooncake or `unshare` these tests fail, as a missing storage tier should."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CASE_TIMEOUT = 120
+
+
+def run_case(case: str, tmp_path: Path) -> dict:
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--net",
+            "--fork",
+            sys.executable,
+            str(HERE / "mooncake_cases.py"),
+            case,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CASE_TIMEOUT,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+            for p in tmp_path.glob("*.log")
+        )
+        pytest.fail(
+            f"case {case} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+            f"stderr:\n{proc.stderr[-4000:]}\n{logs}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.parametrize(
+    "case", ["round_trip_two_process", "round_trip_one_process", "round_trip_staged"]
+)
+def test_round_trip_is_bit_exact(case: str, tmp_path: Path) -> None:
+    out = run_case(case, tmp_path)
+    assert out["put"] == ["OK"] * 8
+    assert out["again"] == ["OK"] * 2  # an existing key counts as stored
+    assert out["get"] == ["OK"] * 8
+    assert out["exact"] == [True] * 8
+    # another namespace or rank never hits
+    assert out["exists"] == [True, True, False, False, False, False]
+    assert out["probes"] == ["MISS"] * 4
+    if case.endswith("staged"):  # blocks pass through the staging area, 2 per call
+        assert out["unregistered"] == "" and out["unregistered_exact"]
+        assert out["max_batch"] == 2
+    else:  # zero-copy needs the host memory registered
+        assert "register_host_memory" in out["unregistered"]
+    assert out["corrupt"] == 0 and not out["breaker_open"]
+
+
+@pytest.mark.parametrize("case", ["bad_objects", "bad_objects_staged"])
+def test_objects_that_are_not_the_block_are_counted_misses(case: str, tmp_path: Path) -> None:
+    out = run_case(case, tmp_path)
+    assert out["raw_codes"] == [0, 0, 0, 0]
+    assert out["get"] == ["MISS"] * 4, out
+    reasons = out["reasons"]
+    assert "short object" in reasons[0]
+    assert "larger than the block" in reasons[1]
+    assert "header mismatch" in reasons[2]
+    assert "checksum mismatch" in reasons[3]
+    assert out["good"] == ["OK"] and out["good_exact"]
+    assert out["corrupt"] == 4
+    assert not out["breaker_open"]  # a short object is a miss, not a transport failure
+
+
+def test_pool_full_storm_every_key_stored_or_failed_in_budget(tmp_path: Path) -> None:
+    out = run_case("pool_full_storm", tmp_path)
+    assert out["threads_done"] == [0, 1, 2, 3]
+    assert set(out["statuses"]) <= {"OK", "FAILED", "TIMEOUT"}
+    assert out["ok"] + out["failed"] <= 160 and out["ok"] > 0
+    assert out["retries"] > 0, "the pool never answered -200: the storm did not happen"
+    assert out["max_overrun_s"] < 1.0  # no call ran on far past its deadline
+    assert out["wrong"] == 0
+    assert not out["breaker_open"]  # -200 is back-pressure, not a failure
+
+
+@pytest.mark.parametrize("during", ["put", "get"])
+def test_master_killed_then_restarted(during: str, tmp_path: Path) -> None:
+    out = run_case(f"master_killed_mid_{during}", tmp_path)
+    assert out["ok_before_kill"] > 0
+    assert out["after_kill_failed"] > 0
+    assert set(out["after_kill_statuses"]) <= {"OK", "FAILED", "TIMEOUT", "MISS"}
+    # every request was reported by its deadline (the engine's poll), never later
+    assert out["max_report_after_deadline_s"] < 1.0
+    assert out["breaker_trips"] >= 1
+    assert out["recovered_after_s"] is not None, "the breaker never closed again"
+    assert out["probe_read"] == ["OK"] and out["probe_exact"]
+    assert out["old_key_after_restart"] == ["MISS"]  # the new master lost the old index
+    assert out["wrong_loads"] == 0
+    assert not out["breaker_open_at_end"]
+
+
+def test_storage_node_killed(tmp_path: Path) -> None:
+    out = run_case("node_killed", tmp_path)
+    assert out["first"] == ["FAILED", "FAILED"]
+    assert out["breaker_trips"] >= 1
+    assert out["while_open"] == ["FAILED"]
+    assert "circuit breaker open" in out["while_open_reason"]
+    assert out["recovered_after_s"] is not None
+    assert out["probe_read"] == ["OK"] and out["probe_exact"]
+    assert out["lost_exact_or_absent"]
