@@ -517,7 +517,33 @@ class CacheManager:
         self._release(request_id)
 
     def block_table(self, request_id: RequestId) -> list[int]:
+        """The request's device blocks, position order (a copy)."""
         return list(self._get(request_id).blocks)
+
+    def is_active(self, request_id: RequestId) -> bool:
+        return request_id in self._requests
+
+    def num_hashes(self, request_id: RequestId) -> int:
+        """How many of the request's block hashes the manager holds."""
+        return len(self._get(request_id).hashes)
+
+    def num_committed_blocks(self, request_id: RequestId) -> int:
+        """Blocks of the request that are cached (matched or committed)."""
+        return len(self._get(request_id).nodes)
+
+    def has_pending_swap_in(self, request_id: RequestId) -> bool:
+        """Whether a swap-in of the request has no result yet (commit waits)."""
+        return self._get(request_id).loading > 0
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self.device_pool.num_free
+
+    @property
+    def num_evictable_device_blocks(self) -> int:
+        """Cached device blocks no request holds and no copy moves (O(1)): with the
+        free ones, what an allocation can get by evicting, leaves first."""
+        return self.tree.num_unlocked_device
 
     # -- per step -------------------------------------------------------------
 
