@@ -5,13 +5,30 @@ half (`fastkv.worker`) moves the bytes. `fastkv.metadata` is their only contract
 Importing this package imports neither paddle nor cupy.
 """
 
-from fastkv.config import CacheConfig, WritePolicy
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.config import (
+    CacheConfig,
+    PrefetchPolicy,
+    StorageConfig,
+    StorageWritePolicy,
+    WritePolicy,
+)
+from fastkv.metadata import (
+    CacheLevel,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageLookup,
+    TransferResult,
+)
 
 __all__ = [
     "CacheConfig",
     "CacheLevel",
     "CacheSwapMetadata",
+    "LookupResult",
+    "PrefetchPolicy",
+    "StorageConfig",
+    "StorageLookup",
+    "StorageWritePolicy",
     "TransferResult",
     "WritePolicy",
 ]

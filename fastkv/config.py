@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -21,6 +22,93 @@ class WritePolicy(StrEnum):
     """A block is backed up once it has been hit `selective_threshold` times."""
     WRITE_BACK = "write_back"
     """A block is copied to host only when it is evicted from the device."""
+
+
+class StorageWritePolicy(StrEnum):
+    """When a block with a host copy is written to the storage tier."""
+
+    NONE = "none"
+    WRITE_THROUGH = "write_through"
+    """As soon as it has a valid host copy."""
+    ON_HOST_EVICTION = "on_host_eviction"
+    """When its host copy is evicted (the host block is freed once written)."""
+    AFTER_HITS = "after_hits"
+    """Once it has been hit `write_after_hits` times (and has a host copy)."""
+
+
+class PrefetchPolicy(StrEnum):
+    """How long a request waits for blocks found in storage."""
+
+    BEST_EFFORT = "best_effort"
+    """Never waits: uses what has landed in host memory when it is allocated."""
+    WAIT = "wait"
+    """Waits for its lookup and loads, at most `wait_s` after its match."""
+    PREDICTED = "predicted"
+    """Loads only when loading is predicted faster than recomputing the blocks
+    (read bandwidth measured on completed loads), then waits as WAIT does."""
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """The scheduler's view of the storage tier behind host memory.
+
+    Args:
+        write_policy: a `StorageWritePolicy` or its value.
+        write_after_hits: hits before a block is written under AFTER_HITS.
+        prefetch_policy: a `PrefetchPolicy` or its value.
+        wait_s: the longest a request waits for its storage lookup and loads.
+        timeout_s: the deadline the workers get for each storage transfer.
+        retry_after_s: a block whose load failed is not looked up again for this long.
+        block_bytes: KV bytes one rank reads per block (PREDICTED's cost model).
+        read_bytes_per_s: storage read bandwidth per rank, the first estimate
+            (PREDICTED; later ones come from completed loads).
+        recompute_tokens_per_s: prefill throughput (PREDICTED).
+        load_latency_s: fixed cost of one load (PREDICTED).
+
+    Raises:
+        ValueError: a field out of range; the message names it.
+    """
+
+    write_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH
+    write_after_hits: int = 2
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT
+    wait_s: float = 0.2
+    timeout_s: float = 5.0
+    retry_after_s: float = 30.0
+    block_bytes: int = 0
+    read_bytes_per_s: float = 1e9
+    recompute_tokens_per_s: float = 20_000.0
+    load_latency_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        for name, enum in (
+            ("write_policy", StorageWritePolicy),
+            ("prefetch_policy", PrefetchPolicy),
+        ):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, enum(value))
+            except ValueError:
+                allowed = ", ".join(p.value for p in enum)
+                raise ValueError(f"{name}: {value!r} is not one of {allowed}") from None
+        _check_int("write_after_hits", self.write_after_hits, 1, 2**31 - 1)
+        _check_int("block_bytes", self.block_bytes, 0, 1 << 40)
+        for name, low, high in (
+            ("wait_s", 0.0, 3600.0),
+            ("timeout_s", 0.001, 3600.0),
+            ("retry_after_s", 0.0, 86400.0),
+            ("read_bytes_per_s", 1.0, 1e13),
+            ("recompute_tokens_per_s", 1e-3, 1e12),
+            ("load_latency_s", 0.0, 60.0),
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not low <= value <= high
+            ):
+                raise ValueError(f"{name}: must be a number in [{low}, {high}], got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +130,8 @@ class CacheConfig:
             the next allocation at once and the worker orders the copy before the
             new owner's writes (FastDeploy v1's synchronous allocation); a failed
             copy then loses the block, and its descendants leave the cache.
+        storage: the storage tier behind host memory (`StorageConfig`); None for
+            none. It needs a host tier: blocks move storage <-> host <-> device.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the
@@ -59,6 +149,7 @@ class CacheConfig:
     tp_size: int = 1
     namespace: str | None = None
     reuse_evicted_blocks: bool = False
+    storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
@@ -83,6 +174,13 @@ class CacheConfig:
             raise ValueError(
                 f"reuse_evicted_blocks: must be a bool, got {self.reuse_evicted_blocks!r}"
             )
+        if self.storage is not None:
+            if not isinstance(self.storage, StorageConfig):
+                raise ValueError(
+                    f"storage: must be a StorageConfig or None, got {self.storage!r}"
+                )
+            if not self.num_host_blocks:
+                raise ValueError("storage: needs a host tier (num_host_blocks > 0)")
         if self.namespace is not None and (
             not isinstance(self.namespace, str) or not self.namespace
         ):

@@ -28,6 +28,10 @@ class CacheSwapMetadata:
     """One transfer the worker must execute: copy `src_block_ids[i]` of `src_level`
     into `dst_block_ids[i]` of `dst_level`, for every i.
 
+    A storage transfer (either level STORAGE) names no storage block ids: that side's
+    list is empty and `block_hashes[i]` is the storage key of block i (with the
+    worker's rank and namespace).
+
     The scheduler guarantees that no destination block is read or written by any
     other in-flight transfer, and that no block listed here returns to its pool
     before the matching `TransferResult` has been applied.
@@ -35,12 +39,16 @@ class CacheSwapMetadata:
     Attributes:
         transfer_id: unique per CacheManager; echoed in the TransferResult.
         src_level, dst_level: the tiers copied from and to; they differ.
-        src_block_ids, dst_block_ids: equal-length block id lists.
-        block_hashes: the hash of each block (storage keys, debugging); may be empty.
+        src_block_ids, dst_block_ids: equal-length block id lists (one of them
+            empty for a storage transfer).
+        block_hashes: the hash of each block (storage keys, debugging); may be
+            empty, except for a storage transfer.
+        timeout_s: a bound on a storage transfer, seconds; 0 is the worker's default.
 
     Raises:
-        ValueError: the levels are equal, the id lists differ in length, or
-            `block_hashes` is non-empty and of another length.
+        ValueError: the levels are equal, the id lists differ in length, a storage
+            side lists ids, or `block_hashes` has another length than the blocks
+            (or is empty for a storage transfer).
     """
 
     transfer_id: int
@@ -49,33 +57,81 @@ class CacheSwapMetadata:
     src_block_ids: Sequence[int]
     dst_block_ids: Sequence[int]
     block_hashes: Sequence[Hashable] = ()
+    timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.src_level == self.dst_level:
             raise ValueError(f"dst_level: equals src_level ({self.src_level.name})")
-        n = len(self.src_block_ids)
-        if len(self.dst_block_ids) != n:
-            raise ValueError(
-                f"dst_block_ids: length {len(self.dst_block_ids)} != src_block_ids length {n}"
+        if CacheLevel.STORAGE in (self.src_level, self.dst_level):
+            from_storage = self.src_level == CacheLevel.STORAGE
+            keyed, name = (
+                (self.src_block_ids, "src_block_ids")
+                if from_storage
+                else (self.dst_block_ids, "dst_block_ids")
             )
-        if len(self.block_hashes) and len(self.block_hashes) != n:
+            if len(keyed):
+                raise ValueError(
+                    f"{name}: the storage side takes no block ids (block_hashes are its keys)"
+                )
+            n = self.num_blocks
+            if len(self.block_hashes) != n:
+                raise ValueError(
+                    f"block_hashes: length {len(self.block_hashes)} != block count {n} "
+                    "(a storage transfer needs a key per block)"
+                )
+        else:
+            n = len(self.src_block_ids)
+            if len(self.dst_block_ids) != n:
+                raise ValueError(
+                    f"dst_block_ids: length {len(self.dst_block_ids)} != src_block_ids "
+                    f"length {n}"
+                )
+            if len(self.block_hashes) and len(self.block_hashes) != n:
+                raise ValueError(
+                    f"block_hashes: length {len(self.block_hashes)} != block count {n}"
+                )
+        if not isinstance(self.timeout_s, (int, float)) or not 0 <= self.timeout_s < 1e6:
             raise ValueError(
-                f"block_hashes: length {len(self.block_hashes)} != block count {n}"
+                f"timeout_s: must be a number of seconds >= 0, got {self.timeout_s!r}"
             )
 
     @property
     def num_blocks(self) -> int:
-        return len(self.src_block_ids)
+        return max(len(self.src_block_ids), len(self.dst_block_ids))
 
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
     """The worker's report on one `CacheSwapMetadata`.
 
-    A transfer succeeds or fails as a whole: on failure the scheduler treats every
-    destination block as garbage and rolls the affected cache entries back.
+    A device/host copy succeeds or fails as a whole: on failure the scheduler treats
+    every destination block as garbage and rolls the affected cache entries back. A
+    storage transfer answers per block: `failed_blocks` lists the positions that
+    failed (then `success` is False); the others are good.
     """
 
     transfer_id: int
     success: bool
     error: str = ""
+    failed_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StorageLookup:
+    """Ask the workers how many leading blocks of `block_hashes` storage holds.
+
+    The scheduler never waits for the answer: it comes back as a `LookupResult` in
+    a later step, from every rank (each with its own keys), and the usable prefix is
+    the minimum over ranks.
+    """
+
+    lookup_id: int
+    block_hashes: Sequence[Hashable]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """One rank's answer to a `StorageLookup`: the leading blocks storage holds."""
+
+    lookup_id: int
+    num_hits: int

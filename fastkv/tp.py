@@ -1,20 +1,34 @@
-"""Transfer results of several tensor-parallel ranks, combined into one per transfer.
+"""Results of several tensor-parallel ranks, combined into one per transfer or lookup.
 
-One scheduler serves every rank: each rank's worker runs the same
-`CacheSwapMetadata` on its own shard of the KV heads and reports its own
-`TransferResult`. A transfer is applied when every rank has reported, and succeeds
-only if every rank succeeded: a block is valid only when all of its shards are.
+One scheduler serves every rank: each rank's worker runs the same metadata on its
+own shard of the KV heads (and its own storage keys) and reports its own results.
+A transfer is applied when every rank has reported, and succeeds only if every rank
+succeeded: a block is valid only when all of its shards are (for storage transfers,
+per block: a block failed on any rank failed). A storage lookup's usable prefix is
+the minimum over ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from fastkv.metadata import TransferResult
+from fastkv.metadata import LookupResult, TransferResult
+
+Result = TransferResult | LookupResult
+
+
+class _Partial:
+    __slots__ = ("error", "failed", "hits", "ranks")
+
+    def __init__(self) -> None:
+        self.ranks: set[int] = set()
+        self.error: str | None = None
+        self.failed: set[int] = set()
+        self.hits: int | None = None
 
 
 class RankResults:
-    """Collects per-rank results until every rank has reported a transfer.
+    """Collects per-rank results until every rank has reported.
 
     Args:
         tp_size: number of ranks, >= 1.
@@ -27,53 +41,78 @@ class RankResults:
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size: must be an int >= 1, got {tp_size!r}")
         self.tp_size = tp_size
-        # transfer id -> (ranks reported, the first failure's error or None)
-        self._partial: dict[int, tuple[set[int], str | None]] = {}
+        # (kind, id) -> what the ranks that reported so far said
+        self._partial: dict[tuple[type, int], _Partial] = {}
 
-    def add(self, rank: int, results: Iterable[TransferResult]) -> list[TransferResult]:
-        """Record one rank's results.
+    def add(self, rank: int, results: Iterable[Result]) -> list[Result]:
+        """Record one rank's results (TransferResults and LookupResults).
 
         Returns:
-            The combined results of the transfers every rank has now reported, in
-            the order this call completed them.
+            The combined results of what every rank has now reported, in the order
+            this call completed them.
 
         Raises:
-            ValueError: `rank` out of range, or the rank reports a transfer twice
-                (in this batch or before); nothing is recorded.
-            TypeError: an entry is not a TransferResult.
+            ValueError: `rank` out of range, or the rank reports a transfer or lookup
+                twice (in this batch or before); nothing is recorded.
+            TypeError: an entry is neither a TransferResult nor a LookupResult.
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
             raise ValueError(f"rank: must be an int in [0, {self.tp_size}), got {rank!r}")
         results = list(results)
-        seen: set[int] = set()
+        seen: set[tuple[type, int]] = set()
         for r in results:
-            if not isinstance(r, TransferResult):
-                raise TypeError(f"results: expected TransferResult, got {r!r:.80}")
-            reported = self._partial.get(r.transfer_id)
-            if r.transfer_id in seen or (reported is not None and rank in reported[0]):
-                raise ValueError(
-                    f"transfer_id: rank {rank} reported transfer {r.transfer_id} twice"
+            if not isinstance(r, (TransferResult, LookupResult)):
+                raise TypeError(
+                    f"results: expected TransferResult or LookupResult, got {r!r:.80}"
                 )
-            seen.add(r.transfer_id)
-        done = []
+            key = _key(r)
+            partial = self._partial.get(key)
+            if key in seen or (partial is not None and rank in partial.ranks):
+                what = "transfer" if isinstance(r, TransferResult) else "lookup"
+                raise ValueError(f"transfer_id: rank {rank} reported {what} {key[1]} twice")
+            seen.add(key)
+        done: list[Result] = []
         for r in results:
-            ranks, error = self._partial.get(r.transfer_id, (set(), None))
-            ranks.add(rank)
-            if not r.success and error is None:
-                error = f"rank {rank}: {r.error}"
-            if len(ranks) == self.tp_size:
-                self._partial.pop(r.transfer_id, None)
-                done.append(TransferResult(r.transfer_id, error is None, error or ""))
+            key = _key(r)
+            partial = self._partial.setdefault(key, _Partial())
+            partial.ranks.add(rank)
+            if isinstance(r, LookupResult):
+                partial.hits = (
+                    r.num_hits if partial.hits is None else min(partial.hits, r.num_hits)
+                )
             else:
-                self._partial[r.transfer_id] = (ranks, error)
+                partial.failed.update(r.failed_blocks)
+                if not r.success and partial.error is None:
+                    partial.error = f"rank {rank}: {r.error}"
+            if len(partial.ranks) == self.tp_size:
+                del self._partial[key]
+                done.append(_combined(r, partial))
         return done
 
     def missing(self) -> dict[int, list[int]]:
-        """Transfers some rank has reported and others not yet: id -> missing ranks."""
-        return {
-            tid: sorted(set(range(self.tp_size)) - ranks)
-            for tid, (ranks, _) in self._partial.items()
-        }
+        """Transfers and lookups some rank has reported and others not yet: id ->
+        missing ranks."""
+        everyone = set(range(self.tp_size))
+        return {key[1]: sorted(everyone - p.ranks) for key, p in self._partial.items()}
 
 
-__all__ = ["RankResults"]
+def _key(r: Result) -> tuple[type, int]:
+    return (
+        (LookupResult, r.lookup_id)
+        if isinstance(r, LookupResult)
+        else (
+            TransferResult,
+            r.transfer_id,
+        )
+    )
+
+
+def _combined(r: Result, partial: _Partial) -> Result:
+    if isinstance(r, LookupResult):
+        return LookupResult(r.lookup_id, partial.hits or 0)
+    return TransferResult(
+        r.transfer_id, partial.error is None, partial.error or "", tuple(sorted(partial.failed))
+    )
+
+
+__all__ = ["RankResults", "Result"]

@@ -36,11 +36,25 @@ def test_block_hashes_length_mismatch_raises(hashes: list[bytes]) -> None:
         CacheSwapMetadata(0, H, D, [1, 2], [3, 4], hashes)
 
 
-@pytest.mark.parametrize(("src", "dst"), [(D, H), (H, D), (H, S), (S, H), (D, S)])
+@pytest.mark.parametrize(("src", "dst"), [(D, H), (H, D)])
 def test_valid_metadata(src: CacheLevel, dst: CacheLevel) -> None:
     meta = CacheSwapMetadata(7, src, dst, [1, 2, 3], [4, 5, 6], [b"x", b"y", b"z"])
     assert meta.num_blocks == 3
     assert (meta.transfer_id, meta.src_level, meta.dst_level) == (7, src, dst)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(H, S), (S, H), (D, S)])
+def test_storage_transfers_are_keyed_by_hash_not_by_ids(src, dst) -> None:
+    ids = [4, 5, 6]
+    src_ids, dst_ids = ([], ids) if src == S else (ids, [])
+    meta = CacheSwapMetadata(7, src, dst, src_ids, dst_ids, [b"x", b"y", b"z"], timeout_s=2)
+    assert meta.num_blocks == 3 and meta.timeout_s == 2
+    with pytest.raises(ValueError, match="takes no block ids"):
+        CacheSwapMetadata(7, src, dst, ids, ids, [b"x", b"y", b"z"])
+    with pytest.raises(ValueError, match="needs a key per block"):
+        CacheSwapMetadata(7, src, dst, src_ids, dst_ids)
+    with pytest.raises(ValueError, match="timeout_s"):
+        CacheSwapMetadata(7, src, dst, src_ids, dst_ids, [b"x", b"y", b"z"], timeout_s=-1)
 
 
 def test_block_hashes_may_be_empty() -> None:

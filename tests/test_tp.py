@@ -55,3 +55,21 @@ def test_bad_reports_are_refused_and_record_nothing(rank, batch, error) -> None:
     assert ranks.add(1, [TransferResult(9, True)]) == [TransferResult(9, True)]
     with pytest.raises(ValueError, match="tp_size"):
         RankResults(0)
+
+
+def test_a_lookup_prefix_is_the_minimum_over_ranks() -> None:
+    from fastkv.metadata import LookupResult
+
+    ranks = RankResults(2)
+    assert ranks.add(0, [LookupResult(5, 7), TransferResult(5, True)]) == []
+    assert ranks.add(1, [LookupResult(5, 3)]) == [LookupResult(5, 3)]  # ids per kind
+    assert ranks.add(1, [TransferResult(5, True)]) == [TransferResult(5, True)]
+    with pytest.raises(ValueError, match="lookup 6 twice"):
+        ranks.add(0, [LookupResult(6, 1), LookupResult(6, 2)])
+
+
+def test_a_storage_block_failed_on_any_rank_failed() -> None:
+    ranks = RankResults(2)
+    ranks.add(0, [TransferResult(1, False, "miss", (3,))])
+    (combined,) = ranks.add(1, [TransferResult(1, False, "timeout", (1, 3))])
+    assert combined == TransferResult(1, False, "rank 0: miss", (1, 3))

@@ -1,22 +1,29 @@
 """Replay of a Mooncake-format trace through the real CacheManager.
 
 Each hash id of a trace line is one cacheable block. Requests run one at a time in
-timestamp order; a simulated worker completes every transfer at once. A block is a
+timestamp order; a simulated worker completes every transfer at once, and answers
+storage lookups, loads and writes from a `ReplayStorage` (in memory, or the real
+local-disk backend) when the cache has a storage tier. A block is a
 hit only when every block before it in the request is a hit (prefix semantics),
 which is exactly what `CacheManager.match` returns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+import numpy as np
 
 from fastkv.config import CacheConfig
-from fastkv.metadata import TransferResult
+from fastkv.metadata import CacheSwapMetadata, LookupResult, TransferResult
 from fastkv.scheduler.cache_manager import AllocStatus, CacheManager, CacheStats
 
 TRACE_BLOCK_SIZE = 512
@@ -108,6 +115,14 @@ class ReplayResult:
         return self.stats.host_hit_blocks / self.blocks if self.blocks else 0.0
 
     @property
+    def storage_hit_rate(self) -> float:
+        return self.stats.storage_hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def storage_writes(self) -> int:
+        return self.stats.storage.writes if self.stats.storage is not None else 0
+
+    @property
     def us_per_block(self) -> float:
         return self.seconds * 1e6 / self.blocks if self.blocks else 0.0
 
@@ -119,6 +134,8 @@ class ReplayResult:
             "hit_rate": self.hit_rate,
             "device_hit_rate": self.device_hit_rate,
             "host_hit_rate": self.host_hit_rate,
+            "storage_hit_rate": self.storage_hit_rate,
+            "storage_writes": self.storage_writes,
             "seconds": self.seconds,
             "us_per_block": self.us_per_block,
             "device_evictions": s.device_evictions,
@@ -129,10 +146,117 @@ class ReplayResult:
         }
 
 
+class ReplayStorage(Protocol):
+    """The storage tier as the replay's simulated worker sees it: keys are the
+    trace's hash ids, host blocks the manager's host block ids."""
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        """How many leading keys storage holds."""
+        ...
+
+    def load(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+        """Read keys into host blocks; the positions that failed."""
+        ...
+
+    def store(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+        """Write host blocks as keys; the positions that failed."""
+        ...
+
+
+class MemoryStorage:
+    """A storage tier of `capacity` blocks with LRU eviction, in memory."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self._keys:
+                return i
+        return len(keys)
+
+    def load(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+        failed = set()
+        for i, key in enumerate(keys):
+            if key in self._keys:
+                self._keys.move_to_end(key)
+            else:
+                failed.add(i)
+        return failed
+
+    def store(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+        for key in keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        return set()
+
+
+class DiskStorage:
+    """The real local-disk backend in `directory` (capacity in blocks), with a
+    small stand-in payload per block read from and written to a host buffer; a
+    second replay on the same directory finds what the first stored."""
+
+    PAYLOAD = 4096
+
+    def __init__(self, directory: str | Path, capacity: int, num_host_blocks: int) -> None:
+        from fastkv.storage import BlockLayout, LocalDiskBackend, StorageNamespace
+
+        self.backend = LocalDiskBackend(
+            directory, BlockLayout((self.PAYLOAD,)), capacity_blocks=capacity
+        )
+        self.backend.wait_recovered(600.0)
+        namespace = StorageNamespace(
+            "trace-replay", "trace", "bfloat16", TRACE_BLOCK_SIZE, 1, 1, 1, 1
+        )
+        self._namespace = namespace.digest()
+        self._host = np.zeros((max(1, num_host_blocks), self.PAYLOAD), dtype=np.uint8)
+
+    def _keys(self, keys: Sequence[int]) -> list[object]:
+        from fastkv.storage import StorageKey
+
+        return [
+            StorageKey(self._namespace, hashlib.sha256(key.to_bytes(8, "little")).digest())
+            for key in keys
+        ]
+
+    def _segments(self, host_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
+        base = self._host.ctypes.data
+        return [[(base + h * self.PAYLOAD, self.PAYLOAD)] for h in host_ids]
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        found = self.backend.exists(self._keys(keys), time.monotonic() + 60)
+        return next((i for i, hit in enumerate(found) if not hit), len(keys))
+
+    def load(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+        results = self.backend.get_into(
+            self._keys(keys), self._segments(host_ids), time.monotonic() + 60
+        )
+        failed = {i for i, r in enumerate(results) if not r.ok}
+        for i, (key, h) in enumerate(zip(keys, host_ids, strict=True)):
+            if i not in failed and self._host[h, :8].tobytes() != key.to_bytes(8, "little"):
+                failed.add(i)  # verified by the backend, and the payload is the key's
+        return failed
+
+    def store(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+        for key, h in zip(keys, host_ids, strict=True):
+            self._host[h, :8] = np.frombuffer(key.to_bytes(8, "little"), np.uint8)
+        results = self.backend.put_from(
+            self._keys(keys), self._segments(host_ids), time.monotonic() + 60
+        )
+        return {i for i, r in enumerate(results) if not r.ok}
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 def replay(
     trace: Sequence[TraceRequest],
     config: CacheConfig,
     on_request: Callable[[int], None] | None = None,
+    storage: ReplayStorage | None = None,
 ) -> ReplayResult:
     """Run `trace` through a fresh CacheManager.
 
@@ -142,20 +266,37 @@ def replay(
             stands for 512 tokens whatever it says).
         on_request: called after each request with its index (progress display);
             None keeps the loop free of it.
+        storage: the storage tier behind host memory when `config.storage` is set.
 
     Raises:
-        ValueError: a request needs more blocks than the device pool holds.
+        ValueError: a request needs more blocks than the device pool holds, or
+            storage and config.storage disagree.
     """
-    mgr = CacheManager(config)
+    if (storage is None) != (config.storage is None):
+        raise ValueError("storage: pass a storage tier exactly when config.storage is set")
+    # A frozen clock: the simulated worker answers every lookup and load at once, so
+    # no storage wait may run out.
+    mgr = CacheManager(config, clock=lambda: 0.0)
     take, apply = mgr.take_swap_metadata, mgr.apply_results
 
     def complete_transfers() -> None:
         tasks = take()
-        done = [
+        done: list[TransferResult | LookupResult] = [
             TransferResult(meta.transfer_id, True)
             for meta in (tasks.evict, tasks.swap_in)
             if meta is not None
         ]
+        if storage is not None:
+            # Writes land before loads read (a load of a key written this step).
+            if tasks.storage_store is not None:
+                m = tasks.storage_store
+                done.append(_storage_result(m, storage.store(m.block_hashes, m.src_block_ids)))
+            if tasks.storage_load is not None:
+                m = tasks.storage_load
+                done.append(_storage_result(m, storage.load(m.block_hashes, m.dst_block_ids)))
+            done += [
+                LookupResult(q.lookup_id, storage.lookup(q.block_hashes)) for q in tasks.lookups
+            ]
         if done:
             apply(done)
 
@@ -177,10 +318,16 @@ def replay(
         if mgr.num_queued_blocks:  # the step: its swap-ins land before the commit
             complete_transfers()
         mgr.commit(i, len(hashes) * bs)
-        if mgr.num_queued_blocks:  # backups the commit planned
+        while mgr.num_queued_blocks:  # backups the commit planned, and their writes
             complete_transfers()
         mgr.finish(i)
         if on_request is not None:
             on_request(i)
     seconds = time.perf_counter() - start
     return ReplayResult(len(trace), blocks, seconds, mgr.get_stats())
+
+
+def _storage_result(meta: CacheSwapMetadata, failed: set[int]) -> TransferResult:
+    if not failed:
+        return TransferResult(meta.transfer_id, True)
+    return TransferResult(meta.transfer_id, False, "storage", tuple(sorted(failed)))

@@ -32,24 +32,39 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fastkv.config import CacheConfig, WritePolicy
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.config import CacheConfig, StorageWritePolicy, WritePolicy
+from fastkv.metadata import (
+    CacheLevel,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageLookup,
+    TransferResult,
+)
 from fastkv.scheduler.block_pool import BlockPool, PoolStats
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
     DROPPED,
     HOST,
+    LOADING_FROM_STORAGE,
     PENDING_HOST,
+    STORING,
     SWAP_TO_DEVICE,
     SWAP_TO_HOST,
     BlockHash,
     RadixTree,
     TreeNode,
 )
+from fastkv.scheduler.storage_tier import (
+    LoadTransfer,
+    StorageTier,
+    StorageTierStats,
+    StoreTransfer,
+)
 
 RequestId = Hashable
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
+LOADING = LOADING_FROM_STORAGE
 TransferListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
 """`listener(src_level, dst_level, num_blocks, seconds, success)`: one applied transfer
 result; `seconds` from `take_swap_metadata` to `apply_results`."""
@@ -64,14 +79,17 @@ class MatchResult:
         num_host_hits: cached blocks that `allocate` will swap in from host.
         num_cached_tokens: tokens the engine skips: the hits times the block size
             (always fewer than the prompt: its last token is computed).
-        waiting_on_transfer: the match stopped at a block another request is
-            loading; matching again after that transfer completes finds more.
+        waiting_on_transfer: the match stopped at a block whose copy is in flight;
+            matching again after it lands finds more.
+        storage_lookup: the blocks past the hits are being looked up in the
+            storage tier; `allocate` reports what was found (and loaded).
     """
 
     num_device_hits: int
     num_host_hits: int
     num_cached_tokens: int
     waiting_on_transfer: bool
+    storage_lookup: bool = False
 
     @property
     def num_hits(self) -> int:
@@ -106,6 +124,9 @@ class Allocation:
 
     status: AllocStatus
     new_blocks: list[int]
+    num_cached_tokens: int = 0
+    """When ALLOCATED: the positions whose KV the cache provides (device, host and
+    storage hits, the latter known only now); the engine computes from there."""
 
     def __bool__(self) -> bool:
         return self.status is AllocStatus.ALLOCATED
@@ -119,6 +140,12 @@ class SwapTasks:
     """Device to host: evictions (write_back) and backups (write-through policies)."""
     swap_in: CacheSwapMetadata | None
     """Host to device: host hits of the requests allocated since the last step."""
+    storage_load: CacheSwapMetadata | None = None
+    """Storage to host: blocks found in storage, prefetched into host blocks."""
+    storage_store: CacheSwapMetadata | None = None
+    """Host to storage: writes the storage write policy planned."""
+    lookups: tuple[StorageLookup, ...] = ()
+    """Storage lookups; answered with LookupResults in a later step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +191,15 @@ class CacheStats:
     cached_nodes: int
     device_pool: PoolStats
     host_pool: PoolStats
+    storage: StorageTierStats | None = None
+
+    @property
+    def storage_hit_blocks(self) -> int:
+        return self.storage.hit_blocks if self.storage is not None else 0
+
+    @property
+    def storage_hit_tokens(self) -> int:
+        return self.storage_hit_blocks * self.block_size
 
     @property
     def device_hit_tokens(self) -> int:
@@ -175,14 +211,14 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
-        """Hit blocks per looked-up block."""
-        hits = self.device_hit_blocks + self.host_hit_blocks
+        """Hit blocks (every tier) per looked-up block."""
+        hits = self.device_hit_blocks + self.host_hit_blocks + self.storage_hit_blocks
         return hits / self.lookup_blocks if self.lookup_blocks else 0.0
 
     @property
     def hit_token_rate(self) -> float:
-        """Prompt tokens served from the cache per prompt token."""
-        hits = self.device_hit_tokens + self.host_hit_tokens
+        """Prompt tokens served from the cache (every tier) per prompt token."""
+        hits = self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
         return hits / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
@@ -221,14 +257,18 @@ def _check_count(name: str, value: object) -> None:
 
 class _Request:
     __slots__ = (
+        "allocated",
         "blocks",
         "done",
         "hashes",
         "loading",
+        "lookup_id",
         "nodes",
+        "num_matched",
         "owns_matched_positions",
         "request_id",
         "rolled_back",
+        "storage_deadline",
     )
 
     def __init__(
@@ -244,6 +284,10 @@ class _Request:
         # own (a duplicate of a concurrently cached block, or a failed swap-in).
         self.owns_matched_positions = False
         self.done = False
+        self.num_matched = len(nodes)  # hits at match; storage hits come after
+        self.allocated = False
+        self.lookup_id = -1  # a storage lookup in flight
+        self.storage_deadline = 0.0  # when it stops waiting for storage
 
 
 class _Transfer:
@@ -269,9 +313,13 @@ class CacheManager:
 
     Args:
         config: a validated `CacheConfig`.
+        clock: monotonic seconds, for the storage tier's waits and retries
+            (injectable for tests and replays).
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(
+        self, config: CacheConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.block_size = config.block_size
         self.device_pool = BlockPool(config.num_device_blocks, "device")
@@ -279,7 +327,7 @@ class CacheManager:
         self.tree = RadixTree()
         self._policy = WritePolicy(config.write_policy)
         self._requests: dict[RequestId, _Request] = {}
-        self._transfers: dict[int, _Transfer] = {}
+        self._transfers: dict[int, _Transfer | LoadTransfer | StoreTransfer] = {}
         self._next_transfer_id = 0
         # Queued for the next take_swap_metadata().
         self._d2h = _Transfer(True)
@@ -300,6 +348,9 @@ class CacheManager:
         self._failed_transfers = 0
         self._rollbacks = 0
         self._listeners: list[TransferListener] = []
+        self._storage = (
+            StorageTier(self, config.storage, clock) if config.storage is not None else None
+        )
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -351,11 +402,20 @@ class CacheManager:
                 req.blocks.append(node.device_block)
         if self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity:
             self._backup_hot(nodes)
+        looked_up = False
+        storage = self._storage
+        if storage is not None:
+            if storage.write_policy is StorageWritePolicy.AFTER_HITS:
+                for node in nodes:
+                    node.hits += 1
+                    storage.on_hit(node)
+            if not waiting and len(nodes) < limit:
+                looked_up = storage.plan_lookup(req, len(nodes), limit)
         self._lookup_blocks += len(hashes)
         self._lookup_tokens += num_tokens
         self._device_hits += len(nodes) - num_host
         self._host_hits += num_host
-        return MatchResult(len(nodes) - num_host, num_host, len(nodes) * bs, waiting)
+        return MatchResult(len(nodes) - num_host, num_host, len(nodes) * bs, waiting, looked_up)
 
     def append_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
         """Add the hashes of blocks the request completed since `match` (decoded
@@ -390,27 +450,44 @@ class CacheManager:
         req = self._get(request_id)
         _check_count("num_new_blocks", num_new_blocks)
         nodes, blocks = req.nodes, req.blocks
-        pending = nodes[len(blocks) :]
+        storage = self._storage
+        # Blocks still loading from storage for this request: it waits for them, or
+        # lets go of them (and computes them) when it stops waiting.
+        keep = len(nodes)
+        if storage is not None:
+            keep = next(
+                (i for i in range(len(blocks), len(nodes)) if nodes[i].state is LOADING),
+                len(nodes),
+            )
+        storage_busy = keep < len(nodes) or req.lookup_id >= 0
+        num_new = num_new_blocks
+        if not req.allocated:  # storage hits cover the first of the blocks asked for
+            num_new = max(0, num_new_blocks - (keep - req.num_matched))
         num_swap = 0
         num_held = len(blocks)
         loading_elsewhere = False
-        for node in pending:
-            state = node.state
+        for i in range(len(blocks), keep):
+            state = nodes[i].state
             if state == HOST:
                 num_swap += 1
             else:  # on the device below a host hit (after a failed swap-in)
                 num_held += 1
                 loading_elsewhere |= state == SWAP_TO_DEVICE
-        need = num_swap + num_new_blocks
+        need = num_swap + num_new
         pool = self.device_pool
         if num_held + need > pool.capacity:
             raise ValueError(
                 f"num_new_blocks: request {request_id!r} would hold {num_held + need} "
                 f"device blocks ({num_held} held, {num_swap} host hits to load, "
-                f"{num_new_blocks} new), more than the {pool.capacity} device blocks"
+                f"{num_new} new), more than the {pool.capacity} device blocks"
             )
+        if storage_busy:
+            if storage.waits(req):  # type: ignore[union-attr]
+                return Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+            storage.let_go(req, keep)  # type: ignore[union-attr]
         if loading_elsewhere:  # a block it matched is still being loaded by another
             return Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+        pending = nodes[len(blocks) :]
         if need <= pool.num_free:
             ids = pool.allocate(need)
         else:
@@ -420,8 +497,9 @@ class CacheManager:
             freed = self._evict_device(need - pool.num_free)
             if need > pool.num_free + len(freed):
                 pool.free(freed)
-                busy = self._transfers or self.num_queued_blocks
-                status = AllocStatus.WAIT_FOR_TRANSFERS if busy else AllocStatus.NO_SPACE
+                status = (
+                    AllocStatus.WAIT_FOR_TRANSFERS if self._busy() else AllocStatus.NO_SPACE
+                )
                 return Allocation(status, [])
             pool.recycled(len(freed))
             ids = pool.allocate(need - len(freed))
@@ -431,7 +509,8 @@ class CacheManager:
         elif pending:
             blocks.extend(n.device_block for n in pending)
         blocks += ids[num_swap:]
-        return Allocation(AllocStatus.ALLOCATED, ids)
+        req.allocated = True
+        return Allocation(AllocStatus.ALLOCATED, ids, len(nodes) * self.block_size)
 
     def commit(self, request_id: RequestId, num_computed_tokens: int) -> None:
         """Record that the request's first `num_computed_tokens` token positions hold
@@ -548,7 +627,8 @@ class CacheManager:
     # -- per step -------------------------------------------------------------
 
     def take_swap_metadata(self) -> SwapTasks:
-        """Package the swaps planned since the last call, each with a new transfer id.
+        """Package the transfers and lookups planned since the last call, each with
+        a new id.
 
         Every block in them stays reserved until `apply_results` sees the result.
         """
@@ -564,25 +644,40 @@ class CacheManager:
             swap_in = self._emit(h2d, CacheLevel.HOST, CacheLevel.DEVICE)
             self._h2d_transfers += 1
             self._h2d_blocks += len(h2d.nodes)
-        return SwapTasks(evict, swap_in)
+        storage = self._storage
+        if storage is None:
+            return SwapTasks(evict, swap_in)
+        storage.flush_ahead()
+        if not storage.has_queued:
+            return SwapTasks(evict, swap_in)
+        load, store, lookups = storage.take(self._register)
+        return SwapTasks(evict, swap_in, load, store, lookups)
 
-    def apply_results(self, results: Iterable[TransferResult]) -> list[Rollback]:
-        """Apply the worker's transfer reports, in any order.
+    def apply_results(self, results: Iterable[TransferResult | LookupResult]) -> list[Rollback]:
+        """Apply the worker's transfer reports and storage lookup answers, in any
+        order (with several ranks: combined first, see `fastkv.tp`).
 
         A successful eviction frees its device blocks; a successful swap-in or
         backup makes its blocks valid in the new tier. A failed device-to-host copy
         frees the host blocks it was writing and keeps the device copy; a failed
         swap-in returns its nodes to host-only, and each still-active request that
-        was loading them gets a `Rollback` naming the positions to recompute.
+        was loading them gets a `Rollback` naming the positions to recompute. A
+        storage load or write answers per block (see `fastkv.scheduler.storage_tier`);
+        a lookup's answer starts the loads of what storage holds.
 
         Raises:
-            TypeError: an entry is not a TransferResult.
+            TypeError: an entry is neither a TransferResult nor a LookupResult.
             ValueError: a transfer id that is unknown, already applied or listed
-                twice. Nothing in the batch is applied when it raises.
+                twice, or a malformed lookup answer. Nothing in the batch is applied
+                when it raises.
         """
         results = list(results)
         seen: set[int] = set()
         for result in results:  # all or nothing: check the whole batch first
+            if isinstance(result, LookupResult):
+                if isinstance(result.num_hits, bool) or not isinstance(result.num_hits, int):
+                    raise ValueError(f"num_hits: must be an int, got {result.num_hits!r}")
+                continue
             if not isinstance(result, TransferResult):
                 raise TypeError(f"results: expected TransferResult, got {result!r:.80}")
             if result.transfer_id not in self._transfers or result.transfer_id in seen:
@@ -593,24 +688,48 @@ class CacheManager:
         rollbacks: dict[RequestId, list[int]] = {}
         now = time.monotonic() if self._listeners else 0.0
         for result in results:
+            if isinstance(result, LookupResult):
+                self._storage.apply_lookup(result)  # type: ignore[union-attr]
+                continue
             transfer = self._transfers.pop(result.transfer_id)
-            for listener in self._listeners:
-                levels = (
-                    (DEVICE_LEVEL, HOST_LEVEL)
-                    if transfer.to_host
-                    else (HOST_LEVEL, DEVICE_LEVEL)
-                )
-                listener(
-                    *levels, len(transfer.nodes), now - transfer.emitted_at, result.success
-                )
+            if self._listeners:
+                self._tell_listeners(transfer, now, result.success)
             if not result.success:
                 self._failed_transfers += 1
-            if transfer.to_host:
-                self._finish_to_host(transfer, result.success)
+            if isinstance(transfer, _Transfer):
+                if transfer.to_host:
+                    self._finish_to_host(transfer, result.success)
+                else:
+                    self._finish_to_device(transfer, result.success, rollbacks)
+                continue
+            storage = self._storage
+            assert storage is not None
+            failed, everything = (
+                set(result.failed_blocks),
+                not result.success and not (result.failed_blocks),
+            )
+            if isinstance(transfer, LoadTransfer):
+                if result.success:
+                    storage.note_load_time(transfer, time.monotonic() - transfer.emitted_at)
+                self.host_pool.free(storage.finish_load(transfer, failed, everything))
             else:
-                self._finish_to_device(transfer, result.success, rollbacks)
+                self.host_pool.free(storage.finish_store(transfer, failed, everything))
         self._rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
+
+    def _tell_listeners(self, transfer: object, now: float, success: bool) -> None:
+        if isinstance(transfer, _Transfer):
+            levels = (
+                (DEVICE_LEVEL, HOST_LEVEL) if transfer.to_host else (HOST_LEVEL, DEVICE_LEVEL)
+            )
+            num_blocks = len(transfer.nodes)
+        elif isinstance(transfer, LoadTransfer):
+            levels, num_blocks = (CacheLevel.STORAGE, HOST_LEVEL), len(transfer.nodes)
+        else:
+            assert isinstance(transfer, StoreTransfer)
+            levels, num_blocks = (HOST_LEVEL, CacheLevel.STORAGE), len(transfer.keys)
+        for listener in self._listeners:
+            listener(*levels, num_blocks, now - transfer.emitted_at, success)  # type: ignore[attr-defined]
 
     def add_transfer_listener(self, listener: TransferListener) -> None:
         """Call `listener` for every transfer result applied from now on (metrics)."""
@@ -622,8 +741,19 @@ class CacheManager:
 
     @property
     def num_queued_blocks(self) -> int:
-        """Blocks in swaps planned but not yet taken by `take_swap_metadata`."""
-        return len(self._d2h.nodes) + len(self._h2d.nodes)
+        """Blocks in transfers planned but not yet taken by `take_swap_metadata`."""
+        queued = len(self._d2h.nodes) + len(self._h2d.nodes)
+        return queued + (self._storage.num_queued_blocks if self._storage else 0)
+
+    def _busy(self) -> bool:
+        """Anything in flight or queued for the worker (transfers or lookups)?"""
+        storage = self._storage
+        return bool(
+            self._transfers
+            or self._d2h.nodes
+            or self._h2d.nodes
+            or (storage is not None and storage.has_queued)
+        )
 
     def get_stats(self) -> CacheStats:
         return CacheStats(
@@ -650,6 +780,7 @@ class CacheManager:
             cached_nodes=self.tree.num_nodes,
             device_pool=self.device_pool.stats(),
             host_pool=self.host_pool.stats(),
+            storage=self._storage.stats() if self._storage is not None else None,
         )
 
     # -- internals ------------------------------------------------------------
@@ -667,8 +798,9 @@ class CacheManager:
         if count >= need:
             return True
         for transfer in (*self._transfers.values(), self._d2h, self._h2d):
-            for node in transfer.nodes:
-                count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
+            if isinstance(transfer, _Transfer):
+                for node in transfer.nodes:
+                    count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
         return count >= need
 
     def _get(self, request_id: RequestId) -> _Request:
@@ -682,6 +814,8 @@ class CacheManager:
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not an active request")
         req.done = True
+        if self._storage is not None:
+            self._storage.forget(req)
         nodes, blocks = req.nodes, req.blocks
         private = blocks[len(nodes) :]
         if req.owns_matched_positions:
@@ -804,22 +938,33 @@ class CacheManager:
         pool = self.host_pool
         deficit = n - pool.num_free
         if deficit > 0:
+            storage = self._storage
             freed = []
-            while len(freed) < deficit:
+            written = 0  # evicted, their host block freed once written to storage
+            while len(freed) + written < deficit:
                 node = self.tree.pop_host_victim()
                 if node is None:
                     break
-                freed.append(self.tree.drop_host_copy(node))
-            self._host_evictions += len(freed)
+                keep = storage is not None and storage.on_host_eviction(node)
+                block = self.tree.drop_host_copy(node)
+                if keep:
+                    written += 1
+                else:
+                    freed.append(block)
+            self._host_evictions += len(freed) + written
             pool.free(freed)
         return pool.allocate(min(n, pool.num_free))
 
-    def _emit(self, transfer: _Transfer, src: CacheLevel, dst: CacheLevel) -> CacheSwapMetadata:
+    def _register(self, transfer: _Transfer | LoadTransfer | StoreTransfer) -> int:
+        """A new transfer id for `transfer`, in flight from now on."""
         transfer_id = self._next_transfer_id
         self._next_transfer_id += 1
         self._transfers[transfer_id] = transfer
-        if self._listeners:
-            transfer.emitted_at = time.monotonic()
+        transfer.emitted_at = time.monotonic()
+        return transfer_id
+
+    def _emit(self, transfer: _Transfer, src: CacheLevel, dst: CacheLevel) -> CacheSwapMetadata:
+        transfer_id = self._register(transfer)
         device_ids = transfer.device_ids
         host_ids = [n.host_block for n in transfer.nodes]
         keys = [n.key for n in transfer.nodes]
@@ -835,6 +980,7 @@ class CacheManager:
             nodes = nodes[::-1]
         freed_device: list[int] = []
         freed_host: list[int] = []
+        storage = self._storage
         for node in nodes:
             if not success and node.state == PENDING_HOST:  # its block was reused: lost
                 freed_host += self.tree.drop_subtree(node)
@@ -843,6 +989,8 @@ class CacheManager:
                 freed_device.append(device_block)
             if host_block >= 0:
                 freed_host.append(host_block)
+            elif success and storage is not None and node.state in (HOST, DEVICE):
+                storage.on_host_copy(node)  # a valid host copy: maybe write it on
         self.device_pool.free(freed_device)
         self.host_pool.free(freed_host)
 
@@ -905,13 +1053,36 @@ class CacheManager:
                 if pos >= len(req.nodes) or req.nodes[pos].device_block != block:
                     own(block, req.request_id)
         moving: set[TreeNode] = set()
+        storing: set[TreeNode] = set()
         released = (PENDING_HOST, DROPPED)  # device block already handed on
         for transfer in self._transfers.values():
+            if isinstance(transfer, StoreTransfer):
+                for node, host, free in zip(
+                    transfer.nodes, transfer.host_ids, transfer.free_after, strict=True
+                ):
+                    if free or node is None or node.state == DROPPED:
+                        assert host not in host_owner, f"host block {host} owned twice"
+                        host_owner[host] = "a storage write"
+                    else:
+                        assert node.storage == STORING and node.host_block == host, node
+                        storing.add(node)
+                continue
             for node in transfer.nodes:
                 if node.state == DROPPED:  # out of the tree; its host block is still its
                     assert node.host_block not in host_owner, f"{node}: host block owned"
                     host_owner[node.host_block] = node
+        if self._storage is not None:
+            self._storage.check(host_owner)
+            storing.update(n for n in self._storage._stores.nodes if n is not None)
+            loads = [*self._storage._loads.nodes]
+        else:
+            loads = []
         for transfer in [*self._transfers.values(), self._d2h, self._h2d]:
+            if isinstance(transfer, StoreTransfer):
+                continue
+            if isinstance(transfer, LoadTransfer):
+                loads += transfer.nodes
+                continue
             expected = (
                 (SWAP_TO_HOST, BACKUP_TO_HOST, *released)
                 if transfer.to_host
@@ -929,8 +1100,21 @@ class CacheManager:
                 assert self.device_pool.is_allocated(device_block), node
                 if node.state != BACKUP_TO_HOST:  # a backup may hold a recomputed block
                     assert node.device_block == device_block, node
+        for node in loads:
+            assert node.state in (LOADING, BACKUP_TO_HOST, DROPPED), node
+            assert node not in moving, f"{node} in two transfers"
+            moving.add(node)
+            assert self.host_pool.is_allocated(node.host_block), node
         for node in self.tree:
-            if node.state in (SWAP_TO_HOST, BACKUP_TO_HOST, SWAP_TO_DEVICE, PENDING_HOST):
+            if node.storage == STORING:
+                assert node in storing, f"{node} is pinned by no storage write"
+            if node.state in (
+                SWAP_TO_HOST,
+                BACKUP_TO_HOST,
+                SWAP_TO_DEVICE,
+                PENDING_HOST,
+                LOADING,
+            ):
                 assert node in moving, f"{node} is moving in no transfer"
         for node in self.tree:
             assert node.ref == expected_ref.get(node, 0), (

@@ -58,11 +58,21 @@ class NodeState(IntEnum):
     the copy before the new owner's writes): only the copy in flight to the host
     block will hold the KV, so nothing may read it until that copy lands."""
     DROPPED = 6
-    """Left the tree while a copy to its host block was in flight (the copy of an
-    ancestor failed); the host block is freed when that copy's result arrives."""
+    """Left the tree while a copy into or out of its host block was in flight (an
+    ancestor lost its only copy); the host block is freed when that copy ends."""
+    LOADING_FROM_STORAGE = 7
+    """Being read from the storage tier into its host block; like PENDING_HOST,
+    nothing may read it until the load lands (then it is HOST)."""
 
 
-DEVICE, HOST, SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST, PENDING_HOST, DROPPED = NodeState
+DEVICE, HOST, SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST, PENDING_HOST, DROPPED = list(
+    NodeState
+)[:7]
+LOADING_FROM_STORAGE = NodeState.LOADING_FROM_STORAGE
+HOST_LANDING = (PENDING_HOST, LOADING_FROM_STORAGE)  # host copy in flight, no device copy
+
+# TreeNode.storage: where the block stands with the storage tier.
+NOT_STORED, STORING, STORED = 0, 1, 2
 
 
 class TreeNode:
@@ -79,6 +89,7 @@ class TreeNode:
         "parent",
         "ref",
         "state",
+        "storage",
     )
 
     def __init__(
@@ -93,7 +104,8 @@ class TreeNode:
         self.device_block = device_block
         self.host_block = -1
         self.ref = 1  # a new node starts locked by the request that computed it
-        self.hits = 0  # matches so far; only write_through_selective counts them
+        self.hits = 0  # matches so far (write_through_selective, storage after_hits)
+        self.storage = NOT_STORED  # STORING pins the host copy while it is written
 
     def __repr__(self) -> str:
         return (
@@ -112,6 +124,7 @@ class RadixTree:
     __slots__ = (
         "_device_parked",
         "_host_parked",
+        "_host_storing",
         "_index",
         "device_lru",
         "host_lru",
@@ -128,6 +141,8 @@ class RadixTree:
         # Taken off a list because a child still holds a copy in that tier.
         self._device_parked: set[TreeNode] = set()
         self._host_parked: set[TreeNode] = set()
+        # Taken off the host list while a storage write reads their host copy.
+        self._host_storing: set[TreeNode] = set()
         self.num_evicting = 0  # nodes in SWAP_TO_HOST: device blocks on their way out
 
     @property
@@ -166,7 +181,11 @@ class RadixTree:
             if node is None or node.parent is not parent:
                 break
             state = node.state
-            if state is SWAP_TO_DEVICE or state is PENDING_HOST:
+            if (
+                state is SWAP_TO_DEVICE
+                or state is PENDING_HOST
+                or state is LOADING_FROM_STORAGE
+            ):
                 waiting = True
                 break
             if state == HOST:
@@ -204,6 +223,7 @@ class RadixTree:
             self._gain_device_child(node.parent)  # type: ignore[arg-type]
         if node.host_block >= 0 and self.host_lru.pop(node, _ABSENT) is _ABSENT:
             self._host_parked.discard(node)
+            self._host_storing.discard(node)
 
     def unlock(self, nodes: Sequence[TreeNode]) -> None:
         """Drop one reference from each node, deepest first, listing freed nodes."""
@@ -267,6 +287,26 @@ class RadixTree:
             parent = node
         return path, list(range(num_existing))
 
+    def insert_loading(
+        self, parent: TreeNode, keys: Sequence[BlockHash], host_blocks: Sequence[int]
+    ) -> list[TreeNode]:
+        """Extend the path below `parent` with nodes being read from storage into
+        `host_blocks`, each locked once for the caller. No key may be cached."""
+        path = []
+        for key, host_block in zip(keys, host_blocks, strict=True):
+            node = TreeNode(key, parent, -1)
+            node.state = LOADING_FROM_STORAGE
+            node.host_block = host_block
+            node.storage = STORED
+            self._index[key] = node
+            parent.num_children += 1
+            path.append(node)
+            parent = node
+        return path
+
+    def contains(self, key: BlockHash) -> bool:
+        return key in self._index
+
     def _check_insert(self, parent: TreeNode, keys: Sequence[BlockHash], distinct: int) -> int:
         """How many leading keys already sit on the path below `parent`; raises if a
         key repeats or sits anywhere else."""
@@ -302,7 +342,7 @@ class RadixTree:
         request that recomputed the block hands its copy over. A PENDING_HOST node
         handed a recomputed copy keeps its copy to host going, as a backup."""
         node.device_block = device_block
-        if node.state == PENDING_HOST:
+        if node.state in HOST_LANDING:
             node.state = BACKUP_TO_HOST
         else:
             node.state = SWAP_TO_DEVICE if loading else DEVICE
@@ -357,13 +397,13 @@ class RadixTree:
             (device block to free, host block to free), -1 for none.
         """
         state = node.state
-        if state in (PENDING_HOST, DROPPED):
-            if success and state == PENDING_HOST:
+        if state in (PENDING_HOST, LOADING_FROM_STORAGE, DROPPED):
+            if success and state != DROPPED:
                 node.state = HOST
                 self.relist(node)
                 return -1, -1
             block, node.host_block = node.host_block, -1
-            if state == PENDING_HOST:
+            if state != DROPPED:
                 node.state = DROPPED  # drop_subtree skips it: its host block goes here
                 self.remove(node)
             return -1, block
@@ -419,6 +459,7 @@ class RadixTree:
         parent.num_children -= 1
         if not parent.num_children and parent in self._host_parked:
             self._unpark(parent, self._host_parked, self.host_lru)
+        self._host_storing.discard(node)
 
     def drop_subtree(self, node: TreeNode) -> list[int]:
         """Take every descendant of `node` out of the tree: their prefix lost its
@@ -443,15 +484,22 @@ class RadixTree:
         freed = []
         for child in reversed(doomed):  # deepest first: each is a leaf when removed
             assert not child.ref and child.device_block < 0, child
-            if child.state == HOST:
+            if child.state == HOST and child.storage != STORING:
                 if self.host_lru.pop(child, _ABSENT) is _ABSENT:
                     self._host_parked.discard(child)
                 freed.append(child.host_block)
                 child.host_block = -1
-            else:  # PENDING_HOST: its copy frees the host block when it ends
+            else:  # a copy still uses its host block: freed when that copy ends
+                self._host_storing.discard(child)
                 child.state = DROPPED
             self.remove(child)
         return freed
+
+    def unpin_host(self, node: TreeNode) -> None:
+        """A storage write of the node's host copy ended (the caller has set
+        `node.storage`): its host copy may be evicted again."""
+        if node in self._host_storing:
+            self._unpark(node, self._host_storing, self.host_lru)
 
     # -- eviction lists -------------------------------------------------------
 
@@ -520,6 +568,9 @@ class RadixTree:
         host_lru = self.host_lru
         while host_lru:
             node = host_lru.popitem(last=False)[0]
+            if node.storage == STORING:  # a storage write reads it: not now
+                self._host_storing.add(node)
+                continue
             if node.state == HOST and node.num_children:
                 self._host_parked.add(node)
                 continue
@@ -580,7 +631,9 @@ class RadixTree:
             evicting += node.state == SWAP_TO_HOST
             assert node.ref >= 0, node
             in_device = node in self.device_lru or node in self._device_parked
-            in_host = node in self.host_lru or node in self._host_parked
+            in_host = (
+                node in self.host_lru or node in self._host_parked or node in self._host_storing
+            )
             listed = node.ref == 0
             assert in_device == (listed and node.state == DEVICE), f"device list: {node}"
             assert in_host == (
@@ -588,7 +641,7 @@ class RadixTree:
                 and (node.state == HOST or (node.state == DEVICE and node.host_block >= 0))
             ), f"host list: {node}"
             assert node.state != DROPPED, node
-            if node.state in (HOST, PENDING_HOST):
+            if node.state in (HOST, *HOST_LANDING):
                 assert node.device_block < 0 and node.host_block >= 0, node
             else:
                 assert node.device_block >= 0, node
@@ -609,3 +662,6 @@ class RadixTree:
         for node in self._host_parked:
             assert node.state == HOST and node.num_children, node
             assert node not in self.host_lru, node
+        for node in self._host_storing:
+            assert node.storage == STORING and node not in self.host_lru, node
+            assert node not in self._host_parked, node

@@ -1,0 +1,442 @@
+"""The scheduler's side of the storage tier: lookups, prefetch, write policies.
+
+Storage sits behind host memory: blocks move storage -> host -> device and back.
+The scheduler does not know what storage holds (after a restart nobody does), so it
+asks the workers and never waits for the answer:
+
+    match      the request's blocks past its device/host hits are looked up
+               (a StorageLookup, sent with the step's metadata)
+    result     the workers answer in a later step (LookupResult, the minimum prefix
+               over ranks); the prefix found is loaded into host blocks: nodes in
+               LOADING_FROM_STORAGE, locked by the request (a STORAGE -> HOST
+               transfer), subject to the prefetch policy
+    landed     the load's result makes them HOST nodes: host hits the request's
+               `allocate` swaps in like any other; a failed block (on any rank)
+               drops it and what follows, and its key is not looked up again for
+               `retry_after_s`
+    allocate   waits for a lookup or load in flight (WAIT, PREDICTED) at most
+               `wait_s` after the match, then lets go of what has not landed and
+               computes it (BEST_EFFORT never waits); loads it let go of still
+               land and serve later requests
+
+Writes (HOST -> STORAGE) follow the storage write policy. A block's host copy is
+pinned while a write reads it (never evicted from host before the result), a block
+evicted from host under ON_HOST_EVICTION keeps its host block until its write ends,
+and a block counts as stored only once its write succeeded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastkv.config import PrefetchPolicy, StorageConfig, StorageWritePolicy
+from fastkv.metadata import CacheLevel, CacheSwapMetadata, LookupResult, StorageLookup
+from fastkv.scheduler.radix_tree import (
+    BACKUP_TO_HOST,
+    DEVICE,
+    HOST,
+    LOADING_FROM_STORAGE,
+    NOT_STORED,
+    STORED,
+    STORING,
+    TreeNode,
+)
+
+if TYPE_CHECKING:
+    from fastkv.scheduler.cache_manager import CacheManager, _Request
+
+BlockHash = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class StorageTierStats:
+    """The storage tier as the scheduler saw it.
+
+    Attributes:
+        lookups, lookup_blocks: requests (and blocks) looked up in storage.
+        hit_blocks: blocks loaded from storage into host for a request.
+        load_failures: blocks whose load failed (on some rank); retried later.
+        skipped_loads: blocks found but not loaded (PREDICTED: recomputing was
+            cheaper).
+        abandoned_loads: blocks a request stopped waiting for (they still land).
+        writes, write_failures: blocks written to storage, and writes that failed
+            (a failed write never counts as stored).
+    """
+
+    lookups: int
+    lookup_blocks: int
+    hit_blocks: int
+    load_failures: int
+    skipped_loads: int
+    abandoned_loads: int
+    writes: int
+    write_failures: int
+
+
+class LoadTransfer:
+    """A STORAGE -> HOST transfer: per node, the request that prefetched it and the
+    node's position in that request."""
+
+    __slots__ = ("emitted_at", "nodes", "positions", "requests")
+
+    def __init__(self) -> None:
+        self.emitted_at = 0.0
+        self.nodes: list[TreeNode] = []
+        self.requests: list[_Request] = []
+        self.positions: list[int] = []
+
+
+class StoreTransfer:
+    """A HOST -> STORAGE transfer: per block, its node (None once it left the tree),
+    host block, key, and whether the host block is freed when the write ends."""
+
+    __slots__ = ("emitted_at", "free_after", "host_ids", "keys", "nodes")
+
+    def __init__(self) -> None:
+        self.emitted_at = 0.0
+        self.nodes: list[TreeNode | None] = []
+        self.host_ids: list[int] = []
+        self.keys: list[BlockHash] = []
+        self.free_after: list[bool] = []
+
+
+class StorageTier:
+    """Lookups, loads and writes of one CacheManager's storage tier.
+
+    Args:
+        manager: the owner (its tree, host pool and transfer ids are shared).
+        config: the storage settings.
+        clock: monotonic seconds (injectable for tests and replays).
+    """
+
+    def __init__(
+        self, manager: CacheManager, config: StorageConfig, clock: Callable[[], float]
+    ) -> None:
+        self.manager = manager
+        self.config = config
+        self.clock = clock
+        self.write_policy = StorageWritePolicy(config.write_policy)
+        self.prefetch = PrefetchPolicy(config.prefetch_policy)
+        self._lookups: list[StorageLookup] = []
+        self._lookup_owner: dict[int, tuple[_Request, int]] = {}  # id -> (request, start)
+        self._next_lookup_id = 0
+        self._loads = LoadTransfer()
+        self._stores = StoreTransfer()
+        self._retry_after: dict[BlockHash, float] = {}  # key -> when it may be tried again
+        self._read_bytes_per_s = config.read_bytes_per_s
+        self.lookups = 0
+        self.lookup_blocks = 0
+        self.hit_blocks = 0
+        self.load_failures = 0
+        self.skipped_loads = 0  # PREDICTED: recomputing was cheaper
+        self.writes = 0
+        self.write_failures = 0
+        self.abandoned_loads = 0  # blocks a request stopped waiting for
+
+    # -- lookups --------------------------------------------------------------
+
+    def plan_lookup(self, req: _Request, start: int, limit: int) -> bool:
+        """Ask the workers about the request's blocks [start, limit); True if asked."""
+        now = self.clock()
+        keys = []
+        tree = self.manager.tree
+        retry = self._retry_after
+        for key in req.hashes[start:limit]:
+            until = retry.get(key)
+            if until is not None:
+                if until > now:
+                    break
+                del retry[key]
+            if tree.contains(key):  # cached but not on this path: nothing to load
+                break
+            keys.append(key)
+        if not keys:
+            return False
+        lookup_id = self._next_lookup_id
+        self._next_lookup_id += 1
+        self._lookups.append(StorageLookup(lookup_id, keys))
+        self._lookup_owner[lookup_id] = (req, start)
+        req.lookup_id = lookup_id
+        req.storage_deadline = now + self.config.wait_s
+        self.lookups += 1
+        self.lookup_blocks += len(keys)
+        return True
+
+    def apply_lookup(self, result: LookupResult) -> None:
+        """A lookup's combined answer: load the prefix found, if still wanted."""
+        owner = self._lookup_owner.pop(result.lookup_id, None)
+        if owner is None:
+            return
+        req, start = owner
+        if req.done or req.lookup_id != result.lookup_id or req.allocated:
+            return
+        req.lookup_id = -1
+        if len(req.nodes) != start or result.num_hits <= 0:
+            return
+        keys = req.hashes[start : start + result.num_hits]
+        if not self._worth_loading(len(keys)):
+            self.skipped_loads += len(keys)
+            return
+        tree = self.manager.tree
+        for i, key in enumerate(keys):  # another request may have cached some since
+            if tree.contains(key):
+                keys = keys[:i]
+                break
+        host = self.manager._take_host_blocks(len(keys))
+        if not host:
+            return
+        keys = keys[: len(host)]
+        parent = req.nodes[-1] if req.nodes else tree.root
+        nodes = tree.insert_loading(parent, keys, host)
+        loads = self._loads
+        for node in nodes:
+            loads.nodes.append(node)
+            loads.requests.append(req)
+            loads.positions.append(len(req.nodes))
+            req.nodes.append(node)
+
+    def _worth_loading(self, num_blocks: int) -> bool:
+        if self.prefetch is not PrefetchPolicy.PREDICTED:
+            return True
+        c = self.config
+        load_s = c.load_latency_s + num_blocks * c.block_bytes / self._read_bytes_per_s
+        compute_s = num_blocks * self.manager.block_size / c.recompute_tokens_per_s
+        return load_s < compute_s
+
+    # -- the request's wait -------------------------------------------------------
+
+    def waits(self, req: _Request) -> bool:
+        """Does the request wait for storage (a lookup or its loads in flight)?"""
+        if self.prefetch is PrefetchPolicy.BEST_EFFORT:
+            return False
+        return self.clock() < req.storage_deadline
+
+    def let_go(self, req: _Request, first_loading: int) -> None:
+        """The request stops waiting: drop its lookup and the blocks still loading
+        (they land and serve later requests)."""
+        if req.lookup_id >= 0:
+            self._lookup_owner.pop(req.lookup_id, None)
+            req.lookup_id = -1
+        if first_loading < len(req.nodes):
+            self.abandoned_loads += len(req.nodes) - first_loading
+            self.manager.tree.unlock(req.nodes[first_loading:])
+            del req.nodes[first_loading:]
+
+    def forget(self, req: _Request) -> None:
+        """The request finished or aborted: its lookup answer will be ignored."""
+        if req.lookup_id >= 0:
+            self._lookup_owner.pop(req.lookup_id, None)
+
+    # -- writes -----------------------------------------------------------------
+
+    def on_host_copy(self, node: TreeNode) -> None:
+        """The node's host copy just became valid (a copy to host, or a load)."""
+        if node.storage != NOT_STORED:
+            return
+        policy = self.write_policy
+        if policy is StorageWritePolicy.WRITE_THROUGH or (
+            policy is StorageWritePolicy.AFTER_HITS
+            and node.hits >= self.config.write_after_hits
+        ):
+            self._write(node, free_after=False)
+
+    def on_hit(self, node: TreeNode) -> None:
+        """The node was matched once more (its `hits` already counted)."""
+        if (
+            self.write_policy is StorageWritePolicy.AFTER_HITS
+            and node.storage == NOT_STORED
+            and node.hits >= self.config.write_after_hits
+            and node.host_block >= 0
+            and node.state in (HOST, DEVICE)
+        ):
+            self._write(node, free_after=False)
+
+    def on_host_eviction(self, node: TreeNode) -> bool:
+        """The node's host copy is being evicted. True when the write policy keeps
+        its host block for a write (freed when the write ends): the caller then
+        detaches the copy but does not free the block."""
+        if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
+            return False
+        if node.storage != NOT_STORED:
+            return False
+        self._write(node, free_after=True)
+        return True
+
+    def flush_ahead(self) -> None:
+        """ON_HOST_EVICTION: when the host tier is nearly full, start writing the
+        oldest host copies that are not stored yet, so that evicting them later
+        frees their host blocks at once instead of after a write."""
+        if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
+            return
+        host = self.manager.host_pool
+        window = max(16, host.capacity // 32)
+        if host.num_free >= window:
+            return
+        for node in itertools.islice(self.manager.tree.host_lru, window):  # oldest first
+            if node.storage == NOT_STORED:
+                self._write(node, free_after=False)
+
+    def _write(self, node: TreeNode, free_after: bool) -> None:
+        stores = self._stores
+        stores.nodes.append(None if free_after else node)
+        stores.host_ids.append(node.host_block)
+        stores.keys.append(node.key)
+        stores.free_after.append(free_after)
+        if not free_after:
+            node.storage = STORING  # the host copy stays until the write ends
+
+    # -- per step -----------------------------------------------------------------
+
+    @property
+    def num_queued_blocks(self) -> int:
+        return len(self._loads.nodes) + len(self._stores.keys)
+
+    @property
+    def has_queued(self) -> bool:
+        return bool(
+            self._lookups
+            or self._loads.nodes
+            or self._stores.keys
+            or (
+                self.write_policy is StorageWritePolicy.ON_HOST_EVICTION
+                and self.manager.host_pool.num_free
+                < max(16, self.manager.host_pool.capacity // 32)
+            )
+        )
+
+    def take(
+        self, emit: Callable[[object], int]
+    ) -> tuple[CacheSwapMetadata | None, CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
+        """The lookups, the load and the write planned since the last step."""
+        load = store = None
+        timeout = self.config.timeout_s
+        if self._loads.nodes:
+            loads, self._loads = self._loads, LoadTransfer()
+            tid = emit(loads)
+            hosts = [n.host_block for n in loads.nodes]
+            keys = [n.key for n in loads.nodes]
+            load = CacheSwapMetadata(
+                tid, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys, timeout
+            )
+        if self._stores.keys:
+            stores, self._stores = self._stores, StoreTransfer()
+            tid = emit(stores)
+            store = CacheSwapMetadata(
+                tid,
+                CacheLevel.HOST,
+                CacheLevel.STORAGE,
+                list(stores.host_ids),
+                [],
+                list(stores.keys),
+                timeout,
+            )
+        lookups, self._lookups = tuple(self._lookups), []
+        return load, store, lookups
+
+    def finish_load(
+        self, transfer: LoadTransfer, failed: set[int], all_failed: bool
+    ) -> list[int]:
+        """Apply a load's result; returns the host blocks to free.
+
+        A block good on every rank becomes HOST. From a request's first bad block
+        on, its loaded blocks leave the tree (a path past a hole is unreachable),
+        the request's path is cut there (it computes those blocks) and their keys
+        are not looked up again for `retry_after_s`. A block a request computed
+        meanwhile (BACKUP_TO_HOST) keeps its device copy either way.
+        """
+        tree = self.manager.tree
+        first_bad: dict[int, int] = {}  # id(request) -> first failed position
+        for i, (node, req, pos) in enumerate(
+            zip(transfer.nodes, transfer.requests, transfer.positions, strict=True)
+        ):
+            if node.state == LOADING_FROM_STORAGE and (all_failed or i in failed):
+                first_bad[id(req)] = min(pos, first_bad.get(id(req), pos))
+        for req in {id(r): r for r in transfer.requests}.values():
+            pos = first_bad.get(id(req))
+            if pos is not None and not req.done and pos < len(req.nodes):
+                tree.unlock(req.nodes[pos:])
+                del req.nodes[pos:]
+        retry_at = self.clock() + self.config.retry_after_s
+        freed: list[int] = []
+        # Deepest first, so every node dropped is a leaf by then.
+        entries = list(zip(transfer.nodes, transfer.requests, transfer.positions, strict=True))
+        for i in range(len(entries) - 1, -1, -1):
+            node, req, pos = entries[i]
+            good = not all_failed and i not in failed
+            if node.state == LOADING_FROM_STORAGE:
+                good = pos < first_bad.get(id(req), 1 << 62)
+                if good:
+                    self.hit_blocks += 1
+                else:
+                    self._retry_after[node.key] = retry_at
+                    self.load_failures += 1
+                    freed += tree.drop_subtree(node)
+            elif node.state == BACKUP_TO_HOST:  # a request computed it meanwhile
+                node.storage = STORED if good else NOT_STORED
+            _, host = tree.finish_copy_to_host(node, good)
+            if host >= 0:
+                freed.append(host)
+        return freed
+
+    def finish_store(
+        self, transfer: StoreTransfer, failed: set[int], all_failed: bool
+    ) -> list[int]:
+        """Apply a write's result. Returns the host blocks to free."""
+        tree = self.manager.tree
+        freed = []
+        for i, (node, host, free) in enumerate(
+            zip(transfer.nodes, transfer.host_ids, transfer.free_after, strict=True)
+        ):
+            ok = not all_failed and i not in failed
+            self.writes += ok
+            self.write_failures += not ok
+            if free:
+                freed.append(host)
+                continue
+            assert node is not None
+            if node.state in (HOST, DEVICE, BACKUP_TO_HOST) and node.host_block == host:
+                node.storage = STORED if ok else NOT_STORED
+                tree.unpin_host(node)
+            else:  # dropped meanwhile (an ancestor lost its copy): the block is ours
+                freed.append(host)
+        return freed
+
+    def note_load_time(self, transfer: LoadTransfer, seconds: float) -> None:
+        """Refine the read-bandwidth estimate PREDICTED uses (EWMA)."""
+        nbytes = len(transfer.nodes) * self.config.block_bytes
+        if nbytes and seconds > 0:
+            rate = nbytes / seconds
+            self._read_bytes_per_s = 0.8 * self._read_bytes_per_s + 0.2 * rate
+
+    def stats(self) -> StorageTierStats:
+        return StorageTierStats(
+            self.lookups,
+            self.lookup_blocks,
+            self.hit_blocks,
+            self.load_failures,
+            self.skipped_loads,
+            self.abandoned_loads,
+            self.writes,
+            self.write_failures,
+        )
+
+    def check(self, host_owner: dict[int, object]) -> None:
+        """Assert the tier's queued state (part of CacheManager.check_invariants)."""
+        for lookup_id, (req, _) in self._lookup_owner.items():
+            assert req.lookup_id == lookup_id, f"lookup {lookup_id} owner moved on"
+        for node in self._loads.nodes:
+            assert node.state == LOADING_FROM_STORAGE, node
+        for node, host, free in zip(
+            self._stores.nodes, self._stores.host_ids, self._stores.free_after, strict=True
+        ):
+            if free:
+                assert host not in host_owner, f"host block {host} owned twice"
+                host_owner[host] = "a queued storage write"
+            else:
+                assert node is not None and node.storage == STORING, node
+
+
+__all__ = ["LoadTransfer", "StorageTier", "StorageTierStats", "StoreTransfer"]
