@@ -498,7 +498,7 @@ class CacheManager:
             if need > pool.num_free + len(freed):
                 pool.free(freed)
                 status = (
-                    AllocStatus.WAIT_FOR_TRANSFERS if self._busy() else AllocStatus.NO_SPACE
+                    AllocStatus.WAIT_FOR_TRANSFERS if self.busy else AllocStatus.NO_SPACE
                 )
                 return Allocation(status, [])
             pool.recycled(len(freed))
@@ -745,14 +745,16 @@ class CacheManager:
         queued = len(self._d2h.nodes) + len(self._h2d.nodes)
         return queued + (self._storage.num_queued_blocks if self._storage else 0)
 
-    def _busy(self) -> bool:
-        """Anything in flight or queued for the worker (transfers or lookups)?"""
+    @property
+    def busy(self) -> bool:
+        """Transfers in flight or planned, or storage lookups not answered yet:
+        WAIT_FOR_TRANSFERS is only ever returned while this holds."""
         storage = self._storage
         return bool(
             self._transfers
             or self._d2h.nodes
             or self._h2d.nodes
-            or (storage is not None and storage.has_queued)
+            or (storage is not None and (storage.has_queued or storage.num_lookups_pending))
         )
 
     def get_stats(self) -> CacheStats:
@@ -774,7 +776,8 @@ class CacheManager:
             failed_transfers=self._failed_transfers,
             rollbacks=self._rollbacks,
             inflight_transfers=len(self._transfers),
-            inflight_blocks=sum(len(t.nodes) for t in self._transfers.values()),
+            # A snapshot of the values: a metrics thread may read while the loop runs.
+            inflight_blocks=sum(len(t.nodes) for t in list(self._transfers.values())),
             queued_blocks=self.num_queued_blocks,
             active_requests=len(self._requests),
             cached_nodes=self.tree.num_nodes,

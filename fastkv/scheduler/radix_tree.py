@@ -513,9 +513,9 @@ class RadixTree:
             self.device_lru[node] = None
             if oldest:
                 self.device_lru.move_to_end(node, last=False)
-            if node.host_block >= 0:
-                self.host_lru[node] = None
-        elif state == HOST:
+        elif state != HOST:
+            return
+        if node.host_block >= 0 and node not in self._host_storing:  # else: when written
             self.host_lru[node] = None
 
     def pop_device_victim(self) -> TreeNode | None:

@@ -37,6 +37,7 @@ from fastkv.metadata import CacheLevel, CacheSwapMetadata, LookupResult, Storage
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
+    DROPPED,
     HOST,
     LOADING_FROM_STORAGE,
     NOT_STORED,
@@ -295,6 +296,11 @@ class StorageTier:
         return len(self._loads.nodes) + len(self._stores.keys)
 
     @property
+    def num_lookups_pending(self) -> int:
+        """Lookups queued or sent whose answer has not been applied."""
+        return len(self._lookup_owner)
+
+    @property
     def has_queued(self) -> bool:
         return bool(
             self._lookups
@@ -397,11 +403,12 @@ class StorageTier:
                 freed.append(host)
                 continue
             assert node is not None
-            if node.state in (HOST, DEVICE, BACKUP_TO_HOST) and node.host_block == host:
-                node.storage = STORED if ok else NOT_STORED
-                tree.unpin_host(node)
-            else:  # dropped meanwhile (an ancestor lost its copy): the block is ours
+            if node.state == DROPPED:  # an ancestor lost its only copy meanwhile
                 freed.append(host)
+                continue
+            assert node.host_block == host, node  # a pinned host copy stays put
+            node.storage = STORED if ok else NOT_STORED
+            tree.unpin_host(node)
         return freed
 
     def note_load_time(self, transfer: LoadTransfer, seconds: float) -> None:

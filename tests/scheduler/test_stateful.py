@@ -10,7 +10,14 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fastkv import CacheConfig, CacheSwapMetadata, TransferResult
+from fastkv import (
+    CacheConfig,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageConfig,
+    StorageLookup,
+    TransferResult,
+)
 from fastkv.metadata import CacheLevel
 from fastkv.scheduler import AllocStatus, CacheManager
 
@@ -31,8 +38,26 @@ class CacheLifecycle(RuleBasedStateMachine):
         device_blocks=st.integers(8, 11),
         host_blocks=st.sampled_from([0, 3, 8, 20]),
         reuse=st.booleans(),
+        storage=st.sampled_from(
+            [None, "write_through", "on_host_eviction", "after_hits", "none"]
+        ),
+        prefetch=st.sampled_from(["wait", "best_effort"]),
     )
-    def setup(self, policy: str, device_blocks: int, host_blocks: int, reuse: bool) -> None:
+    def setup(
+        self,
+        policy: str,
+        device_blocks: int,
+        host_blocks: int,
+        reuse: bool,
+        storage: str | None,
+        prefetch: str,
+    ) -> None:
+        self.now = 0.0
+        tier = None
+        if storage is not None and host_blocks:
+            tier = StorageConfig(
+                write_policy=storage, prefetch_policy=prefetch, wait_s=1.0, retry_after_s=2.0
+            )
         self.mgr = CacheManager(
             CacheConfig(
                 block_size=BS,
@@ -41,8 +66,12 @@ class CacheLifecycle(RuleBasedStateMachine):
                 write_policy=policy,
                 selective_threshold=2,
                 reuse_evicted_blocks=reuse,
-            )
+                storage=tier,
+            ),
+            clock=lambda: self.now,
         )
+        self.lookups: list[StorageLookup] = []  # emitted, not answered yet
+        self.hits: dict[int, int] = {}  # request -> blocks hit at match
         # With reuse, a device block an eviction still reads may go to a new owner
         # (the worker orders the copy first); a block being written never may.
         self.reuse = reuse
@@ -65,6 +94,7 @@ class CacheLifecycle(RuleBasedStateMachine):
         hashes = DOCUMENTS[doc][:length] + ([f"u{rid}"] if tail else [])
         num_tokens = len(hashes) * BS + partial  # partial == 0: a block-aligned prompt
         hit = self.mgr.match(rid, hashes, num_tokens)
+        self.hits[rid] = hit.num_hits
         # The prompt's last token is always computed.
         assert 0 <= hit.num_hits <= (num_tokens - 1) // BS
         assert hit.num_cached_tokens == hit.num_hits * BS < num_tokens
@@ -106,21 +136,24 @@ class CacheLifecycle(RuleBasedStateMachine):
         pool = self.mgr.device_pool
         was_free = {b for b in range(pool.capacity) if not pool.is_allocated(b)}
         hashes = self.requests[rid]
-        # Blocks the request still needs beyond what match found.
-        matched = len(self.mgr._requests[rid].nodes)
-        alloc = self.mgr.allocate(rid, len(hashes) - matched)
+        # Blocks the request still needs beyond what match found (storage hits that
+        # landed since are the manager's to subtract).
+        alloc = self.mgr.allocate(rid, len(hashes) - self.hits[rid])
+        matched = self.hits[rid]
         if not alloc:
             event(f"allocate: {alloc.status.value}")
             assert alloc.new_blocks == []
             assert self.mgr.block_table(rid) == before, "a failed allocate changed the table"
-            busy = self.mgr.num_inflight_transfers or self.mgr.num_queued_blocks
+            busy = self.mgr.busy
             if alloc.status is AllocStatus.WAIT_FOR_TRANSFERS:
                 assert busy, "told to wait with nothing in flight or queued"
             else:  # other requests hold the blocks: alone, it would always fit
                 assert len(self.requests) > 1
             return
         table = self.mgr.block_table(rid)
-        added, new, fresh = table[len(before) :], alloc.new_blocks, len(hashes) - matched
+        cached = alloc.num_cached_tokens // BS  # device, host and storage hits
+        assert cached >= matched or self.mgr._requests[rid].rolled_back is not None
+        added, new, fresh = table[len(before) :], alloc.new_blocks, len(hashes) - cached
         # New blocks in table order (host-hit destinations, then fresh ones); blocks
         # already on the device below a host hit sit between them.
         assert [b for b in added if b in set(new)] == new
@@ -236,12 +269,14 @@ class CacheLifecycle(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         tasks = self.mgr.take_swap_metadata()
-        for meta in (tasks.evict, tasks.swap_in):
+        self.lookups += tasks.lookups
+        for meta in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store):
             if meta is None:
                 continue
             dst_busy = self._outstanding_ids(meta.dst_level)
             src_busy = self._outstanding_ids(meta.src_level, dst_only=True)
-            assert len(set(meta.dst_block_ids)) == meta.num_blocks, "duplicate destination"
+            if meta.dst_level != CacheLevel.STORAGE:
+                assert len(set(meta.dst_block_ids)) == meta.num_blocks, "duplicate destination"
             assert not set(meta.dst_block_ids) & dst_busy, "destination used by another copy"
             assert not set(meta.src_block_ids) & src_busy, "source still being written"
             self.outstanding.append(meta)
@@ -253,13 +288,36 @@ class CacheLifecycle(RuleBasedStateMachine):
         self.step()
         self.mgr.apply_results(TransferResult(m.transfer_id, True) for m in self.outstanding)
         self.outstanding.clear()
+        self.mgr.apply_results(LookupResult(q.lookup_id, 0) for q in self.lookups)
+        self.lookups.clear()
+
+    @precondition(lambda self: self.lookups)
+    @rule(i=st.integers(0, 1000), hits=st.integers(0, 8))
+    def answer_lookup(self, i: int, hits: int) -> None:
+        """A lookup's answer (a hint: a load of a block storage lacks fails)."""
+        lookup = self.lookups.pop(i % len(self.lookups))
+        self.mgr.apply_results(
+            [LookupResult(lookup.lookup_id, min(hits, len(lookup.block_hashes)))]
+        )
+        event("storage lookup answered")
+
+    @rule(seconds=st.sampled_from([0.1, 0.6, 3.0]))
+    def tick(self, seconds: float) -> None:
+        """Time passes: storage waits run out, failed keys may be retried."""
+        self.now += seconds
 
     @precondition(lambda self: self.outstanding)
-    @rule(i=st.integers(0, 1000), success=st.booleans())
-    def complete(self, i: int, success: bool) -> None:
+    @rule(i=st.integers(0, 1000), success=st.booleans(), bad=st.integers(0, 7))
+    def complete(self, i: int, success: bool, bad: int) -> None:
         meta = self.outstanding.pop(i % len(self.outstanding))  # any order
         nodes = self.mgr.get_stats().cached_nodes
-        rollbacks = self.mgr.apply_results([TransferResult(meta.transfer_id, success)])
+        failed: tuple[int, ...] = ()
+        if CacheLevel.STORAGE in (meta.src_level, meta.dst_level) and not success:
+            failed = (bad % meta.num_blocks,)  # one block failed, the others good
+            event(f"storage {'load' if meta.dst_level == CacheLevel.HOST else 'write'} failed")
+        rollbacks = self.mgr.apply_results(
+            [TransferResult(meta.transfer_id, success, "" if success else "x", failed)]
+        )
         if self.reuse and self.mgr.get_stats().cached_nodes < nodes:
             event("failed released eviction dropped its subtree")
         if success:
@@ -323,8 +381,8 @@ class CacheLifecycle(RuleBasedStateMachine):
         for rid in list(self.requests):
             self.mgr.finish(rid)
         # Transfers planned by the last operations, then everything outstanding.
-        self.step()
-        self.mgr.apply_results(TransferResult(m.transfer_id, True) for m in self.outstanding)
+        for _ in range(4):  # storage writes follow copies to host
+            self.flush()
         self.mgr.check_invariants()
         stats = self.mgr.get_stats()
         assert stats.inflight_transfers == 0 and stats.queued_blocks == 0
@@ -380,7 +438,10 @@ def snapshot(mgr: CacheManager) -> tuple:
             )
             for rid, r in mgr._requests.items()
         },
-        {tid: (t.to_host, [n.key for n in t.nodes]) for tid, t in mgr._transfers.items()},
+        {
+            tid: (type(t).__name__, [n.key if n is not None else None for n in t.nodes])
+            for tid, t in mgr._transfers.items()
+        },
         [n.key for n in mgr._d2h.nodes],
         [n.key for n in mgr._h2d.nodes],
         mgr._next_transfer_id,
