@@ -378,9 +378,7 @@ def test_fault_injection_fails_copies_before_they_touch_memory() -> None:
             counter.wait_for_layer(0, timeout=10)
         (result,) = ctrl.wait_all(timeout=10)
         assert not result.success and InjectedCopyError.__name__ in result.error
-        assert all(
-            np.array_equal(ctrl.device_blocks(t), before[t]) for t in range(len(before))
-        )
+        assert all(np.array_equal(ctrl.device_blocks(t), before[t]) for t in range(len(before)))
         assert ctrl.faults.failures >= 1 and ctrl.get_stats().failed_transfers == 1
     with pytest.raises(ValueError, match="fail_rate"):
         CacheController(spec, fail_rate=1.5)
