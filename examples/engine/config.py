@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MODEL_ID = "fastkv-engine-demo"  # the cache namespace's model id and the metrics' model label
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +41,15 @@ class EngineConfig:
         device: "auto" (a GPU when Paddle has one), "cpu" or "gpu:N".
         fail_rate: fraction of copy calls that fail (fault injection, spread
             evenly); the engine must still produce identical outputs.
-        wait_timeout: bound on every wait for a copy, in seconds.
+        fail_rank: the only rank whose copies fail; None: every rank.
+        wait_timeout: bound on every wait for a copy or for another rank, in seconds.
+        tp_size: tensor-parallel ranks, one worker process each, each holding
+            num_kv_heads / tp_size of the KV heads; must divide num_heads and
+            num_kv_heads.
+
+    Raises:
+        ValueError: tp_size, fail_rank or fail_rate out of range (the message
+            names the field and the values allowed).
     """
 
     block_size: int = 16
@@ -51,5 +62,36 @@ class EngineConfig:
     kv_dtype: str = "bfloat16"
     device: str = "auto"
     fail_rate: float = 0.0
+    fail_rank: int | None = None
     wait_timeout: float = 60.0
+    tp_size: int = 1
     model: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        m = self.model
+        tp = self.tp_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp_size: must be an int >= 1, got {tp!r}")
+        if m.num_heads % tp or m.num_kv_heads % tp:
+            common = math.gcd(m.num_heads, m.num_kv_heads)
+            allowed = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+            raise ValueError(
+                f"tp_size: {tp} does not divide the model's {m.num_heads} attention heads "
+                f"and {m.num_kv_heads} KV heads (each rank holds an equal share); "
+                f"allowed: {allowed}"
+            )
+        rank = self.fail_rank
+        if rank is not None and (
+            isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp
+        ):
+            raise ValueError(
+                f"fail_rank: must be an int in [0, {tp}) (tp_size {tp}), or None for "
+                f"every rank; got {rank!r}"
+            )
+        rate = self.fail_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ValueError(f"fail_rate: must be a number in [0, 1], got {rate!r}")
+
+    def rank_fail_rate(self, rank: int) -> float:
+        """The fault-injection rate of `rank`'s copies."""
+        return self.fail_rate if self.fail_rank in (None, rank) else 0.0

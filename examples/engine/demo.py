@@ -1,10 +1,12 @@
 """The engine demo: one workload served twice, with fastkv and with every prompt
 recomputed, then compared request by request.
 
-    python tools/demo.py [--trace FILE] [--json] [--plot PATH] [...]
+    python tools/demo.py [--tp N] [--metrics-port PORT] [--json] [--plot PATH] [...]
 
-Prints the verdict (identical outputs, KV checksums) and a table of what the
-cache did; exits 1 on any mismatch.
+Prints the verdict (identical outputs, KV checksums, ranks in agreement) and a
+table of what the cache did; exits 1 on any mismatch. With --metrics-port the
+scheduler serves the fastkv run's metrics at http://127.0.0.1:PORT/metrics (0
+picks a free port; the address goes to stderr and into the JSON).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from examples.engine.config import EngineConfig
+from examples.engine.config import MODEL_ID, EngineConfig
 from examples.engine.scheduler import EngineScheduler, RunResult
 from examples.engine.workload import ConversationSpec, MultiTurnChat, TraceWorkload, Workload
 from tools.progress import Progress
@@ -85,10 +89,14 @@ def make_workload(args: argparse.Namespace) -> Workload:
     return MultiTurnChat(spec)
 
 
-def run(config: EngineConfig, args: argparse.Namespace, label: str) -> RunResult:
+def run(
+    config: EngineConfig, args: argparse.Namespace, label: str, metrics: Any = None
+) -> RunResult:
     workload = make_workload(args)
     bar = Progress(workload.total_requests, label, enabled=not args.no_progress, check_every=1)
-    scheduler = EngineScheduler(config, on_step=lambda done, total: bar.update(done - bar.done))
+    scheduler = EngineScheduler(
+        config, on_step=lambda done, total: bar.update(done - bar.done), metrics=metrics
+    )
     result = scheduler.run(workload)
     bar.close()
     return result
@@ -101,6 +109,10 @@ def summary(cached: RunResult, baseline: RunResult, cmp: Comparison) -> dict[str
     return {
         "identical_outputs": cmp.identical_outputs,
         "checksums_ok": not cached.checksum_mismatches,
+        "ranks_agree": not cached.rank_mismatches and not baseline.rank_mismatches,
+        "tp_size": cached.config.tp_size,
+        "fail_rate": cached.config.fail_rate,
+        "fail_rank": cached.config.fail_rank,
         "prefill_tokens_saved_frac": cached.saved_frac,
         "seconds_with_cache": cached.seconds,
         "seconds_without_cache": baseline.seconds,
@@ -132,6 +144,9 @@ def summary(cached: RunResult, baseline: RunResult, cmp: Comparison) -> dict[str
         "checksum_mismatches": len(cached.checksum_mismatches),
         "write_policy": cached.config.write_policy,
         "kv_dtype": cached.config.kv_dtype,
+        # The fastkv run's final stats, as the metrics export them.
+        "cache_stats": dataclasses.asdict(stats),  # type: ignore[call-overload]
+        "rank_stats": [dataclasses.asdict(w) for w in cached.workers],
     }
 
 
@@ -148,6 +163,13 @@ def table(s: dict[str, object], cached: RunResult) -> str:
             f"{m.num_kv_heads} KV heads x {m.head_dim}; KV {cfg.kv_dtype}, "
             f"{cfg.block_size}-token blocks, {cfg.num_device_blocks} device / "
             f"{cfg.num_host_blocks} host, {cfg.write_policy})",
+        ),
+        (
+            "tensor parallel",
+            f"{cfg.tp_size} rank{'s' if cfg.tp_size > 1 else ''}, "
+            f"{m.num_kv_heads // cfg.tp_size} KV head"
+            f"{'s' if m.num_kv_heads // cfg.tp_size > 1 else ''} each"
+            + (", attention outputs all-gathered per layer" if cfg.tp_size > 1 else ""),
         ),
         (
             "requests",
@@ -169,7 +191,14 @@ def table(s: dict[str, object], cached: RunResult) -> str:
         ("prefill tokens saved", f"{s['prefill_tokens_saved_frac']:.1%}"),
         (
             "recomputed after failures",
-            f"{s['recomputed_tokens']:,} tokens, {s['failed_transfers']} failed transfers",
+            f"{s['recomputed_tokens']:,} tokens, {s['failed_transfers']} failed transfers"
+            + (
+                " (per rank: "
+                + ", ".join(str(w["failed_transfers"]) for w in s["rank_stats"])  # type: ignore[attr-defined]
+                + f"; {s['cache_stats']['failed_transfers']} after combining)"  # type: ignore[index]
+                if cfg.tp_size > 1
+                else ""
+            ),
         ),
         (
             "blocks device->host",
@@ -274,53 +303,125 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=d.device, help="auto, cpu or gpu:N")
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp_size,
+        help="tensor-parallel ranks: worker processes, each with 1/N of the KV heads",
+    )
+    p.add_argument(
         "--fail-rate",
         type=float,
         default=0.0,
         help="inject copy failures with this probability per copy call",
     )
+    p.add_argument(
+        "--fail-rank",
+        type=int,
+        default=None,
+        help="inject the failures on this rank only (default: every rank)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the fastkv run's Prometheus metrics at 127.0.0.1:PORT/metrics "
+        "(0: a free port)",
+    )
+    p.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=0.0,
+        help="keep serving /metrics this many seconds after the run (to scrape the "
+        "final values)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default="out/engine_demo.png", help="PNG path ('' for none)")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.metrics_linger < 0:
+        p.error(f"--metrics-linger: must be >= 0 seconds, got {args.metrics_linger}")
+    try:
+        args.config = EngineConfig(
+            block_size=args.block_size,
+            num_device_blocks=args.device_blocks,
+            num_host_blocks=args.host_blocks,
+            write_policy=args.write_policy,
+            kv_dtype=args.kv_dtype,
+            device=args.device,
+            max_running=args.max_running,
+            fail_rate=args.fail_rate,
+            fail_rank=args.fail_rank,
+            tp_size=args.tp,
+        )
+    except ValueError as e:
+        flags = {"tp_size": "--tp", "fail_rank": "--fail-rank", "fail_rate": "--fail-rate"}
+        field_name, _, reason = str(e).partition(": ")
+        p.error(f"{flags.get(field_name, field_name)}: {reason}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = EngineConfig(
-        block_size=args.block_size,
-        num_device_blocks=args.device_blocks,
-        num_host_blocks=args.host_blocks,
-        write_policy=args.write_policy,
-        kv_dtype=args.kv_dtype,
-        device=args.device,
-        max_running=args.max_running,
-        fail_rate=args.fail_rate,
-    )
-    cached = run(config, args, "with fastkv   ")
-    baseline = run(
-        dataclasses.replace(config, enable_cache=False, fail_rate=0.0), args, "recompute all "
-    )
-    cmp = compare(cached, baseline)
-    s = summary(cached, baseline, cmp)
-    if args.plot:
-        s["plot"] = args.plot if plot(cached, baseline, Path(args.plot)) else None
-    ok = bool(s["identical_outputs"] and s["checksums_ok"])
-    if args.json:
-        print(json.dumps(s))
-    else:
-        print(table(s, cached))
-        if s.get("plot"):
-            print(f"{'plot':<25}  {s['plot']}")
-        for problem in cached.checksum_mismatches[:10]:
-            print(f"  checksum: {problem}")
-        for problem in cmp.problems[:10]:
-            print(f"  {problem}")
-        print(
-            f"\nverdict: {'PASS' if ok else 'FAIL'} - "
-            + ("outputs identical to full recomputation" if ok else "outputs differ")
+    config: EngineConfig = args.config
+    metrics = server = None
+    url = ""
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from fastkv.metrics import CacheMetrics, serve_metrics
+
+        registry = CollectorRegistry()
+        metrics = CacheMetrics(registry, model=MODEL_ID)
+        try:
+            server = serve_metrics(args.metrics_port, registry)
+        except (ValueError, OSError) as e:
+            print(f"--metrics-port: cannot serve on {args.metrics_port}: {e}", file=sys.stderr)
+            return 2
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        print(f"metrics: {url}", file=sys.stderr, flush=True)
+    try:
+        cached = run(config, args, "with fastkv   ", metrics)
+        baseline = run(
+            dataclasses.replace(config, enable_cache=False, fail_rate=0.0),
+            args,
+            "recompute all ",
         )
-    return 0 if ok else 1
+        cmp = compare(cached, baseline)
+        s = summary(cached, baseline, cmp)
+        if server is not None:
+            s["metrics_url"] = url
+        if args.plot:
+            s["plot"] = args.plot if plot(cached, baseline, Path(args.plot)) else None
+        ok = bool(s["identical_outputs"] and s["checksums_ok"] and s["ranks_agree"])
+        if args.json:
+            print(json.dumps(s), flush=True)
+        else:
+            print(table(s, cached))
+            if s.get("plot"):
+                print(f"{'plot':<25}  {s['plot']}")
+            if server is not None:
+                print(f"{'metrics':<25}  {url}")
+            for problem in cached.checksum_mismatches[:10]:
+                print(f"  checksum: {problem}")
+            for problem in (cached.rank_mismatches + baseline.rank_mismatches)[:10]:
+                print(f"  ranks: {problem}")
+            for problem in cmp.problems[:10]:
+                print(f"  {problem}")
+            print(
+                f"\nverdict: {'PASS' if ok else 'FAIL'} - "
+                + ("outputs identical to full recomputation" if ok else "outputs differ"),
+                flush=True,
+            )
+        if server is not None and args.metrics_linger:
+            print(
+                f"serving {url} for {args.metrics_linger:g} s more", file=sys.stderr, flush=True
+            )
+            time.sleep(args.metrics_linger)
+        return 0 if ok else 1
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
 
 if __name__ == "__main__":

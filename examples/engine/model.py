@@ -17,6 +17,15 @@ it:
   to, and the result rounds to the same float32.
 GPU kernels give no such guarantee: there the demo's verdict still needs equal
 tokens but falls back to its 1e-5 logits tolerance.
+
+Tensor parallelism: rank r of `tp_size` projects and attends over its share of
+the heads only (column slices of the Q, K and V weights; its KV cache holds
+`num_kv_heads / tp_size` heads), then the ranks all-gather their attention outputs
+so every rank goes on with the whole activation; the output projection, the MLP
+and the logits are replicated. On Paddle's CPU kernels a column slice of a
+product equals the product by the sliced weight bit for bit, and each head's
+attention is computed alone, so every tp_size gives the same bits (also
+empirical; the engine tests check it).
 """
 
 from __future__ import annotations
@@ -60,11 +69,33 @@ class TinyTransformer:
     Args:
         config: sizes and seed.
         device: Paddle place string for the weights ("cpu", "gpu:0").
+        tp_rank, tp_size: this rank's share of the heads (see the module docstring);
+            every rank draws the same weights from the seed and keeps its slices.
+
+    Raises:
+        ValueError: tp_size does not divide the head counts, or tp_rank is out of
+            range.
     """
 
-    def __init__(self, config: ModelConfig, device: str = "cpu") -> None:
-        self.config = config
+    def __init__(
+        self, config: ModelConfig, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         c = config
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size: must be an int >= 1, got {tp_size!r}")
+        if c.num_heads % tp_size or c.num_kv_heads % tp_size:
+            raise ValueError(
+                f"tp_size: {tp_size} must divide num_heads ({c.num_heads}) and "
+                f"num_kv_heads ({c.num_kv_heads})"
+            )
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int):
+            raise ValueError(f"tp_rank: must be an int in [0, {tp_size}), got {tp_rank!r}")
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank: must be an int in [0, {tp_size}), got {tp_rank!r}")
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_heads = c.num_heads // tp_size  # this rank's
+        self.num_kv_heads = c.num_kv_heads // tp_size
         rng = np.random.RandomState(c.seed)
 
         def param(*shape: int, scale: float) -> paddle.Tensor:
@@ -73,14 +104,28 @@ class TinyTransformer:
             )
 
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        def heads(weight: paddle.Tensor, share: int) -> paddle.Tensor:
+            """This rank's columns (its heads) of a projection `[hidden, heads *
+            head_dim]`, as a tensor of their own."""
+            if tp_size == 1:
+                return weight
+            cols = weight.numpy()[:, tp_rank * share : (tp_rank + 1) * share]
+            return paddle.to_tensor(np.ascontiguousarray(cols), place=device)
+
+        q_share, kv_share = q_dim // tp_size, kv_dim // tp_size
         self.embed = param(c.vocab_size, c.hidden, scale=1.0)
         self.layers = []
         for _ in range(c.num_layers):
             self.layers.append(
                 {
-                    "wq": param(c.hidden, q_dim, scale=1 / math.sqrt(c.hidden)),
-                    "wk": param(c.hidden, kv_dim, scale=1 / math.sqrt(c.hidden)),
-                    "wv": param(c.hidden, kv_dim, scale=1 / math.sqrt(c.hidden)),
+                    "wq": heads(param(c.hidden, q_dim, scale=1 / math.sqrt(c.hidden)), q_share),
+                    "wk": heads(
+                        param(c.hidden, kv_dim, scale=1 / math.sqrt(c.hidden)), kv_share
+                    ),
+                    "wv": heads(
+                        param(c.hidden, kv_dim, scale=1 / math.sqrt(c.hidden)), kv_share
+                    ),
                     "wo": param(q_dim, c.hidden, scale=1 / math.sqrt(q_dim)),
                     "wg": param(c.hidden, c.ffn, scale=1 / math.sqrt(c.hidden)),
                     "wu": param(c.hidden, c.ffn, scale=1 / math.sqrt(c.hidden)),
@@ -103,6 +148,7 @@ class TinyTransformer:
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         block_size: int,
         wait_for_layer: Callable[[int], None] | None = None,
+        gather_heads: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> np.ndarray:
         """Compute and store KV for every sequence's tokens, and return the logits
         of each sequence's last token, `[len(seqs), vocab]` float32.
@@ -110,11 +156,23 @@ class TinyTransformer:
         Args:
             seqs: the rows of this step, per request.
             kv_caches: (K, V) cache tensors per layer, `[blocks, kv_heads,
-                block_size, head_dim]`.
+                block_size, head_dim]` (this rank's KV heads).
             block_size: tokens per block.
             wait_for_layer: called before layer L touches the cache (the swap-in's
                 per-layer wait).
+            gather_heads: with tp_size > 1, called once per layer with this rank's
+                attention output `[rows, heads * head_dim]` (its heads); returns
+                every rank's, concatenated in rank order `[rows, num_heads *
+                head_dim]`: the all-gather between the ranks.
+
+        Raises:
+            ValueError: tp_size > 1 without `gather_heads`.
         """
+        if self.tp_size > 1 and gather_heads is None:
+            raise ValueError(
+                f"gather_heads: required with tp_size {self.tp_size} (this rank holds "
+                f"{self.num_heads} of {self.config.num_heads} heads)"
+            )
         c = self.config
         ids = [t for s in seqs for t in s.tokens]
         positions = np.concatenate(
@@ -129,9 +187,9 @@ class TinyTransformer:
         sin = paddle.index_select(self.sin, pos, axis=0)
         for layer, w in enumerate(self.layers):
             h = _rms_norm(x, w["norm1"])
-            q = matmul(h, w["wq"]).reshape([-1, c.num_heads, c.head_dim])
-            k = matmul(h, w["wk"]).reshape([-1, c.num_kv_heads, c.head_dim])
-            v = matmul(h, w["wv"]).reshape([-1, c.num_kv_heads, c.head_dim])
+            q = matmul(h, w["wq"]).reshape([-1, self.num_heads, c.head_dim])
+            k = matmul(h, w["wk"]).reshape([-1, self.num_kv_heads, c.head_dim])
+            v = matmul(h, w["wv"]).reshape([-1, self.num_kv_heads, c.head_dim])
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             if wait_for_layer is not None:
                 wait_for_layer(layer)
@@ -145,8 +203,11 @@ class TinyTransformer:
                 outs.append(self._attend(q[row : row + n], k_cache, v_cache, s, block_size))
                 row += n
             if pad:
-                outs.append(paddle.zeros([pad, c.num_heads * c.head_dim], dtype=x.dtype))
-            x = x + matmul(paddle.concat(outs, axis=0), w["wo"])
+                outs.append(paddle.zeros([pad, self.num_heads * c.head_dim], dtype=x.dtype))
+            attention = paddle.concat(outs, axis=0)
+            if gather_heads is not None and self.tp_size > 1:
+                attention = gather_heads(attention)
+            x = x + matmul(attention, w["wo"])
             h = _rms_norm(x, w["norm2"])
             gate = paddle.nn.functional.silu(matmul(h, w["wg"]))
             x = x + matmul(gate * matmul(h, w["wu"]), w["wd"])
@@ -174,7 +235,7 @@ class TinyTransformer:
         )
         keys = _gather(k_cache, blocks, end)  # [kv_heads, end, head_dim], float64
         values = _gather(v_cache, blocks, end)
-        group = c.num_heads // c.num_kv_heads
+        group = self.num_heads // self.num_kv_heads
         keys = paddle.repeat_interleave(keys, group, axis=0)
         values = paddle.repeat_interleave(values, group, axis=0)
         qh = q.transpose([1, 0, 2]).astype("float64")  # [heads, n, head_dim]
@@ -185,7 +246,7 @@ class TinyTransformer:
         scores = scores + paddle.to_tensor(mask, place=self.device)
         probs = paddle.nn.functional.softmax(scores, axis=-1)
         out = matmul(probs, values).astype("float32")  # [heads, n, head_dim]
-        return out.transpose([1, 0, 2]).reshape([n, c.num_heads * c.head_dim])
+        return out.transpose([1, 0, 2]).reshape([n, self.num_heads * c.head_dim])
 
 
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float = 1e-6) -> paddle.Tensor:

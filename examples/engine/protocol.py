@@ -1,11 +1,14 @@
 """Messages between the engine's scheduler and worker processes (picklable, no
-paddle). The swap metadata travels as fastkv.metadata types."""
+paddle). The swap metadata travels as fastkv.metadata types.
+
+With tensor parallelism the scheduler sends every rank the same StepBatch and gets
+one StepOutput from each: its own TransferResults, its own stats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastkv.metadata import CacheSwapMetadata, TransferResult
+from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
 
 
 @dataclass(slots=True)
@@ -50,6 +53,38 @@ class RequestOutput:
     recomputed_from: int = -1  # a failed swap-in made the worker recompute from here
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One rank's worker stats: the fields of fastkv.worker.ControllerStats (copied,
+    so the scheduler process can export them without importing the worker package,
+    which imports paddle) and the KV checksums it verified."""
+
+    device_to_host_transfers: int
+    host_to_device_transfers: int
+    device_to_host_blocks: int
+    host_to_device_blocks: int
+    device_to_host_bytes: int
+    host_to_device_bytes: int
+    failed_transfers: int
+    inflight_transfers: int
+    ordering_waits: int
+    device_cache_bytes: int
+    host_cache_bytes: int
+    numa_node: int
+    checksums_verified: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTiming:
+    """One transfer as the worker's CacheController timed it (launch to result)."""
+
+    src: CacheLevel
+    dst: CacheLevel
+    num_blocks: int
+    seconds: float
+    success: bool
+
+
 @dataclass(slots=True)
 class StepOutput:
     step: int
@@ -57,24 +92,24 @@ class StepOutput:
     results: list[TransferResult]
     checksum_mismatches: list[str]
     seconds: float
+    stats: WorkerStats
+    timings: list[TransferTiming] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class WorkerReady:
+    rank: int
     device: str
-    kv_bytes_per_block: int
+    kv_bytes_per_block: int  # this rank's share
+    stats: WorkerStats
 
 
 @dataclass(slots=True)
-class WorkerStats:
-    """Sent once at shutdown."""
+class WorkerDone:
+    """Sent once at shutdown, after every copy has finished."""
 
-    device_to_host_blocks: int
-    host_to_device_blocks: int
-    device_to_host_bytes: int
-    host_to_device_bytes: int
-    failed_transfers: int
-    checksums_verified: int
+    stats: WorkerStats
+    timings: list[TransferTiming] = field(default_factory=list)
 
 
 @dataclass(slots=True)

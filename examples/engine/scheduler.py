@@ -7,28 +7,53 @@ Per step: decode one token for every running request, admit waiting requests
 cache manager planned, run the step on the worker, then apply its transfer results
 before committing the blocks the step computed, so a failed swap-in is rolled back
 before anything is built on top of it.
+
+Tensor parallelism: one worker process per rank, every one sent the same StepBatch
+(the cache decisions are made once, here; block hashes carry no rank). Each rank
+reports its own TransferResults; they are combined with fastkv.tp.RankResults, and
+only combined results (every rank reported; good only if every rank's copy was)
+are applied. The ranks' outputs must agree bit for bit.
+
+Metrics: given a fastkv.metrics.CacheMetrics, the scheduler exports its
+CacheManager's stats, the latest stats each rank sent with its StepOutput (label
+tp_rank), and the duration of every transfer the ranks timed.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
 
-from examples.engine.config import EngineConfig
+from examples.engine.config import MODEL_ID, EngineConfig
 from examples.engine.protocol import (
     RequestWork,
     StepBatch,
     StepOutput,
+    TransferTiming,
+    WorkerDone,
     WorkerFailed,
     WorkerReady,
     WorkerStats,
 )
+from examples.engine.rank_group import RankGroup
 from examples.engine.workload import Prompt, Workload
 from fastkv.config import CacheConfig
 from fastkv.hashing import BlockHasher, namespace_root
-from fastkv.scheduler import CacheManager
+from fastkv.scheduler import CacheManager, CacheStats
+from fastkv.tp import RankResults
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from fastkv.metrics import CacheMetrics
+
+# How long the other ranks get to report their own error once one rank failed.
+_FAILURE_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -74,10 +99,12 @@ class RunResult:
     recomputed_tokens: int = 0
     rollbacks: int = 0
     checksum_mismatches: list[str] = field(default_factory=list)
+    rank_mismatches: list[str] = field(default_factory=list)  # ranks' outputs differ
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> reason
     history: list[StepRecord] = field(default_factory=list)
-    worker: WorkerStats | None = None
-    cache: object = None  # fastkv.scheduler.CacheStats
+    worker: WorkerStats | None = None  # every rank's, combined (see combine_ranks)
+    workers: list[WorkerStats] = field(default_factory=list)  # per rank
+    cache: CacheStats | None = None
 
     @property
     def saved_frac(self) -> float:
@@ -86,16 +113,71 @@ class RunResult:
         return 1.0 - self.computed_prompt_tokens / self.prompt_tokens
 
 
+def combine_ranks(stats: Sequence[WorkerStats]) -> WorkerStats:
+    """The engine's totals over its ranks: bytes, cache sizes, failures and waits
+    add up; transfers, blocks and checksummed reads are the same transfers and
+    blocks on every rank (each moves its share of a block), so the most any rank
+    counted."""
+    if not stats:
+        raise ValueError("stats: need at least one rank's")
+
+    def most(name: str) -> int:
+        return max(getattr(s, name) for s in stats)
+
+    def total(name: str) -> int:
+        return sum(getattr(s, name) for s in stats)
+
+    return WorkerStats(
+        device_to_host_transfers=most("device_to_host_transfers"),
+        host_to_device_transfers=most("host_to_device_transfers"),
+        device_to_host_blocks=most("device_to_host_blocks"),
+        host_to_device_blocks=most("host_to_device_blocks"),
+        device_to_host_bytes=total("device_to_host_bytes"),
+        host_to_device_bytes=total("host_to_device_bytes"),
+        failed_transfers=total("failed_transfers"),
+        inflight_transfers=total("inflight_transfers"),
+        ordering_waits=total("ordering_waits"),
+        device_cache_bytes=total("device_cache_bytes"),
+        host_cache_bytes=total("host_cache_bytes"),
+        numa_node=stats[0].numa_node,
+        checksums_verified=most("checksums_verified"),
+    )
+
+
+class _LockedManager:
+    """What CacheMetrics.watch_scheduler needs of the manager, with `get_stats`
+    taken under the scheduler's lock: the metrics server scrapes from its own
+    thread while the step loop changes the manager."""
+
+    def __init__(self, manager: CacheManager, lock: threading.RLock) -> None:
+        self._manager = manager
+        self._lock = lock
+
+    def get_stats(self) -> CacheStats:
+        with self._lock:
+            return self._manager.get_stats()
+
+    def add_transfer_listener(self, listener: Any) -> None:
+        self._manager.add_transfer_listener(listener)
+
+
 class EngineScheduler:
-    """Runs a workload to completion against a worker process.
+    """Runs a workload to completion against `config.tp_size` worker processes.
 
     Args:
         config: engine settings.
         on_step: called after every step with (finished requests, total requests).
+        metrics: where to export the engine's metrics (scheduler families from
+            the CacheManager, worker families per rank); None for none. The
+            caller serves its registry (fastkv.metrics.serve_metrics); one
+            CacheMetrics watches one scheduler.
     """
 
     def __init__(
-        self, config: EngineConfig, on_step: Callable[[int, int], None] | None = None
+        self,
+        config: EngineConfig,
+        on_step: Callable[[int, int], None] | None = None,
+        metrics: CacheMetrics | None = None,
     ) -> None:
         self.config = config
         self.on_step = on_step
@@ -104,63 +186,124 @@ class EngineScheduler:
             num_device_blocks=config.num_device_blocks,
             num_host_blocks=config.num_host_blocks if config.enable_cache else 0,
             write_policy=config.write_policy,
-            model_id="fastkv-engine-demo",
+            model_id=MODEL_ID,
             kv_dtype=config.kv_dtype,
         )
         self.mgr = CacheManager(cache_config)
         self.root = namespace_root(cache_config.namespace_key())
+        self.procs: list[BaseProcess] = []  # the worker of each rank, while running
+        self._lock = threading.RLock()  # the manager and the rank stats, against scrapes
+        self._rank_stats: dict[int, WorkerStats] = {}
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.watch_scheduler(_LockedManager(self.mgr, self._lock))
+            metrics.watch_workers(self.rank_stats)
+
+    def rank_stats(self) -> dict[int, WorkerStats]:
+        """The latest stats each rank reported (every step, and at shutdown)."""
+        with self._lock:
+            return dict(self._rank_stats)
 
     def run(self, workload: Workload) -> RunResult:
-        ctx = mp.get_context("spawn")
-        conn, child = ctx.Pipe()
-        from examples.engine.worker import serve  # the child imports paddle, not us
+        """Serve `workload` to completion.
 
-        proc = ctx.Process(target=serve, args=(child, self.config), daemon=True)
-        proc.start()
+        Raises:
+            RuntimeError: a worker rank failed or exited (the message has each
+                rank's error); every worker process is stopped.
+            TimeoutError: a rank did not answer within the bound.
+        """
+        ctx = mp.get_context("spawn")
+        from examples.engine.worker import serve  # the children import paddle, not us
+
+        tp = self.config.tp_size
+        mesh = RankGroup.mesh(tp)
+        pipes = [ctx.Pipe() for _ in range(tp)]
+        conns = [parent for parent, _ in pipes]
+        self.procs = [
+            ctx.Process(target=serve, args=(pipes[r][1], self.config, r, mesh[r]), daemon=True)
+            for r in range(tp)
+        ]
         try:
-            ready = self._recv(conn, proc)
-            assert isinstance(ready, WorkerReady)
-            result = self._loop(conn, proc, workload, ready.device)
-            conn.send(None)
-            result.worker = self._recv(conn, proc)
+            for proc in self.procs:
+                proc.start()
+        finally:
+            # Only the ranks hold these now: a rank's exit then closes its ends.
+            for _, child in pipes:
+                child.close()
+            for ends in mesh:
+                for sock in ends.values():
+                    sock.close()
+        try:
+            readies = self._recv_all(conns)
+            assert all(isinstance(r, WorkerReady) for r in readies)
+            with self._lock:
+                self._rank_stats = {r: ready.stats for r, ready in enumerate(readies)}  # type: ignore[union-attr]
+            result = self._loop(conns, workload, readies[0].device)  # type: ignore[union-attr]
+            self._send_all(conns, None)
+            done = self._recv_all(conns)
+            for rank, message in enumerate(done):
+                assert isinstance(message, WorkerDone)
+                self._observe(rank, message.stats, message.timings)
+            result.workers = [m.stats for m in done]  # type: ignore[union-attr]
+            result.worker = combine_ranks(result.workers)
             result.cache = self.mgr.get_stats()
-            proc.join(timeout=30)
+            for proc in self.procs:
+                proc.join(timeout=30)
             return result
         finally:
-            if proc.is_alive():  # an error on our side: do not wait for the worker
-                proc.kill()
-                proc.join(timeout=5)
+            for proc in self.procs:
+                if proc.is_alive():  # an error on our side: do not wait for the worker
+                    proc.kill()
+                    proc.join(timeout=5)
+            for conn in conns:
+                conn.close()
 
     # -- the step loop --------------------------------------------------------
 
-    def _loop(self, conn: object, proc: object, workload: Workload, device: str) -> RunResult:
+    def _loop(self, conns: list[Connection], workload: Workload, device: str) -> RunResult:
         cfg = self.config
         bs = cfg.block_size
         result = RunResult(cfg, device, {}, {}, 0.0, 0)
         waiting: list[_Request] = []
         running: list[_Request] = []
+        combined = RankResults(cfg.tp_size)
         step = 0
         start = time.perf_counter()
-        while not (workload.done() and not waiting and not running):
-            for prompt in workload.arrivals(step):
-                hasher = BlockHasher(bs, self.root)
-                hasher.append(prompt.tokens)
-                waiting.append(_Request(prompt, hasher, list(prompt.tokens)))
-                result.prompt_tokens += len(prompt.tokens)
-            works = [self._decode_work(r) for r in running]
-            self._admit(waiting, running, works, result, workload, step)
-            tasks = self.mgr.take_swap_metadata()
+        # Past the last request, until every transfer's result is in: the pools
+        # settle and every copy's duration is reported.
+        while not (
+            workload.done()
+            and not waiting
+            and not running
+            and not self.mgr.num_inflight_transfers
+        ):
+            with self._lock:
+                for prompt in workload.arrivals(step):
+                    hasher = BlockHasher(bs, self.root)
+                    hasher.append(prompt.tokens)
+                    waiting.append(_Request(prompt, hasher, list(prompt.tokens)))
+                    result.prompt_tokens += len(prompt.tokens)
+                works = [self._decode_work(r) for r in running]
+                self._admit(waiting, running, works, result, workload, step)
+                tasks = self.mgr.take_swap_metadata()
             idle = not works and tasks.evict is None and tasks.swap_in is None
             if idle and not self.mgr.num_inflight_transfers:
                 step += 1  # nothing to run until the next arrival
                 continue
-            conn.send(StepBatch(step, works, tasks.evict, tasks.swap_in))  # type: ignore[attr-defined]
-            output = self._recv(conn, proc)
-            assert isinstance(output, StepOutput) and output.step == step
-            result.rollbacks += len(self.mgr.apply_results(output.results))
-            result.checksum_mismatches += output.checksum_mismatches
-            for work in works:
-                self._absorb(work, output, running, workload, result, step)
+            self._send_all(conns, StepBatch(step, works, tasks.evict, tasks.swap_in))
+            outputs = self._recv_all(conns)
+            assert all(isinstance(o, StepOutput) and o.step == step for o in outputs)
+            output: StepOutput = outputs[0]  # type: ignore[assignment]
+            result.rank_mismatches += _disagreements(outputs)  # type: ignore[arg-type]
+            with self._lock:
+                ready = []
+                for rank, out in enumerate(outputs):
+                    ready += combined.add(rank, out.results)  # type: ignore[union-attr]
+                    self._observe(rank, out.stats, out.timings)  # type: ignore[union-attr]
+                    result.checksum_mismatches += out.checksum_mismatches  # type: ignore[union-attr]
+                result.rollbacks += len(self.mgr.apply_results(ready))
+                for work in works:
+                    self._absorb(work, output, running, workload, result, step)
             result.history.append(
                 StepRecord(
                     step,
@@ -279,18 +422,73 @@ class EngineScheduler:
             if completed and self.config.enable_cache:
                 self.mgr.append_hashes(r.id, completed)
 
-    @staticmethod
-    def _recv(conn: object, proc: object, timeout: float = 600.0) -> object:
-        """Next message from the worker; bounded, and fails fast if it died."""
+    def _observe(self, rank: int, stats: WorkerStats, timings: list[TransferTiming]) -> None:
+        with self._lock:
+            self._rank_stats[rank] = stats
+        if self._metrics is not None:
+            for t in timings:
+                self._metrics.observe_transfer(rank, t.src, t.dst, t.seconds)
+
+    def _send_all(self, conns: list[Connection], message: object) -> None:
+        for rank, conn in enumerate(conns):
+            try:
+                conn.send(message)
+            except OSError as e:  # its end is closed: the rank exited
+                self._recv_all(conns)  # raises with every rank's error, if they said
+                raise RuntimeError(f"rank {rank}: the worker process is gone ({e})") from e
+
+    def _recv_all(self, conns: list[Connection], timeout: float = 600.0) -> list[object]:
+        """One message from every rank, bounded. A rank that failed or exited makes
+        it wait a little for the others' errors too, then raise with all of them
+        (the first rank to fail is usually the cause, its peers report losing it)."""
         deadline = time.monotonic() + timeout
-        while not conn.poll(0.5):  # type: ignore[attr-defined]
-            if not proc.is_alive():  # type: ignore[attr-defined]
-                raise RuntimeError(
-                    f"the worker process exited (code {proc.exitcode})"  # type: ignore[attr-defined]
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no answer from the worker in {timeout:.0f} s")
-        message = conn.recv()  # type: ignore[attr-defined]
-        if isinstance(message, WorkerFailed):
-            raise RuntimeError(f"the worker process failed:\n{message.error}")
-        return message
+        answers: dict[int, object] = {}
+        failures: dict[int, str] = {}
+        pending = set(range(len(conns)))
+        while pending:
+            now = time.monotonic()
+            if failures:
+                deadline = min(deadline, now + _FAILURE_GRACE_S)
+            if now >= deadline:
+                break
+            wait(
+                [conns[r] for r in pending] + [self.procs[r].sentinel for r in pending],
+                timeout=min(0.5, deadline - now),
+            )
+            for rank in sorted(pending):
+                try:
+                    message = conns[rank].recv() if conns[rank].poll() else None
+                except (EOFError, OSError):
+                    message = None
+                if message is None:
+                    if self.procs[rank].is_alive():
+                        continue
+                    message = WorkerFailed(
+                        f"the worker process exited (code {self.procs[rank].exitcode})"
+                    )
+                pending.discard(rank)
+                if isinstance(message, WorkerFailed):
+                    failures[rank] = message.error
+                else:
+                    answers[rank] = message
+        if failures:
+            raise RuntimeError(
+                "worker rank(s) failed:\n"
+                + "\n".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+            )
+        if pending:
+            raise TimeoutError(f"no answer from rank(s) {sorted(pending)} in {timeout:.0f} s")
+        return [answers[r] for r in range(len(conns))]
+
+
+def _disagreements(outputs: Sequence[StepOutput]) -> list[str]:
+    """Requests whose next token, logits or recomputation differ between ranks:
+    after the all-gathers every rank computes the same rows."""
+    first = outputs[0]
+    out = []
+    for rank, other in enumerate(outputs[1:], start=1):
+        for rid, mine in first.outputs.items():
+            theirs = other.outputs.get(rid)
+            if theirs != mine:
+                out.append(f"step {first.step} {rid}: rank {rank} differs from rank 0")
+    return out

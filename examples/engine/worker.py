@@ -8,16 +8,27 @@ against the checksum recorded when that block was written. A failed swap-in is
 handled inside the step: the requests whose blocks it should have filled
 recompute those positions into the same blocks, so the step's outputs are still
 right, and its TransferResult tells the scheduler to roll the blocks back.
+
+Tensor parallelism: one such process per rank, each with its own CacheController
+over its share of the KV heads, all running the same StepBatch. Per layer the
+ranks run two collectives over their RankGroup, in the model's compute path and
+never in a copy path: before attention they agree whether every rank's layer
+loaded (a failure on any rank makes every rank recompute, so all take the same
+path and run the same collectives), and after it they all-gather their heads'
+attention outputs. A last agreement after the step's final wait catches a load
+that failed after its layer's wait (on a GPU that wait is on the device).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -28,27 +39,53 @@ from examples.engine.protocol import (
     RequestWork,
     StepBatch,
     StepOutput,
+    TransferTiming,
+    WorkerDone,
     WorkerFailed,
     WorkerReady,
     WorkerStats,
 )
+from examples.engine.rank_group import RankGroup
+from fastkv.metadata import CacheLevel
 
 log = logging.getLogger(__name__)
 
 
-def serve(conn: Connection, config: EngineConfig) -> None:
-    """Process entry point: build the worker, then answer StepBatches until None.
-    Any error goes back to the scheduler as a WorkerFailed message."""
+def serve(
+    conn: Connection,
+    config: EngineConfig,
+    rank: int = 0,
+    peers: Mapping[int, socket.socket] | None = None,
+) -> None:
+    """Process entry point of rank `rank`: build the worker, then answer StepBatches
+    until None. Any error goes back to the scheduler as a WorkerFailed message, and
+    the rank's peer sockets close, so the other ranks' next exchange raises at once.
+
+    Args:
+        conn: the pipe to the scheduler.
+        config: the engine's settings (the same on every rank).
+        rank: this rank, in [0, config.tp_size).
+        peers: this rank's sockets to the other ranks (RankGroup.mesh).
+    """
+    peers = dict(peers or {})
     worker = None
     try:
-        worker = Worker(config)
-        conn.send(WorkerReady(worker.device, sum(worker.ctrl.block_bytes)))
+        group = RankGroup(rank, config.tp_size, peers, config.wait_timeout)
+        worker = Worker(config, rank, group)
+        conn.send(
+            WorkerReady(rank, worker.device, sum(worker.ctrl.block_bytes), worker.stats())
+        )
         while (batch := conn.recv()) is not None:
             conn.send(worker.step(batch))
         conn.send(worker.finish())
     except Exception:
-        conn.send(WorkerFailed(traceback.format_exc()))
+        for sock in peers.values():  # first, so the peers stop waiting on this rank
+            sock.close()
+        with contextlib.suppress(OSError):  # the scheduler may be gone too
+            conn.send(WorkerFailed(traceback.format_exc()))
     finally:
+        for sock in peers.values():
+            sock.close()
         if worker is not None:
             worker.close()
 
@@ -64,31 +101,55 @@ class _Read:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """Rank `rank`'s worker: a CacheController over its share of the KV heads and its
+    shard of the model.
+
+    Args:
+        config: the engine's settings.
+        rank: this rank, in [0, config.tp_size).
+        group: the ranks' collective; None for a single rank.
+    """
+
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, group: RankGroup | None = None
+    ) -> None:
         import paddle
 
         from examples.engine.model import TinyTransformer
         from fastkv.worker import CacheController, KVCacheSpec
 
         self.config = config
-        self.device = _pick_device(config.device, paddle)
+        self.device = _pick_device(config.device, paddle, rank)
         if self.device == "cpu" and config.kv_dtype == "float16":
             raise ValueError(
                 "kv_dtype: float16 needs a GPU (Paddle's CPU build has no float16 "
                 "gather); use bfloat16 or float32 on the CPU"
             )
+        if group is None:
+            group = RankGroup(0, 1, {}, config.wait_timeout)
+        if (group.rank, group.size) != (rank, config.tp_size):
+            raise ValueError(
+                f"group: is rank {group.rank} of {group.size}, expected rank {rank} of "
+                f"tp_size {config.tp_size}"
+            )
+        self.rank = rank
+        self.group = group
         m = config.model
         spec = KVCacheSpec(
             num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads,
+            num_kv_heads=m.num_kv_heads // config.tp_size,
             head_dim=m.head_dim,
             block_size=config.block_size,
             num_device_blocks=config.num_device_blocks,
             num_host_blocks=config.num_host_blocks,
             dtype=config.kv_dtype,
         )
-        self.ctrl = CacheController(spec, device=self.device, fail_rate=config.fail_rate)
-        self.model = TinyTransformer(m, device=self.device)
+        self.ctrl = CacheController(
+            spec, device=self.device, fail_rate=config.rank_fail_rate(rank)
+        )
+        self.timings: list[TransferTiming] = []  # since the last StepOutput
+        self.ctrl.add_result_listener(self._on_result)
+        self.model = TinyTransformer(m, self.device, tp_rank=rank, tp_size=config.tp_size)
         self.kv = [
             (self.ctrl.key_caches[i], self.ctrl.value_caches[i]) for i in range(m.num_layers)
         ]
@@ -115,7 +176,17 @@ class Worker:
         if works:
             try:
                 logits = self._forward(works, {}, counter, reads)
-                counter.wait_all(self.config.wait_timeout)  # a failure after the last wait
+                loaded = True
+                try:
+                    counter.wait_all(self.config.wait_timeout)  # a failure after the last wait
+                except TransferFailedError:
+                    loaded = False
+                if not self.group.agree(loaded):
+                    raise TransferFailedError(
+                        counter.transfer_id,
+                        "the swap-in failed after its last layer's wait"
+                        + ("" if not loaded else " on another rank"),
+                    )
             except TransferFailedError as e:
                 log.info("step %d: %s; recomputing what it should have loaded", batch.step, e)
                 _drain(counter, self.config.wait_timeout)
@@ -148,20 +219,37 @@ class Worker:
                 recomputed.get(w.request_id, -1),
             )
         return StepOutput(
-            batch.step, outputs, results, self.problems, time.perf_counter() - start
+            batch.step,
+            outputs,
+            results,
+            [f"rank {self.rank}: {p}" for p in self.problems],
+            time.perf_counter() - start,
+            self.stats(),
+            self._take_timings(),
         )
 
-    def finish(self) -> WorkerStats:
+    def finish(self) -> WorkerDone:
         self.ctrl.wait_all(self.config.wait_timeout)
+        return WorkerDone(self.stats(), self._take_timings())
+
+    def stats(self) -> WorkerStats:
+        """The controller's stats now, and the checksums verified so far."""
         s = self.ctrl.get_stats()
-        return WorkerStats(
-            device_to_host_blocks=s.device_to_host_blocks,
-            host_to_device_blocks=s.host_to_device_blocks,
-            device_to_host_bytes=s.device_to_host_bytes,
-            host_to_device_bytes=s.host_to_device_bytes,
-            failed_transfers=s.failed_transfers,
-            checksums_verified=self.verified,
-        )
+        copied = {
+            f.name: getattr(s, f.name)
+            for f in fields(WorkerStats)
+            if f.name != "checksums_verified"
+        }
+        return WorkerStats(**copied, checksums_verified=self.verified)
+
+    def _on_result(
+        self, src: CacheLevel, dst: CacheLevel, blocks: int, seconds: float, success: bool
+    ) -> None:
+        self.timings.append(TransferTiming(src, dst, blocks, seconds, success))
+
+    def _take_timings(self) -> list[TransferTiming]:
+        timings, self.timings = self.timings, []
+        return timings
 
     def close(self) -> None:
         self.ctrl.free_cache(self.config.wait_timeout)
@@ -191,15 +279,39 @@ class Worker:
         timeout = self.config.wait_timeout
 
         def before_layer(layer: int) -> None:
-            if on_gpu:  # the model's stream waits on the device; the host goes on
-                counter.stream_wait_for_layer(layer)  # type: ignore[attr-defined]
-            else:
-                counter.wait_for_layer(layer, timeout)  # type: ignore[attr-defined]
-            if counter.failed:  # type: ignore[attr-defined]
-                raise TransferFailedError(counter.transfer_id, "a layer failed to load")  # type: ignore[attr-defined]
+            loaded = True
+            try:
+                if on_gpu:  # the model's stream waits on the device; the host goes on
+                    counter.stream_wait_for_layer(layer)  # type: ignore[attr-defined]
+                else:
+                    counter.wait_for_layer(layer, timeout)  # type: ignore[attr-defined]
+            except TransferFailedError:
+                loaded = False
+            loaded = loaded and not counter.failed  # type: ignore[attr-defined]
+            # Every rank decides together, before anyone reads the layer: a rank that
+            # recomputed alone would skip the all-gathers the others wait in.
+            if not self.group.agree(loaded):
+                raise TransferFailedError(
+                    counter.transfer_id,  # type: ignore[attr-defined]
+                    f"layer {layer} failed to load"
+                    + ("" if not loaded else " on another rank"),
+                )
             self._verify_layer(reads, layer)
 
-        return self.model.forward(seqs, self.kv, self.config.block_size, before_layer)
+        gather = self._gather_heads if self.config.tp_size > 1 else None
+        return self.model.forward(seqs, self.kv, self.config.block_size, before_layer, gather)
+
+    def _gather_heads(self, local: object) -> object:
+        """All-gather the ranks' attention outputs `[rows, their heads * head_dim]`
+        into `[rows, num_heads * head_dim]`, in rank (= head) order."""
+        import paddle
+
+        mine = np.ascontiguousarray(local.numpy())  # type: ignore[attr-defined]
+        parts = [
+            np.frombuffer(p, dtype=mine.dtype).reshape(mine.shape)
+            for p in self.group.all_gather(memoryview(mine).cast("B"))
+        ]
+        return paddle.to_tensor(np.concatenate(parts, axis=1), place=self.device)
 
     def _blocks_written(
         self, works: list[RequestWork], recompute_from: dict[str, int]
@@ -292,9 +404,11 @@ def _drain(counter: object, timeout: float) -> None:
             counter.wait_for_layer(layer, timeout)  # type: ignore[attr-defined]
 
 
-def _pick_device(device: str, paddle: object) -> str:
+def _pick_device(device: str, paddle: object, rank: int = 0) -> str:
+    """An explicit device is every rank's; "auto" gives rank r GPU r (modulo the
+    GPUs there are), or the CPU when Paddle has none."""
     if device != "auto":
         return device
     cuda = paddle.is_compiled_with_cuda()  # type: ignore[attr-defined]
-    has_gpu = cuda and paddle.device.cuda.device_count() > 0  # type: ignore[attr-defined]
-    return "gpu:0" if has_gpu else "cpu"
+    count = paddle.device.cuda.device_count() if cuda else 0  # type: ignore[attr-defined]
+    return f"gpu:{rank % count}" if count else "cpu"
