@@ -497,9 +497,7 @@ class CacheManager:
             freed = self._evict_device(need - pool.num_free)
             if need > pool.num_free + len(freed):
                 pool.free(freed)
-                status = (
-                    AllocStatus.WAIT_FOR_TRANSFERS if self.busy else AllocStatus.NO_SPACE
-                )
+                status = AllocStatus.WAIT_FOR_TRANSFERS if self.busy else AllocStatus.NO_SPACE
                 return Allocation(status, [])
             pool.recycled(len(freed))
             ids = pool.allocate(need - len(freed))

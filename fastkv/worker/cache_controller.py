@@ -32,9 +32,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastkv.config import CacheConfig
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.metadata import (
+    CacheLevel,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageLookup,
+    TransferResult,
+)
 from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
+from fastkv.storage.base import BlockLayout, StorageBackend, StorageKey
+from fastkv.storage.io_engine import RequestKind, StorageCompletion, StorageIOEngine
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
 from fastkv.worker.streams import (
@@ -60,6 +68,7 @@ result the controller reports; `seconds` from launch to the result being collect
 KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 _HOST_REGION_ALIGN = 4096
+_STORAGE_TIMEOUT_S = 30.0  # a storage transfer's deadline when the metadata gives none
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +207,8 @@ class ControllerStats:
     device_cache_bytes: int
     host_cache_bytes: int
     numa_node: int
+    storage_blocks_read: int = 0
+    storage_blocks_written: int = 0
 
 
 class CacheController:
@@ -214,6 +225,12 @@ class CacheController:
             stream on this controller's GPU, looked up at every step.
         fail_rate: fault injection: this fraction of copy calls fail before they
             touch memory (see `fastkv.worker.faults`); 0 in production.
+        storage: the storage tier's backend (`fastkv.storage`), or None; its block
+            layout must be this cache's (`storage_layout()`). The controller runs
+            storage transfers and lookups on an I/O engine of its own.
+        storage_namespace: `StorageNamespace(...).digest()` of this cache (every
+            field that changes a block's bytes); required with `storage`.
+        tp_rank: this worker's rank: part of every storage key.
 
     Raises:
         ValueError: bad device string, or a GPU ordinal the core does not see.
@@ -231,6 +248,9 @@ class CacheController:
         streams: tuple[Stream, Stream, Stream] | None = None,
         fail_rate: float = 0.0,
         config: CacheConfig | None = None,
+        storage: StorageBackend | None = None,
+        storage_namespace: bytes = b"",
+        tp_rank: int = 0,
     ) -> None:
         shape = spec.shape()
         if config is not None:
@@ -252,6 +272,7 @@ class CacheController:
             streams,
             fail_rate,
         )
+        self._attach_storage(storage, storage_namespace, tp_rank)
 
     @classmethod
     def adopt(
@@ -266,6 +287,9 @@ class CacheController:
         numa_node: int | None = None,
         streams: tuple[Stream, Stream, Stream] | None = None,
         fail_rate: float = 0.0,
+        storage: StorageBackend | None = None,
+        storage_namespace: bytes = b"",
+        tp_rank: int = 0,
     ) -> CacheController:
         """A controller over KV tensors the engine already made (FastDeploy's
         attention backends create them), with a host tier sized from them.
@@ -286,7 +310,8 @@ class CacheController:
             num_extra_layers: trailing layers allowed more blocks.
             block_axis: the axis of each tensor holding the block's tokens (2 in
                 FastDeploy's layouts); tensors without it are not checked for it.
-            num_threads, numa_node, streams, fail_rate: as for the constructor.
+            num_threads, numa_node, streams, fail_rate, storage, storage_namespace,
+                tp_rank: as for the constructor.
 
         Raises:
             ValueError: a tensor that cannot be swapped (not contiguous, another
@@ -308,6 +333,7 @@ class CacheController:
         self._start(
             shape, plan, device, lambda: caches, num_threads, numa_node, streams, fail_rate
         )
+        self._attach_storage(storage, storage_namespace, tp_rank)
         return self
 
     def _start(
@@ -469,22 +495,111 @@ class CacheController:
         """Call `listener` for every transfer result reported from now on (metrics)."""
         self._listeners.append(listener)
 
+    @property
+    def host_memory(self) -> tuple[int, int]:
+        """(address, bytes) of the host tier's one allocation, e.g. to register it
+        once with Mooncake Store for zero-copy transfers."""
+        return self._host_base, self._host_bytes
+
+    def storage_layout(self) -> BlockLayout:
+        """A block as it sits in the host tier: one segment per cache tensor (the
+        layout a storage backend for this cache must have)."""
+        return BlockLayout(tuple(self.block_bytes))
+
+    def submit_storage_tasks(
+        self,
+        load: CacheSwapMetadata | None,
+        store: CacheSwapMetadata | None,
+        lookups: Sequence[StorageLookup] = (),
+    ) -> None:
+        """Start the step's storage work on the I/O engine's threads (never waits):
+        lookups first, then loads (STORAGE -> HOST), then writes (HOST -> STORAGE).
+
+        Results come with `poll_results` / `wait_all`: a TransferResult per
+        transfer (`failed_blocks` names the blocks that failed) and a LookupResult
+        per lookup (the leading blocks this rank's storage holds). A transfer's
+        result is reported only once no I/O touches its host blocks any more, even
+        after its deadline (the scheduler then reuses them safely).
+
+        Raises:
+            ValueError: no storage tier, wrong levels, host ids out of range, keys
+                that are not 32-byte block hashes, or an id already in flight;
+                nothing is started.
+        """
+        self._check_live()
+        engine = self._storage
+        if engine is None:
+            if load is None and store is None and not lookups:
+                return
+            raise ValueError("storage: this controller has no storage tier")
+        checked = []
+        for meta, src, dst in (
+            (load, CacheLevel.STORAGE, CacheLevel.HOST),
+            (store, CacheLevel.HOST, CacheLevel.STORAGE),
+        ):
+            if meta is None:
+                continue
+            if (meta.src_level, meta.dst_level) != (src, dst):
+                raise ValueError(
+                    f"transfer {meta.transfer_id}: expected {src.name}->{dst.name}, got "
+                    f"{meta.src_level.name}->{meta.dst_level.name}"
+                )
+            host = list(meta.dst_block_ids if src == CacheLevel.STORAGE else meta.src_block_ids)
+            limit = self.shape.num_host_blocks
+            bad = next((h for h in host if not 0 <= h < limit), None)
+            if bad is not None:
+                raise ValueError(
+                    f"transfer {meta.transfer_id}: host ids contain {bad}, outside [0, {limit})"
+                )
+            checked.append((meta, host, self._storage_keys(meta.block_hashes)))
+        queries = [(q, self._storage_keys(q.block_hashes)) for q in lookups]
+        for q, keys in queries:
+            engine.submit_lookup(2 * q.lookup_id + 1, keys, self._deadline(0.0))
+        for meta, host, keys in checked:
+            submit = (
+                engine.submit_load if meta.dst_level == CacheLevel.HOST else engine.submit_store
+            )
+            rid = 2 * meta.transfer_id
+            submit(
+                rid,
+                keys,
+                [self._host_segments(h) for h in host],
+                host,
+                self._deadline(meta.timeout_s),
+            )
+            self._storage_host[rid] = host
+            self._storage_blocks[meta.dst_level == CacheLevel.HOST] += len(host)
+
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
         a device-side wait of the step's compute stream; on the CPU a host wait)."""
         self._counter.wait_for_layer(layer, timeout)
 
-    def poll_results(self) -> list[TransferResult]:
-        """TransferResults of the copies finished since the last call (non-blocking)."""
-        return self._count_failures(self.transfers.poll())
+    def poll_results(self) -> list[TransferResult | LookupResult]:
+        """Results of the copies, storage transfers and lookups finished since the
+        last call (non-blocking)."""
+        results = self._count_failures(self.transfers.poll())
+        if self._storage is not None:
+            return results + self._storage_results(self._storage.poll())
+        return results
 
-    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult]:
-        """Wait for every in-flight copy; return the results not yet reported.
+    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult | LookupResult]:
+        """Wait for every in-flight copy and storage request (each bounded by its own
+        deadline); return the results not yet reported.
 
         Raises:
             TransferTimeoutError: a copy is still running after `timeout` seconds.
         """
-        return self._count_failures(self.transfers.wait_all(timeout))
+        end = time.monotonic() + timeout
+        results = self._count_failures(self.transfers.wait_all(timeout))
+        if self._storage is None:
+            return results
+        done = self._storage.wait_all(max(0.0, end - time.monotonic()))
+        results += self._storage_results(done)
+        while self._held and time.monotonic() < end:  # I/O still touching host blocks
+            time.sleep(0.005)
+            results += self._storage_results([])
+        return results
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -502,6 +617,8 @@ class CacheController:
             device_cache_bytes=sum(self.block_bytes) * self.shape.num_device_blocks,
             host_cache_bytes=self._host_bytes,
             numa_node=self.numa_node,
+            storage_blocks_read=self._storage_blocks[1],
+            storage_blocks_written=self._storage_blocks[0],
         )
 
     def reset_cache(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult]:
@@ -527,6 +644,9 @@ class CacheController:
         if self._freed:
             return []
         results = self.wait_all(timeout)
+        if getattr(self, "_storage", None) is not None:
+            self._storage.close(timeout)  # type: ignore[union-attr]
+            self._storage = None
         self._release_gpu()
         self._release_host()
         self.caches = []
@@ -791,6 +911,79 @@ class CacheController:
         counters[0] += 1
         counters[1] += num_blocks
         counters[2] += num_blocks * sum(self.block_bytes)
+
+    def _attach_storage(
+        self, storage: StorageBackend | None, namespace: bytes, tp_rank: int
+    ) -> None:
+        self._storage: StorageIOEngine | None = None
+        self._storage_host: dict[int, list[int]] = {}  # engine request id -> host blocks
+        self._held: list[StorageCompletion] = []  # done, but I/O still touches blocks
+        self._storage_blocks = [0, 0]  # written, read
+        self._tp_rank = tp_rank
+        self._namespace = namespace
+        if storage is None:
+            return
+        try:
+            if storage.layout != self.storage_layout():
+                raise ValueError(
+                    f"storage: the backend's block layout {storage.layout.segment_lengths} "
+                    f"is not this cache's {tuple(self.block_bytes)}"
+                )
+            StorageKey(namespace, bytes(32), tp_rank)  # validates both
+            self._storage = StorageIOEngine(storage)
+        except BaseException:
+            self.free_cache()
+            raise
+
+    def _storage_keys(self, hashes: Sequence[object]) -> list[StorageKey]:
+        keys = []
+        for i, h in enumerate(hashes):
+            if not isinstance(h, bytes) or len(h) != 32:
+                raise ValueError(f"block_hashes[{i}]: a storage key needs a 32-byte block hash")
+            keys.append(StorageKey(self._namespace, h, self._tp_rank))
+        return keys
+
+    def _host_segments(self, host_block: int) -> list[tuple[int, int]]:
+        return [
+            (p + host_block * b, b)
+            for p, b in zip(self.host_ptrs, self.block_bytes, strict=True)
+        ]
+
+    @staticmethod
+    def _deadline(timeout_s: float) -> float:
+        return time.monotonic() + (timeout_s or _STORAGE_TIMEOUT_S)
+
+    def _storage_results(
+        self, completions: list[StorageCompletion]
+    ) -> list[TransferResult | LookupResult]:
+        """Completions as results; held back while I/O still touches their blocks."""
+        engine = self._storage
+        assert engine is not None
+        pending = self._held + completions
+        self._held = []
+        busy = engine.busy_host_blocks() if pending else frozenset()
+        out: list[TransferResult | LookupResult] = []
+        for c in pending:
+            if c.kind is RequestKind.LOOKUP:
+                hits = next((i for i, hit in enumerate(c.hits) if not hit), len(c.hits))
+                out.append(LookupResult(c.request_id // 2, hits))
+                continue
+            host = self._storage_host.get(c.request_id, [])
+            if busy and not busy.isdisjoint(host):
+                self._held.append(c)
+                continue
+            del self._storage_host[c.request_id]
+            failed = tuple(i for i, r in enumerate(c.results) if not r.ok)
+            error = ""
+            if failed:
+                first = c.results[failed[0]]
+                error = (
+                    f"{len(failed)} of {len(c.results)} blocks: {first.status.name} "
+                    f"{first.reason}"
+                )
+            self._failed += bool(failed)
+            out.append(TransferResult(c.request_id // 2, not failed, error, failed))
+        return out
 
     def _count_failures(self, results: list[TransferResult]) -> list[TransferResult]:
         self._failed += sum(not r.success for r in results)

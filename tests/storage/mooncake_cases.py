@@ -321,7 +321,25 @@ def node_killed(cluster: Cluster) -> dict:
     }
 
 
+def tiered(cluster: Cluster) -> dict:
+    """device -> host -> Mooncake -> host -> device with the real scheduler and
+    worker, per dtype (tests/storage/tiered.py)."""
+    from tiered import tiered_round_trip
+
+    cluster.start_master()
+    cluster.start_node()
+    out = {}
+    for dtype, extra in (("bfloat16", 0), ("fp8", 1)):
+        out[f"{dtype}+{extra}"] = tiered_round_trip(
+            lambda layout: MooncakeBackend(layout, cluster.master_address, segment_bytes=0),
+            dtype,
+            extra,
+        )
+    return out
+
+
 CASES = {
+    "tiered": tiered,
     "round_trip_two_process": lambda c: round_trip(c, two_process=True),
     "round_trip_one_process": lambda c: round_trip(c, two_process=False),
     "round_trip_staged": lambda c: round_trip(c, two_process=True, staged=True),
