@@ -95,12 +95,13 @@ def synthetic_trace(num_requests: int = 3000, seed: int = 0) -> list[TraceReques
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplayResult:
     requests: int
     blocks: int
     seconds: float
     stats: CacheStats
+    storage_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -202,7 +203,8 @@ class DiskStorage:
     PAYLOAD = 4096
 
     def __init__(self, directory: str | Path, capacity: int, num_host_blocks: int) -> None:
-        from fastkv.storage import BlockLayout, LocalDiskBackend, StorageNamespace
+        from fastkv.storage import BlockLayout, StorageNamespace
+        from fastkv.storage.local_disk import LocalDiskBackend
 
         self.backend = LocalDiskBackend(
             directory, BlockLayout((self.PAYLOAD,)), capacity_blocks=capacity
