@@ -14,6 +14,12 @@
                  head without knowing which entries are leaves.
 (b) Chained block hashing in ns per token at block sizes 16, 64 and 512, next to
     raw hashlib SHA-256 over the same bytes in one call.
+(d) Storage lookups: the replay with 10,000 device and 10,000 host blocks and a
+    storage tier that holds nothing (every request's remainder looked up, answered
+    in a later step, nothing loaded), next to the same replay without a storage
+    tier: the scheduler's cost of asking, per request and per block.
+(e) Metrics: the replay at 10,000 device blocks with fastkv's Prometheus metrics
+    registered (read at scrape time; a scrape every 500 requests), next to none.
 (c) Commit cost per block at request depths 100, 1,000 and 8,000 under each write
     policy: one request commits its blocks one at a time, each commit followed by a
     step (take_swap_metadata, results applied), as decode does. Flat means the cost
@@ -41,11 +47,12 @@ import numpy as np
 if __package__ in (None, ""):  # run as a file: make `tools` and `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastkv import CacheConfig, TransferResult, WritePolicy
+from fastkv import CacheConfig, StorageConfig, TransferResult, WritePolicy
 from fastkv.hashing import _chain_native, hash_blocks, namespace_root
 from fastkv.scheduler import CacheManager
 from tools.trace_replay import (
     TRACE_BLOCK_SIZE,
+    MemoryStorage,
     TraceRequest,
     load_trace,
     replay,
@@ -216,6 +223,57 @@ def bench_commit_depth(repeats: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def bench_storage_lookups(trace: Sequence[TraceRequest], repeats: int) -> dict[str, float]:
+    base = CacheConfig(
+        block_size=TRACE_BLOCK_SIZE, num_device_blocks=10_000, num_host_blocks=10_000
+    )
+    looking = CacheConfig(
+        block_size=TRACE_BLOCK_SIZE,
+        num_device_blocks=10_000,
+        num_host_blocks=10_000,
+        storage=StorageConfig(write_policy="none"),
+    )
+    off = on = float("inf")
+    for _ in range(repeats):
+        off = min(off, replay(trace, base).seconds)
+        on = min(on, replay(trace, looking, storage=MemoryStorage(0)).seconds)
+    blocks = sum(len(r.hash_ids) for r in trace)
+    return {
+        "lookups_off_us_per_request": off * 1e6 / len(trace),
+        "lookups_on_us_per_request": on * 1e6 / len(trace),
+        "lookups_off_us_per_block": off * 1e6 / blocks,
+        "lookups_on_us_per_block": on * 1e6 / blocks,
+        "lookups_on_vs_off": on / off,
+    }
+
+
+def bench_metrics(trace: Sequence[TraceRequest], repeats: int) -> dict[str, float]:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fastkv.metrics import CacheMetrics
+
+    config = CacheConfig(block_size=TRACE_BLOCK_SIZE, num_device_blocks=HEADLINE_CAPACITY)
+    registry: list[CollectorRegistry] = []
+
+    def attach(mgr: CacheManager) -> None:
+        registry.append(CollectorRegistry())
+        CacheMetrics(registry[-1], model="bench").watch_scheduler(mgr)
+
+    def scrape(i: int) -> None:
+        if i % 500 == 0:
+            generate_latest(registry[-1])
+
+    off = on = float("inf")
+    for _ in range(repeats):
+        off = min(off, replay(trace, config).us_per_block)
+        on = min(on, replay(trace, config, on_request=scrape, on_manager=attach).us_per_block)
+    return {
+        "metrics_off_us_per_block": off,
+        "metrics_on_us_per_block": on,
+        "metrics_on_vs_off": on / off,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -235,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     replay_figures = bench_replay(trace, args.repeats)
     hash_figures = bench_hashing(args.repeats)
     depth_figures = bench_commit_depth(args.repeats)
+    lookup_figures = bench_storage_lookups(trace, args.repeats)
+    metrics_figures = bench_metrics(trace, args.repeats)
     headline = replay_figures[str(HEADLINE_CAPACITY)]
     result = {
         "replay_us_per_block": headline["us_per_block"],
@@ -244,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "replay_vs_lru_floor": headline["vs_lru_floor"],
         "replay_by_capacity": replay_figures,
         "commit_by_depth": depth_figures,
+        **lookup_figures,
+        **metrics_figures,
         **hash_figures,
     }
     if args.json:
@@ -281,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
             + "".join(f" {row[f'us_per_block_d{d}']:>12.2f}" for d in DEPTHS)
             + f" {row['deepest_vs_shallowest']:>18.2f}x"
         )
+    lf, mf = lookup_figures, metrics_figures
+    print(
+        f"\nstorage lookups (10,000 device + 10,000 host blocks): off "
+        f"{lf['lookups_off_us_per_request']:.2f} us/request, on "
+        f"{lf['lookups_on_us_per_request']:.2f} us/request ({lf['lookups_on_vs_off']:.2f}x)"
+    )
+    print(
+        f"metrics (10,000 device blocks): off {mf['metrics_off_us_per_block']:.3f} us/block,"
+        f" on {mf['metrics_on_us_per_block']:.3f} us/block ({mf['metrics_on_vs_off']:.3f}x)"
+    )
     if not hash_figures["hash_native"]:
         print("(hashing ran the pure-Python loop: fastkv._chain_hash is not built)")
     return 0

@@ -259,6 +259,7 @@ def replay(
     config: CacheConfig,
     on_request: Callable[[int], None] | None = None,
     storage: ReplayStorage | None = None,
+    on_manager: Callable[[CacheManager], None] | None = None,
 ) -> ReplayResult:
     """Run `trace` through a fresh CacheManager.
 
@@ -269,6 +270,8 @@ def replay(
         on_request: called after each request with its index (progress display);
             None keeps the loop free of it.
         storage: the storage tier behind host memory when `config.storage` is set.
+        on_manager: called with the fresh CacheManager before the first request
+            (e.g. to attach metrics).
 
     Raises:
         ValueError: a request needs more blocks than the device pool holds, or
@@ -279,6 +282,8 @@ def replay(
     # A frozen clock: the simulated worker answers every lookup and load at once, so
     # no storage wait may run out.
     mgr = CacheManager(config, clock=lambda: 0.0)
+    if on_manager is not None:
+        on_manager(mgr)
     take, apply = mgr.take_swap_metadata, mgr.apply_results
 
     def complete_transfers() -> None:

@@ -351,6 +351,13 @@ class CacheManager:
         self._storage = (
             StorageTier(self, config.storage, clock) if config.storage is not None else None
         )
+        # The storage write policy's per-block hooks, only where they can act.
+        writes = self._storage.write_policy if self._storage is not None else None
+        self._write_on_host_copy = writes in (
+            StorageWritePolicy.WRITE_THROUGH,
+            StorageWritePolicy.AFTER_HITS,
+        )
+        self._write_on_host_eviction = writes is StorageWritePolicy.ON_HOST_EVICTION
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -946,7 +953,7 @@ class CacheManager:
                 node = self.tree.pop_host_victim()
                 if node is None:
                     break
-                keep = storage is not None and storage.on_host_eviction(node)
+                keep = self._write_on_host_eviction and storage.on_host_eviction(node)  # type: ignore[union-attr]
                 block = self.tree.drop_host_copy(node)
                 if keep:
                     written += 1
@@ -982,6 +989,7 @@ class CacheManager:
         freed_device: list[int] = []
         freed_host: list[int] = []
         storage = self._storage
+        write_on_copy = self._write_on_host_copy
         for node in nodes:
             if not success and node.state == PENDING_HOST:  # its block was reused: lost
                 freed_host += self.tree.drop_subtree(node)
@@ -990,8 +998,8 @@ class CacheManager:
                 freed_device.append(device_block)
             if host_block >= 0:
                 freed_host.append(host_block)
-            elif success and storage is not None and node.state in (HOST, DEVICE):
-                storage.on_host_copy(node)  # a valid host copy: maybe write it on
+            elif success and write_on_copy and node.state in (HOST, DEVICE):
+                storage.on_host_copy(node)  # type: ignore[union-attr]  # maybe write it on
         self.device_pool.free(freed_device)
         self.host_pool.free(freed_host)
 

@@ -142,18 +142,16 @@ class StorageTier:
     def plan_lookup(self, req: _Request, start: int, limit: int) -> bool:
         """Ask the workers about the request's blocks [start, limit); True if asked."""
         now = self.clock()
-        keys = []
-        tree = self.manager.tree
+        keys = req.hashes[start:limit]
         retry = self._retry_after
-        for key in req.hashes[start:limit]:
-            until = retry.get(key)
-            if until is not None:
-                if until > now:
-                    break
-                del retry[key]
-            if tree.contains(key):  # cached but not on this path: nothing to load
-                break
-            keys.append(key)
+        if retry:  # keys whose load failed lately end the lookup
+            for i, key in enumerate(keys):
+                until = retry.get(key)
+                if until is not None:
+                    if until > now:
+                        keys = keys[:i]
+                        break
+                    del retry[key]
         if not keys:
             return False
         lookup_id = self._next_lookup_id
