@@ -1103,12 +1103,13 @@ class CacheManager:
                 assert node not in moving, f"{node} in two transfers"
                 moving.add(node)
                 assert self.host_pool.is_allocated(node.host_block), node
-                if node.state in released:  # its block may be anyone's, or free
+                # A released eviction's block may be anyone's, or free, also after a
+                # request that recomputed the block handed the node its own copy.
+                if node.state in released or node.device_block != device_block:
                     assert self.config.reuse_evicted_blocks, node
+                    assert node.state in (*released, BACKUP_TO_HOST), node
                     continue
                 assert self.device_pool.is_allocated(device_block), node
-                if node.state != BACKUP_TO_HOST:  # a backup may hold a recomputed block
-                    assert node.device_block == device_block, node
         for node in loads:
             assert node.state in (LOADING, BACKUP_TO_HOST, DROPPED), node
             assert node not in moving, f"{node} in two transfers"
