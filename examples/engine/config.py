@@ -46,6 +46,10 @@ class EngineConfig:
         tp_size: tensor-parallel ranks, one worker process each, each holding
             num_kv_heads / tp_size of the KV heads; must divide num_heads and
             num_kv_heads.
+        storage_dir: a directory for the local-disk storage tier behind host
+            memory (one subdirectory per rank); None: no storage tier.
+        storage_blocks: the storage tier's capacity per rank, in blocks.
+        storage_write_policy: see fastkv.config.StorageWritePolicy.
 
     Raises:
         ValueError: tp_size, fail_rank or fail_rate out of range (the message
@@ -65,7 +69,14 @@ class EngineConfig:
     fail_rank: int | None = None
     wait_timeout: float = 60.0
     tp_size: int = 1
+    storage_dir: str | None = None
+    storage_blocks: int = 8192
+    storage_write_policy: str = "write_through"
     model: ModelConfig = field(default_factory=ModelConfig)
+
+    @property
+    def has_storage(self) -> bool:
+        return self.storage_dir is not None and self.enable_cache
 
     def __post_init__(self) -> None:
         m = self.model

@@ -128,6 +128,8 @@ def summary(cached: RunResult, baseline: RunResult, cmp: Comparison) -> dict[str
         "prompt_tokens": cached.prompt_tokens,
         "device_hit_tokens": cached.device_hit_tokens,
         "host_hit_tokens": cached.host_hit_tokens,
+        "storage_hit_tokens": cached.storage_hit_tokens,
+        "storage_writes": stats.storage.writes if stats.storage is not None else 0,  # type: ignore[attr-defined]
         "prefill_tokens_computed": cached.computed_prompt_tokens,
         "prefill_tokens_computed_without_cache": baseline.computed_prompt_tokens,
         "recomputed_tokens": cached.recomputed_tokens,
@@ -183,6 +185,17 @@ def table(s: dict[str, object], cached: RunResult) -> str:
         ("prompt tokens", f"{s['prompt_tokens']:,}"),
         ("  served from device hits", f"{s['device_hit_tokens']:,}"),
         ("  served from host hits", f"{s['host_hit_tokens']:,}"),
+        *(
+            [
+                (
+                    "  served from storage hits",
+                    f"{s['storage_hit_tokens']:,}  ({s['storage_writes']:,} blocks "
+                    "written to disk)",
+                )
+            ]
+            if cached.config.has_storage
+            else []
+        ),
         (
             "prefill tokens computed",
             f"{s['prefill_tokens_computed']:,}  "
@@ -321,6 +334,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="inject the failures on this rank only (default: every rank)",
     )
     p.add_argument(
+        "--storage-dir",
+        default=None,
+        help="a local-disk storage tier behind host memory in this directory (one "
+        "subdirectory per rank); try a small --host-blocks to see blocks come back "
+        "from disk",
+    )
+    p.add_argument("--storage-blocks", type=int, default=d.storage_blocks)
+    p.add_argument(
+        "--storage-write-policy",
+        default=d.storage_write_policy,
+        choices=["write_through", "on_host_eviction", "after_hits", "none"],
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -352,6 +378,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             fail_rate=args.fail_rate,
             fail_rank=args.fail_rank,
             tp_size=args.tp,
+            storage_dir=args.storage_dir,
+            storage_blocks=args.storage_blocks,
+            storage_write_policy=args.storage_write_policy,
         )
     except ValueError as e:
         flags = {"tp_size": "--tp", "fail_rank": "--fail-rank", "fail_rate": "--fail-rate"}

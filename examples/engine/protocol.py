@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.metadata import (
+    CacheLevel,
+    CacheSwapMetadata,
+    StorageLookup,
+    TransferResult,
+)
 
 
 @dataclass(slots=True)
@@ -44,6 +49,9 @@ class StepBatch:
     requests: list[RequestWork]
     evict: CacheSwapMetadata | None = None
     swap_in: CacheSwapMetadata | None = None
+    storage_load: CacheSwapMetadata | None = None
+    storage_store: CacheSwapMetadata | None = None
+    lookups: tuple[StorageLookup, ...] = ()
 
 
 @dataclass(slots=True)

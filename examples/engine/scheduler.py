@@ -42,7 +42,7 @@ from examples.engine.protocol import (
 )
 from examples.engine.rank_group import RankGroup
 from examples.engine.workload import Prompt, Workload
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, StorageConfig
 from fastkv.hashing import BlockHasher, namespace_root
 from fastkv.scheduler import CacheManager, CacheStats
 from fastkv.tp import RankResults
@@ -96,6 +96,7 @@ class RunResult:
     computed_prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     recomputed_tokens: int = 0
     rollbacks: int = 0
     checksum_mismatches: list[str] = field(default_factory=list)
@@ -188,6 +189,14 @@ class EngineScheduler:
             write_policy=config.write_policy,
             model_id=MODEL_ID,
             kv_dtype=config.kv_dtype,
+            # Steps take tens of milliseconds here: a request waits a few for disk.
+            storage=StorageConfig(
+                write_policy=config.storage_write_policy,
+                wait_s=2.0,
+                timeout_s=config.wait_timeout,
+            )
+            if config.has_storage
+            else None,
         )
         self.mgr = CacheManager(cache_config)
         self.root = namespace_root(cache_config.namespace_key())
@@ -271,12 +280,7 @@ class EngineScheduler:
         start = time.perf_counter()
         # Past the last request, until every transfer's result is in: the pools
         # settle and every copy's duration is reported.
-        while not (
-            workload.done()
-            and not waiting
-            and not running
-            and not self.mgr.num_inflight_transfers
-        ):
+        while not (workload.done() and not waiting and not running and not self.mgr.busy):
             with self._lock:
                 for prompt in workload.arrivals(step):
                     hasher = BlockHasher(bs, self.root)
@@ -286,11 +290,12 @@ class EngineScheduler:
                 works = [self._decode_work(r) for r in running]
                 self._admit(waiting, running, works, result, workload, step)
                 tasks = self.mgr.take_swap_metadata()
-            idle = not works and tasks.evict is None and tasks.swap_in is None
-            if idle and not self.mgr.num_inflight_transfers:
+            moves = (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
+            idle = not works and all(m is None for m in moves) and not tasks.lookups
+            if idle and not self.mgr.busy:
                 step += 1  # nothing to run until the next arrival
                 continue
-            self._send_all(conns, StepBatch(step, works, tasks.evict, tasks.swap_in))
+            self._send_all(conns, StepBatch(step, works, *moves, tasks.lookups))
             outputs = self._recv_all(conns)
             assert all(isinstance(o, StepOutput) and o.step == step for o in outputs)
             output: StepOutput = outputs[0]  # type: ignore[assignment]
@@ -364,8 +369,13 @@ class EngineScheduler:
                 result.outputs[r.id] = []
                 workload.finished(r.id, [], step)
                 continue
-            if not alloc:  # blocks being freed, or held by running requests
+            if not alloc:  # blocks being freed, or held by running requests, or disk
                 return  # the step's swaps and finishing requests free them: retry then
+            if alloc.num_cached_tokens > r.cached_tokens:  # found in storage meanwhile
+                found = alloc.num_cached_tokens - r.cached_tokens
+                r.cached_tokens = alloc.num_cached_tokens
+                result.storage_hit_tokens += found
+                new_tokens -= found
             waiting.pop(0)
             r.table = table = self.mgr.block_table(r.id)
             running.append(r)

@@ -144,9 +144,20 @@ class Worker:
             num_host_blocks=config.num_host_blocks,
             dtype=config.kv_dtype,
         )
-        self.ctrl = CacheController(
-            spec, device=self.device, fail_rate=config.rank_fail_rate(rank)
-        )
+        self.storage = _storage_backend(config, spec, rank)
+        try:
+            self.ctrl = CacheController(
+                spec,
+                device=self.device,
+                fail_rate=config.rank_fail_rate(rank),
+                storage=self.storage,
+                storage_namespace=_storage_namespace(config, spec),
+                tp_rank=rank,
+            )
+        except BaseException:
+            if self.storage is not None:
+                self.storage.close()
+            raise
         self.timings: list[TransferTiming] = []  # since the last StepOutput
         self.ctrl.add_result_listener(self._on_result)
         self.model = TinyTransformer(m, self.device, tp_rank=rank, tp_size=config.tp_size)
@@ -166,6 +177,7 @@ class Worker:
         counter = self.ctrl.submit_swap_tasks(
             batch.evict, batch.swap_in, self._blocks_written(works, {})
         )
+        self.ctrl.submit_storage_tasks(batch.storage_load, batch.storage_store, batch.lookups)
         reads = [
             _Read(w.request_id, pos, w.block_table[pos], h)
             for w in works
@@ -208,8 +220,8 @@ class Worker:
             _drain(counter, self.config.wait_timeout)
         self._record(works)
         results = self.ctrl.poll_results()
-        if not works and not results and self.ctrl.get_stats().inflight_transfers:
-            results = self.ctrl.wait_all(self.config.wait_timeout)  # idle: let copies land
+        if not works and not results:  # idle: let copies and storage requests land
+            results = self.ctrl.wait_all(self.config.wait_timeout)
         outputs = {}
         for i, w in enumerate(works):
             row = logits[i]  # type: ignore[index]
@@ -253,6 +265,8 @@ class Worker:
 
     def close(self) -> None:
         self.ctrl.free_cache(self.config.wait_timeout)
+        if self.storage is not None:
+            self.storage.close()
 
     # -- the forward pass -------------------------------------------------------
 
@@ -412,3 +426,34 @@ def _pick_device(device: str, paddle: object, rank: int = 0) -> str:
     cuda = paddle.is_compiled_with_cuda()  # type: ignore[attr-defined]
     count = paddle.device.cuda.device_count() if cuda else 0  # type: ignore[attr-defined]
     return f"gpu:{rank % count}" if count else "cpu"
+
+
+def _storage_backend(config: EngineConfig, spec: object, rank: int) -> object | None:
+    """This rank's local-disk storage tier (its own directory: one process each)."""
+    if not config.has_storage:
+        return None
+    from pathlib import Path
+
+    from fastkv.storage import BlockLayout
+    from fastkv.storage.local_disk import LocalDiskBackend
+
+    layout = BlockLayout(tuple(spec.block_bytes()))  # type: ignore[attr-defined]
+    directory = Path(config.storage_dir) / f"rank{rank}"  # type: ignore[arg-type]
+    return LocalDiskBackend(directory, layout, capacity_blocks=config.storage_blocks)
+
+
+def _storage_namespace(config: EngineConfig, spec: object) -> bytes:
+    """Everything that changes a block's bytes, so another model or layout never hits."""
+    from fastkv.storage import StorageNamespace
+
+    m = config.model
+    return StorageNamespace(
+        f"fastkv-engine-demo/seed{m.seed}",
+        "tiny-transformer",
+        config.kv_dtype,
+        config.block_size,
+        config.tp_size,
+        m.num_layers,
+        spec.num_kv_heads,  # type: ignore[attr-defined]
+        m.head_dim,
+    ).digest()

@@ -63,6 +63,29 @@ def test_outputs_match_full_recomputation(baseline, policy: str, fail_rate: floa
         assert cached.cache.backups > 0
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_blocks_served_from_disk_keep_outputs_identical(baseline, tmp_path, tp: int) -> None:
+    """A host tier too small for the workload and a local-disk storage tier behind
+    it: blocks written to disk come back (looked up, loaded into host, swapped in),
+    every one checked against the checksum recorded when it was computed."""
+    cached = run(
+        EngineConfig(
+            num_device_blocks=32,
+            num_host_blocks=8,
+            device="cpu",
+            storage_dir=str(tmp_path / "kv"),
+            tp_size=tp,
+        )
+    )
+    cmp = compare(cached, baseline)
+    assert cmp.identical_outputs, cmp
+    assert not cached.checksum_mismatches
+    assert cached.storage_hit_tokens > 0
+    assert cached.cache.storage.writes > 0 and cached.cache.storage.load_failures == 0
+    ranks = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert ranks == [f"rank{r}" for r in range(tp)]
+
+
 def test_a_request_larger_than_the_device_pool_is_rejected_not_fatal() -> None:
     spec = dataclasses.replace(SMALL, conversations=2, turns=1)
     result = EngineScheduler(EngineConfig(num_device_blocks=8, device="cpu")).run(
