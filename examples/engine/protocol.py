@@ -14,6 +14,7 @@ from fastkv.metadata import (
     StorageLookup,
     TransferResult,
 )
+from fastkv.worker.stats import ControllerStats
 
 
 @dataclass(slots=True)
@@ -62,24 +63,11 @@ class RequestOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerStats:
-    """One rank's worker stats: the fields of fastkv.worker.ControllerStats (copied,
-    so the scheduler process can export them without importing the worker package,
-    which imports paddle) and the KV checksums it verified."""
+class WorkerStats(ControllerStats):
+    """One rank's worker stats: its CacheController's, and the KV checksums it
+    verified."""
 
-    device_to_host_transfers: int
-    host_to_device_transfers: int
-    device_to_host_blocks: int
-    host_to_device_blocks: int
-    device_to_host_bytes: int
-    host_to_device_bytes: int
-    failed_transfers: int
-    inflight_transfers: int
-    ordering_waits: int
-    device_cache_bytes: int
-    host_cache_bytes: int
-    numa_node: int
-    checksums_verified: int
+    checksums_verified: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,8 @@ def combine_ranks(stats: Sequence[WorkerStats]) -> WorkerStats:
         device_cache_bytes=total("device_cache_bytes"),
         host_cache_bytes=total("host_cache_bytes"),
         numa_node=stats[0].numa_node,
+        storage_blocks_read=most("storage_blocks_read"),
+        storage_blocks_written=most("storage_blocks_written"),
         checksums_verified=most("checksums_verified"),
     )
 

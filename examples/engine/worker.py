@@ -47,6 +47,7 @@ from examples.engine.protocol import (
 )
 from examples.engine.rank_group import RankGroup
 from fastkv.metadata import CacheLevel
+from fastkv.worker.stats import ControllerStats
 
 log = logging.getLogger(__name__)
 
@@ -245,13 +246,8 @@ class Worker:
         return WorkerDone(self.stats(), self._take_timings())
 
     def stats(self) -> WorkerStats:
-        """The controller's stats now, and the checksums verified so far."""
         s = self.ctrl.get_stats()
-        copied = {
-            f.name: getattr(s, f.name)
-            for f in fields(WorkerStats)
-            if f.name != "checksums_verified"
-        }
+        copied = {f.name: getattr(s, f.name) for f in fields(ControllerStats)}
         return WorkerStats(**copied, checksums_verified=self.verified)
 
     def _on_result(

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"}
+from fastkv.worker.stats import ControllerStats
+
+__all__ = ["CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"]
+
+_LAZY = {"CacheController", "CacheShape", "KVCacheSpec", "MemoryPlan"}
 
 
 def __getattr__(name: str) -> Any:

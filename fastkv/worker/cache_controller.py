@@ -45,6 +45,7 @@ from fastkv.storage.base import BlockLayout, StorageBackend, StorageKey
 from fastkv.storage.io_engine import RequestKind, StorageCompletion, StorageIOEngine
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
+from fastkv.worker.stats import ControllerStats
 from fastkv.worker.streams import (
     CudaEventPool,
     CudaStream,
@@ -191,24 +192,6 @@ class MemoryPlan:
             f"device KV {self.device_bytes / 2**30:.2f} GiB ({made}), host tier "
             f"{self.host_bytes / 2**30:.2f} GiB"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerStats:
-    device_to_host_transfers: int
-    host_to_device_transfers: int
-    device_to_host_blocks: int
-    host_to_device_blocks: int
-    device_to_host_bytes: int
-    host_to_device_bytes: int
-    failed_transfers: int
-    inflight_transfers: int
-    ordering_waits: int
-    device_cache_bytes: int
-    host_cache_bytes: int
-    numa_node: int
-    storage_blocks_read: int = 0
-    storage_blocks_written: int = 0
 
 
 class CacheController:
