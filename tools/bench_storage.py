@@ -41,9 +41,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastkv.storage import BlockLayout, StorageKey, deadline_after  # noqa: E402
-from fastkv.storage.block_header import HEADER_BYTES, expected_header  # noqa: E402
-from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend, SlotGeometry  # noqa: E402
+from fastkv.storage import BlockLayout, StorageKey, deadline_after
+from fastkv.storage.block_header import HEADER_BYTES, expected_header
+from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend, SlotGeometry
 
 SEGMENTS = 16
 BATCH = 8  # blocks per backend call, as an I/O engine chunk
