@@ -23,8 +23,10 @@ Per step:
 The one runner change fastkv needs: `wait_for_layer(L)` raises `SwapInFailedError`
 when the step's swap-in failed at or before layer L (on a GPU also check
 `finish_step()`'s return, which knows failures found after the launch). The runner
-must then not emit this step's tokens for the requests whose block tables contain
-`error.device_block_ids`; the scheduler rewinds those requests and recomputes them.
+finishes the step for the other requests; for those whose block tables contain
+`error.device_block_ids` it drops the sampled token and resets the slot as for a
+preempted request. The scheduler rewinds them to the first failed block and sends
+a prefill task from there.
 """
 
 from __future__ import annotations
