@@ -1,0 +1,161 @@
+"""fastkv settings read from a FastDeploy `FDConfig`, the same way on both halves.
+
+Fields read (everything else is ignored):
+- `cache_config`: `block_size`, `total_block_num` (device blocks), `num_cpu_blocks`
+  (host blocks; 0 or None disables the host tier), `enable_prefix_caching`,
+  `write_policy`, `write_through_threshold`;
+- `model_config`: `dtype`, `model` (namespace only), `num_hidden_layers` (worker);
+- `quant_config.kv_cache_quant_type` / `cache_config.kv_cache_quant_type`: any
+  quantized cache is stored as uint8 ("fp8" in fastkv's vocabulary);
+- `parallel_config`: `tensor_parallel_size`, `engine_worker_queue_port`,
+  `local_data_parallel_id` (the results channel's name).
+
+Write policies keep FastDeploy's meaning: its "write_through" backs a block up to
+host after its first hit (v1 rewrites it to write_through_selective with threshold
+1), "write_through_selective" after `write_through_threshold` hits, "write_back"
+copies a block to host when it is evicted.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastkv.config import CacheConfig, WritePolicy
+
+CHANNEL_ENV = "FASTKV_RESULTS_CHANNEL"
+DEFAULT_WRITE_POLICY = "write_back"
+_MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _section(fd_config: Any, name: str) -> Any:
+    section = getattr(fd_config, name, None)
+    if section is None:
+        raise ValueError(f"fd_config.{name}: missing; fastkv reads its cache settings there")
+    return section
+
+
+def _field(section: Any, name: str, default: Any = None) -> Any:
+    value = getattr(section, name, default)
+    return default if value is None else value
+
+
+def kv_cache_quant_type(fd_config: Any) -> str | None:
+    """FastDeploy's KV quantization (quant_config's, else cache_config's), or None."""
+    quant = getattr(getattr(fd_config, "quant_config", None), "kv_cache_quant_type", None)
+    quant = quant or getattr(
+        getattr(fd_config, "cache_config", None), "kv_cache_quant_type", None
+    )
+    return str(quant) if quant else None
+
+
+def kv_dtype_of(fd_config: Any) -> str:
+    """The KV storage dtype in fastkv's vocabulary ('fp8' = uint8 storage)."""
+    if kv_cache_quant_type(fd_config):
+        return "fp8"
+    dtype = str(getattr(getattr(fd_config, "model_config", None), "dtype", "bfloat16"))
+    dtype = dtype.removeprefix("paddle.")
+    if dtype not in _MODEL_DTYPES:
+        raise ValueError(
+            f"fd_config.model_config.dtype: {dtype!r} is not one of {_MODEL_DTYPES}"
+        )
+    return dtype
+
+
+def tensor_parallel_size(fd_config: Any) -> int:
+    size = _field(getattr(fd_config, "parallel_config", None), "tensor_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"fd_config.parallel_config.tensor_parallel_size: must be an int >= 1, got {size!r}"
+        )
+    return size
+
+
+def prefix_caching_enabled(fd_config: Any) -> bool:
+    return bool(_field(_section(fd_config, "cache_config"), "enable_prefix_caching", True))
+
+
+def cache_config_from_fastdeploy(
+    fd_config: Any,
+    *,
+    cache_config: Any | None = None,
+    num_device_blocks: int | None = None,
+    kv_dtype: str | None = None,
+) -> CacheConfig:
+    """The fastkv CacheConfig of a FastDeploy deployment (reuse_evicted_blocks on:
+    FastDeploy allocates synchronously).
+
+    Args:
+        fd_config: FastDeploy's FDConfig.
+        cache_config: a FastDeploy cache config to use instead of
+            `fd_config.cache_config` (update_cache_config).
+        num_device_blocks: instead of `cache_config.total_block_num` (the worker
+            passes the block count it made tensors for).
+        kv_dtype: instead of the one derived from the model and quant configs.
+
+    Raises:
+        ValueError: a field missing or out of range; the message names FastDeploy's
+            field.
+    """
+    cc = cache_config if cache_config is not None else _section(fd_config, "cache_config")
+    block_size = _field(cc, "block_size")
+    total = (
+        num_device_blocks if num_device_blocks is not None else _field(cc, "total_block_num")
+    )
+    for name, value in (("block_size", block_size), ("total_block_num", total)):
+        if value is None:
+            raise ValueError(f"fd_config.cache_config.{name}: missing")
+    host = _field(cc, "num_cpu_blocks", 0)
+    policy = str(_field(cc, "write_policy", DEFAULT_WRITE_POLICY))
+    threshold = _field(cc, "write_through_threshold", 2)
+    if policy == "write_through":  # FastDeploy's meaning: after the first hit
+        policy, threshold = WritePolicy.WRITE_THROUGH_SELECTIVE.value, 1
+    model = getattr(getattr(fd_config, "model_config", None), "model", None)
+    try:
+        return CacheConfig(
+            block_size=block_size,
+            num_device_blocks=total,
+            num_host_blocks=host,
+            write_policy=policy,
+            selective_threshold=threshold,
+            model_id=str(model) if model else "fastdeploy",
+            kv_dtype=kv_dtype or kv_dtype_of(fd_config),
+            tp_size=tensor_parallel_size(fd_config),
+            reuse_evicted_blocks=True,
+        )
+    except ValueError as e:
+        raise ValueError(f"fd_config.cache_config: {e}") from None
+
+
+def results_channel_name(fd_config: Any) -> str:
+    """The name the scheduler and every worker of one deployment share:
+    $FASTKV_RESULTS_CHANNEL, else `fd-<engine_worker_queue_port>-dp<dp id>`.
+
+    Raises:
+        ValueError: neither is available (the message says to set the variable).
+    """
+    name = os.environ.get(CHANNEL_ENV)
+    if name:
+        return name
+    parallel = getattr(fd_config, "parallel_config", None)
+    port = getattr(parallel, "engine_worker_queue_port", None)
+    dp = getattr(parallel, "local_data_parallel_id", 0) or 0
+    if isinstance(port, (list, tuple)):  # one port per data-parallel rank
+        port = port[dp] if dp < len(port) else (port[0] if port else None)
+    if port is None or port == "":
+        raise ValueError(
+            "results channel: fd_config.parallel_config.engine_worker_queue_port is not "
+            f"set; set {CHANNEL_ENV} to the same name for the engine and its workers"
+        )
+    return f"fd-{port}-dp{dp}"
+
+
+__all__ = [
+    "CHANNEL_ENV",
+    "cache_config_from_fastdeploy",
+    "kv_cache_quant_type",
+    "kv_dtype_of",
+    "prefix_caching_enabled",
+    "results_channel_name",
+    "tensor_parallel_size",
+]

@@ -1,0 +1,610 @@
+"""FastDeploy's scheduler-side cache manager v1, on fastkv's CacheManager.
+
+`FastDeployCacheManager(fd_config)` has the method names and return values that
+FastDeploy's ResourceManagerV1 uses (see the README's FastDeploy section for the
+table). What it does differently, on purpose:
+
+- **Commits only KV that exists.** FastDeploy v1 inserts blocks into its tree when
+  it allocates them, before any KV is computed, so a request admitted meanwhile
+  can hit blocks that hold nothing yet. Here a request's blocks become matchable
+  only once a token sampled after its admission proves them computed: with k
+  outputs (k above the count it was admitted with), every token before the last
+  sampled one has KV (prompt + k - 1 tokens). This is checked at the end of every
+  schedule (`check_and_add_pending_backup`) and at `request_finish`, with the
+  request's `prompt_hashes` synced into the manager first.
+- **Knows what the worker did.** Every transfer is a fastkv transfer with an id,
+  carried through BatchRequest's merge in `hash_values` (see `fd_transfers`); each
+  rank's worker reports results over the results channel, polled without blocking
+  at every hook. A transfer is applied when every rank has reported it; a failed
+  swap-in rewinds its requests' `num_computed_tokens` to the first block that
+  failed, so the next schedule recomputes it (the runner must not emit the step's
+  tokens for those requests: `FastDeployCacheController` raises at
+  `wait_for_layer`).
+- **Allocates synchronously, safely.** Blocks being evicted go to the allocating
+  request at once (`reuse_evicted_blocks`); the step's evictions travel in that
+  request's `cache_evict_metadata`, and the worker orders the model's writes after
+  their reads. Metadata still on a request when it finishes was never dispatched:
+  its transfers are failed here (nothing ran on any worker) and the lists cleared.
+
+Thread-safe: one lock around every public method (FastDeploy finishes requests
+from another thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from fastkv.config import CacheConfig
+from fastkv.integrations import fd_config as fdc
+from fastkv.integrations.fd_metrics import FastDeployMetrics
+from fastkv.integrations.fd_transfers import (
+    fastdeploy_metadata_types,
+    to_fastdeploy,
+    transfer_ids,
+)
+from fastkv.integrations.results_channel import ResultsReceiver
+from fastkv.metadata import TransferResult
+from fastkv.scheduler import CacheManager, Rollback
+
+log = logging.getLogger(__name__)
+
+_LISTS = ("cache_swap_metadata", "cache_evict_metadata")
+
+
+@dataclass
+class FastDeployMatchResult:
+    """What `match_prefix` leaves on `request._match_result`, with the attributes
+    FastDeploy's ResourceManagerV1 reads.
+
+    Attributes:
+        device_block_ids: the device hits, in order (the request's first blocks).
+        matched_host_nums: host hits; the first ids `allocate_gpu_blocks` returns
+            are their swap-in destinations.
+        matched_storage_nums: storage hits (always 0: not wired yet).
+        uncached_block_ids: kept for FastDeploy's shape; always empty.
+    """
+
+    device_block_ids: list[int] = field(default_factory=list)
+    matched_host_nums: int = 0
+    matched_storage_nums: int = 0
+    uncached_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def matched_device_nums(self) -> int:
+        return len(self.device_block_ids)
+
+    @property
+    def total_matched_blocks(self) -> int:
+        return self.matched_device_nums + self.matched_host_nums + self.matched_storage_nums
+
+
+class _Tracked:
+    """A request the adapter knows: the FastDeploy object, and its output count at
+    admission (only tokens sampled after it prove this admission's KV)."""
+
+    __slots__ = ("outputs_at_admission", "request")
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.outputs_at_admission = len(request.output_token_ids)
+
+
+class _FreeBlocks(Sequence[int]):
+    """`gpu_free_block_list`: its length is O(1) (all ResourceManagerV1 reads); the
+    ids are read only when indexed or iterated."""
+
+    def __init__(self, manager: CacheManager) -> None:
+        self._manager = manager
+
+    def __len__(self) -> int:
+        return self._manager.num_free_device_blocks
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._snapshot()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._snapshot())
+
+    def _snapshot(self) -> list[int]:
+        # BlockPool has no public listing of its free ids (reported); read its list.
+        return list(self._manager.device_pool._free)
+
+
+class FastDeployCacheManager:
+    """Drop-in for `fastdeploy.cache_manager.v1.CacheManager`.
+
+    Args:
+        fd_config: FastDeploy's FDConfig (see `fd_config` for the fields read).
+        channel_name: the results channel's name; default
+            `fd_config.results_channel_name(fd_config)`. Workers must use the same.
+        registry: where FastDeploy's metric names are exposed when FastDeploy's
+            metrics object is not importable.
+        fastdeploy_metrics: FastDeploy's metrics object (default: imported if
+            importable).
+
+    Raises:
+        ValueError: a FastDeploy setting out of range (the message names it).
+        OSError: the results channel's address is taken.
+    """
+
+    def __init__(
+        self,
+        fd_config: Any,
+        *,
+        channel_name: str | None = None,
+        registry: CollectorRegistry | None = None,
+        fastdeploy_metrics: Any | None = None,
+    ) -> None:
+        self.fd_config = fd_config
+        self.config: CacheConfig = fdc.cache_config_from_fastdeploy(fd_config)
+        self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
+        self.tp_size = fdc.tensor_parallel_size(fd_config)
+        self._lock = threading.RLock()
+        self.manager = CacheManager(self.config)
+        self._swap_cls, self._levels = fastdeploy_metadata_types()
+        self._tracked: dict[Hashable, _Tracked] = {}
+        self._counts = dict.fromkeys(
+            (
+                "results_applied",
+                "results_unknown",
+                "rollback_blocks",
+                "rewound_tokens",
+                "undispatched_transfers",
+                "allocation_failures",
+                "match_failures",
+                "commit_errors",
+                "table_mismatches",
+            ),
+            0,
+        )
+        name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
+        self.results = ResultsReceiver(name, self.tp_size)
+        self.metrics = FastDeployMetrics(
+            self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
+        )
+        self._initialized = True
+
+    # -- FastDeploy attributes ------------------------------------------------
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.config.num_device_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.config.num_host_blocks
+
+    @property
+    def enable_host_cache(self) -> bool:
+        return self.config.num_host_blocks > 0
+
+    @property
+    def gpu_free_block_list(self) -> Sequence[int]:
+        """The free device block ids (tree-held blocks count as used, as in v1)."""
+        return _FreeBlocks(self.manager)
+
+    @property
+    def available_gpu_resource(self) -> float:
+        """Free device blocks / all device blocks."""
+        return self.manager.num_free_device_blocks / self.num_gpu_blocks
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self.manager.num_free_device_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.manager.host_pool.num_free
+
+    @property
+    def storage_scheduler(self) -> None:
+        """No storage tier behind FastDeploy yet."""
+        return None
+
+    # -- admission and allocation ----------------------------------------------
+
+    def can_allocate_device_blocks(self, num_blocks: int) -> bool:
+        """Whether `allocate_device_blocks(request, num_blocks)` can succeed now:
+        free blocks plus cached blocks no request holds (evicted on demand)."""
+        _check_blocks(num_blocks)
+        with self._lock:
+            self._poll()
+            mgr = self.manager
+            return num_blocks <= mgr.num_free_device_blocks + mgr.num_evictable_device_blocks
+
+    can_allocate_gpu_blocks = can_allocate_device_blocks
+
+    def match_prefix(self, request: Any, skip_storage: bool = True) -> None:
+        """Lock the request's cached prefix and leave a `FastDeployMatchResult` on
+        `request._match_result` (device hits first; at most (tokens - 1) // block
+        size blocks hit, so the last token is always computed).
+
+        Does nothing when prefix caching is off (as v1). A request already known
+        with no blocks in its table (a stale registration) is released first.
+        On a request that holds blocks, or bad input, the error is logged and an
+        empty result left (FastDeploy then allocates every block).
+        """
+        del skip_storage  # no storage tier yet: storage never hits
+        if not self.enable_prefix_caching:
+            return
+        with self._lock:
+            self._poll()
+            rid = request.request_id
+            try:
+                if self.manager.is_active(rid):
+                    if list(request.block_tables or ()):
+                        raise ValueError(
+                            f"request {rid!r}: match_prefix on a request holding "
+                            f"{len(request.block_tables)} blocks; request_finish first"
+                        )
+                    self._release(request, finished=False)
+                tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+                hashes = list(request.prompt_hashes)[: tokens // self.config.block_size]
+                hit = self.manager.match(rid, hashes, tokens)
+            except (ValueError, TypeError) as e:
+                self._counts["match_failures"] += 1
+                log.error("fastkv match_prefix(%r) failed: %s", rid, e)
+                request._match_result = FastDeployMatchResult()
+                return
+            self._tracked[rid] = _Tracked(request)
+            request._match_result = FastDeployMatchResult(
+                self.manager.block_table(rid), hit.num_host_hits
+            )
+
+    def allocate_device_blocks(self, request: Any, num_blocks: int) -> list[int]:
+        """Add `num_blocks` device blocks to the request (FastDeploy counts its host
+        hits among them); return the ids to extend `request.block_tables` with,
+        host-hit swap-in destinations first, or `[]` when they cannot be had now.
+
+        The swaps this allocation needs (swap-ins of its host hits, evictions of
+        blocks handed to it) are appended to `request.cache_swap_metadata` /
+        `cache_evict_metadata`, for BatchRequest to carry to the workers.
+
+        Raises:
+            ValueError: `num_blocks` is not an int, or the request has no
+                `request_id`.
+        """
+        _check_blocks(num_blocks)
+        rid = request.request_id
+        with self._lock:
+            self._poll()
+            mgr = self.manager
+            if not mgr.is_active(rid):  # prefix caching off: never matched
+                mgr.match(rid, [], 0)
+                self._tracked[rid] = _Tracked(request)
+            elif rid not in self._tracked:
+                self._tracked[rid] = _Tracked(request)
+            if num_blocks <= 0:
+                return []
+            table = mgr.block_table(rid)
+            theirs = list(request.block_tables or ())
+            if theirs != table:
+                self._counts["table_mismatches"] += 1
+                log.error(
+                    "fastkv allocate(%r): request.block_tables (%d blocks) is not the table "
+                    "fastkv gave it (%d blocks); refusing",
+                    rid,
+                    len(theirs),
+                    len(table),
+                )
+                return []
+            pending = mgr.num_committed_blocks(rid) - len(table)  # matched, not in table
+            try:
+                allocation = mgr.allocate(rid, max(0, num_blocks - max(0, pending)))
+            except ValueError as e:
+                self._counts["allocation_failures"] += 1
+                log.error("fastkv allocate(%r, %d) can never fit: %s", rid, num_blocks, e)
+                return []
+            if not allocation:
+                self._counts["allocation_failures"] += 1
+                log.warning(
+                    "fastkv allocate(%r, %d): %s (free %d, evictable %d)",
+                    rid,
+                    num_blocks,
+                    allocation.status.value,
+                    mgr.num_free_device_blocks,
+                    mgr.num_evictable_device_blocks,
+                )
+                return []
+            self._attach_swaps(request)
+            return mgr.block_table(rid)[len(table) :]
+
+    allocate_gpu_blocks = allocate_device_blocks
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def request_finish(self, request: Any) -> None:
+        """Release the request (finished, preempted, aborted or refused): its
+        computed full blocks stay cached, the rest return to the pool. Swap metadata
+        still on it was never dispatched: those transfers fail here."""
+        with self._lock:
+            self._poll()
+            self._release(request, finished=True)
+            self.metrics.update()
+
+    def recycle_gpu_blocks(self, block_ids: Sequence[int], request_id: Any = None) -> None:
+        """FastDeploy frees extend-table blocks with this after `request_finish`;
+        fastkv frees every block of a request at `request_finish`, so there is
+        nothing left to do.
+
+        Raises:
+            ValueError: an id outside the device pool, or the request still active
+                (call request_finish first).
+        """
+        ids = list(block_ids or ())
+        for i, block in enumerate(ids):
+            if isinstance(block, bool) or not isinstance(block, int):
+                raise ValueError(f"block_ids[{i}]: {block!r} is not an int")
+            if not 0 <= block < self.num_gpu_blocks:
+                raise ValueError(f"block_ids[{i}]: {block} outside [0, {self.num_gpu_blocks})")
+        with self._lock:
+            if request_id is not None and self.manager.is_active(request_id):
+                raise ValueError(
+                    f"request_id: {request_id!r} still holds its blocks; request_finish first"
+                )
+
+    def write_cache_to_storage(self, request: Any) -> None:
+        """Commit the request's computed blocks now (FastDeploy calls this before
+        freeing a finished request). No storage tier yet: nothing is written there."""
+        with self._lock:
+            self._poll()
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                self._commit(tracked)
+
+    write_cache_to_storage_decode = write_cache_to_storage
+
+    def cache_output_blocks(self, request: Any, block_size: int | None = None) -> None:
+        """Commit the request's output blocks whose KV exists (FastDeploy's output
+        caching).
+
+        Raises:
+            ValueError: `block_size` is not the cache's block size.
+        """
+        if block_size is not None and block_size != self.config.block_size:
+            raise ValueError(
+                f"block_size: {block_size}, the cache's block size is {self.config.block_size}"
+            )
+        self.write_cache_to_storage(request)
+
+    def check_and_add_pending_backup(self) -> None:
+        """End of every schedule: apply reported results, commit the KV running
+        requests have proven computed (write-through backups are planned by those
+        commits and leave with the next step), update the metrics."""
+        with self._lock:
+            self._poll()
+            for tracked in list(self._tracked.values()):
+                self._commit(tracked)
+            self.metrics.update()
+
+    def issue_pending_backup_to_batch_request(self) -> Any | None:
+        """The backups planned so far, as one FastDeploy eviction metadata for the
+        batch being sent, or None."""
+        with self._lock:
+            self._poll()
+            tasks = self.manager.take_swap_metadata()
+            if tasks.swap_in is not None:  # allocations take their own swap-ins
+                raise AssertionError("a swap-in was planned outside allocate_device_blocks")
+            if tasks.evict is None:
+                return None
+            return to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
+
+    def get_pending_backup_count(self) -> int:
+        return self.manager.num_queued_blocks
+
+    def poll_results(self) -> int:
+        """Apply the results the workers have reported (every hook does this too).
+
+        Returns:
+            How many transfers were applied.
+        """
+        with self._lock:
+            return self._poll()
+
+    # -- configuration and state -----------------------------------------------
+
+    def update_cache_config(self, cache_config: Any) -> None:
+        """Take new block counts (FastDeploy updates them once the workers have
+        sized their caches). Idle only: nothing active, nothing in flight.
+
+        Raises:
+            ValueError: a setting out of range, or requests or transfers still
+                active (nothing changes then).
+        """
+        config = fdc.cache_config_from_fastdeploy(self.fd_config, cache_config=cache_config)
+        with self._lock:
+            self._poll()
+            if config == self.config:
+                return
+            self._require_idle("update_cache_config")
+            self.fd_config.cache_config = cache_config
+            self._rebuild(config)
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block. Returns False (and changes nothing) while a
+        request or a transfer is active."""
+        with self._lock:
+            self._poll()
+            try:
+                self._require_idle("reset_cache")
+            except ValueError as e:
+                log.warning("%s", e)
+                return False
+            self._rebuild(self.config)
+            return True
+
+    def get_stats(self) -> dict[str, Any]:
+        """fastkv's CacheStats fields, FastDeploy's block counts, and the adapter's
+        counters (results applied or unknown, rollbacks, failures)."""
+        with self._lock:
+            s = self.manager.get_stats()
+            stats: dict[str, Any] = {
+                name: getattr(s, name) for name in s.__slots__ if not name.endswith("_pool")
+            }
+            stats.update(
+                num_gpu_blocks=self.num_gpu_blocks,
+                num_cpu_blocks=self.num_cpu_blocks,
+                num_free_device_blocks=s.device_pool.free,
+                num_free_host_blocks=s.host_pool.free,
+                num_evictable_device_blocks=self.manager.num_evictable_device_blocks,
+                hit_token_rate=s.hit_token_rate,
+                tracked_requests=len(self._tracked),
+                results_channel=self.results.name,
+                results_waiting_for_ranks=len(self.results.missing()),
+                **self._counts,
+            )
+            return stats
+
+    def close(self) -> None:
+        """Close the results channel."""
+        self.results.close()
+
+    # -- internals --------------------------------------------------------------
+
+    def _poll(self) -> int:
+        combined = self.results.poll()
+        if combined:
+            self._apply(combined)
+        return len(combined)
+
+    def _apply(self, results: list[TransferResult]) -> None:
+        rollbacks: list[Rollback] = []
+        for result in results:  # one at a time: an unknown id spoils no other
+            try:
+                rollbacks += self.manager.apply_results([result])
+            except ValueError as e:
+                self._counts["results_unknown"] += 1
+                log.error("fastkv: dropped a worker result: %s", e)
+                continue
+            self._counts["results_applied"] += 1
+            if not result.success:
+                log.warning("fastkv transfer %d failed: %s", result.transfer_id, result.error)
+        bs = self.config.block_size
+        for rollback in rollbacks:
+            self._counts["rollback_blocks"] += len(rollback.block_indices)
+            tracked = self._tracked.get(rollback.request_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            first = min(rollback.block_indices) * bs
+            if request.num_computed_tokens > first:
+                self._counts["rewound_tokens"] += request.num_computed_tokens - first
+                request.num_computed_tokens = first
+            log.warning(
+                "fastkv: request %r recomputes from token %d (its swap-in failed)",
+                rollback.request_id,
+                first,
+            )
+
+    def _attach_swaps(self, request: Any) -> None:
+        tasks = self.manager.take_swap_metadata()
+        for attr, meta in (
+            ("cache_evict_metadata", tasks.evict),
+            ("cache_swap_metadata", tasks.swap_in),
+        ):
+            if meta is None:
+                continue
+            lst = getattr(request, attr, None)
+            if lst is None:
+                lst = []
+                setattr(request, attr, lst)
+            lst.append(to_fastdeploy(meta, self._swap_cls, self._levels))
+
+    def _commit(self, tracked: _Tracked) -> None:
+        """Commit the KV a token sampled since admission proves computed."""
+        request = tracked.request
+        rid = request.request_id
+        mgr = self.manager
+        outputs = len(request.output_token_ids)
+        if outputs <= tracked.outputs_at_admission or not self.enable_prefix_caching:
+            return
+        if not mgr.is_active(rid) or mgr.has_pending_swap_in(rid):
+            return  # committed once its swap-in's result is in
+        bs = self.config.block_size
+        try:
+            hashes = request.prompt_hashes
+            known = mgr.num_hashes(rid)
+            if len(hashes) > known:
+                mgr.append_hashes(rid, hashes[known:])
+            computed = len(request.prompt_token_ids) + outputs - 1
+            num_blocks = min(computed // bs, len(hashes), len(mgr.block_table(rid)))
+            if num_blocks > mgr.num_committed_blocks(rid):
+                mgr.commit(rid, num_blocks * bs)
+        except (ValueError, TypeError) as e:
+            self._counts["commit_errors"] += 1
+            log.error("fastkv commit(%r) failed: %s", rid, e)
+
+    def _release(self, request: Any, *, finished: bool) -> None:
+        rid = request.request_id
+        self._fail_undispatched(request)
+        tracked = self._tracked.pop(rid, None)
+        if not self.manager.is_active(rid):
+            return
+        if finished and tracked is not None:
+            self._commit(tracked)
+        self.manager.finish(rid)
+
+    def _fail_undispatched(self, request: Any) -> None:
+        ids: list[int] = []
+        for attr in _LISTS:
+            for meta in getattr(request, attr, None) or ():
+                try:
+                    ids += transfer_ids(meta)
+                except ValueError as e:  # not ours: nothing of fastkv's to undo
+                    log.error("fastkv: request %r: %s", request.request_id, e)
+            if getattr(request, attr, None):
+                setattr(request, attr, [])
+        if ids:
+            self._counts["undispatched_transfers"] += len(ids)
+            self._apply(
+                [
+                    TransferResult(t, False, "never dispatched: the request ended first")
+                    for t in ids
+                ]
+            )
+
+    def _require_idle(self, what: str) -> None:
+        s = self.manager.get_stats()
+        if s.active_requests or s.inflight_transfers or s.queued_blocks:
+            raise ValueError(
+                f"{what}: {s.active_requests} requests and {s.inflight_transfers} transfers "
+                f"active, {s.queued_blocks} blocks queued; only an idle cache can change"
+            )
+
+    def _rebuild(self, config: CacheConfig) -> None:
+        self.config = config
+        self.manager = CacheManager(config)
+        self._tracked.clear()
+        self.metrics.rebase()
+
+    def _figures(self) -> dict[str, float]:
+        with self._lock:
+            mgr = self.manager
+            s = mgr.get_stats()
+            free = s.device_pool.free
+            lookup = s.lookup_tokens or 1
+            return {
+                "gpu_cache_usage_perc": 1.0 - free / self.num_gpu_blocks,
+                "hit_token_rate": s.hit_token_rate,
+                "gpu_hit_token_rate": s.device_hit_tokens / lookup,
+                "cpu_hit_token_rate": s.host_hit_tokens / lookup,
+                "available_gpu_block_num": free + mgr.num_evictable_device_blocks,
+                "free_gpu_block_num": free,
+                "prefix_gpu_cache_token_num": s.device_hit_tokens,
+                "prefix_cpu_cache_token_num": s.host_hit_tokens,
+                "prefix_ssd_cache_token_num": 0,
+            }
+
+
+def _check_blocks(num_blocks: object) -> None:
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+        raise ValueError(f"num_blocks: must be an int, got {num_blocks!r}")
+
+
+__all__ = ["FastDeployCacheManager", "FastDeployMatchResult"]

@@ -1,0 +1,577 @@
+"""FastDeploy's worker-side cache controller, on fastkv's CacheController.
+
+`FastDeployCacheController(fd_config, local_rank, device_id)` has the methods
+FastDeploy's model runner calls: `initialize_kv_cache(attn_backend, num_gpu_blocks)`
+makes the KV tensors through the attention backend (as v1 does) and adopts them,
+with a host tier sized from them; `submit_swap_tasks(evict, swap_in)` runs the
+step's merged metadata, which BatchRequest built from fastkv's tagged transfers.
+
+Per step:
+- the merged metadata of each direction becomes one fastkv transfer with a
+  worker-local id, mapped back to the scheduler transfers it holds (by their
+  `hash_values` tags); each scheduler transfer gets that copy's result;
+- the model's writes are ordered after the reads of every eviction still in flight
+  (the step's own included): with FastDeploy's synchronous allocation a block being
+  evicted is already the allocating request's. With a swap-in, the returned
+  counter's per-layer waits carry that ordering; without one, the compute stream
+  waits at submission (device-side on a GPU) and None is returned, as in v1;
+- results go to the scheduler over the results channel: at every submission, when
+  the last layer's wait returns or a layer's wait fails, at `finish_step`, and from
+  a reporter thread every `report_interval_s` (so evictions that end while the
+  engine idles are still reported).
+
+The one runner change fastkv needs: `wait_for_layer(L)` raises `SwapInFailedError`
+when the step's swap-in failed at or before layer L (on a GPU also check
+`finish_step()`'s return, which knows failures found after the launch). The runner
+finishes the step for the other requests; for those whose block tables contain
+`error.device_block_ids` it drops the sampled token and resets the slot as for a
+preempted request. The scheduler rewinds them to the first failed block and sends
+a prefill task from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastkv.integrations import fd_config as fdc
+from fastkv.integrations.fd_transfers import MergedTransfer, parse_merged
+from fastkv.integrations.results_channel import ResultsSender
+from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.worker.transfer_manager import (
+    DEFAULT_TIMEOUT,
+    LayerDoneCounter,
+    TransferFailedError,
+)
+
+log = logging.getLogger(__name__)
+
+# FastDeploy's attention backends return one dict per layer; v1 names each tensor
+# "<prefix>_<layer>_rank<r>.device<d>".
+ROLES = {
+    "key": "key_caches",
+    "value": "value_caches",
+    "key_scale": "key_cache_scales",
+    "value_scale": "value_cache_scales",
+    "indexer": "indexer_caches",
+}
+
+
+class SwapInFailedError(TransferFailedError):
+    """The step's swap-in failed: `device_block_ids` hold garbage, and the requests
+    reading them must not emit this step's tokens (the scheduler recomputes them).
+
+    Attributes:
+        device_block_ids: the swap-in's destination blocks (all of the step's).
+        transfer_ids: the scheduler transfers it carried.
+    """
+
+    def __init__(
+        self,
+        transfer_id: int,
+        error: str,
+        device_block_ids: Iterable[int],
+        transfer_ids: Iterable[int],
+    ) -> None:
+        super().__init__(transfer_id, error)
+        self.device_block_ids = frozenset(device_block_ids)
+        self.transfer_ids = tuple(transfer_ids)
+
+
+class StepLayerCounter:
+    """One step's swap-in, per layer: FastDeploy's LayerDoneCounter interface over
+    fastkv's (which also carries the step's write ordering).
+
+    Attributes:
+        device_block_ids: the swap-in's destination blocks.
+        transfer_ids: the scheduler transfers it carries.
+    """
+
+    def __init__(
+        self,
+        owner: FastDeployCacheController,
+        inner: LayerDoneCounter | None,
+        num_layers: int,
+        device_block_ids: Sequence[int],
+        transfer_ids: Sequence[int],
+        launch_error: str | None = None,
+    ) -> None:
+        self._owner = owner
+        self._inner = inner
+        self.num_layers = num_layers
+        self.device_block_ids = frozenset(device_block_ids)
+        self.transfer_ids = tuple(transfer_ids)
+        self._launch_error = launch_error
+
+    @property
+    def failed(self) -> bool:
+        """The swap-in failed (as far as known now)."""
+        return self._launch_error is not None or bool(self._inner and self._inner.failed)
+
+    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Wait until layer `layer` is loaded and the step's writes may start (on a
+        GPU, a device-side wait of the compute stream).
+
+        Raises:
+            SwapInFailedError: the swap-in failed at or before this layer.
+            TransferTimeoutError: a host wait ran past `timeout`.
+            IndexError: no such layer.
+        """
+        self._check_layer(layer)
+        if self._launch_error is not None:
+            raise self._error(self._launch_error)
+        assert self._inner is not None
+        try:
+            self._inner.wait_for_layer(layer, timeout)
+        except TransferFailedError as e:
+            self._owner.report_results()
+            raise self._error(e.error) from e
+        if layer == self.num_layers - 1:
+            self._owner.report_results()
+
+    def stream_wait_for_layer(self, layer: int) -> None:
+        """Make the compute stream wait for layer `layer` without blocking the host
+        (failures surface in `finish_step`)."""
+        self._check_layer(layer)
+        if self._inner is not None:
+            self._inner.stream_wait_for_layer(layer)
+
+    def is_layer_done(self, layer: int) -> bool:
+        self._check_layer(layer)
+        return self._inner is None or self._inner.is_layer_done(layer)
+
+    def is_all_done(self) -> bool:
+        return self.is_layer_done(self.num_layers - 1) if self.num_layers else True
+
+    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Host-wait every layer (a failure is known when this returns).
+
+        Raises:
+            SwapInFailedError, TransferTimeoutError: as for `wait_for_layer`.
+        """
+        if self._launch_error is not None:
+            raise self._error(self._launch_error)
+        assert self._inner is not None
+        try:
+            self._inner.wait_all(timeout)
+        except TransferFailedError as e:
+            raise self._error(e.error) from e
+
+    def _error(self, error: str) -> SwapInFailedError:
+        tid = self._inner.transfer_id if self._inner is not None else -1
+        return SwapInFailedError(tid, error, self.device_block_ids, self.transfer_ids)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer: {layer} outside [0, {self.num_layers})")
+
+
+class FastDeployCacheController:
+    """Drop-in for `fastdeploy.cache_manager.v1.CacheController`.
+
+    Args:
+        fd_config: FastDeploy's FDConfig (see `fd_config` for the fields read).
+        local_rank: this worker's rank; its tensor-parallel rank is
+            `local_rank % tensor_parallel_size`.
+        device_id: the GPU this worker's tensors live on (for names; the tensors'
+            place decides where copies run).
+        channel_name: the results channel; default `results_channel_name(fd_config)`.
+        fail_rate: fault injection (a fraction of copies fail); 0 in production.
+        report_interval_s: how often the reporter thread sends finished results;
+            0 disables it (results then go at the runner's calls only).
+        block_axis: the axis of each KV tensor holding a block's tokens (2 for
+            FastDeploy's `[blocks, heads, block_size, dim]`).
+
+    Raises:
+        ValueError: a bad setting (the message names it).
+    """
+
+    def __init__(
+        self,
+        fd_config: Any,
+        local_rank: int,
+        device_id: int,
+        *,
+        channel_name: str | None = None,
+        fail_rate: float = 0.0,
+        report_interval_s: float = 0.05,
+        block_axis: int = 2,
+    ) -> None:
+        for name, value in (("local_rank", local_rank), ("device_id", device_id)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+        if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
+            raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
+        self.fd_config = fd_config
+        self.local_rank = local_rank
+        self.device_id = device_id
+        self.tp_size = fdc.tensor_parallel_size(fd_config)
+        self.rank = local_rank % self.tp_size
+        num_layers = getattr(
+            getattr(fd_config, "model_config", None), "num_hidden_layers", None
+        )
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(
+                f"fd_config.model_config.num_hidden_layers: must be an int >= 1, got "
+                f"{num_layers!r}"
+            )
+        self._num_layers = num_layers
+        self.fail_rate = fail_rate
+        self.block_axis = block_axis
+        self.report_interval_s = float(report_interval_s)
+        name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
+        self.sender = ResultsSender(name, self.rank)
+        self.controller: Any = None  # fastkv CacheController, once caches exist
+        self.cache_kvs_map: dict[str, Any] = {}
+        self._caches: list[Any] = []
+        self._tensors_per_layer = 0
+        self._num_gpu_blocks = 0
+        self._num_extra_layers = 0
+        self._next_id = 0
+        self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
+        self._evict_reads: dict[int, list[int]] = {}  # in-flight eviction -> device reads
+        self.swap_layer_done_counter: StepLayerCounter | None = None
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._reporter: threading.Thread | None = None
+
+    # -- caches -----------------------------------------------------------------
+
+    def initialize_kv_cache(self, attn_backend: Any, num_gpu_blocks: int) -> list[Any]:
+        """Create every model layer's cache tensors through `attn_backend`, adopt
+        them and allocate the host tier.
+
+        Returns:
+            The flat list (layer-major, roles key, value, key_scale, value_scale,
+            indexer, those the backend makes), as FastDeploy's attention indexes it.
+
+        Raises:
+            ValueError: tensors fastkv cannot swap, or counts that disagree with the
+                scheduler's config (the message says which).
+        """
+        with self._lock:
+            if self.controller is not None:
+                raise RuntimeError("initialize_kv_cache: the cache exists; free_cache first")
+            caches, per_layer = self._create(attn_backend, num_gpu_blocks, 0, self._num_layers)
+            self._num_gpu_blocks = num_gpu_blocks
+            self._adopt(caches, per_layer, 0)
+            return list(caches)
+
+    def initialize_mtp_kv_cache(
+        self, attn_backend: Any, num_gpu_blocks: int, num_mtp_layers: int, layer_offset: int
+    ) -> list[Any]:
+        """Create the speculative (MTP) layers' tensors; they move with their blocks
+        like every other layer (block ids below the main cache's count). Call it
+        right after `initialize_kv_cache`, before any swap.
+
+        Returns:
+            The MTP layers' tensors, flat.
+
+        Raises:
+            RuntimeError: no main cache yet, or swaps already ran.
+            ValueError: as for `initialize_kv_cache`.
+        """
+        with self._lock:
+            ctrl = self._require()
+            stats = ctrl.get_stats()
+            if stats.device_to_host_transfers or stats.host_to_device_transfers:
+                raise RuntimeError("initialize_mtp_kv_cache: swaps already ran on this cache")
+            mtp, per_layer = self._create(
+                attn_backend, num_gpu_blocks, layer_offset, num_mtp_layers
+            )
+            if per_layer != self._tensors_per_layer:
+                raise ValueError(
+                    f"attn_backend: MTP layers have {per_layer} tensors each, the model's "
+                    f"{self._tensors_per_layer}"
+                )
+            main = self._caches
+            ctrl.free_cache()  # the host tier is re-sized for the extra layers
+            self.controller = None
+            self._adopt([*main, *mtp], per_layer, num_mtp_layers)
+            return list(mtp)
+
+    def get_kv_caches(self) -> list[Any]:
+        return list(self._caches)
+
+    def get_host_cache_kvs_map(self) -> dict[str, int]:
+        """Cache tensor name -> address of its host-tier region."""
+        ctrl = self._require()
+        return dict(zip(self.cache_kvs_map, ctrl.host_ptrs, strict=True))
+
+    @property
+    def transfer_manager(self) -> Any:
+        return self._require().transfers
+
+    # -- per step ---------------------------------------------------------------
+
+    def submit_swap_tasks(
+        self,
+        evict_metadata: Any | None,
+        swap_in_metadata: Any | None,
+        compute_stream: Any | None = None,
+    ) -> StepLayerCounter | None:
+        """Start the step's merged eviction and swap-in.
+
+        Args:
+            evict_metadata: the batch's device-to-host metadata, or None.
+            swap_in_metadata: the batch's host-to-device metadata, or None.
+            compute_stream: the model's stream this step (GPU; default Paddle's
+                current stream on this device).
+
+        Returns:
+            The swap-in's counter (also `swap_layer_done_counter`), or None when the
+            step loads nothing. A swap-in the controller refuses (ids out of range)
+            is reported failed, and its counter raises at every wait.
+
+        Raises:
+            ValueError: metadata fastkv's scheduler did not make (wrong levels,
+                lists of different lengths, untagged hashes); nothing is launched.
+        """
+        with self._lock:
+            ctrl = self._require()
+            evict = parse_merged(evict_metadata, "device", "host")
+            swap = parse_merged(swap_in_metadata, "host", "device")
+            self._report()
+            fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
+            fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
+            writes = [b for reads in self._evict_reads.values() for b in reads]
+            if evict is not None:
+                writes += evict.src_block_ids
+            try:
+                counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, writes, compute_stream)
+            except Exception as e:  # refused before anything ran: fail them, never lose
+                log.error("fastkv rank %d: step not launched: %s", self.rank, e)
+                error = f"not launched: {type(e).__name__}: {e}"
+                self.sender.send(
+                    TransferResult(t, False, error)
+                    for m in (evict, swap)
+                    if m is not None
+                    for t in m.transfer_ids
+                )
+                self.swap_layer_done_counter = None
+                if swap is None:
+                    return None
+                self.swap_layer_done_counter = StepLayerCounter(
+                    self,
+                    None,
+                    ctrl.shape.num_layers,
+                    swap.dst_block_ids,
+                    swap.transfer_ids,
+                    error,
+                )
+                return self.swap_layer_done_counter
+            if fk_evict is not None:
+                self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
+                self._evict_reads[fk_evict.transfer_id] = list(fk_evict.src_block_ids)
+            if fk_swap is None:
+                self.swap_layer_done_counter = None
+                if writes:  # order the step's writes now: no counter goes to the runner
+                    counter.stream_wait_for_layer(0)
+                return None
+            self._groups[fk_swap.transfer_id] = swap.transfer_ids  # type: ignore[union-attr]
+            self.swap_layer_done_counter = StepLayerCounter(
+                self, counter, ctrl.shape.num_layers, swap.dst_block_ids, swap.transfer_ids
+            )
+            return self.swap_layer_done_counter
+
+    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """`swap_layer_done_counter.wait_for_layer`, when the step has a swap-in."""
+        counter = self.swap_layer_done_counter
+        if counter is not None:
+            counter.wait_for_layer(layer, timeout)
+
+    def finish_step(
+        self, timeout: float = DEFAULT_TIMEOUT, *, wait_evictions: bool = False
+    ) -> frozenset[int]:
+        """End of the step: host-wait its swap-in, send every finished result.
+
+        Args:
+            timeout: bound on each wait.
+            wait_evictions: also wait for every in-flight eviction (deterministic
+                tests; evictions otherwise finish in the background).
+
+        Returns:
+            The device blocks of a failed swap-in (the runner must not emit tokens
+            for requests reading them), or an empty set.
+
+        Raises:
+            TransferTimeoutError: a wait ran past `timeout`.
+        """
+        failed: frozenset[int] = frozenset()
+        counter = self.swap_layer_done_counter
+        if counter is not None:
+            try:
+                counter.wait_all(timeout)
+            except SwapInFailedError as e:
+                failed = e.device_block_ids
+        with self._lock:
+            ctrl = self._require()
+            self._forward(ctrl.wait_all(timeout) if wait_evictions else ctrl.poll_results())
+        return failed
+
+    def report_results(self) -> int:
+        """Send the results of the copies finished so far (never blocks).
+
+        Returns:
+            Results still waiting for the scheduler to bind.
+        """
+        with self._lock:
+            return self._report()
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def reset_cache(self) -> bool:
+        """Wait for in-flight copies (reporting them), then zero every block."""
+        with self._lock:
+            self._forward(self._require().reset_cache())
+            self.swap_layer_done_counter = None
+            return True
+
+    def free_cache(self, clear_storage: bool = False) -> None:
+        """Stop reporting, wait for in-flight copies (reporting them), release the
+        host tier. The engine's tensors are left to the engine."""
+        del clear_storage  # no storage tier yet
+        self.stop()
+        with self._lock:
+            if self.controller is not None:
+                self._forward(self.controller.free_cache())
+                self.controller = None
+            self.sender.close()
+            self.swap_layer_done_counter = None
+
+    free_gpu_cache = free_cache
+
+    def start(self) -> None:
+        """The reporter thread starts with the cache; nothing else to start."""
+
+    def stop(self) -> None:
+        """Stop the reporter thread."""
+        self._stop.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=10)
+            self._reporter = None
+
+    def get_stats(self) -> dict[str, Any]:
+        with self._lock:
+            stats: dict[str, Any] = {"rank": self.rank, "tp_size": self.tp_size}
+            if self.controller is not None:
+                s = self.controller.get_stats()
+                stats.update({name: getattr(s, name) for name in s.__slots__})
+            sent = self.sender.stats()
+            stats.update(
+                results_sent=sent.sent,
+                results_pending=sent.pending,
+                results_dropped=sent.dropped,
+                transfers_without_result=len(self._groups),
+            )
+            return stats
+
+    # -- internals --------------------------------------------------------------
+
+    def _require(self) -> Any:
+        if self.controller is None:
+            raise RuntimeError("the KV cache is not initialized (initialize_kv_cache first)")
+        return self.controller
+
+    def _create(
+        self, attn_backend: Any, num_blocks: int, first_layer: int, num_layers: int
+    ) -> tuple[list[Any], int]:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_gpu_blocks: must be an int >= 1, got {num_blocks!r}")
+        kv_dtype = fdc.kv_dtype_of(self.fd_config)
+        quant = fdc.kv_cache_quant_type(self.fd_config)
+        dtype = "uint8" if kv_dtype == "fp8" else kv_dtype
+        caches: list[Any] = []
+        per_layer = None
+        for layer in range(first_layer, first_layer + num_layers):
+            made = attn_backend.create_kv_cache(
+                num_blocks, cache_dtype=dtype, kv_cache_quant_type=quant
+            )
+            roles = [r for r in ROLES if _is_tensor(made.get(r))]
+            if per_layer is None:
+                per_layer = len(roles)
+            if not roles or len(roles) != per_layer:
+                raise ValueError(
+                    f"attn_backend.create_kv_cache: layer {layer} made roles {roles}, "
+                    f"expected {per_layer} like the first layer"
+                )
+            for role in roles:
+                caches.append(made[role])
+                name = f"{ROLES[role]}_{layer}_rank{self.rank}.device{self.device_id}"
+                self.cache_kvs_map[name] = made[role]
+        assert per_layer is not None
+        return caches, per_layer
+
+    def _adopt(self, caches: list[Any], per_layer: int, num_extra: int) -> None:
+        from fastkv.worker.cache_controller import CacheController
+
+        config = fdc.cache_config_from_fastdeploy(
+            self.fd_config,
+            num_device_blocks=self._num_gpu_blocks,
+            kv_dtype=_kv_dtype_of_tensor(caches[0]),
+        )
+        self.controller = CacheController.adopt(
+            caches,
+            config,
+            tensors_per_layer=per_layer,
+            num_extra_layers=num_extra,
+            block_axis=self.block_axis,
+            fail_rate=self.fail_rate,
+        )
+        self._caches = caches
+        if self.sender.closed:  # a cache made again after free_cache
+            self.sender = ResultsSender(self.sender.name, self.rank)
+        self._tensors_per_layer = per_layer
+        self._num_extra_layers = num_extra
+        if self.report_interval_s and self._reporter is None:
+            self._stop.clear()
+            self._reporter = threading.Thread(
+                target=self._report_loop, name=f"fastkv-report-r{self.rank}", daemon=True
+            )
+            self._reporter.start()
+
+    def _local(
+        self, merged: MergedTransfer | None, src: CacheLevel, dst: CacheLevel
+    ) -> CacheSwapMetadata | None:
+        if merged is None:
+            return None
+        transfer_id = self._next_id
+        self._next_id += 1
+        return CacheSwapMetadata(
+            transfer_id, src, dst, merged.src_block_ids, merged.dst_block_ids
+        )
+
+    def _report(self) -> int:
+        if self.controller is None:
+            return self.sender.flush()
+        return self._forward(self.controller.poll_results())
+
+    def _forward(self, results: list[TransferResult]) -> int:
+        out = []
+        for r in results:
+            ids = self._groups.pop(r.transfer_id, ())
+            self._evict_reads.pop(r.transfer_id, None)
+            out += [TransferResult(t, r.success, r.error) for t in ids]
+        return self.sender.send(out)
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self.report_interval_s):
+            try:
+                self.report_results()
+            except Exception:  # never let the reporter die silently mid-run
+                log.exception("fastkv rank %d: reporting results failed", self.rank)
+
+
+def _is_tensor(value: object) -> bool:
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) > 0 and all(int(d) > 0 for d in shape)
+
+
+def _kv_dtype_of_tensor(tensor: Any) -> str:
+    name = str(tensor.dtype).removeprefix("paddle.")
+    return "fp8" if name == "uint8" else name
+
+
+__all__ = ["FastDeployCacheController", "StepLayerCounter", "SwapInFailedError"]

@@ -1,0 +1,379 @@
+"""The FastDeploy adapters' surface: every name ResourceManagerV1 and the model runner
+call, settings read from FDConfig as FastDeploy means them, inputs refused before
+anything changes, state changes only when idle, the worker's tensors made through
+the attention backend (MTP layers included), refused launches reported as failures,
+and `install()` replacing FastDeploy's classes where FastDeploy looks them up."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from fd_standins import (
+    AttentionBackend,
+    CacheLevel,
+    CacheSwapMetadata,
+    FDCacheConfig,
+    FDConfig,
+    ModelConfig,
+    ParallelConfig,
+    QuantConfig,
+    Request,
+    get_request_block_hasher,
+    install_fake_fastdeploy,
+)
+
+from fastkv.config import WritePolicy
+from fastkv.integrations import fastdeploy as fd
+from fastkv.integrations.fd_config import (
+    CHANNEL_ENV,
+    cache_config_from_fastdeploy,
+    results_channel_name,
+)
+from fastkv.integrations.results_channel import ResultsReceiver
+
+BS = 4
+
+# What FastDeploy calls (notes §1, §2, §5) -> exists on the adapters.
+SCHEDULER_API = [
+    "can_allocate_gpu_blocks",
+    "can_allocate_device_blocks",
+    "allocate_gpu_blocks",
+    "allocate_device_blocks",
+    "match_prefix",
+    "request_finish",
+    "issue_pending_backup_to_batch_request",
+    "check_and_add_pending_backup",
+    "get_pending_backup_count",
+    "gpu_free_block_list",
+    "available_gpu_resource",
+    "num_gpu_blocks",
+    "num_cpu_blocks",
+    "num_free_device_blocks",
+    "num_free_host_blocks",
+    "update_cache_config",
+    "reset_cache",
+    "get_stats",
+    "recycle_gpu_blocks",
+    "write_cache_to_storage",
+    "write_cache_to_storage_decode",
+    "cache_output_blocks",
+]
+WORKER_API = [
+    "initialize_kv_cache",
+    "initialize_mtp_kv_cache",
+    "submit_swap_tasks",
+    "swap_layer_done_counter",
+    "get_kv_caches",
+    "get_host_cache_kvs_map",
+    "reset_cache",
+    "free_cache",
+    "free_gpu_cache",
+    "get_stats",
+    "start",
+    "stop",
+    "transfer_manager",
+]
+
+
+def config(**cache_kw) -> FDConfig:
+    kw = {"block_size": BS, "total_block_num": 8, "num_cpu_blocks": 8, **cache_kw}
+    return FDConfig(FDCacheConfig(**kw), ModelConfig(num_hidden_layers=2))
+
+
+def request(rid: str, tokens: list[int]) -> Request:
+    r = Request(rid, tokens, 1)
+    r.set_block_hasher(get_request_block_hasher(BS))
+    return r
+
+
+def test_the_adapters_answer_every_call_fastdeploy_makes(channel: str) -> None:
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        for name in SCHEDULER_API:
+            assert name in dir(cm), name
+        assert (cm.num_gpu_blocks, cm.num_cpu_blocks) == (8, 8)
+        assert len(cm.gpu_free_block_list) == 8 and sorted(cm.gpu_free_block_list) == list(
+            range(8)
+        )
+        assert cm.available_gpu_resource == 1.0
+    finally:
+        cm.close()
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel)
+    for name in WORKER_API:
+        assert name in dir(worker), name  # (properties are not evaluated)
+    worker.free_cache()
+    assert fd.CacheManager is fd.FastDeployCacheManager
+    assert fd.CacheController is fd.FastDeployCacheController
+
+
+def test_settings_keep_fastdeploys_meaning() -> None:
+    wt = cache_config_from_fastdeploy(config(write_policy="write_through"))
+    assert (wt.write_policy, wt.selective_threshold) == (WritePolicy.WRITE_THROUGH_SELECTIVE, 1)
+    sel = cache_config_from_fastdeploy(
+        config(write_policy="write_through_selective", write_through_threshold=3)
+    )
+    assert (sel.write_policy, sel.selective_threshold) == (
+        WritePolicy.WRITE_THROUGH_SELECTIVE,
+        3,
+    )
+    wb = cache_config_from_fastdeploy(config(num_cpu_blocks=None))
+    assert wb.write_policy == WritePolicy.WRITE_BACK and wb.num_host_blocks == 0
+    assert wb.reuse_evicted_blocks  # FastDeploy allocates synchronously
+    fp8 = config()
+    fp8.quant_config = QuantConfig("block_wise_fp8")
+    assert cache_config_from_fastdeploy(fp8).kv_dtype == "fp8"
+    tp = config()
+    tp.parallel_config = ParallelConfig(tensor_parallel_size=4)
+    assert cache_config_from_fastdeploy(tp).tp_size == 4
+    with pytest.raises(ValueError, match=r"fd_config.cache_config: num_device_blocks"):
+        cache_config_from_fastdeploy(config(total_block_num=0))
+    with pytest.raises(ValueError, match=r"fd_config.cache_config: write_policy"):
+        cache_config_from_fastdeploy(config(write_policy="write_sometimes"))
+    with pytest.raises(ValueError, match=r"fd_config.cache_config.total_block_num: missing"):
+        cache_config_from_fastdeploy(config(total_block_num=None))
+
+
+def test_channel_name_comes_from_the_environment_or_the_engine_port(monkeypatch) -> None:
+    monkeypatch.delenv(CHANNEL_ENV, raising=False)
+    cfg = config()
+    with pytest.raises(ValueError, match=CHANNEL_ENV):
+        results_channel_name(cfg)
+    cfg.parallel_config = ParallelConfig(
+        engine_worker_queue_port=[8100, 8101], local_data_parallel_id=1
+    )
+    assert results_channel_name(cfg) == "fd-8101-dp1"
+    monkeypatch.setenv(CHANNEL_ENV, "mine")
+    assert results_channel_name(cfg) == "mine"
+
+
+def test_scheduler_inputs_are_refused_before_anything_changes(channel: str) -> None:
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        r = request("r", list(range(9)))
+        with pytest.raises(ValueError, match="num_blocks"):
+            cm.allocate_gpu_blocks(r, 1.5)
+        with pytest.raises(ValueError, match="num_blocks"):
+            cm.can_allocate_gpu_blocks(True)
+        assert cm.allocate_gpu_blocks(r, 0) == []
+        r.block_tables = [5]  # not what fastkv gave it
+        assert cm.allocate_gpu_blocks(r, 1) == [] and cm.get_stats()["table_mismatches"] == 1
+        r.block_tables = []
+        assert cm.allocate_gpu_blocks(r, 9) == []  # more than the pool: never fits
+        assert cm.get_stats()["allocation_failures"] == 1
+        with pytest.raises(ValueError, match=r"block_ids\[1\]"):
+            cm.recycle_gpu_blocks([1, 99], "r")
+        with pytest.raises(ValueError, match="request_finish first"):
+            cm.recycle_gpu_blocks([1], "r")
+        with pytest.raises(ValueError, match="block_size"):
+            cm.cache_output_blocks(r, 8)
+        cm.request_finish(r)
+        cm.recycle_gpu_blocks([1], "r")  # freed at request_finish already
+        cm.manager.check_invariants()
+        assert cm.manager.num_free_device_blocks == 8
+    finally:
+        cm.close()
+
+
+def test_a_request_that_holds_blocks_cannot_be_matched_again(channel: str) -> None:
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        r = request("r", list(range(9)))
+        cm.match_prefix(r)
+        r.block_tables = list(r.match_result.device_block_ids)
+        r.block_tables += cm.allocate_gpu_blocks(r, 3)
+        cm.match_prefix(r)  # logged, counted; the request keeps its blocks
+        assert cm.get_stats()["match_failures"] == 1
+        assert r.match_result.total_matched_blocks == 0
+        assert cm.manager.block_table("r") == r.block_tables
+        stale = request("stale", list(range(9)))
+        cm.match_prefix(stale)  # matched, then forgotten by the engine without a free
+        cm.match_prefix(stale)  # released and matched again
+        cm.request_finish(stale)
+        cm.request_finish(r)
+        cm.manager.check_invariants()
+    finally:
+        cm.close()
+
+
+def test_prefix_caching_off_allocates_without_matching_or_caching(channel: str) -> None:
+    cm = fd.CacheManager(config(enable_prefix_caching=False), channel_name=channel)
+    try:
+        r = request("r", list(range(9)))
+        cm.match_prefix(r)
+        assert r.match_result is None  # v1 does nothing either
+        r.block_tables += cm.allocate_gpu_blocks(r, 3)
+        assert len(r.block_tables) == 3
+        r.output_token_ids = [1, 2]
+        cm.check_and_add_pending_backup()
+        cm.request_finish(r)
+        assert cm.manager.get_stats().cached_nodes == 0
+        assert cm.manager.num_free_device_blocks == 8
+    finally:
+        cm.close()
+
+
+def test_cache_config_changes_and_resets_only_when_idle(channel: str) -> None:
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        r = request("r", list(range(9)))
+        cm.match_prefix(r)
+        r.block_tables += cm.allocate_gpu_blocks(r, 3)
+        assert cm.reset_cache() is False
+        with pytest.raises(ValueError, match="idle"):
+            cm.update_cache_config(FDCacheConfig(block_size=BS, total_block_num=16))
+        assert cm.num_gpu_blocks == 8
+        r.output_token_ids = [7]
+        cm.request_finish(r)
+        assert cm.manager.get_stats().cached_nodes == 2  # prompt's full blocks
+        cm.update_cache_config(
+            FDCacheConfig(block_size=BS, total_block_num=16, num_cpu_blocks=4)
+        )
+        assert (cm.num_gpu_blocks, cm.num_cpu_blocks) == (16, 4)
+        assert cm.manager.get_stats().cached_nodes == 0
+        with pytest.raises(ValueError, match="num_device_blocks"):
+            cm.update_cache_config(FDCacheConfig(block_size=BS, total_block_num=-1))
+        assert cm.num_gpu_blocks == 16
+        assert cm.reset_cache() is True
+    finally:
+        cm.close()
+
+
+@pytest.fixture
+def paddle():
+    return pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
+
+
+def test_worker_makes_the_caches_through_the_backend_and_names_them(
+    channel: str, paddle
+) -> None:
+    cfg = config()
+    worker = fd.CacheController(cfg, 3, 1, channel_name=channel, report_interval_s=0)
+    backend = AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS)
+    try:
+        caches = worker.initialize_kv_cache(backend, 8)
+        assert len(caches) == 4 and caches == worker.get_kv_caches()
+        assert list(worker.cache_kvs_map) == [
+            "key_caches_0_rank0.device1",
+            "value_caches_0_rank0.device1",
+            "key_caches_1_rank0.device1",
+            "value_caches_1_rank0.device1",
+        ]
+        assert backend.calls == [(8, "bfloat16", None)] * 2
+        assert worker.controller.caches == caches  # adopted, not copied
+        host = worker.get_host_cache_kvs_map()
+        assert list(host) == list(worker.cache_kvs_map) and len(set(host.values())) == 4
+        with pytest.raises(RuntimeError, match="free_cache first"):
+            worker.initialize_kv_cache(backend, 8)
+        worker.free_cache()
+        assert worker.sender.closed and worker.get_kv_caches() == caches
+        worker.initialize_kv_cache(backend, 8)  # made again: reporting again
+        assert not worker.sender.closed and worker.controller is not None
+    finally:
+        worker.free_cache()
+
+
+def test_mtp_layers_move_with_their_blocks(channel: str, paddle) -> None:
+    cfg = config()
+    worker = fd.CacheController(cfg, 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    backend = AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS)
+    try:
+        main = worker.initialize_kv_cache(backend, 8)
+        mtp = worker.initialize_mtp_kv_cache(backend, 12, num_mtp_layers=1, layer_offset=2)
+        assert len(mtp) == 2 and mtp[0].shape[0] == 12
+        assert "key_caches_2_rank0.device0" in worker.cache_kvs_map
+        assert worker.controller.shape.num_layers == 3
+        for i, t in enumerate(main + mtp):
+            t[5] = paddle.full(t.shape[1:], i + 1, dtype=t.dtype)
+        out = CacheSwapMetadata([5], [2], CacheLevel.DEVICE, CacheLevel.HOST, ["0:a"])
+        assert worker.submit_swap_tasks(out, None) is None
+        assert worker.finish_step(10, wait_evictions=True) == frozenset()
+        back = CacheSwapMetadata([2], [6], CacheLevel.HOST, CacheLevel.DEVICE, ["1:a"])
+        counter = worker.submit_swap_tasks(None, back)
+        for layer in range(3):
+            counter.wait_for_layer(layer, timeout=10)
+        worker.finish_step(10)
+        for i, t in enumerate(main + mtp):  # every layer's block, the MTP layer's too
+            assert float(t[6].astype("float32").mean()) == i + 1
+        got = []
+        while len(got) < 2:
+            got += receiver.poll()
+        assert sorted(r.transfer_id for r in got) == [0, 1] and all(r.success for r in got)
+        with pytest.raises(RuntimeError, match="swaps already ran"):
+            worker.initialize_mtp_kv_cache(backend, 12, 1, 3)
+    finally:
+        worker.free_cache()
+        receiver.close()
+
+
+def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(
+    channel: str, paddle
+) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    try:
+        worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
+        untagged = CacheSwapMetadata([0], [1], CacheLevel.HOST, CacheLevel.DEVICE, ["beef"])
+        with pytest.raises(ValueError, match="no fastkv transfer tag"):
+            worker.submit_swap_tasks(None, untagged)
+        backwards = CacheSwapMetadata([0], [1], CacheLevel.DEVICE, CacheLevel.HOST, ["4:a"])
+        with pytest.raises(ValueError, match="host->device"):
+            worker.submit_swap_tasks(None, backwards)
+        assert worker.get_stats()["host_to_device_transfers"] == 0  # nothing launched
+        out_of_range = CacheSwapMetadata(
+            [0, 1], [3, 42], CacheLevel.HOST, CacheLevel.DEVICE, ["4:a", "5:b"]
+        )
+        counter = worker.submit_swap_tasks(None, out_of_range)
+        with pytest.raises(fd.SwapInFailedError) as failure:
+            counter.wait_for_layer(0)
+        assert failure.value.device_block_ids == {3, 42}
+        assert failure.value.transfer_ids == (4, 5)
+        assert worker.finish_step(10) == frozenset({3, 42})
+        got = receiver.poll()
+        assert sorted(r.transfer_id for r in got) == [4, 5]
+        assert all(not r.success and "outside [0, 8)" in r.error for r in got)
+    finally:
+        worker.free_cache()
+        receiver.close()
+
+
+def test_install_replaces_fastdeploys_classes_where_it_looks_them_up(monkeypatch) -> None:
+    install_fake_fastdeploy(monkeypatch)
+
+    class TheirManager:
+        pass
+
+    class TheirController:
+        pass
+
+    modules = {}
+    for name, attrs in {
+        "fastdeploy.cache_manager.v1.cache_manager": {"CacheManager": TheirManager},
+        "fastdeploy.cache_manager.v1.cache_controller": {"CacheController": TheirController},
+        "fastdeploy.engine.resource_manager": {"CacheManager": TheirManager, "other": 1},
+        "fastdeploy.worker.gpu_model_runner": {"CacheController": TheirController},
+    }.items():
+        module = types.ModuleType(name)
+        vars(module).update(attrs)
+        modules[name] = module
+        monkeypatch.setitem(sys.modules, name, module)
+    v1 = sys.modules["fastdeploy.cache_manager.v1"]
+    monkeypatch.setattr(v1, "CacheManager", TheirManager, raising=False)
+    monkeypatch.setattr(v1, "CacheController", TheirController, raising=False)
+    replaced = fd.install()
+    assert set(replaced) == {
+        "fastdeploy.cache_manager.v1.cache_manager.CacheManager",
+        "fastdeploy.cache_manager.v1.cache_controller.CacheController",
+        "fastdeploy.cache_manager.v1.CacheManager",
+        "fastdeploy.cache_manager.v1.CacheController",
+        "fastdeploy.engine.resource_manager.CacheManager",
+        "fastdeploy.worker.gpu_model_runner.CacheController",
+    }
+    assert modules["fastdeploy.engine.resource_manager"].CacheManager is fd.CacheManager
+    assert modules["fastdeploy.worker.gpu_model_runner"].CacheController is fd.CacheController
+    assert fd.install() == []  # idempotent
+    fd.uninstall()
+    assert modules["fastdeploy.engine.resource_manager"].CacheManager is TheirManager
+    assert v1.CacheController is TheirController

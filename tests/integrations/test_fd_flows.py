@@ -1,0 +1,356 @@
+"""fastkv as FastDeploy's cache manager v1, driven by ResourceManagerV1's own call
+sequences (fd_engine.Engine) with real CPU workers and the real results channel.
+
+Every flow asserts block accounting after every step (`check_invariants` on the
+underlying fastkv CacheManager) and, at the end, that nothing is active, in flight
+or leaked; every position a request reads is checked against the bytes written for
+it (fd_engine raises KVMismatch otherwise); and outputs equal a reference run with
+prefix caching off and a pool large enough to never evict.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+pytest.importorskip("paddle", reason="the workers' CacheController needs paddle")
+
+from fd_engine import Engine, make_engine, prompt
+from fd_standins import Request, install_fake_fastdeploy
+
+from fastkv.worker.faults import FaultInjector
+
+SYSTEM = prompt(0, 8)  # two blocks many requests share
+
+
+@pytest.fixture(autouse=True)
+def fake_fastdeploy(monkeypatch):
+    """FastDeploy's metadata classes importable, as in a deployment: the adapter
+    emits them and BatchRequest merges them."""
+    install_fake_fastdeploy(monkeypatch)
+
+
+def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 400):
+    try:
+        outputs = engine.run(arrivals, max_steps)
+        engine.drain()
+        return outputs
+    finally:
+        engine.close()
+
+
+def reference(arrivals: dict[int, list[Request]]) -> dict[str, list[int]]:
+    """The outputs without any cache: prefix caching off, no eviction ever."""
+    fresh = {
+        step: [Request(r.request_id, r.prompt_token_ids, r.max_tokens) for r in reqs]
+        for step, reqs in arrivals.items()
+    }
+    engine = make_engine(f"ref-{uuid.uuid4().hex}", device_blocks=256, prefix_caching=False)
+    outputs = run(engine, fresh)
+    assert engine.cm.get_stats()["lookup_blocks"] == 0  # never matched
+    return outputs
+
+
+def copy(arrivals: dict[int, list[Request]]) -> dict[int, list[Request]]:
+    return {
+        s: [Request(r.request_id, r.prompt_token_ids, r.max_tokens) for r in reqs]
+        for s, reqs in arrivals.items()
+    }
+
+
+def host_hit_workload() -> dict[int, list[Request]]:
+    """a caches four blocks; b's eviction pushes a's leaf to host; c repeats a's
+    prompt (and more): three device hits and one host hit."""
+    return {
+        0: [Request("a", SYSTEM + prompt(1, 8), 2)],
+        4: [Request("b", prompt(2, 24), 2)],
+        8: [Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)],
+    }
+
+
+def test_admission_with_device_and_host_hits(channel: str) -> None:
+    arrivals = host_hit_workload()
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    swaps = []
+
+    def record(step, batch):
+        if batch.cache_swap_metadata is not None:
+            c = engine.requests["c"]
+            swaps.append((list(batch.cache_swap_metadata.dst_block_ids), list(c.block_tables)))
+
+    engine.step_hooks.append(record)
+    outputs = run(engine, arrivals)
+    assert engine.log.matches["c"] == [(3, 1)]
+    (dst, table), *_ = swaps
+    assert dst == table[3:4]  # the first matched_host_nums new blocks: swap-in targets
+    stats = engine.cm.get_stats()
+    assert (stats["device_hit_blocks"], stats["host_hit_blocks"]) == (3, 1)
+    assert stats["device_to_host_blocks"] >= 1 and stats["host_to_device_blocks"] == 1
+    assert engine.log.reads_checked > 0
+    assert outputs == reference(host_hit_workload())
+
+
+def test_full_prompt_hit_computes_the_last_block(channel: str) -> None:
+    full = SYSTEM + prompt(4, 8)  # 16 tokens: four full blocks
+    arrivals = {0: [Request("a", full, 1)], 3: [Request("again", full, 2)]}
+    engine = make_engine(channel, device_blocks=16)
+    prefills = []
+    engine.step_hooks.append(
+        lambda s, batch: prefills.extend(
+            (r.request_id, r.prefill_start_index, r.prefill_end_index)
+            for r in batch
+            if isinstance(r, Request)
+        )
+    )
+    outputs = run(engine, arrivals)
+    # four blocks cached, three hit: the prompt's last token is always computed
+    assert engine.log.matches["again"] == [(3, 0)]
+    assert ("again", 12, 16) in prefills
+    assert outputs["again"][0] == outputs["a"][0]
+    assert outputs == reference({0: [Request("a", full, 1)], 3: [Request("again", full, 2)]})
+
+
+def test_chunked_prefill_caches_nothing_before_a_token_proves_it(channel: str) -> None:
+    long = SYSTEM + prompt(5, 12)  # 20 tokens, prefilled 8 per step
+    arrivals = {
+        0: [Request("a", long, 2)],
+        1: [Request("b", long, 2)],
+        6: [Request("c", long, 2)],
+    }
+    engine = make_engine(channel, device_blocks=24, max_num_batched_tokens=8)
+    committed_during_prefill = []
+
+    def watch(step: int) -> None:
+        a = engine.requests["a"]
+        if not a.output_token_ids and engine.cm.manager.is_active("a"):
+            committed_during_prefill.append(engine.cm.manager.num_committed_blocks("a"))
+
+    engine.after_schedule.append(watch)
+    outputs = run(engine, arrivals)
+    assert len(committed_during_prefill) >= 2 and set(committed_during_prefill) == {0}
+    # b was admitted while a was still prefilling: a's blocks held no KV yet, so no hit
+    assert engine.log.matches["b"][0] == (0, 0)
+    assert engine.log.matches["c"] == [(4, 0)]  # after a's first token: 4 of 5 blocks
+    assert outputs["a"] == outputs["b"] == outputs["c"]
+    assert outputs == reference(copy(arrivals))
+
+
+def test_decode_growth_caches_the_output_blocks(channel: str) -> None:
+    engine = make_engine(channel, device_blocks=24)
+    a = Request("a", prompt(6, 6), 13)
+    try:
+        engine.run({0: [a]})
+        # prompt + 13 outputs - 1 tokens have KV: four full blocks are cached
+        assert engine.log.decode_growths >= 3
+        follow_up = Request("turn2", a.prompt_token_ids + a.output_token_ids + prompt(7, 3), 2)
+        engine.run({engine.step: [follow_up]})
+        engine.drain()
+    finally:
+        engine.close()
+    assert engine.log.matches["turn2"] == [(4, 0)]
+    expected = reference({0: [Request("turn2", follow_up.prompt_token_ids, 2)]})
+    assert engine.outputs["turn2"] == expected["turn2"]
+
+
+def test_preemption_is_lifo_and_readmission_hits_what_the_victim_computed(
+    channel: str,
+) -> None:
+    arrivals = {0: [Request(f"r{i}", prompt(10 + i, 6), 12) for i in range(3)]}
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    preempting = []  # inside _trigger_preempt
+    freed_by_preemption = []  # num_computed_tokens each victim reached request_finish with
+    finish, trigger = engine.cm.request_finish, engine._trigger_preempt
+
+    def spy_finish(request):
+        if preempting:
+            freed_by_preemption.append(request.num_computed_tokens)
+        finish(request)
+
+    def spy_trigger(*args):
+        preempting.append(True)
+        try:
+            return trigger(*args)
+        finally:
+            preempting.pop()
+
+    engine.cm.request_finish, engine._trigger_preempt = spy_finish, spy_trigger
+    outputs = run(engine, arrivals)
+    assert engine.log.preempted, "the pool was meant to be too small for all three"
+    for victim, running_before, _ in engine.log.preempted:
+        assert victim == running_before[-1]  # the last running request goes first
+    assert len(freed_by_preemption) == len(engine.log.preempted)
+    assert set(freed_by_preemption) == {0}  # reset before the blocks are freed
+    victim = engine.log.preempted[0][0]
+    readmissions = engine.log.matches[victim][1:]
+    assert readmissions and sum(readmissions[0]) > 0  # its committed blocks were kept
+    assert outputs == reference(copy(arrivals))
+
+
+def test_match_then_free_without_allocation_releases_every_lock(channel: str) -> None:
+    x_prompt = prompt(20, 8)
+    arrivals = {
+        0: [Request("x", x_prompt, 1)],
+        3: [Request("y", prompt(21, 20), 4)],
+        4: [Request("z", x_prompt + prompt(22, 12), 2)],
+    }
+    engine = make_engine(channel, device_blocks=10)  # x's 2 cached + y's up to 7
+    refusals = []
+
+    def watch(step: int) -> None:
+        z = engine.requests.get("z")
+        if z is not None and z in engine.waiting:  # matched, refused, freed
+            mgr = engine.cm.manager
+            refusals.append((mgr.is_active("z"), z.block_tables, z.match_result))
+
+    engine.after_schedule.append(watch)
+    outputs = run(engine, arrivals)
+    assert refusals, "z was meant to wait for y's blocks"
+    for active, table, match in refusals:
+        assert not active and table == []  # nothing of z held while it waits
+        assert match.matched_device_nums == 2  # it did hit x's blocks each time
+    assert len(engine.log.matches["z"]) == len(refusals) + 1
+    assert outputs == reference(copy(arrivals))
+
+
+def pressure_workload() -> dict[int, list[Request]]:
+    """Four topics asked twice (hits; the selective policies back them up), a flood
+    of unrelated prompts that pushes them off the device (and, under write_back,
+    overflows the host tier), then the topics again: host hits."""
+    topics = [prompt(30 + i, 8) + prompt(50 + i, 5) for i in range(4)]
+    arrivals: dict[int, list[Request]] = {}
+    step = 0
+    for name, prompts in (
+        ("A", topics),
+        ("B", topics),
+        ("F", [prompt(70 + j, 20) for j in range(4)]),
+        ("C", [t + prompt(90 + i, 2) for i, t in enumerate(topics)]),
+    ):
+        for i, tokens in enumerate(prompts):
+            arrivals[step] = [Request(f"{name}{i}", tokens, 2)]
+            step += 2
+    return arrivals
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
+def test_write_back_pressure_hands_evicted_blocks_over_and_reads_them_back(
+    channel: str, policy: str
+) -> None:
+    engine = make_engine(
+        channel, device_blocks=12, host_blocks=10, write_policy=policy, threshold=1
+    )
+    reused = []
+
+    def watch(step, batch):
+        evict = batch.cache_evict_metadata
+        if evict is not None:
+            tables = {b for r in batch if isinstance(r, Request) for b in r.block_tables}
+            reused.append(bool(tables.intersection(evict.src_block_ids)))
+
+    engine.step_hooks.append(watch)
+    outputs = run(engine, pressure_workload())
+    stats = engine.cm.get_stats()
+    assert stats["device_to_host_blocks"] > 0 and stats["host_hit_blocks"] > 0, stats
+    if policy == "write_back":
+        assert stats["host_evictions"] > 0, "the host tier was meant to overflow too"
+        assert any(reused), "an evicted block went to its new owner in the same step"
+    else:
+        assert stats["backups"] > 0
+    assert stats["failed_transfers"] == 0 and stats["commit_errors"] == 0
+    assert outputs == reference(pressure_workload())
+
+
+def fail_first_swap_in(engine: Engine, rank: int) -> list[int]:
+    """Every copy `rank` launches in the first step with a swap-in fails."""
+    failed_at: list[int] = []
+
+    def inject(step, batch):
+        if not failed_at and batch.cache_swap_metadata is not None:
+            failed_at.append(step)
+        rate = 1.0 if failed_at and failed_at[0] == step else 0.0
+        engine.ranks[rank].worker.controller.faults = FaultInjector(rate)
+
+    engine.step_hooks.append(inject)
+    return failed_at
+
+
+def test_tp2_one_rank_failing_a_swap_in_recomputes_to_identical_outputs(
+    channel: str,
+) -> None:
+    ok = make_engine(f"{channel}-ok", device_blocks=10, host_blocks=16, tp=2)
+    expected = run(ok, host_hit_workload())
+    engine = make_engine(channel, device_blocks=10, host_blocks=16, tp=2)
+    failed_at = fail_first_swap_in(engine, rank=1)
+    errors = []
+    apply = engine.cm.manager.apply_results
+
+    def spy(results):
+        errors.extend(r.error for r in results if not r.success)
+        return apply(results)
+
+    engine.cm.manager.apply_results = spy
+    outputs = run(engine, host_hit_workload())
+    assert failed_at and engine.log.failed_steps == [{"c"}]
+    stats = engine.cm.get_stats()
+    assert stats["rollback_blocks"] == 1 and stats["rewound_tokens"] > 0
+    assert errors and all(e.startswith("rank 1:") for e in errors)  # rank 0 succeeded
+    per_rank = [s["failed_transfers"] for s in engine.worker_stats]
+    assert per_rank[0] == 0 and per_rank[1] > 0
+    assert outputs == expected == reference(host_hit_workload())
+
+
+def test_random_copy_failures_never_change_outputs(channel: str) -> None:
+    engine = make_engine(channel, device_blocks=12, host_blocks=10, fail_rates=(0.3,))
+    outputs = run(engine, pressure_workload())
+    stats = engine.cm.get_stats()
+    assert stats["failed_transfers"] > 0 and stats["rollback_blocks"] > 0, stats
+    assert outputs == reference(pressure_workload())
+
+
+def test_finish_with_metadata_never_dispatched_fails_it_locally(channel: str) -> None:
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    try:
+        engine.run(
+            {0: [Request("a", SYSTEM + prompt(1, 8), 2)], 4: [Request("b", prompt(2, 24), 2)]}
+        )
+        cm = engine.cm
+        c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
+        engine.add_request(c)
+        engine.waiting.remove(c)
+        cm.match_prefix(c)
+        assert (c.match_result.matched_device_nums, c.match_result.matched_host_nums) == (3, 1)
+        c.block_tables = list(c.match_result.device_block_ids)
+        new = cm.allocate_gpu_blocks(c, 2)  # the host hit's destination, one fresh block
+        assert len(new) == 2 and c.cache_swap_metadata
+        before = cm.get_stats()
+        cm.request_finish(c)  # aborted before any BatchRequest took its metadata
+        assert c.cache_swap_metadata == [] and c.cache_evict_metadata == []
+        stats = cm.get_stats()
+        assert stats["undispatched_transfers"] >= 1
+        assert stats["inflight_transfers"] == 0 and stats["active_requests"] == 0
+        assert stats["failed_transfers"] > before["failed_transfers"]
+        cm.manager.check_invariants()
+        # the host copy was never touched: the next request loads it again
+        d = Request("d", c.prompt_token_ids, 2)
+        engine.run({engine.step: [d]})
+        engine.drain()
+    finally:
+        engine.close()
+    assert engine.log.matches["d"] == [(3, 1)]
+    expected = reference({0: [Request("d", c.prompt_token_ids, 2)]})
+    assert engine.outputs["d"] == expected["d"]
+
+
+def test_results_channel_is_the_only_way_results_arrive(channel: str) -> None:
+    """With the workers' sender closed, transfers stay in flight (their blocks
+    reserved): the scheduler never guesses a result."""
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    try:
+        engine.run({0: [Request("a", SYSTEM + prompt(1, 8), 2)]})
+        for rank in engine.ranks:
+            rank.worker.stop()
+            rank.worker.sender.close()
+        engine.run({engine.step: [Request("b", prompt(2, 24), 2)]})
+        assert engine.cm.manager.num_inflight_transfers > 0
+    finally:
+        engine.close()
