@@ -112,8 +112,7 @@ class _FreeBlocks(Sequence[int]):
         return iter(self._snapshot())
 
     def _snapshot(self) -> list[int]:
-        # BlockPool has no public listing of its free ids (reported); read its list.
-        return list(self._manager.device_pool._free)
+        return self._manager.device_pool.free_ids()
 
 
 class FastDeployCacheManager:
@@ -533,7 +532,7 @@ class FastDeployCacheManager:
             if len(hashes) > known:
                 mgr.append_hashes(rid, hashes[known:])
             computed = len(request.prompt_token_ids) + outputs - 1
-            num_blocks = min(computed // bs, len(hashes), len(mgr.block_table(rid)))
+            num_blocks = min(computed // bs, len(hashes), mgr.num_blocks(rid))
             if num_blocks > mgr.num_committed_blocks(rid):
                 mgr.commit(rid, num_blocks * bs)
         except (ValueError, TypeError) as e:

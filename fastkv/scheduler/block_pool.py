@@ -127,6 +127,11 @@ class BlockPool:
         self._freed_total += n
         self._allocated_total += n
 
+    def free_ids(self) -> list[int]:
+        """The free ids (a copy, O(free blocks); the next allocation takes from the
+        end)."""
+        return list(self._free)
+
     def is_allocated(self, block_id: int) -> bool:
         return 0 <= block_id < self.capacity and bool(self._allocated[block_id])
 

@@ -46,6 +46,7 @@ from fastkv.scheduler.radix_tree import (
     DEVICE,
     DROPPED,
     HOST,
+    HOST_LANDING,
     LOADING_FROM_STORAGE,
     PENDING_HOST,
     STORING,
@@ -568,7 +569,7 @@ class CacheManager:
             if existing:
                 for i in existing:
                     node = path[i]
-                    if node.state == HOST or node.state == PENDING_HOST:  # adopt ours
+                    if node.state == HOST or node.state in HOST_LANDING:  # adopt ours
                         self.tree.attach_device(node, blocks[start + i], loading=False)
                     else:  # cached on device concurrently: ours stays private
                         req.owns_matched_positions = True
@@ -603,6 +604,10 @@ class CacheManager:
     def block_table(self, request_id: RequestId) -> list[int]:
         """The request's device blocks, position order (a copy)."""
         return list(self._get(request_id).blocks)
+
+    def num_blocks(self, request_id: RequestId) -> int:
+        """The length of the request's block table (O(1))."""
+        return len(self._get(request_id).blocks)
 
     def is_active(self, request_id: RequestId) -> bool:
         return request_id in self._requests

@@ -432,8 +432,8 @@ class StorageTier:
         """Assert the tier's queued state (part of CacheManager.check_invariants)."""
         for lookup_id, (req, _) in self._lookup_owner.items():
             assert req.lookup_id == lookup_id, f"lookup {lookup_id} owner moved on"
-        for node in self._loads.nodes:
-            assert node.state == LOADING_FROM_STORAGE, node
+        for node in self._loads.nodes:  # adopted by a recomputed block, or dropped
+            assert node.state in (LOADING_FROM_STORAGE, BACKUP_TO_HOST, DROPPED), node
         for node, host, free in zip(
             self._stores.nodes, self._stores.host_ids, self._stores.free_after, strict=True
         ):

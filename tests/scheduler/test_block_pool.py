@@ -192,3 +192,12 @@ def test_failed_operations_do_not_count_in_stats() -> None:
 def test_empty_pool_usage_is_zero() -> None:
     s = BlockPool(0).stats()
     assert (s.capacity, s.used, s.free, s.usage) == (0, 0, 0, 0.0)
+
+
+def test_free_ids_lists_what_allocate_can_take_as_a_copy() -> None:
+    pool = BlockPool(4, "device")
+    taken = pool.allocate(3)
+    free = pool.free_ids()
+    assert free == [3] and set(free).isdisjoint(taken)
+    free.clear()  # a copy: the pool is unchanged
+    assert pool.num_free == 1 and pool.allocate(1) == [3]

@@ -209,6 +209,7 @@ def test_allocate_returns_the_whole_table_and_grows_it() -> None:
     assert len(table) == 4 and table[:2] == first
     assert mgr.block_table("r2") == table
     grown = table_after(mgr, "r2", 1)  # decode: one more block
+    assert mgr.num_blocks("r2") == len(grown) == 5
     assert grown[:4] == table and len(grown) == 5
     assert mgr.allocate("r2", 0).new_blocks == [] and mgr.block_table("r2") == grown
     assert len(set(grown)) == 5
