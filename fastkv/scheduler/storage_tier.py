@@ -300,16 +300,9 @@ class StorageTier:
 
     @property
     def has_queued(self) -> bool:
-        return bool(
-            self._lookups
-            or self._loads.nodes
-            or self._stores.keys
-            or (
-                self.write_policy is StorageWritePolicy.ON_HOST_EVICTION
-                and self.manager.host_pool.num_free
-                < max(16, self.manager.host_pool.capacity // 32)
-            )
-        )
+        # Flush-ahead writes are planned by `flush_ahead`, which runs before
+        # this is read at take time: a full host tier alone is not queued work.
+        return bool(self._lookups or self._loads.nodes or self._stores.keys)
 
     def take(
         self, emit: Callable[[object], int]

@@ -68,9 +68,10 @@ def answer(mgr, hits: int | list[int] | None, failed=()) -> tuple:
 def assert_no_leak(mgr) -> None:
     """Every storage transfer and lookup answered too, then the usual check."""
     for _ in range(16):
-        if not (mgr.num_queued_blocks or mgr.num_inflight_transfers):
+        tasks = answer(mgr, 0)  # a take may plan flush-ahead writes of its own
+        took = (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
+        if not any(took) and not tasks.lookups and not mgr.busy:
             break
-        answer(mgr, 0)
     _assert_no_leak(mgr)
 
 
@@ -285,6 +286,33 @@ def test_on_host_eviction_writes_a_block_and_frees_its_host_block_after() -> Non
     stats = mgr.get_stats()
     assert stats.storage.writes >= 1 and stats.host_evictions >= 1
     assert stats.host_pool.used <= 2
+    assert_no_leak(mgr)
+
+
+def test_a_full_host_tier_alone_does_not_keep_the_manager_busy() -> None:
+    # A small host tier is always below the flush-ahead window; once the writes it
+    # plans are done, nothing is in flight and `busy` must turn false, or every
+    # drain loop and WAIT_FOR_TRANSFERS would spin forever.
+    mgr = make(write_policy="on_host_eviction", device=8, host=4)
+    for name in ("a", "b", "c", "d", "e"):
+        admit(mgr, name, keys(name, 2))
+        mgr.commit(name, 2 * BS)
+        mgr.finish(name)
+        answer(mgr, 0)
+    for _ in range(8):
+        if not mgr.busy:
+            break
+        answer(mgr, 0)
+    assert mgr.host_pool.num_free < 16, "the host tier is inside the flush-ahead window"
+    assert not mgr.busy
+    mgr.match("x", [], 1)
+    for _ in range(8):
+        if mgr.allocate("x", 1):
+            break
+        assert mgr.busy, "WAIT_FOR_TRANSFERS only while transfers are in flight"
+        answer(mgr, 0)
+    assert mgr.is_active("x") and mgr.num_blocks("x") == 1
+    mgr.abort("x")
     assert_no_leak(mgr)
 
 
