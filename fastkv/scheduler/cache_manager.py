@@ -678,13 +678,18 @@ class CacheManager:
         Raises:
             TypeError: an entry is neither a TransferResult nor a LookupResult.
             ValueError: a transfer id that is unknown, already applied or listed
-                twice, or a malformed lookup answer. Nothing in the batch is applied
-                when it raises.
+                twice, a malformed lookup answer, or a lookup answer to a manager
+                without a storage tier. Nothing in the batch is applied when it raises.
         """
         results = list(results)
         seen: set[int] = set()
         for result in results:  # all or nothing: check the whole batch first
             if isinstance(result, LookupResult):
+                if self._storage is None:
+                    raise ValueError(
+                        f"results: lookup {result.lookup_id} answered, but this manager "
+                        "has no storage tier (CacheConfig.storage is None)"
+                    )
                 if isinstance(result.num_hits, bool) or not isinstance(result.num_hits, int):
                     raise ValueError(f"num_hits: must be an int, got {result.num_hits!r}")
                 continue

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from fastkv import CacheConfig, CacheLevel, TransferResult
+from fastkv import CacheConfig, CacheLevel, LookupResult, TransferResult
 from fastkv.hashing import BlockHasher, namespace_root
 from fastkv.scheduler import (
     Allocation,
@@ -897,6 +897,18 @@ def test_unknown_or_repeated_transfer_id_raises() -> None:
     assert mgr.num_inflight_transfers == 2
     mgr.apply_results([TransferResult(metas[1].transfer_id, True)])
     mgr.apply_results([TransferResult(metas[2].transfer_id, True)])
+    for rid in ("r1", "r2", "r3"):
+        mgr.abort(rid)
+    assert_no_leak(mgr)
+
+
+def test_a_lookup_answer_without_a_storage_tier_refuses_the_whole_batch() -> None:
+    mgr, metas = _three_transfers()
+    batch = [TransferResult(metas[0].transfer_id, True), LookupResult(0, 1)]
+    with pytest.raises(ValueError, match="no storage tier"):
+        mgr.apply_results(batch)
+    assert mgr.num_inflight_transfers == 3, "the transfer before it was not applied"
+    mgr.apply_results(TransferResult(m.transfer_id, True) for m in metas)
     for rid in ("r1", "r2", "r3"):
         mgr.abort(rid)
     assert_no_leak(mgr)
