@@ -408,17 +408,24 @@ class CacheManager:
                 if node.state == HOST:
                     break
                 req.blocks.append(node.device_block)
-        if self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity:
-            self._backup_hot(nodes)
-        looked_up = False
         storage = self._storage
-        if storage is not None:
-            if storage.write_policy is StorageWritePolicy.AFTER_HITS:
-                for node in nodes:
-                    node.hits += 1
-                    storage.on_hit(node)
-            if not waiting and len(nodes) < limit:
-                looked_up = storage.plan_lookup(req, len(nodes), limit)
+        selective = (
+            self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity > 0
+        )
+        after_hits = (
+            storage is not None and storage.write_policy is StorageWritePolicy.AFTER_HITS
+        )
+        if selective or after_hits:  # one count per match, whichever policies read it
+            for node in nodes:
+                node.hits += 1
+        if selective:
+            self._backup_hot(nodes)
+        if after_hits:
+            for node in nodes:
+                storage.on_hit(node)  # type: ignore[union-attr]
+        looked_up = False
+        if storage is not None and not waiting and len(nodes) < limit:
+            looked_up = storage.plan_lookup(req, len(nodes), limit)
         self._lookup_blocks += len(hashes)
         self._lookup_tokens += num_tokens
         self._device_hits += len(nodes) - num_host
@@ -870,10 +877,9 @@ class CacheManager:
         req.rolled_back = keep
 
     def _backup_hot(self, nodes: list[TreeNode]) -> None:
-        """write_through_selective: back up blocks that just reached the threshold."""
+        """write_through_selective: back up blocks that just reached the threshold
+        (their `hits` already counted by `match`)."""
         threshold = self.config.selective_threshold
-        for node in nodes:
-            node.hits += 1
         hot = [
             n for n in nodes if n.hits >= threshold and n.state == DEVICE and n.host_block < 0
         ]

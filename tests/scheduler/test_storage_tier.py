@@ -337,6 +337,29 @@ def test_after_hits_writes_a_block_once_it_is_hot() -> None:
     assert_no_leak(mgr)
 
 
+def test_a_match_counts_one_hit_when_both_hit_policies_read_it() -> None:
+    # write_through_selective and storage after_hits both read `hits`: one match
+    # is one hit for each, or both thresholds would be halved.
+    config = CacheConfig(
+        block_size=BS,
+        num_device_blocks=4,
+        num_host_blocks=8,
+        write_policy="write_through_selective",
+        selective_threshold=2,
+        storage=StorageConfig(write_policy="after_hits", write_after_hits=3),
+    )
+    mgr = Checked(CacheManager(config, clock=Clock()))
+    admit(mgr, "r", keys("a", 2))
+    mgr.commit("r", 2 * BS)
+    mgr.finish("r")
+    mgr.match("h0", keys("a", 2), prompt(2))
+    assert [node(mgr, k).hits for k in keys("a", 2)] == [1, 1]
+    tasks = answer(mgr, 0)
+    assert tasks.evict is None, "one hit is below the selective threshold of 2"
+    mgr.abort("h0")
+    assert_no_leak(mgr)
+
+
 def test_storage_needs_a_host_tier() -> None:
     with pytest.raises(ValueError, match="storage: needs a host tier"):
         CacheConfig(num_host_blocks=0, storage=StorageConfig())
