@@ -465,13 +465,17 @@ class RadixTree:
         """Take every descendant of `node` out of the tree: their prefix lost its
         only copy, so they can never be matched again. Returns the host blocks to
         free now; a descendant whose copy to host is still in flight becomes
-        DROPPED and its host block is freed when that copy ends. O(cached nodes):
-        only a failed copy that already gave its device block away comes here.
+        DROPPED and its host block is freed when that copy ends. O(1) for a leaf
+        (callers drop deepest first, so that is the usual case), else O(cached
+        nodes): only a failed copy that already gave its device block away comes
+        here.
 
         Every descendant is host-only or PENDING_HOST and unlocked: a request
         holding one would hold `node` too, and a node with device children is
         never released.
         """
+        if not node.num_children:
+            return []
         children: dict[TreeNode, list[TreeNode]] = {}
         for other in self._index.values():
             children.setdefault(other.parent, []).append(other)  # type: ignore[arg-type]
