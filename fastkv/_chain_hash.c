@@ -24,6 +24,7 @@ typedef struct {
   const Py_buffer *buf; /* NULL when reading a sequence */
   int is_signed;
   int big_endian; /* the buffer's byte order */
+  int native;     /* the buffer is in the machine's order: typed loads */
   PyObject **items;
 } token_source;
 
@@ -35,12 +36,37 @@ static uint64_t load_bytes(const unsigned char *p, Py_ssize_t n, int big_endian)
   return x;
 }
 
+/* The zero-extended item at p. Native order (every array hashing.py passes) is
+ * one typed load; the byte loop serves only buffers in the other order. */
+static uint64_t load_item(const unsigned char *p, Py_ssize_t n, const token_source *src) {
+  if (!src->native) return load_bytes(p, n, src->big_endian);
+  switch (n) {
+    case 8: {
+      uint64_t x;
+      memcpy(&x, p, 8);
+      return x;
+    }
+    case 4: {
+      uint32_t x;
+      memcpy(&x, p, 4);
+      return x;
+    }
+    case 2: {
+      uint16_t x;
+      memcpy(&x, p, 2);
+      return x;
+    }
+    default:
+      return *p;
+  }
+}
+
 static int read_token(const token_source *src, Py_ssize_t i, uint32_t *out) {
   long long v;
   if (src->buf != NULL) {
     const Py_ssize_t n = src->buf->itemsize;
     const unsigned char *p = (const unsigned char *)src->buf->buf + i * n;
-    const uint64_t raw = load_bytes(p, n, src->big_endian);
+    const uint64_t raw = load_item(p, n, src);
     if (src->is_signed) {
       const int shift = 64 - 8 * (int)n; /* sign-extend from n bytes */
       v = (long long)((int64_t)(raw << shift) >> shift);
@@ -87,6 +113,7 @@ static int open_tokens(PyObject *tokens, Py_buffer *view, token_source *src,
   src->buf = NULL;
   src->is_signed = 0;
   src->big_endian = 0;
+  src->native = 1;
   src->items = NULL;
   *fast = NULL;
   if (PyBytes_Check(tokens) || PyByteArray_Check(tokens) || PyUnicode_Check(tokens)) {
@@ -97,13 +124,15 @@ static int open_tokens(PyObject *tokens, Py_buffer *view, token_source *src,
   if (PyObject_CheckBuffer(tokens) &&
       PyObject_GetBuffer(tokens, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
     const char *fmt = view->format ? view->format : "B";
-    src->big_endian = (*(const uint16_t *)"\x01\x00") != 1; /* the machine's order */
+    const int machine_big_endian = (*(const uint16_t *)"\x01\x00") != 1;
+    src->big_endian = machine_big_endian;
     if (*fmt == '>' || *fmt == '!' || *fmt == '<') {
       src->big_endian = *fmt != '<';
       fmt++;
     } else if (*fmt == '=' || *fmt == '@') {
       fmt++;
     }
+    src->native = src->big_endian == machine_big_endian;
     int ok = fmt[0] != '\0' && fmt[1] == '\0' && strchr("bBhHiIlLqQ", fmt[0]) != NULL &&
              (view->itemsize == 1 || view->itemsize == 2 || view->itemsize == 4 ||
               view->itemsize == 8);
@@ -180,6 +209,23 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     const Py_ssize_t base = b * block_size;
     if (src.buf != NULL && src.buf->itemsize == 4 && !src.is_signed && !src.big_endian && little) {
       memcpy(words, (const char *)src.buf->buf + base * 4, (size_t)block_size * 4);
+    } else if (src.buf != NULL && src.buf->itemsize == 8 && src.native) {
+      /* numpy's default int64: one load and one compare per token (a negative
+       * id reads as a huge unsigned one); read_token words the error. */
+      const unsigned char *p = (const unsigned char *)src.buf->buf + base * 8;
+      for (Py_ssize_t t = 0; t < block_size; t++) {
+        uint64_t x;
+        memcpy(&x, p + t * 8, 8);
+        if (x > UINT32_MAX) {
+          uint32_t w;
+          if (read_token(&src, base + t, &w) < 0) {
+            Py_CLEAR(result);
+            goto done;
+          }
+          x = w;
+        }
+        words[t] = little ? (uint32_t)x : __builtin_bswap32((uint32_t)x);
+      }
     } else {
       for (Py_ssize_t t = 0; t < block_size; t++) {
         uint32_t w;
