@@ -89,22 +89,21 @@ class RankResults:
                 done.append(_combined(r, partial))
         return done
 
-    def missing(self) -> dict[int, list[int]]:
-        """Transfers and lookups some rank has reported and others not yet: id ->
-        missing ranks."""
+    def missing(self) -> dict[tuple[str, int], list[int]]:
+        """Transfers and lookups some rank has reported and others not yet:
+        ("transfer" or "lookup", id) -> missing ranks. (Transfer and lookup ids are
+        separate counters, so an id alone would let one hide the other.)"""
         everyone = set(range(self.tp_size))
-        return {key[1]: sorted(everyone - p.ranks) for key, p in self._partial.items()}
+        return {
+            ("lookup" if kind is LookupResult else "transfer", id_): sorted(everyone - p.ranks)
+            for (kind, id_), p in self._partial.items()
+        }
 
 
 def _key(r: Result) -> tuple[type, int]:
-    return (
-        (LookupResult, r.lookup_id)
-        if isinstance(r, LookupResult)
-        else (
-            TransferResult,
-            r.transfer_id,
-        )
-    )
+    if isinstance(r, LookupResult):
+        return LookupResult, r.lookup_id
+    return TransferResult, r.transfer_id
 
 
 def _combined(r: Result, partial: _Partial) -> Result:

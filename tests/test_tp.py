@@ -13,7 +13,7 @@ def test_a_transfer_completes_when_every_rank_has_reported() -> None:
     ranks = RankResults(3)
     assert ranks.add(0, [TransferResult(1, True), TransferResult(2, True)]) == []
     assert ranks.add(2, [TransferResult(2, True)]) == []
-    assert ranks.missing() == {1: [1, 2], 2: [1]}
+    assert ranks.missing() == {("transfer", 1): [1, 2], ("transfer", 2): [1]}
     assert ranks.add(1, [TransferResult(2, True)]) == [TransferResult(2, True)]
     assert ranks.add(1, [TransferResult(1, True)]) == []
     assert ranks.add(2, [TransferResult(1, True)]) == [TransferResult(1, True)]
@@ -51,7 +51,7 @@ def test_bad_reports_are_refused_and_record_nothing(rank, batch, error) -> None:
     ranks.add(0, [TransferResult(9, True)])
     with pytest.raises(error):
         ranks.add(rank, batch)
-    assert ranks.missing() == {9: [1]}
+    assert ranks.missing() == {("transfer", 9): [1]}
     assert ranks.add(1, [TransferResult(9, True)]) == [TransferResult(9, True)]
     with pytest.raises(ValueError, match="tp_size"):
         RankResults(0)
@@ -62,7 +62,8 @@ def test_a_lookup_prefix_is_the_minimum_over_ranks() -> None:
 
     ranks = RankResults(2)
     assert ranks.add(0, [LookupResult(5, 7), TransferResult(5, True)]) == []
-    assert ranks.add(1, [LookupResult(5, 3)]) == [LookupResult(5, 3)]  # ids per kind
+    assert ranks.missing() == {("lookup", 5): [1], ("transfer", 5): [1]}  # ids per kind
+    assert ranks.add(1, [LookupResult(5, 3)]) == [LookupResult(5, 3)]
     assert ranks.add(1, [TransferResult(5, True)]) == [TransferResult(5, True)]
     with pytest.raises(ValueError, match="lookup 6 twice"):
         ranks.add(0, [LookupResult(6, 1), LookupResult(6, 2)])

@@ -196,8 +196,9 @@ class ResultsReceiver:
         self._combined += len(done)
         return done
 
-    def missing(self) -> dict[int, list[int]]:
-        """Transfers some rank has reported and others not yet: id -> missing ranks."""
+    def missing(self) -> dict[tuple[str, int], list[int]]:
+        """Transfers and lookups some rank has reported and others not yet:
+        (kind, id) -> missing ranks (see `RankResults.missing`)."""
         return self._ranks.missing()
 
     def stats(self) -> ReceiverStats:

@@ -82,7 +82,7 @@ def test_two_worker_processes_combine_into_one_result_per_transfer(channel: str)
         assert sorted(r.transfer_id for r in combined) == list(range(1, 40))
         failed = [r for r in combined if not r.success]
         assert failed == [TransferResult(13, False, "rank 1: copy failed")]
-        assert receiver.missing() == {0: [1]}  # rank 1 never reported transfer 0
+        assert receiver.missing() == {("transfer", 0): [1]}  # rank 1 never reported transfer 0
         stats = receiver.stats()
         assert (stats.results, stats.combined, stats.rejected_datagrams) == (79, 39, 0)
     finally:
