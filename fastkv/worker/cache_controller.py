@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -440,13 +441,14 @@ class CacheController:
             The step's LayerDoneCounter (also kept for `wait_for_layer`).
 
         Raises:
-            ValueError: wrong levels, ids out of range, duplicate destinations, or a
-                transfer id already in flight; nothing is launched.
+            ValueError: wrong levels, ids (or `write_block_ids`) out of range,
+                duplicate destinations, or a transfer id already in flight; nothing
+                is launched.
             CudaCaptureError: the compute stream is capturing a CUDA graph (launch
                 transfers outside the captured region); nothing is launched.
         """
         self._check_live()
-        writes = list(write_block_ids)
+        writes = self._write_ids(write_block_ids)
         compute = self._step_compute(compute_stream)
         evict = swap_in = None
         if (
@@ -604,7 +606,9 @@ class CacheController:
             storage_blocks_written=self._storage_blocks[0],
         )
 
-    def reset_cache(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult]:
+    def reset_cache(
+        self, timeout: float = DEFAULT_TIMEOUT
+    ) -> list[TransferResult | LookupResult]:
         """Wait for in-flight copies, then zero every device and host block.
 
         Returns:
@@ -617,20 +621,38 @@ class CacheController:
             ctypes.memset(self._host_base, 0, self._host_bytes)
         return results
 
-    def free_cache(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult]:
+    def free_cache(
+        self, timeout: float = DEFAULT_TIMEOUT
+    ) -> list[TransferResult | LookupResult]:
         """Wait for in-flight copies, release the host allocation, drop the tensors
         and stop the streams. The controller is unusable afterwards.
 
+        A storage read or write stuck in its backend past `timeout` may still write
+        into the host tier when it returns: then the host allocation is left
+        mapped (and logged) rather than freed under it.
+
         Returns:
-            The results of the copies that were still in flight.
+            The results of the copies and storage requests still in flight.
         """
         if self._freed:
             return []
-        results = self.wait_all(timeout)
-        if getattr(self, "_storage", None) is not None:
-            self._storage.close(timeout)  # type: ignore[union-attr]
+        results: list[TransferResult | LookupResult] = list(self.wait_all(timeout))
+        engine = getattr(self, "_storage", None)
+        stuck: frozenset[int] = frozenset()
+        if engine is not None:
+            results += self._storage_results(engine.close(timeout))
+            stuck = engine.busy_host_blocks()
             self._storage = None
         self._release_gpu()
+        if stuck:
+            log.error(
+                "free_cache: storage I/O still touches host blocks %s after %.1f s; "
+                "leaving the host tier's %d bytes mapped so it cannot write into freed memory",
+                sorted(stuck)[:8],
+                timeout,
+                self._host_bytes,
+            )
+            self._host_base = 0
         self._release_host()
         self.caches = []
         self._op_caches = []
@@ -776,6 +798,23 @@ class CacheController:
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self.host_ptrs = [self._host_base + int(o) for o in offsets]
         self._host_ptrs_tensor = paddle_ops.int64_tensor(np.asarray(self.host_ptrs, np.int64))
+
+    def _write_ids(self, write_block_ids: Iterable[int]) -> list[int]:
+        """The step's written device blocks, checked before anything is launched (a
+        bad id found after the eviction started would leave it running unreported)."""
+        limit = self.shape.num_device_blocks
+        writes = []
+        for i, block in enumerate(write_block_ids):
+            try:
+                block = operator.index(block)
+            except TypeError:
+                raise ValueError(
+                    f"write_block_ids[{i}]: expected a device block id, got {block!r}"
+                ) from None
+            if not 0 <= block < limit:
+                raise ValueError(f"write_block_ids[{i}]: {block} is outside [0, {limit})")
+            writes.append(block)
+        return writes
 
     def _ids(
         self, meta: CacheSwapMetadata, src: CacheLevel, dst: CacheLevel

@@ -4,7 +4,9 @@ against a reference model of what every block must hold."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+import threading
 import time
 
 import numpy as np
@@ -16,6 +18,7 @@ from ops.gpu_support import paddle_gpu_skip_reason  # noqa: E402
 
 from fastkv import CacheLevel, CacheSwapMetadata  # noqa: E402
 from fastkv.ops import core, paddle_ops  # noqa: E402
+from fastkv.storage.base import OK, BlockLayout, StorageBackend, StorageStats  # noqa: E402
 from fastkv.worker import CacheController, KVCacheSpec  # noqa: E402
 from fastkv.worker.streams import HostStream, InlineStream  # noqa: E402
 from fastkv.worker.transfer_manager import TransferFailedError  # noqa: E402
@@ -132,6 +135,23 @@ def test_bad_metadata_raises_before_anything_moves(evict, swap_in, match) -> Non
         assert ctrl.get_stats().inflight_transfers == 0
 
 
+@pytest.mark.parametrize(
+    ("writes", "match"),
+    [
+        ([3, 24], r"\[1\]: 24 is outside"),
+        (["7"], r"\[0\]: expected a device block id, got '7'"),
+    ],
+)
+def test_bad_write_ids_raise_before_the_eviction_starts(writes, match) -> None:
+    # The eviction is launched before the load; a bad write id found after it
+    # would leave a copy running that the caller was told never started.
+    with make() as ctrl:
+        with pytest.raises(ValueError, match=rf"write_block_ids{match}"):
+            ctrl.submit_swap_tasks(d2h(0, [1], [1]), h2d(1, [2], [2]), writes)
+        assert ctrl.get_stats().inflight_transfers == 0
+        assert ctrl.get_stats().device_to_host_transfers == 0
+
+
 def test_a_transfer_id_still_in_flight_is_refused() -> None:
     gate = HostStream("d2h")
     with make(streams=(HostStream("h2d"), gate, InlineStream())) as ctrl:
@@ -163,6 +183,56 @@ def test_a_failed_load_is_reported_and_raises_at_its_layer(monkeypatch) -> None:
         (result,) = ctrl.wait_all(5)
         assert (result.transfer_id, result.success) == (5, False)
         assert ctrl.get_stats().failed_transfers == 1
+
+
+class StuckBackend(StorageBackend):
+    """A store whose reads hang in the backend until released (a hung NFS mount, a
+    stalled Mooncake transfer), then write into the host block they were given."""
+
+    def __init__(self, layout: BlockLayout) -> None:
+        self.layout = layout
+        self.release = threading.Event()
+        self.wrote = threading.Event()
+
+    def exists(self, keys, deadline):
+        return [True] * len(keys)
+
+    def get_into(self, keys, blocks, deadline):
+        self.release.wait(30)
+        for block in blocks:
+            for address, length in block:
+                ctypes.memset(address, 7, length)
+        self.wrote.set()
+        return [OK] * len(keys)
+
+    def put_from(self, keys, blocks, deadline):
+        return [OK] * len(keys)
+
+    def stats(self) -> StorageStats:
+        return StorageStats()
+
+    def close(self) -> None:
+        pass
+
+
+def test_free_cache_keeps_the_host_tier_mapped_while_storage_io_still_writes_it(
+    monkeypatch, caplog
+) -> None:
+    spec = KVCacheSpec(1, 1, 4, 4, num_device_blocks=2, num_host_blocks=2, dtype="float32")
+    backend = StuckBackend(BlockLayout(tuple(spec.block_bytes())))
+    ctrl = CacheController(spec, storage=backend, storage_namespace=bytes(32))
+    freed = []
+    real_free = paddle_ops.host_free
+    monkeypatch.setattr(paddle_ops, "host_free", lambda *a: freed.append(a) or real_free(*a))
+    load = CacheSwapMetadata(
+        5, CacheLevel.STORAGE, CacheLevel.HOST, [], [1], [bytes(range(32))], timeout_s=0.1
+    )
+    ctrl.submit_storage_tasks(load, None)
+    ctrl.free_cache(timeout=0.3)
+    assert freed == [], "the host tier was freed under a read still in its backend"
+    assert "still touches host blocks [1]" in caplog.text
+    backend.release.set()  # the read returns and writes its block: still mapped
+    assert backend.wrote.wait(10)
 
 
 def test_reset_zeroes_and_free_releases() -> None:
