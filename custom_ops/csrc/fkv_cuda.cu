@@ -615,12 +615,12 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
   const size_t seg_begin = static_cast<size_t>(first_layer) * spl;
   const size_t seg_end = seg_begin + static_cast<size_t>(num_layers) * spl;
 
-  // Which segments have copy-engine runs, and so whether the kernel needs run
-  // lengths to skip those ids.
+  // Whether any segment has copy-engine runs, and so whether the kernel needs run
+  // lengths to skip those ids. The run extent is found once for every layer.
+  const RunExtent extent = run_extent(runs);
   bool with_run_len = false;
   for (size_t s = seg_begin; s < seg_end && num_ids > 0; ++s) {
-    const int64_t min_run = memcpy_min_run(memcpy_min, layout->segs[s].block_bytes);
-    if (memcpy_blocks(runs, min_run) > 0) {
+    if (extent.engine_moves_some(memcpy_min_run(memcpy_min, layout->segs[s].block_bytes))) {
       with_run_len = true;
       break;
     }
@@ -659,9 +659,10 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
       for (int32_t k = 0; k < spl && rc == FKV_OK; ++k) {
         const PlanSegment& seg = layout->segs[s0 + k];
         const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
-        const int64_t by_engine = num_ids > 0 ? memcpy_blocks(runs, min_run) : 0;
-        if (by_engine > 0) rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
-        needs_kernel = needs_kernel || by_engine < num_ids;
+        if (extent.engine_moves_some(min_run)) {
+          rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
+        }
+        needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
       }
       for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
         const int64_t i0 = static_cast<int64_t>(c) * per_slot;
@@ -1004,16 +1005,17 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   // Long runs: cudaMemcpyAsync per segment and run, on the copy engine.
   std::vector<DevSegment>& descs = t_descs;
   descs.clear();
+  const RunExtent extent = run_extent(runs);
   bool any_skipped = false;
   for (int32_t s = 0; s < num_segments; ++s) {
     const int64_t min_run = memcpy_min_run(memcpy_min, resolved[s].block_bytes);
-    const int64_t by_engine = memcpy_blocks(runs, min_run);
-    if (by_engine > 0) {
+    const bool by_engine = extent.engine_moves_some(min_run);
+    if (by_engine) {
       rc = enqueue_memcpy_runs(resolved[s], runs, min_run, h2d, stream);
       if (rc != FKV_OK) return rc;
     }
-    if (by_engine == num_ids) continue;
-    any_skipped = any_skipped || by_engine > 0;
+    if (!extent.kernel_moves_some(min_run)) continue;
+    any_skipped = any_skipped || by_engine;
     descs.push_back(make_dev_segment(resolved[s]));
   }
   if (descs.empty()) return FKV_OK;
