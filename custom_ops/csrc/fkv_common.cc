@@ -101,6 +101,39 @@ int check_ids_sorted(const int64_t* dst, int64_t n, const char* name) {
   return set_error(FKV_EINVAL, "%s: duplicate destination %" PRId64, name, value);
 }
 
+// The argument checks both halves of validate_swap start with, and validate_swap
+// itself before the segment walk.
+int check_segment_array(const fkv_segment* segments, int32_t num_segments) {
+  if (segments == nullptr) return set_error(FKV_EINVAL, "segments: NULL");
+  if (num_segments <= 0 || num_segments > FKV_MAX_SEGMENTS) {
+    return set_error(FKV_EINVAL, "num_segments: %d out of range [1, %d]", num_segments,
+                     FKV_MAX_SEGMENTS);
+  }
+  return FKV_OK;
+}
+
+int check_block_counts(int64_t num_device_blocks, int64_t num_host_blocks) {
+  if (num_device_blocks < 0) {
+    return set_error(FKV_EINVAL, "num_device_blocks: %" PRId64 " is negative",
+                     num_device_blocks);
+  }
+  if (num_host_blocks < 0) {
+    return set_error(FKV_EINVAL, "num_host_blocks: %" PRId64 " is negative", num_host_blocks);
+  }
+  return FKV_OK;
+}
+
+int check_id_arrays(const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids) {
+  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
+  if (num_ids > 0 && device_ids == nullptr) {
+    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+  if (num_ids > 0 && host_ids == nullptr) {
+    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
+  }
+  return FKV_OK;
+}
+
 }  // namespace
 
 int set_error(int code, const char* fmt, ...) {
@@ -119,18 +152,10 @@ void clear_error() {
 
 int validate_segments(const fkv_segment* segments, int32_t num_segments,
                       int64_t num_device_blocks, int64_t num_host_blocks, int32_t direction) {
-  if (segments == nullptr) return set_error(FKV_EINVAL, "segments: NULL");
-  if (num_segments <= 0 || num_segments > FKV_MAX_SEGMENTS) {
-    return set_error(FKV_EINVAL, "num_segments: %d out of range [1, %d]", num_segments,
-                     FKV_MAX_SEGMENTS);
-  }
-  if (num_device_blocks < 0) {
-    return set_error(FKV_EINVAL, "num_device_blocks: %" PRId64 " is negative",
-                     num_device_blocks);
-  }
-  if (num_host_blocks < 0) {
-    return set_error(FKV_EINVAL, "num_host_blocks: %" PRId64 " is negative", num_host_blocks);
-  }
+  int rc = check_segment_array(segments, num_segments);
+  if (rc != FKV_OK) return rc;
+  rc = check_block_counts(num_device_blocks, num_host_blocks);
+  if (rc != FKV_OK) return rc;
   const bool device_dst = direction != FKV_D2H;  // H2D, or both (-1)
   const bool host_dst = direction != FKV_H2D;
   std::vector<Region>& regions = t_regions;
@@ -145,7 +170,7 @@ int validate_segments(const fkv_segment* segments, int32_t num_segments,
     }
     uintptr_t dev_end = 0;
     uintptr_t host_end = 0;
-    int rc = check_region("device", s, seg.device_base, num_device_blocks, seg.block_bytes,
+    rc = check_region("device", s, seg.device_base, num_device_blocks, seg.block_bytes,
                           &dev_end);
     if (rc != FKV_OK) return rc;
     rc = check_region("host", s, seg.host_base, num_host_blocks, seg.block_bytes, &host_end);
@@ -171,13 +196,8 @@ int validate_ids(int64_t num_device_blocks, int64_t num_host_blocks, const int64
                  const int64_t* host_ids, int64_t num_ids, int32_t direction,
                  std::vector<BlockRun>* runs) {
   runs->clear();
-  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
-  if (num_ids > 0 && device_ids == nullptr) {
-    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
-  }
-  if (num_ids > 0 && host_ids == nullptr) {
-    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
-  }
+  int rc = check_id_arrays(device_ids, host_ids, num_ids);
+  if (rc != FKV_OK) return rc;
   if (num_ids == 0) return FKV_OK;
 
   const bool h2d = direction == FKV_H2D;
@@ -190,7 +210,6 @@ int validate_ids(int64_t num_device_blocks, int64_t num_host_blocks, const int64
   }
   uint64_t* bits = t_bitmap.data();
 
-  int rc = FKV_OK;
   int64_t i = 0;
   for (; i < num_ids; ++i) {
     const int64_t d = device_ids[i];
@@ -240,34 +259,21 @@ int validate_swap(const fkv_segment* segments, int32_t num_segments, int64_t num
                   int64_t num_host_blocks, const int64_t* device_ids, const int64_t* host_ids,
                   int64_t num_ids, int32_t direction, std::vector<BlockRun>* runs) {
   runs->clear();
-  if (segments == nullptr) return set_error(FKV_EINVAL, "segments: NULL");
-  if (num_segments <= 0 || num_segments > FKV_MAX_SEGMENTS) {
-    return set_error(FKV_EINVAL, "num_segments: %d out of range [1, %d]", num_segments,
-                     FKV_MAX_SEGMENTS);
-  }
+  int rc = check_segment_array(segments, num_segments);
+  if (rc != FKV_OK) return rc;
   if (direction != FKV_H2D && direction != FKV_D2H) {
     return set_error(FKV_EINVAL,
                      "direction: %d is neither 0 (host->device) nor 1 (device->host)",
                      direction);
   }
   // The scalar id arguments are checked before the (longer) segment walk, as before
-  // the split, so the first error named stays the same.
-  if (num_device_blocks < 0) {
-    return set_error(FKV_EINVAL, "num_device_blocks: %" PRId64 " is negative",
-                     num_device_blocks);
-  }
-  if (num_host_blocks < 0) {
-    return set_error(FKV_EINVAL, "num_host_blocks: %" PRId64 " is negative", num_host_blocks);
-  }
-  if (num_ids < 0) return set_error(FKV_EINVAL, "num_ids: %" PRId64 " is negative", num_ids);
-  if (num_ids > 0 && device_ids == nullptr) {
-    return set_error(FKV_EINVAL, "device_ids: NULL with num_ids=%" PRId64, num_ids);
-  }
-  if (num_ids > 0 && host_ids == nullptr) {
-    return set_error(FKV_EINVAL, "host_ids: NULL with num_ids=%" PRId64, num_ids);
-  }
-  int rc = validate_segments(segments, num_segments, num_device_blocks, num_host_blocks,
-                             direction);
+  // the split, so the first error named stays the same. The halves repeat these
+  // checks (for their other callers); they pass again here.
+  rc = check_block_counts(num_device_blocks, num_host_blocks);
+  if (rc != FKV_OK) return rc;
+  rc = check_id_arrays(device_ids, host_ids, num_ids);
+  if (rc != FKV_OK) return rc;
+  rc = validate_segments(segments, num_segments, num_device_blocks, num_host_blocks, direction);
   if (rc != FKV_OK) return rc;
   return validate_ids(num_device_blocks, num_host_blocks, device_ids, host_ids, num_ids,
                       direction, runs);

@@ -417,6 +417,22 @@ void release_slot(int device, const SlotRef& ref, cudaStream_t stream) {
   st.slots[ref.index].used = true;
 }
 
+// Fills a claimed slot's host mirror with one launch's staging data at the places
+// `sl` gives (descriptors: desc_bytes, may be 0; ids; run lengths when run_len is
+// non-NULL) and queues its upload on `stream`. The caller releases the slot after
+// the launches that read it, also when the upload failed: it may be queued.
+int upload_slot(const SlotRef& ref, const SlotLayout& sl, const void* descs, size_t desc_bytes,
+                const int64_t* device_ids, const int64_t* host_ids, const int32_t* run_len,
+                int64_t count, cudaStream_t stream) {
+  if (desc_bytes > 0) std::memcpy(ref.host + sl.descs, descs, desc_bytes);
+  std::memcpy(ref.host + sl.device_ids, device_ids, count * sizeof(int64_t));
+  std::memcpy(ref.host + sl.host_ids, host_ids, count * sizeof(int64_t));
+  if (run_len != nullptr) std::memcpy(ref.host + sl.run_len, run_len, count * sizeof(int32_t));
+  const cudaError_t err =
+      cudaMemcpyAsync(ref.device, ref.host, sl.total, cudaMemcpyHostToDevice, stream);
+  return err == cudaSuccess ? FKV_OK : cuda_error(err, "cudaMemcpyAsync(staging slot)");
+}
+
 int check_not_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   FKV_CUDA_TRY(cudaStreamIsCapturing(stream, &status));
@@ -615,12 +631,12 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
   const size_t seg_begin = static_cast<size_t>(first_layer) * spl;
   const size_t seg_end = seg_begin + static_cast<size_t>(num_layers) * spl;
 
-  // Which segments have copy-engine runs, and so whether the kernel needs run
-  // lengths to skip those ids.
+  // Whether any segment has copy-engine runs, and so whether the kernel needs run
+  // lengths to skip those ids. The run extent is found once for every layer.
+  const RunExtent extent = run_extent(runs);
   bool with_run_len = false;
   for (size_t s = seg_begin; s < seg_end && num_ids > 0; ++s) {
-    const int64_t min_run = memcpy_min_run(memcpy_min, layout->segs[s].block_bytes);
-    if (memcpy_blocks(runs, min_run) > 0) {
+    if (extent.engine_moves_some(memcpy_min_run(memcpy_min, layout->segs[s].block_bytes))) {
       with_run_len = true;
       break;
     }
@@ -639,16 +655,10 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
     SlotRef ref{};
     rc = acquire_slot(layout->device, &ref);
     if (rc != FKV_OK) break;
-    slots.push_back(ref);
-    const SlotLayout sl = slot_layout(0, count, with_run_len);
-    std::memcpy(ref.host + sl.device_ids, device_ids + i0, count * sizeof(int64_t));
-    std::memcpy(ref.host + sl.host_ids, host_ids + i0, count * sizeof(int64_t));
-    if (with_run_len) {
-      std::memcpy(ref.host + sl.run_len, t_run_len.data() + i0, count * sizeof(int32_t));
-    }
-    const cudaError_t err =
-        cudaMemcpyAsync(ref.device, ref.host, sl.total, cudaMemcpyHostToDevice, stream);
-    if (err != cudaSuccess) rc = cuda_error(err, "cudaMemcpyAsync(staging slot)");
+    slots.push_back(ref);  // released after every layer's launches
+    rc = upload_slot(ref, slot_layout(0, count, with_run_len), nullptr, 0, device_ids + i0,
+                     host_ids + i0, with_run_len ? t_run_len.data() + i0 : nullptr, count,
+                     stream);
   }
 
   int32_t layer = first_layer;
@@ -659,9 +669,10 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
       for (int32_t k = 0; k < spl && rc == FKV_OK; ++k) {
         const PlanSegment& seg = layout->segs[s0 + k];
         const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
-        const int64_t by_engine = num_ids > 0 ? memcpy_blocks(runs, min_run) : 0;
-        if (by_engine > 0) rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
-        needs_kernel = needs_kernel || by_engine < num_ids;
+        if (extent.engine_moves_some(min_run)) {
+          rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
+        }
+        needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
       }
       for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
         const int64_t i0 = static_cast<int64_t>(c) * per_slot;
@@ -1004,16 +1015,17 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   // Long runs: cudaMemcpyAsync per segment and run, on the copy engine.
   std::vector<DevSegment>& descs = t_descs;
   descs.clear();
+  const RunExtent extent = run_extent(runs);
   bool any_skipped = false;
   for (int32_t s = 0; s < num_segments; ++s) {
     const int64_t min_run = memcpy_min_run(memcpy_min, resolved[s].block_bytes);
-    const int64_t by_engine = memcpy_blocks(runs, min_run);
-    if (by_engine > 0) {
+    const bool by_engine = extent.engine_moves_some(min_run);
+    if (by_engine) {
       rc = enqueue_memcpy_runs(resolved[s], runs, min_run, h2d, stream);
       if (rc != FKV_OK) return rc;
     }
-    if (by_engine == num_ids) continue;
-    any_skipped = any_skipped || by_engine > 0;
+    if (!extent.kernel_moves_some(min_run)) continue;
+    any_skipped = any_skipped || by_engine;
     descs.push_back(make_dev_segment(resolved[s]));
   }
   if (descs.empty()) return FKV_OK;
@@ -1038,20 +1050,12 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
       SlotRef ref{};
       rc = acquire_slot(device, &ref);
       if (rc != FKV_OK) return rc;
-      std::memcpy(ref.host + sl.descs, gdescs, desc_bytes);
-      std::memcpy(ref.host + sl.device_ids, device_ids + i0, count * sizeof(int64_t));
-      std::memcpy(ref.host + sl.host_ids, host_ids + i0, count * sizeof(int64_t));
-      if (any_skipped) {
-        std::memcpy(ref.host + sl.run_len, t_run_len.data() + i0, count * sizeof(int32_t));
-      }
-      cudaError_t err =
-          cudaMemcpyAsync(ref.device, ref.host, sl.total, cudaMemcpyHostToDevice, stream);
-      if (err == cudaSuccess) {
+      rc = upload_slot(ref, sl, gdescs, desc_bytes, device_ids + i0, host_ids + i0,
+                       any_skipped ? t_run_len.data() + i0 : nullptr, count, stream);
+      if (rc == FKV_OK) {
         rc = launch_kernel(reinterpret_cast<const DevSegment*>(ref.device + sl.descs),
                            gdescs[group - 1], group, ref.device, sl, any_skipped, count,
                            memcpy_min, h2d, stream);
-      } else {
-        rc = cuda_error(err, "cudaMemcpyAsync(staging slot)");
       }
       // Record even after a failed launch: the staging copy may be queued and still
       // reading the host slot.

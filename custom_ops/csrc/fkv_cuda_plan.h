@@ -151,13 +151,26 @@ inline void set_chunk_prefixes(DevSegment* segs, int32_t num_segs) {
   }
 }
 
-// Blocks of one segment that go to the copy engine.
-inline int64_t memcpy_blocks(const std::vector<BlockRun>& runs, int64_t min_run) {
-  int64_t n = 0;
+// The shortest and longest run of a call, found once so that each segment's
+// copy-engine/kernel split is O(1) instead of a walk over the runs. The runs cover
+// every id exactly once, each with at least one block, and memcpy_min_run is at
+// least 1; so for a segment's min_run the copy engine moves some of its blocks iff
+// the longest run reaches min_run, and the kernel some iff the shortest does not.
+// No runs (no ids): neither.
+struct RunExtent {
+  int64_t shortest;
+  int64_t longest;
+  bool engine_moves_some(int64_t min_run) const { return longest >= min_run; }
+  bool kernel_moves_some(int64_t min_run) const { return shortest < min_run; }
+};
+
+inline RunExtent run_extent(const std::vector<BlockRun>& runs) {
+  RunExtent e{INT64_MAX, 0};
   for (const BlockRun& r : runs) {
-    if (r.num_blocks >= min_run) n += r.num_blocks;
+    e.shortest = std::min(e.shortest, r.num_blocks);
+    e.longest = std::max(e.longest, r.num_blocks);
   }
-  return n;
+  return e;
 }
 
 // Per id, the length of its run (clamped to INT32_MAX): lets the kernel skip the

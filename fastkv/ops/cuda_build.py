@@ -207,10 +207,10 @@ def select_archs(
     if requested and requested.strip():
         archs = _parse_archs("FASTKV_CUDA_ARCHS", requested, supported)
     else:
-        wanted = DEFAULT_ARCHS + OPTIONAL_ARCHS
-        archs = [a for a in wanted if supported is None or a in supported]
         if supported is None:
             archs = list(DEFAULT_ARCHS)
+        else:
+            archs = [a for a in DEFAULT_ARCHS + OPTIONAL_ARCHS if a in supported]
         if not archs:
             raise ToolkitError(
                 f"this nvcc supports none of sm_{', sm_'.join(map(str, DEFAULT_ARCHS))}"

@@ -242,25 +242,29 @@ class CudaEventPool:
         self.device = device
         self._free: list[int] = []
         self._lock = threading.Lock()
-        self.created = 0
+        self._closed = False
         for _ in range(prefill):
             self._free.append(core.event_create(device))
-            self.created += 1
 
     def take(self) -> int:
         with self._lock:
             if self._free:
                 return self._free.pop()
-            self.created += 1
         return self._core.event_create(self.device)
 
     def give(self, handle: int) -> None:
+        """Pools a completed event; once the pool is closed, destroys it instead."""
         with self._lock:
-            self._free.append(handle)
+            if not self._closed:
+                self._free.append(handle)
+                return
+        self._core.event_destroy(self.device, handle)
 
     def close(self) -> None:
-        """Destroys the pooled events (events still held elsewhere are unaffected)."""
+        """Destroys the pooled events; events still held elsewhere are destroyed when
+        they are given back."""
         with self._lock:
+            self._closed = True
             handles, self._free = self._free, []
         for h in handles:
             self._core.event_destroy(self.device, h)

@@ -61,6 +61,23 @@ void simulate_launch(const DevSegment* segs, int32_t num_segs, const int64_t* de
   }
 }
 
+// Blocks of one segment that go to the copy engine, counted the long way: checks
+// that the launchers' O(1) RunExtent split says the same.
+int64_t memcpy_blocks(const std::vector<BlockRun>& runs, int64_t min_run) {
+  int64_t n = 0;
+  for (const BlockRun& r : runs) {
+    if (r.num_blocks >= min_run) n += r.num_blocks;
+  }
+  return n;
+}
+
+bool extent_agrees(const RunExtent& e, const std::vector<BlockRun>& runs, int64_t num_ids,
+                   int64_t min_run) {
+  const int64_t by_engine = memcpy_blocks(runs, min_run);
+  return e.engine_moves_some(min_run) == (by_engine > 0) &&
+         e.kernel_moves_some(min_run) == (by_engine < num_ids);
+}
+
 int copy_runs(const PlanSegment& seg, const std::vector<BlockRun>& runs, int64_t min_run,
               bool h2d, Totals* t) {
   for (const BlockRun& run : runs) {
@@ -95,16 +112,18 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
   const bool h2d = direction == FKV_H2D;
   Totals t;
   std::vector<DevSegment> descs;
+  const RunExtent extent = run_extent(runs);
   bool any_skipped = false;
   for (int32_t s = 0; s < num_segments; ++s) {
     const fkv_segment& f = segments[s];
     PlanSegment seg{static_cast<char*>(f.device_base), static_cast<char*>(f.host_base),
                     static_cast<char*>(f.host_base), f.block_bytes};
     const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
-    const int64_t by_engine = memcpy_blocks(runs, min_run);
-    if (by_engine > 0) copy_runs(seg, runs, min_run, h2d, &t);
-    if (by_engine == num_ids) continue;
-    any_skipped = any_skipped || by_engine > 0;
+    if (!extent_agrees(extent, runs, num_ids, min_run)) return -4;  // split disagrees
+    const bool by_engine = extent.engine_moves_some(min_run);
+    if (by_engine) copy_runs(seg, runs, min_run, h2d, &t);
+    if (!extent.kernel_moves_some(min_run)) continue;
+    any_skipped = any_skipped || by_engine;
     descs.push_back(make_dev_segment(seg));
   }
   std::vector<int32_t> run_len;
@@ -174,9 +193,10 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
     descs[s] = make_dev_segment(segs[s]);
   }
   for (int32_t l = 0; l < num_segments / spl; ++l) set_chunk_prefixes(&descs[l * spl], spl);
+  const RunExtent extent = run_extent(runs);
   bool with_run_len = false;
   for (int32_t s = first_layer * spl; s < (first_layer + num_layers) * spl && num_ids; ++s) {
-    if (memcpy_blocks(runs, memcpy_min_run(memcpy_min, segs[s].block_bytes)) > 0) {
+    if (extent.engine_moves_some(memcpy_min_run(memcpy_min, segs[s].block_bytes))) {
       with_run_len = true;
     }
   }
@@ -193,9 +213,9 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
     bool needs_kernel = false;
     for (int32_t k = 0; k < spl; ++k) {
       const int64_t min_run = memcpy_min_run(memcpy_min, segs[s0 + k].block_bytes);
-      const int64_t by_engine = num_ids > 0 ? memcpy_blocks(runs, min_run) : 0;
-      if (by_engine > 0) copy_runs(segs[s0 + k], runs, min_run, h2d, &t);
-      needs_kernel = needs_kernel || by_engine < num_ids;
+      if (!extent_agrees(extent, runs, num_ids, min_run)) return -4;  // split disagrees
+      if (extent.engine_moves_some(min_run)) copy_runs(segs[s0 + k], runs, min_run, h2d, &t);
+      needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
     }
     for (int64_t i0 = 0; needs_kernel && i0 < num_ids; i0 += per_slot) {
       const int64_t count = std::min(per_slot, num_ids - i0);

@@ -131,12 +131,12 @@ def fake_cuda():
 
     fake = FakeCudaCore()
     pool = mod.CudaEventPool.__new__(mod.CudaEventPool)
-    pool._core, pool.device, pool._free, pool._lock, pool.created = (
+    pool._core, pool.device, pool._free, pool._lock, pool._closed = (
         fake,
         3,
         [],
         threading.Lock(),
-        0,
+        False,
     )
     stream = mod.CudaStream.__new__(mod.CudaStream)
     stream._core, stream.device, stream.handle, stream.pool, stream.owned = (
@@ -163,6 +163,20 @@ def test_cuda_events_are_latched_and_pooled(fake_cuda) -> None:
     pending_handle = pending.handle
     del pending
     assert pending_handle in fake.destroyed  # a pending one is destroyed, never reused
+
+
+def test_events_given_back_to_a_closed_pool_are_destroyed(fake_cuda) -> None:
+    fake, pool, stream = fake_cuda
+    held = stream.record()  # e.g. the controller's counter, still held at close
+    pooled = stream.record()
+    fake.pending.clear()
+    held_handle, pooled_handle = held.handle, pooled.handle
+    del pooled  # back in the pool before it closes
+    pool.close()
+    assert fake.destroyed == [pooled_handle]
+    del held  # completed, handed back after the close: destroyed, not pooled
+    assert fake.destroyed == [pooled_handle, held_handle]
+    assert pool._free == []
 
 
 def test_cuda_stream_launches_layers_in_one_call_and_names_the_failed_layer(fake_cuda) -> None:
