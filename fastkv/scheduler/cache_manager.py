@@ -314,7 +314,8 @@ class CacheManager:
 
     Args:
         config: a validated `CacheConfig`.
-        clock: monotonic seconds, for the storage tier's waits and retries
+        clock: monotonic seconds, for transfer durations (metrics listeners, the
+            storage read-bandwidth estimate) and the storage tier's waits and retries
             (injectable for tests and replays).
     """
 
@@ -352,6 +353,7 @@ class CacheManager:
         self._storage = (
             StorageTier(self, config.storage, clock) if config.storage is not None else None
         )
+        self._clock = clock
         # The storage write policy's per-block hooks, only where they can act.
         writes = self._storage.write_policy if self._storage is not None else None
         self._write_on_host_copy = writes in (
@@ -708,7 +710,7 @@ class CacheManager:
                 )
             seen.add(result.transfer_id)
         rollbacks: dict[RequestId, list[int]] = {}
-        now = time.monotonic() if self._listeners else 0.0
+        now = self._clock()
         for result in results:
             if isinstance(result, LookupResult):
                 self._storage.apply_lookup(result)  # type: ignore[union-attr]
@@ -732,7 +734,7 @@ class CacheManager:
             )
             if isinstance(transfer, LoadTransfer):
                 if result.success:
-                    storage.note_load_time(transfer, time.monotonic() - transfer.emitted_at)
+                    storage.note_load_time(transfer, now - transfer.emitted_at)
                 self.host_pool.free(storage.finish_load(transfer, failed, everything))
             else:
                 self.host_pool.free(storage.finish_store(transfer, failed, everything))
@@ -984,7 +986,7 @@ class CacheManager:
         transfer_id = self._next_transfer_id
         self._next_transfer_id += 1
         self._transfers[transfer_id] = transfer
-        transfer.emitted_at = time.monotonic()
+        transfer.emitted_at = self._clock()
         return transfer_id
 
     def _emit(self, transfer: _Transfer, src: CacheLevel, dst: CacheLevel) -> CacheSwapMetadata:
