@@ -317,8 +317,10 @@ class RadixTree:
         for i, key in enumerate(keys):
             node = index.get(key)
             if node is None:
-                break
-            if node.parent is not parent:
+                continue
+            # Cached keys must be a leading run on the path: one after a new key,
+            # or under another parent, was chained from a different prefix.
+            if i != num_existing or node.parent is not parent:
                 raise ValueError(
                     f"block hashes: position {i} of the new blocks is already cached under "
                     "another prefix; block hashes must be chained (each commits to every "
@@ -326,13 +328,6 @@ class RadixTree:
                 )
             num_existing += 1
             parent = node
-        for i in range(num_existing, len(keys)):
-            if keys[i] in index:
-                raise ValueError(
-                    f"block hashes: position {i} of the new blocks is already cached under "
-                    "another prefix; block hashes must be chained (each commits to every "
-                    "block before it)"
-                )
         return num_existing
 
     # -- state transitions ----------------------------------------------------
