@@ -254,9 +254,12 @@ class FastDeployCacheController:
         with self._lock:
             if self.controller is not None:
                 raise RuntimeError("initialize_kv_cache: the cache exists; free_cache first")
-            caches, per_layer = self._create(attn_backend, num_gpu_blocks, 0, self._num_layers)
+            caches, per_layer, names = self._create(
+                attn_backend, num_gpu_blocks, 0, self._num_layers
+            )
             self._num_gpu_blocks = num_gpu_blocks
             self._adopt(caches, per_layer, 0)
+            self.cache_kvs_map.update(names)
             return list(caches)
 
     def initialize_mtp_kv_cache(
@@ -278,7 +281,7 @@ class FastDeployCacheController:
             stats = ctrl.get_stats()
             if stats.device_to_host_transfers or stats.host_to_device_transfers:
                 raise RuntimeError("initialize_mtp_kv_cache: swaps already ran on this cache")
-            mtp, per_layer = self._create(
+            mtp, per_layer, names = self._create(
                 attn_backend, num_gpu_blocks, layer_offset, num_mtp_layers
             )
             if per_layer != self._tensors_per_layer:
@@ -289,7 +292,14 @@ class FastDeployCacheController:
             main = self._caches
             ctrl.free_cache()  # the host tier is re-sized for the extra layers
             self.controller = None
-            self._adopt([*main, *mtp], per_layer, num_mtp_layers)
+            try:
+                self._adopt([*main, *mtp], per_layer, num_mtp_layers)
+            except Exception:
+                # Refused (e.g. the MTP tensors' dtype): the main cache gets its
+                # controller and host tier back (no swap ran, so nothing is lost).
+                self._adopt(main, per_layer, 0)
+                raise
+            self.cache_kvs_map.update(names)
             return list(mtp)
 
     def get_kv_caches(self) -> list[Any]:
@@ -477,13 +487,16 @@ class FastDeployCacheController:
 
     def _create(
         self, attn_backend: Any, num_blocks: int, first_layer: int, num_layers: int
-    ) -> tuple[list[Any], int]:
+    ) -> tuple[list[Any], int, dict[str, Any]]:
+        """Make the layers' tensors; returns them flat, the tensors per layer and
+        their names (merged into `cache_kvs_map` by the caller once adopted)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_gpu_blocks: must be an int >= 1, got {num_blocks!r}")
         kv_dtype = fdc.kv_dtype_of(self.fd_config)
         quant = fdc.kv_cache_quant_type(self.fd_config)
         dtype = "uint8" if kv_dtype == "fp8" else kv_dtype
         caches: list[Any] = []
+        names: dict[str, Any] = {}
         per_layer = None
         for layer in range(first_layer, first_layer + num_layers):
             made = attn_backend.create_kv_cache(
@@ -500,9 +513,9 @@ class FastDeployCacheController:
             for role in roles:
                 caches.append(made[role])
                 name = f"{ROLES[role]}_{layer}_rank{self.rank}.device{self.device_id}"
-                self.cache_kvs_map[name] = made[role]
+                names[name] = made[role]
         assert per_layer is not None
-        return caches, per_layer
+        return caches, per_layer, names
 
     def _adopt(self, caches: list[Any], per_layer: int, num_extra: int) -> None:
         from fastkv.worker.cache_controller import CacheController
