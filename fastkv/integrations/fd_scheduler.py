@@ -388,8 +388,11 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             tasks = self.manager.take_swap_metadata()
-            if tasks.swap_in is not None:  # allocations take their own swap-ins
-                raise AssertionError("a swap-in was planned outside allocate_device_blocks")
+            if tasks.swap_in is not None:  # allocations take their own swap-ins: never here
+                # Taken with the evictions: fail it (its blocks return), keep those.
+                log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
+                error = "planned outside allocate_device_blocks: never dispatched"
+                self._apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
             if tasks.evict is None:
                 return None
             return to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
