@@ -231,7 +231,6 @@ class FastDeployCacheController:
         self._num_extra_layers = 0
         self._next_id = 0
         self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
-        self._evict_reads: dict[int, list[int]] = {}  # in-flight eviction -> device reads
         self.swap_layer_done_counter: StepLayerCounter | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -346,7 +345,9 @@ class FastDeployCacheController:
             self._report()
             fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
-            writes = [b for reads in self._evict_reads.values() for b in reads]
+            # Blocks in-flight evictions still read (the only device reads), and this
+            # step's: the model must not overwrite them before they are copied.
+            writes = list(ctrl.transfers.device_hazards.read_blocks())
             if evict is not None:
                 writes += evict.src_block_ids
             try:
@@ -374,7 +375,6 @@ class FastDeployCacheController:
                 return self.swap_layer_done_counter
             if fk_evict is not None:
                 self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
-                self._evict_reads[fk_evict.transfer_id] = list(fk_evict.src_block_ids)
             if fk_swap is None:
                 self.swap_layer_done_counter = None
                 if writes:  # order the step's writes now: no counter goes to the runner
@@ -565,7 +565,6 @@ class FastDeployCacheController:
         out = []
         for r in results:
             ids = self._groups.pop(r.transfer_id, ())
-            self._evict_reads.pop(r.transfer_id, None)
             out += [TransferResult(t, r.success, r.error) for t in ids]
         return self.sender.send(out)
 

@@ -7,6 +7,7 @@ and `install()` replacing FastDeploy's classes where FastDeploy looks them up.""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -356,6 +357,42 @@ def test_refused_mtp_layers_leave_the_main_cache_as_it_was(
     finally:
         worker.free_cache()
         receiver.close()
+
+
+def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, paddle) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
+        ctrl = worker.controller
+        gate, wrap = threading.Event(), ctrl.faults.wrap
+
+        def held(fn):  # copies run once the gate opens
+            inner = wrap(fn)
+            return lambda *a, **k: (gate.wait(10), inner(*a, **k))[1]
+
+        ctrl.faults.wrap = held
+        guarded, submit = [], ctrl.submit_swap_tasks
+
+        def spy(evict, swap_in, writes, compute=None):
+            guarded.append(sorted(writes))
+            return submit(evict, swap_in, writes, compute)
+
+        ctrl.submit_swap_tasks = spy
+        lvl = CacheLevel
+        worker.submit_swap_tasks(
+            CacheSwapMetadata([5, 6], [2, 3], lvl.DEVICE, lvl.HOST, ["0:a", "0:b"]),
+            CacheSwapMetadata([0], [7], lvl.HOST, lvl.DEVICE, ["1:a"]),
+        )
+        worker.submit_swap_tasks(  # 5 and 6 are still being read
+            CacheSwapMetadata([1], [4], lvl.DEVICE, lvl.HOST, ["2:a"]),
+            CacheSwapMetadata([1], [0], lvl.HOST, lvl.DEVICE, ["3:a"]),
+        )
+        gate.set()
+        worker.finish_step(10, wait_evictions=True)
+        worker.submit_swap_tasks(None, None)  # every eviction retired
+        assert guarded == [[5, 6], [1, 5, 6], []]
+    finally:
+        worker.free_cache()
 
 
 def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(
