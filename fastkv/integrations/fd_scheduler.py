@@ -40,7 +40,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_transfers import (
@@ -338,10 +338,7 @@ class FastDeployCacheManager:
         """
         ids = list(block_ids or ())
         for i, block in enumerate(ids):
-            if isinstance(block, bool) or not isinstance(block, int):
-                raise ValueError(f"block_ids[{i}]: {block!r} is not an int")
-            if not 0 <= block < self.num_gpu_blocks:
-                raise ValueError(f"block_ids[{i}]: {block} outside [0, {self.num_gpu_blocks})")
+            check_int(f"block_ids[{i}]", block, 0, self.num_gpu_blocks - 1)
         with self._lock:
             if request_id is not None and self.manager.is_active(request_id):
                 raise ValueError(

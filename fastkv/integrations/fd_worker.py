@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_transfers import MergedTransfer, parse_merged
 from fastkv.integrations.results_channel import ResultsSender
@@ -199,9 +200,8 @@ class FastDeployCacheController:
         report_interval_s: float = 0.05,
         block_axis: int = 2,
     ) -> None:
-        for name, value in (("local_rank", local_rank), ("device_id", device_id)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+        check_int("local_rank", local_rank, 0)
+        check_int("device_id", device_id, 0)
         if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
             raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
         self.fd_config = fd_config
@@ -212,11 +212,7 @@ class FastDeployCacheController:
         num_layers = getattr(
             getattr(fd_config, "model_config", None), "num_hidden_layers", None
         )
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(
-                f"fd_config.model_config.num_hidden_layers: must be an int >= 1, got "
-                f"{num_layers!r}"
-            )
+        check_int("fd_config.model_config.num_hidden_layers", num_layers, 1)
         self._num_layers = num_layers
         self.fail_rate = fail_rate
         self.block_axis = block_axis
@@ -490,8 +486,7 @@ class FastDeployCacheController:
     ) -> tuple[list[Any], int, dict[str, Any]]:
         """Make the layers' tensors; returns them flat, the tensors per layer and
         their names (merged into `cache_kvs_map` by the caller once adopted)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_gpu_blocks: must be an int >= 1, got {num_blocks!r}")
+        check_int("num_gpu_blocks", num_blocks, 1)
         kv_dtype = fdc.kv_dtype_of(self.fd_config)
         quant = fdc.kv_cache_quant_type(self.fd_config)
         dtype = "uint8" if kv_dtype == "fp8" else kv_dtype
