@@ -167,7 +167,6 @@ class FastDeployCacheManager:
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
-        self._initialized = True
 
     # -- FastDeploy attributes ------------------------------------------------
 

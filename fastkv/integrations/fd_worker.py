@@ -224,7 +224,6 @@ class FastDeployCacheController:
         self._caches: list[Any] = []
         self._tensors_per_layer = 0
         self._num_gpu_blocks = 0
-        self._num_extra_layers = 0
         self._next_id = 0
         self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
         self.swap_layer_done_counter: StepLayerCounter | None = None
@@ -532,7 +531,6 @@ class FastDeployCacheController:
         if self.sender.closed:  # a cache made again after free_cache
             self.sender = ResultsSender(self.sender.name, self.rank)
         self._tensors_per_layer = per_layer
-        self._num_extra_layers = num_extra
         if self.report_interval_s and self._reporter is None:
             self._stop.clear()
             self._reporter = threading.Thread(
