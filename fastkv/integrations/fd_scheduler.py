@@ -588,7 +588,7 @@ class FastDeployCacheManager:
             free = s.device_pool.free
             lookup = s.lookup_tokens or 1
             return {
-                "gpu_cache_usage_perc": 1.0 - free / self.num_gpu_blocks,
+                "gpu_cache_usage_perc": s.device_pool.usage,
                 "hit_token_rate": s.hit_token_rate,
                 "gpu_hit_token_rate": s.device_hit_tokens / lookup,
                 "cpu_hit_token_rate": s.host_hit_tokens / lookup,
