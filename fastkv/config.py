@@ -91,8 +91,8 @@ class StorageConfig:
             except ValueError:
                 allowed = ", ".join(p.value for p in enum)
                 raise ValueError(f"{name}: {value!r} is not one of {allowed}") from None
-        _check_int("write_after_hits", self.write_after_hits, 1, 2**31 - 1)
-        _check_int("block_bytes", self.block_bytes, 0, 1 << 40)
+        check_int("write_after_hits", self.write_after_hits, 1, 2**31 - 1)
+        check_int("block_bytes", self.block_bytes, 0, 1 << 40)
         for name, low, high in (
             ("wait_s", 0.0, 3600.0),
             ("timeout_s", 0.001, 3600.0),
@@ -152,12 +152,12 @@ class CacheConfig:
     storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
-        _check_int("num_device_blocks", self.num_device_blocks, 1, _MAX_BLOCKS)
-        _check_int("num_host_blocks", self.num_host_blocks, 0, _MAX_BLOCKS)
-        _check_int("selective_threshold", self.selective_threshold, 1, 2**31 - 1)
-        _check_int("tp_size", self.tp_size, 1, 1 << 16)
-        _check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
+        check_int("num_device_blocks", self.num_device_blocks, 1, _MAX_BLOCKS)
+        check_int("num_host_blocks", self.num_host_blocks, 0, _MAX_BLOCKS)
+        check_int("selective_threshold", self.selective_threshold, 1, 2**31 - 1)
+        check_int("tp_size", self.tp_size, 1, 1 << 16)
+        check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
         try:
             policy = WritePolicy(self.write_policy)
         except ValueError:
@@ -202,7 +202,13 @@ class CacheConfig:
         return json.dumps([*parts, self.tp_rank, self.tp_size])
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ValueError (naming `name`) unless `value` is an int, not a bool, in
+    [low, high]; no upper bound when `high` is None."""
+    if high is None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+        return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an int in [{low}, {high}], got {value!r}")
     if not low <= value <= high:

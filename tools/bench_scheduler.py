@@ -47,13 +47,14 @@ import numpy as np
 if __package__ in (None, ""):  # run as a file: make `tools` and `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastkv import CacheConfig, StorageConfig, TransferResult, WritePolicy
+from fastkv import CacheConfig, StorageConfig, WritePolicy
 from fastkv.hashing import _chain_native, hash_blocks, namespace_root
 from fastkv.scheduler import CacheManager
 from tools.trace_replay import (
     TRACE_BLOCK_SIZE,
     MemoryStorage,
     TraceRequest,
+    complete_transfers,
     load_trace,
     replay,
     synthetic_trace,
@@ -204,10 +205,7 @@ def commit_step_us(policy: WritePolicy, depth: int, block_size: int = 16) -> flo
     start = time.perf_counter()
     for k in range(1, depth + 1):
         mgr.commit("r", k * block_size)
-        tasks = mgr.take_swap_metadata()
-        done = [TransferResult(m.transfer_id, True) for m in (tasks.evict, tasks.swap_in) if m]
-        if done:
-            mgr.apply_results(done)
+        complete_transfers(mgr)
     seconds = time.perf_counter() - start
     mgr.finish("r")
     return seconds * 1e6 / depth

@@ -49,7 +49,6 @@ KIB = 1024
 MIB = 1024 * KIB
 SIZES_KIB = (4, 16, 64, 256)
 SEGMENTS = 4  # e.g. K and V of two layers: the bytes of one call span several tensors
-NEVER = 2**63 - 1
 
 
 def elapsed(fn: Callable[[], None]) -> float:
@@ -64,8 +63,6 @@ class HostRegion:
     def __init__(self, nbytes: int, pin: bool = False, device: int = -1) -> None:
         self.nbytes, self.pin = nbytes, pin
         self.ptr = core.host_alloc(nbytes, pin=pin, device=device)
-        import ctypes
-
         self.array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(self.ptr), np.uint8)
 
     def free(self) -> None:
@@ -314,7 +311,7 @@ def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
             layout.close()
         core.set_cuda_tuning(*saved)
         launch_cost(cp, runs, out)
-        matmul_slowdown(cp, dev, host, seg_bytes, stream, out)
+        matmul_slowdown(cp, dev, host, seg_bytes, out)
         report_targets(out)
     finally:
         core.set_cuda_tuning(*saved)
@@ -408,7 +405,7 @@ def report_targets(out: dict) -> None:
     )
 
 
-def matmul_slowdown(cp, dev, host, seg_bytes: int, stream, out: dict) -> None:
+def matmul_slowdown(cp, dev, host, seg_bytes: int, out: dict) -> None:
     """bf16 GEMMs on one stream, alone and with 64 KiB-block swaps (both directions,
     default tuning, a load stream at high and an eviction stream at low priority)
     kept queued for the whole GEMM batch."""

@@ -110,16 +110,12 @@ def sweep_table(results: list[tuple[CacheConfig, ReplayResult]]) -> str:
         st = config.storage
         lines.append(
             f"{config.num_device_blocks:>8,} {config.num_host_blocks:>7,}"
-            f" {_storage_blocks(config, r):>8}"
+            f" {r.storage_blocks:>8,}"
             f" {st.write_policy.value if st else '-':>17} {r.hit_rate:>9.4f}"
             f" {r.device_hit_rate:>7.4f} {r.host_hit_rate:>7.4f} {r.storage_hit_rate:>8.4f}"
             f" {r.storage_writes:>9,} {r.us_per_block:>9.3f}"
         )
     return "\n".join(lines)
-
-
-def _storage_blocks(config: CacheConfig, result: ReplayResult) -> str:
-    return f"{result.storage_blocks:,}" if config.storage else "0"
 
 
 def main(argv: list[str] | None = None) -> int:

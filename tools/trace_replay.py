@@ -284,29 +284,6 @@ def replay(
     mgr = CacheManager(config, clock=lambda: 0.0)
     if on_manager is not None:
         on_manager(mgr)
-    take, apply = mgr.take_swap_metadata, mgr.apply_results
-
-    def complete_transfers() -> None:
-        tasks = take()
-        done: list[TransferResult | LookupResult] = [
-            TransferResult(meta.transfer_id, True)
-            for meta in (tasks.evict, tasks.swap_in)
-            if meta is not None
-        ]
-        if storage is not None:
-            # Writes land before loads read (a load of a key written this step).
-            if tasks.storage_store is not None:
-                m = tasks.storage_store
-                done.append(_storage_result(m, storage.store(m.block_hashes, m.src_block_ids)))
-            if tasks.storage_load is not None:
-                m = tasks.storage_load
-                done.append(_storage_result(m, storage.load(m.block_hashes, m.dst_block_ids)))
-            done += [
-                LookupResult(q.lookup_id, storage.lookup(q.block_hashes)) for q in tasks.lookups
-            ]
-        if done:
-            apply(done)
-
     bs = config.block_size
     blocks = 0
     start = time.perf_counter()
@@ -321,17 +298,42 @@ def replay(
         while not (alloc := mgr.allocate(i, need)):
             if alloc.status is AllocStatus.NO_SPACE:  # one request at a time: never
                 raise RuntimeError(f"request {i}: no blocks free and none being freed")
-            complete_transfers()
+            complete_transfers(mgr, storage)
         if mgr.num_queued_blocks:  # the step: its swap-ins land before the commit
-            complete_transfers()
+            complete_transfers(mgr, storage)
         mgr.commit(i, len(hashes) * bs)
         while mgr.num_queued_blocks:  # backups the commit planned, and their writes
-            complete_transfers()
+            complete_transfers(mgr, storage)
         mgr.finish(i)
         if on_request is not None:
             on_request(i)
     seconds = time.perf_counter() - start
     return ReplayResult(len(trace), blocks, seconds, mgr.get_stats())
+
+
+def complete_transfers(mgr: CacheManager, storage: ReplayStorage | None = None) -> None:
+    """The simulated worker: take every queued transfer (and, given `storage`, every
+    storage write, load and lookup) and report it done at once, successful unless
+    the storage tier failed a block."""
+    tasks = mgr.take_swap_metadata()
+    done: list[TransferResult | LookupResult] = [
+        TransferResult(meta.transfer_id, True)
+        for meta in (tasks.evict, tasks.swap_in)
+        if meta is not None
+    ]
+    if storage is not None:
+        # Writes land before loads read (a load of a key written this step).
+        if tasks.storage_store is not None:
+            m = tasks.storage_store
+            done.append(_storage_result(m, storage.store(m.block_hashes, m.src_block_ids)))
+        if tasks.storage_load is not None:
+            m = tasks.storage_load
+            done.append(_storage_result(m, storage.load(m.block_hashes, m.dst_block_ids)))
+        done += [
+            LookupResult(q.lookup_id, storage.lookup(q.block_hashes)) for q in tasks.lookups
+        ]
+    if done:
+        mgr.apply_results(done)
 
 
 def _storage_result(meta: CacheSwapMetadata, failed: set[int]) -> TransferResult:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fastkv.config import CacheConfig, WritePolicy
+from fastkv.config import CacheConfig, WritePolicy, check_int
 
 CHANNEL_ENV = "FASTKV_RESULTS_CHANNEL"
 DEFAULT_WRITE_POLICY = "write_back"
@@ -64,10 +64,7 @@ def kv_dtype_of(fd_config: Any) -> str:
 
 def tensor_parallel_size(fd_config: Any) -> int:
     size = _field(getattr(fd_config, "parallel_config", None), "tensor_parallel_size", 1)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(
-            f"fd_config.parallel_config.tensor_parallel_size: must be an int >= 1, got {size!r}"
-        )
+    check_int("fd_config.parallel_config.tensor_parallel_size", size, 1)
     return size
 
 

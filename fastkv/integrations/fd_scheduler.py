@@ -40,7 +40,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_transfers import (
@@ -167,7 +167,6 @@ class FastDeployCacheManager:
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
-        self._initialized = True
 
     # -- FastDeploy attributes ------------------------------------------------
 
@@ -338,10 +337,7 @@ class FastDeployCacheManager:
         """
         ids = list(block_ids or ())
         for i, block in enumerate(ids):
-            if isinstance(block, bool) or not isinstance(block, int):
-                raise ValueError(f"block_ids[{i}]: {block!r} is not an int")
-            if not 0 <= block < self.num_gpu_blocks:
-                raise ValueError(f"block_ids[{i}]: {block} outside [0, {self.num_gpu_blocks})")
+            check_int(f"block_ids[{i}]", block, 0, self.num_gpu_blocks - 1)
         with self._lock:
             if request_id is not None and self.manager.is_active(request_id):
                 raise ValueError(
@@ -388,8 +384,11 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             tasks = self.manager.take_swap_metadata()
-            if tasks.swap_in is not None:  # allocations take their own swap-ins
-                raise AssertionError("a swap-in was planned outside allocate_device_blocks")
+            if tasks.swap_in is not None:  # allocations take their own swap-ins: never here
+                # Taken with the evictions: fail it (its blocks return), keep those.
+                log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
+                error = "planned outside allocate_device_blocks: never dispatched"
+                self._apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
             if tasks.evict is None:
                 return None
             return to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
@@ -589,7 +588,7 @@ class FastDeployCacheManager:
             free = s.device_pool.free
             lookup = s.lookup_tokens or 1
             return {
-                "gpu_cache_usage_perc": 1.0 - free / self.num_gpu_blocks,
+                "gpu_cache_usage_perc": s.device_pool.usage,
                 "hit_token_rate": s.hit_token_rate,
                 "gpu_hit_token_rate": s.device_hit_tokens / lookup,
                 "cpu_hit_token_rate": s.host_hit_tokens / lookup,

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_transfers import MergedTransfer, parse_merged
 from fastkv.integrations.results_channel import ResultsSender
@@ -199,9 +200,8 @@ class FastDeployCacheController:
         report_interval_s: float = 0.05,
         block_axis: int = 2,
     ) -> None:
-        for name, value in (("local_rank", local_rank), ("device_id", device_id)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+        check_int("local_rank", local_rank, 0)
+        check_int("device_id", device_id, 0)
         if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
             raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
         self.fd_config = fd_config
@@ -212,11 +212,7 @@ class FastDeployCacheController:
         num_layers = getattr(
             getattr(fd_config, "model_config", None), "num_hidden_layers", None
         )
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(
-                f"fd_config.model_config.num_hidden_layers: must be an int >= 1, got "
-                f"{num_layers!r}"
-            )
+        check_int("fd_config.model_config.num_hidden_layers", num_layers, 1)
         self._num_layers = num_layers
         self.fail_rate = fail_rate
         self.block_axis = block_axis
@@ -228,10 +224,8 @@ class FastDeployCacheController:
         self._caches: list[Any] = []
         self._tensors_per_layer = 0
         self._num_gpu_blocks = 0
-        self._num_extra_layers = 0
         self._next_id = 0
         self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
-        self._evict_reads: dict[int, list[int]] = {}  # in-flight eviction -> device reads
         self.swap_layer_done_counter: StepLayerCounter | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -254,9 +248,12 @@ class FastDeployCacheController:
         with self._lock:
             if self.controller is not None:
                 raise RuntimeError("initialize_kv_cache: the cache exists; free_cache first")
-            caches, per_layer = self._create(attn_backend, num_gpu_blocks, 0, self._num_layers)
+            caches, per_layer, names = self._create(
+                attn_backend, num_gpu_blocks, 0, self._num_layers
+            )
             self._num_gpu_blocks = num_gpu_blocks
             self._adopt(caches, per_layer, 0)
+            self.cache_kvs_map.update(names)
             return list(caches)
 
     def initialize_mtp_kv_cache(
@@ -278,7 +275,7 @@ class FastDeployCacheController:
             stats = ctrl.get_stats()
             if stats.device_to_host_transfers or stats.host_to_device_transfers:
                 raise RuntimeError("initialize_mtp_kv_cache: swaps already ran on this cache")
-            mtp, per_layer = self._create(
+            mtp, per_layer, names = self._create(
                 attn_backend, num_gpu_blocks, layer_offset, num_mtp_layers
             )
             if per_layer != self._tensors_per_layer:
@@ -289,7 +286,14 @@ class FastDeployCacheController:
             main = self._caches
             ctrl.free_cache()  # the host tier is re-sized for the extra layers
             self.controller = None
-            self._adopt([*main, *mtp], per_layer, num_mtp_layers)
+            try:
+                self._adopt([*main, *mtp], per_layer, num_mtp_layers)
+            except Exception:
+                # Refused (e.g. the MTP tensors' dtype): the main cache gets its
+                # controller and host tier back (no swap ran, so nothing is lost).
+                self._adopt(main, per_layer, 0)
+                raise
+            self.cache_kvs_map.update(names)
             return list(mtp)
 
     def get_kv_caches(self) -> list[Any]:
@@ -336,7 +340,9 @@ class FastDeployCacheController:
             self._report()
             fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
-            writes = [b for reads in self._evict_reads.values() for b in reads]
+            # Blocks in-flight evictions still read (the only device reads), and this
+            # step's: the model must not overwrite them before they are copied.
+            writes = list(ctrl.transfers.device_hazards.read_blocks())
             if evict is not None:
                 writes += evict.src_block_ids
             try:
@@ -364,7 +370,6 @@ class FastDeployCacheController:
                 return self.swap_layer_done_counter
             if fk_evict is not None:
                 self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
-                self._evict_reads[fk_evict.transfer_id] = list(fk_evict.src_block_ids)
             if fk_swap is None:
                 self.swap_layer_done_counter = None
                 if writes:  # order the step's writes now: no counter goes to the runner
@@ -477,13 +482,15 @@ class FastDeployCacheController:
 
     def _create(
         self, attn_backend: Any, num_blocks: int, first_layer: int, num_layers: int
-    ) -> tuple[list[Any], int]:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_gpu_blocks: must be an int >= 1, got {num_blocks!r}")
+    ) -> tuple[list[Any], int, dict[str, Any]]:
+        """Make the layers' tensors; returns them flat, the tensors per layer and
+        their names (merged into `cache_kvs_map` by the caller once adopted)."""
+        check_int("num_gpu_blocks", num_blocks, 1)
         kv_dtype = fdc.kv_dtype_of(self.fd_config)
         quant = fdc.kv_cache_quant_type(self.fd_config)
         dtype = "uint8" if kv_dtype == "fp8" else kv_dtype
         caches: list[Any] = []
+        names: dict[str, Any] = {}
         per_layer = None
         for layer in range(first_layer, first_layer + num_layers):
             made = attn_backend.create_kv_cache(
@@ -500,9 +507,9 @@ class FastDeployCacheController:
             for role in roles:
                 caches.append(made[role])
                 name = f"{ROLES[role]}_{layer}_rank{self.rank}.device{self.device_id}"
-                self.cache_kvs_map[name] = made[role]
+                names[name] = made[role]
         assert per_layer is not None
-        return caches, per_layer
+        return caches, per_layer, names
 
     def _adopt(self, caches: list[Any], per_layer: int, num_extra: int) -> None:
         from fastkv.worker.cache_controller import CacheController
@@ -524,7 +531,6 @@ class FastDeployCacheController:
         if self.sender.closed:  # a cache made again after free_cache
             self.sender = ResultsSender(self.sender.name, self.rank)
         self._tensors_per_layer = per_layer
-        self._num_extra_layers = num_extra
         if self.report_interval_s and self._reporter is None:
             self._stop.clear()
             self._reporter = threading.Thread(
@@ -552,7 +558,6 @@ class FastDeployCacheController:
         out = []
         for r in results:
             ids = self._groups.pop(r.transfer_id, ())
-            self._evict_reads.pop(r.transfer_id, None)
             out += [TransferResult(t, r.success, r.error) for t in ids]
         return self.sender.send(out)
 

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fastkv.config import check_int
 from fastkv.metadata import TransferResult
 from fastkv.tp import RankResults
 
@@ -251,10 +252,8 @@ class ResultsSender:
 
     def __init__(self, name: str, rank: int, *, max_pending: int = 1 << 16) -> None:
         self._address = channel_address(name)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank: must be an int >= 0, got {rank!r}")
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending: must be an int >= 1, got {max_pending!r}")
+        check_int("rank", rank, 0)
+        check_int("max_pending", max_pending, 1)
         self.name = name
         self.rank = rank
         self.max_pending = max_pending

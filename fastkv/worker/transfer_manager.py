@@ -105,6 +105,11 @@ class BlockHazards:
             if self._writer.get(block) is done:
                 del self._writer[block]
 
+    def read_blocks(self) -> frozenset[int]:
+        """The blocks an in-flight copy still reads (added at submit, dropped when
+        the copy is retired by `poll` / `wait_all`)."""
+        return frozenset(self._readers)
+
     def __len__(self) -> int:
         return len(self._writer) + len(self._readers)
 

@@ -7,6 +7,7 @@ and `install()` replacing FastDeploy's classes where FastDeploy looks them up.""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -306,6 +307,92 @@ def test_mtp_layers_move_with_their_blocks(channel: str, paddle) -> None:
     finally:
         worker.free_cache()
         receiver.close()
+
+
+class _MtpBackend(AttentionBackend):
+    """Makes the MTP layers wrong: float32 tensors, or an extra K scale per layer."""
+
+    def __init__(self, *args, wrong: str) -> None:
+        super().__init__(*args)
+        self.wrong = wrong
+
+    def create_kv_cache(self, max_num_blocks, cache_dtype="bfloat16", kv_cache_quant_type=None):
+        import paddle
+
+        if self.wrong == "dtype":
+            cache_dtype = "float32"
+        made = super().create_kv_cache(max_num_blocks, cache_dtype, kv_cache_quant_type)
+        if self.wrong == "roles":
+            made["key_scale"] = paddle.zeros([max_num_blocks, self.num_kv_heads], "float32")
+        return made
+
+
+@pytest.mark.parametrize(
+    ("wrong", "message"), [("roles", "3 tensors each"), ("dtype", "dtype float32")]
+)
+def test_refused_mtp_layers_leave_the_main_cache_as_it_was(
+    channel: str, paddle, wrong: str, message: str
+) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    backend = AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS)
+    try:
+        main = worker.initialize_kv_cache(backend, 8)
+        names = list(worker.cache_kvs_map)
+        with pytest.raises(ValueError, match=message):
+            worker.initialize_mtp_kv_cache(
+                _MtpBackend(2, 4, BS, wrong=wrong), 12, num_mtp_layers=1, layer_offset=2
+            )
+        assert list(worker.cache_kvs_map) == names and worker.get_kv_caches() == main
+        assert worker.controller is not None and worker.controller.caches == main
+        assert worker.controller.shape.num_layers == 2
+        assert list(worker.get_host_cache_kvs_map()) == names
+        out = CacheSwapMetadata([5], [2], CacheLevel.DEVICE, CacheLevel.HOST, ["0:a"])
+        assert worker.submit_swap_tasks(out, None) is None  # the host tier still works
+        assert worker.finish_step(10, wait_evictions=True) == frozenset()
+        got = []
+        while not got:
+            got += receiver.poll()
+        assert [(r.transfer_id, r.success) for r in got] == [(0, True)]
+    finally:
+        worker.free_cache()
+        receiver.close()
+
+
+def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, paddle) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
+        ctrl = worker.controller
+        gate, wrap = threading.Event(), ctrl.faults.wrap
+
+        def held(fn):  # copies run once the gate opens
+            inner = wrap(fn)
+            return lambda *a, **k: (gate.wait(10), inner(*a, **k))[1]
+
+        ctrl.faults.wrap = held
+        guarded, submit = [], ctrl.submit_swap_tasks
+
+        def spy(evict, swap_in, writes, compute=None):
+            guarded.append(sorted(writes))
+            return submit(evict, swap_in, writes, compute)
+
+        ctrl.submit_swap_tasks = spy
+        lvl = CacheLevel
+        worker.submit_swap_tasks(
+            CacheSwapMetadata([5, 6], [2, 3], lvl.DEVICE, lvl.HOST, ["0:a", "0:b"]),
+            CacheSwapMetadata([0], [7], lvl.HOST, lvl.DEVICE, ["1:a"]),
+        )
+        worker.submit_swap_tasks(  # 5 and 6 are still being read
+            CacheSwapMetadata([1], [4], lvl.DEVICE, lvl.HOST, ["2:a"]),
+            CacheSwapMetadata([1], [0], lvl.HOST, lvl.DEVICE, ["3:a"]),
+        )
+        gate.set()
+        worker.finish_step(10, wait_evictions=True)
+        worker.submit_swap_tasks(None, None)  # every eviction retired
+        assert guarded == [[5, 6], [1, 5, 6], []]
+    finally:
+        worker.free_cache()
 
 
 def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(

@@ -19,6 +19,8 @@ pytest.importorskip("paddle", reason="the workers' CacheController needs paddle"
 from fd_engine import Engine, make_engine, prompt
 from fd_standins import Request, install_fake_fastdeploy
 
+from fastkv.integrations.fd_transfers import transfer_ids
+from fastkv.metadata import TransferResult
 from fastkv.worker.faults import FaultInjector
 
 SYSTEM = prompt(0, 8)  # two blocks many requests share
@@ -339,6 +341,43 @@ def test_finish_with_metadata_never_dispatched_fails_it_locally(channel: str) ->
     assert engine.log.matches["d"] == [(3, 1)]
     expected = reference({0: [Request("d", c.prompt_token_ids, 2)]})
     assert engine.outputs["d"] == expected["d"]
+
+
+def test_a_swap_in_planned_outside_allocation_fails_without_losing_the_backups(
+    channel: str,
+) -> None:
+    """issue_pending_backup_to_batch_request takes every queued transfer: a swap-in
+    among them (no adapter call plans one there) is failed through the result path,
+    and the evictions taken with it still leave with the batch."""
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    try:
+        engine.run(
+            {0: [Request("a", SYSTEM + prompt(1, 8), 2)], 4: [Request("b", prompt(2, 24), 2)]}
+        )
+        cm, mgr = engine.cm, engine.cm.manager
+        c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
+        engine.add_request(c)  # hashed, never scheduled
+        engine.waiting.remove(c)
+        tokens = len(c.prompt_token_ids)
+        hit = mgr.match("c", list(c.prompt_hashes)[: tokens // 4], tokens)  # not the adapter
+        assert (hit.num_device_hits, hit.num_host_hits) == (3, 1)
+        assert mgr.allocate("c", 4)  # queues the host hit's swap-in and evictions
+        host_used = mgr.get_stats().host_pool.used
+        failed = cm.get_stats()["failed_transfers"]
+        evict = cm.issue_pending_backup_to_batch_request()
+        assert evict is not None and len(evict.src_block_ids) == 4  # not lost
+        stats = cm.get_stats()
+        assert stats["failed_transfers"] == failed + 1  # the swap-in
+        assert stats["inflight_transfers"] == 1  # only the eviction
+        mgr.check_invariants()
+        (tid,) = transfer_ids(evict)
+        mgr.apply_results([TransferResult(tid, False, "not sent in this test")])
+        mgr.finish("c")
+        mgr.check_invariants()
+        assert mgr.get_stats().host_pool.used == host_used - 4  # nothing leaked
+        assert cm.get_stats()["inflight_transfers"] == 0
+    finally:
+        engine.close()
 
 
 def test_results_channel_is_the_only_way_results_arrive(channel: str) -> None:
