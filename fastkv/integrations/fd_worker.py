@@ -345,11 +345,19 @@ class FastDeployCacheController:
             writes = list(ctrl.transfers.device_hazards.read_blocks())
             if evict is not None:
                 writes += evict.src_block_ids
+            transfers = ctrl.transfers
+            evict_new = fk_evict is not None and not transfers.is_inflight(fk_evict.transfer_id)
             try:
                 counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, writes, compute_stream)
-            except Exception as e:  # refused before anything ran: fail them, never lose
+            except Exception as e:  # fail what did not start, never lose a result
                 log.error("fastkv rank %d: step not launched: %s", self.rank, e)
                 error = f"not launched: {type(e).__name__}: {e}"
+                # A launch error after the eviction started (a CUDA error on the
+                # load): the eviction still reads and writes its blocks, so its own
+                # result must come, not a failure that frees its host blocks now.
+                if evict_new and transfers.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
+                    self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
+                    evict = None
                 self.sender.send(
                     TransferResult(t, False, error)
                     for m in (evict, swap)

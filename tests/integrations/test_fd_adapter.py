@@ -426,6 +426,35 @@ def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(
         receiver.close()
 
 
+def test_an_eviction_that_started_before_a_launch_error_reports_its_own_result(
+    channel: str, paddle, monkeypatch
+) -> None:
+    # The load fails to launch after the eviction started: the eviction must not
+    # be reported failed (that frees host blocks it is still writing).
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    try:
+        worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
+
+        def launch_error(*args, **kwargs):
+            raise RuntimeError("cudaErrorLaunchFailure")
+
+        monkeypatch.setattr(worker.controller, "_submit_to_device", launch_error)
+        evict = CacheSwapMetadata([2], [3], CacheLevel.DEVICE, CacheLevel.HOST, ["6:c"])
+        swap = CacheSwapMetadata([0], [1], CacheLevel.HOST, CacheLevel.DEVICE, ["7:d"])
+        counter = worker.submit_swap_tasks(evict, swap)
+        with pytest.raises(fd.SwapInFailedError):
+            counter.wait_for_layer(0)
+        assert worker.finish_step(10, wait_evictions=True) == frozenset({1})
+        got = {r.transfer_id: r for r in receiver.poll()}
+        assert got[6].success, got[6]
+        assert not got[7].success and "cudaErrorLaunchFailure" in got[7].error
+        assert worker.get_stats()["transfers_without_result"] == 0
+    finally:
+        worker.free_cache()
+        receiver.close()
+
+
 def test_install_replaces_fastdeploys_classes_where_it_looks_them_up(monkeypatch) -> None:
     install_fake_fastdeploy(monkeypatch)
 
