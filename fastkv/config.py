@@ -10,7 +10,7 @@ from enum import StrEnum
 # Upper bounds exist to catch unit mistakes (bytes passed as blocks), not to limit
 # real deployments: 2**31 blocks of even one token is far beyond any GPU or host.
 _MAX_BLOCKS = 2**31 - 1
-_MAX_BLOCK_SIZE = 1 << 20
+MAX_BLOCK_SIZE = 1 << 20
 
 
 class WritePolicy(StrEnum):
@@ -152,7 +152,7 @@ class CacheConfig:
     storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
-        check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
+        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("num_device_blocks", self.num_device_blocks, 1, _MAX_BLOCKS)
         check_int("num_host_blocks", self.num_host_blocks, 0, _MAX_BLOCKS)
         check_int("selective_threshold", self.selective_threshold, 1, 2**31 - 1)

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from fastkv.config import MAX_BLOCK_SIZE, check_int
+
 try:
     from fastkv._chain_hash import chain as _chain_native
 except ImportError:  # built by `make install`; the pure-Python path is equivalent
@@ -36,7 +38,6 @@ ExtraKey = bytes | str | int | Sequence["ExtraKey"]
 Tokens = Sequence[int] | np.ndarray
 
 DIGEST_BYTES = 32
-MAX_BLOCK_SIZE = 1 << 20  # the bound CacheConfig puts on block_size
 
 
 def namespace_root(namespace: str) -> BlockHash:
@@ -113,14 +114,8 @@ def hash_blocks(
 
 
 def check_block_size(block_size: object) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise ValueError(
-            f"block_size: must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}"
-        )
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"block_size: {block_size} is outside the allowed range [1, {MAX_BLOCK_SIZE}]"
-        )
+    """The bound CacheConfig puts on block_size, for hashers made without one."""
+    check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
 
 
 def _chain(
