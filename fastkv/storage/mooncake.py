@@ -10,7 +10,8 @@ cache; the headers live in a small registered arena of the backend's own).
 Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
 
     put   0, -705 (exists)      stored (an existing key keeps its old value; keys name
-                                content, so it is the same block)
+                                content, so it is the same block); -705 answers
+                                ALREADY_STORED
           -200 (pool full)      retried with a short backoff, at most `put_retries`
                                 times and never past the deadline; then FAILED
     get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
@@ -40,6 +41,7 @@ import numpy as np
 
 from fastkv.storage import _disk_io
 from fastkv.storage.base import (
+    ALREADY_STORED,
     OK,
     BlockLayout,
     BlockSegments,
@@ -278,13 +280,7 @@ class MooncakeBackend(StorageBackend):
         self._check_registered(blocks)
         self._check_open()
         results = self._batched(keys, blocks, deadline, self._get_part)
-        with self._lock:
-            st = self._stats
-            st.gets += len(keys)
-            st.misses += sum(r.status == KeyStatus.MISS for r in results)
-            st.get_failures += sum(r.status == KeyStatus.FAILED for r in results)
-            st.timeouts += sum(r.status == KeyStatus.TIMEOUT for r in results)
-            st.get_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        self._count_gets(results)
         return results
 
     def put_from(
@@ -294,17 +290,8 @@ class MooncakeBackend(StorageBackend):
         self._check_registered(blocks)
         self._check_open()
         results = self._batched(keys, blocks, deadline, self._put_part)
-        with self._lock:
-            st = self._stats
-            st.puts += len(keys)
-            st.put_failures += sum(not r.ok for r in results)
-            st.timeouts += sum(r.status == KeyStatus.TIMEOUT for r in results)
-            st.put_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        self._count_puts(results)
         return results
-
-    def stats(self) -> StorageStats:
-        with self._lock:
-            return StorageStats(**{f: getattr(self._stats, f) for f in StorageStats.__slots__})
 
     def close(self) -> None:
         if self._closed:
@@ -414,8 +401,10 @@ class MooncakeBackend(StorageBackend):
                 )
             retry = []
             for j, code in zip(pending, codes, strict=True):
-                if code in (PUT_OK, OBJECT_EXISTS):
+                if code == PUT_OK:
                     results[j] = OK
+                elif code == OBJECT_EXISTS:
+                    results[j] = ALREADY_STORED
                 elif code == POOL_FULL:
                     retry.append(j)
                 else:
@@ -541,10 +530,6 @@ class MooncakeBackend(StorageBackend):
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"
             )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the storage backend is closed")
 
 
 def _setup_store(
