@@ -388,7 +388,9 @@ class LocalDiskBackend(StorageBackend):
             return OK
         if status == _disk_io.ST_TIMEOUT:
             return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the read")
-        if status < 0:
+        if status < 0 or status == _disk_io.ST_NO_BOUNCE:
+            # An I/O error, or no staging buffer for this host memory (a local
+            # condition, not bad data): the stored block stays indexed.
             return KeyResult(KeyStatus.FAILED, f"read failed: {_describe(status)}")
         # Not provably this block: forget it (unless the slot was rewritten meanwhile).
         self._stats.corrupt += 1
@@ -420,7 +422,7 @@ class LocalDiskBackend(StorageBackend):
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, and a read keeps each
         # block's header page until its verification.
-        full = self.direct_io and bool((segs[:, g.large, 0] % ALIGN).any())
+        full = self._needs_full_bounce(segs)
         if full:
             bounce = self._bounce(g.slot_bytes)
         else:
@@ -441,6 +443,13 @@ class LocalDiskBackend(StorageBackend):
             self.io_delay_s,
             not full,
         )
+
+    def _needs_full_bounce(self, segs: np.ndarray) -> bool:
+        """Whether a block of the batch cannot move zero-copy: a large segment not
+        4096-aligned under O_DIRECT. The same test as `block_iovecs` in _disk_io.c,
+        made here for the whole batch to size the bounce buffer; were they ever to
+        disagree, the C side answers ST_NO_BOUNCE for that block (FAILED)."""
+        return self.direct_io and bool((segs[:, self.geometry.large, 0] % ALIGN).any())
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
         """This thread's page-aligned staging buffer, at least `nbytes` long."""
