@@ -20,6 +20,8 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
           -704                  not stored -> MISS
           -800 (transfer fail)  also what a short object gives with multi-buffer reads:
                                 `get_size` tells them apart -> MISS or FAILED
+                                (zero-copy reads only, while the deadline allows,
+                                until a fatal code in the same call)
     any   -800, -900, -901      FAILED, and the circuit breaker opens (RPC or transfer
                                 failure: a dead master or storage node)
           anything else         FAILED with the code
@@ -203,7 +205,7 @@ class MooncakeBackend(StorageBackend):
         self.retry_backoff_s = float(retry_backoff_s)
         self.max_batch = max_batch
         self.breaker = CircuitBreaker(float(breaker_cooldown_s))
-        self._expected_bytes = HEADER_BYTES + layout.payload_bytes
+        self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
         if store is None:
             store = _setup_store(
@@ -451,10 +453,18 @@ class MooncakeBackend(StorageBackend):
         results: list[KeyResult] = []
         fatal: str | None = None
         corrupt = 0
+        # A short object also fails a multi-buffer read with -800 (a single-buffer
+        # read answers its size): ask its size, one key at a time, but only while
+        # the deadline allows and until a fatal code shows the store is failing.
+        ask_size = not self.staged
         for j, code in enumerate(codes):
-            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code)
+            size = None
+            if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
+                size = self.store.get_size(keys[j].text())
+            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
             if outcome == "fatal":
                 fatal = f"get answered {code}"
+                ask_size = False
             corrupt += outcome == "corrupt"
             results.append(result)
         with self._lock:
@@ -462,10 +472,16 @@ class MooncakeBackend(StorageBackend):
         return results, fatal
 
     def _read_result(
-        self, key: StorageKey, segs: BlockSegments, arena: int, j: int, code: int
+        self,
+        key: StorageKey,
+        segs: BlockSegments,
+        arena: int,
+        j: int,
+        code: int,
+        size: int | None,
     ) -> tuple[KeyResult, str]:
         """The result of one get and its kind: "", "corrupt" (counted) or "fatal"
-        (opens the breaker)."""
+        (opens the breaker). `size`: what get_size answered for a -800, if asked."""
         if code == self._expected_bytes:
             want = expected_header(key, self.layout, 0)
             seg_array = np.asarray(segs, dtype=np.int64)
@@ -489,14 +505,11 @@ class MooncakeBackend(StorageBackend):
             ), "corrupt"
         if code == OBJECT_NOT_FOUND:
             return KeyResult(KeyStatus.MISS, "not stored"), ""
-        if code == TRANSFER_FAIL:
-            # A short object also fails a multi-buffer read with -800: ask its size.
-            size = self.store.get_size(key.text())
-            if 0 <= size != self._expected_bytes:
-                return (
-                    KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
-                    "corrupt",
-                )
+        if code == TRANSFER_FAIL and size is not None and 0 <= size != self._expected_bytes:
+            return (
+                KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
+                "corrupt",
+            )
         fatal = "fatal" if code in FATAL_CODES else ""
         return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
 

@@ -5,12 +5,14 @@ dict; buffers are copied with ctypes. The real store is exercised by test_moonca
 Codes follow mooncake.py's table: a put of an existing key answers -705 (the
 0.3.13 store in the venv answers 0 there), a get of a missing key -704, a
 multi-buffer get of a short object -800.
-`fail_get` / `fail_put` force a code for a key's text.
+`fail_get` / `fail_put` force a code for a key's text; `get_delay_s` slows every
+batch get (a slow transfer).
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 
 from fastkv.storage.mooncake import (
     BUFFER_TOO_SMALL,
@@ -26,6 +28,7 @@ class FakeMooncakeStore:
         self.fail_get: dict[str, int] = {}
         self.fail_put: dict[str, int] = {}
         self.get_size_calls: list[str] = []
+        self.get_delay_s = 0.0
 
     def register_buffer(self, address: int, nbytes: int) -> int:
         return 0
@@ -50,6 +53,7 @@ class FakeMooncakeStore:
         return [self._put(n, p, s) for n, p, s in zip(names, ptrs, sizes, strict=True)]
 
     def batch_get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        time.sleep(self.get_delay_s)
         return [
             self._get(n, [p], [s], multi=False)
             for n, p, s in zip(names, ptrs, sizes, strict=True)
@@ -58,6 +62,7 @@ class FakeMooncakeStore:
     def batch_get_into_multi_buffers(
         self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
     ) -> list[int]:
+        time.sleep(self.get_delay_s)
         return [
             self._get(n, p, s, multi=True) for n, p, s in zip(names, ptrs, sizes, strict=True)
         ]
