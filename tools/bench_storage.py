@@ -40,6 +40,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "storage"))
+
+from storage_helpers import HostMemory
 
 from fastkv.storage import BlockLayout, StorageKey, deadline_after
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
@@ -50,27 +53,12 @@ BATCH = 8  # blocks per backend call, as an I/O engine chunk
 MiB = 1 << 20
 
 
-class Host:
-    """Page-aligned host memory holding `n` blocks of `layout`, one region per
-    segment index (the host cache's layout)."""
-
-    def __init__(self, layout: BlockLayout, n: int) -> None:
-        self.layout = layout
-        self.map = mmap.mmap(-1, layout.payload_bytes * n)
-        arr = np.frombuffer(self.map, dtype=np.uint8)
-        arr[:] = np.random.default_rng(0).integers(0, 256, arr.size, dtype=np.uint8)
-        self.base = arr.ctypes.data
-        self.nbytes = arr.size
-        self.view = memoryview(self.map)
-        seg = layout.segment_lengths[0]
-        self.regions = [i * seg * n for i in range(layout.num_segments)]
-        self.seg = seg
-
-    def segments(self, b: int) -> list[tuple[int, int]]:
-        return [(self.base + r + b * self.seg, self.seg) for r in self.regions]
-
-    def iovecs(self, b: int) -> list[memoryview]:
-        return [self.view[r + b * self.seg : r + (b + 1) * self.seg] for r in self.regions]
+def random_host(layout: BlockLayout, n: int) -> HostMemory:
+    """Page-aligned host memory for `n` blocks of `layout`, laid out as the host
+    cache (one region per segment index), filled with random bytes."""
+    host = HostMemory(layout, n)
+    host.array[:] = np.random.default_rng(0).integers(0, 256, host.nbytes, dtype=np.uint8)
+    return host
 
 
 def keys_for(rep: int, n: int, ns: bytes) -> list[StorageKey]:
@@ -98,7 +86,7 @@ def in_threads(n_threads: int, n: int, work: Callable[[int, int], None]) -> floa
 def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list[dict]:
     layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
     n = max(4, total // block_bytes)
-    host = Host(layout, n)
+    host = random_host(layout, n)
     nbytes = n * block_bytes
     run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=directory))
     backend = LocalDiskBackend(run_dir / "store", layout, capacity_blocks=n)
@@ -110,7 +98,7 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
         # warm-up: every slot and every raw block written once (allocation)
         backend.put_from(keys_for(0, n, ns), [host.segments(b) for b in range(n)], 1e12)
         for b in range(n):
-            os.pwritev(raw_fd, host.iovecs(b), b * block_bytes)
+            os.pwritev(raw_fd, host.views(b), b * block_bytes)
         for threads in (1, 2):
             figures: dict[str, list[float]] = {k: [] for k in ("rw", "rr", "bw", "br")}
             for rep in range(reps):
@@ -118,11 +106,11 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
 
                 def raw_write(lo: int, hi: int) -> None:
                     for b in range(lo, hi):
-                        os.pwritev(raw_fd, host.iovecs(b), b * block_bytes)
+                        os.pwritev(raw_fd, host.views(b), b * block_bytes)
 
                 def raw_read(lo: int, hi: int) -> None:
                     for b in range(lo, hi):
-                        os.preadv(raw_fd, host.iovecs(b), b * block_bytes)
+                        os.preadv(raw_fd, host.views(b), b * block_bytes)
 
                 def put(lo: int, hi: int, keys: list = keys) -> None:
                     for s in range(lo, hi, BATCH):
@@ -218,7 +206,6 @@ def bench_recovery(directory: Path, slots: int) -> dict:
 
 def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]:
     """Runs inside a private network namespace (see `bench_mooncake`)."""
-    sys.path.insert(0, str(ROOT / "tests" / "storage"))
     from mooncake_cluster import Cluster
 
     from fastkv.storage.mooncake import MooncakeBackend
@@ -234,7 +221,7 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
         cluster.start_node(segment=f"{segment_gb}GB")
         layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
         backend = MooncakeBackend(layout, cluster.master_address, max_batch=BATCH)
-        host = Host(layout, n)
+        host = random_host(layout, n)
         backend.register_host_memory(host.base, host.nbytes)
         staged = MooncakeBackend(
             layout,

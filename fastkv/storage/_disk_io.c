@@ -18,7 +18,8 @@
  * words (word i feeds lane i % 3; trailing bytes feed lane 0 after its words); the
  * block checksum is CRC-32C over the little-endian lanes of all segments in order.
  * Three independent lanes keep the CPU's crc32 unit busy (latency 3, throughput 1),
- * about 3x one lane. fastkv/storage/checksum.py holds the same definition in Python.
+ * about 3x one lane. fastkv.storage.block_header.reference_checksum is the same
+ * definition in Python.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -184,6 +185,27 @@ static uint32_t get_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+/* ---- the block header ---------------------------------------------------------- */
+
+/* Fills a header's CRC fields: the payload checksum of the block, then the header's own. */
+static void seal_hdr(uint8_t *h, const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf) {
+    put_u32(h + HDR_PAYLOAD_CRC, block_checksum(segs, nseg, lanes_buf));
+    put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+}
+
+/* A header's own CRC verifies (it was written whole, by this format). */
+static int header_crc_ok(const uint8_t *h) { return get_u32(h + HDR_CRC) == crc32c(h, HDR_CRC); }
+
+/* A header read back is the one expected: bytes [0, HDR_CMP_END) equal and its CRC verifies. */
+static int header_ok(const uint8_t *got, const uint8_t *want) {
+    return memcmp(got, want, HDR_CMP_END) == 0 && header_crc_ok(got);
+}
+
+/* Whether the payload now in the segments matches the checksum a header carries. */
+static int payload_ok(const uint8_t *h, const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf) {
+    return get_u32(h + HDR_PAYLOAD_CRC) == block_checksum(segs, nseg, lanes_buf);
+}
+
 /* ---- helpers ---------------------------------------------------------------- */
 
 static double now_monotonic(void) {
@@ -323,9 +345,7 @@ static uint8_t *job_bounce(const Job *j, Py_ssize_t i) {
 }
 
 static void seal(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
-    uint8_t *hdr = (uint8_t *)j->b->headers.buf + HDR_BYTES * i;
-    put_u32(hdr + HDR_PAYLOAD_CRC, block_checksum(job_segs(j, i), j->b->nseg, lanes_buf));
-    put_u32(hdr + HDR_CRC, crc32c(hdr, HDR_CRC));
+    seal_hdr((uint8_t *)j->b->headers.buf + HDR_BYTES * i, job_segs(j, i), j->b->nseg, lanes_buf);
 }
 
 /* The final status of read block i whose I/O ended with io_st[i]. */
@@ -339,7 +359,7 @@ static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
     const int64_t *so = (const int64_t *)b->seg_off.buf;
     const uint8_t *want = (const uint8_t *)b->headers.buf + HDR_BYTES * i;
     uint8_t *bounce = job_bounce(j, i);
-    if (memcmp(bounce, want, HDR_CMP_END) != 0 || get_u32(bounce + HDR_CRC) != crc32c(bounce, HDR_CRC)) {
+    if (!header_ok(bounce, want)) {
         j->st[i] = ST_BAD_HEADER;
         return;
     }
@@ -347,7 +367,7 @@ static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
     for (Py_ssize_t s = 0; s < b->nseg; s++)
         if (full_bounce || so[s] < b->header_area)
             memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
-    j->st[i] = get_u32(bounce + HDR_PAYLOAD_CRC) == block_checksum(sg, b->nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+    j->st[i] = payload_ok(bounce, sg, b->nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
 }
 
 static void *helper(void *arg) {
@@ -549,7 +569,7 @@ static PyObject *scan_headers(PyObject *self, PyObject *args) {
             st[i] = -errno;
         } else if (r < HDR_BYTES) {
             st[i] = ST_SHORT;
-        } else if (get_u32(bounce + HDR_CRC) != crc32c(bounce, HDR_CRC)) {
+        } else if (!header_crc_ok(bounce)) {
             st[i] = ST_BAD_HEADER;
         } else {
             memcpy((uint8_t *)out.buf + HDR_BYTES * i, bounce, HDR_BYTES);
@@ -566,28 +586,56 @@ static PyObject *scan_headers(PyObject *self, PyObject *args) {
 
 /* ---- checksums for other backends and tests ------------------------------------ */
 
+/* The arguments the single-block calls share: a 128-byte header (optional) and a
+ * block's int64 (ptr, len) segments, plus room for their checksum lanes. */
+typedef struct {
+    Py_buffer hdr, segs;
+    Py_ssize_t nseg;
+    uint8_t *lanes;
+} BlockArgs;
+
+static void block_args_release(BlockArgs *a) {
+    PyMem_Free(a->lanes);
+    if (a->hdr.obj) PyBuffer_Release(&a->hdr);
+    if (a->segs.obj) PyBuffer_Release(&a->segs);
+    memset(a, 0, sizeof(*a));
+}
+
+/* Gets the buffers (the header only when `hdr` is not NULL, writable when asked) and
+ * the lanes. On a malformed argument raises ValueError("<usage>"); on failure holds
+ * nothing and returns -1. */
+static int block_args_get(BlockArgs *a, PyObject *hdr, int hdr_writable, PyObject *segs, const char *usage) {
+    memset(a, 0, sizeof(*a));
+    if ((hdr && PyObject_GetBuffer(hdr, &a->hdr, hdr_writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) ||
+        PyObject_GetBuffer(segs, &a->segs, PyBUF_SIMPLE) < 0) {
+        block_args_release(a);
+        return -1;
+    }
+    a->nseg = a->segs.len / 16;
+    if ((hdr && a->hdr.len < HDR_BYTES) || a->segs.len % 16 || a->nseg < 1) {
+        PyErr_SetString(PyExc_ValueError, usage);
+        block_args_release(a);
+        return -1;
+    }
+    if (!(a->lanes = PyMem_Malloc((size_t)(12 * a->nseg)))) {
+        PyErr_NoMemory();
+        block_args_release(a);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_block_checksum(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *segs_obj;
     if (!PyArg_ParseTuple(args, "O", &segs_obj)) return NULL;
-    Py_buffer segs;
-    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t nseg = segs.len / 16;
-    if (segs.len % 16 || nseg < 1) {
-        PyBuffer_Release(&segs);
-        return PyErr_Format(PyExc_ValueError, "block_checksum: expected int64 (ptr, len) pairs");
-    }
-    uint8_t *lanes_buf = PyMem_Malloc((size_t)(12 * nseg));
-    if (!lanes_buf) {
-        PyBuffer_Release(&segs);
-        return PyErr_NoMemory();
-    }
+    BlockArgs a;
+    if (block_args_get(&a, NULL, 0, segs_obj, "block_checksum: expected int64 (ptr, len) pairs") < 0) return NULL;
     uint32_t c;
     Py_BEGIN_ALLOW_THREADS;
-    c = block_checksum((const int64_t *)segs.buf, nseg, lanes_buf);
+    c = block_checksum((const int64_t *)a.segs.buf, a.nseg, a.lanes);
     Py_END_ALLOW_THREADS;
-    PyMem_Free(lanes_buf);
-    PyBuffer_Release(&segs);
+    block_args_release(&a);
     return PyLong_FromUnsignedLong(c);
 }
 
@@ -596,32 +644,14 @@ static PyObject *seal_header(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *hdr_obj, *segs_obj;
     if (!PyArg_ParseTuple(args, "OO", &hdr_obj, &segs_obj)) return NULL;
-    Py_buffer hdr, segs;
-    if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&hdr);
+    BlockArgs a;
+    if (block_args_get(&a, hdr_obj, 1, segs_obj,
+                       "seal_header: a 128-byte header and (ptr, len) pairs expected") < 0)
         return NULL;
-    }
-    Py_ssize_t nseg = segs.len / 16;
-    if (hdr.len < HDR_BYTES || segs.len % 16 || nseg < 1) {
-        PyBuffer_Release(&hdr);
-        PyBuffer_Release(&segs);
-        return PyErr_Format(PyExc_ValueError, "seal_header: a 128-byte header and (ptr, len) pairs expected");
-    }
-    uint8_t *lanes_buf = PyMem_Malloc((size_t)(12 * nseg));
-    if (!lanes_buf) {
-        PyBuffer_Release(&hdr);
-        PyBuffer_Release(&segs);
-        return PyErr_NoMemory();
-    }
-    uint8_t *h = hdr.buf;
     Py_BEGIN_ALLOW_THREADS;
-    put_u32(h + HDR_PAYLOAD_CRC, block_checksum((const int64_t *)segs.buf, nseg, lanes_buf));
-    put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+    seal_hdr(a.hdr.buf, (const int64_t *)a.segs.buf, a.nseg, a.lanes);
     Py_END_ALLOW_THREADS;
-    PyMem_Free(lanes_buf);
-    PyBuffer_Release(&hdr);
-    PyBuffer_Release(&segs);
+    block_args_release(&a);
     Py_RETURN_NONE;
 }
 
@@ -629,41 +659,30 @@ static PyObject *seal_header(PyObject *self, PyObject *args) {
  * in the segments. Returns 0, ST_BAD_HEADER or ST_BAD_CHECKSUM. */
 static PyObject *verify_block(PyObject *self, PyObject *args) {
     (void)self;
+    static const char usage[] = "verify_block: two 128-byte headers and (ptr, len) pairs expected";
     PyObject *got_obj, *want_obj, *segs_obj;
     if (!PyArg_ParseTuple(args, "OOO", &got_obj, &want_obj, &segs_obj)) return NULL;
-    Py_buffer got, want, segs;
-    if (PyObject_GetBuffer(got_obj, &got, PyBUF_SIMPLE) < 0) return NULL;
-    if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&got);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&got);
+    Py_buffer want;
+    if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) return NULL;
+    BlockArgs a;
+    if (block_args_get(&a, got_obj, 0, segs_obj, usage) < 0) {
         PyBuffer_Release(&want);
         return NULL;
     }
-    Py_ssize_t nseg = segs.len / 16;
     int status = -1;
-    uint8_t *lanes_buf = NULL;
-    if (got.len < HDR_BYTES || want.len < HDR_BYTES || segs.len % 16 || nseg < 1) {
-        PyErr_Format(PyExc_ValueError, "verify_block: two 128-byte headers and (ptr, len) pairs expected");
-    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
-        PyErr_NoMemory();
+    if (want.len < HDR_BYTES) {
+        PyErr_SetString(PyExc_ValueError, usage);
     } else {
-        const uint8_t *g = got.buf;
+        const uint8_t *g = a.hdr.buf;
+        const int64_t *sg = a.segs.buf;
         Py_BEGIN_ALLOW_THREADS;
-        if (memcmp(g, want.buf, HDR_CMP_END) != 0 || get_u32(g + HDR_CRC) != crc32c(g, HDR_CRC))
-            status = ST_BAD_HEADER;
-        else
-            status = get_u32(g + HDR_PAYLOAD_CRC) == block_checksum((const int64_t *)segs.buf, nseg, lanes_buf)
-                         ? ST_OK
-                         : ST_BAD_CHECKSUM;
+        status = !header_ok(g, want.buf)               ? ST_BAD_HEADER
+                 : payload_ok(g, sg, a.nseg, a.lanes) ? ST_OK
+                                                       : ST_BAD_CHECKSUM;
         Py_END_ALLOW_THREADS;
     }
-    PyMem_Free(lanes_buf);
-    PyBuffer_Release(&got);
+    block_args_release(&a);
     PyBuffer_Release(&want);
-    PyBuffer_Release(&segs);
     return status < 0 ? NULL : PyLong_FromLong(status);
 }
 
@@ -671,41 +690,28 @@ static PyObject *verify_block(PyObject *self, PyObject *args) {
  * payload and header CRCs) followed by the segments in order. */
 static PyObject *stage_block(PyObject *self, PyObject *args) {
     (void)self;
+    static const char usage[] = "stage_block: a destination, a 128-byte header and (ptr, len) pairs";
     unsigned long long dst_ptr;
     PyObject *hdr_obj, *segs_obj;
     if (!PyArg_ParseTuple(args, "KOO", &dst_ptr, &hdr_obj, &segs_obj)) return NULL;
-    Py_buffer hdr, segs;
-    if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_WRITABLE) < 0) return NULL;
-    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&hdr);
+    if (!dst_ptr) {
+        PyErr_SetString(PyExc_ValueError, usage);
         return NULL;
     }
-    Py_ssize_t nseg = segs.len / 16;
-    uint8_t *lanes_buf = NULL;
-    int ok = 0;
-    if (hdr.len < HDR_BYTES || segs.len % 16 || nseg < 1 || !dst_ptr) {
-        PyErr_Format(PyExc_ValueError, "stage_block: a destination, a 128-byte header and (ptr, len) pairs");
-    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
-        PyErr_NoMemory();
-    } else {
-        uint8_t *h = hdr.buf, *dst = (uint8_t *)(uintptr_t)dst_ptr;
-        const int64_t *sg = segs.buf;
-        Py_BEGIN_ALLOW_THREADS;
-        put_u32(h + HDR_PAYLOAD_CRC, block_checksum(sg, nseg, lanes_buf));
-        put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
-        memcpy(dst, h, HDR_BYTES);
-        size_t off = HDR_BYTES;
-        for (Py_ssize_t s = 0; s < nseg; s++) {
-            memcpy(dst + off, (const void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
-            off += (size_t)sg[2 * s + 1];
-        }
-        Py_END_ALLOW_THREADS;
-        ok = 1;
+    BlockArgs a;
+    if (block_args_get(&a, hdr_obj, 1, segs_obj, usage) < 0) return NULL;
+    uint8_t *h = a.hdr.buf, *dst = (uint8_t *)(uintptr_t)dst_ptr;
+    const int64_t *sg = a.segs.buf;
+    Py_BEGIN_ALLOW_THREADS;
+    seal_hdr(h, sg, a.nseg, a.lanes);
+    memcpy(dst, h, HDR_BYTES);
+    size_t off = HDR_BYTES;
+    for (Py_ssize_t s = 0; s < a.nseg; s++) {
+        memcpy(dst + off, (const void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+        off += (size_t)sg[2 * s + 1];
     }
-    PyMem_Free(lanes_buf);
-    PyBuffer_Release(&hdr);
-    PyBuffer_Release(&segs);
-    if (!ok) return NULL;
+    Py_END_ALLOW_THREADS;
+    block_args_release(&a);
     Py_RETURN_NONE;
 }
 
@@ -714,42 +720,33 @@ static PyObject *stage_block(PyObject *self, PyObject *args) {
  * ST_BAD_HEADER (nothing scattered) or ST_BAD_CHECKSUM. */
 static PyObject *unstage_block(PyObject *self, PyObject *args) {
     (void)self;
+    static const char usage[] = "unstage_block: a source, a 128-byte header and (ptr, len) pairs";
     unsigned long long src_ptr;
     PyObject *want_obj, *segs_obj;
     if (!PyArg_ParseTuple(args, "KOO", &src_ptr, &want_obj, &segs_obj)) return NULL;
-    Py_buffer want, segs;
-    if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) return NULL;
-    if (PyObject_GetBuffer(segs_obj, &segs, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&want);
+    if (!src_ptr) {
+        PyErr_SetString(PyExc_ValueError, usage);
         return NULL;
     }
-    Py_ssize_t nseg = segs.len / 16;
-    uint8_t *lanes_buf = NULL;
-    int status = -1;
-    if (want.len < HDR_BYTES || segs.len % 16 || nseg < 1 || !src_ptr) {
-        PyErr_Format(PyExc_ValueError, "unstage_block: a source, a 128-byte header and (ptr, len) pairs");
-    } else if (!(lanes_buf = PyMem_Malloc((size_t)(12 * nseg)))) {
-        PyErr_NoMemory();
+    BlockArgs a;
+    if (block_args_get(&a, want_obj, 0, segs_obj, usage) < 0) return NULL;
+    const uint8_t *src = (const uint8_t *)(uintptr_t)src_ptr;
+    const int64_t *sg = a.segs.buf;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    if (!header_ok(src, a.hdr.buf)) {
+        status = ST_BAD_HEADER;
     } else {
-        const uint8_t *src = (const uint8_t *)(uintptr_t)src_ptr;
-        const int64_t *sg = segs.buf;
-        Py_BEGIN_ALLOW_THREADS;
-        if (memcmp(src, want.buf, HDR_CMP_END) != 0 || get_u32(src + HDR_CRC) != crc32c(src, HDR_CRC)) {
-            status = ST_BAD_HEADER;
-        } else {
-            size_t off = HDR_BYTES;
-            for (Py_ssize_t s = 0; s < nseg; s++) {
-                memcpy((void *)(uintptr_t)sg[2 * s], src + off, (size_t)sg[2 * s + 1]);
-                off += (size_t)sg[2 * s + 1];
-            }
-            status = get_u32(src + HDR_PAYLOAD_CRC) == block_checksum(sg, nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+        size_t off = HDR_BYTES;
+        for (Py_ssize_t s = 0; s < a.nseg; s++) {
+            memcpy((void *)(uintptr_t)sg[2 * s], src + off, (size_t)sg[2 * s + 1]);
+            off += (size_t)sg[2 * s + 1];
         }
-        Py_END_ALLOW_THREADS;
+        status = payload_ok(src, sg, a.nseg, a.lanes) ? ST_OK : ST_BAD_CHECKSUM;
     }
-    PyMem_Free(lanes_buf);
-    PyBuffer_Release(&want);
-    PyBuffer_Release(&segs);
-    return status < 0 ? NULL : PyLong_FromLong(status);
+    Py_END_ALLOW_THREADS;
+    block_args_release(&a);
+    return PyLong_FromLong(status);
 }
 
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
@@ -799,8 +796,7 @@ PyMODINIT_FUNC PyInit__disk_io(void) {
         PyModule_AddIntConstant(m, "ST_SHORT", ST_SHORT) < 0 ||
         PyModule_AddIntConstant(m, "ST_BAD_HEADER", ST_BAD_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "ST_BAD_CHECKSUM", ST_BAD_CHECKSUM) < 0 ||
-        PyModule_AddIntConstant(m, "ST_NO_BOUNCE", ST_NO_BOUNCE) < 0 ||
-        PyModule_AddIntConstant(m, "HW_CRC", have_sse42) < 0) {
+        PyModule_AddIntConstant(m, "ST_NO_BOUNCE", ST_NO_BOUNCE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -21,10 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import IntEnum
 
 Segment = tuple[int, int]
@@ -158,6 +160,9 @@ class KeyResult:
 
 
 OK = KeyResult(KeyStatus.OK)
+ALREADY_STORED = KeyResult(KeyStatus.OK, "already stored")
+"""A put's answer for a key stored before (or earlier in the same call): OK, nothing
+written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,13 +200,20 @@ class BlockLayout:
 
 @dataclass(slots=True)
 class StorageStats:
-    """Counters of one backend (monotonic since it was opened)."""
+    """Counters of one backend (monotonic since it was opened). Every key of every
+    call counts once, repeats included: per get, gets = OK + misses + get_failures +
+    its timeouts; per put, put_failures + put_already_stored <= puts."""
 
     puts: int = 0
+    """Keys asked to store."""
     put_bytes: int = 0
+    """Payload bytes written (keys already stored write nothing)."""
     put_failures: int = 0
+    """Keys a put did not store (FAILED or TIMEOUT)."""
     put_already_stored: int = 0
+    """Keys a put answered OK without writing them (`ALREADY_STORED`)."""
     gets: int = 0
+    """Keys asked to read."""
     get_bytes: int = 0
     misses: int = 0
     corrupt: int = 0
@@ -209,6 +221,7 @@ class StorageStats:
     the wrong size): each is also a miss."""
     get_failures: int = 0
     timeouts: int = 0
+    """Keys of gets and puts answered TIMEOUT."""
     evictions: int = 0
     stored_blocks: int = 0
     capacity_blocks: int = 0
@@ -234,6 +247,11 @@ class StorageBackend(ABC):
     """
 
     layout: BlockLayout
+    # Used by the shared stats() and counting below; a backend that keeps them sets
+    # all three (a wrapper that overrides stats() needs none).
+    _lock: threading.Lock
+    _stats: StorageStats
+    _closed: bool
 
     @abstractmethod
     def exists(self, keys: Sequence[StorageKey], deadline: float) -> list[bool]:
@@ -270,9 +288,12 @@ class StorageBackend(ABC):
             One result per key; OK means stored.
         """
 
-    @abstractmethod
     def stats(self) -> StorageStats:
         """A snapshot of the counters."""
+        with self._lock:
+            snap = replace(self._stats)
+            self._live_stats(snap)
+        return snap
 
     @abstractmethod
     def close(self) -> None:
@@ -283,6 +304,39 @@ class StorageBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- shared bookkeeping -----------------------------------------------------
+
+    def _live_stats(self, snap: StorageStats) -> None:
+        """Fill in what the backend tracks outside `_stats` (called under `_lock`)."""
+        return
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the storage backend is closed")
+
+    def _count_gets(self, results: Sequence[KeyResult]) -> None:
+        """Count a get_into call by its results (the backend counts `corrupt`)."""
+        n = Counter(r.status for r in results)
+        with self._lock:
+            st = self._stats
+            st.gets += len(results)
+            st.misses += n[KeyStatus.MISS]
+            st.get_failures += n[KeyStatus.FAILED]
+            st.timeouts += n[KeyStatus.TIMEOUT]
+            st.get_bytes += n[KeyStatus.OK] * self.layout.payload_bytes
+
+    def _count_puts(self, results: Sequence[KeyResult]) -> None:
+        """Count a put_from call by its results."""
+        n = Counter(r.status for r in results)
+        already = sum(r == ALREADY_STORED for r in results)
+        with self._lock:
+            st = self._stats
+            st.puts += len(results)
+            st.put_failures += len(results) - n[KeyStatus.OK]
+            st.put_already_stored += already
+            st.timeouts += n[KeyStatus.TIMEOUT]
+            st.put_bytes += (n[KeyStatus.OK] - already) * self.layout.payload_bytes
 
     # -- shared validation ------------------------------------------------------
 
@@ -343,6 +397,7 @@ def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None
 
 
 __all__ = [
+    "ALREADY_STORED",
     "OK",
     "BlockLayout",
     "BlockSegments",

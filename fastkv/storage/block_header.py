@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import struct
 
-import crc32c
 import numpy as np
 
 from fastkv.storage import _disk_io
@@ -74,7 +73,12 @@ def parse_header(raw: bytes | memoryview) -> tuple[StorageKey, int, int, int, in
 
 
 def reference_checksum(segments: list[bytes]) -> int:
-    """crc32c-3way of a block given as the bytes of its segments (slow; tests)."""
+    """crc32c-3way of a block given as the bytes of its segments (slow; tests).
+
+    Needs the `crc32c` package, a test dependency (requirements.txt) that
+    install_requires leaves out, hence the import here rather than at the top."""
+    import crc32c
+
     lanes = bytearray()
     for seg in segments:
         nwords = len(seg) // 8

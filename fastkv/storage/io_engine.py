@@ -43,6 +43,7 @@ from fastkv.storage.base import (
     check_deadline,
     check_keys,
     check_segments,
+    deadline_after,
 )
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,6 @@ class _Request:
         "reported",
         "request_id",
         "results",
-        "running",
     )
 
     def __init__(
@@ -119,7 +119,6 @@ class _Request:
         self.results: list[KeyResult | None] = [None] * len(keys)
         self.hits: list[bool] = [False] * len(keys)
         self.chunks_left = 0
-        self.running: set[tuple[int, int]] = set()
         self.reported = False
 
 
@@ -248,8 +247,7 @@ class StorageIOEngine:
         Raises:
             ValueError: timeout is negative or not finite.
         """
-        _check_timeout(timeout)
-        end = time.monotonic() + timeout
+        end = deadline_after(timeout)
         with self._lock:
             while True:
                 now = time.monotonic()
@@ -275,7 +273,7 @@ class StorageIOEngine:
     def close(self, timeout: float = 10.0) -> list[StorageCompletion]:
         """Stop: queued chunks fail ("engine closed"), running ones finish (threads
         joined for at most `timeout` s). Returns the completions not yet polled."""
-        _check_timeout(timeout)
+        end = deadline_after(timeout)
         with self._lock:
             self._closing = True
             for queue in self._queues.values():
@@ -284,7 +282,6 @@ class StorageIOEngine:
                     closed = KeyResult(KeyStatus.FAILED, "storage I/O engine closed")
                     self._finish_chunk(req, start, stop, [closed] * (stop - start), None)
             self._work.notify_all()
-        end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
         return self.wait_all(max(0.0, end - time.monotonic()))
@@ -400,7 +397,6 @@ class StorageIOEngine:
                     self._finish_chunk(req, start, stop, [_TIMED_OUT] * (stop - start), None)
                     continue
                 self._touch(req, start, stop, +1)
-                req.running.add((start, stop))
             results: list[KeyResult] = []
             hits: list[bool] | None = None
             try:
@@ -411,7 +407,6 @@ class StorageIOEngine:
                     stop - start
                 )
             with self._lock:
-                req.running.discard((start, stop))
                 self._touch(req, start, stop, -1)
                 self._finish_chunk(req, start, stop, results, hits)
 
@@ -488,11 +483,6 @@ def _runs(indexes: list[int], size: int) -> list[tuple[int, int]]:
         runs.append((indexes[i], indexes[j] + 1))
         i = j + 1
     return runs
-
-
-def _check_timeout(timeout: float) -> None:
-    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
-        raise ValueError(f"timeout: must be a finite number of seconds >= 0, got {timeout!r}")
 
 
 __all__ = ["RequestKind", "StorageCompletion", "StorageIOEngine"]

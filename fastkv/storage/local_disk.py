@@ -49,6 +49,7 @@ import numpy as np
 
 from fastkv.storage import _disk_io
 from fastkv.storage.base import (
+    ALREADY_STORED,
     OK,
     BlockLayout,
     BlockSegments,
@@ -242,12 +243,9 @@ class LocalDiskBackend(StorageBackend):
                 for slot, _ in where:
                     self._slots.unpin(slot)
         with self._lock:
-            st = self._stats
             for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
                 results[i] = self._read_result(keys[i], slot, seq, status)
-            st.gets += len(keys)
-            st.misses += sum(r.status == KeyStatus.MISS for r in results)
-            st.get_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        self._count_gets(results)
         return results
 
     def put_from(
@@ -262,10 +260,11 @@ class LocalDiskBackend(StorageBackend):
         with self._lock:
             for i, key in enumerate(keys):
                 packed = key.packed
-                if packed in first or packed in self._slots.index:
-                    if packed in self._slots.index:
-                        self._slots.index.move_to_end(packed)
-                    self._stats.put_already_stored += 1
+                if packed in self._slots.index:
+                    self._slots.index.move_to_end(packed)
+                    results[i] = ALREADY_STORED
+                    continue
+                if packed in first:  # a repeat: answered with its first occurrence below
                     continue
                 slot = self._take_slot()
                 if slot is None:
@@ -284,21 +283,12 @@ class LocalDiskBackend(StorageBackend):
             with self._lock:
                 for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
                     results[i] = self._write_result(keys[i].packed, slot, seq, status)
-        for i, key in enumerate(keys):  # duplicates share their first occurrence's fate
+        for i, key in enumerate(keys):  # repeats share their first occurrence's fate
             j = first.get(key.packed)
             if j is not None and j != i:
-                results[i] = results[j]
-        with self._lock:
-            self._stats.puts += len(todo)
-            self._stats.put_failures += sum(not r.ok for r in results)
-            self._stats.put_bytes += sum(s == 0 for s in statuses) * self.layout.payload_bytes
+                results[i] = ALREADY_STORED if results[j].ok else results[j]
+        self._count_puts(results)
         return results
-
-    def stats(self) -> StorageStats:
-        with self._lock:
-            s = StorageStats(**{f: getattr(self._stats, f) for f in StorageStats.__slots__})
-            s.stored_blocks = len(self._slots.index)
-            return s
 
     @property
     def recovering(self) -> bool:
@@ -322,6 +312,9 @@ class LocalDiskBackend(StorageBackend):
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def _live_stats(self, snap: StorageStats) -> None:
+        snap.stored_blocks = len(self._slots.index)
 
     # -- slots --------------------------------------------------------------------
 
@@ -382,7 +375,6 @@ class LocalDiskBackend(StorageBackend):
         if status != _disk_io.ST_OK:
             slots.free.append(slot)
             if status == _disk_io.ST_TIMEOUT:
-                self._stats.timeouts += 1
                 return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the write")
             return KeyResult(KeyStatus.FAILED, f"write failed: {_describe(status)}")
         if packed in slots.index:  # a concurrent put stored it first
@@ -395,10 +387,10 @@ class LocalDiskBackend(StorageBackend):
         if status == _disk_io.ST_OK:
             return OK
         if status == _disk_io.ST_TIMEOUT:
-            self._stats.timeouts += 1
             return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the read")
-        if status < 0:
-            self._stats.get_failures += 1
+        if status < 0 or status == _disk_io.ST_NO_BOUNCE:
+            # An I/O error, or no staging buffer for this host memory (a local
+            # condition, not bad data): the stored block stays indexed.
             return KeyResult(KeyStatus.FAILED, f"read failed: {_describe(status)}")
         # Not provably this block: forget it (unless the slot was rewritten meanwhile).
         self._stats.corrupt += 1
@@ -430,7 +422,7 @@ class LocalDiskBackend(StorageBackend):
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, and a read keeps each
         # block's header page until its verification.
-        full = self.direct_io and bool((segs[:, g.large, 0] % ALIGN).any())
+        full = self._needs_full_bounce(segs)
         if full:
             bounce = self._bounce(g.slot_bytes)
         else:
@@ -451,6 +443,13 @@ class LocalDiskBackend(StorageBackend):
             self.io_delay_s,
             not full,
         )
+
+    def _needs_full_bounce(self, segs: np.ndarray) -> bool:
+        """Whether a block of the batch cannot move zero-copy: a large segment not
+        4096-aligned under O_DIRECT. The same test as `block_iovecs` in _disk_io.c,
+        made here for the whole batch to size the bounce buffer; were they ever to
+        disagree, the C side answers ST_NO_BOUNCE for that block (FAILED)."""
+        return self.direct_io and bool((segs[:, self.geometry.large, 0] % ALIGN).any())
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
         """This thread's page-aligned staging buffer, at least `nbytes` long."""
@@ -587,10 +586,6 @@ class LocalDiskBackend(StorageBackend):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, path)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the storage backend is closed")
 
 
 def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:

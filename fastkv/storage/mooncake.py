@@ -10,7 +10,8 @@ cache; the headers live in a small registered arena of the backend's own).
 Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
 
     put   0, -705 (exists)      stored (an existing key keeps its old value; keys name
-                                content, so it is the same block)
+                                content, so it is the same block); -705 answers
+                                ALREADY_STORED
           -200 (pool full)      retried with a short backoff, at most `put_retries`
                                 times and never past the deadline; then FAILED
     get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
@@ -19,6 +20,8 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
           -704                  not stored -> MISS
           -800 (transfer fail)  also what a short object gives with multi-buffer reads:
                                 `get_size` tells them apart -> MISS or FAILED
+                                (zero-copy reads only, while the deadline allows,
+                                until a fatal code in the same call)
     any   -800, -900, -901      FAILED, and the circuit breaker opens (RPC or transfer
                                 failure: a dead master or storage node)
           anything else         FAILED with the code
@@ -40,6 +43,7 @@ import numpy as np
 
 from fastkv.storage import _disk_io
 from fastkv.storage.base import (
+    ALREADY_STORED,
     OK,
     BlockLayout,
     BlockSegments,
@@ -201,7 +205,7 @@ class MooncakeBackend(StorageBackend):
         self.retry_backoff_s = float(retry_backoff_s)
         self.max_batch = max_batch
         self.breaker = CircuitBreaker(float(breaker_cooldown_s))
-        self._expected_bytes = HEADER_BYTES + layout.payload_bytes
+        self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
         if store is None:
             store = _setup_store(
@@ -278,13 +282,7 @@ class MooncakeBackend(StorageBackend):
         self._check_registered(blocks)
         self._check_open()
         results = self._batched(keys, blocks, deadline, self._get_part)
-        with self._lock:
-            st = self._stats
-            st.gets += len(keys)
-            st.misses += sum(r.status == KeyStatus.MISS for r in results)
-            st.get_failures += sum(r.status == KeyStatus.FAILED for r in results)
-            st.timeouts += sum(r.status == KeyStatus.TIMEOUT for r in results)
-            st.get_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        self._count_gets(results)
         return results
 
     def put_from(
@@ -294,17 +292,8 @@ class MooncakeBackend(StorageBackend):
         self._check_registered(blocks)
         self._check_open()
         results = self._batched(keys, blocks, deadline, self._put_part)
-        with self._lock:
-            st = self._stats
-            st.puts += len(keys)
-            st.put_failures += sum(not r.ok for r in results)
-            st.timeouts += sum(r.status == KeyStatus.TIMEOUT for r in results)
-            st.put_bytes += sum(r.ok for r in results) * self.layout.payload_bytes
+        self._count_puts(results)
         return results
-
-    def stats(self) -> StorageStats:
-        with self._lock:
-            return StorageStats(**{f: getattr(self._stats, f) for f in StorageStats.__slots__})
 
     def close(self) -> None:
         if self._closed:
@@ -414,8 +403,10 @@ class MooncakeBackend(StorageBackend):
                 )
             retry = []
             for j, code in zip(pending, codes, strict=True):
-                if code in (PUT_OK, OBJECT_EXISTS):
+                if code == PUT_OK:
                     results[j] = OK
+                elif code == OBJECT_EXISTS:
+                    results[j] = ALREADY_STORED
                 elif code == POOL_FULL:
                     retry.append(j)
                 else:
@@ -462,10 +453,18 @@ class MooncakeBackend(StorageBackend):
         results: list[KeyResult] = []
         fatal: str | None = None
         corrupt = 0
+        # A short object also fails a multi-buffer read with -800 (a single-buffer
+        # read answers its size): ask its size, one key at a time, but only while
+        # the deadline allows and until a fatal code shows the store is failing.
+        ask_size = not self.staged
         for j, code in enumerate(codes):
-            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code)
+            size = None
+            if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
+                size = self.store.get_size(keys[j].text())
+            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
             if outcome == "fatal":
                 fatal = f"get answered {code}"
+                ask_size = False
             corrupt += outcome == "corrupt"
             results.append(result)
         with self._lock:
@@ -473,10 +472,16 @@ class MooncakeBackend(StorageBackend):
         return results, fatal
 
     def _read_result(
-        self, key: StorageKey, segs: BlockSegments, arena: int, j: int, code: int
+        self,
+        key: StorageKey,
+        segs: BlockSegments,
+        arena: int,
+        j: int,
+        code: int,
+        size: int | None,
     ) -> tuple[KeyResult, str]:
         """The result of one get and its kind: "", "corrupt" (counted) or "fatal"
-        (opens the breaker)."""
+        (opens the breaker). `size`: what get_size answered for a -800, if asked."""
         if code == self._expected_bytes:
             want = expected_header(key, self.layout, 0)
             seg_array = np.asarray(segs, dtype=np.int64)
@@ -500,14 +505,11 @@ class MooncakeBackend(StorageBackend):
             ), "corrupt"
         if code == OBJECT_NOT_FOUND:
             return KeyResult(KeyStatus.MISS, "not stored"), ""
-        if code == TRANSFER_FAIL:
-            # A short object also fails a multi-buffer read with -800: ask its size.
-            size = self.store.get_size(key.text())
-            if 0 <= size != self._expected_bytes:
-                return (
-                    KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
-                    "corrupt",
-                )
+        if code == TRANSFER_FAIL and size is not None and 0 <= size != self._expected_bytes:
+            return (
+                KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
+                "corrupt",
+            )
         fatal = "fatal" if code in FATAL_CODES else ""
         return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
 
@@ -541,10 +543,6 @@ class MooncakeBackend(StorageBackend):
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"
             )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the storage backend is closed")
 
 
 def _setup_store(

@@ -10,6 +10,7 @@ the I/O engine) through it, checks bytes itself, and prints one line
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -91,6 +92,7 @@ def round_trip(cluster: Cluster, two_process: bool, staged: bool = False) -> dic
         "max_batch": backend.max_batch,
         "corrupt": stats.corrupt,
         "breaker_open": backend.breaker.is_open,
+        "stats": dataclasses.asdict(stats),
     }
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import crc32c
 import numpy as np
 import pytest
@@ -68,3 +71,13 @@ def test_header_round_trip_and_seal() -> None:
     assert _disk_io.verify_block(bytes(header), expected_header(key, layout, 42), segs) == (
         _disk_io.ST_BAD_HEADER
     )
+
+
+def test_storage_imports_without_the_crc32c_package() -> None:
+    # crc32c is a test dependency only (install_requires is numpy); a None entry in
+    # sys.modules makes `import crc32c` raise as if it were not installed.
+    code = (
+        "import sys; sys.modules['crc32c'] = None; "
+        "import fastkv.storage.block_header, fastkv.storage.local_disk"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -76,6 +76,30 @@ def test_misaligned_host_memory_goes_through_the_bounce_buffer(tmp_path: Path) -
     assert [host.read(2), host.read(3)] == want
 
 
+def test_a_read_without_a_staging_buffer_fails_and_keeps_the_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ST_NO_BOUNCE (the Python side chose pipelined reads, the C side finds host
+    memory O_DIRECT cannot take) is a local staging problem: FAILED, not a corrupt
+    block to forget."""
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 4, misalign=64)
+    want = [host.fill(b, seed=20 + b) for b in range(2)]
+    keys = make_keys(2)
+    with open_backend(tmp_path, layout, direct_io=True) as backend:
+        assert put(backend, host, keys, [0, 1]) == ["OK", "OK"]
+        monkeypatch.setattr(backend, "_needs_full_bounce", lambda segs: False)
+        res = backend.get_into(keys, [host.segments(b) for b in (2, 3)], deadline_after(SOON))
+        assert statuses(res) == ["FAILED", "FAILED"]
+        assert "no staging buffer" in res[0].reason
+        stats = backend.stats()
+        assert (stats.corrupt, stats.get_failures, stats.misses) == (0, 2, 0)
+        assert backend.exists(keys, deadline_after(1)) == [True, True]
+        monkeypatch.undo()
+        assert get(backend, host, keys, [2, 3]) == ["OK", "OK"]
+    assert [host.read(2), host.read(3)] == want
+
+
 def test_round_trip_from_the_cache_controllers_host_tier(tmp_path: Path) -> None:
     """fp8 K/V per layer, their float32 scales and an extra layer, exactly as the
     worker's host cache lays them out."""

@@ -1,0 +1,97 @@
+"""An in-process stand-in for `MooncakeDistributedStore` (the calls MooncakeBackend
+makes), for unit tests that need exact control over return codes. Objects live in a
+dict; buffers are copied with ctypes. The real store is exercised by test_mooncake.py.
+
+Codes follow mooncake.py's table: a put of an existing key answers -705 (the
+0.3.13 store in the venv answers 0 there), a get of a missing key -704, a
+multi-buffer get of a short object -800.
+`fail_get` / `fail_put` force a code for a key's text; `get_delay_s` slows every
+batch get (a slow transfer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+from fastkv.storage.mooncake import (
+    BUFFER_TOO_SMALL,
+    OBJECT_EXISTS,
+    OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
+)
+
+
+class FakeMooncakeStore:
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.fail_get: dict[str, int] = {}
+        self.fail_put: dict[str, int] = {}
+        self.get_size_calls: list[str] = []
+        self.get_delay_s = 0.0
+
+    def register_buffer(self, address: int, nbytes: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def batch_is_exist(self, names: list[str]) -> list[int]:
+        return [int(n in self.objects) for n in names]
+
+    def get_size(self, name: str) -> int:
+        self.get_size_calls.append(name)
+        obj = self.objects.get(name)
+        return OBJECT_NOT_FOUND if obj is None else len(obj)
+
+    def batch_put_from(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        return [self._put(n, [p], [s]) for n, p, s in zip(names, ptrs, sizes, strict=True)]
+
+    def batch_put_from_multi_buffers(
+        self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        return [self._put(n, p, s) for n, p, s in zip(names, ptrs, sizes, strict=True)]
+
+    def batch_get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        time.sleep(self.get_delay_s)
+        return [
+            self._get(n, [p], [s], multi=False)
+            for n, p, s in zip(names, ptrs, sizes, strict=True)
+        ]
+
+    def batch_get_into_multi_buffers(
+        self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        time.sleep(self.get_delay_s)
+        return [
+            self._get(n, p, s, multi=True) for n, p, s in zip(names, ptrs, sizes, strict=True)
+        ]
+
+    def _put(self, name: str, ptrs: list[int], sizes: list[int]) -> int:
+        if name in self.fail_put:
+            return self.fail_put[name]
+        if name in self.objects:
+            return OBJECT_EXISTS
+        parts = zip(ptrs, sizes, strict=True)
+        self.objects[name] = b"".join(ctypes.string_at(p, s) for p, s in parts)
+        return 0
+
+    def _get(self, name: str, ptrs: list[int], sizes: list[int], multi: bool) -> int:
+        if name in self.fail_get:
+            return self.fail_get[name]
+        obj = self.objects.get(name)
+        if obj is None:
+            return OBJECT_NOT_FOUND
+        if len(obj) > sum(sizes):
+            return BUFFER_TOO_SMALL
+        if len(obj) < sum(sizes) and multi:
+            return TRANSFER_FAIL
+        off = 0
+        for p, s in zip(ptrs, sizes, strict=True):
+            chunk = obj[off : off + s]
+            ctypes.memmove(p, chunk, len(chunk))
+            off += len(chunk)
+        return len(obj)
+
+
+__all__ = ["FakeMooncakeStore"]
