@@ -6,6 +6,7 @@ TransferManager; nothing here blocks the caller:
 - `submit_load`   STORAGE -> HOST: read blocks into host-cache blocks;
 - `submit_store`  HOST -> STORAGE: write host-cache blocks to storage;
 - `submit_lookup` which keys storage holds (answered in a later poll);
+- `submit_all`    a step's requests together, all or nothing;
 - `poll`          completions so far, each with one result per key.
 
 Requests are cut into chunks that I/O threads run in priority order: lookups, then
@@ -82,6 +83,19 @@ class StorageCompletion:
             if not r.ok:
                 return i
         return len(self.results)
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One request for `StorageIOEngine.submit_all` (loads and stores name the host
+    blocks they read or write; lookups name none)."""
+
+    kind: RequestKind
+    request_id: int
+    keys: Sequence[StorageKey]
+    deadline: float
+    blocks: Sequence[BlockSegments] = ()
+    host_ids: Sequence[int] = ()
 
 
 class _Request:
@@ -200,7 +214,9 @@ class StorageIOEngine:
             ValueError: bad input, a request id in use, a host block listed twice or
                 touched by an outstanding request; nothing is queued.
         """
-        self._submit(RequestKind.LOAD, request_id, keys, blocks, host_ids, deadline)
+        self.submit_all(
+            [Submission(RequestKind.LOAD, request_id, keys, deadline, blocks, host_ids)]
+        )
 
     def submit_store(
         self,
@@ -218,7 +234,9 @@ class StorageIOEngine:
         Raises:
             ValueError: as for `submit_load`.
         """
-        self._submit(RequestKind.STORE, request_id, keys, blocks, host_ids, deadline)
+        self.submit_all(
+            [Submission(RequestKind.STORE, request_id, keys, deadline, blocks, host_ids)]
+        )
 
     def submit_lookup(
         self, request_id: int, keys: Sequence[StorageKey], deadline: float
@@ -228,7 +246,31 @@ class StorageIOEngine:
         Raises:
             ValueError: bad input or a request id in use.
         """
-        self._submit(RequestKind.LOOKUP, request_id, keys, None, None, deadline)
+        self.submit_all([Submission(RequestKind.LOOKUP, request_id, keys, deadline)])
+
+    def submit_all(self, submissions: Sequence[Submission]) -> None:
+        """Submit several requests at once, all or nothing: each is checked as its
+        own `submit_*` call would check it, and against the others (distinct request
+        ids; a load's host blocks touched by no other request of the batch).
+
+        Raises:
+            ValueError: as for `submit_load`; nothing is queued.
+            RuntimeError: the engine is closed.
+        """
+        reqs = [self._prepare(sub) for sub in submissions]
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the storage I/O engine is closed")
+            fenced = []
+            for i, req in enumerate(reqs):
+                earlier = reqs[:i]
+                if req.request_id in self._outstanding or any(
+                    r.request_id == req.request_id for r in earlier
+                ):
+                    raise ValueError(f"request_id: {req.request_id} is still outstanding")
+                fenced.append(self._check_hazards(req, [*self._outstanding.values(), *earlier]))
+            for req, fenced_keys in zip(reqs, fenced, strict=True):
+                self._admit(req, fenced_keys)
 
     # -- results ------------------------------------------------------------------
 
@@ -288,18 +330,12 @@ class StorageIOEngine:
 
     # -- internals ----------------------------------------------------------------
 
-    def _submit(
-        self,
-        kind: RequestKind,
-        request_id: int,
-        keys: Sequence[StorageKey],
-        blocks: Sequence[BlockSegments] | None,
-        host_ids: Sequence[int] | None,
-        deadline: float,
-    ) -> None:
+    def _prepare(self, sub: Submission) -> _Request:
+        """A validated request (no engine state read or changed)."""
+        kind, request_id, deadline = sub.kind, sub.request_id, sub.deadline
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise ValueError(f"request_id: must be an int, got {request_id!r}")
-        keys = list(keys)
+        keys = list(sub.keys)
         check_keys(keys)
         check_deadline(deadline)
         if not math.isfinite(deadline):  # it also schedules the request's expiry
@@ -307,9 +343,8 @@ class StorageIOEngine:
         ids: list[int] = []
         segs: list[BlockSegments] = []
         if kind != RequestKind.LOOKUP:
-            assert blocks is not None and host_ids is not None
-            segs = list(blocks)
-            ids = list(host_ids)
+            segs = list(sub.blocks)
+            ids = list(sub.host_ids)
             if len(segs) != len(keys) or len(ids) != len(keys):
                 raise ValueError(
                     f"blocks, host_ids: {len(segs)} and {len(ids)} entries, {len(keys)} keys"
@@ -320,47 +355,43 @@ class StorageIOEngine:
                     raise ValueError(f"host_ids[{i}]: must be an int >= 0, got {h!r}")
             if len(set(ids)) != len(ids):
                 raise ValueError("host_ids: a host block is listed more than once")
-        req = _Request(
+        return _Request(
             request_id, kind, keys, segs, ids, float(deadline), len(keys) * self._block_bytes
         )
-        with self._lock:
-            if self._closing:
-                raise RuntimeError("the storage I/O engine is closed")
-            if request_id in self._outstanding:
-                raise ValueError(f"request_id: {request_id} is still outstanding")
-            fenced = self._check_hazards(req)
-            if (
-                kind == RequestKind.STORE
-                and self._store_bytes + req.nbytes > self.max_store_bytes
-            ):
-                self.rejected_stores += 1
-                full = KeyResult(KeyStatus.FAILED, "store queue full")
-                self._completed.append(StorageCompletion(request_id, kind, (full,) * len(keys)))
-                return
-            self._outstanding[request_id] = req
-            if kind == RequestKind.STORE:
-                self._store_bytes += req.nbytes
-            for i in fenced:
-                req.results[i] = KeyResult(
-                    KeyStatus.FAILED, "host block still used by a timed-out storage transfer"
-                )
-            todo = [i for i in range(len(keys)) if req.results[i] is None]
-            chunks = _runs(todo, self._chunk_blocks)
-            req.chunks_left = len(chunks)
-            for start, stop in chunks:
-                self._queues[kind].append((req, start, stop))
-            if not chunks:
-                self._complete(req)
-            self._work.notify(len(chunks))
 
-    def _check_hazards(self, req: _Request) -> list[int]:
+    def _admit(self, req: _Request, fenced: list[int]) -> None:
+        """Queue a checked request (under the lock)."""
+        kind, keys = req.kind, req.keys
+        if kind == RequestKind.STORE and self._store_bytes + req.nbytes > self.max_store_bytes:
+            self.rejected_stores += 1
+            full = KeyResult(KeyStatus.FAILED, "store queue full")
+            self._completed.append(StorageCompletion(req.request_id, kind, (full,) * len(keys)))
+            return
+        self._outstanding[req.request_id] = req
+        if kind == RequestKind.STORE:
+            self._store_bytes += req.nbytes
+        for i in fenced:
+            req.results[i] = KeyResult(
+                KeyStatus.FAILED, "host block still used by a timed-out storage transfer"
+            )
+        todo = [i for i in range(len(keys)) if req.results[i] is None]
+        chunks = _runs(todo, self._chunk_blocks)
+        req.chunks_left = len(chunks)
+        for start, stop in chunks:
+            self._queues[kind].append((req, start, stop))
+        if not chunks:
+            self._complete(req)
+        self._work.notify(len(chunks))
+
+    def _check_hazards(self, req: _Request, others: Sequence[_Request]) -> list[int]:
         """Indexes of keys whose host block a reported (timed-out) request still
-        touches. Raises ValueError if an outstanding request touches one."""
+        touches. Raises ValueError if one of `others` (requests outstanding or
+        admitted with it) touches one in a conflicting way."""
         if req.kind == RequestKind.LOOKUP:
             return []
         writes = req.kind == RequestKind.LOAD
         mine = set(req.host_ids)
-        for other in self._outstanding.values():
+        for other in others:
             if other.kind == RequestKind.LOOKUP:
                 continue
             if not writes and other.kind == RequestKind.STORE:
@@ -485,4 +516,4 @@ def _runs(indexes: list[int], size: int) -> list[tuple[int, int]]:
     return runs
 
 
-__all__ = ["RequestKind", "StorageCompletion", "StorageIOEngine"]
+__all__ = ["RequestKind", "StorageCompletion", "StorageIOEngine", "Submission"]

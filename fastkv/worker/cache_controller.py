@@ -43,7 +43,12 @@ from fastkv.metadata import (
 from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
 from fastkv.storage.base import BlockLayout, StorageBackend, StorageKey
-from fastkv.storage.io_engine import RequestKind, StorageCompletion, StorageIOEngine
+from fastkv.storage.io_engine import (
+    RequestKind,
+    StorageCompletion,
+    StorageIOEngine,
+    Submission,
+)
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
 from fastkv.worker.stats import ControllerStats
@@ -508,8 +513,9 @@ class CacheController:
 
         Raises:
             ValueError: no storage tier, wrong levels, host ids out of range, keys
-                that are not 32-byte block hashes, or an id already in flight;
-                nothing is started.
+                that are not 32-byte block hashes, an id already in flight, or host
+                blocks the load and the write (or an outstanding request) both
+                touch; nothing is started.
         """
         self._check_live()
         engine = self._storage
@@ -537,22 +543,30 @@ class CacheController:
                     f"transfer {meta.transfer_id}: host ids contain {bad}, outside [0, {limit})"
                 )
             checked.append((meta, host, self._storage_keys(meta.block_hashes)))
-        queries = [(q, self._storage_keys(q.block_hashes)) for q in lookups]
-        for q, keys in queries:
-            engine.submit_lookup(2 * q.lookup_id + 1, keys, self._deadline(0.0))
+        submissions = [
+            Submission(
+                RequestKind.LOOKUP,
+                2 * q.lookup_id + 1,
+                self._storage_keys(q.block_hashes),
+                self._deadline(0.0),
+            )
+            for q in lookups
+        ]
         for meta, host, keys in checked:
-            submit = (
-                engine.submit_load if meta.dst_level == CacheLevel.HOST else engine.submit_store
+            kind = RequestKind.LOAD if meta.dst_level == CacheLevel.HOST else RequestKind.STORE
+            submissions.append(
+                Submission(
+                    kind,
+                    2 * meta.transfer_id,
+                    keys,
+                    self._deadline(meta.timeout_s),
+                    [self._host_segments(h) for h in host],
+                    host,
+                )
             )
-            rid = 2 * meta.transfer_id
-            submit(
-                rid,
-                keys,
-                [self._host_segments(h) for h in host],
-                host,
-                self._deadline(meta.timeout_s),
-            )
-            self._storage_host[rid] = host
+        engine.submit_all(submissions)  # all or nothing: a clash starts none of them
+        for meta, host, _ in checked:
+            self._storage_host[2 * meta.transfer_id] = host
             self._storage_blocks[meta.dst_level == CacheLevel.HOST] += len(host)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:

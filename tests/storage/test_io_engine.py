@@ -12,7 +12,7 @@ import pytest
 from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
 
 from fastkv.storage import KeyResult, StorageBackend, StorageKey, StorageStats, deadline_after
-from fastkv.storage.io_engine import RequestKind, StorageIOEngine
+from fastkv.storage.io_engine import RequestKind, StorageIOEngine, Submission
 from fastkv.storage.local_disk import LocalDiskBackend
 
 LAYOUT = LAYOUTS["fp8"]
@@ -263,6 +263,41 @@ def test_invalid_requests_are_refused_and_change_nothing(disk: LocalDiskBackend)
         engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit_lookup(9, [], deadline_after(1))
+
+
+@pytest.mark.parametrize(
+    ("second", "match"),
+    [
+        ((RequestKind.STORE, 4, [3]), "block 3 is used by outstanding storage request 2"),
+        ((RequestKind.LOAD, 2, [6]), "request_id: 2 is still outstanding"),
+    ],
+)
+def test_a_batch_that_clashes_within_itself_queues_nothing(
+    disk: LocalDiskBackend, second, match
+) -> None:
+    # A step's lookup, load and write go in together: the write reading a block
+    # the load writes (or an id used twice) refuses all three, the lookup included.
+    host = HostMemory(LAYOUT, 8)
+    engine = StorageIOEngine(disk, num_threads=1)
+    try:
+        kind, rid, blocks = second
+        batch = [
+            Submission(RequestKind.LOOKUP, 1, make_keys(2), deadline_after(WAIT)),
+            Submission(
+                RequestKind.LOAD, 2, make_keys(1), deadline_after(WAIT), segs(host, [3]), [3]
+            ),
+            Submission(
+                kind, rid, make_keys(1, 9), deadline_after(WAIT), segs(host, blocks), blocks
+            ),
+        ]
+        with pytest.raises(ValueError, match=match):
+            engine.submit_all(batch)
+        assert engine.num_outstanding == 0
+        assert engine.wait_all(1) == []
+        engine.submit_all(batch[:2])  # without the clash it goes
+        assert sorted(c.request_id for c in engine.wait_all(WAIT)) == [1, 2]
+    finally:
+        engine.close()
 
 
 def test_close_fails_queued_work_and_waits_for_running_work(disk: LocalDiskBackend) -> None:

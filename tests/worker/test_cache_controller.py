@@ -16,7 +16,7 @@ paddle = pytest.importorskip("paddle", reason="the CacheController needs paddle"
 
 from ops.gpu_support import paddle_gpu_skip_reason  # noqa: E402
 
-from fastkv import CacheLevel, CacheSwapMetadata  # noqa: E402
+from fastkv import CacheLevel, CacheSwapMetadata, StorageLookup  # noqa: E402
 from fastkv.ops import core, paddle_ops  # noqa: E402
 from fastkv.storage.base import OK, BlockLayout, StorageBackend, StorageStats  # noqa: E402
 from fastkv.worker import CacheController, KVCacheSpec  # noqa: E402
@@ -233,6 +233,24 @@ def test_free_cache_keeps_the_host_tier_mapped_while_storage_io_still_writes_it(
     assert "still touches host blocks [1]" in caplog.text
     backend.release.set()  # the read returns and writes its block: still mapped
     assert backend.wrote.wait(10)
+
+
+def test_a_storage_step_that_clashes_starts_nothing() -> None:
+    spec = KVCacheSpec(1, 1, 4, 4, num_device_blocks=2, num_host_blocks=4, dtype="float32")
+    backend = StuckBackend(BlockLayout(tuple(spec.block_bytes())))
+    backend.release.set()
+    key = bytes(range(32))
+    load = CacheSwapMetadata(5, CacheLevel.STORAGE, CacheLevel.HOST, [], [1], [key])
+    store = CacheSwapMetadata(6, CacheLevel.HOST, CacheLevel.STORAGE, [1], [], [key])
+    lookup = StorageLookup(3, (key,))
+    with CacheController(spec, storage=backend, storage_namespace=bytes(32)) as ctrl:
+        with pytest.raises(ValueError, match="block 1 is used"):
+            ctrl.submit_storage_tasks(load, store, [lookup])
+        assert ctrl.wait_all(timeout=1) == [], "the lookup and the load did not start"
+        assert ctrl.get_stats().storage_blocks_read == 0
+        ctrl.submit_storage_tasks(load, None, [lookup])
+        results = ctrl.wait_all(timeout=10)
+        assert sorted(type(r).__name__ for r in results) == ["LookupResult", "TransferResult"]
 
 
 def test_reset_zeroes_and_free_releases() -> None:
