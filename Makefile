@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NATIVE := $(wildcard fastkv/*.c fastkv/storage/*.c custom_ops/csrc/*)
 # Mooncake Store's wheel links these; `ip` brings up loopback in the test namespaces.
-SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2
+SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2 libssl-dev
 SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
 TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 

@@ -7,11 +7,27 @@ the block's segments in order, gathered zero-copy from the host cache by
 (both need the memory registered: `register_host_memory` once for the whole host
 cache; the headers live in a small registered arena of the backend's own).
 
+Authentication: any client that reaches the master can put any key, and keys are
+predictable (the namespace digest hashes public fields; block hashes chain from a
+public root). Every object therefore carries a tag (HMAC-SHA256 under the
+deployment's key ring, fastkv.storage.auth) that a get verifies before anything is
+served; a backend without a ring must be asked for explicitly
+(`allow_unauthenticated=True`) and then accepts whatever any client stored.
+Mooncake keeps the old value when a key is put again (answering 0 or -705), so a
+put first asks which keys exist and reads those back: one that verifies is
+ALREADY_STORED, one that does not (forged, or another deployment's) answers
+FAILED, never stored, and is removed so a later put can store the real block
+(Mooncake refuses a remove during the read lease it just granted, -706: the key is
+then remembered and removed by the next put of it once the lease has run out). A
+-705 from the put itself (a key that appeared in between) is checked the same way.
+What remains: an object planted between the existence check and the put (when
+Mooncake answers 0) makes that put count as stored; its reads still refuse it.
+
 Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
 
-    put   0, -705 (exists)      stored (an existing key keeps its old value; keys name
-                                content, so it is the same block); -705 answers
-                                ALREADY_STORED
+    put   0, -705 (exists)      stored (an existing key keeps its old value); -705
+                                answers ALREADY_STORED once the stored object
+                                verifies (above)
           -200 (pool full)      retried with a short backoff, at most `put_retries`
                                 times and never past the deadline; then FAILED
     get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
@@ -42,6 +58,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fastkv.storage import _disk_io
+from fastkv.storage.auth import StorageAuth, ring_of
 from fastkv.storage.base import (
     ALREADY_STORED,
     OK,
@@ -60,6 +77,8 @@ OBJECT_EXISTS = -705
 POOL_FULL = -200
 BUFFER_TOO_SMALL = -600
 OBJECT_NOT_FOUND = -704
+LEASE_HELD = -706
+_MAX_CONDEMNED = 4096
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
@@ -136,6 +155,11 @@ class MooncakeBackend(StorageBackend):
         max_batch: keys per Mooncake call (the deadline is checked between calls).
         max_concurrency: calls running at once (each holds max_batch header slots);
             further calls wait for a slot until their deadline.
+        auth: the key ring that tags every object put and verifies every object
+            read. None: `FASTKV_STORAGE_KEY_FILE` when set.
+        allow_unauthenticated: without a ring the backend refuses to start unless
+            this is True; then objects carry a CRC only, and any client of the
+            Mooncake cluster can make this backend serve KV it forged.
         staging_bytes: 0 (default) moves blocks zero-copy, one Mooncake buffer per
             segment. Above 0, a registered staging area of this size (split among
             `max_concurrency` calls, at least one object each) gathers each block
@@ -165,9 +189,22 @@ class MooncakeBackend(StorageBackend):
         max_concurrency: int = 4,
         staging_bytes: int = 0,
         store: object | None = None,
+        auth: StorageAuth | None = None,
+        allow_unauthenticated: bool = False,
     ) -> None:
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
+        if auth is not None and not isinstance(auth, StorageAuth):
+            raise ValueError(f"auth: must be a StorageAuth or None, got {type(auth).__name__}")
+        if auth is None:
+            auth = StorageAuth.from_environment()
+        if auth is None and allow_unauthenticated is not True:
+            raise ValueError(
+                "auth: Mooncake Store lets every client that reaches its master write any "
+                "key, so blocks must be authenticated: give a StorageAuth (or set "
+                "FASTKV_STORAGE_KEY_FILE), or allow_unauthenticated=True to accept "
+                "blocks any client could have forged"
+            )
         for name, value, low, high in (
             ("segment_bytes", segment_bytes, 0, 1 << 50),
             ("put_retries", put_retries, 0, 1000),
@@ -200,6 +237,8 @@ class MooncakeBackend(StorageBackend):
         if staging_bytes:
             max_batch = min(max_batch, per_call // object_bytes)
         self.staged = staging_bytes > 0
+        self.auth = auth
+        self._ring = ring_of(auth)
         self.layout = layout
         self.put_retries = put_retries
         self.retry_backoff_s = float(retry_backoff_s)
@@ -229,6 +268,15 @@ class MooncakeBackend(StorageBackend):
             self._staging = mmap.mmap(-1, max_concurrency * max_batch * object_bytes)
             self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
             self._register(self._staging_addr, len(self._staging))
+        # One object per concurrent call: where a put reads back an existing object.
+        self._verify = mmap.mmap(-1, max_concurrency * object_bytes)
+        self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
+        self._register(self._verify_addr, len(self._verify))
+        self._payload_offsets = np.concatenate(
+            [[HEADER_BYTES], HEADER_BYTES + np.cumsum(layout.segment_lengths)[:-1]]
+        ).astype(np.int64)
+        self.forged_puts = 0
+        self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
         self._free_arenas = list(range(max_concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
@@ -376,22 +424,36 @@ class MooncakeBackend(StorageBackend):
         arena: int,
         deadline: float,
     ) -> tuple[list[KeyResult], str | None]:
-        ptrs: list = []
-        for j, (key, segs) in enumerate(zip(keys, blocks, strict=True)):
+        results: list[KeyResult | None] = [None] * len(keys)
+        self._remove_condemned([k.text() for k in keys])
+        exist = self.store.batch_is_exist([k.text() for k in keys])
+        fatal_code = next((c for c in exist if c in FATAL_CODES), None)
+        if fatal_code is not None:
+            failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
+            return [failed] * len(keys), f"is_exist answered {fatal_code}"
+        fatal: str | None = None
+        pending = []
+        for j, code in enumerate(exist):
+            if code == 1:  # Mooncake would keep it: stored only if it is our block
+                results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
+            else:
+                pending.append(j)
+        ptrs: dict[int, object] = {}
+        for j in pending:
+            key, segs = keys[j], blocks[j]
             seg_array = np.asarray(segs, dtype=np.int64)
             if self.staged:
                 header = bytearray(expected_header(key, self.layout, 0))
-                _disk_io.stage_block(self._object_addr(arena, j), header, seg_array)
-                ptrs.append(self._object_addr(arena, j))
+                _disk_io.stage_block(self._object_addr(arena, j), header, seg_array, self._ring)
+                ptrs[j] = self._object_addr(arena, j)
                 continue
             header_view = self._header_view(arena, j)
             header_view[:] = expected_header(key, self.layout, 0)
-            _disk_io.seal_header(header_view, seg_array)
-            ptrs.append([self._header_addr(arena, j), *(p for p, _ in segs)])
-        results: list[KeyResult | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        fatal: str | None = None
+            _disk_io.seal_header(header_view, seg_array, self._ring)
+            ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
         for attempt in range(self.put_retries + 1):
+            if not pending:
+                break
             names = [keys[j].text() for j in pending]
             if self.staged:
                 codes = self.store.batch_put_from(
@@ -405,8 +467,8 @@ class MooncakeBackend(StorageBackend):
             for j, code in zip(pending, codes, strict=True):
                 if code == PUT_OK:
                     results[j] = OK
-                elif code == OBJECT_EXISTS:
-                    results[j] = ALREADY_STORED
+                elif code == OBJECT_EXISTS:  # appeared since is_exist: ours only if it verifies
+                    results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
                 elif code == POOL_FULL:
                     retry.append(j)
                 else:
@@ -429,6 +491,72 @@ class MooncakeBackend(StorageBackend):
                 KeyStatus.FAILED, "Mooncake pool full (-200) after every retry"
             )
         return results, fatal  # type: ignore[return-value]
+
+    def _check_existing(
+        self, key: StorageKey, arena: int, deadline: float, fatal: str | None
+    ) -> tuple[KeyResult, str | None]:
+        """A put met an object under `key`: ALREADY_STORED if it is this block (its
+        header and tag verify), else FAILED; an object that does not verify is
+        removed (best effort) so a later put can store the real block."""
+        if time.monotonic() >= deadline:
+            return KeyResult(
+                KeyStatus.TIMEOUT, "deadline passed before the stored object was verified"
+            ), fatal
+        name = key.text()
+        addr = self._verify_addr + arena * self._expected_bytes
+        code = self.store.batch_get_into([name], [addr], [self._expected_bytes])[0]
+        if code in FATAL_CODES:
+            return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), (
+                f"get answered {code}"
+            )
+        if code == OBJECT_NOT_FOUND:
+            return KeyResult(
+                KeyStatus.FAILED, "the existing object vanished before it was verified"
+            ), fatal
+        if code == self._expected_bytes:
+            segs = np.stack(
+                [addr + self._payload_offsets, np.asarray(self.layout.segment_lengths)], axis=1
+            ).astype(np.int64)
+            header = memoryview(self._verify)[
+                arena * self._expected_bytes : arena * self._expected_bytes + HEADER_BYTES
+            ]
+            want = expected_header(key, self.layout, 0)
+            status = _disk_io.verify_block(header, want, segs, self._ring)
+            if status == _disk_io.ST_OK:
+                return ALREADY_STORED, fatal
+            why = _describe(status)
+        elif code < 0 and code != BUFFER_TOO_SMALL:
+            return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
+        else:
+            why = "wrong size"
+        removed = self.store.remove(name)
+        with self._lock:
+            self.forged_puts += 1
+            if removed == LEASE_HELD:
+                self._condemned[name] = None
+                while len(self._condemned) > _MAX_CONDEMNED:
+                    del self._condemned[next(iter(self._condemned))]
+        if removed == 0:
+            done = "removed it"
+        elif removed == LEASE_HELD:
+            done = "it is removed by a later put once Mooncake's read lease ends"
+        else:
+            done = f"remove answered {removed}"
+        return KeyResult(
+            KeyStatus.FAILED,
+            f"Mooncake holds an object under this key that is not this block ({why}): "
+            f"not stored; {done}",
+        ), fatal
+
+    def _remove_condemned(self, names: list[str]) -> None:
+        """Remove objects found not to verify whose removal the read lease refused."""
+        with self._lock:
+            due = [n for n in names if n in self._condemned]
+        for name in due:
+            code = self.store.remove(name)
+            if code != LEASE_HELD:
+                with self._lock:
+                    self._condemned.pop(name, None)
 
     def _get_part(
         self,
@@ -486,15 +614,16 @@ class MooncakeBackend(StorageBackend):
             want = expected_header(key, self.layout, 0)
             seg_array = np.asarray(segs, dtype=np.int64)
             if self.staged:
-                status = _disk_io.unstage_block(self._object_addr(arena, j), want, seg_array)
+                status = _disk_io.unstage_block(
+                    self._object_addr(arena, j), want, seg_array, self._ring
+                )
             else:
-                status = _disk_io.verify_block(self._header_view(arena, j), want, seg_array)
+                status = _disk_io.verify_block(
+                    self._header_view(arena, j), want, seg_array, self._ring
+                )
             if status == _disk_io.ST_OK:
                 return OK, ""
-            what = (
-                "header mismatch" if status == _disk_io.ST_BAD_HEADER else "checksum mismatch"
-            )
-            return KeyResult(KeyStatus.MISS, f"rejected: {what}"), "corrupt"
+            return KeyResult(KeyStatus.MISS, f"rejected: {_describe(status)}"), "corrupt"
         if 0 <= code < self._expected_bytes:
             return KeyResult(
                 KeyStatus.MISS, f"rejected: short object ({code} bytes)"
@@ -543,6 +672,16 @@ class MooncakeBackend(StorageBackend):
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"
             )
+
+
+def _describe(status: int) -> str:
+    return {
+        _disk_io.ST_BAD_HEADER: "header mismatch",
+        _disk_io.ST_BAD_CHECKSUM: "checksum mismatch",
+        _disk_io.ST_BAD_MAC: "authentication tag does not verify (forged or altered)",
+        _disk_io.ST_UNKNOWN_KEY: "signed by a key this backend does not hold",
+        _disk_io.ST_UNAUTHENTICATED: "not authenticated, and this backend requires it",
+    }.get(status, f"status {status}")
 
 
 def _setup_store(

@@ -91,7 +91,7 @@ def test_objects_that_are_not_the_block_are_counted_misses(case: str, tmp_path: 
     assert "short object" in reasons[0]
     assert "larger than the block" in reasons[1]
     assert "header mismatch" in reasons[2]
-    assert "checksum mismatch" in reasons[3]
+    assert "tag does not verify" in reasons[3]
     assert out["good"] == ["OK"] and out["good_exact"]
     assert out["corrupt"] == 4
     assert not out["breaker_open"]  # a short object is a miss, not a transport failure
@@ -122,6 +122,26 @@ def test_master_killed_then_restarted(during: str, tmp_path: Path) -> None:
     assert out["old_key_after_restart"] == ["MISS"]  # the new master lost the old index
     assert out["wrong_loads"] == 0
     assert not out["breaker_open_at_end"]
+
+
+def test_forged_objects_from_another_user_are_never_stored_or_served(tmp_path: Path) -> None:
+    """Issue 15 item 2: uid 65534, another client of the cluster, puts objects under
+    the victim's predictable keys before the victim does (a valid CRC header without
+    the secret; a tag under another deployment's secret)."""
+    out = run_case("forged", tmp_path)
+    assert out["attacker"] == "ATTACKER ['OK', 'OK', 'OK']", out
+    # Mooncake kept the forged objects: the victim's put does not count them stored
+    assert out["first"] == ["FAILED", "FAILED", "OK"], out
+    assert "not authenticated" in out["first_reasons"][0]
+    assert "key this backend does not hold" in out["first_reasons"][1]
+    assert out["forged_puts"] == 2, out
+    # keys[3], never put by the victim, holds the attacker's object: refused
+    assert out["get"] == ["MISS", "MISS", "OK", "MISS"], out
+    assert all("rejected" in r for r in out["get_reasons"][:2]), out
+    assert "not authenticated" in out["get_reasons"][3]
+    # the victim's next put stores its own block, served bit-exact
+    assert out["again"] == ["OK", "OK"] and out["back"] == ["OK", "OK"]
+    assert out["served_wrong"] == 0 and out["served_right"] == 3
 
 
 def test_storage_node_killed(tmp_path: Path) -> None:

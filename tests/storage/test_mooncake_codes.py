@@ -7,7 +7,7 @@ import time
 
 import pytest
 from fake_mooncake import FakeMooncakeStore
-from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
+from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
 from fastkv.storage.mooncake import RPC_FAIL, TRANSFER_FAIL, MooncakeBackend
@@ -24,6 +24,7 @@ def open_backend(staged: bool = False) -> tuple[MooncakeBackend, FakeMooncakeSto
         store=store,
         staging_bytes=4 * 8 * OBJECT_BYTES if staged else 0,
         breaker_cooldown_s=0.05,
+        auth=TEST_AUTH,
     )
     host = HostMemory(LAYOUT, 8)
     backend.register_host_memory(host.base, host.nbytes)
