@@ -2,7 +2,7 @@
 in the same run on the same blocks.
 
     .venv/bin/python tools/bench_storage.py [--json] [--dir DIR] [--quick]
-        [--only disk|recovery|mooncake] [--block-kib N ...] [--reps N]
+        [--only disk|seal|recovery|mooncake] [--block-kib N ...] [--reps N]
 
 1. Local disk: `LocalDiskBackend.put_from` / `get_into` (header, crc32c-3way checksum
    and verification always on) against raw O_DIRECT `os.pwritev` / `os.preadv` of the
@@ -16,7 +16,11 @@ in the same run on the same blocks.
    segment) and staged (`staging_bytes`: one contiguous object per block), header
    and checksum on, against raw `batch_put_from` / `batch_get_into` of contiguous
    blocks.
-3. Recovery: a new backend on a directory of 100k slots (2 MiB blocks; a sparse
+3. Seal: the CPU cost of a block's check alone, one thread, host memory larger than
+   the caches: `seal_header` with the CRC (no ring) and with the tag (a ring), GB/s
+   and microseconds per block. The disk figures above hide most of it (a helper
+   thread seals block i+1 while block i is written) unless the CPUs are busy.
+4. Recovery: a new backend on a directory of 100k slots (2 MiB blocks; a sparse
    file holding only the headers): time until the background scan has indexed all.
 
 The machine is shared and noisy (2 cores, a virtual disk): read ratios, not
@@ -178,6 +182,31 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
         os.close(raw_fd)
         shutil.rmtree(run_dir, ignore_errors=True)
     return rows
+
+
+def bench_seal(block_bytes: int, reps: int) -> dict:
+    from fastkv.storage import _disk_io
+
+    layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
+    n = max(4, (256 * MiB) // block_bytes)
+    host = random_host(layout, n)
+    segs = [np.array(host.segments(b), dtype=np.int64) for b in range(n)]
+    header = bytearray(HEADER_BYTES)
+    figures: dict[str, list[float]] = {"crc": [], "tag": []}
+    for _ in range(reps):
+        for name, ring in (("crc", b""), ("tag", BENCH_AUTH.ring)):
+            t0 = time.perf_counter()
+            for b in range(n):
+                _disk_io.seal_header(header, segs[b], ring)
+            figures[name].append(time.perf_counter() - t0)
+    crc, tag = (statistics.median(figures[k]) for k in ("crc", "tag"))
+    return {
+        "block_KiB": block_bytes // 1024,
+        "crc_GBps": round(n * block_bytes / crc / 1e9, 2),
+        "tag_GBps": round(n * block_bytes / tag / 1e9, 2),
+        "crc_us_per_block": round(crc / n * 1e6, 1),
+        "tag_us_per_block": round(tag / n * 1e6, 1),
+    }
 
 
 def bench_recovery(directory: Path, slots: int) -> dict:
@@ -374,7 +403,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="less data, fewer repetitions")
     parser.add_argument("--recovery-slots", type=int, default=100_000)
     parser.add_argument(
-        "--only", choices=["disk", "recovery", "mooncake"], help="run one part only"
+        "--only", choices=["disk", "seal", "recovery", "mooncake"], help="run one part only"
     )
     parser.add_argument(
         "--block-kib", type=int, nargs="+", default=[256, 2048, 8192], help="disk block sizes"
@@ -396,13 +425,16 @@ def main() -> None:
     if args.only in (None, "disk"):
         for kib in args.block_kib:
             disk += bench_disk(directory, kib << 10, total, reps)
+    seal: list[dict] = []
+    if args.only in (None, "seal"):
+        seal = [bench_seal(kib << 10, reps) for kib in args.block_kib]
     recovery: dict | None = None
     if args.only in (None, "recovery"):
         recovery = bench_recovery(directory, 10_000 if args.quick else args.recovery_slots)
     mooncake: list[dict] | str | None = None
     if args.only in (None, "mooncake"):
         mooncake = bench_mooncake([256 << 10, 2 * MiB], total // 2, reps)
-    result = {"disk": disk, "recovery": recovery, "mooncake": mooncake}
+    result = {"disk": disk, "seal": seal, "recovery": recovery, "mooncake": mooncake}
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -436,6 +468,13 @@ def main() -> None:
                 "auth_read_GBps",
                 "auth_read_cost",
             ],
+        )
+    if seal:
+        print_table(
+            "Seal one block, one thread: CRC (no ring) vs tag (HMAC-SHA256 over header and "
+            "GMAC of the payload)",
+            seal,
+            ["block_KiB", "crc_GBps", "tag_GBps", "crc_us_per_block", "tag_us_per_block"],
         )
     if recovery is not None:
         print_table(
