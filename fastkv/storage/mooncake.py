@@ -38,14 +38,31 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
                                 `get_size` tells them apart -> MISS or FAILED
                                 (zero-copy reads only, while the deadline allows,
                                 until a fatal code in the same call)
-    any   -800, -900, -901      FAILED, and the circuit breaker opens (RPC or transfer
-                                failure: a dead master or storage node)
+    any   -800 (transfer fail)  FAILED; for a get, the key is not asked again for
+                                `breaker_cooldown_s` (its storage node is failing;
+                                the others are not: measured, a dead node fails only
+                                the keys it holds, in the same call as healthy ones)
+          -900, -901            FAILED, and the circuit breaker opens (the master's
+                                RPC failed: every key depends on it)
           anything else         FAILED with the code
 
-While the breaker is open every call fails fast without touching Mooncake; after
-`breaker_cooldown_s` one call goes through as a probe and closes it on success
-(the cooldown doubles, up to 30 s, while probes fail). `health_check()` answered 0
-with the master dead, so the breaker learns from real calls only.
+Failures stay local to what failed: a dead storage node fails its own keys (a
+quarantine per key), only a failing master (or a binding that raises) opens the
+breaker. While it is open every call fails fast without touching Mooncake; after
+`breaker_cooldown_s` one call goes through as a probe and closes it on success (the
+cooldown doubles while probes fail, up to `breaker_max_cooldown_s`, 4 s by default:
+the breaker closes at most that long, plus the probe call, after the master is
+back). `health_check()` answered 0 with the master dead, so the breaker learns from
+real calls only.
+
+Deadlines: a Mooncake call blocks (4.3 s measured against a dead master), so calls
+run on the backend's own threads and the caller waits until the deadline plus
+`deadline_margin_s` (50 ms): every `exists`, `put_from` and staged `get_into`
+returns by then, keys not done answering TIMEOUT; the call that overran keeps its
+arena (and thread) until Mooncake returns it. A zero-copy `get_into` cannot leave
+early, since Mooncake writes into the caller's host memory until its call ends: it
+returns when Mooncake does (use the I/O engine, which keeps such host blocks busy,
+or staged mode, for a hard bound).
 """
 
 from __future__ import annotations
@@ -53,7 +70,11 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 
@@ -82,17 +103,20 @@ _MAX_CONDEMNED = 4096
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
-FATAL_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
-_MAX_COOLDOWN_S = 30.0
+FATAL_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+"""Codes that mean the master failed: they open the breaker (every key needs it)."""
+_MAX_QUARANTINED = 65536
 
 
 class CircuitBreaker:
     """Closed: calls go through. Open: they fail fast. After the cooldown one probe
     call goes through; its success closes the breaker, its failure reopens it with
-    twice the cooldown (at most 30 s)."""
+    twice the cooldown (at most `max_cooldown_s`, so recovery is never later than
+    that after the failure ends, plus the probe)."""
 
-    def __init__(self, cooldown_s: float) -> None:
+    def __init__(self, cooldown_s: float, max_cooldown_s: float = 4.0) -> None:
         self.base_cooldown_s = cooldown_s
+        self.max_cooldown_s = max(cooldown_s, max_cooldown_s)
         self._cooldown_s = cooldown_s
         self._lock = threading.Lock()
         self._open_until: float | None = None
@@ -132,7 +156,7 @@ class CircuitBreaker:
                     self._cooldown_s = self.base_cooldown_s
                 return
             if self._open_until is not None and was_probe:
-                self._cooldown_s = min(self._cooldown_s * 2, _MAX_COOLDOWN_S)
+                self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
             if self._open_until is None:
                 self.trips += 1
             self._open_until = time.monotonic() + self._cooldown_s
@@ -151,7 +175,11 @@ class MooncakeBackend(StorageBackend):
             client; the blocks then live on storage-node processes).
         put_retries: how often a put answered -200 (pool full) is retried.
         retry_backoff_s: pause before each retry.
-        breaker_cooldown_s: how long the breaker stays open before a probe.
+        breaker_cooldown_s: how long the breaker stays open before a probe, and how
+            long a key whose read hit a failing storage node is not asked again.
+        breaker_max_cooldown_s: the longest the cooldown grows while probes fail.
+        deadline_margin_s: how long past its deadline a call may take (see the
+            module docstring for the one exception, zero-copy reads).
         max_batch: keys per Mooncake call (the deadline is checked between calls).
         max_concurrency: calls running at once (each holds max_batch header slots);
             further calls wait for a slot until their deadline.
@@ -185,6 +213,8 @@ class MooncakeBackend(StorageBackend):
         put_retries: int = 5,
         retry_backoff_s: float = 0.01,
         breaker_cooldown_s: float = 2.0,
+        breaker_max_cooldown_s: float = 4.0,
+        deadline_margin_s: float = 0.05,
         max_batch: int = 64,
         max_concurrency: int = 4,
         staging_bytes: int = 0,
@@ -221,6 +251,8 @@ class MooncakeBackend(StorageBackend):
         for name, value in (
             ("retry_backoff_s", retry_backoff_s),
             ("breaker_cooldown_s", breaker_cooldown_s),
+            ("breaker_max_cooldown_s", breaker_max_cooldown_s),
+            ("deadline_margin_s", deadline_margin_s),
         ):
             if not isinstance(value, (int, float)) or not 0 <= value <= 600:
                 raise ValueError(f"{name}: must be in [0, 600] seconds, got {value!r}")
@@ -243,7 +275,12 @@ class MooncakeBackend(StorageBackend):
         self.put_retries = put_retries
         self.retry_backoff_s = float(retry_backoff_s)
         self.max_batch = max_batch
-        self.breaker = CircuitBreaker(float(breaker_cooldown_s))
+        self.breaker = CircuitBreaker(float(breaker_cooldown_s), float(breaker_max_cooldown_s))
+        self.quarantine_s = float(breaker_cooldown_s)
+        self.deadline_margin_s = float(deadline_margin_s)
+        self._quarantined: OrderedDict[str, float] = OrderedDict()  # key text -> until
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="fastkv-mooncake")
+        self.overruns = 0  # calls still inside Mooncake past deadline + margin
         self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
         if store is None:
@@ -308,20 +345,48 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, None, deadline)
         self._check_open()
         found = [False] * len(keys)
-        for start in range(0, len(keys), self.max_batch):
-            if time.monotonic() >= deadline or not self.breaker.allow():
-                break
-            part = keys[start : start + self.max_batch]
-            try:
-                codes = self.store.batch_is_exist([k.text() for k in part])
-            except Exception as e:  # the binding raised: answer "not found"
-                self.breaker.record(f"is_exist raised {type(e).__name__}: {e}")
-                break
-            fatal = next((c for c in codes if c in FATAL_CODES), None)
-            self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
-            for j, code in enumerate(codes):
-                found[start + j] = code == 1
+        arena = self._take_arena(deadline)  # a slot: bounds the calls inside Mooncake
+        if arena is None:
+            return found
+        abandoned = False
+        try:
+            for start in range(0, len(keys), self.max_batch):
+                if time.monotonic() >= deadline or not self.breaker.allow():
+                    break
+                names = [k.text() for k in keys[start : start + self.max_batch]]
+                fut = self._pool.submit(self._is_exist, names)
+                codes = self._wait(fut, deadline, arena)
+                if codes is None:  # still inside Mooncake: "not found", keep the slot
+                    abandoned = True
+                    break
+                for j, code in enumerate(codes):
+                    found[start + j] = code == 1
+        finally:
+            if not abandoned:
+                self._give_arena(arena)
         return found
+
+    def _is_exist(self, names: list[str]) -> list[int]:
+        """One is_exist call on a pool thread; reports its outcome to the breaker."""
+        try:
+            codes = self.store.batch_is_exist(names)
+        except Exception as e:  # the binding raised: answer "not found"
+            self.breaker.record(f"is_exist raised {type(e).__name__}: {e}")
+            return [0] * len(names)
+        fatal = next((c for c in codes if c in FATAL_CODES), None)
+        self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
+        return codes
+
+    def _wait(self, fut: Future, deadline: float, arena: int) -> Any:
+        """The result of a pool call, or None when it is still running at the
+        deadline plus the margin: then the arena is given back when it ends."""
+        try:
+            return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
+        except FutureTimeout:
+            with self._lock:
+                self.overruns += 1
+            fut.add_done_callback(lambda _f: self._give_arena(arena))
+            return None
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -347,6 +412,7 @@ class MooncakeBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        self._pool.shutdown(wait=False)
         close = getattr(self.store, "close", None)
         if close is not None:
             close()
@@ -366,6 +432,10 @@ class MooncakeBackend(StorageBackend):
         arena = self._take_arena(deadline)
         if arena is None:
             return results
+        # A zero-copy read writes into the caller's memory until Mooncake returns:
+        # it cannot be left behind at the deadline. Everything else can.
+        inline = run_part == self._get_part and not self.staged
+        abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
                 if time.monotonic() >= deadline:
@@ -377,20 +447,42 @@ class MooncakeBackend(StorageBackend):
                     results[start:] = [refused] * (len(keys) - start)
                     break
                 stop = min(len(keys), start + self.max_batch)
-                try:
-                    part, fatal = run_part(
-                        keys[start:stop], blocks[start:stop], arena, deadline
-                    )
-                except Exception as e:  # the binding raised: a failure, never a hang
-                    fatal = f"{type(e).__name__}: {e}"
-                    part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * (
-                        stop - start
-                    )
-                self.breaker.record(fatal)
+                args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline)
+                if inline:
+                    part = self._run_part(*args)
+                else:
+                    part = self._wait(self._pool.submit(self._run_part, *args), deadline, arena)
+                if part is None:
+                    abandoned = True
+                    results[start:stop] = [
+                        KeyResult(
+                            KeyStatus.TIMEOUT,
+                            "deadline passed with the call still inside Mooncake",
+                        )
+                    ] * (stop - start)
+                    break
                 results[start:stop] = part
         finally:
-            self._give_arena(arena)
+            if not abandoned:
+                self._give_arena(arena)
         return results
+
+    def _run_part(
+        self,
+        run_part: Callable[..., tuple[list[KeyResult], str | None]],
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        arena: int,
+        deadline: float,
+    ) -> list[KeyResult]:
+        """One batch of Mooncake calls; reports its outcome to the breaker."""
+        try:
+            part, fatal = run_part(keys, blocks, arena, deadline)
+        except Exception as e:  # the binding raised: a failure, never a hang
+            fatal = f"{type(e).__name__}: {e}"
+            part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * len(keys)
+        self.breaker.record(fatal)
+        return part
 
     def _take_arena(self, deadline: float) -> int | None:
         with self._arena_ready:
@@ -566,26 +658,36 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
     ) -> tuple[list[KeyResult], str | None]:
         names = [k.text() for k in keys]
-        if self.staged:
-            ptrs = [self._object_addr(arena, j) for j in range(len(keys))]
-            codes = self.store.batch_get_into(names, ptrs, [self._expected_bytes] * len(keys))
-        else:
-            codes = self.store.batch_get_into_multi_buffers(
-                names,
-                [
-                    [self._header_addr(arena, j), *(p for p, _ in segs)]
-                    for j, segs in enumerate(blocks)
-                ],
-                [self._lengths] * len(keys),
+        held = self._quarantine_reasons(names)
+        live = [j for j in range(len(keys)) if held[j] is None]
+        codes = [0] * len(keys)
+        if live and self.staged:
+            got = self.store.batch_get_into(
+                [names[j] for j in live],
+                [self._object_addr(arena, j) for j in live],
+                [self._expected_bytes] * len(live),
             )
+        elif live:
+            got = self.store.batch_get_into_multi_buffers(
+                [names[j] for j in live],
+                [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
+                [self._lengths] * len(live),
+            )
+        for j, code in zip(live, got if live else [], strict=True):
+            codes[j] = code
         results: list[KeyResult] = []
         fatal: str | None = None
         corrupt = 0
+        failing: list[str] = []
         # A short object also fails a multi-buffer read with -800 (a single-buffer
         # read answers its size): ask its size, one key at a time, but only while
         # the deadline allows and until a fatal code shows the store is failing.
         ask_size = not self.staged
         for j, code in enumerate(codes):
+            reason = held[j]
+            if reason is not None:
+                results.append(KeyResult(KeyStatus.FAILED, reason))
+                continue
             size = None
             if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
                 size = self.store.get_size(keys[j].text())
@@ -593,11 +695,38 @@ class MooncakeBackend(StorageBackend):
             if outcome == "fatal":
                 fatal = f"get answered {code}"
                 ask_size = False
+            elif outcome == "node":
+                failing.append(names[j])
             corrupt += outcome == "corrupt"
             results.append(result)
+        until = time.monotonic() + self.quarantine_s
         with self._lock:
             self._stats.corrupt += corrupt
+            for name in failing:
+                self._quarantined[name] = until
+                self._quarantined.move_to_end(name)
+            while len(self._quarantined) > _MAX_QUARANTINED:
+                self._quarantined.popitem(last=False)
         return results, fatal
+
+    def _quarantine_reasons(self, names: list[str]) -> list[str | None]:
+        """Per key: why it is not asked now (its last read hit a failing storage
+        node less than `quarantine_s` ago), or None."""
+        now = time.monotonic()
+        out: list[str | None] = []
+        with self._lock:
+            for name in names:
+                until = self._quarantined.get(name)
+                if until is not None and until <= now:
+                    del self._quarantined[name]
+                    until = None
+                out.append(
+                    None
+                    if until is None
+                    else "its storage node failed a read (-800) moments ago; "
+                    f"not asked again for {until - now:.1f} s"
+                )
+        return out
 
     def _read_result(
         self,
@@ -608,8 +737,9 @@ class MooncakeBackend(StorageBackend):
         code: int,
         size: int | None,
     ) -> tuple[KeyResult, str]:
-        """The result of one get and its kind: "", "corrupt" (counted) or "fatal"
-        (opens the breaker). `size`: what get_size answered for a -800, if asked."""
+        """The result of one get and its kind: "", "corrupt" (counted), "node" (the
+        storage node holding it failed: quarantined) or "fatal" (the master failed:
+        opens the breaker). `size`: what get_size answered for a -800, if asked."""
         if code == self._expected_bytes:
             want = expected_header(key, self.layout, 0)
             seg_array = np.asarray(segs, dtype=np.int64)
@@ -639,8 +769,8 @@ class MooncakeBackend(StorageBackend):
                 KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
                 "corrupt",
             )
-        fatal = "fatal" if code in FATAL_CODES else ""
-        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
+        kind = "fatal" if code in FATAL_CODES else "node" if code == TRANSFER_FAIL else ""
+        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), kind
 
     # -- helpers ------------------------------------------------------------------
 

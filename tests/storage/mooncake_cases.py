@@ -415,6 +415,56 @@ def forged(cluster: Cluster) -> dict:
     }
 
 
+def node_killed_locality(cluster: Cluster) -> dict:
+    """Two storage nodes; one dies. Keys on the healthy node must keep being served
+    (before: one -800 opened the backend's only breaker and refused them all)."""
+    cluster.start_master()
+    dead = cluster.start_node()
+    cluster.start_node()
+    backend = backend_for(cluster, breaker_cooldown_s=1.0)
+    host = HostMemory(LAYOUT, 8)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = host.fill(0, seed=0)
+    keys = make_keys(24)
+    assert all(
+        r.ok for r in backend.put_from(keys, [host.segments(0)] * 24, deadline_after(10))
+    )
+    cluster.kill_node(dead)
+    first = backend.get_into(keys, [host.segments(1)] * 24, deadline_after(10))
+    healthy = [k for k, r in zip(keys, first, strict=True) if r.ok]
+    lost = [k for k, r in zip(keys, first, strict=True) if not r.ok]
+    refused = calls = wrong = 0
+    lost_fast: list[float] = []
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        for i in range(0, len(keys), 6):  # mixed batches, as the engine sends them
+            part = keys[i : i + 6]
+            host.clear(2)
+            t0 = time.monotonic()
+            res = backend.get_into(part, [host.segments(2 + j % 4) for j in range(len(part))],
+                                   deadline_after(5))  # fmt: skip
+            took = time.monotonic() - t0
+            for k, r in zip(part, res, strict=True):
+                if k in healthy:
+                    calls += 1
+                    refused += not r.ok
+                elif r.ok:
+                    wrong += 1
+            if all(k in lost for k in part):
+                lost_fast.append(took)
+            for j, r in enumerate(res):
+                wrong += r.ok and host.read(2 + j % 4) != want
+    return {
+        "healthy": len(healthy),
+        "lost": len(lost),
+        "lost_reasons": sorted({r.reason for r in first if not r.ok}),
+        "healthy_calls": calls,
+        "healthy_refused": refused,
+        "wrong": wrong,
+        "breaker_trips": backend.breaker.trips,
+    }
+
+
 def tiered(cluster: Cluster) -> dict:
     """device -> host -> Mooncake -> host -> device with the real scheduler and
     worker, per dtype (tests/storage/tiered.py)."""
@@ -446,6 +496,7 @@ CASES = {
     "master_killed_mid_get": lambda c: master_killed(c, "get"),
     "node_killed": node_killed,
     "forged": forged,
+    "node_killed_locality": node_killed_locality,
 }
 
 
