@@ -279,7 +279,11 @@ class MooncakeBackend(StorageBackend):
         self.quarantine_s = float(breaker_cooldown_s)
         self.deadline_margin_s = float(deadline_margin_s)
         self._quarantined: OrderedDict[str, float] = OrderedDict()  # key text -> until
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="fastkv-mooncake")
+        # transfers hold an arena each, lookups a slot of their own: both bounded
+        self._pool = ThreadPoolExecutor(
+            2 * max_concurrency, thread_name_prefix="fastkv-mooncake"
+        )
+        self._lookup_slots = threading.BoundedSemaphore(max_concurrency)
         self.overruns = 0  # calls still inside Mooncake past deadline + margin
         self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
@@ -345,8 +349,8 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, None, deadline)
         self._check_open()
         found = [False] * len(keys)
-        arena = self._take_arena(deadline)  # a slot: bounds the calls inside Mooncake
-        if arena is None:
+        # a slot bounds the lookups inside Mooncake (a stuck one keeps its slot)
+        if not self._lookup_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return found
         abandoned = False
         try:
@@ -355,15 +359,15 @@ class MooncakeBackend(StorageBackend):
                     break
                 names = [k.text() for k in keys[start : start + self.max_batch]]
                 fut = self._pool.submit(self._is_exist, names)
-                codes = self._wait(fut, deadline, arena)
-                if codes is None:  # still inside Mooncake: "not found", keep the slot
+                codes = self._wait(fut, deadline, self._lookup_slots.release)
+                if codes is None:  # still inside Mooncake: "not found"
                     abandoned = True
                     break
                 for j, code in enumerate(codes):
                     found[start + j] = code == 1
         finally:
             if not abandoned:
-                self._give_arena(arena)
+                self._lookup_slots.release()
         return found
 
     def _is_exist(self, names: list[str]) -> list[int]:
@@ -377,15 +381,16 @@ class MooncakeBackend(StorageBackend):
         self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
         return codes
 
-    def _wait(self, fut: Future, deadline: float, arena: int) -> Any:
+    def _wait(self, fut: Future, deadline: float, release: Callable[[], None]) -> Any:
         """The result of a pool call, or None when it is still running at the
-        deadline plus the margin: then the arena is given back when it ends."""
+        deadline plus the margin: then `release` (what the call holds: its arena or
+        slot) runs when it ends."""
         try:
             return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
         except FutureTimeout:
             with self._lock:
                 self.overruns += 1
-            fut.add_done_callback(lambda _f: self._give_arena(arena))
+            fut.add_done_callback(lambda _f: release())
             return None
 
     def get_into(
@@ -451,7 +456,8 @@ class MooncakeBackend(StorageBackend):
                 if inline:
                     part = self._run_part(*args)
                 else:
-                    part = self._wait(self._pool.submit(self._run_part, *args), deadline, arena)
+                    fut = self._pool.submit(self._run_part, *args)
+                    part = self._wait(fut, deadline, lambda a=arena: self._give_arena(a))
                 if part is None:
                     abandoned = True
                     results[start:stop] = [
