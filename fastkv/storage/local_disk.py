@@ -898,7 +898,7 @@ def _open_file(
             problem = f"has {st.st_nlink} hard links (it is also elsewhere)"
         if problem:
             raise StorageDirectoryUnsafe(f"directory: {directory / name} {problem}")
-        if stat.S_IMODE(st.st_mode) != _FILE_MODE and flags & os.O_ACCMODE != os.O_RDONLY:
+        if stat.S_IMODE(st.st_mode) != _FILE_MODE:
             os.fchmod(fd, _FILE_MODE)
     except BaseException:
         os.close(fd)

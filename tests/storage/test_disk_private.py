@@ -133,9 +133,12 @@ def test_private_modes_whatever_the_umask(shared: Path) -> None:
             host = HostMemory(LAYOUT, 1)
             host.fill(0, seed=0)
             assert backend.put_from(make_keys(1), [host.segments(0)], 1e12)[0].ok
-        # an existing directory of ours that was too open is made private
+        # an existing directory of ours whose modes were too open is made private
         loose = shared / "loose"
-        loose.mkdir(mode=0o755)
+        open_backend(loose).close()
+        for f in loose.iterdir():
+            f.chmod(0o644)
+        loose.chmod(0o755)
         open_backend(loose).close()
     finally:
         os.umask(old)
