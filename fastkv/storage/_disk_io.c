@@ -28,8 +28,8 @@
  *   G   = GMAC(AES-128 key k2, fixed IV, payload segments in order)
  *   tag = HMAC-SHA256(k1, header bytes [0, HDR_TAG) || G), first 16 bytes
  *
- * G is a keyed universal hash of the payload (GHASH; PCLMULQDQ/AVX makes it several
- * times faster than SHA-256 here) and never leaves the process: only the HMAC of it
+ * G is a keyed universal hash of the payload (GHASH: _ghash.h with VPCLMULQDQ, about
+ * as fast as the CRC; libcrypto's GMAC elsewhere) and never leaves the process: only the HMAC of it
  * is stored, so the fixed IV reveals nothing (hash-then-PRF). Finding another
  * payload with the same G without k2 succeeds with probability about
  * (payload bytes / 16) / 2^128 per try.
@@ -59,6 +59,8 @@
 #include <nmmintrin.h>
 #endif
 
+#include "_ghash.h"
+
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -73,8 +75,8 @@
 #define HDR_CRC 124 /* u32, CRC-32C of bytes [0, 124) */
 #define ALIGN 4096
 #define KEY_BYTES 32  /* HMAC-SHA256 key */
-#define GKEY_BYTES 16 /* AES-128 key of the GMAC */
-#define RING_ENTRY (4 + KEY_BYTES + GKEY_BYTES) /* u32 key id (little-endian), keys */
+#define GKEY_BYTES 16 /* AES-128 key of the GMAC, then its H = E(0) and mask = E(J0) */
+#define RING_ENTRY (4 + KEY_BYTES + 3 * GKEY_BYTES) /* u32 key id (little-endian), keys */
 
 enum {
     ST_OK = 0,
@@ -231,31 +233,56 @@ typedef struct {
 } Ring;
 
 /* fetched once at import; EVP_MAC objects are shareable between threads */
-static EVP_MAC *hmac_alg, *gmac_alg;
+static EVP_MAC *gmac_alg;
+static EVP_MD *sha256_md; /* HMAC below is RFC 2104 over it (no name lookup per block) */
 static const uint8_t gmac_iv[12]; /* fixed: G is never revealed (above) */
+static int use_native_gmac;       /* _ghash.h: the CPU has VPCLMULQDQ and AVX-512 */
+
+/* G over the segments with the ring entry's GMAC keys (k2, H, mask). 0 or -1. */
+static int payload_gmac(const uint8_t *gkeys, const int64_t *segs, Py_ssize_t nseg, uint8_t g[16]) {
+#if defined(__x86_64__)
+    if (use_native_gmac) {
+        Ghash gh;
+        gh_init(&gh, gkeys + GKEY_BYTES);
+        for (Py_ssize_t s = 0; s < nseg; s++)
+            gh_update(&gh, (const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1]);
+        gh_final(&gh, gkeys + 2 * GKEY_BYTES, g);
+        return 0;
+    }
+#endif
+    size_t glen = 0;
+    EVP_MAC_CTX *gc = EVP_MAC_CTX_new(gmac_alg);
+    OSSL_PARAM gp[3];
+    gp[0] = OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_CIPHER, (char *)"AES-128-GCM", 0);
+    gp[1] = OSSL_PARAM_construct_octet_string(OSSL_MAC_PARAM_IV, (void *)gmac_iv, sizeof(gmac_iv));
+    gp[2] = OSSL_PARAM_construct_end();
+    int ok = gc && EVP_MAC_init(gc, gkeys, GKEY_BYTES, gp);
+    for (Py_ssize_t s = 0; ok && s < nseg; s++)
+        ok = EVP_MAC_update(gc, (const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1]);
+    ok = ok && EVP_MAC_final(gc, g, &glen, 16) && glen == 16;
+    EVP_MAC_CTX_free(gc);
+    return ok ? 0 : -1;
+}
 
 /* The 128-bit tag of a block under `key` (a ring entry's keys: k1 then k2). Returns
  * 0, or -1 when libcrypto failed (the write fails; a read is refused). */
 static int block_tag(const uint8_t *key, const uint8_t *h, const int64_t *segs, Py_ssize_t nseg,
                      uint8_t tag[TAG_BYTES]) {
-    uint8_t g[16], full[64];
-    size_t glen = 0, len = 0;
-    EVP_MAC_CTX *gc = EVP_MAC_CTX_new(gmac_alg);
-    EVP_MAC_CTX *hc = EVP_MAC_CTX_new(hmac_alg);
-    OSSL_PARAM gp[3], hp[2];
-    gp[0] = OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_CIPHER, (char *)"AES-128-GCM", 0);
-    gp[1] = OSSL_PARAM_construct_octet_string(OSSL_MAC_PARAM_IV, (void *)gmac_iv, sizeof(gmac_iv));
-    gp[2] = OSSL_PARAM_construct_end();
-    hp[0] = OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, (char *)"SHA256", 0);
-    hp[1] = OSSL_PARAM_construct_end();
-    int ok = gc && hc && EVP_MAC_init(gc, key + KEY_BYTES, GKEY_BYTES, gp);
-    for (Py_ssize_t s = 0; ok && s < nseg; s++)
-        ok = EVP_MAC_update(gc, (const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1]);
-    ok = ok && EVP_MAC_final(gc, g, &glen, sizeof(g)) && glen == sizeof(g);
-    ok = ok && EVP_MAC_init(hc, key, KEY_BYTES, hp) && EVP_MAC_update(hc, h, HDR_TAG) &&
-         EVP_MAC_update(hc, g, sizeof(g)) && EVP_MAC_final(hc, full, &len, sizeof(full)) && len >= TAG_BYTES;
-    EVP_MAC_CTX_free(gc);
-    EVP_MAC_CTX_free(hc);
+    uint8_t g[16], pad[64], inner[32], full[32];
+    unsigned int len = 0;
+    if (payload_gmac(key + KEY_BYTES, segs, nseg, g) < 0) return -1;
+    /* HMAC-SHA256(k1, h[0, HDR_TAG) || g): the key is 32 bytes, padded to the block */
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    memset(pad, 0x36, sizeof(pad));
+    for (int i = 0; i < KEY_BYTES; i++) pad[i] ^= key[i];
+    int ok = c && EVP_DigestInit_ex(c, sha256_md, NULL) && EVP_DigestUpdate(c, pad, sizeof(pad)) &&
+             EVP_DigestUpdate(c, h, HDR_TAG) && EVP_DigestUpdate(c, g, sizeof(g)) &&
+             EVP_DigestFinal_ex(c, inner, &len) && len == 32;
+    memset(pad, 0x5c, sizeof(pad));
+    for (int i = 0; i < KEY_BYTES; i++) pad[i] ^= key[i];
+    ok = ok && EVP_DigestInit_ex(c, sha256_md, NULL) && EVP_DigestUpdate(c, pad, sizeof(pad)) &&
+         EVP_DigestUpdate(c, inner, sizeof(inner)) && EVP_DigestFinal_ex(c, full, &len) && len == 32;
+    EVP_MD_CTX_free(c);
     if (!ok) return -1;
     memcpy(tag, full, TAG_BYTES);
     return 0;
@@ -901,6 +928,74 @@ static PyObject *unstage_block(PyObject *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
+/* (H, mask) of a GMAC key: E_k2(0) and E_k2(J0) for the fixed IV (32 bytes). */
+static PyObject *gmac_subkeys(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer k;
+    if (!PyArg_ParseTuple(args, "y*", &k)) return NULL;
+    uint8_t in[32] = {0}, out[48];
+    memcpy(in + 16, gmac_iv, sizeof(gmac_iv));
+    in[31] = 1;
+    int len = 0, ok = k.len == GKEY_BYTES;
+    EVP_CIPHER_CTX *c = ok ? EVP_CIPHER_CTX_new() : NULL;
+    ok = c && EVP_EncryptInit_ex(c, EVP_aes_128_ecb(), NULL, k.buf, NULL) && EVP_CIPHER_CTX_set_padding(c, 0) &&
+         EVP_EncryptUpdate(c, out, &len, in, 32) && len == 32;
+    EVP_CIPHER_CTX_free(c);
+    PyBuffer_Release(&k);
+    if (!ok) return PyErr_Format(PyExc_ValueError, "gmac_subkeys: a %d-byte AES key expected", GKEY_BYTES);
+    return PyBytes_FromStringAndSize((const char *)out, 32);
+}
+
+/* Which GMAC implementation runs: "native" (_ghash.h) or "libcrypto". Tests switch. */
+static PyObject *set_gmac_impl(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    PyObject *before = PyUnicode_FromString(use_native_gmac ? "native" : "libcrypto");
+    if (strcmp(name, "libcrypto") == 0) {
+        use_native_gmac = 0;
+    } else if (strcmp(name, "native") == 0) {
+        int have = 0;
+#if defined(__x86_64__)
+        have = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
+        if (!have) {
+            Py_XDECREF(before);
+            return PyErr_Format(PyExc_RuntimeError, "set_gmac_impl: this CPU lacks VPCLMULQDQ / AVX-512");
+        }
+        use_native_gmac = 1;
+    } else {
+        Py_XDECREF(before);
+        return PyErr_Format(PyExc_ValueError, "set_gmac_impl: 'native' or 'libcrypto', got %s", name);
+    }
+    return before;
+}
+
+/* G of a block: payload_gmac over (ptr, len) segments with a ring entry's GMAC keys. */
+static PyObject *py_payload_gmac(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer gk;
+    PyObject *segs_obj;
+    if (!PyArg_ParseTuple(args, "y*O", &gk, &segs_obj)) return NULL;
+    BlockArgs a;
+    if (gk.len != 3 * GKEY_BYTES ||
+        block_args_get(&a, NULL, 0, segs_obj, NULL, "payload_gmac: 48 key bytes and (ptr, len) pairs") < 0) {
+        if (gk.len != 3 * GKEY_BYTES) PyErr_SetString(PyExc_ValueError, "payload_gmac: 48 key bytes expected");
+        PyBuffer_Release(&gk);
+        return NULL;
+    }
+    uint8_t g[16];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = payload_gmac(gk.buf, (const int64_t *)a.segs.buf, a.nseg, g);
+    Py_END_ALLOW_THREADS;
+    block_args_release(&a);
+    PyBuffer_Release(&gk);
+    if (rc < 0) return tag_failed();
+    return PyBytes_FromStringAndSize((const char *)g, 16);
+}
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer data;
@@ -931,6 +1026,9 @@ static PyMethodDef methods[] = {
     {"unstage_block", unstage_block, METH_VARARGS,
      "unstage_block(src_ptr, want_header, segs, ring) -> int: verify, scatter and check a staged object."},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int"},
+    {"gmac_subkeys", gmac_subkeys, METH_VARARGS, "gmac_subkeys(k2) -> H || mask (32 bytes)"},
+    {"set_gmac_impl", set_gmac_impl, METH_VARARGS, "set_gmac_impl('native' | 'libcrypto') -> the previous one"},
+    {"payload_gmac", py_payload_gmac, METH_VARARGS, "payload_gmac(k2 || H || mask, segs) -> G (16 bytes)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -939,11 +1037,15 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_disk_io", "Batched 
 
 PyMODINIT_FUNC PyInit__disk_io(void) {
     crc_init();
-    if ((!hmac_alg && !(hmac_alg = EVP_MAC_fetch(NULL, "HMAC", NULL))) ||
+    if ((!sha256_md && !(sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL))) ||
         (!gmac_alg && !(gmac_alg = EVP_MAC_fetch(NULL, "GMAC", NULL)))) {
-        PyErr_SetString(PyExc_ImportError, "_disk_io: libcrypto has no HMAC or GMAC");
+        PyErr_SetString(PyExc_ImportError, "_disk_io: libcrypto has no SHA-256 or GMAC");
         return NULL;
     }
+#if defined(__x86_64__)
+    use_native_gmac = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HDR_BYTES", HDR_BYTES) < 0 ||

@@ -81,7 +81,8 @@ class StorageAuth:
             ids.append(key_id)
             ring += key_id.to_bytes(4, "little")
             ring += hmac.new(secret, _MAC_KEY_LABEL, hashlib.sha256).digest()
-            ring += hmac.new(secret, _GMAC_KEY_LABEL, hashlib.sha256).digest()[:16]
+            gmac_key = hmac.new(secret, _GMAC_KEY_LABEL, hashlib.sha256).digest()[:16]
+            ring += gmac_key + _disk_io.gmac_subkeys(gmac_key)
         assert len(ring) == _disk_io.RING_ENTRY * len(secrets)
         self.key_ids: tuple[int, ...] = tuple(ids)
         self._ring = bytes(ring)
@@ -89,7 +90,8 @@ class StorageAuth:
     @property
     def ring(self) -> bytes:
         """The ring as `_disk_io` takes it: entries of a u32 key id, the 32-byte HMAC
-        key and the 16-byte GMAC (AES-128) key."""
+        key, the 16-byte GMAC (AES-128) key and that key's H and mask (16 bytes
+        each: E(0) and E(J0), precomputed for the native GHASH)."""
         return self._ring
 
     @property
