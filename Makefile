@@ -34,26 +34,25 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 test: install
 	$(PY) -m pytest -q -rs tests
 	@# On a GPU runner the GPU tests run for real (make gpu-test), never skipped.
-	@if nvidia-smi -L >/dev/null 2>&1; then $(MAKE) --no-print-directory gpu-test; fi
+	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then $(MAKE) --no-print-directory gpu-test; fi
 
-# GPU machine with CuPy (and optionally paddlepaddle-gpu) in GPU_PYTHON's site-packages:
-# a venv that sees them, the core built for this GPU too, and every `gpu` test run
-# through the C ABI (and the Paddle ops when Paddle has CUDA) with skips as failures.
+# GPU machine: GPU_PYTHON (default python3) must already import CuPy, numpy and pytest
+# (and paddlepaddle-gpu for the Paddle-op tests); it is used as it is: no venv, nothing
+# installed or fetched (tools/gpu_preflight.py says what is missing). Builds only the
+# core for this GPU too (and the Paddle ops where paddle imports), with the standard
+# library and the compilers, then runs every `gpu` test through the C ABI with skips
+# as failures, except a test that needs more GPUs than the machine has.
 GPU_PYTHON ?= python3
-GPU_VENV := build/venv-gpu
-GPU_PY := $(GPU_VENV)/bin/python
 gpu-test:
-	test -x $(GPU_PY) || $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_PY) -c "import numpy, pytest, setuptools" 2>/dev/null || \
-		$(GPU_PY) -m pip install --quiet numpy pytest setuptools
-	@# In place, with no packaging step: works offline and with any setuptools.
+	$(GPU_PYTHON) tools/gpu_preflight.py
+	FASTKV_WITH_CUDA=1 \
 	FASTKV_CUDA_EXTRA_ARCHS="$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | sort -u | tr '\n' ' ')" \
-		$(GPU_PY) setup.py --quiet build_ext --inplace
-	$(GPU_PY) -c "from fastkv.ops import core; print(core.cuda_info().describe())"
-	@# The in-place libraries were just built for this venv's Paddle (if any): make
+		$(GPU_PYTHON) fastkv/ops/native_build.py
+	$(GPU_PYTHON) -c "from fastkv.ops import core; print(core.cuda_info().describe())"
+	@# The in-place libraries were just built for GPU_PYTHON's Paddle (if any): make
 	@# the next `make install` rebuild them for .venv's.
 	rm -f $(STAMP)
-	FASTKV_REQUIRE_GPU=1 $(GPU_PY) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
+	FASTKV_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
 	@cat build/gpu-test-first-call.json 2>/dev/null || true
 
 demo: install
