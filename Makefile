@@ -1,5 +1,7 @@
 # Fresh machine: `make demo` runs the main job, `make test` runs the tests.
 # Both install into .venv first (once; again when a dependency or native source changes).
+# `make install PYTHON_ENV=/path/to/bin/python` installs into that environment instead
+# (no .venv, no requirements.txt): fastkv built against the Paddle it holds.
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -11,9 +13,30 @@ SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2
 SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
 TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 
-.PHONY: install system-packages test gpu-test demo replay bench lint clean
+.PHONY: install install-venv install-env system-packages test gpu-test demo replay bench \
+	lint clean
 
-install: system-packages $(STAMP)
+PYTHON_ENV ?=
+ifeq ($(strip $(PYTHON_ENV)),)
+install: install-venv
+else
+install: install-env
+endif
+
+install-venv: system-packages $(STAMP)
+
+# Into an environment that already has its Paddle (e.g. FastDeploy's, with
+# paddlepaddle-gpu): built by that interpreter with no build isolation, so the CUDA
+# toolkit check sees that Paddle (a toolkit of another CUDA major version is refused)
+# and the Paddle ops link its libpaddle.so. Needs pip and setuptools there; numpy is
+# fastkv's only dependency. CUDA_HOME picks the toolkit.
+install-env:
+	@test -x "$$(command -v $(PYTHON_ENV))" || \
+		{ echo "PYTHON_ENV=$(PYTHON_ENV): no such interpreter"; exit 1; }
+	@{ $(PYTHON_ENV) -c "import setuptools" && $(PYTHON_ENV) -m pip --version; } >/dev/null 2>&1 || \
+		{ echo "PYTHON_ENV=$(PYTHON_ENV) lacks pip or setuptools, which a build without"; \
+		  echo "isolation needs: $(PYTHON_ENV) -m pip install setuptools wheel"; exit 1; }
+	$(PYTHON_ENV) -m pip install --no-build-isolation .
 
 # Idempotent and quiet: one dpkg query per package when everything is there.
 system-packages:
@@ -31,7 +54,7 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
-test: install
+test: install-venv
 	$(PY) -m pytest -q -rs tests
 	@# On a GPU runner the GPU tests run for real (make gpu-test), never skipped.
 	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then $(MAKE) --no-print-directory gpu-test; fi
@@ -55,17 +78,17 @@ gpu-test:
 	FASTKV_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
 	@cat build/gpu-test-first-call.json 2>/dev/null || true
 
-demo: install
+demo: install-venv
 	$(PY) tools/demo.py
 
-replay: install
+replay: install-venv
 	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 1000 10000 30000 100000
 	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 10000 --host-blocks 20000 --write-policy write_back
 
-bench: install
+bench: install-venv
 	$(PY) tools/bench_scheduler.py
 
-lint: install
+lint: install-venv
 	$(VENV)/bin/ruff check fastkv tests tools examples
 	$(VENV)/bin/ruff format --check fastkv tests tools examples
 

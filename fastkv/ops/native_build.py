@@ -125,26 +125,55 @@ def choose_toolkit(
     return toolkit.nvcc, cb.gencode_flags(archs, ptx), cb.arch_list(archs, ptx)
 
 
+def _nvcc_library_dirs(nvcc: str) -> tuple[list[Path], list[Path]]:
+    """(library folders, toolkit roots) nvcc itself reports (`--dryrun` prints its
+    profile's TOP and LIBRARIES), which holds through wrapper scripts and conda's
+    nvcc.profile; empty when it cannot say."""
+    try:
+        proc = subprocess.run(
+            [nvcc, "--dryrun", "-c", "fastkv_probe.cu", "-o", "fastkv_probe.o"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return [], []
+    libdirs: list[Path] = []
+    tops: list[Path] = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        line = line.removeprefix("#$ ").strip()
+        if line.startswith("TOP="):
+            tops.append(Path(os.path.normpath(line[4:].strip().strip('"'))))
+        elif line.startswith("LIBRARIES="):
+            for arg in shlex.split(line[len("LIBRARIES=") :]):
+                if arg.startswith("-L") and not arg.rstrip("/").endswith("stubs"):
+                    libdirs.append(Path(os.path.normpath(arg[2:])))
+    return libdirs, tops
+
+
 def static_cudart(nvcc: str) -> Path:
     """The static CUDA runtime of the toolkit `nvcc` belongs to.
 
-    Looked up under the toolkit root (nvcc's `..`, as named and with symlinks
-    resolved) in lib64/ (NVIDIA's packages), lib/ and targets/<arch>/lib/ (conda's
-    CUDA 12+ packages keep static libraries only there).
+    Looked up in the library folders nvcc reports, then under the toolkit root (nvcc's
+    TOP, and its `..` as named and with symlinks resolved) in lib64/ (NVIDIA's
+    packages), lib/ and targets/<arch>/lib/ (conda's CUDA 12+ packages keep static
+    libraries only there).
 
     Raises:
         NativeBuildError: none of those holds it; the message says what to install.
     """
-    roots: list[Path] = []
-    for root in (Path(nvcc).parent.parent, Path(nvcc).resolve().parent.parent):
-        if root not in roots:
-            roots.append(root)
-    searched: list[Path] = []
+    libdirs, tops = _nvcc_library_dirs(nvcc)
+    roots = [*tops, Path(nvcc).parent.parent, Path(nvcc).resolve().parent.parent]
     for root in roots:
-        for libdir in [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]:
-            searched.append(libdir)
-            if (libdir / STATIC_CUDART).is_file():
-                return libdir / STATIC_CUDART
+        libdirs += [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
+    searched: list[Path] = []
+    for libdir in libdirs:
+        if libdir in searched:
+            continue
+        searched.append(libdir)
+        if (libdir / STATIC_CUDART).is_file():
+            return libdir / STATIC_CUDART
     raise NativeBuildError(
         f"fastkv: nvcc found at {nvcc} but its toolkit has no {STATIC_CUDART} (looked in "
         f"{', '.join(map(str, searched))}). Install the toolkit's static CUDA runtime "

@@ -17,6 +17,8 @@ import pytest
 
 from fastkv.ops import core
 
+from .scratch_env import copy_checkout
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = Path(sys.executable)  # the project's .venv: itself a virtualenv
 
@@ -35,23 +37,10 @@ esac
 """
 
 
-def _copy_checkout(dest: Path) -> Path:
-    """The sources `make gpu-test` needs, without anything built or installed."""
-    dest.mkdir(parents=True, exist_ok=True)
-    junk = shutil.ignore_patterns(
-        "*.so", "*.o", "__pycache__", ".venv", "build", "*.egg-info", ".pytest_cache"
-    )
-    for name in ("Makefile", "setup.py", "pyproject.toml", "requirements.txt"):
-        shutil.copy2(ROOT / name, dest / name)
-    for name in ("fastkv", "custom_ops", "tests", "tools"):
-        shutil.copytree(ROOT / name, dest / name, ignore=junk)
-    return dest
-
-
 def _make_gpu_test(
     tmp_path: Path, python: Path, extra_pythonpath: Path | None = None
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    tree = _copy_checkout(tmp_path / "checkout")
+    tree = copy_checkout(tmp_path / "checkout")
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text(FAKE_SMI)
@@ -139,7 +128,7 @@ def test_the_interpreter_is_used_as_it_is_and_only_the_core_is_built(tmp_path: P
 def test_gpu_test_builds_the_core_with_the_standard_library_alone(tmp_path: Path) -> None:
     """`python -I -S`: no site-packages (no setuptools), and the core's compile lines
     name no Python include directory (no Python.h needed)."""
-    tree = _copy_checkout(tmp_path)
+    tree = copy_checkout(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FASTKV_")}
     env["FASTKV_WITH_CUDA"] = "0"  # the compile lines are what is checked
     proc = subprocess.run(
