@@ -65,10 +65,17 @@ class Rig:
         self.compute = CudaStream.external(DEVICE, self.cupy_compute.ptr, self.pool)
         self.tm = TransferManager(self.input, self.output, self.compute, LAYERS)
 
-    def evict(self, tid: int, d: list[int], h: list[int]):
+    def evict(self, tid: int, d: list[int], h: list[int], reused: list[int] | None = None):
         dev, host = np.asarray(d, np.int64), np.asarray(h, np.int64)
+
+        def copy_layer(layer: int, s: int) -> None:
+            self.layout.swap(dev, host, D2H, layer, 1, s)
+
+        def all_layers(s: int, events) -> None:
+            self.layout.swap(dev, host, D2H, 0, LAYERS, s, events)
+
         return self.tm.submit_to_host(
-            tid, d, h, lambda s: self.layout.swap(dev, host, D2H, stream=s), self.compute
+            tid, d, h, copy_layer, self.compute, all_layers, reused or ()
         )
 
     def load(self, tid: int, h: list[int], d: list[int], copy_layers=None):
