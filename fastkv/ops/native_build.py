@@ -304,6 +304,23 @@ def build_core(out: Path, tmp: Path, force: bool = False) -> None:
     print(f"[fastkv] built {out} ({'with' if nvcc else 'without'} CUDA)", flush=True)
 
 
+def paddle_ops_config() -> tuple[list[str], list[str], str]:
+    """(include folders, library folders, build configuration) of the Paddle this
+    interpreter imports. Which Paddle the op library links is part of what it was
+    built with: a build against another environment's Paddle in the same folder (a
+    CPU Paddle in .venv, paddlepaddle-gpu elsewhere) is never up to date.
+
+    Raises:
+        ImportError: paddle does not import.
+    """
+    from paddle.utils.cpp_extension import extension_utils as pd
+
+    includes = [*pd.find_paddle_includes(use_cuda=False), *pd.find_python_includes()]
+    lib_dirs = pd.find_paddle_libraries(use_cuda=False)
+    config = {"includes": includes, "lib_dirs": lib_dirs, "cxx": _cxx()}
+    return includes, lib_dirs, json.dumps(config, sort_keys=True)
+
+
 def build_paddle_ops(out: Path, tmp: Path, force: bool = False) -> bool:
     """Builds libfastkv_paddle_ops.so at `out` against the Paddle this interpreter
     imports, linked to the core already built next to it.
@@ -322,7 +339,7 @@ def build_paddle_ops(out: Path, tmp: Path, force: bool = False) -> bool:
         print(f"[fastkv] FASTKV_BUILD_PADDLE_OPS=0: not building {PADDLE_LIB}", flush=True)
         return False
     try:
-        from paddle.utils.cpp_extension import extension_utils as pd
+        import paddle.utils.cpp_extension  # noqa: F401
     except ImportError as e:
         if mode == "1":
             raise NativeBuildError(f"FASTKV_BUILD_PADDLE_OPS=1 but paddle: {e}") from None
@@ -338,16 +355,9 @@ def build_paddle_ops(out: Path, tmp: Path, force: bool = False) -> bool:
     if not core.exists():
         raise NativeBuildError(f"fastkv: {PADDLE_LIB} links {core}, which is not built")
     tmp.mkdir(parents=True, exist_ok=True)
-    includes = [*pd.find_paddle_includes(use_cuda=False), *pd.find_python_includes()]
-    lib_dirs = pd.find_paddle_libraries(use_cuda=False)
+    includes, lib_dirs, config = paddle_ops_config()
     inputs = [CSRC / PADDLE_OPS, CSRC / "fastkv_core.h", Path(__file__).resolve(), core]
-    # Which Paddle it links is part of what it was built with: another environment's
-    # build in the same folder (a CPU Paddle in .venv, paddlepaddle-gpu elsewhere)
-    # must not count as up to date.
     stamp = _stamp(tmp, out)
-    config = json.dumps(
-        {"includes": includes, "lib_dirs": lib_dirs, "cxx": _cxx()}, sort_keys=True
-    )
     if not force and _up_to_date(out, inputs, stamp, config):
         print(f"[fastkv] {out.name} is up to date", flush=True)
         return True

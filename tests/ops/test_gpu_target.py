@@ -38,8 +38,11 @@ esac
 
 
 def _make_gpu_test(
-    tmp_path: Path, python: Path, extra_pythonpath: Path | None = None
+    tmp_path: Path, python: Path, extra_pythonpath: Path | None = None, as_python3: bool = False
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`make gpu-test` in a copy of the checkout, nvidia-smi listing an H100, with
+    GPU_PYTHON=`python`, or (as_python3) with `python`'s folder first on PATH and
+    GPU_PYTHON left at its default, python3."""
     tree = copy_checkout(tmp_path / "checkout")
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -50,8 +53,9 @@ def _make_gpu_test(
         for k, v in os.environ.items()
         if not k.startswith(("FASTKV_", "PYTEST_", "VIRTUAL_ENV", "PYTHONHOME"))
     }
+    path = [str(fake_bin), *([str(python.parent)] if as_python3 else []), env.get("PATH", "")]
     env.update(
-        PATH=f"{fake_bin}{os.pathsep}{env.get('PATH', '')}",
+        PATH=os.pathsep.join(path),
         # Nothing may be fetched: any pip install would fail here.
         PIP_NO_INDEX="1",
         PIP_INDEX_URL="http://127.0.0.1:9/simple",
@@ -62,7 +66,8 @@ def _make_gpu_test(
     if extra_pythonpath is not None:
         env["PYTHONPATH"] = str(extra_pythonpath)
     proc = subprocess.run(
-        ["make", "--no-print-directory", "gpu-test", f"GPU_PYTHON={python}"],
+        ["make", "--no-print-directory", "gpu-test"]
+        + ([] if as_python3 else [f"GPU_PYTHON={python}"]),
         cwd=tree,
         env=env,
         capture_output=True,
@@ -84,12 +89,15 @@ def _site_packages(python: Path) -> list[str]:
 
 
 def test_an_interpreter_without_cupy_is_named_and_nothing_is_installed(tmp_path: Path) -> None:
+    """The default GPU_PYTHON, python3, is a virtualenv here (the .venv's) as on the
+    machines lent: it is used as it is, and what it lacks is named."""
     before = _site_packages(VENV_PYTHON)
-    tree, proc = _make_gpu_test(tmp_path, VENV_PYTHON)
+    tree, proc = _make_gpu_test(tmp_path, VENV_PYTHON, as_python3=True)
     out = proc.stdout + proc.stderr
+    python3 = VENV_PYTHON.parent / "python3"
     assert proc.returncode != 0, out
-    assert f"gpu-test: python {VENV_PYTHON}" in out and "a virtualenv over" in out, out
-    assert f"{VENV_PYTHON} does not import cupy, cupyx" in out, out
+    assert f"gpu-test: python {python3} (" in out and "a virtualenv over" in out, out
+    assert f"{python3} does not import cupy, cupyx" in out, out
     assert "GPU_PYTHON=/path/to/bin/python" in out
     assert "GPU 0: NVIDIA H100" in out
     assert not (tree / "build" / "venv-gpu").exists()
