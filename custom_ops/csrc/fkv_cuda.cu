@@ -122,6 +122,15 @@ const DriverCtx& driver_ctx() {
 // Makes `device` current for its lifetime and then restores the thread's previous
 // context exactly (NULL included). Without the driver entry points (no driver) it
 // falls back to cudaGetDevice/cudaSetDevice.
+//
+// While it holds the device, the thread's stream-capture interaction mode is
+// relaxed (cudaThreadExchangeStreamCaptureMode), then restored. Every core call
+// goes through a guard, so the calls CUDA counts as unsafe during a capture
+// (event query, synchronize, create and destroy; cudaMalloc, cudaFree,
+// cudaHostAlloc, cudaHostRegister) neither fail nor invalidate a graph that this
+// thread or another one is capturing, in global or thread-local mode. The core
+// never records into or waits on a capturing stream: swaps refuse one
+// (FKV_ECAPTURE), and the Python side checks before a device-side wait.
 class DeviceGuard {
  public:
   DeviceGuard() = default;
@@ -136,12 +145,12 @@ class DeviceGuard {
     if (d.get != nullptr && d.get(&ctx) == 0) {
       if (ctx != nullptr) {
         int current = -1;
-        if (cudaGetDevice(&current) == cudaSuccess && current == device) return FKV_OK;
+        if (cudaGetDevice(&current) == cudaSuccess && current == device) return relax();
       }
       FKV_CUDA_TRY(cudaSetDevice(device));
       saved_ctx_ = ctx;
       mode_ = kDriver;
-      return FKV_OK;
+      return relax();
     }
     int current = -1;
     FKV_CUDA_TRY(cudaGetDevice(&current));
@@ -150,11 +159,25 @@ class DeviceGuard {
       saved_device_ = current;
       mode_ = kRuntime;
     }
-    return FKV_OK;
+    return relax();
   }
 
  private:
+  int relax() {
+    capture_mode_ = cudaStreamCaptureModeRelaxed;
+    if (cudaThreadExchangeStreamCaptureMode(&capture_mode_) == cudaSuccess) {
+      relaxed_ = true;
+    } else {
+      cudaGetLastError();
+    }
+    return FKV_OK;
+  }
+
   void restore() {
+    if (relaxed_) {
+      cudaThreadExchangeStreamCaptureMode(&capture_mode_);
+      relaxed_ = false;
+    }
     if (mode_ == kDriver) {
       driver_ctx().set(saved_ctx_);
     } else if (mode_ == kRuntime) {
@@ -167,6 +190,8 @@ class DeviceGuard {
   Mode mode_ = kNone;
   void* saved_ctx_ = nullptr;
   int saved_device_ = -1;
+  bool relaxed_ = false;
+  cudaStreamCaptureMode capture_mode_ = cudaStreamCaptureModeRelaxed;
 };
 
 // Keeps the thread's context as it was across calls made before the device is

@@ -588,7 +588,13 @@ class CacheController:
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
-        a device-side wait of the step's compute stream; on the CPU a host wait)."""
+        a device-side wait of the step's compute stream; on the CPU a host wait).
+
+        Inside a CUDA graph capture of the compute stream it waits for nothing when
+        the layer is known to be loaded, and raises CudaCaptureError (touching
+        nothing) when it is not. Every other call into CUDA (`poll_results`, event
+        checks, a dropped event) is safe beside a capture in any mode.
+        """
         self._counter.wait_for_layer(layer, timeout)
 
     def poll_results(self) -> list[TransferResult | LookupResult]:

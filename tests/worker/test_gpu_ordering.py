@@ -203,3 +203,95 @@ def test_a_failed_layer_fails_its_waits_and_keeps_earlier_layers(rig: Rig) -> No
 
 def test_the_eviction_stream_yields_to_loads_by_priority(rig: Rig) -> None:
     assert rig.input.priority() < rig.output.priority()
+
+
+# -- G1: fastkv beside an engine that captures CUDA graphs ---------------------------
+
+CAPTURE_MODES = ("global", "thread_local")
+
+
+def _capture_mode(name: str) -> int:
+    rt = cp.cuda.runtime
+    return {
+        "global": rt.streamCaptureModeGlobal,
+        "thread_local": rt.streamCaptureModeThreadLocal,
+    }[name]
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_the_workers_calls_mid_capture_leave_the_engines_graph_valid(
+    rig: Rig, mode: str
+) -> None:
+    """Between two captured steps the worker polls results, checks layers, drops
+    events (finalizers) and, on its reporter thread, polls too: none of it may
+    invalidate the graph the engine is capturing."""
+    import threading
+
+    x = cp.zeros(4096, cp.float32)
+    engine = cp.cuda.Stream(non_blocking=True)
+    with engine:
+        x += 1  # the kernel is loaded before the capture
+    engine.synchronize()
+    in_gate = StreamGate(rig.input.handle, DEVICE).close()  # the load stays in flight
+    try:
+        counter = rig.load(1, [3], [10])
+        rig.evict(2, [4], [21])
+        dropped = [rig.compute.record() for _ in range(4)]
+        with engine:
+            engine.begin_capture(mode=_capture_mode(mode))
+            try:
+                x += 1
+                rig.tm.poll()  # cudaEventQuery, this thread
+                assert not counter.is_layer_done(0)
+                del dropped  # finalizers: no CUDA call at all
+                other = threading.Thread(target=rig.tm.poll)  # the reporter thread
+                other.start()
+                other.join(30)
+                x += 1
+            finally:
+                graph = engine.end_capture()  # raises if the capture was invalidated
+        graph.launch(stream=engine)
+        engine.synchronize()
+        assert float(x[0]) == 3.0  # 1 before, +2 replayed
+    finally:
+        in_gate.open()
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_a_layer_wait_inside_a_capture_is_refused_without_touching_it(
+    rig: Rig, mode: str
+) -> None:
+    from fastkv.ops.core import CudaCaptureError
+
+    x = cp.zeros(16, cp.float32)
+    engine = cp.cuda.Stream(non_blocking=True)
+    with engine:
+        x += 1
+    engine.synchronize()
+    engine_stream = CudaStream.external(DEVICE, engine.ptr, rig.pool)
+    in_gate = StreamGate(rig.input.handle, DEVICE).close()
+    try:
+        dev, host = np.array([11], np.int64), np.array([5], np.int64)
+        counter = rig.tm.submit_to_device(
+            7,
+            [5],
+            [11],
+            lambda layer, s: rig.layout.swap(dev, host, H2D, layer, 1, s),
+            (),
+            engine_stream,
+        )
+        with engine:
+            engine.begin_capture(mode=_capture_mode(mode))
+            try:
+                with pytest.raises(CudaCaptureError, match="still loading"):
+                    counter.wait_for_layer(0)
+                x += 1
+            finally:
+                graph = engine.end_capture()
+        graph.launch(stream=engine)
+        engine.synchronize()
+        assert float(x[0]) == 2.0
+    finally:
+        in_gate.open()
+    counter.wait_all(30)
+    counter.wait_for_layer(0)  # loaded: outside a capture nothing is refused
