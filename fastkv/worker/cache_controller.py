@@ -668,11 +668,22 @@ class CacheController:
         into the host tier when it returns: then the host allocation is left
         mapped (and logged) rather than freed under it.
 
+        On a GPU, releasing the device side ends in a cudaFree, which waits for
+        all work on the device (the engine's included): it is bounded by what is
+        left of `timeout` (at least 1 s); past that it is logged, says what it waits
+        for, and finishes in the background.
+
+        Raises:
+            TransferTimeoutError: a copy of this controller is still running after
+                `timeout` seconds; nothing is released (call again, or let it go:
+                a dropped layout never blocks the garbage collector).
+
         Returns:
             The results of the copies and storage requests still in flight.
         """
         if self._freed:
             return []
+        end = time.monotonic() + timeout
         results: list[TransferResult | LookupResult] = list(self.wait_all(timeout))
         engine = getattr(self, "_storage", None)
         stuck: frozenset[int] = frozenset()
@@ -680,7 +691,7 @@ class CacheController:
             results += self._storage_results(engine.close(timeout))
             stuck = engine.busy_host_blocks()
             self._storage = None
-        self._release_gpu()
+        self._release_gpu(max(1.0, end - time.monotonic()))
         if stuck:
             log.error(
                 "free_cache: storage I/O still touches host blocks %s after %.1f s; "
@@ -712,10 +723,14 @@ class CacheController:
             paddle_ops.host_free(self._host_base, self._host_bytes, self._host_pinned)
             self._host_base = 0
 
-    def _release_gpu(self) -> None:
-        """Layout, owned streams and pooled events (after the last copy finished)."""
+    def _release_gpu(self, timeout: float = core.CLOSE_TIMEOUT_S) -> None:
+        """Layout, owned streams and pooled events (after the last copy finished).
+
+        The layout's release is a cudaFree, which waits for the whole device (the
+        engine's streams too): it is bounded by `timeout` and, past it, logged and
+        left to finish in the background (see `core.Layout.close`)."""
         if self._layout is not None:
-            self._layout.close()
+            self._layout.close(timeout)
             self._layout = None
         for name in ("_input", "_output"):
             stream = getattr(self, name, None)
