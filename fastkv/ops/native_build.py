@@ -304,6 +304,12 @@ def build_core(out: Path, tmp: Path, force: bool = False) -> None:
     print(f"[fastkv] built {out} ({'with' if nvcc else 'without'} CUDA)", flush=True)
 
 
+def pip_build_isolation() -> bool:
+    """Whether this build runs in pip's isolated build environment (its overlay of
+    build requirements is on sys.path; the environment's own packages are not)."""
+    return any("pip-build-env-" in entry for entry in sys.path)
+
+
 def paddle_ops_config() -> tuple[list[str], list[str], str]:
     """(include folders, library folders, build configuration) of the Paddle this
     interpreter imports. Which Paddle the op library links is part of what it was
@@ -343,10 +349,18 @@ def build_paddle_ops(out: Path, tmp: Path, force: bool = False) -> bool:
     except ImportError as e:
         if mode == "1":
             raise NativeBuildError(f"FASTKV_BUILD_PADDLE_OPS=1 but paddle: {e}") from None
+        if pip_build_isolation():
+            advice = (
+                "pip's build isolation hides the environment's packages, so neither the "
+                "Paddle ops nor the check of the CUDA toolkit against Paddle's can be "
+                "done: build with `pip install --no-build-isolation .` (or `make install "
+                "PYTHON_ENV=<that python>`)"
+            )
+        else:
+            advice = "install paddlepaddle and rebuild for the Paddle ops"
         print(
             f"[fastkv] WARNING: paddle is not importable ({e}); {PADDLE_LIB} not built. "
-            "fastkv.ops.core (ctypes) still works; install paddlepaddle and rebuild "
-            "for the Paddle ops.",
+            f"fastkv.ops.core (ctypes) still works; {advice}.",
             file=sys.stderr,
             flush=True,
         )

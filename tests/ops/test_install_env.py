@@ -215,3 +215,19 @@ def test_a_conda_layout_toolkit_builds_the_core(tmp_path: Path) -> None:
     assert f"{target}/lib/libcudart_static.a" in out, out
     assert f"({prefix}/bin/nvcc;" in out
     assert (tree / "out" / "fastkv" / "ops" / "libfastkv_core.so").exists()
+
+
+def test_an_isolated_pip_build_says_it_cannot_see_paddle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pip install .` without --no-build-isolation builds where the environment's
+    Paddle is invisible: the build says so and how to build instead."""
+    monkeypatch.setitem(sys.modules, "paddle", None)  # what the isolated build sees
+    monkeypatch.delenv("FASTKV_BUILD_PADDLE_OPS", raising=False)
+    monkeypatch.setattr(sys, "path", [*sys.path, "/tmp/pip-build-env-x1/overlay/site-packages"])
+    assert nb.build_paddle_ops(tmp_path / nb.PADDLE_LIB, tmp_path / "tmp") is False
+    err = capsys.readouterr().err
+    assert "pip's build isolation hides" in err and "--no-build-isolation" in err
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "pip-build-env-" not in p])
+    assert nb.build_paddle_ops(tmp_path / nb.PADDLE_LIB, tmp_path / "tmp") is False
+    assert "install paddlepaddle and rebuild" in capsys.readouterr().err
