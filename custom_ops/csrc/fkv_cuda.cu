@@ -297,6 +297,7 @@ struct SlotRef {
 struct DeviceState {
   std::mutex mu;
   bool ready = false;
+  bool growing = false;  // a thread is allocating a chunk outside mu
   std::vector<Slot> slots;
   size_t cursor = 0;
   int64_t grows = 0;
@@ -305,32 +306,51 @@ struct DeviceState {
 
 DeviceState g_devices[kMaxDevices];
 
-// Adds kSlotsPerChunk slots. Caller holds mu, with the device current.
-int grow_locked(DeviceState& st) {
-  char* dev = nullptr;
+// One chunk of kSlotsPerChunk slots: device and pinned staging memory and an event
+// per slot.
+struct Chunk {
+  char* device = nullptr;
   char* host = nullptr;
+  cudaEvent_t events[kSlotsPerChunk] = {};
+};
+
+// Allocates a chunk (device current); touches no DeviceState, so the caller need
+// not hold mu: a launch that grows the ring does not hold up the others.
+int alloc_chunk(Chunk* c) {
   const size_t bytes = kSlotsPerChunk * kSlotBytes;
-  FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&dev), bytes));
-  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocPortable);
+  FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&c->device), bytes));
+  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&c->host), bytes, cudaHostAllocPortable);
   if (err != cudaSuccess) {
-    cudaFree(dev);
+    cudaFree(c->device);
     return cuda_error(err, "cudaHostAlloc(staging ring)");
   }
-  std::vector<cudaEvent_t> events(kSlotsPerChunk);
   for (int k = 0; k < kSlotsPerChunk; ++k) {
-    err = cudaEventCreateWithFlags(&events[k], cudaEventDisableTiming);
+    err = cudaEventCreateWithFlags(&c->events[k], cudaEventDisableTiming);
     if (err != cudaSuccess) {
-      for (int j = 0; j < k; ++j) cudaEventDestroy(events[j]);
-      cudaFreeHost(host);
-      cudaFree(dev);
+      for (int j = 0; j < k; ++j) cudaEventDestroy(c->events[j]);
+      cudaFreeHost(c->host);
+      cudaFree(c->device);
       return cuda_error(err, "cudaEventCreateWithFlags(staging ring)");
     }
   }
+  return FKV_OK;
+}
+
+// Caller holds mu.
+void add_chunk_locked(DeviceState& st, const Chunk& c) {
   for (int k = 0; k < kSlotsPerChunk; ++k) {
-    st.slots.push_back({dev + k * kSlotBytes, host + k * kSlotBytes, events[k], false, false});
+    st.slots.push_back(
+        {c.device + k * kSlotBytes, c.host + k * kSlotBytes, c.events[k], false, false});
   }
   ++st.grows;
-  return FKV_OK;
+}
+
+// Adds kSlotsPerChunk slots. Caller holds mu, with the device current (start-up).
+int grow_locked(DeviceState& st) {
+  Chunk c;
+  const int rc = alloc_chunk(&c);
+  if (rc == FKV_OK) add_chunk_locked(st, c);
+  return rc;
 }
 
 int device_name(int device, char* buf, size_t len) {
@@ -377,15 +397,22 @@ void sleep_us(int64_t us) {
   nanosleep(&ts, nullptr);
 }
 
+using Deadline = std::chrono::steady_clock::time_point;
+
+// The staging deadline of one transfer: every slot it claims shares it.
+Deadline staging_deadline() {
+  return std::chrono::steady_clock::now() + std::chrono::milliseconds(g_staging_timeout_ms);
+}
+
 // Claims a slot whose previous launches have finished reading it. Grows the ring
-// when none is free; when it cannot grow, polls until the staging deadline and
-// then fails (FKV_ETIMEDOUT). Device current (caller's guard).
-int acquire_slot(int device, SlotRef* out) {
+// when none is free, allocating outside the device's lock (one thread at a time;
+// the others poll meanwhile); when it cannot grow, polls until `deadline` and then
+// fails (FKV_ETIMEDOUT). Device current (caller's guard).
+int acquire_slot(int device, SlotRef* out, Deadline deadline) {
   DeviceState& st = g_devices[device];
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(g_staging_timeout_ms);
   char growth_error[256] = "";
   for (;;) {
+    bool grow = false;
     {
       std::lock_guard<std::mutex> lock(st.mu);
       int rc = init_device_locked(st, device);
@@ -408,18 +435,29 @@ int acquire_slot(int device, SlotRef* out) {
         *out = {idx, s.device, s.host, s.event};
         return FKV_OK;
       }
-      if (n < static_cast<size_t>(kMaxSlots) && growth_error[0] == '\0') {
-        rc = grow_locked(st);
-        if (rc == FKV_OK) continue;
-        snprintf(growth_error, sizeof(growth_error), "; growing it failed: %s",
-                 fkv_last_error());
+      if (n < static_cast<size_t>(kMaxSlots) && growth_error[0] == '\0' && !st.growing) {
+        st.growing = true;
+        grow = true;
       }
     }
+    if (grow) {
+      Chunk c;
+      const int rc = alloc_chunk(&c);
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.growing = false;
+      if (rc == FKV_OK) {
+        add_chunk_locked(st, c);
+        continue;
+      }
+      snprintf(growth_error, sizeof(growth_error), "; growing it failed: %s",
+               fkv_last_error());
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
+      std::lock_guard<std::mutex> lock(st.mu);
       return set_error(FKV_ETIMEDOUT,
                        "staging ring of device %d: all %zu slots are still read by queued "
                        "launches after %" PRId64 " ms%s (is a stream blocked?); "
-                       "FASTKV_CUDA_STAGING_TIMEOUT_MS sets the bound",
+                       "FASTKV_CUDA_STAGING_TIMEOUT_MS bounds each transfer's wait",
                        device, st.slots.size(), g_staging_timeout_ms,
                        growth_error[0] ? growth_error : " (at its size limit)");
     }
@@ -675,10 +713,11 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
     t_run_len.resize(num_ids);
     fill_run_len(runs, t_run_len.data());
   }
+  const Deadline deadline = staging_deadline();
   for (int64_t i0 = 0; i0 < num_ids && rc == FKV_OK; i0 += per_slot) {
     const int64_t count = std::min(per_slot, num_ids - i0);
     SlotRef ref{};
-    rc = acquire_slot(layout->device, &ref);
+    rc = acquire_slot(layout->device, &ref, deadline);
     if (rc != FKV_OK) break;
     slots.push_back(ref);  // released after every layer's launches
     rc = upload_slot(ref, slot_layout(0, count, with_run_len), nullptr, 0, device_ids + i0,
@@ -1063,6 +1102,7 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   // slot of descriptors, then id ranges filling the rest.
   const int32_t nk = static_cast<int32_t>(descs.size());
   const int32_t max_group = static_cast<int32_t>(kSlotBytes / 2 / sizeof(DevSegment));
+  const Deadline deadline = staging_deadline();
   for (int32_t g0 = 0; g0 < nk; g0 += max_group) {
     const int32_t group = std::min(max_group, nk - g0);
     DevSegment* gdescs = descs.data() + g0;
@@ -1073,7 +1113,7 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
       const int64_t count = std::min(max_ids, num_ids - i0);
       const SlotLayout sl = slot_layout(desc_bytes, count, any_skipped);
       SlotRef ref{};
-      rc = acquire_slot(device, &ref);
+      rc = acquire_slot(device, &ref, deadline);
       if (rc != FKV_OK) return rc;
       rc = upload_slot(ref, sl, gdescs, desc_bytes, device_ids + i0, host_ids + i0,
                        any_skipped ? t_run_len.data() + i0 : nullptr, count, stream);
