@@ -445,8 +445,10 @@ class CacheController:
         Args:
             evict_metadata: DEVICE -> HOST copy, or None.
             swap_in_metadata: HOST -> DEVICE copy, or None.
-            write_block_ids: device blocks the model writes this step; the returned
-                counter also waits until no in-flight copy still reads them.
+            write_block_ids: device blocks the model writes this step, beyond the
+                handed-over ones ordered anyway: the counter's wait for layer L
+                also waits until no in-flight copy still reads them at layer L
+                (write layer L after waiting for it).
             compute_stream: the stream the model runs this step on, as a
                 cudaStream_t int or a Stream (GPU); None: the `streams` given at
                 construction, else Paddle's current stream on this GPU.

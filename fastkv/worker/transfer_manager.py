@@ -422,8 +422,9 @@ class TransferManager:
 
         Args:
             copy_layer: `copy_layer(layer, stream_handle)` copies one layer.
-            write_block_ids: device blocks the model writes this step; the counter
-                also waits for in-flight copies still reading them.
+            write_block_ids: device blocks the model writes this step; the
+                counter's wait for layer L also waits for layer L of in-flight
+                copies still reading them.
             compute: this step's compute stream (default: the manager's).
             copy_layers: `copy_layers(stream_handle, events)` enqueues every layer
                 in one native call, recording events[layer] after each; a CUDA input
