@@ -231,3 +231,23 @@ def test_an_isolated_pip_build_says_it_cannot_see_paddle(
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "pip-build-env-" not in p])
     assert nb.build_paddle_ops(tmp_path / nb.PADDLE_LIB, tmp_path / "tmp") is False
     assert "install paddlepaddle and rebuild" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["fastkv/ops/native_build.py", "fastkv/ops/cuda_build.py"])
+def test_a_change_of_the_build_scripts_reinstalls_the_venv(tmp_path: Path, script: str) -> None:
+    """`make install` rebuilds .venv's libraries when the code that builds them changes,
+    not only their sources."""
+    tree = copy_checkout(tmp_path)
+    stamp = tree / ".venv" / ".installed"
+    stamp.parent.mkdir()
+    stamp.touch()
+    later = stamp.stat().st_mtime + 60
+    os.utime(stamp, (later, later))
+
+    def up_to_date() -> bool:
+        query = subprocess.run(["make", "-q", ".venv/.installed"], cwd=tree, env=clean_env())
+        return query.returncode == 0
+
+    assert up_to_date()
+    os.utime(tree / script, (later + 60, later + 60))
+    assert not up_to_date()
