@@ -621,6 +621,11 @@ struct CudaLayout {
   std::vector<PlanSegment> segs;
   std::vector<DevSegment> descs;  // chunk prefixes restart at every layer
   DevSegment* device_descs = nullptr;
+  // The same segments numbered as one group (prefixes over the whole table), for
+  // a transfer of every layer that records no layer events: one kernel launch per
+  // staged slot instead of one per layer. In the same allocation, after descs.
+  std::vector<DevSegment> descs_all;
+  DevSegment* device_descs_all = nullptr;
 };
 
 int cuda_layout_create(const fkv_segment* segments, int32_t num_segments,
@@ -649,10 +654,17 @@ int cuda_layout_create(const fkv_segment* segments, int32_t num_segments,
     set_chunk_prefixes(layout->descs.data() + static_cast<size_t>(l) * segments_per_layer,
                        segments_per_layer);
   }
+  layout->descs_all = layout->descs;
+  set_chunk_prefixes(layout->descs_all.data(), num_segments);
   const size_t bytes = layout->descs.size() * sizeof(DevSegment);
-  cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&layout->device_descs), bytes);
+  cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&layout->device_descs), 2 * bytes);
   if (err == cudaSuccess) {
+    layout->device_descs_all = layout->device_descs + num_segments;
     err = cudaMemcpy(layout->device_descs, layout->descs.data(), bytes, cudaMemcpyHostToDevice);
+  }
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(layout->device_descs_all, layout->descs_all.data(), bytes,
+                     cudaMemcpyHostToDevice);
   }
   if (err != cudaSuccess) {
     rc = cuda_error(err, "layout descriptors (cudaMalloc/cudaMemcpy)");
@@ -726,7 +738,31 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
   }
 
   int32_t layer = first_layer;
-  if (rc == FKV_OK) {
+  // Every layer, no layer events: the copy-engine runs per segment, then one kernel
+  // per staged slot over the whole segment table.
+  const bool one_launch = layer_events == nullptr && first_layer == 0 &&
+                          num_layers == layout->num_layers && num_layers > 1;
+  if (rc == FKV_OK && one_launch) {
+    bool needs_kernel = false;
+    for (size_t s = seg_begin; s < seg_end && rc == FKV_OK; ++s) {
+      const PlanSegment& seg = layout->segs[s];
+      const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
+      if (extent.engine_moves_some(min_run)) {
+        rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
+      }
+      needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
+    }
+    const int32_t nseg = static_cast<int32_t>(seg_end - seg_begin);
+    for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
+      const int64_t i0 = static_cast<int64_t>(c) * per_slot;
+      const int64_t count = std::min(per_slot, num_ids - i0);
+      rc = launch_kernel(layout->device_descs_all, layout->descs_all[seg_end - 1], nseg,
+                         slots[c].device, slot_layout(0, count, with_run_len), with_run_len,
+                         count, memcpy_min, h2d, stream);
+    }
+    if (rc == FKV_OK) layer = first_layer + num_layers;
+  }
+  if (rc == FKV_OK && !one_launch) {
     for (; layer < first_layer + num_layers; ++layer) {
       const size_t s0 = static_cast<size_t>(layer) * spl;
       bool needs_kernel = false;

@@ -480,11 +480,17 @@ class CacheController:
         if swap_in_metadata is not None:
             swap_in = self._ids(swap_in_metadata, CacheLevel.HOST, CacheLevel.DEVICE)
         if evict is not None:
+            # Layer by layer only where something will write its blocks while it
+            # reads them (a new owner, or this step's load); else one launch.
+            per_layer = bool(len(evict_metadata.reused_block_ids)) or (  # type: ignore[union-attr]
+                swap_in is not None and bool(np.intersect1d(evict[0], swap_in[0]).size)
+            )
             self._submit_to_host(
                 evict_metadata.transfer_id,  # type: ignore[union-attr]
                 *evict,
                 compute,
                 evict_metadata.reused_block_ids,  # type: ignore[union-attr]
+                per_layer,
             )
         if swap_in is not None:
             self._counter = self._submit_to_device(
@@ -909,8 +915,10 @@ class CacheController:
         host: np.ndarray,
         compute: Stream,
         reused: Sequence[int] = (),
+        per_layer: bool = True,
     ) -> None:
         copy_layer, copy_layers = self._layer_copies(device, host, Direction.D2H)
+        copy_all = None if per_layer else self.faults.wrap(self._all_layers_copy(device, host))
         # Fault injection counts one copy call per eviction, whether its layers go
         # one by one (CPU, or ordered per layer) or in one native call.
         inject = self.faults.wrap(_no_op)
@@ -928,6 +936,7 @@ class CacheController:
             compute,
             None if copy_layers is None else self.faults.wrap(copy_layers),
             list(reused),
+            copy_all,
         )
         self._account(self._d2h, device.size)
         self._launched[transfer_id] = (True, device.size, time.monotonic())
@@ -953,6 +962,33 @@ class CacheController:
         self._account(self._h2d, device.size)
         self._launched[transfer_id] = (False, device.size, time.monotonic())
         return counter
+
+    def _all_layers_copy(self, device: np.ndarray, host: np.ndarray) -> Callable[[int], None]:
+        """A device-to-host copy of every layer in one call: on a GPU one kernel
+        launch per staged slot of ids over the whole segment table."""
+        layout = self._layout
+        if layout is not None:
+
+            def copy_gpu(stream: int) -> None:
+                layout.swap(device, host, Direction.D2H, 0, None, stream)
+
+            return copy_gpu
+        device_t = paddle_ops.int64_tensor(device, "device_ids")
+        host_t = paddle_ops.int64_tensor(host, "host_ids")
+
+        def copy_cpu(stream: int) -> None:
+            paddle_ops.swap_all_layers(
+                self._op_caches,
+                device_t,
+                host_t,
+                self._host_ptrs_tensor,
+                self.shape.num_host_blocks,
+                Direction.D2H,
+                stream,
+                self.num_threads,
+            )
+
+        return copy_cpu
 
     def _layer_copies(
         self, device: np.ndarray, host: np.ndarray, direction: Direction

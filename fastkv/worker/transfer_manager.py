@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from fastkv.metadata import TransferResult
-from fastkv.worker.streams import DONE, CopyLayer, CopyLayers, Event, Stream
+from fastkv.worker.streams import DONE, CopyLayer, CopyLayers, Event, Launch, Stream
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -378,6 +378,7 @@ class TransferManager:
         compute: Stream | None = None,
         copy_layers: CopyLayers | None = None,
         reused_block_ids: Sequence[int] = (),
+        copy_all: Launch | None = None,
     ) -> Event:
         """Launch a device-to-host copy, layer by layer; returns its completion event.
 
@@ -393,13 +394,20 @@ class TransferManager:
             reused_block_ids: device blocks among `device_ids` that already belong
                 to a new owner: every `order_compute` while the copy runs makes the
                 compute stream wait for it.
+            copy_all: `copy_all(stream_handle)` copies every layer at once (one
+                kernel launch on a GPU). Used when no block is handed over: then
+                nothing writes these blocks before the copy is retired, so no one
+                needs its layers one by one; every layer's event is its end.
         """
         self._check_new(transfer_id)
         compute = compute or self.compute
         stream = self.output_stream
         stream.wait_event(compute.record())
         transfer = _InFlight(transfer_id, True, device_ids, host_ids, tuple(reused_block_ids))
-        self._launch(stream, transfer, copy_layer, copy_layers)
+        if copy_all is not None and not transfer.reused:
+            self._launch_whole(stream, transfer, copy_all)
+        else:
+            self._launch(stream, transfer, copy_layer, copy_layers)
         self._track(transfer)
         if transfer.reused:
             self._handed_over[transfer_id] = transfer
@@ -539,6 +547,18 @@ class TransferManager:
             )
             events.append(stream.record())
         transfer.events = events
+
+    def _launch_whole(self, stream: Stream, transfer: _InFlight, copy_all: Launch) -> None:
+        """Enqueue every layer of the transfer at once, after every in-flight copy
+        it conflicts with; its one completion event stands for every layer."""
+        device_reads, device_writes, host_reads, host_writes = transfer.accesses()
+        waits = self.device_hazards.conflicts(device_reads, device_writes)
+        waits += self.host_hazards.conflicts(host_reads, host_writes)
+        self.ordering_waits += len(waits)
+        for other in waits:
+            stream.wait_event(other.done)
+        stream.launch(copy_all, transfer.status.fail)
+        transfer.events = [stream.record()] * self.num_layers
 
     def _track(self, transfer: _InFlight) -> None:
         device_reads, device_writes, host_reads, host_writes = transfer.accesses()

@@ -295,3 +295,27 @@ def test_a_layer_wait_inside_a_capture_is_refused_without_touching_it(
         in_gate.open()
     counter.wait_all(30)
     counter.wait_for_layer(0)  # loaded: outside a capture nothing is refused
+
+
+def test_an_eviction_of_every_layer_in_one_launch_copies_every_byte(rig: Rig) -> None:
+    """P2: a transfer of every layer with no layer events is one kernel launch per
+    staged slot over the whole segment table (and the copy engine's runs)."""
+    # Scattered ids and one run (20-23 -> 8-11), in case the copy engine takes it.
+    dev = np.array([1, 5, 9, 20, 21, 22, 23, 30, 2, 17, 11, 26], np.int64)
+    host = np.array([0, 3, 7, 8, 9, 10, 11, 15, 20, 25, 30, 31], np.int64)
+    calls = []
+    done = rig.tm.submit_to_host(
+        9,
+        dev.tolist(),
+        host.tolist(),
+        lambda layer, s: calls.append(layer),
+        rig.compute,
+        None,
+        (),
+        lambda s: rig.layout.swap(dev, host, D2H, 0, None, s),
+    )
+    assert done.synchronize(30) and calls == []
+    for k, t in enumerate(rig.dev):
+        assert np.array_equal(rig.host[k][host], cp.asnumpy(t[cp.asarray(dev)])), f"tensor {k}"
+    (result,) = rig.tm.poll()
+    assert result.success

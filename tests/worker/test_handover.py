@@ -183,3 +183,49 @@ def test_on_the_cpu_stand_in_the_model_waits_for_the_handed_over_reads(
     assert tm.order_compute() == 1  # the inline compute stream: the caller blocks
     assert read == list(range(LAYERS))  # every layer was read before it returned
     tm.wait_all(timeout=5)
+
+
+def test_the_controller_evicts_layer_by_layer_only_where_something_writes_meanwhile() -> None:
+    paddle = pytest.importorskip("paddle", reason="the CacheController needs paddle")
+    del paddle
+    from fastkv.worker import CacheController, KVCacheSpec
+
+    spec = KVCacheSpec(
+        num_layers=3,
+        num_kv_heads=1,
+        head_dim=8,
+        block_size=4,
+        num_device_blocks=8,
+        num_host_blocks=8,
+        dtype="float32",
+    )
+    ctrl = CacheController(spec)
+    seen: list[bool] = []
+    submit = ctrl.transfers.submit_to_host
+
+    def spy(*args, **kwargs):
+        seen.append(args[7] is None)  # copy_all: None means layer by layer
+        return submit(*args, **kwargs)
+
+    ctrl.transfers.submit_to_host = spy
+    d2h, h2d = CacheLevel.DEVICE, CacheLevel.HOST
+    tensors = range(len(ctrl.caches))
+    for t in tensors:
+        for b in range(5):
+            ctrl.device_blocks(t)[b] = 10 * t + b + 1
+    try:
+        ctrl.submit_swap_tasks(CacheSwapMetadata(1, d2h, h2d, [0, 1], [0, 1]), None)
+        ctrl.submit_swap_tasks(
+            CacheSwapMetadata(2, d2h, h2d, [2, 3], [2, 3], reused_block_ids=[3]), None
+        )
+        ctrl.submit_swap_tasks(  # this step's load writes block 4 while it is read
+            CacheSwapMetadata(3, d2h, h2d, [4], [4]),
+            CacheSwapMetadata(4, h2d, d2h, [0], [4]),
+        )
+        assert seen == [False, True, True]
+        assert all(r.success for r in ctrl.wait_all(timeout=10))
+        for t in tensors:  # both ways copied every layer's bytes
+            for b in range(5):
+                assert (ctrl.host_blocks(t)[b] == 10 * t + b + 1).all(), (t, b)
+    finally:
+        ctrl.free_cache()

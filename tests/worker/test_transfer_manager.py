@@ -390,3 +390,44 @@ def test_a_native_launch_of_every_layer_reports_its_failed_layer(tm: TransferMan
     finally:
         for s in (native.input_stream, native.output_stream):
             s.close()
+
+
+def test_an_eviction_nothing_writes_meanwhile_is_one_launch(tm: TransferManager) -> None:
+    """P2: without handed-over blocks, every layer goes in one call (one kernel on a
+    GPU); each layer's event is the copy's end."""
+    calls: list[str] = []
+    done = tm.submit_to_host(
+        1,
+        [4, 5],
+        [0, 1],
+        lambda layer, s: calls.append(f"layer{layer}"),
+        copy_all=lambda s: calls.append("all"),
+    )
+    assert done.synchronize(5)
+    assert calls == ["all"]
+    counter = tm.submit_to_device(2, [7], [4], lambda layer, s: None)  # after it: fine
+    counter.wait_all(timeout=5)
+    assert [r.success for r in tm.wait_all(timeout=5)] == [True, True]
+
+
+def test_a_handed_over_eviction_runs_layer_by_layer(tm: TransferManager) -> None:
+    calls: list[str] = []
+    tm.submit_to_host(
+        1,
+        [4, 5],
+        [0, 1],
+        lambda layer, s: calls.append(f"layer{layer}"),
+        reused_block_ids=[5],
+        copy_all=lambda s: calls.append("all"),
+    )
+    tm.wait_all(timeout=5)
+    assert calls == [f"layer{layer}" for layer in range(LAYERS)]
+
+
+def test_a_failed_one_launch_eviction_is_reported_failed(tm: TransferManager) -> None:
+    def broken(s: int) -> None:
+        raise RuntimeError("DMA error")
+
+    tm.submit_to_host(1, [4], [0], lambda layer, s: None, copy_all=broken)
+    (result,) = tm.wait_all(timeout=5)
+    assert not result.success and "DMA error" in result.error
