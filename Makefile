@@ -1,19 +1,43 @@
 # Fresh machine: `make demo` runs the main job, `make test` runs the tests.
 # Both install into .venv first (once; again when a dependency or native source changes).
+# `make install PYTHON_ENV=/path/to/bin/python` installs into that environment instead
+# (no .venv, no requirements.txt): fastkv built against the Paddle it holds.
 
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-NATIVE := $(wildcard fastkv/*.c fastkv/storage/*.c fastkv/storage/*.h custom_ops/csrc/*)
+NATIVE := $(wildcard fastkv/*.c fastkv/storage/*.c fastkv/storage/*.h custom_ops/csrc/*) \
+	fastkv/ops/native_build.py fastkv/ops/cuda_build.py
 # Mooncake Store's wheel links these; `ip` brings up loopback in the test namespaces.
 SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2 libssl-dev
 SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
 TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 
-.PHONY: install system-packages test gpu-test demo replay bench lint clean
+.PHONY: install install-venv install-env system-packages test gpu-test demo replay bench \
+	lint clean
 
-install: system-packages $(STAMP)
+PYTHON_ENV ?=
+ifeq ($(strip $(PYTHON_ENV)),)
+install: install-venv
+else
+install: install-env
+endif
+
+install-venv: system-packages $(STAMP)
+
+# Into an environment that already has its Paddle (e.g. FastDeploy's, with
+# paddlepaddle-gpu): built by that interpreter with no build isolation, so the CUDA
+# toolkit check sees that Paddle (a toolkit of another CUDA major version is refused)
+# and the Paddle ops link its libpaddle.so. Needs pip and setuptools there; numpy is
+# fastkv's only dependency. CUDA_HOME picks the toolkit.
+install-env:
+	@test -x "$$(command -v $(PYTHON_ENV))" || \
+		{ echo "PYTHON_ENV=$(PYTHON_ENV): no such interpreter"; exit 1; }
+	@{ $(PYTHON_ENV) -c "import setuptools" && $(PYTHON_ENV) -m pip --version; } >/dev/null 2>&1 || \
+		{ echo "PYTHON_ENV=$(PYTHON_ENV) lacks pip or setuptools, which a build without"; \
+		  echo "isolation needs: $(PYTHON_ENV) -m pip install setuptools wheel"; exit 1; }
+	$(PYTHON_ENV) -m pip install --no-build-isolation .
 
 # Idempotent and quiet: one dpkg query per package when everything is there.
 system-packages:
@@ -31,42 +55,41 @@ $(STAMP): requirements.txt setup.py $(NATIVE)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
-test: install
+test: install-venv
 	$(PY) -m pytest -q -rs tests
 	@# On a GPU runner the GPU tests run for real (make gpu-test), never skipped.
-	@if nvidia-smi -L >/dev/null 2>&1; then $(MAKE) --no-print-directory gpu-test; fi
+	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then $(MAKE) --no-print-directory gpu-test; fi
 
-# GPU machine with CuPy (and optionally paddlepaddle-gpu) in GPU_PYTHON's site-packages:
-# a venv that sees them, the core built for this GPU too, and every `gpu` test run
-# through the C ABI (and the Paddle ops when Paddle has CUDA) with skips as failures.
+# GPU machine: GPU_PYTHON (default python3) must already import CuPy, numpy and pytest
+# (and paddlepaddle-gpu for the Paddle-op tests); it is used as it is: no venv, nothing
+# installed or fetched (tools/gpu_preflight.py says what is missing). Builds only the
+# core for this GPU too (and the Paddle ops where paddle imports), with the standard
+# library and the compilers, then runs every `gpu` test through the C ABI with skips
+# as failures, except a test that needs more GPUs than the machine has.
 GPU_PYTHON ?= python3
-GPU_VENV := build/venv-gpu
-GPU_PY := $(GPU_VENV)/bin/python
 gpu-test:
-	test -x $(GPU_PY) || $(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_PY) -c "import numpy, pytest, setuptools" 2>/dev/null || \
-		$(GPU_PY) -m pip install --quiet numpy pytest setuptools
-	@# In place, with no packaging step: works offline and with any setuptools.
+	$(GPU_PYTHON) tools/gpu_preflight.py
+	FASTKV_WITH_CUDA=1 \
 	FASTKV_CUDA_EXTRA_ARCHS="$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | sort -u | tr '\n' ' ')" \
-		$(GPU_PY) setup.py --quiet build_ext --inplace
-	$(GPU_PY) -c "from fastkv.ops import core; print(core.cuda_info().describe())"
-	@# The in-place libraries were just built for this venv's Paddle (if any): make
+		$(GPU_PYTHON) fastkv/ops/native_build.py
+	$(GPU_PYTHON) -c "from fastkv.ops import core; print(core.cuda_info().describe())"
+	@# The in-place libraries were just built for GPU_PYTHON's Paddle (if any): make
 	@# the next `make install` rebuild them for .venv's.
 	rm -f $(STAMP)
-	FASTKV_REQUIRE_GPU=1 $(GPU_PY) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
+	FASTKV_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
 	@cat build/gpu-test-first-call.json 2>/dev/null || true
 
-demo: install
+demo: install-venv
 	$(PY) tools/demo.py
 
-replay: install
+replay: install-venv
 	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 1000 10000 30000 100000
 	$(PY) tools/replay_trace.py $(TRACE) --device-blocks 10000 --host-blocks 20000 --write-policy write_back
 
-bench: install
+bench: install-venv
 	$(PY) tools/bench_scheduler.py
 
-lint: install
+lint: install-venv
 	$(VENV)/bin/ruff check fastkv tests tools examples
 	$(VENV)/bin/ruff format --check fastkv tests tools examples
 

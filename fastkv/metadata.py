@@ -44,11 +44,18 @@ class CacheSwapMetadata:
         block_hashes: the hash of each block (storage keys, debugging); may be
             empty, except for a storage transfer.
         timeout_s: a bound on a storage transfer, seconds; 0 is the worker's default.
+        reused_block_ids: DEVICE -> HOST only: the source blocks the scheduler has
+            already handed to a new owner (`reuse_evicted_blocks`), which the model
+            may write in the step that carries this copy. The worker orders those
+            writes after the copy's reads itself; no caller has to. Blocks not
+            listed (backups, evictions whose block is not reused yet) never hold
+            the model up.
 
     Raises:
         ValueError: the levels are equal, the id lists differ in length, a storage
-            side lists ids, or `block_hashes` has another length than the blocks
-            (or is empty for a storage transfer).
+            side lists ids, `block_hashes` has another length than the blocks (or
+            is empty for a storage transfer), or `reused_block_ids` is given for
+            another direction, repeats a block or names one that is not a source.
     """
 
     transfer_id: int
@@ -58,6 +65,7 @@ class CacheSwapMetadata:
     dst_block_ids: Sequence[int]
     block_hashes: Sequence[Hashable] = ()
     timeout_s: float = 0.0
+    reused_block_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if self.src_level == self.dst_level:
@@ -94,6 +102,26 @@ class CacheSwapMetadata:
             raise ValueError(
                 f"timeout_s: must be a number of seconds >= 0, got {self.timeout_s!r}"
             )
+        if len(self.reused_block_ids):
+            self._check_reused()
+
+    def _check_reused(self) -> None:
+        reused = self.reused_block_ids
+        if (self.src_level, self.dst_level) != (CacheLevel.DEVICE, CacheLevel.HOST):
+            raise ValueError(
+                f"reused_block_ids: only a DEVICE->HOST copy hands blocks over, this is "
+                f"{self.src_level.name}->{self.dst_level.name}"
+            )
+        sources = set(self.src_block_ids)
+        seen: set[int] = set()
+        for i, block in enumerate(reused):
+            if block not in sources:
+                raise ValueError(
+                    f"reused_block_ids[{i}]: {block!r} is not one of the src_block_ids"
+                )
+            if block in seen:
+                raise ValueError(f"reused_block_ids[{i}]: {block!r} is listed twice")
+            seen.add(block)
 
     @property
     def num_blocks(self) -> int:

@@ -122,6 +122,15 @@ const DriverCtx& driver_ctx() {
 // Makes `device` current for its lifetime and then restores the thread's previous
 // context exactly (NULL included). Without the driver entry points (no driver) it
 // falls back to cudaGetDevice/cudaSetDevice.
+//
+// While it holds the device, the thread's stream-capture interaction mode is
+// relaxed (cudaThreadExchangeStreamCaptureMode), then restored. Every core call
+// goes through a guard, so the calls CUDA counts as unsafe during a capture
+// (event query, synchronize, create and destroy; cudaMalloc, cudaFree,
+// cudaHostAlloc, cudaHostRegister) neither fail nor invalidate a graph that this
+// thread or another one is capturing, in global or thread-local mode. The core
+// never records into or waits on a capturing stream: swaps refuse one
+// (FKV_ECAPTURE), and the Python side checks before a device-side wait.
 class DeviceGuard {
  public:
   DeviceGuard() = default;
@@ -136,12 +145,12 @@ class DeviceGuard {
     if (d.get != nullptr && d.get(&ctx) == 0) {
       if (ctx != nullptr) {
         int current = -1;
-        if (cudaGetDevice(&current) == cudaSuccess && current == device) return FKV_OK;
+        if (cudaGetDevice(&current) == cudaSuccess && current == device) return relax();
       }
       FKV_CUDA_TRY(cudaSetDevice(device));
       saved_ctx_ = ctx;
       mode_ = kDriver;
-      return FKV_OK;
+      return relax();
     }
     int current = -1;
     FKV_CUDA_TRY(cudaGetDevice(&current));
@@ -150,11 +159,25 @@ class DeviceGuard {
       saved_device_ = current;
       mode_ = kRuntime;
     }
-    return FKV_OK;
+    return relax();
   }
 
  private:
+  int relax() {
+    capture_mode_ = cudaStreamCaptureModeRelaxed;
+    if (cudaThreadExchangeStreamCaptureMode(&capture_mode_) == cudaSuccess) {
+      relaxed_ = true;
+    } else {
+      cudaGetLastError();
+    }
+    return FKV_OK;
+  }
+
   void restore() {
+    if (relaxed_) {
+      cudaThreadExchangeStreamCaptureMode(&capture_mode_);
+      relaxed_ = false;
+    }
     if (mode_ == kDriver) {
       driver_ctx().set(saved_ctx_);
     } else if (mode_ == kRuntime) {
@@ -167,6 +190,8 @@ class DeviceGuard {
   Mode mode_ = kNone;
   void* saved_ctx_ = nullptr;
   int saved_device_ = -1;
+  bool relaxed_ = false;
+  cudaStreamCaptureMode capture_mode_ = cudaStreamCaptureModeRelaxed;
 };
 
 // Keeps the thread's context as it was across calls made before the device is
@@ -272,6 +297,7 @@ struct SlotRef {
 struct DeviceState {
   std::mutex mu;
   bool ready = false;
+  bool growing = false;  // a thread is allocating a chunk outside mu
   std::vector<Slot> slots;
   size_t cursor = 0;
   int64_t grows = 0;
@@ -280,32 +306,51 @@ struct DeviceState {
 
 DeviceState g_devices[kMaxDevices];
 
-// Adds kSlotsPerChunk slots. Caller holds mu, with the device current.
-int grow_locked(DeviceState& st) {
-  char* dev = nullptr;
+// One chunk of kSlotsPerChunk slots: device and pinned staging memory and an event
+// per slot.
+struct Chunk {
+  char* device = nullptr;
   char* host = nullptr;
+  cudaEvent_t events[kSlotsPerChunk] = {};
+};
+
+// Allocates a chunk (device current); touches no DeviceState, so the caller need
+// not hold mu: a launch that grows the ring does not hold up the others.
+int alloc_chunk(Chunk* c) {
   const size_t bytes = kSlotsPerChunk * kSlotBytes;
-  FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&dev), bytes));
-  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocPortable);
+  FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&c->device), bytes));
+  cudaError_t err = cudaHostAlloc(reinterpret_cast<void**>(&c->host), bytes, cudaHostAllocPortable);
   if (err != cudaSuccess) {
-    cudaFree(dev);
+    cudaFree(c->device);
     return cuda_error(err, "cudaHostAlloc(staging ring)");
   }
-  std::vector<cudaEvent_t> events(kSlotsPerChunk);
   for (int k = 0; k < kSlotsPerChunk; ++k) {
-    err = cudaEventCreateWithFlags(&events[k], cudaEventDisableTiming);
+    err = cudaEventCreateWithFlags(&c->events[k], cudaEventDisableTiming);
     if (err != cudaSuccess) {
-      for (int j = 0; j < k; ++j) cudaEventDestroy(events[j]);
-      cudaFreeHost(host);
-      cudaFree(dev);
+      for (int j = 0; j < k; ++j) cudaEventDestroy(c->events[j]);
+      cudaFreeHost(c->host);
+      cudaFree(c->device);
       return cuda_error(err, "cudaEventCreateWithFlags(staging ring)");
     }
   }
+  return FKV_OK;
+}
+
+// Caller holds mu.
+void add_chunk_locked(DeviceState& st, const Chunk& c) {
   for (int k = 0; k < kSlotsPerChunk; ++k) {
-    st.slots.push_back({dev + k * kSlotBytes, host + k * kSlotBytes, events[k], false, false});
+    st.slots.push_back(
+        {c.device + k * kSlotBytes, c.host + k * kSlotBytes, c.events[k], false, false});
   }
   ++st.grows;
-  return FKV_OK;
+}
+
+// Adds kSlotsPerChunk slots. Caller holds mu, with the device current (start-up).
+int grow_locked(DeviceState& st) {
+  Chunk c;
+  const int rc = alloc_chunk(&c);
+  if (rc == FKV_OK) add_chunk_locked(st, c);
+  return rc;
 }
 
 int device_name(int device, char* buf, size_t len) {
@@ -352,15 +397,22 @@ void sleep_us(int64_t us) {
   nanosleep(&ts, nullptr);
 }
 
+using Deadline = std::chrono::steady_clock::time_point;
+
+// The staging deadline of one transfer: every slot it claims shares it.
+Deadline staging_deadline() {
+  return std::chrono::steady_clock::now() + std::chrono::milliseconds(g_staging_timeout_ms);
+}
+
 // Claims a slot whose previous launches have finished reading it. Grows the ring
-// when none is free; when it cannot grow, polls until the staging deadline and
-// then fails (FKV_ETIMEDOUT). Device current (caller's guard).
-int acquire_slot(int device, SlotRef* out) {
+// when none is free, allocating outside the device's lock (one thread at a time;
+// the others poll meanwhile); when it cannot grow, polls until `deadline` and then
+// fails (FKV_ETIMEDOUT). Device current (caller's guard).
+int acquire_slot(int device, SlotRef* out, Deadline deadline) {
   DeviceState& st = g_devices[device];
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(g_staging_timeout_ms);
   char growth_error[256] = "";
   for (;;) {
+    bool grow = false;
     {
       std::lock_guard<std::mutex> lock(st.mu);
       int rc = init_device_locked(st, device);
@@ -383,18 +435,29 @@ int acquire_slot(int device, SlotRef* out) {
         *out = {idx, s.device, s.host, s.event};
         return FKV_OK;
       }
-      if (n < static_cast<size_t>(kMaxSlots) && growth_error[0] == '\0') {
-        rc = grow_locked(st);
-        if (rc == FKV_OK) continue;
-        snprintf(growth_error, sizeof(growth_error), "; growing it failed: %s",
-                 fkv_last_error());
+      if (n < static_cast<size_t>(kMaxSlots) && growth_error[0] == '\0' && !st.growing) {
+        st.growing = true;
+        grow = true;
       }
     }
+    if (grow) {
+      Chunk c;
+      const int rc = alloc_chunk(&c);
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.growing = false;
+      if (rc == FKV_OK) {
+        add_chunk_locked(st, c);
+        continue;
+      }
+      snprintf(growth_error, sizeof(growth_error), "; growing it failed: %s",
+               fkv_last_error());
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
+      std::lock_guard<std::mutex> lock(st.mu);
       return set_error(FKV_ETIMEDOUT,
                        "staging ring of device %d: all %zu slots are still read by queued "
                        "launches after %" PRId64 " ms%s (is a stream blocked?); "
-                       "FASTKV_CUDA_STAGING_TIMEOUT_MS sets the bound",
+                       "FASTKV_CUDA_STAGING_TIMEOUT_MS bounds each transfer's wait",
                        device, st.slots.size(), g_staging_timeout_ms,
                        growth_error[0] ? growth_error : " (at its size limit)");
     }
@@ -558,6 +621,11 @@ struct CudaLayout {
   std::vector<PlanSegment> segs;
   std::vector<DevSegment> descs;  // chunk prefixes restart at every layer
   DevSegment* device_descs = nullptr;
+  // The same segments numbered as one group (prefixes over the whole table), for
+  // a transfer of every layer that records no layer events: one kernel launch per
+  // staged slot instead of one per layer. In the same allocation, after descs.
+  std::vector<DevSegment> descs_all;
+  DevSegment* device_descs_all = nullptr;
 };
 
 int cuda_layout_create(const fkv_segment* segments, int32_t num_segments,
@@ -586,10 +654,17 @@ int cuda_layout_create(const fkv_segment* segments, int32_t num_segments,
     set_chunk_prefixes(layout->descs.data() + static_cast<size_t>(l) * segments_per_layer,
                        segments_per_layer);
   }
+  layout->descs_all = layout->descs;
+  set_chunk_prefixes(layout->descs_all.data(), num_segments);
   const size_t bytes = layout->descs.size() * sizeof(DevSegment);
-  cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&layout->device_descs), bytes);
+  cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&layout->device_descs), 2 * bytes);
   if (err == cudaSuccess) {
+    layout->device_descs_all = layout->device_descs + num_segments;
     err = cudaMemcpy(layout->device_descs, layout->descs.data(), bytes, cudaMemcpyHostToDevice);
+  }
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(layout->device_descs_all, layout->descs_all.data(), bytes,
+                     cudaMemcpyHostToDevice);
   }
   if (err != cudaSuccess) {
     rc = cuda_error(err, "layout descriptors (cudaMalloc/cudaMemcpy)");
@@ -650,10 +725,11 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
     t_run_len.resize(num_ids);
     fill_run_len(runs, t_run_len.data());
   }
+  const Deadline deadline = staging_deadline();
   for (int64_t i0 = 0; i0 < num_ids && rc == FKV_OK; i0 += per_slot) {
     const int64_t count = std::min(per_slot, num_ids - i0);
     SlotRef ref{};
-    rc = acquire_slot(layout->device, &ref);
+    rc = acquire_slot(layout->device, &ref, deadline);
     if (rc != FKV_OK) break;
     slots.push_back(ref);  // released after every layer's launches
     rc = upload_slot(ref, slot_layout(0, count, with_run_len), nullptr, 0, device_ids + i0,
@@ -662,7 +738,31 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
   }
 
   int32_t layer = first_layer;
-  if (rc == FKV_OK) {
+  // Every layer, no layer events: the copy-engine runs per segment, then one kernel
+  // per staged slot over the whole segment table.
+  const bool one_launch = layer_events == nullptr && first_layer == 0 &&
+                          num_layers == layout->num_layers && num_layers > 1;
+  if (rc == FKV_OK && one_launch) {
+    bool needs_kernel = false;
+    for (size_t s = seg_begin; s < seg_end && rc == FKV_OK; ++s) {
+      const PlanSegment& seg = layout->segs[s];
+      const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
+      if (extent.engine_moves_some(min_run)) {
+        rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
+      }
+      needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
+    }
+    const int32_t nseg = static_cast<int32_t>(seg_end - seg_begin);
+    for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
+      const int64_t i0 = static_cast<int64_t>(c) * per_slot;
+      const int64_t count = std::min(per_slot, num_ids - i0);
+      rc = launch_kernel(layout->device_descs_all, layout->descs_all[seg_end - 1], nseg,
+                         slots[c].device, slot_layout(0, count, with_run_len), with_run_len,
+                         count, memcpy_min, h2d, stream);
+    }
+    if (rc == FKV_OK) layer = first_layer + num_layers;
+  }
+  if (rc == FKV_OK && !one_launch) {
     for (; layer < first_layer + num_layers; ++layer) {
       const size_t s0 = static_cast<size_t>(layer) * spl;
       bool needs_kernel = false;
@@ -1038,6 +1138,7 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
   // slot of descriptors, then id ranges filling the rest.
   const int32_t nk = static_cast<int32_t>(descs.size());
   const int32_t max_group = static_cast<int32_t>(kSlotBytes / 2 / sizeof(DevSegment));
+  const Deadline deadline = staging_deadline();
   for (int32_t g0 = 0; g0 < nk; g0 += max_group) {
     const int32_t group = std::min(max_group, nk - g0);
     DevSegment* gdescs = descs.data() + g0;
@@ -1048,7 +1149,7 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
       const int64_t count = std::min(max_ids, num_ids - i0);
       const SlotLayout sl = slot_layout(desc_bytes, count, any_skipped);
       SlotRef ref{};
-      rc = acquire_slot(device, &ref);
+      rc = acquire_slot(device, &ref, deadline);
       if (rc != FKV_OK) return rc;
       rc = upload_slot(ref, sl, gdescs, desc_bytes, device_ids + i0, host_ids + i0,
                        any_skipped ? t_run_len.data() + i0 : nullptr, count, stream);

@@ -12,9 +12,9 @@ Per step:
   `hash_values` tags); each scheduler transfer gets that copy's result;
 - the model's writes are ordered after the reads of every eviction still in flight
   (the step's own included): with FastDeploy's synchronous allocation a block being
-  evicted is already the allocating request's. With a swap-in, the returned
-  counter's per-layer waits carry that ordering; without one, the compute stream
-  waits at submission (device-side on a GPU) and None is returned, as in v1;
+  evicted is already the allocating request's. The step's eviction is marked as
+  handed over, and the controller makes the compute stream wait for those reads at
+  submission (device-side on a GPU), whatever the runner does;
 - results go to the scheduler over the results channel: at every submission, when
   the last layer's wait returns or a layer's wait fails, at `finish_step`, and from
   a reporter thread every `report_interval_s` (so evictions that end while the
@@ -31,6 +31,7 @@ a prefill task from there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -340,15 +341,20 @@ class FastDeployCacheController:
             self._report()
             fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
-            # Blocks in-flight evictions still read (the only device reads), and this
-            # step's: the model must not overwrite them before they are copied.
-            writes = list(ctrl.transfers.device_hazards.read_blocks())
-            if evict is not None:
-                writes += evict.src_block_ids
+            if fk_evict is not None:
+                # FastDeploy allocates synchronously (reuse_evicted_blocks): a block
+                # being evicted may already be the allocating request's. Its merge
+                # keeps only ids and hashes, so every block of the step's eviction
+                # counts as handed over; the controller orders the model's writes
+                # after those reads (and after those of earlier evictions still
+                # running), whatever the runner does.
+                fk_evict = dataclasses.replace(
+                    fk_evict, reused_block_ids=list(dict.fromkeys(fk_evict.src_block_ids))
+                )
             transfers = ctrl.transfers
             evict_new = fk_evict is not None and not transfers.is_inflight(fk_evict.transfer_id)
             try:
-                counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, writes, compute_stream)
+                counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, (), compute_stream)
             except Exception as e:  # fail what did not start, never lose a result
                 log.error("fastkv rank %d: step not launched: %s", self.rank, e)
                 error = f"not launched: {type(e).__name__}: {e}"
@@ -380,8 +386,6 @@ class FastDeployCacheController:
                 self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
             if fk_swap is None:
                 self.swap_layer_done_counter = None
-                if writes:  # order the step's writes now: no counter goes to the runner
-                    counter.stream_wait_for_layer(0)
                 return None
             self._groups[fk_swap.transfer_id] = swap.transfer_ids  # type: ignore[union-attr]
             self.swap_layer_done_counter = StepLayerCounter(

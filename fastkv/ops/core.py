@@ -14,17 +14,25 @@ segment and every i, device block `device_ids[i]` <-> host block `host_ids[i]`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Sequence
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 LIB_PATH = Path(__file__).resolve().with_name("libfastkv_core.so")
 ABI_VERSION = 2
 MIN_ACCESS_BYTES = 4
+CLOSE_TIMEOUT_S = 10.0
+"""How long `Layout.close` waits for its release (a cudaFree) by default."""
 
 _EINVAL = 1
 _ETIMEDOUT = 6
@@ -566,7 +574,7 @@ class Layout:
         self._handle = out.value
         self.device = device
         self.num_layers = len(table) // segments_per_layer
-        self._destroy = _lib.fkv_layout_destroy
+        self._destroy: Callable[[int], object] = _lib.fkv_layout_destroy
 
     def swap(
         self,
@@ -622,14 +630,83 @@ class Layout:
                 _raise(rc, "fkv_layout_swap")
             raise LayerCopyError(msg, int(failed.value))
 
-    def close(self) -> None:
-        """Releases the layout (after its last transfer has completed)."""
-        if self._handle is not None:
-            self._destroy(self._handle)
-            self._handle = None
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Releases the layout (after its last transfer has completed), waiting at
+        most `timeout` seconds.
+
+        On CUDA the release is a cudaFree, which waits for all work on the device
+        to finish, the engine's included; behind a stuck stream it would never
+        return. It runs on the layout reaper thread: past `timeout` this logs what
+        it is waiting for and returns False, and the release completes in the
+        background if the device ever drains.
+
+        Returns:
+            True once released (or already closed), False if still waiting.
+        """
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return True
+        released = _reaper.release(self._destroy, handle)
+        if released.wait(timeout):
+            return True
+        where = "the CPU" if self.device < 0 else f"gpu:{self.device}"
+        log.error(
+            "Layout.close: releasing the layout of %s has not returned after %.1f s: "
+            "cudaFree waits for all work on the device to finish (a stuck kernel or "
+            "stream, %d release(s) queued); it completes in the background if the "
+            "device drains",
+            where,
+            timeout,
+            _reaper.pending,
+        )
+        return False
 
     def __del__(self) -> None:
-        self.close()
+        # Never waits: a finalizer queues the release on the reaper thread, so a
+        # Layout dropped by the garbage collector cannot hang the thread it runs on.
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                _reaper.release(self._destroy, handle)
+
+
+class _Reaper:
+    """One daemon thread that releases layouts in order, off the caller's thread
+    (a release may block in cudaFree for as long as the device is busy)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[int], object], int, threading.Event]]
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.pending = 0
+
+    def release(self, destroy: Callable[[int], object], handle: int) -> threading.Event:
+        """Queues `destroy(handle)`; the returned event is set once it returned."""
+        done = threading.Event()
+        with self._lock:
+            self.pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="fastkv-layout-reaper", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((destroy, handle, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            destroy, handle, done = self._queue.get()
+            try:
+                destroy(handle)
+            except Exception as e:  # nothing to hand it to: say so
+                log.error("fastkv layout release failed: %s", e)
+            with self._lock:
+                self.pending -= 1
+            done.set()
+
+
+_reaper = _Reaper()
 
 
 def cuda_pci_bus_id(device: int) -> str:

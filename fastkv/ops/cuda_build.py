@@ -144,8 +144,9 @@ def select_toolkit(
                 f"CUDA_HOME: {chosen.nvcc} is CUDA {chosen.version_text}, but the installed "
                 f"paddlepaddle-gpu is built for CUDA {paddle_cuda}; a core built with CUDA "
                 f"{chosen.version[0]} would need a driver for CUDA {chosen.version[0]} that "
-                f"Paddle's users may not have. Point CUDA_HOME at a CUDA {major}.x toolkit, "
-                "or set FASTKV_WITH_CUDA=0 to build the CPU core only."
+                f"Paddle's users may not have. Point CUDA_HOME at a CUDA {major}.x toolkit "
+                f"(in a conda environment {conda_toolkit_command(major, minor)} makes "
+                "$CONDA_PREFIX one), or set FASTKV_WITH_CUDA=0 to build the CPU core only."
             )
     for toolkit in toolkits:
         if toolkit.version[0] == major:
@@ -153,9 +154,21 @@ def select_toolkit(
     raise ToolkitError(
         f"the installed paddlepaddle-gpu is built for CUDA {paddle_cuda}, so the fastkv core "
         f"must be built with a CUDA {major}.x toolkit (nvcc found: {found}). Install one "
-        f"(e.g. apt-get install cuda-toolkit-{major}-{minor} from "
-        f"NVIDIA's repository, or conda install -c nvidia cuda-nvcc={major}.*) and set "
-        f"CUDA_HOME to it; or set FASTKV_WITH_CUDA=0 to build the CPU core only."
+        f"and point CUDA_HOME at it: apt-get install cuda-toolkit-{major}-{minor} from "
+        f"NVIDIA's repository, then CUDA_HOME=/usr/local/cuda-{major}.{minor}; or, in a conda "
+        f"environment, {conda_toolkit_command(major, minor)}, then CUDA_HOME=$CONDA_PREFIX "
+        f"(pip's nvidia-cuda-nvcc-cu{major} wheel has no nvcc). Or set FASTKV_WITH_CUDA=0 "
+        "to build the CPU core only."
+    )
+
+
+def conda_toolkit_command(major: int, minor: int | str) -> str:
+    """The conda packages that make a prefix a toolkit the core builds with: nvcc
+    (bin/nvcc), the runtime headers and the static runtime, which conda's CUDA 12+
+    packages keep under targets/<arch>/lib (see native_build.static_cudart)."""
+    return (
+        f"conda install -c conda-forge cuda-nvcc cuda-cudart-dev cuda-cudart-static "
+        f"cuda-version={major}.{minor}"
     )
 
 

@@ -294,7 +294,15 @@ class _Request:
 class _Transfer:
     """Scheduler-side record of one emitted CacheSwapMetadata."""
 
-    __slots__ = ("device_ids", "emitted_at", "nodes", "positions", "requests", "to_host")
+    __slots__ = (
+        "device_ids",
+        "emitted_at",
+        "nodes",
+        "positions",
+        "requests",
+        "reused",
+        "to_host",
+    )
 
     def __init__(self, to_host: bool) -> None:
         self.to_host = to_host
@@ -305,6 +313,7 @@ class _Transfer:
         self.device_ids: list[int] = []
         self.requests: list[_Request] = []  # H2D: per node, the request loading it
         self.positions: list[int] = []  # H2D: per node, its position in that request
+        self.reused: list[int] = []  # D2H: device blocks handed on while being copied
 
 
 class CacheManager:
@@ -942,6 +951,7 @@ class CacheManager:
                     d2h.device_ids.append(node.device_block)
                     self._backup_retries += owed and policy is not WritePolicy.WRITE_BACK
                     if reuse:  # the block goes to the caller now; the worker copies first
+                        d2h.reused.append(node.device_block)
                         freed.append(tree.release_to_host(node, host[0]))
                     else:  # freed when the copy's result arrives
                         tree.start_eviction(node, host[0])
@@ -995,7 +1005,15 @@ class CacheManager:
         host_ids = [n.host_block for n in transfer.nodes]
         keys = [n.key for n in transfer.nodes]
         if transfer.to_host:
-            return CacheSwapMetadata(transfer_id, src, dst, device_ids, host_ids, keys)
+            return CacheSwapMetadata(
+                transfer_id,
+                src,
+                dst,
+                device_ids,
+                host_ids,
+                keys,
+                reused_block_ids=transfer.reused,
+            )
         return CacheSwapMetadata(transfer_id, src, dst, host_ids, device_ids, keys)
 
     def _finish_to_host(self, transfer: _Transfer, success: bool) -> None:

@@ -53,6 +53,8 @@ from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
 from fastkv.worker.stats import ControllerStats
 from fastkv.worker.streams import (
+    CopyLayer,
+    CopyLayers,
     CudaEventPool,
     CudaStream,
     HostStream,
@@ -429,15 +431,24 @@ class CacheController:
         """Start one step's transfers without waiting for them.
 
         The device-to-host copy (evictions and backups) runs on the output stream,
-        fire-and-forget; the host-to-device load runs layer by layer on the input
-        stream. Each is ordered after every in-flight copy touching the same blocks
-        and after the model's work so far on the step's compute stream.
+        fire-and-forget; the host-to-device load runs on the input stream. Both run
+        layer by layer, each layer ordered after the same layer of every in-flight
+        copy touching the same blocks, and after the model's work so far on the
+        step's compute stream.
+
+        The model's work queued after this call is ordered after every in-flight
+        read of a block handed to a new owner (`reused_block_ids` of this or an
+        earlier eviction still running): device-side on a GPU, the host goes on; on
+        the CPU stand-in this call returns once those reads are done. So the model
+        may write its new blocks at once, with or without `write_block_ids`.
 
         Args:
             evict_metadata: DEVICE -> HOST copy, or None.
             swap_in_metadata: HOST -> DEVICE copy, or None.
-            write_block_ids: device blocks the model writes this step; the returned
-                counter also waits until no in-flight copy still reads them.
+            write_block_ids: device blocks the model writes this step, beyond the
+                handed-over ones ordered anyway: the counter's wait for layer L
+                also waits until no in-flight copy still reads them at layer L
+                (write layer L after waiting for it).
             compute_stream: the stream the model runs this step on, as a
                 cudaStream_t int or a Stream (GPU); None: the `streams` given at
                 construction, else Paddle's current stream on this GPU.
@@ -469,7 +480,18 @@ class CacheController:
         if swap_in_metadata is not None:
             swap_in = self._ids(swap_in_metadata, CacheLevel.HOST, CacheLevel.DEVICE)
         if evict is not None:
-            self._submit_to_host(evict_metadata.transfer_id, *evict, compute)  # type: ignore[union-attr]
+            # Layer by layer only where something will write its blocks while it
+            # reads them (a new owner, or this step's load); else one launch.
+            per_layer = bool(len(evict_metadata.reused_block_ids)) or (  # type: ignore[union-attr]
+                swap_in is not None and bool(np.intersect1d(evict[0], swap_in[0]).size)
+            )
+            self._submit_to_host(
+                evict_metadata.transfer_id,  # type: ignore[union-attr]
+                *evict,
+                compute,
+                evict_metadata.reused_block_ids,  # type: ignore[union-attr]
+                per_layer,
+            )
         if swap_in is not None:
             self._counter = self._submit_to_device(
                 swap_in_metadata.transfer_id,  # type: ignore[union-attr]
@@ -479,6 +501,9 @@ class CacheController:
             )
         else:
             self._counter = self.transfers.guard_writes(writes, compute)
+        # Last, after the loads took the compute stream's work so far: the model's
+        # writes wait for every in-flight read of a block handed to a new owner.
+        self.transfers.order_compute(compute)
         return self._counter
 
     def add_result_listener(self, listener: ResultListener) -> None:
@@ -571,7 +596,13 @@ class CacheController:
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
-        a device-side wait of the step's compute stream; on the CPU a host wait)."""
+        a device-side wait of the step's compute stream; on the CPU a host wait).
+
+        Inside a CUDA graph capture of the compute stream it waits for nothing when
+        the layer is known to be loaded, and raises CudaCaptureError (touching
+        nothing) when it is not. Every other call into CUDA (`poll_results`, event
+        checks, a dropped event) is safe beside a capture in any mode.
+        """
         self._counter.wait_for_layer(layer, timeout)
 
     def poll_results(self) -> list[TransferResult | LookupResult]:
@@ -645,11 +676,22 @@ class CacheController:
         into the host tier when it returns: then the host allocation is left
         mapped (and logged) rather than freed under it.
 
+        On a GPU, releasing the device side ends in a cudaFree, which waits for
+        all work on the device (the engine's included): it is bounded by what is
+        left of `timeout` (at least 1 s); past that it is logged, says what it waits
+        for, and finishes in the background.
+
+        Raises:
+            TransferTimeoutError: a copy of this controller is still running after
+                `timeout` seconds; nothing is released (call again, or let it go:
+                a dropped layout never blocks the garbage collector).
+
         Returns:
             The results of the copies and storage requests still in flight.
         """
         if self._freed:
             return []
+        end = time.monotonic() + timeout
         results: list[TransferResult | LookupResult] = list(self.wait_all(timeout))
         engine = getattr(self, "_storage", None)
         stuck: frozenset[int] = frozenset()
@@ -657,7 +699,7 @@ class CacheController:
             results += self._storage_results(engine.close(timeout))
             stuck = engine.busy_host_blocks()
             self._storage = None
-        self._release_gpu()
+        self._release_gpu(max(1.0, end - time.monotonic()))
         if stuck:
             log.error(
                 "free_cache: storage I/O still touches host blocks %s after %.1f s; "
@@ -689,10 +731,14 @@ class CacheController:
             paddle_ops.host_free(self._host_base, self._host_bytes, self._host_pinned)
             self._host_base = 0
 
-    def _release_gpu(self) -> None:
-        """Layout, owned streams and pooled events (after the last copy finished)."""
+    def _release_gpu(self, timeout: float = core.CLOSE_TIMEOUT_S) -> None:
+        """Layout, owned streams and pooled events (after the last copy finished).
+
+        The layout's release is a cudaFree, which waits for the whole device (the
+        engine's streams too): it is bounded by `timeout` and, past it, logged and
+        left to finish in the background (see `core.Layout.close`)."""
         if self._layout is not None:
-            self._layout.close()
+            self._layout.close(timeout)
             self._layout = None
         for name in ("_input", "_output"):
             stream = getattr(self, name, None)
@@ -711,9 +757,10 @@ class CacheController:
             self._compute = InlineStream()
             self._fixed_compute = self._compute
             return
-        # Events for a few steps of per-layer loads, created now rather than on the
-        # launch path; the pool grows if an engine keeps more in flight.
-        self._pool = CudaEventPool(gpu_index, prefill=2 * self.shape.num_layers + 8)
+        # Events for a few steps of per-layer loads and evictions, created now
+        # rather than on the launch path; the pool grows only if an engine keeps
+        # more alive at once (a dropped event goes back at once, see streams).
+        self._pool = CudaEventPool(gpu_index, prefill=4 * self.shape.num_layers + 16)
         # Loads gate the model's next layer: highest priority. Evictions and backups
         # are fire-and-forget: lowest, so they yield to everything else.
         self._input = CudaStream.new(gpu_index, self._pool, priority=1)
@@ -862,32 +909,34 @@ class CacheController:
         return device, host
 
     def _submit_to_host(
-        self, transfer_id: int, device: np.ndarray, host: np.ndarray, compute: Stream
+        self,
+        transfer_id: int,
+        device: np.ndarray,
+        host: np.ndarray,
+        compute: Stream,
+        reused: Sequence[int] = (),
+        per_layer: bool = True,
     ) -> None:
-        layout = self._layout
-        if layout is not None:
+        copy_layer, copy_layers = self._layer_copies(device, host, Direction.D2H)
+        copy_all = None if per_layer else self.faults.wrap(self._all_layers_copy(device, host))
+        # Fault injection counts one copy call per eviction, whether its layers go
+        # one by one (CPU, or ordered per layer) or in one native call.
+        inject = self.faults.wrap(_no_op)
 
-            def copy(stream: int) -> None:
-                layout.swap(device, host, Direction.D2H, stream=stream)
-
-        else:
-            device_t = paddle_ops.int64_tensor(device, "device_ids")
-            host_t = paddle_ops.int64_tensor(host, "host_ids")
-
-            def copy(stream: int) -> None:
-                paddle_ops.swap_all_layers(
-                    self._op_caches,
-                    device_t,
-                    host_t,
-                    self._host_ptrs_tensor,
-                    self.shape.num_host_blocks,
-                    Direction.D2H,
-                    stream,
-                    self.num_threads,
-                )
+        def copy_first_checked(layer: int, stream: int) -> None:
+            if layer == 0:
+                inject()
+            copy_layer(layer, stream)
 
         self.transfers.submit_to_host(
-            transfer_id, device.tolist(), host.tolist(), self.faults.wrap(copy), compute
+            transfer_id,
+            device.tolist(),
+            host.tolist(),
+            copy_first_checked,
+            compute,
+            None if copy_layers is None else self.faults.wrap(copy_layers),
+            list(reused),
+            copy_all,
         )
         self._account(self._d2h, device.size)
         self._launched[transfer_id] = (True, device.size, time.monotonic())
@@ -900,36 +949,7 @@ class CacheController:
         writes: list[int],
         compute: Stream,
     ) -> LayerDoneCounter:
-        layout = self._layout
-        copy_layers = None
-        if layout is not None:
-            # GPU: the ids are validated and staged once, and every layer is
-            # launched from this one call, recording the pooled per-layer events.
-            def copy_layer(layer: int, stream: int) -> None:
-                layout.swap(device, host, Direction.H2D, layer, 1, stream)
-
-            def copy_layers(stream: int, events: ctypes.Array) -> None:  # type: ignore[type-arg]
-                layout.swap(device, host, Direction.H2D, 0, None, stream, events)
-
-        else:
-            device_t = paddle_ops.int64_tensor(device, "device_ids")
-            host_t = paddle_ops.int64_tensor(host, "host_ids")
-            per_layer = self.shape.tensors_per_layer
-
-            def copy_layer(layer: int, stream: int) -> None:
-                paddle_ops.swap_layer(
-                    self._op_caches,
-                    device_t,
-                    host_t,
-                    self._host_ptrs_tensor,
-                    layer,
-                    per_layer,
-                    self.shape.num_host_blocks,
-                    Direction.H2D,
-                    stream,
-                    self.num_threads,
-                )
-
+        copy_layer, copy_layers = self._layer_copies(device, host, Direction.H2D)
         counter = self.transfers.submit_to_device(
             transfer_id,
             host.tolist(),
@@ -942,6 +962,69 @@ class CacheController:
         self._account(self._h2d, device.size)
         self._launched[transfer_id] = (False, device.size, time.monotonic())
         return counter
+
+    def _all_layers_copy(self, device: np.ndarray, host: np.ndarray) -> Callable[[int], None]:
+        """A device-to-host copy of every layer in one call: on a GPU one kernel
+        launch per staged slot of ids over the whole segment table."""
+        layout = self._layout
+        if layout is not None:
+
+            def copy_gpu(stream: int) -> None:
+                layout.swap(device, host, Direction.D2H, 0, None, stream)
+
+            return copy_gpu
+        device_t = paddle_ops.int64_tensor(device, "device_ids")
+        host_t = paddle_ops.int64_tensor(host, "host_ids")
+
+        def copy_cpu(stream: int) -> None:
+            paddle_ops.swap_all_layers(
+                self._op_caches,
+                device_t,
+                host_t,
+                self._host_ptrs_tensor,
+                self.shape.num_host_blocks,
+                Direction.D2H,
+                stream,
+                self.num_threads,
+            )
+
+        return copy_cpu
+
+    def _layer_copies(
+        self, device: np.ndarray, host: np.ndarray, direction: Direction
+    ) -> tuple[CopyLayer, CopyLayers | None]:
+        """(copy one layer, copy every layer in one native call or None) of a
+        transfer, in either direction."""
+        layout = self._layout
+        if layout is not None:
+            # GPU: the ids are validated and staged once, and every layer is
+            # launched from this one call, recording the pooled per-layer events.
+            def copy_layer(layer: int, stream: int) -> None:
+                layout.swap(device, host, direction, layer, 1, stream)
+
+            def copy_layers(stream: int, events: ctypes.Array) -> None:  # type: ignore[type-arg]
+                layout.swap(device, host, direction, 0, None, stream, events)
+
+            return copy_layer, copy_layers
+        device_t = paddle_ops.int64_tensor(device, "device_ids")
+        host_t = paddle_ops.int64_tensor(host, "host_ids")
+        per_layer = self.shape.tensors_per_layer
+
+        def copy_one(layer: int, stream: int) -> None:
+            paddle_ops.swap_layer(
+                self._op_caches,
+                device_t,
+                host_t,
+                self._host_ptrs_tensor,
+                layer,
+                per_layer,
+                self.shape.num_host_blocks,
+                direction,
+                stream,
+                self.num_threads,
+            )
+
+        return copy_one, None
 
     def _account(self, counters: list[int], num_blocks: int) -> None:
         counters[0] += 1
@@ -1035,6 +1118,10 @@ class CacheController:
     def _check_live(self) -> None:
         if self._freed:
             raise RuntimeError("the cache was freed (free_cache); create a new controller")
+
+
+def _no_op() -> None:
+    pass
 
 
 def _parse_device(device: str) -> int | None:

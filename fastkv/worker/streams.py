@@ -10,11 +10,16 @@ blocking the host). Host-side waits on events are always bounded.
 On a GPU nothing here touches the calling thread's current device: every stream and
 event belongs to one device, and the core makes that device current only for the
 call (so a thread with no CUDA context keeps none, and no context appears on
-device 0). Events are pooled per device and reused once completed and dropped.
+device 0). Events are pooled per device: an event goes back to its pool as soon
+as nothing references it, finished or not (re-recording an event does not affect
+waits already enqueued on it), so steady-state submits create no events, and
+dropping one never calls CUDA (nothing can reach CUDA from a finalizer in the
+middle of an engine's graph capture).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import queue
@@ -46,6 +51,11 @@ class Event(Protocol):
         pass; True if it completed."""
         ...
 
+    @property
+    def known_done(self) -> bool:
+        """Known complete without asking the device (a latched earlier answer)."""
+        ...
+
 
 class Stream(Protocol):
     handle: int
@@ -72,6 +82,10 @@ class Stream(Protocol):
     def record(self) -> Event: ...
 
     def wait_event(self, event: Event) -> None: ...
+
+    def capturing(self) -> bool:
+        """Is the stream capturing a CUDA graph (never, off a GPU)?"""
+        ...
 
 
 def _launch_layers_one_by_one(
@@ -105,6 +119,10 @@ class HostEvent:
 
     def synchronize(self, timeout: float) -> bool:
         return self._flag.wait(timeout)
+
+    @property
+    def known_done(self) -> bool:
+        return self._flag.is_set()
 
     def set(self) -> None:
         self._flag.set()
@@ -159,6 +177,9 @@ class HostStream:
     def wait_event(self, event: Event) -> None:
         if not event.query():
             self._queue.put(("wait", event))
+
+    def capturing(self) -> bool:
+        return False
 
     def close(self) -> None:
         """Finish what is queued, then stop the thread."""
@@ -222,43 +243,65 @@ class InlineStream:
         if not event.synchronize(self._wait_limit):
             raise TimeoutError(f"compute waited {self._wait_limit:.0f} s for a copy")
 
+    def capturing(self) -> bool:
+        return False
+
 
 # -- CUDA through the fastkv core -----------------------------------------------
 
 
 class CudaEventPool:
-    """Completed cudaEvent_t handles of one device, reused instead of created and
-    destroyed per record (creation costs microseconds on the launch path).
+    """cudaEvent_t handles of one device, reused instead of created and destroyed
+    per record (creation costs microseconds on the launch path).
+
+    A handle comes back as soon as its `CudaEvent` is dropped, complete or not:
+    nothing refers to it any more, and CUDA lets an event be recorded again while
+    waits enqueued on its earlier record stay as they were. So the pool holds as
+    many events as were ever alive at once, and steady-state submits create none.
 
     Args:
         device: CUDA ordinal the events belong to.
         prefill: events to create now (at start-up, not mid-serving).
+        core: the module with event_create / event_destroy (`fastkv.ops.core`).
     """
 
-    def __init__(self, device: int, prefill: int = 0) -> None:
-        from fastkv.ops import core
+    def __init__(self, device: int, prefill: int = 0, core: object | None = None) -> None:
+        if core is None:
+            from fastkv.ops import core as fastkv_core
 
+            core = fastkv_core
         self._core = core
         self.device = device
         self._free: list[int] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.created = 0
         for _ in range(prefill):
-            self._free.append(core.event_create(device))
+            self._free.append(self._create())
+
+    def _create(self) -> int:
+        handle = self._core.event_create(self.device)  # type: ignore[attr-defined]
+        self.created += 1
+        return handle
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def take(self) -> int:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return self._core.event_create(self.device)
+        return self._create()
 
     def give(self, handle: int) -> None:
-        """Pools a completed event; once the pool is closed, destroys it instead."""
+        """Pools a handle nothing refers to any more (list append: no CUDA call,
+        safe from a finalizer); once the pool is closed, destroys it instead."""
         with self._lock:
             if not self._closed:
                 self._free.append(handle)
                 return
-        self._core.event_destroy(self.device, handle)
+        self._core.event_destroy(self.device, handle)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Destroys the pooled events; events still held elsewhere are destroyed when
@@ -267,7 +310,7 @@ class CudaEventPool:
             self._closed = True
             handles, self._free = self._free, []
         for h in handles:
-            self._core.event_destroy(self.device, h)
+            self._core.event_destroy(self.device, h)  # type: ignore[attr-defined]
 
 
 class CudaEvent:
@@ -298,16 +341,15 @@ class CudaEvent:
             self._done = self.pool._core.event_wait(self.device, self.handle, timeout)
         return self._done
 
+    @property
+    def known_done(self) -> bool:
+        return self._done
+
     def __del__(self) -> None:
-        # A completed event goes back to the pool; a pending one is destroyed
-        # (CUDA frees it once it completes). Never raises from a finalizer.
-        try:
-            if self.query():
-                self.pool.give(self.handle)
-            else:
-                self.pool._core.event_destroy(self.device, self.handle)
-        except Exception:  # interpreter shutdown, or a dead context: nothing to do
-            pass
+        # Back to the pool, finished or not (see CudaEventPool): no CUDA call here,
+        # so a reference dropped mid-capture cannot touch the engine's graph.
+        with contextlib.suppress(Exception):  # interpreter shutdown, a dead context
+            self.pool.give(self.handle)
 
 
 class CudaStream:

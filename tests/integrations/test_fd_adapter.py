@@ -10,6 +10,7 @@ import sys
 import threading
 import types
 
+import numpy as np
 import pytest
 from fd_standins import (
     AttentionBackend,
@@ -360,6 +361,10 @@ def test_refused_mtp_layers_leave_the_main_cache_as_it_was(
 
 
 def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, paddle) -> None:
+    """The step's eviction goes to the controller as handed over (FastDeploy's
+    synchronous allocation gives an evicted block to the allocating request at
+    once), with no write_block_ids: the controller orders the model's writes after
+    its reads. On the CPU stand-in the submission returns once they are done."""
     worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
     try:
         worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
@@ -371,26 +376,32 @@ def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, p
             return lambda *a, **k: (gate.wait(10), inner(*a, **k))[1]
 
         ctrl.faults.wrap = held
-        guarded, submit = [], ctrl.submit_swap_tasks
+        seen, submit = [], ctrl.submit_swap_tasks
 
         def spy(evict, swap_in, writes, compute=None):
-            guarded.append(sorted(writes))
+            seen.append(
+                (None if evict is None else sorted(evict.reused_block_ids), list(writes))
+            )
             return submit(evict, swap_in, writes, compute)
 
         ctrl.submit_swap_tasks = spy
+        tensors = range(len(ctrl.caches))
+        before = [ctrl.device_blocks(t)[[5, 6]].copy() for t in tensors]
         lvl = CacheLevel
+        threading.Timer(0.2, gate.set).start()
         worker.submit_swap_tasks(
             CacheSwapMetadata([5, 6], [2, 3], lvl.DEVICE, lvl.HOST, ["0:a", "0:b"]),
             CacheSwapMetadata([0], [7], lvl.HOST, lvl.DEVICE, ["1:a"]),
         )
-        worker.submit_swap_tasks(  # 5 and 6 are still being read
-            CacheSwapMetadata([1], [4], lvl.DEVICE, lvl.HOST, ["2:a"]),
-            CacheSwapMetadata([1], [0], lvl.HOST, lvl.DEVICE, ["3:a"]),
-        )
-        gate.set()
+        assert gate.is_set()  # returned only once the held eviction had read 5 and 6
+        for t in tensors:  # the new owner writes at once, waiting for nothing
+            ctrl.device_blocks(t)[[5, 6]] = 0xEE
+        worker.submit_swap_tasks(None, None)
         worker.finish_step(10, wait_evictions=True)
-        worker.submit_swap_tasks(None, None)  # every eviction retired
-        assert guarded == [[5, 6], [1, 5, 6], []]
+        for t in tensors:
+            assert np.array_equal(ctrl.host_blocks(t)[[2, 3]], before[t])
+        assert seen == [([5, 6], []), (None, [])]
+        assert ctrl.transfers.handed_over_blocks() == frozenset()  # retired
     finally:
         worker.free_cache()
 

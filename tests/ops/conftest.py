@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu_support import require_gpu_hook
+from .gpu_support import GPUS_MARK, require_gpu_hook
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{GPUS_MARK}(n): needs n CUDA GPUs (set by gpu_support.needs_gpus)"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

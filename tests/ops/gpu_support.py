@@ -1,16 +1,20 @@
 """Shared by the GPU tests: why they skip, CuPy, holding a stream on the host, and
 the FASTKV_REQUIRE_GPU switch `make gpu-test` sets so a GPU test can never skip
-quietly on a GPU machine."""
+quietly on a GPU machine (a test that needs more GPUs than the machine has is the
+one exception: absent hardware, said so, not a failure)."""
 
 from __future__ import annotations
 
 import os
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
 from fastkv.ops import core
+
+T = TypeVar("T")
 
 PADDLE_GPU_TAG = "needs paddlepaddle-gpu"
 """Skips whose reason contains this are allowed under FASTKV_REQUIRE_GPU: the GPU
@@ -38,6 +42,66 @@ def gpu_skip_reason() -> str | None:
 GPU_REASON = gpu_skip_reason()
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
+
+GPUS_MARK = "gpus"
+"""`@pytest.mark.gpus(n)`, set by needs_gpus(n): the test needs n devices."""
+
+
+def gpu_count_reason(count: int, present: int) -> str:
+    """The skip reason of a test that needs `count` GPUs where `present` are."""
+    return f"needs {count} GPUs, this machine has {present}: absent hardware, not a failure"
+
+
+def needs_gpus(count: int) -> Callable[[T], T]:
+    """Marks a test that needs `count` GPUs: with fewer it skips, saying so, and that
+    skip stands under FASTKV_REQUIRE_GPU (see require_gpu_hook). Its body never runs
+    with fewer, so no other skip of it can pass as this one."""
+    if count < 1:
+        raise ValueError(f"count: {count} GPUs; expected >= 1")
+    present = core.cuda_device_count()
+
+    def apply(test: T) -> T:
+        test = pytest.mark.gpus(count)(test)
+        return pytest.mark.skipif(present < count, reason=gpu_count_reason(count, present))(
+            test
+        )
+
+    return apply
+
+
+def cuda_runtime_problem(info: core.CudaInfo, cc: int) -> str | None:
+    """Why the core, as built, cannot run its kernel on a GPU of compute capability
+    `cc` (e.g. 90) with this machine's driver; None when it can.
+
+    CUDA's rules, not stricter ones:
+      - the driver must support the runtime's major version (a CUDA 13 runtime needs
+        a CUDA 13 driver); an older minor than the runtime's is allowed (minor-version
+        compatibility), so driver < runtime is no failure by itself;
+      - SASS sm_XY runs on GPUs of major X with minor >= Y;
+      - PTX compute_P is JIT-compiled on GPUs with cc >= P, but only by a driver at
+        least as new as the runtime that wrote it: under minor-version compatibility
+        only SASS loads.
+    """
+    if info.status != "ok":
+        return f"no usable device: {info.status}"
+    runtime, driver = info.runtime_version, info.driver_version
+    if driver // 1000 < runtime // 1000:
+        return (
+            f"the driver supports CUDA {core.CudaInfo.version_text(driver)}, older than the "
+            f"runtime's major version ({core.CudaInfo.version_text(runtime)})"
+        )
+    sass = [int(a[3:]) for a in info.archs if a.startswith("sm_") and a[3:].isdigit()]
+    ptx = [int(a[8:]) for a in info.archs if a.startswith("compute_") and a[8:].isdigit()]
+    if any(a // 10 == cc // 10 and a % 10 <= cc % 10 for a in sass):
+        return None
+    if driver >= runtime and any(p <= cc for p in ptx):
+        return None
+    jit = "PTX that this driver can JIT" if driver >= runtime else "PTX (the driver is older"
+    jit += "" if driver >= runtime else " than the runtime, so it cannot JIT the PTX)"
+    return (
+        f"no kernel image for sm_{cc}: targets {' '.join(info.archs) or 'none'} hold "
+        f"neither SASS for it nor {jit}"
+    )
 
 
 def paddle_gpu_skip_reason() -> str | None:
@@ -78,8 +142,10 @@ class StreamGate:
 
 
 def require_gpu_hook(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Under FASTKV_REQUIRE_GPU=1 a skipped `gpu` test fails (except Paddle-GPU
-    parts where Paddle has no CUDA): `make gpu-test` proves, it does not skip."""
+    """Under FASTKV_REQUIRE_GPU=1 a skipped `gpu` test fails: `make gpu-test` proves,
+    it does not skip. Two skips stand: Paddle-GPU parts where Paddle has no CUDA, and
+    a needs_gpus(n) test skipped because this machine has fewer than n GPUs (the
+    reason must be exactly that one; any other skip of such a test fails)."""
     if not os.environ.get("FASTKV_REQUIRE_GPU") or not report.skipped:
         return
     if item.get_closest_marker("gpu") is None:
@@ -87,6 +153,11 @@ def require_gpu_hook(item: pytest.Item, report: pytest.TestReport) -> None:
     reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
     if PADDLE_GPU_TAG in reason:
         return
+    wanted = item.get_closest_marker(GPUS_MARK)
+    if wanted is not None:
+        count, present = int(wanted.args[0]), core.cuda_device_count()
+        if present < count and reason.endswith(gpu_count_reason(count, present)):
+            return
     report.outcome = "failed"
     report.longrepr = f"GPU test skipped under FASTKV_REQUIRE_GPU=1: {reason}"
 

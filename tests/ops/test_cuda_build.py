@@ -6,6 +6,7 @@ and the built library holds exactly what its own report says."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import struct
 import subprocess
@@ -223,3 +224,60 @@ def _sm_list(listing: str, suffix: str) -> list[str]:
     import re
 
     return re.findall(rf"\.sm_(\d+)\.{suffix}", listing)
+
+
+# ----------------------------------------------------------- up-to-date builds
+
+
+def test_a_library_built_otherwise_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same configuration is up to date; another one (compiler flags here,
+    toolkit or architectures alike) rebuilds, and a stamp is per output path."""
+    from fastkv.ops import native_build as nb
+
+    monkeypatch.setenv("FASTKV_WITH_CUDA", "0")
+    monkeypatch.setenv("CXX", "c++")
+    out, tmp = tmp_path / "a" / nb.CORE_LIB, tmp_path / "tmp"
+    nb.build_core(out, tmp)
+    assert "built" in capsys.readouterr().out
+    nb.build_core(out, tmp)
+    assert "is up to date" in capsys.readouterr().out
+    monkeypatch.setenv("CXX", "c++ -DFASTKV_ANOTHER_BUILD")
+    nb.build_core(out, tmp)
+    assert f"built {out}" in capsys.readouterr().out
+    nb.build_core(tmp_path / "b" / nb.CORE_LIB, tmp)  # same temp folder, other output
+    assert "built" in capsys.readouterr().out
+
+
+def test_paddle_ops_built_against_another_paddle_are_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build folder shared by two environments (the .venv's CPU Paddle and a user's
+    paddlepaddle-gpu): the op library linked against the other Paddle is not taken
+    as up to date. The compiler is `false`, so any rebuild attempt shows as an error."""
+    pytest.importorskip("paddle", reason="the Paddle op build needs paddle")
+    from fastkv.ops import native_build as nb
+
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("FASTKV_BUILD_PADDLE_OPS", "1")
+    ops, tmp = tmp_path / "ops", tmp_path / "tmp"
+    ops.mkdir()
+    tmp.mkdir()
+    (ops / nb.CORE_LIB).write_bytes(b"core")
+    out = ops / nb.PADDLE_LIB
+    out.write_bytes(b"ops")
+    later = out.stat().st_mtime + 3600  # newer than every input
+    os.utime(out, (later, later))
+    config = nb.paddle_ops_config()[2]
+    stamp = nb._stamp(tmp, out.resolve())
+    stamp.write_text(config)
+    assert nb.build_paddle_ops(out, tmp) is True  # up to date: the compiler never ran
+    # The same folder, built from an environment whose Paddle lives elsewhere.
+    from paddle.utils.cpp_extension import extension_utils
+
+    elsewhere = ["/opt/another-env/site-packages/paddle/libs"]
+    monkeypatch.setattr(extension_utils, "find_paddle_libraries", lambda use_cuda: elsewhere)
+    assert json.loads(nb.paddle_ops_config()[2])["lib_dirs"] == elsewhere
+    with pytest.raises(nb.NativeBuildError, match=r"compile fastkv_paddle_ops\.cc failed"):
+        nb.build_paddle_ops(out, tmp)

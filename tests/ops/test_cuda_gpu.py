@@ -25,7 +25,14 @@ import pytest
 
 from fastkv.ops import core
 
-from .gpu_support import GPU_REASON, StreamGate, gpu, needs_gpu
+from .gpu_support import (
+    GPU_REASON,
+    StreamGate,
+    cuda_runtime_problem,
+    gpu,
+    needs_gpu,
+    needs_gpus,
+)
 
 pytestmark = [gpu, needs_gpu]
 
@@ -470,9 +477,8 @@ def test_no_hidden_context_on_threads_without_one(raw_cache) -> None:
     assert seen == {"before": 0, "after": 0}
 
 
+@needs_gpus(2)  # to tell device 0's context from device 1's
 def test_using_device_1_creates_no_context_on_device_0() -> None:
-    if core.cuda_device_count() < 2:
-        pytest.skip("needs two GPUs to tell device 0's context from device 1's")
     code = """
 import ctypes, numpy as np, cupy as cp
 from fastkv.ops import core
@@ -526,9 +532,9 @@ def test_event_waits_are_bounded() -> None:
 
 def test_cuda_info_reports_this_gpu() -> None:
     info = core.cuda_info()
-    assert info.status == "ok" and info.device_count >= 1
-    assert info.driver_version >= info.runtime_version
+    assert info.device_count >= 1
     cc = int(cp.cuda.Device(DEVICE).compute_capability)
-    ptx = min(int(a[8:]) for a in info.archs if a.startswith("compute_"))
-    assert f"sm_{cc}" in info.archs or ptx <= cc, (cc, info.archs)
+    # The driver may be older than the runtime within one major version (minor-version
+    # compatibility); then only SASS for this GPU loads, never the newer PTX.
+    assert cuda_runtime_problem(info, cc) is None, info.describe()
     core.cuda_init(DEVICE)  # loads the kernel: an image (SASS or PTX) fits this GPU

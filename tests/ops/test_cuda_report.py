@@ -80,7 +80,12 @@ def test_cuda_knobs_are_read_from_the_environment_once() -> None:
     assert out == "(4096, 7) (4096, 7)"
 
 
-@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize(
+    "pinned",
+    # The pinned case is a GPU test: `make gpu-test` (-m gpu) runs it and, there, its
+    # skip would fail.
+    [False, pytest.param(True, marks=pytest.mark.gpu)],
+)
 def test_a_forked_child_does_not_inherit_the_host_tier(pinned: bool) -> None:
     """MADV_DONTFORK: the tier is absent from a child's address space, so a fork
     neither copies nor shares hundreds of GB of (pinned) pages."""

@@ -65,10 +65,17 @@ class Rig:
         self.compute = CudaStream.external(DEVICE, self.cupy_compute.ptr, self.pool)
         self.tm = TransferManager(self.input, self.output, self.compute, LAYERS)
 
-    def evict(self, tid: int, d: list[int], h: list[int]):
+    def evict(self, tid: int, d: list[int], h: list[int], reused: list[int] | None = None):
         dev, host = np.asarray(d, np.int64), np.asarray(h, np.int64)
+
+        def copy_layer(layer: int, s: int) -> None:
+            self.layout.swap(dev, host, D2H, layer, 1, s)
+
+        def all_layers(s: int, events) -> None:
+            self.layout.swap(dev, host, D2H, 0, LAYERS, s, events)
+
         return self.tm.submit_to_host(
-            tid, d, h, lambda s: self.layout.swap(dev, host, D2H, stream=s), self.compute
+            tid, d, h, copy_layer, self.compute, all_layers, reused or ()
         )
 
     def load(self, tid: int, h: list[int], d: list[int], copy_layers=None):
@@ -196,3 +203,119 @@ def test_a_failed_layer_fails_its_waits_and_keeps_earlier_layers(rig: Rig) -> No
 
 def test_the_eviction_stream_yields_to_loads_by_priority(rig: Rig) -> None:
     assert rig.input.priority() < rig.output.priority()
+
+
+# -- G1: fastkv beside an engine that captures CUDA graphs ---------------------------
+
+CAPTURE_MODES = ("global", "thread_local")
+
+
+def _capture_mode(name: str) -> int:
+    rt = cp.cuda.runtime
+    return {
+        "global": rt.streamCaptureModeGlobal,
+        "thread_local": rt.streamCaptureModeThreadLocal,
+    }[name]
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_the_workers_calls_mid_capture_leave_the_engines_graph_valid(
+    rig: Rig, mode: str
+) -> None:
+    """Between two captured steps the worker polls results, checks layers, drops
+    events (finalizers) and, on its reporter thread, polls too: none of it may
+    invalidate the graph the engine is capturing."""
+    import threading
+
+    x = cp.zeros(4096, cp.float32)
+    engine = cp.cuda.Stream(non_blocking=True)
+    with engine:
+        x += 1  # the kernel is loaded before the capture
+    engine.synchronize()
+    in_gate = StreamGate(rig.input.handle, DEVICE).close()  # the load stays in flight
+    try:
+        counter = rig.load(1, [3], [10])
+        rig.evict(2, [4], [21])
+        dropped = [rig.compute.record() for _ in range(4)]
+        with engine:
+            engine.begin_capture(mode=_capture_mode(mode))
+            try:
+                x += 1
+                rig.tm.poll()  # cudaEventQuery, this thread
+                assert not counter.is_layer_done(0)
+                del dropped  # finalizers: no CUDA call at all
+                other = threading.Thread(target=rig.tm.poll)  # the reporter thread
+                other.start()
+                other.join(30)
+                x += 1
+            finally:
+                graph = engine.end_capture()  # raises if the capture was invalidated
+        graph.launch(stream=engine)
+        engine.synchronize()
+        assert float(x[0]) == 3.0  # 1 before, +2 replayed
+    finally:
+        in_gate.open()
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_a_layer_wait_inside_a_capture_is_refused_without_touching_it(
+    rig: Rig, mode: str
+) -> None:
+    from fastkv.ops.core import CudaCaptureError
+
+    x = cp.zeros(16, cp.float32)
+    engine = cp.cuda.Stream(non_blocking=True)
+    with engine:
+        x += 1
+    engine.synchronize()
+    engine_stream = CudaStream.external(DEVICE, engine.ptr, rig.pool)
+    in_gate = StreamGate(rig.input.handle, DEVICE).close()
+    try:
+        dev, host = np.array([11], np.int64), np.array([5], np.int64)
+        counter = rig.tm.submit_to_device(
+            7,
+            [5],
+            [11],
+            lambda layer, s: rig.layout.swap(dev, host, H2D, layer, 1, s),
+            (),
+            engine_stream,
+        )
+        with engine:
+            engine.begin_capture(mode=_capture_mode(mode))
+            try:
+                with pytest.raises(CudaCaptureError, match="still loading"):
+                    counter.wait_for_layer(0)
+                x += 1
+            finally:
+                graph = engine.end_capture()
+        graph.launch(stream=engine)
+        engine.synchronize()
+        assert float(x[0]) == 2.0
+    finally:
+        in_gate.open()
+    counter.wait_all(30)
+    counter.wait_for_layer(0)  # loaded: outside a capture nothing is refused
+
+
+def test_an_eviction_of_every_layer_in_one_launch_copies_every_byte(rig: Rig) -> None:
+    """P2: a transfer of every layer with no layer events is one kernel launch per
+    staged slot over the whole segment table (and the copy engine's runs)."""
+    # Scattered ids and one run (20-23 -> 8-11), in case the copy engine takes it.
+    dev = np.array([1, 5, 9, 20, 21, 22, 23, 30, 2, 17, 11, 26], np.int64)
+    host = np.array([0, 3, 7, 8, 9, 10, 11, 15, 20, 25, 30, 31], np.int64)
+    calls = []
+    done = rig.tm.submit_to_host(
+        9,
+        dev.tolist(),
+        host.tolist(),
+        lambda layer, s: calls.append(layer),
+        rig.compute,
+        None,
+        (),
+        lambda s: rig.layout.swap(dev, host, D2H, 0, None, s),
+    )
+    assert done.synchronize(30) and calls == []
+    for k, t in enumerate(rig.dev):
+        assert np.array_equal(rig.host[k][host], cp.asnumpy(t[cp.asarray(dev)])), f"tensor {k}"
+    (result,) = rig.tm.poll()
+    assert result.success

@@ -130,14 +130,7 @@ def fake_cuda():
     from fastkv.worker import streams as mod
 
     fake = FakeCudaCore()
-    pool = mod.CudaEventPool.__new__(mod.CudaEventPool)
-    pool._core, pool.device, pool._free, pool._lock, pool._closed = (
-        fake,
-        3,
-        [],
-        threading.Lock(),
-        False,
-    )
+    pool = mod.CudaEventPool(3, core=fake)
     stream = mod.CudaStream.__new__(mod.CudaStream)
     stream._core, stream.device, stream.handle, stream.pool, stream.owned = (
         fake,
@@ -159,10 +152,27 @@ def test_cuda_events_are_latched_and_pooled(fake_cuda) -> None:
     handle = event.handle
     del event
     assert pool.take() == handle  # a completed, dropped event is reused
+
+
+def test_a_pending_event_dropped_goes_back_to_the_pool_without_a_cuda_call(fake_cuda) -> None:
+    fake, pool, stream = fake_cuda
     pending = stream.record()
-    pending_handle = pending.handle
-    del pending
-    assert pending_handle in fake.destroyed  # a pending one is destroyed, never reused
+    handle = pending.handle
+    queries = fake.queries
+    del pending  # still pending on the device: nothing refers to it any more
+    assert fake.queries == queries and fake.destroyed == []  # no CUDA from a finalizer
+    assert pool.take() == handle  # recorded again later; earlier waits are unaffected
+
+
+def test_steady_state_records_create_no_events(fake_cuda) -> None:
+    fake, pool, stream = fake_cuda
+    for step in range(50):  # each step keeps a few events alive, then drops them
+        events = [stream.record() for _ in range(6)]
+        if step % 2:
+            fake.pending.clear()  # half the steps' events complete before the drop
+        del events
+    assert pool.created == 6  # the most alive at once, created once
+    assert fake.destroyed == []
 
 
 def test_events_given_back_to_a_closed_pool_are_destroyed(fake_cuda) -> None:

@@ -70,8 +70,8 @@ def test_waits_are_bounded(tm: TransferManager) -> None:
 
 def test_a_wait_all_that_times_out_loses_no_result(tm: TransferManager) -> None:
     gate = threading.Event()
-    tm.submit_to_host(1, [0], [0], lambda s: None)  # finishes at once
-    tm.submit_to_host(2, [1], [1], lambda s: gate.wait(5))
+    tm.submit_to_host(1, [0], [0], lambda layer, s: None)  # finishes at once
+    tm.submit_to_host(2, [1], [1], lambda layer, s: gate.wait(5))
     with pytest.raises(TransferTimeoutError, match="transfer 2"):
         tm.wait_all(timeout=0.1)
     gate.set()
@@ -81,7 +81,7 @@ def test_a_wait_all_that_times_out_loses_no_result(tm: TransferManager) -> None:
 
 def test_is_layer_done_includes_the_write_guards(tm: TransferManager) -> None:
     gate = threading.Event()
-    tm.submit_to_host(1, [4], [0], lambda s: gate.wait(5))
+    tm.submit_to_host(1, [4], [0], lambda layer, s: gate.wait(5))
     guarded = tm.guard_writes([4])
     assert not guarded.is_layer_done(0)
     gate.set()
@@ -115,7 +115,7 @@ def test_a_failed_layer_fails_the_transfer_and_skips_the_rest(tm: TransferManage
 
 def test_eviction_is_fire_and_forget(tm: TransferManager) -> None:
     gate = threading.Event()
-    done = tm.submit_to_host(3, [1, 2], [8, 9], lambda stream: gate.wait(5))
+    done = tm.submit_to_host(3, [1, 2], [8, 9], lambda layer, stream: gate.wait(5))
     assert not done.query()  # submit returned while the copy is held back
     assert tm.poll() == []
     gate.set()
@@ -126,33 +126,61 @@ def test_eviction_is_fire_and_forget(tm: TransferManager) -> None:
 def test_a_load_into_a_block_still_being_evicted_waits_for_the_eviction(
     tm: TransferManager,
 ) -> None:
-    gate = threading.Event()
+    evict_gates = Gates(LAYERS)
     order: list[str] = []
-    tm.submit_to_host(1, [4], [0], lambda s: (gate.wait(5), order.append("evict")))
+
+    def evict(layer: int, s: int) -> None:
+        evict_gates.copy_layer(layer, s)
+        order.append(f"evict{layer}")
+
+    tm.submit_to_host(1, [4], [0], evict)
     counter = tm.submit_to_device(2, [1], [4], lambda layer, s: order.append(f"load{layer}"))
     assert not counter.is_layer_done(0)
     assert tm.ordering_waits == 1
-    gate.set()
+    evict_gates.open()
     counter.wait_all(timeout=5)
-    assert order == ["evict", "load0", "load1", "load2", "load3"]
+    for layer in range(LAYERS):
+        assert order.index(f"evict{layer}") < order.index(f"load{layer}")
+
+
+def test_the_load_waits_per_layer_not_for_the_whole_eviction(tm: TransferManager) -> None:
+    """P1: layer 0 of a load into a block this step's eviction still reads starts
+    once the eviction's layer 0 is copied; the eviction's later layers do not hold
+    it up."""
+    evict_gates = Gates(LAYERS)
+    tm.submit_to_host(1, [4, 5], [0, 1], evict_gates.copy_layer)
+    counter = tm.submit_to_device(2, [7], [4], lambda layer, s: None)
+    evict_gates.open(0)
+    counter.wait_for_layer(0, timeout=5)  # the eviction's layers 1-3 are still held
+    assert not counter.is_layer_done(1)
+    evict_gates.open(1)
+    counter.wait_for_layer(1, timeout=5)
+    assert not counter.is_layer_done(2)
+    evict_gates.open()
+    counter.wait_all(timeout=5)
+    assert [r.success for r in tm.wait_all(timeout=5)] == [True, True]
 
 
 def test_a_copy_into_a_host_block_still_being_read_waits(tm: TransferManager) -> None:
     gates = Gates(LAYERS)
     order: list[str] = []
     tm.submit_to_device(
-        1, [3], [0], lambda layer, s: (gates.copy_layer(layer, s), order.append("load"))
+        1,
+        [3],
+        [0],
+        lambda layer, s: (gates.copy_layer(layer, s), order.append(f"load{layer}")),
     )
-    done = tm.submit_to_host(2, [9], [3], lambda s: order.append("evict"))
+    done = tm.submit_to_host(2, [9], [3], lambda layer, s: order.append(f"evict{layer}"))
     assert not done.synchronize(0.05)
     gates.open()
     assert done.synchronize(5)
-    assert order == ["load"] * LAYERS + ["evict"]
+    for layer in range(LAYERS):
+        assert order.index(f"load{layer}") < order.index(f"evict{layer}")
 
 
 def test_unrelated_copies_do_not_wait_for_each_other(tm: TransferManager) -> None:
     gate = threading.Event()
-    tm.submit_to_host(1, [4], [0], lambda s: gate.wait(5))
+    tm.submit_to_host(1, [4], [0], lambda layer, s: gate.wait(5))
     counter = tm.submit_to_device(2, [1], [5], lambda layer, s: None)
     counter.wait_all(timeout=5)  # completes while the eviction is held back
     assert tm.ordering_waits == 0
@@ -163,7 +191,7 @@ def test_model_writes_wait_for_evictions_still_reading_their_blocks(
     tm: TransferManager,
 ) -> None:
     gate = threading.Event()
-    tm.submit_to_host(1, [4], [0], lambda s: gate.wait(5))
+    tm.submit_to_host(1, [4], [0], lambda layer, s: gate.wait(5))
     guarded = tm.guard_writes([4, 7])
     free = tm.guard_writes([7])
     free.wait_for_layer(0, timeout=1)  # block 7 is not being read
@@ -174,7 +202,7 @@ def test_model_writes_wait_for_evictions_still_reading_their_blocks(
 
 
 def test_finished_copies_stop_ordering_later_ones(tm: TransferManager) -> None:
-    tm.submit_to_host(1, [4], [0], lambda s: None)
+    tm.submit_to_host(1, [4], [0], lambda layer, s: None)
     tm.wait_all(timeout=5)
     counter = tm.submit_to_device(2, [1], [4], lambda layer, s: None)
     counter.wait_all(timeout=5)
@@ -186,7 +214,7 @@ def test_finished_copies_stop_ordering_later_ones(tm: TransferManager) -> None:
 
 def test_a_transfer_id_in_flight_cannot_be_reused(tm: TransferManager) -> None:
     gate = threading.Event()
-    tm.submit_to_host(1, [0], [0], lambda s: gate.wait(5))
+    tm.submit_to_host(1, [0], [0], lambda layer, s: gate.wait(5))
     with pytest.raises(ValueError, match="transfer_id: 1"):
         tm.submit_to_device(1, [1], [1], lambda layer, s: None)
     gate.set()
@@ -225,7 +253,7 @@ def test_each_submission_orders_after_its_own_steps_compute_stream(tm: TransferM
     work, not for the stream the manager was built with."""
     step_a, step_b = RecordingCompute(), RecordingCompute()
     default = tm.compute
-    tm.submit_to_host(1, [0], [0], lambda s: None, compute=step_a)
+    tm.submit_to_host(1, [0], [0], lambda layer, s: None, compute=step_a)
     counter = tm.submit_to_device(2, [1], [1], lambda layer, s: None, (), compute=step_b)
     guard = tm.guard_writes([3], compute=step_a)
     assert (step_a.records, step_b.records) == (1, 1)
@@ -252,13 +280,17 @@ class BreakingStream(HostStream):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.break_next = False
+        self._records = 0
 
     def record(self):
+        """Breaks the completion event (the last layer's) of the next transfer."""
         event = super().record()
         if self.break_next:
-            self.break_next = False
-            event.synchronize(5)
-            return BrokenEvent()
+            self._records += 1
+            if self._records == LAYERS:
+                self.break_next, self._records = False, 0
+                event.synchronize(5)
+                return BrokenEvent()
         return event
 
 
@@ -266,10 +298,10 @@ def test_a_sticky_cuda_error_fails_its_transfer_and_loses_no_other_result() -> N
     out = BreakingStream("d2h")
     tm = TransferManager(HostStream("h2d"), out, InlineStream(), LAYERS)
     try:
-        tm.submit_to_host(1, [0], [0], lambda s: None)
+        tm.submit_to_host(1, [0], [0], lambda layer, s: None)
         out.break_next = True
-        tm.submit_to_host(2, [1], [1], lambda s: None)
-        tm.submit_to_host(3, [2], [2], lambda s: None)
+        tm.submit_to_host(2, [1], [1], lambda layer, s: None)
+        tm.submit_to_host(3, [2], [2], lambda layer, s: None)
         out.record().synchronize(5)
         results = {r.transfer_id: r for r in tm.poll()}  # must not raise
         assert sorted(results) == [1, 2, 3]
@@ -277,7 +309,7 @@ def test_a_sticky_cuda_error_fails_its_transfer_and_loses_no_other_result() -> N
         assert not results[2].success and "cudaErrorIllegalAddress" in results[2].error
         assert tm.num_inflight == 0 and len(tm.device_hazards) == 0
         out.break_next = True
-        tm.submit_to_host(4, [3], [3], lambda s: None)
+        tm.submit_to_host(4, [3], [3], lambda layer, s: None)
         (result,) = tm.wait_all(timeout=5)  # the waiting path reports it too
         assert (result.transfer_id, result.success) == (4, False)
     finally:
@@ -358,3 +390,44 @@ def test_a_native_launch_of_every_layer_reports_its_failed_layer(tm: TransferMan
     finally:
         for s in (native.input_stream, native.output_stream):
             s.close()
+
+
+def test_an_eviction_nothing_writes_meanwhile_is_one_launch(tm: TransferManager) -> None:
+    """P2: without handed-over blocks, every layer goes in one call (one kernel on a
+    GPU); each layer's event is the copy's end."""
+    calls: list[str] = []
+    done = tm.submit_to_host(
+        1,
+        [4, 5],
+        [0, 1],
+        lambda layer, s: calls.append(f"layer{layer}"),
+        copy_all=lambda s: calls.append("all"),
+    )
+    assert done.synchronize(5)
+    assert calls == ["all"]
+    counter = tm.submit_to_device(2, [7], [4], lambda layer, s: None)  # after it: fine
+    counter.wait_all(timeout=5)
+    assert [r.success for r in tm.wait_all(timeout=5)] == [True, True]
+
+
+def test_a_handed_over_eviction_runs_layer_by_layer(tm: TransferManager) -> None:
+    calls: list[str] = []
+    tm.submit_to_host(
+        1,
+        [4, 5],
+        [0, 1],
+        lambda layer, s: calls.append(f"layer{layer}"),
+        reused_block_ids=[5],
+        copy_all=lambda s: calls.append("all"),
+    )
+    tm.wait_all(timeout=5)
+    assert calls == [f"layer{layer}" for layer in range(LAYERS)]
+
+
+def test_a_failed_one_launch_eviction_is_reported_failed(tm: TransferManager) -> None:
+    def broken(s: int) -> None:
+        raise RuntimeError("DMA error")
+
+    tm.submit_to_host(1, [4], [0], lambda layer, s: None, copy_all=broken)
+    (result,) = tm.wait_all(timeout=5)
+    assert not result.success and "DMA error" in result.error
