@@ -1,0 +1,48 @@
+"""Tests against FastDeploy's real engine code (`make fd-test`).
+
+Runs in build/venv-fd with FastDeploy's snapshot on PYTHONPATH. The environment
+FastDeploy reads is set before anything imports it: the v1 cache manager on, its
+logs under a temporary directory. fastkv goes in as its README tells users:
+`fastkv.integrations.fastdeploy.install()` before FastDeploy builds its cache
+classes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ["ENABLE_V1_KVCACHE_MANAGER"] = "1"
+os.environ.setdefault("FD_LOG_DIR", tempfile.mkdtemp(prefix="fd-real-log-"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from real_fd_config import write_tiny_qwen2
+
+import fastkv.integrations.fastdeploy as fkv_fd
+
+
+@pytest.fixture(scope="session")
+def installed() -> Iterator[list[str]]:
+    """fastkv's classes in FastDeploy's modules for the whole session."""
+    replaced = fkv_fd.install()
+    yield replaced
+    fkv_fd.uninstall()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture
+def channel(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A results-channel name of this test's own (the engine and its workers
+    share it through FASTKV_RESULTS_CHANNEL, as the README says)."""
+    name = f"fd-real-{os.getpid()}-{os.urandom(6).hex()}"
+    monkeypatch.setenv(fkv_fd.CHANNEL_ENV, name)
+    return name
