@@ -32,6 +32,7 @@ from another thread).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Hashable, Iterator, Sequence
@@ -129,7 +130,8 @@ class FastDeployCacheManager:
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
-        OSError: the results channel's address is taken.
+        OSError: another process holds the results channel's name (an earlier
+            manager of this process holding it loses it, see `close`).
     """
 
     def __init__(
@@ -163,7 +165,7 @@ class FastDeployCacheManager:
             0,
         )
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.results = ResultsReceiver(name, self.tp_size)
+        self.results = _bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
@@ -460,8 +462,20 @@ class FastDeployCacheManager:
             return stats
 
     def close(self) -> None:
-        """Close the results channel."""
-        self.results.close()
+        """Release the results channel's name now (idempotent). FastDeploy's
+        teardown calls nothing on a v1 cache manager, so a manager that is dropped
+        without this keeps the name until the next manager of this process takes
+        it over (see `_bind_channel`) or the process exits."""
+        with _CHANNELS_LOCK:
+            if _CHANNELS.get(self.results.name) is self.results:
+                del _CHANNELS[self.results.name]
+            self.results.close()
+
+    def __enter__(self) -> FastDeployCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- internals --------------------------------------------------------------
 
@@ -598,6 +612,39 @@ class FastDeployCacheManager:
                 "prefix_cpu_cache_token_num": s.host_hit_tokens,
                 "prefix_ssd_cache_token_num": 0,
             }
+
+
+# The receiver each channel name of this process is bound by (a cache manager's).
+_CHANNELS: dict[str, ResultsReceiver] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _bind_channel(name: str, tp_size: int) -> ResultsReceiver:
+    """Bind the results channel `name` for a new cache manager. A receiver an
+    earlier manager of this process still holds on that name is closed first: only
+    one manager per deployment receives its workers' results, and FastDeploy builds
+    a new one (a new ResourceManagerV1) without closing the old. The earlier manager
+    then receives nothing (logged)."""
+    with _CHANNELS_LOCK:
+        earlier = _CHANNELS.pop(name, None)
+        if earlier is not None and not earlier.closed:
+            log.warning(
+                "fastkv: results channel %r: a new cache manager takes it over from an "
+                "earlier one in this process, which receives no results from now on",
+                name,
+            )
+            earlier.close()
+        receiver = ResultsReceiver(name, tp_size)
+        _CHANNELS[name] = receiver
+        return receiver
+
+
+@atexit.register
+def _close_channels() -> None:
+    with _CHANNELS_LOCK:
+        for receiver in _CHANNELS.values():
+            receiver.close()
+        _CHANNELS.clear()
 
 
 def _check_blocks(num_blocks: object) -> None:

@@ -37,7 +37,8 @@ from fastkv.integrations.fd_config import (
     cache_config_from_fastdeploy,
     results_channel_name,
 )
-from fastkv.integrations.results_channel import ResultsReceiver
+from fastkv.integrations.results_channel import ResultsReceiver, ResultsSender
+from fastkv.metadata import TransferResult
 
 BS = 4
 
@@ -218,6 +219,32 @@ def test_prefix_caching_off_allocates_without_matching_or_caching(channel: str) 
         assert cm.manager.num_free_device_blocks == 8
     finally:
         cm.close()
+
+
+def test_a_dropped_cache_manager_does_not_keep_the_channel_from_the_next(channel: str) -> None:
+    # FastDeploy builds a new ResourceManagerV1 (and cache manager) on the same port
+    # without closing the old one; the garbage collector must not be needed.
+    gc.disable()
+    try:
+        old = fd.CacheManager(config(), channel_name=channel)
+        old_receiver = old.results
+        del old  # never closed; a reference cycle keeps it alive until a collection
+        cm = fd.CacheManager(config(), channel_name=channel)
+        assert old_receiver.closed and not cm.results.closed
+        sender = ResultsSender(channel, 0)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            sender.send([TransferResult(0, True)])
+            got += cm.results.poll()
+        assert [(r.transfer_id, r.success) for r in got] == [(0, True)]
+        sender.close()
+        with cm:
+            pass
+        assert cm.results.closed
+        fd.CacheManager(config(), channel_name=channel).close()  # the name is free
+    finally:
+        gc.enable()
 
 
 def test_cache_config_changes_and_resets_only_when_idle(channel: str) -> None:
