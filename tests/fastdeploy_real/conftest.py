@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,8 @@ os.environ["ENABLE_V1_KVCACHE_MANAGER"] = "1"
 os.environ.setdefault("FD_LOG_DIR", tempfile.mkdtemp(prefix="fd-real-log-"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_fd_config import write_tiny_qwen2
+from real_fd_config import build_fd_config, write_tiny_qwen2
+from real_fd_engine import Engine
 
 import fastkv.integrations.fastdeploy as fkv_fd
 
@@ -46,3 +48,24 @@ def channel(monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"fd-real-{os.getpid()}-{os.urandom(6).hex()}"
     monkeypatch.setenv(fkv_fd.CHANNEL_ENV, name)
     return name
+
+
+@pytest.fixture
+def make_engine(
+    installed: list[str], model_dir: Path, channel: str
+) -> Iterator[Callable[..., Engine]]:
+    """Engines over fresh FDConfigs (`build_fd_config`'s keywords), closed after
+    the test as FastDeploy's teardown would."""
+    engines: list[Engine] = []
+
+    def make(*, fail_rate: float = 0.0, mtp_layers: int = 0, **config: Any) -> Engine:
+        config.setdefault("num_gpu_blocks", 24)
+        engine = Engine(
+            build_fd_config(model_dir, **config), fail_rate=fail_rate, mtp_layers=mtp_layers
+        )
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()

@@ -24,6 +24,7 @@ KV_HEADS = 2
 HEADS = 4
 HEAD_DIM = 16
 DTYPE = "bfloat16"
+BLOCK_SIZE = 8  # tokens per block in every test (small: many blocks, short prompts)
 
 
 def write_tiny_qwen2(directory: Path, *, layers: int = LAYERS) -> Path:
@@ -79,7 +80,7 @@ def build_fd_config(
     *,
     num_gpu_blocks: int,
     num_cpu_blocks: int = 0,
-    block_size: int = 8,
+    block_size: int = BLOCK_SIZE,
     max_model_len: int = 64,
     max_num_seqs: int = 4,
     max_num_batched_tokens: int = 64,

@@ -268,15 +268,20 @@ class Engine:
     def mismatches(self) -> int:
         return sum(r.log.bad_positions for r in self.runners)
 
-    def check_clean(self) -> None:
+    def check_clean(self, aborted: frozenset[str] = frozenset()) -> None:
         """Zero KV mismatches, every request finished with the tokens its prompt
-        determines, nothing leaked: fastkv's invariants hold, no request or
-        transfer is left, and after `reset_cache()` both pools are full."""
+        determines (an aborted one: a prefix of them, then the abort's EOS),
+        nothing leaked: fastkv's invariants hold, no request or transfer is left,
+        and after `reset_cache()` both pools are full."""
         details = [m for r in self.runners for m in r.log.mismatches]
         assert self.mismatches() == 0, f"{self.mismatches()} KV positions wrong: {details[:8]}"
         for rid, want in self.expected.items():
             got = self.results.by_id.get(rid)
             assert got is not None and got.finished, f"{rid}: not finished ({got})"
+            if rid in aborted and got.error is not None:
+                assert got.error == "Aborted", f"{rid}: {got.error}"
+                assert got.tokens[-1] == EOS and want[: len(got.tokens) - 1] == got.tokens[:-1]
+                continue
             assert got.error is None, f"{rid}: {got.error}"
             assert got.tokens == want, f"{rid}: tokens {got.tokens} != {want}"
         self.check_no_leaks()

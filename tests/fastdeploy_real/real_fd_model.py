@@ -13,12 +13,19 @@ from these is a wrong-KV defect, whoever made it.
 from __future__ import annotations
 
 import hashlib
+import random
 
 import numpy as np
 
 EOS = 2
 FIRST_TOKEN = 3  # tokens the model samples: [FIRST_TOKEN, VOCAB)
 VOCAB = 1000
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """A reproducible prompt of `length` tokens the model could have sampled."""
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(length)]
 
 
 def next_digest(parent: bytes | None, token: int) -> bytes:

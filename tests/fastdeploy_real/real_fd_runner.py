@@ -155,6 +155,12 @@ class StandInRunner:
         self.views = byte_views(list(self.caches))
         self.slots.clear()
 
+    def update_share_input_block_num(self, num_gpu_blocks: int) -> None:
+        """`GPUModelRunner.update_share_input_block_num`: the cache again, with the
+        block count the engine settled on."""
+        self.num_gpu_blocks = num_gpu_blocks
+        self.initialize_kv_cache()
+
     def clear_cache(self) -> None:
         """`GPUModelRunner.clear_cache` with the v1 cache manager: the runner drops
         its own references as its share_inputs are reset."""

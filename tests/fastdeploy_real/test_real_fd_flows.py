@@ -7,38 +7,14 @@ every request finished with the tokens its prompt determines, no leaked block
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
 from typing import Any
 
 import pytest
-from real_fd_config import build_fd_config
+from real_fd_config import BLOCK_SIZE
 from real_fd_engine import Engine
+from real_fd_model import prompt
 
-BS = 8
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
-
-
-@pytest.fixture
-def make_engine(installed: list[str], model_dir: Path, channel: str) -> Any:
-    engines: list[Engine] = []
-
-    def make(*, fail_rate: float = 0.0, mtp_layers: int = 0, **config: Any) -> Engine:
-        config.setdefault("num_gpu_blocks", 24)
-        config.setdefault("block_size", BS)
-        engine = Engine(
-            build_fd_config(model_dir, **config), fail_rate=fail_rate, mtp_layers=mtp_layers
-        )
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+BS = BLOCK_SIZE
 
 
 def test_install_replaced_fastdeploy_classes(installed: list[str]) -> None:
