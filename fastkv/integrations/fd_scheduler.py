@@ -86,14 +86,16 @@ class FastDeployMatchResult:
 
 
 class _Tracked:
-    """A request the adapter knows: the FastDeploy object, and its output count at
-    admission (only tokens sampled after it prove this admission's KV)."""
+    """A request the adapter knows: the FastDeploy object, its output count at
+    admission (only tokens sampled after it prove this admission's KV), and how many
+    of its blocks may ever be committed (fewer once it computed past its table)."""
 
-    __slots__ = ("outputs_at_admission", "request")
+    __slots__ = ("commit_limit", "outputs_at_admission", "request")
 
     def __init__(self, request: Any) -> None:
         self.request = request
         self.outputs_at_admission = len(request.output_token_ids)
+        self.commit_limit: int | None = None
 
 
 class _FreeBlocks(Sequence[int]):
@@ -161,6 +163,7 @@ class FastDeployCacheManager:
                 "match_failures",
                 "commit_errors",
                 "table_mismatches",
+                "uncovered_computes",
             ),
             0,
         )
@@ -210,13 +213,18 @@ class FastDeployCacheManager:
     # -- admission and allocation ----------------------------------------------
 
     def can_allocate_device_blocks(self, num_blocks: int) -> bool:
-        """Whether `allocate_device_blocks(request, num_blocks)` can succeed now:
-        free blocks plus cached blocks no request holds (evicted on demand)."""
+        """Whether `allocate_device_blocks(request, num_blocks)` succeeds now (until
+        another allocation or release): the free blocks and the cached ones eviction
+        reaches now, counted exactly (`CacheManager.num_obtainable_device_blocks`),
+        whatever the write policy, with the host tier full and copies in flight.
+        ResourceManagerV1 does not check what `allocate` returns after a yes."""
         _check_blocks(num_blocks)
         with self._lock:
             self._poll()
             mgr = self.manager
-            return num_blocks <= mgr.num_free_device_blocks + mgr.num_evictable_device_blocks
+            if num_blocks > mgr.num_free_device_blocks + mgr.num_evictable_device_blocks:
+                return False  # O(1): more than every unheld block
+            return mgr.num_obtainable_device_blocks(max(0, num_blocks)) >= num_blocks
 
     can_allocate_gpu_blocks = can_allocate_device_blocks
 
@@ -377,6 +385,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             for tracked in list(self._tracked.values()):
+                self._check_coverage(tracked)
                 self._commit(tracked)
             self.metrics.update()
 
@@ -528,6 +537,33 @@ class FastDeployCacheManager:
                 setattr(request, attr, lst)
             lst.append(to_fastdeploy(meta, self._swap_cls, self._levels))
 
+    def _check_coverage(self, tracked: _Tracked) -> None:
+        """Once a schedule is done, every position a request has been scheduled to
+        compute (`num_computed_tokens`) must lie in a block of its table. One that
+        does not was computed into no block (an allocation the engine did not
+        check): from the first such block on, nothing of this admission is ever
+        committed, whatever blocks it holds later."""
+        request = tracked.request
+        rid = request.request_id
+        if not self.manager.is_active(rid):
+            return
+        held = self.manager.num_blocks(rid)
+        computed = getattr(request, "num_computed_tokens", 0) or 0
+        if computed <= held * self.config.block_size:
+            return
+        if tracked.commit_limit is None or held < tracked.commit_limit:
+            if tracked.commit_limit is None:
+                self._counts["uncovered_computes"] += 1
+            log.error(
+                "fastkv: request %r is scheduled up to token %d but holds %d blocks; "
+                "its blocks from %d on are never cached",
+                rid,
+                computed,
+                held,
+                held,
+            )
+            tracked.commit_limit = held
+
     def _commit(self, tracked: _Tracked) -> None:
         """Commit the KV a token sampled since admission proves computed."""
         request = tracked.request
@@ -546,6 +582,8 @@ class FastDeployCacheManager:
                 mgr.append_hashes(rid, hashes[known:])
             computed = len(request.prompt_token_ids) + outputs - 1
             num_blocks = min(computed // bs, len(hashes), mgr.num_blocks(rid))
+            if tracked.commit_limit is not None:
+                num_blocks = min(num_blocks, tracked.commit_limit)
             if num_blocks > mgr.num_committed_blocks(rid):
                 mgr.commit(rid, num_blocks * bs)
         except (ValueError, TypeError) as e:
