@@ -58,10 +58,19 @@ def make_engine(
     the test as FastDeploy's teardown would."""
     engines: list[Engine] = []
 
-    def make(*, fail_rate: float = 0.0, mtp_layers: int = 0, **config: Any) -> Engine:
+    def make(
+        *,
+        fail_rate: float = 0.0,
+        mtp_layers: int = 0,
+        runner_change: bool = False,
+        **config: Any,
+    ) -> Engine:
         config.setdefault("num_gpu_blocks", 24)
         engine = Engine(
-            build_fd_config(model_dir, **config), fail_rate=fail_rate, mtp_layers=mtp_layers
+            build_fd_config(model_dir, **config),
+            fail_rate=fail_rate,
+            mtp_layers=mtp_layers,
+            runner_change=runner_change,
         )
         engines.append(engine)
         return engine

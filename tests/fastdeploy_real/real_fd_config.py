@@ -90,6 +90,7 @@ def build_fd_config(
     tensor_parallel_size: int = 1,
     layers: int = LAYERS,
     engine_worker_queue_port: int | None = None,
+    splitwise_role: str = "mixed",
 ) -> Any:
     """FDConfig from EngineArgs (ENABLE_V1_KVCACHE_MANAGER must be 1 already).
 
@@ -126,6 +127,7 @@ def build_fd_config(
             write_through_threshold=write_through_threshold,
             enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size,
+            splitwise_role=splitwise_role,
             **kwargs,
         )
         fd_config = args.create_engine_config()

@@ -110,9 +110,17 @@ class Engine:
         fd_config: from `real_fd_config.build_fd_config`.
         fail_rate: the controllers' injected copy-failure fraction.
         mtp_layers: MTP layers the runners' controllers also make caches for.
+        runner_change: the runners make the README's change for failed loads.
     """
 
-    def __init__(self, fd_config: Any, *, fail_rate: float = 0.0, mtp_layers: int = 0) -> None:
+    def __init__(
+        self,
+        fd_config: Any,
+        *,
+        fail_rate: float = 0.0,
+        mtp_layers: int = 0,
+        runner_change: bool = False,
+    ) -> None:
         from fastdeploy.cache_manager.v1.cache_utils import get_request_block_hasher
         from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
         from fastdeploy.output.token_processor import TokenProcessor
@@ -131,7 +139,7 @@ class Engine:
             f"ResourceManagerV1 built {type(self.cache_manager)}: fastkv is not installed"
         )
         self.runners = [
-            StandInRunner(fd_config, rank, mtp_layers=mtp_layers)
+            StandInRunner(fd_config, rank, mtp_layers=mtp_layers, runner_change=runner_change)
             for rank in range(pc.tensor_parallel_size)
         ]
         for runner in self.runners:

@@ -70,6 +70,8 @@ class RunnerLog:
     steps: int = 0
     swap_ins: int = 0
     evictions: int = 0
+    failed_swap_ins: int = 0  # waits that raised (runner_change)
+    dropped_steps: int = 0  # slots that emitted nothing for a failed swap-in
     bad_positions: int = 0  # positions read back wrong (or with no block)
     mismatches: list[Mismatch] = field(default_factory=list)  # the first few, in detail
 
@@ -94,9 +96,21 @@ class StandInRunner:
             arguments; one object serves here).
         local_rank: this worker's rank.
         mtp_layers: speculative (MTP) layers whose cache the controller also makes.
+        runner_change: make the one runner change fastkv's README asks for failed
+            loads: a `SwapInFailedError` from `wait_for_layer` is caught, the step
+            finishes for the other requests, and those whose block tables hold the
+            failed blocks emit no token and lose their slot. Without it the runner
+            is FastDeploy's, unmodified: the error propagates.
     """
 
-    def __init__(self, fd_config: Any, local_rank: int, *, mtp_layers: int = 0) -> None:
+    def __init__(
+        self,
+        fd_config: Any,
+        local_rank: int,
+        *,
+        mtp_layers: int = 0,
+        runner_change: bool = False,
+    ) -> None:
         import fastdeploy.cache_manager.v1 as v1
         from fastdeploy.model_executor.layers.attention import AppendAttentionBackend
 
@@ -117,6 +131,7 @@ class StandInRunner:
         self.views: list[np.ndarray] = []
         self.slots: dict[int, Slot] = {}
         self.preempted: set[int] = set()
+        self.runner_change = runner_change
         self.log = RunnerLog()
 
     def _make_backend(self, cls: type) -> Any:
@@ -222,7 +237,8 @@ class StandInRunner:
                 slot = self.slots.get(idx)
                 assert slot is not None and slot.request_id == request.request_id, (
                     f"decode task for {request.request_id} at slot {idx}, which holds "
-                    f"{slot.request_id if slot else None}"
+                    f"{slot.request_id if slot else None}: the scheduler takes a request "
+                    "the runner stopped (or never prefilled) for decoding"
                 )
                 slot.block_table = list(request.block_tables)
             else:  # preempted or aborted: stop the slot, answer PREEMPTED_TOKEN_ID
@@ -250,15 +266,32 @@ class StandInRunner:
                 end = len(slot.seq.tokens)
                 work.append((slot, end - 1, end))
         counter = self.cache_controller.swap_layer_done_counter
+        failed: set[int] = set()  # blocks of a failed swap-in (runner_change)
+        dropped: set[int] = set()  # id() of slots reading them
         for layer in range(self.num_layers):
             if counter is not None:
-                counter.wait_for_layer(layer)
+                try:
+                    counter.wait_for_layer(layer)
+                except Exception as e:
+                    blocks = getattr(e, "device_block_ids", None)
+                    if not self.runner_change or blocks is None:
+                        raise
+                    failed |= set(blocks)
+                    self.log.failed_swap_ins += 1
             for slot, start, end in work:
-                self._attend(slot, layer, start, end)
+                if failed & set(slot.block_table):
+                    dropped.add(id(slot))
+                if id(slot) not in dropped:
+                    self._attend(slot, layer, start, end)
         out: dict[int, int] = dict.fromkeys(self.preempted, PREEMPTED_TOKEN_ID)
         self.preempted.clear()
         for slot, _, end in work:
             idx = next(i for i, s in self.slots.items() if s is slot)
+            if id(slot) in dropped:  # no token; the slot resets as if preempted
+                out[idx] = NOT_EMITTED
+                del self.slots[idx]
+                self.log.dropped_steps += 1
+                continue
             slot.num_computed = end
             slot.pending = None
             if end < len(slot.seq.tokens):  # a chunk, not the last: no token
