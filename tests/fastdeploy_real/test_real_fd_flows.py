@@ -180,3 +180,19 @@ def test_prefix_caching_off(make_engine: Any) -> None:
     engine.run()
     assert set(engine.log.cached_tokens.values()) == {0}
     engine.check_clean()
+
+
+def test_abort_one_request(make_engine: Any) -> None:
+    """A client abort (`add_abort_req_ids`) of one decoding request: the scheduler
+    sends an abort task, the runner answers PREEMPTED_TOKEN_ID, the token
+    processor recycles it; the others finish right and nothing leaks."""
+    engine = make_engine(num_gpu_blocks=24, max_num_seqs=3)
+    for i in range(3):
+        engine.add_request(f"k{i}", prompt(110 + i, 2 * BS + i), 30)
+    for _ in range(8):
+        engine.step()
+    engine.rm.add_abort_req_ids(["k1"])
+    engine.run()
+    assert engine.log.abort_tasks == 1
+    assert engine.results.by_id["k1"].error == "Aborted"
+    engine.check_clean(aborted=frozenset({"k1"}))

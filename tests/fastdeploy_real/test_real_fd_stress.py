@@ -72,6 +72,26 @@ def test_random_load_on_crowded_tiers(make_engine: Any, policy: str, seed: int) 
     )
 
 
+def test_random_load_on_two_ranks(make_engine: Any) -> None:
+    """The same load with tensor parallelism 2: each rank's controller copies its
+    own heads; a transfer counts once both ranks reported it."""
+    engine = make_engine(
+        num_gpu_blocks=12,
+        num_cpu_blocks=4,
+        write_policy="write_back",
+        tensor_parallel_size=2,
+        max_model_len=80,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
+    spy = AllocationSpy()
+    spy.install(engine.cache_manager)
+    random_load(engine, 1)
+    assert not spy.yes_then_short, spy.yes_then_short[:10]
+    engine.check_clean()
+    assert engine.log.evict_steps and engine.log.swap_in_steps, engine.log
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_copy_failures_unmodified_runner(make_engine: Any, policy: str) -> None:
     """A fraction of copies fail (the controller's fail_rate). FastDeploy's runner
