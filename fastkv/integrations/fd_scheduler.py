@@ -35,8 +35,8 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -58,31 +58,55 @@ log = logging.getLogger(__name__)
 _LISTS = ("cache_swap_metadata", "cache_evict_metadata")
 
 
-@dataclass
 class FastDeployMatchResult:
     """What `match_prefix` leaves on `request._match_result`, with the attributes
-    FastDeploy's ResourceManagerV1 reads.
+    FastDeploy's ResourceManagerV1 reads. Fixed at the match: ResourceManagerV1
+    makes `device_block_ids` the request's `block_tables` and extends that list as
+    the request allocates, so each read of it returns a new list.
 
     Attributes:
         device_block_ids: the device hits, in order (the request's first blocks).
+        matched_device_nums: how many (its length at the match).
         matched_host_nums: host hits; the first ids `allocate_gpu_blocks` returns
             are their swap-in destinations.
-        matched_storage_nums: storage hits (always 0: not wired yet).
+        matched_storage_nums: storage hits (loaded to host, then swapped in like
+            host hits).
         uncached_block_ids: kept for FastDeploy's shape; always empty.
     """
 
-    device_block_ids: list[int] = field(default_factory=list)
-    matched_host_nums: int = 0
-    matched_storage_nums: int = 0
-    uncached_block_ids: list[int] = field(default_factory=list)
+    __slots__ = ("_device", "matched_host_nums", "matched_storage_nums")
+
+    def __init__(
+        self,
+        device_block_ids: Sequence[int] = (),
+        matched_host_nums: int = 0,
+        matched_storage_nums: int = 0,
+    ) -> None:
+        self._device = tuple(device_block_ids)
+        self.matched_host_nums = matched_host_nums
+        self.matched_storage_nums = matched_storage_nums
+
+    @property
+    def device_block_ids(self) -> list[int]:
+        return list(self._device)
+
+    @property
+    def uncached_block_ids(self) -> list[int]:
+        return []
 
     @property
     def matched_device_nums(self) -> int:
-        return len(self.device_block_ids)
+        return len(self._device)
 
     @property
     def total_matched_blocks(self) -> int:
         return self.matched_device_nums + self.matched_host_nums + self.matched_storage_nums
+
+    def __repr__(self) -> str:
+        return (
+            f"FastDeployMatchResult(device={list(self._device)}, "
+            f"host={self.matched_host_nums}, storage={self.matched_storage_nums})"
+        )
 
 
 class _Tracked:
@@ -129,6 +153,7 @@ class FastDeployCacheManager:
             metrics object is not importable.
         fastdeploy_metrics: FastDeploy's metrics object (default: imported if
             importable).
+        reset_timeout_s: how long `reset_cache` waits for copies in flight.
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
@@ -143,7 +168,11 @@ class FastDeployCacheManager:
         channel_name: str | None = None,
         registry: CollectorRegistry | None = None,
         fastdeploy_metrics: Any | None = None,
+        reset_timeout_s: float = 30.0,
     ) -> None:
+        if not isinstance(reset_timeout_s, (int, float)) or reset_timeout_s < 0:
+            raise ValueError(f"reset_timeout_s: must be >= 0, got {reset_timeout_s!r}")
+        self.reset_timeout_s = float(reset_timeout_s)
         self.fd_config = fd_config
         self.config: CacheConfig = fdc.cache_config_from_fastdeploy(fd_config)
         self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
@@ -365,6 +394,33 @@ class FastDeployCacheManager:
 
     write_cache_to_storage_decode = write_cache_to_storage
 
+    def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
+        """FastDeploy's prefill role (`preallocate_resource_in_p`) calls this right
+        after allocating a request's blocks, with the tokens it is about to compute;
+        FastDeploy's legacy manager put those blocks in its tree there, before their
+        KV existed. fastkv caches only KV a sampled token proves: this commits what
+        is proven already (usually nothing yet) and leaves the rest to
+        `check_and_add_pending_backup` and `request_finish`. Sets
+        `task.num_cached_blocks` to the blocks committed.
+
+        Raises:
+            ValueError: `block_size` is not the cache's, or `num_computed_tokens`
+                is not an int >= 0.
+        """
+        if block_size != self.config.block_size:
+            raise ValueError(
+                f"block_size: {block_size}, the cache's block size is {self.config.block_size}"
+            )
+        check_int("num_computed_tokens", num_computed_tokens, 0)
+        with self._lock:
+            self._poll()
+            rid = task.request_id
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                self._commit(tracked)
+            if self.manager.is_active(rid):
+                task.num_cached_blocks = self.manager.num_committed_blocks(rid)
+
     def cache_output_blocks(self, request: Any, block_size: int | None = None) -> None:
         """Commit the request's output blocks whose KV exists (FastDeploy's output
         caching).
@@ -436,17 +492,48 @@ class FastDeployCacheManager:
             self._rebuild(config)
 
     def reset_cache(self) -> bool:
-        """Forget every cached block. Returns False (and changes nothing) while a
-        request or a transfer is active."""
+        """Forget every cached block.
+
+        FastDeploy calls this when it pauses (and again when it puts the KV cache
+        to sleep, after pausing): it has aborted every request and waited until
+        ResourceManagerV1 holds none, but copies may still be in flight, and
+        write-through backups planned after the last schedule were never sent. The
+        backups never sent are failed here (no worker saw them); copies in flight
+        are waited for, polling the results channel for at most `reset_timeout_s`,
+        so no block is handed out again while a copy still uses it.
+
+        Returns:
+            True once reset; False, changing nothing, while a request is active or
+            a copy outlasts the wait (both logged).
+        """
+        deadline = time.monotonic() + self.reset_timeout_s
         with self._lock:
             self._poll()
-            try:
-                self._require_idle("reset_cache")
-            except ValueError as e:
-                log.warning("%s", e)
+            active = self.manager.get_stats().active_requests
+            if active:
+                log.warning("reset_cache: %d requests active; nothing reset", active)
                 return False
-            self._rebuild(self.config)
-            return True
+            self._fail_never_sent()
+        while True:
+            with self._lock:
+                self._poll()
+                inflight = self.manager.num_inflight_transfers
+                if not inflight:
+                    try:
+                        self._require_idle("reset_cache")
+                    except ValueError as e:  # a request came in meanwhile
+                        log.warning("%s", e)
+                        return False
+                    self._rebuild(self.config)
+                    return True
+            if time.monotonic() >= deadline:
+                log.error(
+                    "reset_cache: %d copies still in flight after %.1f s; nothing reset",
+                    inflight,
+                    self.reset_timeout_s,
+                )
+                return False
+            time.sleep(0.005)
 
     def get_stats(self) -> dict[str, Any]:
         """fastkv's CacheStats fields, FastDeploy's block counts, and the adapter's
@@ -618,6 +705,19 @@ class FastDeployCacheManager:
                     for t in ids
                 ]
             )
+
+    def _fail_never_sent(self) -> None:
+        """Fail the transfers planned but never sent to a worker (no request is left
+        to carry them)."""
+        tasks = self.manager.take_swap_metadata()
+        ids = [
+            m.transfer_id
+            for m in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
+            if m is not None
+        ]
+        if ids:
+            self._counts["undispatched_transfers"] += len(ids)
+            self._apply([TransferResult(t, False, "never dispatched: reset") for t in ids])
 
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
