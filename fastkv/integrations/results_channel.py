@@ -516,6 +516,8 @@ class ResultsReceiver:
         self._log = _LogLimiter()
         self._conns: list[_Conn] = []
         self._epoch = secrets.token_bytes(_EPOCH_BYTES)
+        # One nonce per connection this receiver accepted (16 bytes each; only this
+        # uid can connect, and workers reconnect only after errors).
         self._nonces_seen: set[bytes] = set()
         self._datagrams = self._results = self._combined = 0
         self._bad_datagrams = self._bad_results = self._bad_connections = 0
@@ -524,8 +526,8 @@ class ResultsReceiver:
         self._sock_ino = -1
         self._dir_fd = open_private_dir(self.directory)
         try:
+            self._lock_fd = self._take_lock()  # first: a closing one deletes its key
             self._secret = load_secret(self._dir_fd, name)
-            self._lock_fd = self._take_lock()
             self._sock = self._bind()
         except BaseException:
             self._release(unlink=False)
@@ -538,14 +540,26 @@ class ResultsReceiver:
         return os.path.join(self.directory, f"{self.name}.sock")
 
     def _take_lock(self) -> int:
+        """Lock `<name>.lock` (made if missing), retrying while a closing receiver
+        unlinks the file we locked; write our pid and epoch into it."""
+        for _ in range(100):
+            fd = self._lock_once()
+            if fd >= 0:
+                return fd
+        raise OSError(
+            errno.EAGAIN, f"results channel {self.name!r}: the lock file keeps changing"
+        )
+
+    def _lock_once(self) -> int:
+        filename = f"{self.name}.lock"
         fd = os.open(
-            f"{self.name}.lock",
+            filename,
             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
             0o600,
             dir_fd=self._dir_fd,
         )
         try:
-            _check_private_file(fd, f"lock file {self.name}.lock")
+            st = _check_private_file(fd, f"lock file {filename}")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -557,6 +571,13 @@ class ResultsReceiver:
                     f"{holder}; if it is this process, close() the previous one). Set "
                     "FASTKV_RESULTS_CHANNEL to tell schedulers apart",
                 ) from None
+            try:  # the receiver we waited for unlinked it while closing: lock anew
+                now = os.stat(filename, dir_fd=self._dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)
+                return -1
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {self._epoch.hex()}\n".encode(), 0)
         except BaseException:
@@ -722,9 +743,11 @@ class ResultsReceiver:
         return self._sock is None
 
     def close(self) -> None:
-        """Release the name now (idempotent): unlink the socket, close every
-        connection, release the lock. A receiver made next on the same name binds at
-        once; results still unread are lost (workers that connect later keep theirs)."""
+        """Release the name now (idempotent): unlink the socket, the key file and
+        the lock file, close every connection, release the lock. A receiver made next
+        on the same name binds at once (with a new key unless the secret comes from
+        the environment; workers read it when they reconnect); results still unread
+        are lost (workers that connect later keep theirs)."""
         if self._dir_fd < 0:
             return
         self._release(unlink=True)
@@ -745,6 +768,10 @@ class ResultsReceiver:
             self._sock.close()
             self._sock = None
         if self._lock_fd >= 0:
+            if unlink:  # still holding the lock: no receiver can be using these
+                for suffix in ("key", "lock"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{self.name}.{suffix}", dir_fd=self._dir_fd)
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
         if self._dir_fd >= 0:
@@ -898,6 +925,12 @@ class ResultsSender:
             return False
         if epoch is None:
             sock.close()
+            return False
+        try:  # read again: the receiver makes a new key when it restarts
+            self._secret = load_secret(self._dir_fd, self.name)
+        except (OSError, ValueError) as e:
+            sock.close()
+            self._log("secret", "results channel %r, rank %d: %s", self.name, self.rank, e)
             return False
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
         self._key = connection_key(self._secret, epoch, self._nonce)

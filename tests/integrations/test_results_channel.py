@@ -320,9 +320,45 @@ def test_close_frees_the_name_at_once_without_the_garbage_collector(
             receiver.close()
             receiver.close()  # idempotent
             assert receiver.closed and receiver.poll() == []
-            assert not os.path.exists(receiver.path)
+            assert os.listdir(rundir) == []  # socket, key and lock file gone
     finally:
         gc.enable()
+
+
+def _bind_and_close_repeatedly(directory: str, name: str, marker: str, rounds: int) -> None:
+    held = violations = 0
+    deadline = time.monotonic() + WAIT_S
+    while held < rounds and time.monotonic() < deadline:
+        try:
+            receiver = ResultsReceiver(name, tp_size=1, directory=directory)
+        except OSError:
+            continue
+        held += 1
+        try:  # nobody else may hold the name now
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            violations += 1
+        else:
+            time.sleep(0.0005)
+            os.unlink(marker)
+        receiver.close()
+    os._exit(2 if violations else 0 if held == rounds else 3)
+
+
+def test_receivers_racing_for_one_name_never_hold_it_together(
+    channel: str, rundir: str, tmp_path: Path
+) -> None:
+    marker = str(tmp_path / "held")
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_bind_and_close_repeatedly, args=(rundir, channel, marker, 50))
+        for _ in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]  # each held it 50 times, alone
 
 
 def test_a_killed_scheduler_leaves_nothing_that_blocks_the_next(
