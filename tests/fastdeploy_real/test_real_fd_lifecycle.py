@@ -191,8 +191,8 @@ def test_sitecustomize_route(tmp_path: Path, model_dir: Path) -> None:
 
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "from fastkv.integrations.fastdeploy import install\ninstall()\n"
+    (site / "sitecustomize.py").write_text(  # the README's sitecustomize.py
+        "from fastkv.integrations.fd_hook import install_on_import\ninstall_on_import()\n"
     )
     fd_src = Path(fastdeploy.__file__).resolve().parents[1]
     repo = Path(__file__).resolve().parents[2]
