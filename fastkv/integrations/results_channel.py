@@ -25,19 +25,23 @@ never be recomputed. This channel is that path:
   (a nonce is accepted once per receiver) or again on its own (sequence numbers).
 - **Secret.** `$FASTKV_RESULTS_SECRET` (at least 16 bytes) when the engine and its
   workers share it through their environment; otherwise 32 random bytes in
-  `<name>.key` (0600, made atomically by whichever end comes first).
+  `<name>.key` (0600, made atomically by whichever end comes first, deleted when the
+  receiver closes; senders read it again at every connect).
 - **What is parsed.** A fixed binary layout (no nesting, no recursion), at most
   `MAX_FRAME_BYTES` per message, checked before decoding; `poll()` never raises for
   anything a peer sends, and what it logs about peers is rate-limited.
 - **Delivery.** Each worker rank sends `(rank, [TransferResult, ...])`
   (`ResultsSender.send`); what it cannot deliver yet (scheduler not bound, queue
-  full, handshake not done) stays queued up to a bound and goes with the next send or
-  `flush`. The receiver combines the ranks' reports with `fastkv.tp.RankResults`: a
-  transfer comes out once every rank reported it, successful only if all succeeded.
-- **Release.** `ResultsReceiver.close()` (idempotent) unlinks the socket, closes
-  every connection and releases the lock at once: the next receiver on the same name
-  binds immediately. Nothing relies on finalizers; a process forked from the
-  scheduler drops its inherited copies so it never keeps the name.
+  full, connection lost) stays queued up to a bound and goes with the next send or
+  `flush`. `poll()` reads at most MESSAGES_PER_POLL messages per connection, so one
+  call stays bounded however fast a worker sends. The receiver combines the ranks'
+  reports with `fastkv.tp.RankResults`: a transfer comes out once every rank
+  reported it, successful only if all succeeded.
+- **Release.** `ResultsReceiver.close()` (idempotent) closes every connection,
+  unlinks the socket, key and lock file and releases the lock at once: the next
+  receiver on the same name binds immediately. Nothing relies on finalizers; a
+  process forked from the scheduler drops its inherited copies so it never keeps
+  the name.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ _FRAME_MAGIC = b"FKR2"
 _EPOCH_BYTES = 16
 _MAC_BYTES = 32
 MAX_FRAME_BYTES = 1 << 16
+MESSAGES_PER_POLL = 256
 _MAX_PAYLOAD = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (_ROW.size + MAX_ERROR_BYTES)
 assert _FRAME_HEAD.size + _MAX_PAYLOAD + _MAC_BYTES <= MAX_FRAME_BYTES
 _CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
@@ -668,7 +673,7 @@ class ResultsReceiver:
             self._conns.append(_Conn(sock))
 
     def _drain(self, conn: _Conn, done: list[TransferResult]) -> None:
-        while True:
+        for _ in range(MESSAGES_PER_POLL):  # the rest waits for the next poll
             try:
                 frame = conn.sock.recv(MAX_FRAME_BYTES + 1)
             except (BlockingIOError, InterruptedError):

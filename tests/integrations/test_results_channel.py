@@ -279,6 +279,27 @@ def test_bad_duplicate_and_out_of_range_reports_are_dropped_and_counted(
         receiver.close()
 
 
+def test_one_poll_reads_a_bounded_number_of_messages_per_connection(
+    channel: str, rundir: str
+) -> None:
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    peer = RawPeer(rundir, channel)
+    try:
+        if os.getuid() == 0:  # room for every message before the receiver reads
+            peer.sock.setsockopt(socket.SOL_SOCKET, 32, 8 << 20)  # SO_SNDBUFFORCE
+        count = rc.MESSAGES_PER_POLL + 44
+        peer.sock.settimeout(WAIT_S)
+        for t in range(count):
+            peer.send(encode(0, [TransferResult(t, True)])[0])
+        first = receiver.poll()
+        assert len(first) == rc.MESSAGES_PER_POLL  # the rest waits in the kernel
+        rest = drain(receiver, count)
+        assert [r.transfer_id for r in first + rest] == list(range(count))
+    finally:
+        peer.close()
+        receiver.close()
+
+
 def test_replayed_messages_are_refused(channel: str, rundir: str) -> None:
     receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     a = RawPeer(rundir, channel)
