@@ -89,6 +89,7 @@ class StepLayerCounter:
         device_block_ids: Sequence[int],
         transfer_ids: Sequence[int],
         launch_error: str | None = None,
+        local: CacheSwapMetadata | None = None,
     ) -> None:
         self._owner = owner
         self._inner = inner
@@ -96,10 +97,14 @@ class StepLayerCounter:
         self.device_block_ids = frozenset(device_block_ids)
         self.transfer_ids = tuple(transfer_ids)
         self._launch_error = launch_error
+        self.local = local  # the fastkv transfer it waits on (None: never launched)
+        self.recovered: bool | None = None  # None until a failure was retried
 
     @property
     def failed(self) -> bool:
-        """The swap-in failed (as far as known now)."""
+        """The swap-in failed (as far as known now) and no retry recovered it."""
+        if self.recovered:
+            return False
         return self._launch_error is not None or bool(self._inner and self._inner.failed)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -115,11 +120,13 @@ class StepLayerCounter:
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
-        try:
-            self._inner.wait_for_layer(layer, timeout)
-        except TransferFailedError as e:
-            self._owner.report_results()
-            raise self._error(e.error) from e
+        if not self.recovered:
+            try:
+                self._inner.wait_for_layer(layer, timeout)
+            except TransferFailedError as e:
+                if not self._owner._recover(self, timeout):
+                    self._owner.report_results()
+                    raise self._error(e.error) from e
         if layer == self.num_layers - 1:
             self._owner.report_results()
 
@@ -146,10 +153,13 @@ class StepLayerCounter:
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
+        if self.recovered:
+            return
         try:
             self._inner.wait_all(timeout)
         except TransferFailedError as e:
-            raise self._error(e.error) from e
+            if not self._owner._recover(self, timeout):
+                raise self._error(e.error) from e
 
     def _error(self, error: str) -> SwapInFailedError:
         tid = self._inner.transfer_id if self._inner is not None else -1
@@ -175,6 +185,8 @@ class FastDeployCacheController:
             0 disables it (results then go at the runner's calls only).
         block_axis: the axis of each KV tensor holding a block's tokens (2 for
             FastDeploy's `[blocks, heads, block_size, dim]`).
+        swap_in_retries: how many times a failed swap-in is copied again (every
+            layer) before the runner's wait on it raises; 0 raises at once.
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -190,6 +202,7 @@ class FastDeployCacheController:
         fail_rate: float = 0.0,
         report_interval_s: float = 0.05,
         block_axis: int = 2,
+        swap_in_retries: int = 1,
     ) -> None:
         check_int("local_rank", local_rank, 0)
         check_int("device_id", device_id, 0)
@@ -205,6 +218,8 @@ class FastDeployCacheController:
         )
         check_int("fd_config.model_config.num_hidden_layers", num_layers, 1)
         self._num_layers = num_layers
+        check_int("swap_in_retries", swap_in_retries, 0)
+        self.swap_in_retries = swap_in_retries
         self.fail_rate = fail_rate
         self.block_axis = block_axis
         self.report_interval_s = float(report_interval_s)
@@ -218,6 +233,12 @@ class FastDeployCacheController:
         self._next_id = 0
         self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
         self.swap_layer_done_counter: StepLayerCounter | None = None
+        # Swap-ins whose failure waits for the runner's wait to retry them: local
+        # transfer id -> the failure, once reported.
+        self._held: dict[int, TransferResult | None] = {}
+        self._recovered: set[int] = set()  # retried fine before their result came
+        self._retries = 0
+        self._recoveries = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
@@ -340,6 +361,7 @@ class FastDeployCacheController:
         with self._lock:
             evict = parse_merged(evict_metadata, "device", "host")
             swap = parse_merged(swap_in_metadata, "host", "device")
+            self._settle_held()
             if self.controller is None:
                 return self._refuse_step(evict, swap, "the KV cache is not initialized")
             ctrl = self.controller
@@ -390,8 +412,14 @@ class FastDeployCacheController:
                     counter.stream_wait_for_layer(0)
                 return None
             self._groups[fk_swap.transfer_id] = swap.transfer_ids  # type: ignore[union-attr]
+            self._held[fk_swap.transfer_id] = None  # a failure waits for the retry
             self.swap_layer_done_counter = StepLayerCounter(
-                self, counter, ctrl.shape.num_layers, swap.dst_block_ids, swap.transfer_ids
+                self,
+                counter,
+                ctrl.shape.num_layers,
+                swap.dst_block_ids,
+                swap.transfer_ids,
+                local=fk_swap,
             )
             return self.swap_layer_done_counter
 
@@ -484,6 +512,8 @@ class FastDeployCacheController:
             ctrl, self.controller = self.controller, None
             if ctrl is not None:
                 self._forward(ctrl.free_cache())  # it drops the adopted tensors
+            self._settle_held()
+            self._recovered.clear()
             self.cache_kvs_map.clear()
             self._caches = []
             self.swap_layer_done_counter = None
@@ -519,6 +549,8 @@ class FastDeployCacheController:
                 results_pending=sent.pending,
                 results_dropped=sent.dropped,
                 transfers_without_result=len(self._groups),
+                swap_in_retries=self._retries,
+                swap_ins_recovered=self._recoveries,
             )
             return stats
 
@@ -590,9 +622,89 @@ class FastDeployCacheController:
     def _forward(self, results: list[TransferResult]) -> int:
         out = []
         for r in results:
-            ids = self._groups.pop(r.transfer_id, ())
+            tid = r.transfer_id
+            if tid in self._held:
+                if tid in self._recovered:  # a retry loaded every layer after all
+                    self._recovered.discard(tid)
+                    r = TransferResult(tid, True)
+                elif not r.success:  # kept until the runner's wait retries it
+                    self._held[tid] = r
+                    continue
+                del self._held[tid]
+            ids = self._groups.pop(tid, ())
             out += [TransferResult(t, r.success, r.error) for t in ids]
         return self.sender.send(out)
+
+    def _recover(self, counter: StepLayerCounter, timeout: float) -> bool:
+        """A step's swap-in failed: copy it again, every layer, at most
+        `swap_in_retries` times, before the runner's wait returns. On success the
+        scheduler hears that the transfer succeeded (its failure was held back);
+        otherwise the failure goes on.
+
+        Returns:
+            Whether the blocks are loaded now.
+        """
+        with self._lock:
+            if counter.recovered is not None:
+                return counter.recovered
+            local, ctrl = counter.local, self.controller
+            ok = False
+            if local is not None and ctrl is not None:
+                for attempt in range(self.swap_in_retries):
+                    self._retries += 1
+                    again = CacheSwapMetadata(
+                        self._next_id,
+                        CacheLevel.HOST,
+                        CacheLevel.DEVICE,
+                        local.src_block_ids,
+                        local.dst_block_ids,
+                    )
+                    self._next_id += 1
+                    try:
+                        ctrl.submit_swap_tasks(None, again).wait_all(timeout)
+                    except (TransferFailedError, ValueError) as e:
+                        log.warning(
+                            "fastkv rank %d: swap-in retry %d of %d failed: %s",
+                            self.rank,
+                            attempt + 1,
+                            self.swap_in_retries,
+                            e,
+                        )
+                        continue
+                    ok = True
+                    break
+            counter.recovered = ok
+            if local is not None:
+                self._resolve(local.transfer_id, ok)
+            if ok:
+                self._recoveries += 1
+                log.warning(
+                    "fastkv rank %d: a failed swap-in of %d blocks was loaded again",
+                    self.rank,
+                    len(counter.device_block_ids),
+                )
+            return ok
+
+    def _settle_held(self) -> None:
+        """The step of a held-back swap-in is over and nothing retried it (the
+        runner never waited on it): its failure goes on to the scheduler."""
+        for tid in list(self._held):
+            if tid not in self._recovered:
+                self._resolve(tid, False)
+
+    def _resolve(self, tid: int, recovered: bool) -> None:
+        """Let a held-back swap-in result go: as a success if a retry loaded it."""
+        if tid not in self._held:
+            return
+        held = self._held[tid]
+        if held is None:  # its result has not come yet: convert it when it does
+            if recovered:
+                self._recovered.add(tid)
+            else:
+                del self._held[tid]
+            return
+        del self._held[tid]
+        self._forward([TransferResult(tid, True) if recovered else held])
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.report_interval_s):
