@@ -160,9 +160,10 @@ class StandInRunner:
         )
         self.cache_kvs_map = cc.get_kv_caches()
         if self.mtp_backend is not None:
+            ratio = 1.0  # speculative_config.num_gpu_block_expand_ratio's default
             self.mtp_caches = cc.initialize_mtp_kv_cache(
                 attn_backend=self.mtp_backend,
-                num_gpu_blocks=self.num_gpu_blocks,
+                num_gpu_blocks=int(self.num_gpu_blocks * ratio),
                 num_mtp_layers=self.mtp_layers,
                 layer_offset=self.num_layers,
             )
