@@ -25,8 +25,8 @@ never be recomputed. This channel is that path:
   (a nonce is accepted once per receiver) or again on its own (sequence numbers).
 - **Secret.** `$FASTKV_RESULTS_SECRET` (at least 16 bytes) when the engine and its
   workers share it through their environment; otherwise 32 random bytes in
-  `<name>.key` (0600, made atomically by whichever end comes first, deleted when the
-  receiver closes; senders read it again at every connect).
+  `<name>.key` (0600, made by the receiver before it binds, deleted when it closes;
+  senders only read it, again at every connect).
 - **What is parsed.** A fixed binary layout (no nesting, no recursion), at most
   `MAX_FRAME_BYTES` per message, checked before decoding; `poll()` never raises for
   anything a peer sends, and what it logs about peers is rate-limited.
@@ -225,27 +225,43 @@ def _check_private_file(fd: int, what: str) -> os.stat_result:
     return st
 
 
-def load_secret(dir_fd: int, name: str) -> bytes:
+def env_secret() -> bytes | None:
+    """$FASTKV_RESULTS_SECRET as bytes, or None when it is not set.
+
+    Raises:
+        ValueError: it is shorter than MIN_SECRET_BYTES.
+    """
+    env = os.environ.get(SECRET_ENV)
+    if not env:
+        return None
+    raw = env.encode()
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"{SECRET_ENV}: {len(raw)} bytes, at least {MIN_SECRET_BYTES} are needed"
+        )
+    return raw
+
+
+def load_secret(dir_fd: int, name: str, *, create: bool = False) -> bytes:
     """The deployment secret: $FASTKV_RESULTS_SECRET, else `<name>.key` in the private
-    directory, made (32 random bytes, 0600, atomically) if neither end made it yet.
+    directory; with `create` (the receiver, holding the lock) it is made if missing:
+    32 random bytes, 0600, complete before it appears under its name.
 
     Raises:
         ValueError: the variable is shorter than MIN_SECRET_BYTES.
+        FileNotFoundError: no key file and not `create` (no receiver bound yet).
         PermissionError: the key file is not this user's private regular file.
     """
-    env = os.environ.get(SECRET_ENV)
-    if env:
-        raw = env.encode()
-        if len(raw) < MIN_SECRET_BYTES:
-            raise ValueError(
-                f"{SECRET_ENV}: {len(raw)} bytes, at least {MIN_SECRET_BYTES} are needed"
-            )
-        return raw
+    env = env_secret()
+    if env is not None:
+        return env
     key_name = f"{name}.key"
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(key_name, flags, dir_fd=dir_fd)
     except FileNotFoundError:
+        if not create:
+            raise
         tmp = f".{key_name}.{os.getpid()}.{secrets.token_hex(8)}"
         wfd = os.open(
             tmp,
@@ -258,7 +274,7 @@ def load_secret(dir_fd: int, name: str) -> bytes:
             os.write(wfd, secrets.token_bytes(KEY_FILE_BYTES))
             os.close(wfd)
             wfd = -1
-            # whoever links first wins; the other end reads that one
+            # a receiver killed mid-way may have left one: then that one stands
             with contextlib.suppress(FileExistsError):
                 os.link(tmp, key_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         finally:
@@ -532,7 +548,7 @@ class ResultsReceiver:
         self._dir_fd = open_private_dir(self.directory)
         try:
             self._lock_fd = self._take_lock()  # first: a closing one deletes its key
-            self._secret = load_secret(self._dir_fd, name)
+            self._secret = load_secret(self._dir_fd, name, create=True)
             self._sock = self._bind()
         except BaseException:
             self._release(unlink=False)
@@ -814,9 +830,9 @@ class ResultsSender:
         directory: the private directory; default `runtime_dir()`.
 
     Raises:
-        ValueError: a bad name, rank or max_pending.
-        PermissionError: the directory or key file is not private to this user (a
-            squatter's directory is refused: results never go to another user).
+        ValueError: a bad name, rank, max_pending or $FASTKV_RESULTS_SECRET.
+        PermissionError: the directory is not private to this user (a squatter's
+            directory is refused: results never go to another user).
     """
 
     def __init__(
@@ -842,12 +858,9 @@ class ResultsSender:
         self._seq = 0
         self._warned_unreachable = False
         self._closed = False
+        env_secret()  # a bad variable fails here, not at every send
+        self._secret = b""  # read at every connect (the receiver makes it)
         self._dir_fd = open_private_dir(self.directory)
-        try:
-            self._secret = load_secret(self._dir_fd, name)
-        except BaseException:
-            os.close(self._dir_fd)
-            raise
         _OPEN_ENDS.add(self)
 
     def send(self, results: Iterable[TransferResult]) -> int:
@@ -933,6 +946,9 @@ class ResultsSender:
             return False
         try:  # read again: the receiver makes a new key when it restarts
             self._secret = load_secret(self._dir_fd, self.name)
+        except FileNotFoundError:  # its receiver closed meanwhile
+            sock.close()
+            return False
         except (OSError, ValueError) as e:
             sock.close()
             self._log("secret", "results channel %r, rank %d: %s", self.name, self.rank, e)
@@ -1028,6 +1044,7 @@ __all__ = [
     "connection_key",
     "decode",
     "encode",
+    "env_secret",
     "frame_nonce",
     "load_secret",
     "open_private_dir",

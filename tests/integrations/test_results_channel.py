@@ -175,6 +175,7 @@ def test_a_sender_keeps_results_until_the_scheduler_binds(channel: str, rundir: 
     sender = ResultsSender(channel, 0, directory=rundir)
     assert sender.send([TransferResult(1, True), TransferResult(2, False, "x")]) == 2
     assert sender.stats().pending == 2 and sender.stats().sent == 0
+    assert os.listdir(rundir) == []  # only a receiver makes files
     receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
         assert receiver.poll() == []
@@ -207,6 +208,9 @@ def test_a_sender_reconnects_to_a_restarted_scheduler_and_keeps_what_failed(
         assert left == 0
         assert collect(second, 1) == [TransferResult(2, False, "rank 0: boom")]
         assert second.stats().rejected_datagrams == 0
+        second.close()
+        assert sender.send([TransferResult(3, True)]) == 1  # kept; nothing made
+        assert os.listdir(rundir) == []
     finally:
         sender.close()
         second.close()
