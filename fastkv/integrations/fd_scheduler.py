@@ -262,13 +262,14 @@ class FastDeployCacheManager:
         `request._match_result` (device hits first; at most (tokens - 1) // block
         size blocks hit, so the last token is always computed).
 
-        Does nothing when prefix caching is off (as v1). A request already known
+        With prefix caching off it leaves an empty result (as v1). A request already known
         with no blocks in its table (a stale registration) is released first.
         On a request that holds blocks, or bad input, the error is logged and an
         empty result left (FastDeploy then allocates every block).
         """
         del skip_storage  # no storage tier yet: storage never hits
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching:  # as v1: an empty result, nothing locked
+            request._match_result = FastDeployMatchResult()
             return
         with self._lock:
             self._poll()
