@@ -273,6 +273,12 @@ class Engine:
                 raise AssertionError(f"transfers still in flight after {timeout} s: {stats}")
             time.sleep(0.01)
 
+    def idle(self, seconds: float = 0.12) -> None:
+        """The engine waits a moment with nothing to schedule: the workers'
+        reporter threads deliver what finished, and the scheduler applies it."""
+        time.sleep(seconds)
+        self.cache_manager.poll_results()
+
     def mismatches(self) -> int:
         return sum(r.log.bad_positions for r in self.runners)
 

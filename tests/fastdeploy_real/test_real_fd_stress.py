@@ -24,7 +24,8 @@ def random_load(
 ) -> None:
     """Requests arrive over time; their prompts share a few prefixes (device and
     host hits, and evictions of shared blocks), some are long (chunked prefill),
-    some decode long (decode growth, preemption)."""
+    some decode long (decode growth, preemption). Every 20 steps the engine idles
+    briefly, so host copies become hits whatever the machine's speed."""
     rng = random.Random(seed)
     heads = [prompt(seed * 100 + i, rng.randrange(1, 5) * BS) for i in range(5)]
     pending = []
@@ -41,6 +42,8 @@ def random_load(
         if engine.rm.requests or engine.rm.waiting:
             engine.step()
         steps += 1
+        if steps % 20 == 0:  # now and then the engine idles: copy results land
+            engine.idle()
         assert steps < max_steps, f"seed {seed}: not done after {max_steps} steps"
 
 
