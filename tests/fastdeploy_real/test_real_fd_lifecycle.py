@@ -81,7 +81,8 @@ def test_sleep_and_wakeup_of_the_kv_cache(make_engine: Any) -> None:
     engine.check_clean()
 
 
-def test_profile_then_update_cache_config(make_engine: Any) -> None:
+@pytest.mark.parametrize("blocks", [20, 10])
+def test_profile_then_update_cache_config(make_engine: Any, blocks: int) -> None:
     """The profile run's pattern: caches made with the profile's block count,
     freed, the engine's `cache_config.reset(n)` and
     `resource_manager.reset_cache_config(cache_config)` (update_cache_config),
@@ -90,15 +91,15 @@ def test_profile_then_update_cache_config(make_engine: Any) -> None:
     for runner in engine.runners:  # end of profile_run
         runner.clear_cache()
     cc = engine.fd_config.cache_config
-    cc.reset(20)
+    cc.reset(blocks)
     engine.rm.reset_cache_config(cc)
     for runner in engine.runners:
-        runner.update_share_input_block_num(20)
-    assert engine.cache_manager.num_gpu_blocks == 20
+        runner.update_share_input_block_num(blocks)
+    assert engine.cache_manager.num_gpu_blocks == blocks
     for i in range(6):
         engine.add_request(f"u{i}", prompt(80 + i % 3, 3 * BS + i), 12)
     engine.run()
-    assert engine.cache_manager.num_gpu_blocks == 20
+    assert engine.cache_manager.num_gpu_blocks == blocks
     engine.check_clean()
 
 
