@@ -14,8 +14,8 @@ SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2 libssl-dev
 SHARED_TRACE := ../shared/traces/conversation_trace.jsonl
 TRACE ?= $(if $(wildcard $(SHARED_TRACE)),$(SHARED_TRACE),synthetic)
 
-.PHONY: install install-venv install-env system-packages test gpu-test demo replay bench \
-	lint clean
+.PHONY: install install-venv install-env system-packages test gpu-test fd-venv fd-test \
+	demo replay bench lint clean
 
 PYTHON_ENV ?=
 ifeq ($(strip $(PYTHON_ENV)),)
@@ -59,6 +59,36 @@ test: install-venv
 	$(PY) -m pytest -q -rs tests
 	@# On a GPU runner the GPU tests run for real (make gpu-test), never skipped.
 	@if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then $(MAKE) --no-print-directory gpu-test; fi
+	@# Against FastDeploy's real code wherever its source is here (make fd-test).
+	@if [ -n "$(FD_SRC)" ]; then $(MAKE) --no-print-directory fd-test; \
+	else echo "fd-test SKIPPED: no FastDeploy source (neither ../shared/third_party/FastDeploy nor \$$FASTDEPLOY_SRC)"; fi
+
+# FastDeploy's real engine code (its Python package, never copied here) on
+# PYTHONPATH, in a venv of its own (FastDeploy's pins differ from .venv's), with
+# fastkv built in place against that venv's Paddle. tests/fastdeploy_real/ runs
+# only here: .venv's run over tests/ does not collect it (tests/conftest.py).
+FD_SRC := $(or $(FASTDEPLOY_SRC),$(wildcard ../shared/third_party/FastDeploy))
+FD_VENV := build/venv-fd
+FD_PY := $(FD_VENV)/bin/python
+FD_STAMP := $(FD_VENV)/.installed
+FD_REQ := tests/fastdeploy_real/requirements.txt
+
+$(FD_STAMP): $(FD_REQ) setup.py $(NATIVE)
+	@start=$$(date +%s); \
+	test -x $(FD_PY) || $(PYTHON) -m venv $(FD_VENV); \
+	$(FD_PY) -m pip install --quiet -r $(FD_REQ) && \
+	$(FD_PY) -m pip install --quiet --no-build-isolation --no-deps -e . && \
+	$(FD_PY) -c "import numpy, paddle, fastkv._chain_hash, fastkv.ops.paddle_ops; from fastkv.ops import core; core.cuda_info(); \
+		print('fd venv: numpy', numpy.__version__, 'paddle', paddle.__version__)" && \
+	echo "fd venv installed in $$(( $$(date +%s) - start )) s" && touch $(FD_STAMP)
+
+fd-venv: $(FD_STAMP)
+
+fd-test: $(FD_STAMP)
+	@test -d "$(FD_SRC)/fastdeploy" || { echo "fd-test: no fastdeploy/ under '$(FD_SRC)'"; exit 1; }
+	@start=$$(date +%s); \
+	PYTHONPATH="$(abspath $(FD_SRC))" $(FD_PY) -m pytest -q -rs -p no:cacheprovider tests/fastdeploy_real; \
+	rc=$$?; echo "fd-test ran in $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # GPU machine: GPU_PYTHON (default python3) must already import CuPy, numpy and pytest
 # (and paddlepaddle-gpu for the Paddle-op tests); it is used as it is: no venv, nothing

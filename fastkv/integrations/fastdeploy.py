@@ -7,8 +7,10 @@
 take FastDeploy's constructor arguments and answer its calls (see
 `fd_scheduler.FastDeployCacheManager`, `fd_worker.FastDeployCacheController`).
 Either change the two places FastDeploy builds them to import these, or call
-`install()` in every FastDeploy process before it builds them (e.g. from a
-`sitecustomize.py`), which replaces FastDeploy's classes in its modules.
+`install()` in every FastDeploy process before it builds them, which replaces
+FastDeploy's classes in its modules; from a `sitecustomize.py`, call
+`fd_hook.install_on_import()` instead, which runs `install()` when FastDeploy
+imports its cache manager package (not in every Python process).
 
 Nothing here imports fastdeploy (or paddle) at module level: FastDeploy's classes
 and metrics object are looked up when an adapter is built or `install()` runs.

@@ -49,10 +49,12 @@ def kv_cache_quant_type(fd_config: Any) -> str | None:
     return str(quant) if quant else None
 
 
-def kv_dtype_of(fd_config: Any) -> str:
-    """The KV storage dtype in fastkv's vocabulary ('fp8' = uint8 storage)."""
-    if kv_cache_quant_type(fd_config):
-        return "fp8"
+def model_dtype(fd_config: Any) -> str:
+    """The model's dtype (FastDeploy's unquantized KV dtype).
+
+    Raises:
+        ValueError: not one of bfloat16, float16, float32.
+    """
     dtype = str(getattr(getattr(fd_config, "model_config", None), "dtype", "bfloat16"))
     dtype = dtype.removeprefix("paddle.")
     if dtype not in _MODEL_DTYPES:
@@ -60,6 +62,11 @@ def kv_dtype_of(fd_config: Any) -> str:
             f"fd_config.model_config.dtype: {dtype!r} is not one of {_MODEL_DTYPES}"
         )
     return dtype
+
+
+def kv_dtype_of(fd_config: Any) -> str:
+    """The KV storage dtype in fastkv's vocabulary ('fp8' = uint8 storage)."""
+    return "fp8" if kv_cache_quant_type(fd_config) else model_dtype(fd_config)
 
 
 def tensor_parallel_size(fd_config: Any) -> int:
@@ -152,6 +159,7 @@ __all__ = [
     "cache_config_from_fastdeploy",
     "kv_cache_quant_type",
     "kv_dtype_of",
+    "model_dtype",
     "prefix_caching_enabled",
     "results_channel_name",
     "tensor_parallel_size",

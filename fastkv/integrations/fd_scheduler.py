@@ -32,10 +32,11 @@ from another thread).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -57,42 +58,68 @@ log = logging.getLogger(__name__)
 _LISTS = ("cache_swap_metadata", "cache_evict_metadata")
 
 
-@dataclass
 class FastDeployMatchResult:
     """What `match_prefix` leaves on `request._match_result`, with the attributes
-    FastDeploy's ResourceManagerV1 reads.
+    FastDeploy's ResourceManagerV1 reads. Fixed at the match: ResourceManagerV1
+    makes `device_block_ids` the request's `block_tables` and extends that list as
+    the request allocates, so each read of it returns a new list.
 
     Attributes:
         device_block_ids: the device hits, in order (the request's first blocks).
+        matched_device_nums: how many (its length at the match).
         matched_host_nums: host hits; the first ids `allocate_gpu_blocks` returns
             are their swap-in destinations.
-        matched_storage_nums: storage hits (always 0: not wired yet).
+        matched_storage_nums: storage hits (loaded to host, then swapped in like
+            host hits).
         uncached_block_ids: kept for FastDeploy's shape; always empty.
     """
 
-    device_block_ids: list[int] = field(default_factory=list)
-    matched_host_nums: int = 0
-    matched_storage_nums: int = 0
-    uncached_block_ids: list[int] = field(default_factory=list)
+    __slots__ = ("_device", "matched_host_nums", "matched_storage_nums")
+
+    def __init__(
+        self,
+        device_block_ids: Sequence[int] = (),
+        matched_host_nums: int = 0,
+        matched_storage_nums: int = 0,
+    ) -> None:
+        self._device = tuple(device_block_ids)
+        self.matched_host_nums = matched_host_nums
+        self.matched_storage_nums = matched_storage_nums
+
+    @property
+    def device_block_ids(self) -> list[int]:
+        return list(self._device)
+
+    @property
+    def uncached_block_ids(self) -> list[int]:
+        return []
 
     @property
     def matched_device_nums(self) -> int:
-        return len(self.device_block_ids)
+        return len(self._device)
 
     @property
     def total_matched_blocks(self) -> int:
         return self.matched_device_nums + self.matched_host_nums + self.matched_storage_nums
 
+    def __repr__(self) -> str:
+        return (
+            f"FastDeployMatchResult(device={list(self._device)}, "
+            f"host={self.matched_host_nums}, storage={self.matched_storage_nums})"
+        )
+
 
 class _Tracked:
-    """A request the adapter knows: the FastDeploy object, and its output count at
-    admission (only tokens sampled after it prove this admission's KV)."""
+    """A request the adapter knows: the FastDeploy object, its output count at
+    admission (only tokens sampled after it prove this admission's KV), and how many
+    of its blocks may ever be committed (fewer once it computed past its table)."""
 
-    __slots__ = ("outputs_at_admission", "request")
+    __slots__ = ("commit_limit", "outputs_at_admission", "request")
 
     def __init__(self, request: Any) -> None:
         self.request = request
         self.outputs_at_admission = len(request.output_token_ids)
+        self.commit_limit: int | None = None
 
 
 class _FreeBlocks(Sequence[int]):
@@ -126,10 +153,12 @@ class FastDeployCacheManager:
             metrics object is not importable.
         fastdeploy_metrics: FastDeploy's metrics object (default: imported if
             importable).
+        reset_timeout_s: how long `reset_cache` waits for copies in flight.
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
-        OSError: the results channel's address is taken.
+        OSError: another process holds the results channel's name (an earlier
+            manager of this process holding it loses it, see `close`).
     """
 
     def __init__(
@@ -139,7 +168,11 @@ class FastDeployCacheManager:
         channel_name: str | None = None,
         registry: CollectorRegistry | None = None,
         fastdeploy_metrics: Any | None = None,
+        reset_timeout_s: float = 30.0,
     ) -> None:
+        if not isinstance(reset_timeout_s, (int, float)) or reset_timeout_s < 0:
+            raise ValueError(f"reset_timeout_s: must be >= 0, got {reset_timeout_s!r}")
+        self.reset_timeout_s = float(reset_timeout_s)
         self.fd_config = fd_config
         self.config: CacheConfig = fdc.cache_config_from_fastdeploy(fd_config)
         self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
@@ -159,11 +192,12 @@ class FastDeployCacheManager:
                 "match_failures",
                 "commit_errors",
                 "table_mismatches",
+                "uncovered_computes",
             ),
             0,
         )
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.results = ResultsReceiver(name, self.tp_size)
+        self.results = _bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
@@ -208,13 +242,18 @@ class FastDeployCacheManager:
     # -- admission and allocation ----------------------------------------------
 
     def can_allocate_device_blocks(self, num_blocks: int) -> bool:
-        """Whether `allocate_device_blocks(request, num_blocks)` can succeed now:
-        free blocks plus cached blocks no request holds (evicted on demand)."""
+        """Whether `allocate_device_blocks(request, num_blocks)` succeeds now (until
+        another allocation or release): the free blocks and the cached ones eviction
+        reaches now, counted exactly (`CacheManager.num_obtainable_device_blocks`),
+        whatever the write policy, with the host tier full and copies in flight.
+        ResourceManagerV1 does not check what `allocate` returns after a yes."""
         _check_blocks(num_blocks)
         with self._lock:
             self._poll()
             mgr = self.manager
-            return num_blocks <= mgr.num_free_device_blocks + mgr.num_evictable_device_blocks
+            if num_blocks > mgr.num_free_device_blocks + mgr.num_evictable_device_blocks:
+                return False  # O(1): more than every unheld block
+            return mgr.num_obtainable_device_blocks(max(0, num_blocks)) >= num_blocks
 
     can_allocate_gpu_blocks = can_allocate_device_blocks
 
@@ -223,13 +262,14 @@ class FastDeployCacheManager:
         `request._match_result` (device hits first; at most (tokens - 1) // block
         size blocks hit, so the last token is always computed).
 
-        Does nothing when prefix caching is off (as v1). A request already known
+        With prefix caching off it leaves an empty result (as v1). A request already known
         with no blocks in its table (a stale registration) is released first.
         On a request that holds blocks, or bad input, the error is logged and an
         empty result left (FastDeploy then allocates every block).
         """
         del skip_storage  # no storage tier yet: storage never hits
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching:  # as v1: an empty result, nothing locked
+            request._match_result = FastDeployMatchResult()
             return
         with self._lock:
             self._poll()
@@ -355,6 +395,33 @@ class FastDeployCacheManager:
 
     write_cache_to_storage_decode = write_cache_to_storage
 
+    def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
+        """FastDeploy's prefill role (`preallocate_resource_in_p`) calls this right
+        after allocating a request's blocks, with the tokens it is about to compute;
+        FastDeploy's legacy manager put those blocks in its tree there, before their
+        KV existed. fastkv caches only KV a sampled token proves: this commits what
+        is proven already (usually nothing yet) and leaves the rest to
+        `check_and_add_pending_backup` and `request_finish`. Sets
+        `task.num_cached_blocks` to the blocks committed.
+
+        Raises:
+            ValueError: `block_size` is not the cache's, or `num_computed_tokens`
+                is not an int >= 0.
+        """
+        if block_size != self.config.block_size:
+            raise ValueError(
+                f"block_size: {block_size}, the cache's block size is {self.config.block_size}"
+            )
+        check_int("num_computed_tokens", num_computed_tokens, 0)
+        with self._lock:
+            self._poll()
+            rid = task.request_id
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                self._commit(tracked)
+            if self.manager.is_active(rid):
+                task.num_cached_blocks = self.manager.num_committed_blocks(rid)
+
     def cache_output_blocks(self, request: Any, block_size: int | None = None) -> None:
         """Commit the request's output blocks whose KV exists (FastDeploy's output
         caching).
@@ -375,6 +442,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             for tracked in list(self._tracked.values()):
+                self._check_coverage(tracked)
                 self._commit(tracked)
             self.metrics.update()
 
@@ -425,17 +493,48 @@ class FastDeployCacheManager:
             self._rebuild(config)
 
     def reset_cache(self) -> bool:
-        """Forget every cached block. Returns False (and changes nothing) while a
-        request or a transfer is active."""
+        """Forget every cached block.
+
+        FastDeploy calls this when it pauses (and again when it puts the KV cache
+        to sleep, after pausing): it has aborted every request and waited until
+        ResourceManagerV1 holds none, but copies may still be in flight, and
+        write-through backups planned after the last schedule were never sent. The
+        backups never sent are failed here (no worker saw them); copies in flight
+        are waited for, polling the results channel for at most `reset_timeout_s`,
+        so no block is handed out again while a copy still uses it.
+
+        Returns:
+            True once reset; False, changing nothing, while a request is active or
+            a copy outlasts the wait (both logged).
+        """
+        deadline = time.monotonic() + self.reset_timeout_s
         with self._lock:
             self._poll()
-            try:
-                self._require_idle("reset_cache")
-            except ValueError as e:
-                log.warning("%s", e)
+            active = self.manager.get_stats().active_requests
+            if active:
+                log.warning("reset_cache: %d requests active; nothing reset", active)
                 return False
-            self._rebuild(self.config)
-            return True
+            self._fail_never_sent()
+        while True:
+            with self._lock:
+                self._poll()
+                inflight = self.manager.num_inflight_transfers
+                if not inflight:
+                    try:
+                        self._require_idle("reset_cache")
+                    except ValueError as e:  # a request came in meanwhile
+                        log.warning("%s", e)
+                        return False
+                    self._rebuild(self.config)
+                    return True
+            if time.monotonic() >= deadline:
+                log.error(
+                    "reset_cache: %d copies still in flight after %.1f s; nothing reset",
+                    inflight,
+                    self.reset_timeout_s,
+                )
+                return False
+            time.sleep(0.005)
 
     def get_stats(self) -> dict[str, Any]:
         """fastkv's CacheStats fields, FastDeploy's block counts, and the adapter's
@@ -460,8 +559,20 @@ class FastDeployCacheManager:
             return stats
 
     def close(self) -> None:
-        """Close the results channel."""
-        self.results.close()
+        """Release the results channel's name now (idempotent). FastDeploy's
+        teardown calls nothing on a v1 cache manager, so a manager that is dropped
+        without this keeps the name until the next manager of this process takes
+        it over (see `_bind_channel`) or the process exits."""
+        with _CHANNELS_LOCK:
+            if _CHANNELS.get(self.results.name) is self.results:
+                del _CHANNELS[self.results.name]
+            self.results.close()
+
+    def __enter__(self) -> FastDeployCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- internals --------------------------------------------------------------
 
@@ -514,6 +625,33 @@ class FastDeployCacheManager:
                 setattr(request, attr, lst)
             lst.append(to_fastdeploy(meta, self._swap_cls, self._levels))
 
+    def _check_coverage(self, tracked: _Tracked) -> None:
+        """Once a schedule is done, every position a request has been scheduled to
+        compute (`num_computed_tokens`) must lie in a block of its table. One that
+        does not was computed into no block (an allocation the engine did not
+        check): from the first such block on, nothing of this admission is ever
+        committed, whatever blocks it holds later."""
+        request = tracked.request
+        rid = request.request_id
+        if not self.manager.is_active(rid):
+            return
+        held = self.manager.num_blocks(rid)
+        computed = getattr(request, "num_computed_tokens", 0) or 0
+        if computed <= held * self.config.block_size:
+            return
+        if tracked.commit_limit is None or held < tracked.commit_limit:
+            if tracked.commit_limit is None:
+                self._counts["uncovered_computes"] += 1
+            log.error(
+                "fastkv: request %r is scheduled up to token %d but holds %d blocks; "
+                "its blocks from %d on are never cached",
+                rid,
+                computed,
+                held,
+                held,
+            )
+            tracked.commit_limit = held
+
     def _commit(self, tracked: _Tracked) -> None:
         """Commit the KV a token sampled since admission proves computed."""
         request = tracked.request
@@ -532,6 +670,8 @@ class FastDeployCacheManager:
                 mgr.append_hashes(rid, hashes[known:])
             computed = len(request.prompt_token_ids) + outputs - 1
             num_blocks = min(computed // bs, len(hashes), mgr.num_blocks(rid))
+            if tracked.commit_limit is not None:
+                num_blocks = min(num_blocks, tracked.commit_limit)
             if num_blocks > mgr.num_committed_blocks(rid):
                 mgr.commit(rid, num_blocks * bs)
         except (ValueError, TypeError) as e:
@@ -567,6 +707,19 @@ class FastDeployCacheManager:
                 ]
             )
 
+    def _fail_never_sent(self) -> None:
+        """Fail the transfers planned but never sent to a worker (no request is left
+        to carry them)."""
+        tasks = self.manager.take_swap_metadata()
+        ids = [
+            m.transfer_id
+            for m in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
+            if m is not None
+        ]
+        if ids:
+            self._counts["undispatched_transfers"] += len(ids)
+            self._apply([TransferResult(t, False, "never dispatched: reset") for t in ids])
+
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
         if s.active_requests or s.inflight_transfers or s.queued_blocks:
@@ -598,6 +751,39 @@ class FastDeployCacheManager:
                 "prefix_cpu_cache_token_num": s.host_hit_tokens,
                 "prefix_ssd_cache_token_num": 0,
             }
+
+
+# The receiver each channel name of this process is bound by (a cache manager's).
+_CHANNELS: dict[str, ResultsReceiver] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _bind_channel(name: str, tp_size: int) -> ResultsReceiver:
+    """Bind the results channel `name` for a new cache manager. A receiver an
+    earlier manager of this process still holds on that name is closed first: only
+    one manager per deployment receives its workers' results, and FastDeploy builds
+    a new one (a new ResourceManagerV1) without closing the old. The earlier manager
+    then receives nothing (logged)."""
+    with _CHANNELS_LOCK:
+        earlier = _CHANNELS.pop(name, None)
+        if earlier is not None and not earlier.closed:
+            log.warning(
+                "fastkv: results channel %r: a new cache manager takes it over from an "
+                "earlier one in this process, which receives no results from now on",
+                name,
+            )
+            earlier.close()
+        receiver = ResultsReceiver(name, tp_size)
+        _CHANNELS[name] = receiver
+        return receiver
+
+
+@atexit.register
+def _close_channels() -> None:
+    with _CHANNELS_LOCK:
+        for receiver in _CHANNELS.values():
+            receiver.close()
+        _CHANNELS.clear()
 
 
 def _check_blocks(num_blocks: object) -> None:

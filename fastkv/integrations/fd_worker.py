@@ -39,6 +39,7 @@ from typing import Any
 
 from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
+from fastkv.integrations.fd_backend import LayerTensors, make_layers
 from fastkv.integrations.fd_transfers import MergedTransfer, parse_merged
 from fastkv.integrations.results_channel import ResultsSender
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
@@ -49,16 +50,6 @@ from fastkv.worker.transfer_manager import (
 )
 
 log = logging.getLogger(__name__)
-
-# FastDeploy's attention backends return one dict per layer; v1 names each tensor
-# "<prefix>_<layer>_rank<r>.device<d>".
-ROLES = {
-    "key": "key_caches",
-    "value": "value_caches",
-    "key_scale": "key_cache_scales",
-    "value_scale": "value_cache_scales",
-    "indexer": "indexer_caches",
-}
 
 
 class SwapInFailedError(TransferFailedError):
@@ -99,6 +90,7 @@ class StepLayerCounter:
         device_block_ids: Sequence[int],
         transfer_ids: Sequence[int],
         launch_error: str | None = None,
+        local: CacheSwapMetadata | None = None,
     ) -> None:
         self._owner = owner
         self._inner = inner
@@ -106,10 +98,14 @@ class StepLayerCounter:
         self.device_block_ids = frozenset(device_block_ids)
         self.transfer_ids = tuple(transfer_ids)
         self._launch_error = launch_error
+        self.local = local  # the fastkv transfer it waits on (None: never launched)
+        self.recovered: bool | None = None  # None until a failure was retried
 
     @property
     def failed(self) -> bool:
-        """The swap-in failed (as far as known now)."""
+        """The swap-in failed (as far as known now) and no retry recovered it."""
+        if self.recovered:
+            return False
         return self._launch_error is not None or bool(self._inner and self._inner.failed)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -125,11 +121,13 @@ class StepLayerCounter:
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
-        try:
-            self._inner.wait_for_layer(layer, timeout)
-        except TransferFailedError as e:
-            self._owner.report_results()
-            raise self._error(e.error) from e
+        if not self.recovered:
+            try:
+                self._inner.wait_for_layer(layer, timeout)
+            except TransferFailedError as e:
+                if not self._owner._recover(self, timeout):
+                    self._owner.report_results()
+                    raise self._error(e.error) from e
         if layer == self.num_layers - 1:
             self._owner.report_results()
 
@@ -156,10 +154,13 @@ class StepLayerCounter:
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
+        if self.recovered:
+            return
         try:
             self._inner.wait_all(timeout)
         except TransferFailedError as e:
-            raise self._error(e.error) from e
+            if not self._owner._recover(self, timeout):
+                raise self._error(e.error) from e
 
     def _error(self, error: str) -> SwapInFailedError:
         tid = self._inner.transfer_id if self._inner is not None else -1
@@ -185,6 +186,8 @@ class FastDeployCacheController:
             0 disables it (results then go at the runner's calls only).
         block_axis: the axis of each KV tensor holding a block's tokens (2 for
             FastDeploy's `[blocks, heads, block_size, dim]`).
+        swap_in_retries: how many times a failed swap-in is copied again (every
+            layer) before the runner's wait on it raises; 0 raises at once.
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -200,6 +203,7 @@ class FastDeployCacheController:
         fail_rate: float = 0.0,
         report_interval_s: float = 0.05,
         block_axis: int = 2,
+        swap_in_retries: int = 1,
     ) -> None:
         check_int("local_rank", local_rank, 0)
         check_int("device_id", device_id, 0)
@@ -215,6 +219,8 @@ class FastDeployCacheController:
         )
         check_int("fd_config.model_config.num_hidden_layers", num_layers, 1)
         self._num_layers = num_layers
+        check_int("swap_in_retries", swap_in_retries, 0)
+        self.swap_in_retries = swap_in_retries
         self.fail_rate = fail_rate
         self.block_axis = block_axis
         self.report_interval_s = float(report_interval_s)
@@ -228,6 +234,12 @@ class FastDeployCacheController:
         self._next_id = 0
         self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
         self.swap_layer_done_counter: StepLayerCounter | None = None
+        # Swap-ins whose failure waits for the runner's wait to retry them: local
+        # transfer id -> the failure, once reported.
+        self._held: dict[int, TransferResult | None] = {}
+        self._recovered: set[int] = set()  # retried fine before their result came
+        self._retries = 0
+        self._recoveries = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
@@ -235,32 +247,36 @@ class FastDeployCacheController:
     # -- caches -----------------------------------------------------------------
 
     def initialize_kv_cache(self, attn_backend: Any, num_gpu_blocks: int) -> list[Any]:
-        """Create every model layer's cache tensors through `attn_backend`, adopt
-        them and allocate the host tier.
+        """Make every model layer's cache tensors through `attn_backend` (either API,
+        see `fd_backend`), adopt them and allocate the host tier.
 
         Returns:
-            The flat list (layer-major, roles key, value, key_scale, value_scale,
-            indexer, those the backend makes), as FastDeploy's attention indexes it.
+            The flat list FastDeploy's attention indexes (layer-major; per layer K,
+            V, K scale, V scale, those the model has).
 
         Raises:
-            ValueError: tensors fastkv cannot swap, or counts that disagree with the
-                scheduler's config (the message says which).
+            RuntimeError: a cache exists (free_gpu_cache first).
+            ValueError: a backend of neither API, tensors fastkv cannot swap, or
+                counts that disagree with the scheduler's config (the message says
+                which); nothing is kept.
         """
         with self._lock:
             if self.controller is not None:
-                raise RuntimeError("initialize_kv_cache: the cache exists; free_cache first")
-            caches, per_layer, names = self._create(
-                attn_backend, num_gpu_blocks, 0, self._num_layers
-            )
+                raise RuntimeError(
+                    "initialize_kv_cache: the cache exists; free_gpu_cache first"
+                )
+            check_int("num_gpu_blocks", num_gpu_blocks, 1)
+            made = self._make(attn_backend, num_gpu_blocks, 0, self._num_layers)
             self._num_gpu_blocks = num_gpu_blocks
-            self._adopt(caches, per_layer, 0)
-            self.cache_kvs_map.update(names)
-            return list(caches)
+            self._adopt(made.tensors, made.per_layer, 0)
+            self.cache_kvs_map.clear()
+            self.cache_kvs_map.update(zip(made.names, made.tensors, strict=True))
+            return list(made.tensors)
 
     def initialize_mtp_kv_cache(
         self, attn_backend: Any, num_gpu_blocks: int, num_mtp_layers: int, layer_offset: int
     ) -> list[Any]:
-        """Create the speculative (MTP) layers' tensors; they move with their blocks
+        """Make the speculative (MTP) layers' tensors; they move with their blocks
         like every other layer (block ids below the main cache's count). Call it
         right after `initialize_kv_cache`, before any swap.
 
@@ -269,41 +285,48 @@ class FastDeployCacheController:
 
         Raises:
             RuntimeError: no main cache yet, or swaps already ran.
-            ValueError: as for `initialize_kv_cache`.
+            ValueError: as for `initialize_kv_cache`; the main cache is kept.
         """
         with self._lock:
             ctrl = self._require()
+            check_int("num_gpu_blocks", num_gpu_blocks, 1)
+            check_int("num_mtp_layers", num_mtp_layers, 1)
+            check_int("layer_offset", layer_offset, 0)
             stats = ctrl.get_stats()
             if stats.device_to_host_transfers or stats.host_to_device_transfers:
                 raise RuntimeError("initialize_mtp_kv_cache: swaps already ran on this cache")
-            mtp, per_layer, names = self._create(
-                attn_backend, num_gpu_blocks, layer_offset, num_mtp_layers
-            )
-            if per_layer != self._tensors_per_layer:
+            made = self._make(attn_backend, num_gpu_blocks, layer_offset, num_mtp_layers)
+            if made.per_layer != self._tensors_per_layer:
                 raise ValueError(
-                    f"attn_backend: MTP layers have {per_layer} tensors each, the model's "
-                    f"{self._tensors_per_layer}"
+                    f"attn_backend: MTP layers have {made.per_layer} tensors each, the "
+                    f"model's {self._tensors_per_layer}"
                 )
             main = self._caches
-            ctrl.free_cache()  # the host tier is re-sized for the extra layers
+            self._forward(ctrl.free_cache())  # the host tier is re-sized for the extra layers
             self.controller = None
             try:
-                self._adopt([*main, *mtp], per_layer, num_mtp_layers)
+                self._adopt([*main, *made.tensors], made.per_layer, num_mtp_layers)
             except Exception:
                 # Refused (e.g. the MTP tensors' dtype): the main cache gets its
                 # controller and host tier back (no swap ran, so nothing is lost).
-                self._adopt(main, per_layer, 0)
+                self._adopt(main, made.per_layer, 0)
                 raise
-            self.cache_kvs_map.update(names)
-            return list(mtp)
+            self.cache_kvs_map.update(zip(made.names, made.tensors, strict=True))
+            return list(made.tensors)
 
-    def get_kv_caches(self) -> list[Any]:
-        return list(self._caches)
+    def get_kv_caches(self) -> dict[str, Any]:
+        """FastDeploy's name -> tensor dict of every cache tensor (the runner's
+        `cache_kvs_map`); the same dict object, emptied by `free_gpu_cache`."""
+        return self.cache_kvs_map
 
     def get_host_cache_kvs_map(self) -> dict[str, int]:
-        """Cache tensor name -> address of its host-tier region."""
-        ctrl = self._require()
-        return dict(zip(self.cache_kvs_map, ctrl.host_ptrs, strict=True))
+        """Cache tensor name -> address of its host-tier region; empty before the
+        cache exists or without a host tier (as FastDeploy's)."""
+        with self._lock:
+            ctrl = self.controller
+            if ctrl is None or not ctrl.shape.num_host_blocks:
+                return {}
+            return dict(zip(self.cache_kvs_map, ctrl.host_ptrs, strict=True))
 
     @property
     def transfer_manager(self) -> Any:
@@ -327,17 +350,22 @@ class FastDeployCacheController:
 
         Returns:
             The swap-in's counter (also `swap_layer_done_counter`), or None when the
-            step loads nothing. A swap-in the controller refuses (ids out of range)
-            is reported failed, and its counter raises at every wait.
+            step loads nothing. A swap-in the controller refuses (ids out of range),
+            or any step before the cache exists, is reported failed, and its counter
+            raises at every wait (FastDeploy's controller does not raise there
+            either).
 
         Raises:
             ValueError: metadata fastkv's scheduler did not make (wrong levels,
                 lists of different lengths, untagged hashes); nothing is launched.
         """
         with self._lock:
-            ctrl = self._require()
             evict = parse_merged(evict_metadata, "device", "host")
             swap = parse_merged(swap_in_metadata, "host", "device")
+            self._settle_held()
+            if self.controller is None:
+                return self._refuse_step(evict, swap, "the KV cache is not initialized")
+            ctrl = self.controller
             self._report()
             fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
@@ -388,10 +416,37 @@ class FastDeployCacheController:
                 self.swap_layer_done_counter = None
                 return None
             self._groups[fk_swap.transfer_id] = swap.transfer_ids  # type: ignore[union-attr]
+            self._held[fk_swap.transfer_id] = None  # a failure waits for the retry
             self.swap_layer_done_counter = StepLayerCounter(
-                self, counter, ctrl.shape.num_layers, swap.dst_block_ids, swap.transfer_ids
+                self,
+                counter,
+                ctrl.shape.num_layers,
+                swap.dst_block_ids,
+                swap.transfer_ids,
+                local=fk_swap,
             )
             return self.swap_layer_done_counter
+
+    def _refuse_step(
+        self, evict: MergedTransfer | None, swap: MergedTransfer | None, why: str
+    ) -> StepLayerCounter | None:
+        """Report a step that cannot launch at all as failed; its swap-in's counter
+        raises at every wait."""
+        error = f"not launched: {why}"
+        log.error("fastkv rank %d: step %s", self.rank, error)
+        self.sender.send(
+            TransferResult(t, False, error)
+            for m in (evict, swap)
+            if m is not None
+            for t in m.transfer_ids
+        )
+        self.swap_layer_done_counter = None
+        if swap is None:
+            return None
+        self.swap_layer_done_counter = StepLayerCounter(
+            self, None, self._num_layers, swap.dst_block_ids, swap.transfer_ids, error
+        )
+        return self.swap_layer_done_counter
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`swap_layer_done_counter.wait_for_layer`, when the step has a swap-in."""
@@ -440,25 +495,41 @@ class FastDeployCacheController:
     # -- lifecycle --------------------------------------------------------------
 
     def reset_cache(self) -> bool:
-        """Wait for in-flight copies (reporting them), then zero every block."""
+        """Wait for in-flight copies (reporting them), then zero every block.
+        Returns True, also before the cache exists (as FastDeploy's)."""
         with self._lock:
-            self._forward(self._require().reset_cache())
+            if self.controller is not None:
+                self._forward(self.controller.reset_cache())
             self.swap_layer_done_counter = None
             return True
 
-    def free_cache(self, clear_storage: bool = False) -> None:
-        """Stop reporting, wait for in-flight copies (reporting them), release the
-        host tier. The engine's tensors are left to the engine."""
-        del clear_storage  # no storage tier yet
+    def free_gpu_cache(self) -> None:
+        """Let go of every KV tensor: stop reporting, wait for in-flight copies
+        (reporting them), drop the controller (and its host tier) and every
+        reference fastkv holds to the tensors (`cache_kvs_map` is emptied: it is
+        the dict the runner got from `get_kv_caches`). FastDeploy's runner calls
+        this after its profiling run, at `clear_parameters` and when the KV cache
+        sleeps; `initialize_kv_cache` may run again afterwards. No-op without a
+        cache."""
         self.stop()
         with self._lock:
-            if self.controller is not None:
-                self._forward(self.controller.free_cache())
-                self.controller = None
-            self.sender.close()
+            ctrl, self.controller = self.controller, None
+            if ctrl is not None:
+                self._forward(ctrl.free_cache())  # it drops the adopted tensors
+            self._settle_held()
+            self._recovered.clear()
+            self.cache_kvs_map.clear()
+            self._caches = []
             self.swap_layer_done_counter = None
 
-    free_gpu_cache = free_cache
+    def free_cache(self, clear_storage: bool = False) -> bool:
+        """`free_gpu_cache`, then close the results sender (shutdown). Returns True,
+        as FastDeploy's."""
+        del clear_storage  # no storage tier on the worker yet
+        self.free_gpu_cache()
+        with self._lock:
+            self.sender.close()
+        return True
 
     def start(self) -> None:
         """The reporter thread starts with the cache; nothing else to start."""
@@ -482,6 +553,8 @@ class FastDeployCacheController:
                 results_pending=sent.pending,
                 results_dropped=sent.dropped,
                 transfers_without_result=len(self._groups),
+                swap_in_retries=self._retries,
+                swap_ins_recovered=self._recoveries,
             )
             return stats
 
@@ -492,36 +565,20 @@ class FastDeployCacheController:
             raise RuntimeError("the KV cache is not initialized (initialize_kv_cache first)")
         return self.controller
 
-    def _create(
+    def _make(
         self, attn_backend: Any, num_blocks: int, first_layer: int, num_layers: int
-    ) -> tuple[list[Any], int, dict[str, Any]]:
-        """Make the layers' tensors; returns them flat, the tensors per layer and
-        their names (merged into `cache_kvs_map` by the caller once adopted)."""
-        check_int("num_gpu_blocks", num_blocks, 1)
-        kv_dtype = fdc.kv_dtype_of(self.fd_config)
-        quant = fdc.kv_cache_quant_type(self.fd_config)
-        dtype = "uint8" if kv_dtype == "fp8" else kv_dtype
-        caches: list[Any] = []
-        names: dict[str, Any] = {}
-        per_layer = None
-        for layer in range(first_layer, first_layer + num_layers):
-            made = attn_backend.create_kv_cache(
-                num_blocks, cache_dtype=dtype, kv_cache_quant_type=quant
-            )
-            roles = [r for r in ROLES if _is_tensor(made.get(r))]
-            if per_layer is None:
-                per_layer = len(roles)
-            if not roles or len(roles) != per_layer:
-                raise ValueError(
-                    f"attn_backend.create_kv_cache: layer {layer} made roles {roles}, "
-                    f"expected {per_layer} like the first layer"
-                )
-            for role in roles:
-                caches.append(made[role])
-                name = f"{ROLES[role]}_{layer}_rank{self.rank}.device{self.device_id}"
-                names[name] = made[role]
-        assert per_layer is not None
-        return caches, per_layer, names
+    ) -> LayerTensors:
+        """Make the layers' tensors as FastDeploy's runner would (see fd_backend)."""
+        return make_layers(
+            attn_backend,
+            num_blocks=num_blocks,
+            first_layer=first_layer,
+            num_layers=num_layers,
+            model_dtype=fdc.model_dtype(self.fd_config),
+            quant=fdc.kv_cache_quant_type(self.fd_config),
+            tp_rank=self.rank,
+            device_id=self.device_id,
+        )
 
     def _adopt(self, caches: list[Any], per_layer: int, num_extra: int) -> None:
         from fastkv.worker.cache_controller import CacheController
@@ -569,9 +626,89 @@ class FastDeployCacheController:
     def _forward(self, results: list[TransferResult]) -> int:
         out = []
         for r in results:
-            ids = self._groups.pop(r.transfer_id, ())
+            tid = r.transfer_id
+            if tid in self._held:
+                if tid in self._recovered:  # a retry loaded every layer after all
+                    self._recovered.discard(tid)
+                    r = TransferResult(tid, True)
+                elif not r.success:  # kept until the runner's wait retries it
+                    self._held[tid] = r
+                    continue
+                del self._held[tid]
+            ids = self._groups.pop(tid, ())
             out += [TransferResult(t, r.success, r.error) for t in ids]
         return self.sender.send(out)
+
+    def _recover(self, counter: StepLayerCounter, timeout: float) -> bool:
+        """A step's swap-in failed: copy it again, every layer, at most
+        `swap_in_retries` times, before the runner's wait returns. On success the
+        scheduler hears that the transfer succeeded (its failure was held back);
+        otherwise the failure goes on.
+
+        Returns:
+            Whether the blocks are loaded now.
+        """
+        with self._lock:
+            if counter.recovered is not None:
+                return counter.recovered
+            local, ctrl = counter.local, self.controller
+            ok = False
+            if local is not None and ctrl is not None:
+                for attempt in range(self.swap_in_retries):
+                    self._retries += 1
+                    again = CacheSwapMetadata(
+                        self._next_id,
+                        CacheLevel.HOST,
+                        CacheLevel.DEVICE,
+                        local.src_block_ids,
+                        local.dst_block_ids,
+                    )
+                    self._next_id += 1
+                    try:
+                        ctrl.submit_swap_tasks(None, again).wait_all(timeout)
+                    except (TransferFailedError, ValueError) as e:
+                        log.warning(
+                            "fastkv rank %d: swap-in retry %d of %d failed: %s",
+                            self.rank,
+                            attempt + 1,
+                            self.swap_in_retries,
+                            e,
+                        )
+                        continue
+                    ok = True
+                    break
+            counter.recovered = ok
+            if local is not None:
+                self._resolve(local.transfer_id, ok)
+            if ok:
+                self._recoveries += 1
+                log.warning(
+                    "fastkv rank %d: a failed swap-in of %d blocks was loaded again",
+                    self.rank,
+                    len(counter.device_block_ids),
+                )
+            return ok
+
+    def _settle_held(self) -> None:
+        """The step of a held-back swap-in is over and nothing retried it (the
+        runner never waited on it): its failure goes on to the scheduler."""
+        for tid in list(self._held):
+            if tid not in self._recovered:
+                self._resolve(tid, False)
+
+    def _resolve(self, tid: int, recovered: bool) -> None:
+        """Let a held-back swap-in result go: as a success if a retry loaded it."""
+        if tid not in self._held:
+            return
+        held = self._held[tid]
+        if held is None:  # its result has not come yet: convert it when it does
+            if recovered:
+                self._recovered.add(tid)
+            else:
+                del self._held[tid]
+            return
+        del self._held[tid]
+        self._forward([TransferResult(tid, True) if recovered else held])
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.report_interval_s):
@@ -579,11 +716,6 @@ class FastDeployCacheController:
                 self.report_results()
             except Exception:  # never let the reporter die silently mid-run
                 log.exception("fastkv rank %d: reporting results failed", self.rank)
-
-
-def _is_tensor(value: object) -> bool:
-    shape = getattr(value, "shape", None)
-    return shape is not None and len(shape) > 0 and all(int(d) > 0 for d in shape)
 
 
 def _kv_dtype_of_tensor(tensor: Any) -> str:

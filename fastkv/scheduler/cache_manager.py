@@ -646,6 +646,32 @@ class CacheManager:
     def num_free_device_blocks(self) -> int:
         return self.device_pool.num_free
 
+    def num_obtainable_device_blocks(self, limit: int) -> int:
+        """How many device blocks an allocation could get right now, at most
+        `limit`: the free ones, then the cached blocks no request holds that
+        evicting reaches now (leaves first; a block under which a copy to the device
+        is still in flight stays until it lands).
+
+        Exact with `reuse_evicted_blocks` (every evicted block goes to the
+        allocating request at once, and a victim without host room is dropped with
+        its host-only descendants rather than stopping the eviction): an allocation
+        of at most this many blocks (its host hits' destinations included) succeeds
+        now, one of more does not. Without it, blocks that must first be copied to
+        host are counted though they free only when the copy lands.
+
+        O(1) when the free blocks suffice, else O(cached blocks counted and passed
+        over); at most `num_free_device_blocks + num_evictable_device_blocks` (O(1))
+        rules out more.
+
+        Raises:
+            ValueError: `limit` is not an int >= 0.
+        """
+        _check_count("limit", limit)
+        free = self.device_pool.num_free
+        if free >= limit:
+            return limit
+        return free + self.tree.count_device_victims(limit - free)
+
     @property
     def num_evictable_device_blocks(self) -> int:
         """Cached device blocks no request holds and no copy moves (O(1)): with the
@@ -957,9 +983,18 @@ class CacheManager:
                         tree.start_eviction(node, host[0])
                         self._device_evictions += 1
                         deficit -= 1
-                elif node.num_children:  # no host room, and its children need it
+                elif node.num_children and not reuse:  # no host room; children need it
                     tree.restore_device_victim(node)
                     break
+                elif node.num_children:
+                    # No host room, and its descendants live only on host (or are on
+                    # their way there): they lose their path and leave the tree
+                    # (their host blocks free now or when their copies land), so
+                    # this block can go like any other. Evicting stops at nothing
+                    # here, which keeps `num_obtainable_device_blocks` exact.
+                    self.host_pool.free(tree.drop_subtree(node))
+                    freed.append(node.device_block)
+                    tree.remove(node)
                 else:
                     freed.append(node.device_block)
                     tree.remove(node)
@@ -1100,7 +1135,7 @@ class CacheManager:
         moving: set[TreeNode] = set()
         storing: set[TreeNode] = set()
         released = (PENDING_HOST, DROPPED)  # device block already handed on
-        for transfer in self._transfers.values():
+        for transfer in [*self._transfers.values(), self._d2h]:  # queued ones too
             if isinstance(transfer, StoreTransfer):
                 for node, host, free in zip(
                     transfer.nodes, transfer.host_ids, transfer.free_after, strict=True

@@ -556,6 +556,39 @@ class RadixTree:
             n -= 1
         return freed
 
+    def count_device_victims(self, limit: int) -> int:
+        """How many nodes successive `pop_device_victim` calls would return now, at
+        most `limit`, if each victim left the device (its parent then becoming a
+        candidate once its last device child has left). Changes nothing.
+        O(nodes visited)."""
+        count = 0
+        left: dict[TreeNode, int] = {}  # device children each would still have
+        passed: set[TreeNode] = set()  # visited with device children: parked
+        ready: list[TreeNode] = []  # unparked by the walk: taken next
+        parked = self._device_parked
+        listed = iter(self.device_lru)
+        root = self.root
+        while count < limit:
+            if ready:
+                node = ready.pop()
+            else:
+                node = next(listed, None)
+                if node is None:
+                    break
+            if left.get(node, node.num_device_children):
+                passed.add(node)
+                continue
+            count += 1
+            parent = node.parent
+            if parent is root or parent is None:
+                continue
+            remaining = left.get(parent, parent.num_device_children) - 1
+            left[parent] = remaining
+            if not remaining and (parent in passed or parent in parked):
+                passed.discard(parent)
+                ready.append(parent)
+        return count
+
     def restore_device_victim(self, node: TreeNode) -> None:
         """Put back a node taken by `pop_device_victim` that was not evicted."""
         self.device_lru[node] = None

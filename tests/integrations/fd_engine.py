@@ -453,8 +453,12 @@ def make_engine(
     fail_rates: tuple[float, ...] = (),
     prefix_caching: bool = True,
     registry: Any | None = None,
+    swap_in_retries: int = 0,
     **engine_kw: Any,
 ) -> Engine:
+    """An engine of stand-ins around the real adapters. `swap_in_retries` is 0 by
+    default: the flows exercise the runner's failed-load path; the worker's retry
+    has its own tests."""
     fd_config = FDConfig(
         FDCacheConfig(
             block_size=BS,
@@ -476,6 +480,7 @@ def make_engine(
             r,
             channel_name=channel,
             fail_rate=fail_rates[r] if r < len(fail_rates) else 0.0,
+            swap_in_retries=swap_in_retries,
         )
         caches = worker.initialize_kv_cache(
             AttentionBackend(KV_HEADS, HEAD_DIM, BS), device_blocks

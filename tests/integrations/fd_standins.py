@@ -13,9 +13,10 @@ facts, not copied:
 - `BatchRequest`: add_request moves a task's metadata lists into ONE swap-in and
   ONE eviction metadata, concatenating src / dst / hash_values and dropping the
   rest;
-- `ScheduledDecodeTask`, `ScheduledPreemptTask`; `FDConfig` and its sections; an
-  attention backend whose `create_kv_cache` makes GQA tensors
-  `[blocks, kv_heads, block_size, head_dim]` like FastDeploy's.
+- `ScheduledDecodeTask`, `ScheduledPreemptTask`; `FDConfig` and its sections;
+  attention backends of both cache APIs: the snapshot's `get_kv_cache_shape`
+  (GQA `[blocks, kv_heads, block_size, head_dim]`, MLA's single latent tensor) and
+  upstream's `create_kv_cache(num_layers, num_blocks, cache_dtype, ...)`.
 
 `install_fake_fastdeploy(monkeypatch)` registers `fastdeploy.cache_manager.v1.
 metadata` (and optionally `fastdeploy.metrics.metrics`) in sys.modules, so the
@@ -259,26 +260,56 @@ class FDConfig:
 
 
 class AttentionBackend:
-    """Makes one layer's K and V `[blocks, kv_heads, block_size, head_dim]` (this
-    rank's head shard), as FastDeploy's append-attention backend does."""
+    """FastDeploy's append-attention backend as of the snapshot: it only says the
+    shapes (`[blocks, kv_heads, block_size, head_dim]`, this rank's head shard; half
+    the head dim for int4_zp); the runner (here: the controller) makes the tensors."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
-        self.calls: list[tuple[int, str, Any]] = []
+        self.calls: list[tuple[int, Any]] = []
+
+    def get_kv_cache_shape(self, max_num_blocks: int, kv_cache_quant_type: str | None = None):
+        self.calls.append((max_num_blocks, kv_cache_quant_type))
+        shape = [max_num_blocks, self.num_kv_heads, self.block_size, self.head_dim]
+        if kv_cache_quant_type == "int4_zp":
+            shape[-1] = self.head_dim // 2
+        return shape, shape
+
+
+class MLABackend(AttentionBackend):
+    """An MLA backend: one latent tensor per layer (an empty value shape)."""
+
+    def get_kv_cache_shape(self, max_num_blocks: int, kv_cache_quant_type: str | None = None):
+        self.calls.append((max_num_blocks, kv_cache_quant_type))
+        return [max_num_blocks, 1, self.block_size, self.head_dim], []
+
+
+class UpstreamAttentionBackend(AttentionBackend):
+    """The upstream API since the snapshot: the backend allocates every layer's
+    tensors in one call, keyed by (role, layer)."""
 
     def create_kv_cache(
-        self, max_num_blocks: int, cache_dtype: str = "bfloat16", kv_cache_quant_type=None
-    ) -> dict[str, Any]:
+        self,
+        num_layers: int,
+        num_blocks: int,
+        cache_dtype: str,
+        kv_cache_quant_type: str | None = None,
+        layer_offset: int = 0,
+    ) -> dict[tuple[str, int], Any]:
         import paddle
 
-        self.calls.append((max_num_blocks, cache_dtype, kv_cache_quant_type))
-        shape = [max_num_blocks, self.num_kv_heads, self.block_size, self.head_dim]
-        return {
-            "key": paddle.zeros(shape, dtype=cache_dtype),
-            "value": paddle.zeros(shape, dtype=cache_dtype),
-        }
+        self.calls.append((num_blocks, cache_dtype, kv_cache_quant_type, layer_offset))
+        shape = [num_blocks, self.num_kv_heads, self.block_size, self.head_dim]
+        out = {}
+        for layer in range(layer_offset, layer_offset + num_layers):
+            out[("key", layer)] = paddle.zeros(shape, dtype=cache_dtype)
+            out[("value", layer)] = paddle.zeros(shape, dtype=cache_dtype)
+            if kv_cache_quant_type == "block_wise_fp8":
+                for role in ("key_scale", "value_scale"):
+                    out[(role, layer)] = paddle.zeros(shape[:3], dtype="float32")
+        return out
 
 
 # -- making them importable as fastdeploy ------------------------------------------

@@ -6,9 +6,12 @@ and `install()` replacing FastDeploy's classes where FastDeploy looks them up.""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import time
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -18,10 +21,12 @@ from fd_standins import (
     CacheSwapMetadata,
     FDCacheConfig,
     FDConfig,
+    MLABackend,
     ModelConfig,
     ParallelConfig,
     QuantConfig,
     Request,
+    UpstreamAttentionBackend,
     get_request_block_hasher,
     install_fake_fastdeploy,
 )
@@ -33,7 +38,8 @@ from fastkv.integrations.fd_config import (
     cache_config_from_fastdeploy,
     results_channel_name,
 )
-from fastkv.integrations.results_channel import ResultsReceiver
+from fastkv.integrations.results_channel import ResultsReceiver, ResultsSender
+from fastkv.metadata import TransferResult
 
 BS = 4
 
@@ -204,7 +210,7 @@ def test_prefix_caching_off_allocates_without_matching_or_caching(channel: str) 
     try:
         r = request("r", list(range(9)))
         cm.match_prefix(r)
-        assert r.match_result is None  # v1 does nothing either
+        assert r.match_result.total_matched_blocks == 0  # v1: an empty result
         r.block_tables += cm.allocate_gpu_blocks(r, 3)
         assert len(r.block_tables) == 3
         r.output_token_ids = [1, 2]
@@ -214,6 +220,32 @@ def test_prefix_caching_off_allocates_without_matching_or_caching(channel: str) 
         assert cm.manager.num_free_device_blocks == 8
     finally:
         cm.close()
+
+
+def test_a_dropped_cache_manager_does_not_keep_the_channel_from_the_next(channel: str) -> None:
+    # FastDeploy builds a new ResourceManagerV1 (and cache manager) on the same port
+    # without closing the old one; the garbage collector must not be needed.
+    gc.disable()
+    try:
+        old = fd.CacheManager(config(), channel_name=channel)
+        old_receiver = old.results
+        del old  # never closed; a reference cycle keeps it alive until a collection
+        cm = fd.CacheManager(config(), channel_name=channel)
+        assert old_receiver.closed and not cm.results.closed
+        sender = ResultsSender(channel, 0)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            sender.send([TransferResult(0, True)])
+            got += cm.results.poll()
+        assert [(r.transfer_id, r.success) for r in got] == [(0, True)]
+        sender.close()
+        with cm:
+            pass
+        assert cm.results.closed
+        fd.CacheManager(config(), channel_name=channel).close()  # the name is free
+    finally:
+        gc.enable()
 
 
 def test_cache_config_changes_and_resets_only_when_idle(channel: str) -> None:
@@ -247,33 +279,178 @@ def paddle():
     return pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
 
 
-def test_worker_makes_the_caches_through_the_backend_and_names_them(
+def _received(worker, receiver: ResultsReceiver, count: int) -> list:
+    """Poll until `count` results came (the worker re-sends what the channel could
+    not take yet)."""
+    got: list = []
+    deadline = time.monotonic() + 10
+    while len(got) < count and time.monotonic() < deadline:
+        worker.report_results()
+        got += receiver.poll()
+        time.sleep(0.005)
+    return got
+
+
+def _names(layers, roles=("key_caches", "value_caches"), rank=0, device=1) -> list[str]:
+    return [f"{r}_{i}_rank{rank}.device{device}" for i in layers for r in roles]
+
+
+def test_worker_makes_the_caches_from_the_backends_shapes_as_the_runner_does(
     channel: str, paddle
 ) -> None:
-    cfg = config()
-    worker = fd.CacheController(cfg, 3, 1, channel_name=channel, report_interval_s=0)
+    worker = fd.CacheController(config(), 3, 1, channel_name=channel, report_interval_s=0)
     backend = AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS)
     try:
-        caches = worker.initialize_kv_cache(backend, 8)
-        assert len(caches) == 4 and caches == worker.get_kv_caches()
-        assert list(worker.cache_kvs_map) == [
-            "key_caches_0_rank0.device1",
-            "value_caches_0_rank0.device1",
-            "key_caches_1_rank0.device1",
-            "value_caches_1_rank0.device1",
-        ]
-        assert backend.calls == [(8, "bfloat16", None)] * 2
+        caches = worker.initialize_kv_cache(attn_backend=backend, num_gpu_blocks=8)
+        assert backend.calls == [(8, None)]
+        assert len(caches) == 4 and all(t.shape == [8, 2, BS, 4] for t in caches)
+        assert all(str(t.dtype) == "paddle.bfloat16" for t in caches)
+        kvs = worker.get_kv_caches()
+        assert isinstance(kvs, dict) and list(kvs) == _names(range(2))
+        assert list(kvs.values()) == caches  # the runner's flat list, same tensors
         assert worker.controller.caches == caches  # adopted, not copied
         host = worker.get_host_cache_kvs_map()
-        assert list(host) == list(worker.cache_kvs_map) and len(set(host.values())) == 4
-        with pytest.raises(RuntimeError, match="free_cache first"):
+        assert list(host) == list(kvs) and len(set(host.values())) == 4
+        with pytest.raises(RuntimeError, match="free_gpu_cache first"):
             worker.initialize_kv_cache(backend, 8)
-        worker.free_cache()
-        assert worker.sender.closed and worker.get_kv_caches() == caches
-        worker.initialize_kv_cache(backend, 8)  # made again: reporting again
-        assert not worker.sender.closed and worker.controller is not None
     finally:
         worker.free_cache()
+
+
+def test_block_wise_fp8_makes_uint8_caches_and_scales(channel: str, paddle) -> None:
+    cfg = config()
+    cfg.quant_config = QuantConfig("block_wise_fp8")
+    worker = fd.CacheController(cfg, 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        caches = worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
+        roles = ("key_caches", "value_caches", "key_cache_scales", "value_cache_scales")
+        assert list(worker.get_kv_caches()) == _names(range(2), roles, device=0)
+        assert [str(t.dtype) for t in caches[:4]] == ["paddle.uint8"] * 2 + [
+            "paddle.float32"
+        ] * 2
+        assert caches[2].shape == [8, 2, BS]
+        assert worker.controller.shape.tensors_per_layer == 4
+    finally:
+        worker.free_cache()
+
+
+def test_mla_keeps_one_latent_tensor_per_layer(channel: str, paddle) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        caches = worker.initialize_kv_cache(MLABackend(1, 8, BS), 8)
+        assert len(caches) == 2 and caches[0].shape == [8, 1, BS, 8]
+        assert list(worker.get_kv_caches()) == _names(range(2), ("key_caches",), device=0)
+    finally:
+        worker.free_cache()
+
+
+def test_worker_takes_the_tensors_an_upstream_backend_makes(channel: str, paddle) -> None:
+    cfg = config()
+    cfg.quant_config = QuantConfig("block_wise_fp8")
+    worker = fd.CacheController(cfg, 0, 0, channel_name=channel, report_interval_s=0)
+    backend = UpstreamAttentionBackend(2, 4, BS)
+    try:
+        caches = worker.initialize_kv_cache(attn_backend=backend, num_gpu_blocks=8)
+        assert backend.calls == [(8, "uint8", "block_wise_fp8", 0)]
+        roles = ("key_caches", "value_caches", "key_cache_scales", "value_cache_scales")
+        assert list(worker.get_kv_caches()) == _names(range(2), roles, device=0)
+        assert list(worker.get_kv_caches().values()) == caches
+        mtp = worker.initialize_mtp_kv_cache(
+            attn_backend=backend, num_gpu_blocks=12, num_mtp_layers=1, layer_offset=2
+        )
+        assert backend.calls[-1] == (12, "uint8", "block_wise_fp8", 2)
+        assert len(mtp) == 4 and list(worker.get_kv_caches())[-4:] == _names(
+            [2], roles, device=0
+        )
+        assert worker.controller.shape.num_layers == 3
+    finally:
+        worker.free_cache()
+
+
+class _PerLayerDraft:
+    """The per-layer create_kv_cache of an earlier draft of the upstream change."""
+
+    def create_kv_cache(self, max_num_blocks, cache_dtype="bfloat16", kv_cache_quant_type=None):
+        raise AssertionError("never called")
+
+
+class _DSABackend(AttentionBackend):
+    def get_kv_cache_shape(self, max_num_blocks, kv_cache_quant_type=None):
+        key = [max_num_blocks, 1, self.block_size, 656]
+        return key, [], [max_num_blocks, self.block_size, 132]
+
+
+class _OddRoles(UpstreamAttentionBackend):
+    def create_kv_cache(self, num_layers, num_blocks, cache_dtype, **kw):
+        made = super().create_kv_cache(num_layers, num_blocks, cache_dtype, **kw)
+        made[("indexer", 0)] = made[("key", 0)]
+        return made
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        (_PerLayerDraft(), r"_PerLayerDraft has create_kv_cache\(max_num_blocks"),
+        (object(), "neither create_kv_cache nor get_kv_cache_shape"),
+        (_DSABackend(1, 8, BS), "returned 3 shapes"),
+        (_OddRoles(2, 4, BS), r"role 'indexer' \(layer 0\)"),
+    ],
+)
+def test_a_backend_of_neither_api_is_refused_saying_what_it_has(
+    channel: str, paddle, backend, message: str
+) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        with pytest.raises(ValueError, match=message):
+            worker.initialize_kv_cache(backend, 8)
+        assert worker.controller is None and worker.get_kv_caches() == {}
+    finally:
+        worker.free_cache()
+
+
+def test_free_gpu_cache_lets_go_of_every_tensor_and_init_runs_again(
+    channel: str, paddle
+) -> None:
+    # The runner's profile run: init, free (then it measures free memory), init.
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel)
+    backend = AttentionBackend(2, 4, BS)
+    try:
+        for _ in range(2):
+            caches = worker.initialize_kv_cache(attn_backend=backend, num_gpu_blocks=8)
+            runner_map = worker.get_kv_caches()  # the runner keeps this dict
+            out = CacheSwapMetadata([5], [2], CacheLevel.DEVICE, CacheLevel.HOST, ["0:a"])
+            worker.submit_swap_tasks(out, None)  # a copy reading them, in flight
+            refs = [weakref.ref(t) for t in caches]
+            del caches
+            worker.free_gpu_cache()
+            assert runner_map == {} and worker.swap_layer_done_counter is None
+            gc.collect()
+            assert [r() for r in refs] == [None] * 4
+            assert worker.get_stats()["transfers_without_result"] == 0
+        worker.initialize_kv_cache(backend, 8)
+        assert worker.controller is not None and len(worker.get_kv_caches()) == 4
+    finally:
+        assert worker.free_cache() is True
+
+
+def test_calls_before_the_cache_exists_answer_as_fastdeploys_do(channel: str, paddle) -> None:
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    try:
+        assert worker.reset_cache() is True
+        assert worker.get_host_cache_kvs_map() == {}
+        assert worker.get_kv_caches() == {}
+        assert worker.submit_swap_tasks(None, None) is None
+        swap = CacheSwapMetadata([0], [1], CacheLevel.HOST, CacheLevel.DEVICE, ["3:a"])
+        counter = worker.submit_swap_tasks(None, swap)
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_for_layer(0)
+        got = _received(worker, receiver, 1)
+        assert [(r.transfer_id, r.success) for r in got] == [(3, False)]
+        worker.free_gpu_cache()  # nothing to free: no error
+    finally:
+        assert worker.free_cache() is True
+        receiver.close()
 
 
 def test_mtp_layers_move_with_their_blocks(channel: str, paddle) -> None:
@@ -299,9 +476,7 @@ def test_mtp_layers_move_with_their_blocks(channel: str, paddle) -> None:
         worker.finish_step(10)
         for i, t in enumerate(main + mtp):  # every layer's block, the MTP layer's too
             assert float(t[6].astype("float32").mean()) == i + 1
-        got = []
-        while len(got) < 2:
-            got += receiver.poll()
+        got = _received(worker, receiver, 2)
         assert sorted(r.transfer_id for r in got) == [0, 1] and all(r.success for r in got)
         with pytest.raises(RuntimeError, match="swaps already ran"):
             worker.initialize_mtp_kv_cache(backend, 12, 1, 3)
@@ -310,21 +485,22 @@ def test_mtp_layers_move_with_their_blocks(channel: str, paddle) -> None:
         receiver.close()
 
 
-class _MtpBackend(AttentionBackend):
+class _MtpBackend(UpstreamAttentionBackend):
     """Makes the MTP layers wrong: float32 tensors, or an extra K scale per layer."""
 
     def __init__(self, *args, wrong: str) -> None:
         super().__init__(*args)
         self.wrong = wrong
 
-    def create_kv_cache(self, max_num_blocks, cache_dtype="bfloat16", kv_cache_quant_type=None):
+    def create_kv_cache(self, num_layers, num_blocks, cache_dtype, **kw):
         import paddle
 
         if self.wrong == "dtype":
             cache_dtype = "float32"
-        made = super().create_kv_cache(max_num_blocks, cache_dtype, kv_cache_quant_type)
+        made = super().create_kv_cache(num_layers, num_blocks, cache_dtype, **kw)
         if self.wrong == "roles":
-            made["key_scale"] = paddle.zeros([max_num_blocks, self.num_kv_heads], "float32")
+            for layer in range(kw["layer_offset"], kw["layer_offset"] + num_layers):
+                made[("key_scale", layer)] = paddle.zeros([num_blocks, 2, BS], "float32")
         return made
 
 
@@ -344,16 +520,15 @@ def test_refused_mtp_layers_leave_the_main_cache_as_it_was(
             worker.initialize_mtp_kv_cache(
                 _MtpBackend(2, 4, BS, wrong=wrong), 12, num_mtp_layers=1, layer_offset=2
             )
-        assert list(worker.cache_kvs_map) == names and worker.get_kv_caches() == main
+        assert list(worker.cache_kvs_map) == names
+        assert list(worker.get_kv_caches().values()) == main
         assert worker.controller is not None and worker.controller.caches == main
         assert worker.controller.shape.num_layers == 2
         assert list(worker.get_host_cache_kvs_map()) == names
         out = CacheSwapMetadata([5], [2], CacheLevel.DEVICE, CacheLevel.HOST, ["0:a"])
         assert worker.submit_swap_tasks(out, None) is None  # the host tier still works
         assert worker.finish_step(10, wait_evictions=True) == frozenset()
-        got = []
-        while not got:
-            got += receiver.poll()
+        got = _received(worker, receiver, 1)
         assert [(r.transfer_id, r.success) for r in got] == [(0, True)]
     finally:
         worker.free_cache()
@@ -429,7 +604,7 @@ def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(
         assert failure.value.device_block_ids == {3, 42}
         assert failure.value.transfer_ids == (4, 5)
         assert worker.finish_step(10) == frozenset({3, 42})
-        got = receiver.poll()
+        got = _received(worker, receiver, 2)
         assert sorted(r.transfer_id for r in got) == [4, 5]
         assert all(not r.success and "outside [0, 8)" in r.error for r in got)
     finally:
@@ -457,7 +632,7 @@ def test_an_eviction_that_started_before_a_launch_error_reports_its_own_result(
         with pytest.raises(fd.SwapInFailedError):
             counter.wait_for_layer(0)
         assert worker.finish_step(10, wait_evictions=True) == frozenset({1})
-        got = {r.transfer_id: r for r in receiver.poll()}
+        got = {r.transfer_id: r for r in _received(worker, receiver, 2)}
         assert got[6].success, got[6]
         assert not got[7].success and "cudaErrorLaunchFailure" in got[7].error
         assert worker.get_stats()["transfers_without_result"] == 0

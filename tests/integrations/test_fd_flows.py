@@ -309,6 +309,18 @@ def test_random_copy_failures_never_change_outputs(channel: str) -> None:
     assert outputs == reference(pressure_workload())
 
 
+def test_random_copy_failures_retried_by_the_worker_never_change_outputs(
+    channel: str,
+) -> None:
+    engine = make_engine(
+        channel, device_blocks=12, host_blocks=10, fail_rates=(0.3,), swap_in_retries=2
+    )
+    outputs = run(engine, pressure_workload())
+    assert outputs == reference(pressure_workload())
+    (worker,) = engine.worker_stats
+    assert worker["swap_in_retries"] > 0 and worker["transfers_without_result"] == 0, worker
+
+
 def test_finish_with_metadata_never_dispatched_fails_it_locally(channel: str) -> None:
     engine = make_engine(channel, device_blocks=10, host_blocks=16)
     try:

@@ -1,29 +1,40 @@
-"""The results channel over real abstract-namespace datagram sockets: two worker
-processes report per-rank results, the scheduler end combines them (a transfer
-comes out once every rank reported, failed if any rank failed); a sender keeps
-what it cannot deliver and delivers it once the scheduler binds; bad, duplicate
-and foreign datagrams are dropped and counted, never raised."""
+"""The results channel over real sockets in a real private directory: worker
+processes report per-rank results, the scheduler end combines them (a transfer comes
+out once every rank reported, failed if any rank failed); a sender keeps what it
+cannot deliver and delivers it once the scheduler binds (again); bad, duplicate and
+replayed messages are dropped and counted, never raised; a closed receiver frees its
+name at once. Attacks from other users and namespaces: test_results_channel_attacks.py.
+"""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
+from fastkv.integrations import results_channel as rc
 from fastkv.integrations.results_channel import (
     MAX_ERROR_CHARS,
     ResultsReceiver,
     ResultsSender,
-    channel_address,
     decode,
     encode,
 )
 from fastkv.metadata import TransferResult
 
 WAIT_S = 10.0
+
+
+@pytest.fixture
+def rundir(tmp_path: Path) -> str:
+    """A private directory the channel makes itself (its parent is pytest's)."""
+    return str(tmp_path / "run")
 
 
 def collect(
@@ -41,8 +52,55 @@ def collect(
     return out
 
 
-def _send_as_rank(name: str, rank: int, failing: int, ready, go) -> None:
-    sender = ResultsSender(name, rank)
+def drain(receiver: ResultsReceiver, datagrams: int) -> list[TransferResult]:
+    """Poll (bounded) until the receiver has read `datagrams` messages."""
+    out: list[TransferResult] = []
+    deadline = time.monotonic() + WAIT_S
+    while receiver.stats().datagrams < datagrams and time.monotonic() < deadline:
+        out += receiver.poll()
+        time.sleep(0.002)
+    return out + receiver.poll()
+
+
+class RawPeer:
+    """A hand-driven connection that knows the secret (what a worker would send)."""
+
+    def __init__(self, directory: str, name: str, nonce: bytes | None = None) -> None:
+        dir_fd = rc.open_private_dir(directory)
+        try:
+            secret = rc.load_secret(dir_fd, name)
+            epoch = rc.read_epoch(dir_fd, name)
+        finally:
+            os.close(dir_fd)
+        assert epoch is not None
+        self.nonce = nonce if nonce is not None else os.urandom(16)
+        self.key = rc.connection_key(secret, epoch, self.nonce)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(os.path.join(directory, f"{name}.sock"))
+        self.seq = 0
+
+    def frame(self, payload: bytes, seq: int | None = None) -> bytes:
+        return rc.seal(self.key, self.nonce, self.seq if seq is None else seq, payload)
+
+    def send(self, payload: bytes) -> bytes:
+        frame = self.frame(payload)
+        self.sock.send(frame)
+        self.seq += 1
+        return frame
+
+    def closed_by_peer(self) -> bool:
+        self.sock.settimeout(WAIT_S)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _send_as_rank(directory: str, name: str, rank: int, failing: int, ready, go) -> None:
+    sender = ResultsSender(name, rank, directory=directory)
     ready.set()
     go.wait(WAIT_S)
     results = [
@@ -60,14 +118,18 @@ def _send_as_rank(name: str, rank: int, failing: int, ready, go) -> None:
     sender.close()
 
 
-def test_two_worker_processes_combine_into_one_result_per_transfer(channel: str) -> None:
+def test_two_worker_processes_combine_into_one_result_per_transfer(
+    channel: str, rundir: str
+) -> None:
     ctx = mp.get_context("spawn")
-    receiver = ResultsReceiver(channel, tp_size=2)
+    receiver = ResultsReceiver(channel, tp_size=2, directory=rundir)
     try:
         go = ctx.Event()
         readies = [ctx.Event(), ctx.Event()]
         procs = [
-            ctx.Process(target=_send_as_rank, args=(channel, rank, 13, readies[rank], go))
+            ctx.Process(
+                target=_send_as_rank, args=(rundir, channel, rank, 13, readies[rank], go)
+            )
             for rank in range(2)
         ]
         for p in procs:
@@ -89,14 +151,35 @@ def test_two_worker_processes_combine_into_one_result_per_transfer(channel: str)
         receiver.close()
 
 
-def test_a_sender_keeps_results_until_the_scheduler_binds(channel: str) -> None:
-    sender = ResultsSender(channel, 0)
+def test_the_private_directory_and_its_files_are_the_users_alone(
+    channel: str, rundir: str
+) -> None:
+    old = os.umask(0)  # the modes must not depend on the umask
+    try:
+        receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    finally:
+        os.umask(old)
+    try:
+        st = os.lstat(rundir)
+        assert (st.st_uid, st.st_mode & 0o7777) == (os.getuid(), 0o700)
+        for suffix in ("key", "lock"):
+            st = os.lstat(os.path.join(rundir, f"{channel}.{suffix}"))
+            assert (st.st_uid, st.st_mode & 0o077) == (os.getuid(), 0)
+        assert len(Path(rundir, f"{channel}.key").read_bytes()) == rc.KEY_FILE_BYTES
+        assert receiver.path == os.path.join(rundir, f"{channel}.sock")
+    finally:
+        receiver.close()
+
+
+def test_a_sender_keeps_results_until_the_scheduler_binds(channel: str, rundir: str) -> None:
+    sender = ResultsSender(channel, 0, directory=rundir)
     assert sender.send([TransferResult(1, True), TransferResult(2, False, "x")]) == 2
     assert sender.stats().pending == 2 and sender.stats().sent == 0
-    receiver = ResultsReceiver(channel, tp_size=1)
+    assert os.listdir(rundir) == []  # only a receiver makes files
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
         assert receiver.poll() == []
-        assert sender.flush() == 0
+        assert sender.flush() == 0  # no handshake: it goes as soon as it connects
         got = collect(receiver, 2)
         assert got == [TransferResult(1, True), TransferResult(2, False, "rank 0: x")]
     finally:
@@ -104,11 +187,42 @@ def test_a_sender_keeps_results_until_the_scheduler_binds(channel: str) -> None:
         receiver.close()
 
 
-def test_undeliverable_results_are_bounded_and_the_oldest_dropped(channel: str) -> None:
-    sender = ResultsSender(channel, 0, max_pending=5)
+def test_a_sender_reconnects_to_a_restarted_scheduler_and_keeps_what_failed(
+    channel: str, rundir: str
+) -> None:
+    sender = ResultsSender(channel, 0, directory=rundir)
+    first = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    try:
+        sender.send([TransferResult(1, True)])
+        assert collect(first, 1) == [TransferResult(1, True)]
+    finally:
+        first.close()
+    second = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    try:
+        # The old connection is dead: the send fails, the result stays queued, and
+        # the next flush connects to the new receiver (its new epoch, a new nonce).
+        deadline = time.monotonic() + WAIT_S
+        left = sender.send([TransferResult(2, False, "boom")])
+        while left and time.monotonic() < deadline:
+            left = sender.flush()
+        assert left == 0
+        assert collect(second, 1) == [TransferResult(2, False, "rank 0: boom")]
+        assert second.stats().rejected_datagrams == 0
+        second.close()
+        assert sender.send([TransferResult(3, True)]) == 1  # kept; nothing made
+        assert os.listdir(rundir) == []
+    finally:
+        sender.close()
+        second.close()
+
+
+def test_undeliverable_results_are_bounded_and_the_oldest_dropped(
+    channel: str, rundir: str
+) -> None:
+    sender = ResultsSender(channel, 0, max_pending=5, directory=rundir)
     sender.send(TransferResult(t, True) for t in range(8))
     assert sender.stats().pending == 5 and sender.stats().dropped == 3
-    receiver = ResultsReceiver(channel, tp_size=1)
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
         sender.flush()
         assert [r.transfer_id for r in collect(receiver, 5)] == [3, 4, 5, 6, 7]
@@ -117,11 +231,13 @@ def test_undeliverable_results_are_bounded_and_the_oldest_dropped(channel: str) 
         receiver.close()
 
 
-def test_a_full_receiver_queue_holds_results_back_until_it_drains(channel: str) -> None:
-    receiver = ResultsReceiver(channel, tp_size=1)
-    sender = ResultsSender(channel, 0)
+def test_a_full_receiver_queue_holds_results_back_until_it_drains(
+    channel: str, rundir: str
+) -> None:
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    sender = ResultsSender(channel, 0, directory=rundir)
     try:
-        error = 'é\n"' * 500  # escaped by JSON, cut to MAX_ERROR_CHARS
+        error = 'é\n"' * 500  # cut to MAX_ERROR_CHARS
         left = sender.send(TransferResult(t, False, error) for t in range(5000))
         assert left > 0, "the receiver's queue was meant to fill up"
         got = collect(receiver, 5000, sender)
@@ -133,83 +249,266 @@ def test_a_full_receiver_queue_holds_results_back_until_it_drains(channel: str) 
         receiver.close()
 
 
-def test_bad_duplicate_and_out_of_range_reports_are_dropped_and_counted(channel: str) -> None:
-    receiver = ResultsReceiver(channel, tp_size=2)
-    raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+def test_bad_duplicate_and_out_of_range_reports_are_dropped_and_counted(
+    channel: str, rundir: str
+) -> None:
+    receiver = ResultsReceiver(channel, tp_size=2, directory=rundir)
+    peers: list[RawPeer] = []
     try:
-        address = channel_address(channel)
-        for junk in (
-            b"\x80not json",
-            b"[1, 2]",
-            b'{"v": 1, "rank": 0, "results": [[1, "yes", ""]]}',
-        ):
-            raw.sendto(junk, address)
+        for junk in (b"\x80not a payload", encode(0, [TransferResult(1, True)])[0][:-1]):
+            peer = RawPeer(rundir, channel)
+            peers.append(peer)
+            peer.send(junk)  # authentic but malformed: dropped, connection closed
+            drain(receiver, receiver.stats().datagrams + 1)
+            assert peer.closed_by_peer()
+        peer = RawPeer(rundir, channel)
+        peers.append(peer)
         (good,) = encode(0, [TransferResult(5, True)])
-        raw.sendto(good, address)
-        raw.sendto(good, address)  # rank 0 reports transfer 5 twice
-        (bad_rank,) = encode(7, [TransferResult(5, True)])
-        raw.sendto(bad_rank, address)
+        peer.send(good)
+        peer.send(good)  # rank 0 reports transfer 5 twice
         (other,) = encode(1, [TransferResult(5, True)])
-        raw.sendto(other, address)
-        assert collect(receiver, 1) == [TransferResult(5, True)]
+        peer_1 = RawPeer(rundir, channel)
+        peers.append(peer_1)
+        peer_1.send(encode(7, [TransferResult(5, True)])[0])  # no rank 7
+        peer_1 = RawPeer(rundir, channel)
+        peers.append(peer_1)
+        peer_1.send(other)
+        got = drain(receiver, 2 + 2 + 1 + 1)
+        assert got == [TransferResult(5, True)]
         stats = receiver.stats()
-        assert (stats.rejected_datagrams, stats.rejected_results) == (3, 2)
+        assert (stats.rejected_datagrams, stats.rejected_results) == (2, 2)
     finally:
-        raw.close()
+        for peer in peers:
+            peer.close()
         receiver.close()
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="sending as another user needs root")
-def test_datagrams_from_another_user_are_dropped(channel: str) -> None:
-    receiver = ResultsReceiver(channel, tp_size=1)
+def test_one_poll_reads_a_bounded_number_of_messages_per_connection(
+    channel: str, rundir: str
+) -> None:
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    peer = RawPeer(rundir, channel)
     try:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                os.setuid(65534)  # nobody
-                sender = ResultsSender(channel, 0)
-                sender.send([TransferResult(1, True)])
-                code = 0 if sender.stats().sent == 1 else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0  # it was delivered to the socket
-        deadline = time.monotonic() + WAIT_S
-        while not receiver.stats().datagrams and time.monotonic() < deadline:
-            assert receiver.poll() == []
-            time.sleep(0.002)
+        if os.getuid() == 0:  # room for every message before the receiver reads
+            peer.sock.setsockopt(socket.SOL_SOCKET, 32, 8 << 20)  # SO_SNDBUFFORCE
+        count = rc.MESSAGES_PER_POLL + 44
+        peer.sock.settimeout(WAIT_S)
+        for t in range(count):
+            peer.send(encode(0, [TransferResult(t, True)])[0])
+        first = receiver.poll()
+        assert len(first) == rc.MESSAGES_PER_POLL  # the rest waits in the kernel
+        rest = drain(receiver, count)
+        assert [r.transfer_id for r in first + rest] == list(range(count))
+    finally:
+        peer.close()
+        receiver.close()
+
+
+def test_replayed_messages_are_refused(channel: str, rundir: str) -> None:
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    a = RawPeer(rundir, channel)
+    b = RawPeer(rundir, channel, nonce=a.nonce)  # same nonce, another connection
+    try:
+        recorded = a.send(encode(0, [TransferResult(1, True)])[0])
+        assert drain(receiver, 1) == [TransferResult(1, True)]
+        b.sock.send(recorded)  # the recorded message on another connection
+        a.sock.send(recorded)  # and again on its own (same sequence number)
+        assert drain(receiver, 3) == []
+        assert receiver.stats().rejected_datagrams == 2
+        assert a.closed_by_peer() and b.closed_by_peer()
+    finally:
+        a.close()
+        b.close()
+        receiver.close()
+    second = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    c = RawPeer(rundir, channel)
+    try:
+        c.sock.send(recorded)  # to the next receiver on the name: its epoch differs
+        assert drain(second, 1) == []
+        assert second.stats().rejected_datagrams == 1
+    finally:
+        c.close()
+        second.close()
+
+
+def test_close_frees_the_name_at_once_without_the_garbage_collector(
+    channel: str, rundir: str
+) -> None:
+    gc.disable()  # nothing may depend on a finalizer
+    try:
+        receivers = []
+        for _ in range(3):
+            receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+            receivers.append(receiver)  # kept referenced: only close() can free it
+            with pytest.raises(OSError, match=rf"{channel}.*pid {os.getpid()}"):
+                ResultsReceiver(channel, tp_size=1, directory=rundir)
+            receiver.close()
+            receiver.close()  # idempotent
+            assert receiver.closed and receiver.poll() == []
+            assert os.listdir(rundir) == []  # socket, key and lock file gone
+    finally:
+        gc.enable()
+
+
+def _bind_and_close_repeatedly(directory: str, name: str, marker: str, rounds: int) -> None:
+    held = violations = 0
+    deadline = time.monotonic() + WAIT_S
+    while held < rounds and time.monotonic() < deadline:
+        try:
+            receiver = ResultsReceiver(name, tp_size=1, directory=directory)
+        except OSError:
+            continue
+        held += 1
+        try:  # nobody else may hold the name now
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            violations += 1
+        else:
+            time.sleep(0.0005)
+            os.unlink(marker)
+        receiver.close()
+    os._exit(2 if violations else 0 if held == rounds else 3)
+
+
+def test_receivers_racing_for_one_name_never_hold_it_together(
+    channel: str, rundir: str, tmp_path: Path
+) -> None:
+    marker = str(tmp_path / "held")
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_bind_and_close_repeatedly, args=(rundir, channel, marker, 50))
+        for _ in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]  # each held it 50 times, alone
+
+
+def test_a_killed_scheduler_leaves_nothing_that_blocks_the_next(
+    channel: str, rundir: str
+) -> None:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child binds and waits to be killed
+        try:
+            ResultsReceiver(channel, tp_size=1, directory=rundir)
+            os.write(1, b"")
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + WAIT_S
+    sock_path = os.path.join(rundir, f"{channel}.sock")
+    while not os.path.exists(sock_path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.path.exists(sock_path)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert os.path.exists(sock_path)  # stale: the lock died with the process
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    sender = ResultsSender(channel, 0, directory=rundir)
+    try:
+        assert sender.send([TransferResult(9, True)]) == 0
+        assert collect(receiver, 1) == [TransferResult(9, True)]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_forked_child_does_not_keep_the_name(channel: str, rundir: str) -> None:
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    read_end, write_end = os.pipe()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child outlives the parent's receiver
+        os.close(write_end)
+        os.write(ready_write, b"r")  # its fork handlers ran before this line
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    os.close(ready_write)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        os.close(ready_read)
+        receiver.close()
+        again = ResultsReceiver(channel, tp_size=1, directory=rundir)  # child still alive
+        again.close()
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)
+
+
+def test_the_environment_secret_must_match_on_both_ends(
+    channel: str, rundir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(rc.SECRET_ENV, "engine-secret-0123456789")
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    try:
+        assert not os.path.exists(os.path.join(rundir, f"{channel}.key"))
+        good = ResultsSender(channel, 0, directory=rundir)
+        good.send([TransferResult(1, True)])
+        assert collect(receiver, 1) == [TransferResult(1, True)]
+        good.close()
+        monkeypatch.setenv(rc.SECRET_ENV, "another-secret-0123456789")
+        wrong = ResultsSender(channel, 0, directory=rundir)
+        wrong.send([TransferResult(2, True)])
+        assert drain(receiver, 2) == []
         assert receiver.stats().rejected_datagrams == 1
+        wrong.close()
+        monkeypatch.setenv(rc.SECRET_ENV, "short")
+        with pytest.raises(ValueError, match=rf"{rc.SECRET_ENV}: 5 bytes, at least 16"):
+            ResultsSender(channel, 0, directory=rundir)
     finally:
         receiver.close()
 
 
-def test_names_and_second_binds_are_refused_clearly(channel: str) -> None:
-    for bad in ("", "x" * 200, "a\0b", "tab\there"):
+def test_the_directory_comes_from_the_environment_or_a_place_others_cannot_squat(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(rc.RUNTIME_DIR_ENV, "/somewhere/fastkv")
+    assert rc.runtime_dir() == "/somewhere/fastkv"
+    monkeypatch.delenv(rc.RUNTIME_DIR_ENV)
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert rc.runtime_dir() == str(xdg / "fastkv")
+    xdg.chmod(0o755)  # not private: not used
+    expected = "/run/fastkv" if os.getuid() == 0 else f"fastkv-{os.getuid()}"
+    assert rc.runtime_dir().endswith(expected)
+
+
+def test_names_and_bad_arguments_are_refused_clearly(channel: str, rundir: str) -> None:
+    for bad in ("", "x" * 65, "a\0b", "tab\there", "../up", ".hidden", "a/b"):
         with pytest.raises(ValueError, match="name"):
-            channel_address(bad)
-    receiver = ResultsReceiver(channel, tp_size=1)
-    try:
-        with pytest.raises(OSError, match=channel):
-            ResultsReceiver(channel, tp_size=1)
-    finally:
-        receiver.close()
+            ResultsReceiver(bad, tp_size=1, directory=rundir)
+        with pytest.raises(ValueError, match="name"):
+            ResultsSender(bad, 0, directory=rundir)
+    assert not os.path.exists(rundir)  # refused before anything was made
     with pytest.raises(ValueError, match="tp_size"):
-        ResultsReceiver(channel, tp_size=0)
+        ResultsReceiver(channel, tp_size=0, directory=rundir)
     with pytest.raises(ValueError, match="rank"):
-        ResultsSender(channel, -1)
+        ResultsSender(channel, -1, directory=rundir)
+    with pytest.raises(ValueError, match="runtime_dir"):
+        ResultsSender(channel, 0, directory="relative/dir")
+    sender = ResultsSender(channel, 0, directory=rundir)
     with pytest.raises(TypeError, match="TransferResult"):
-        ResultsSender(channel, 0).send(["done"])
+        sender.send(["done"])
+    assert sender.stats().pending == 0
+    sender.close()
 
 
 def test_wire_format_round_trips_and_rejects_what_it_is_not() -> None:
-    results = [TransferResult(1, True), TransferResult(2**40, False, "boom")]
-    (datagram,) = encode(3, results)
-    assert decode(datagram) == (3, results)
-    for bad in (
-        b"{}",
-        b'{"v": 2, "rank": 0, "results": []}',
-        b'{"v": 1, "rank": "0", "results": []}',
-    ):
+    results = [TransferResult(1, True), TransferResult(2**40, False, "boom é")]
+    (payload,) = encode(3, results)
+    assert decode(payload) == (3, results)
+    bad_version = bytes([9]) + payload[1:]
+    too_many = payload[:5] + (33).to_bytes(2, "big") + payload[7:]
+    for bad in (b"", payload[:-1], payload + b"x", bad_version, too_many, b"[" * 50000):
         with pytest.raises(ValueError, match="datagram"):
             decode(bad)
+    key = os.urandom(32)
+    frame = rc.seal(key, b"n" * 16, 4, payload)
+    assert rc.unseal(key, frame) == (4, payload)
+    for bad in (frame[:-1] + bytes([frame[-1] ^ 1]), frame[:10], b"x" * (1 << 17)):
+        with pytest.raises(ValueError, match="message"):
+            rc.unseal(key, bad)

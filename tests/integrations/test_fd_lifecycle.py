@@ -1,0 +1,144 @@
+"""The calls FastDeploy makes around a request's life and the engine's: the match
+result it turns into a block table, the prefill role's `update_cache_blocks`, and
+`reset_cache` at pause and sleep (every request aborted first, copies possibly still
+in flight, backups planned but never sent)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fd_standins import FDCacheConfig, FDConfig, ModelConfig, Request, get_request_block_hasher
+
+from fastkv.integrations import fastdeploy as fd
+from fastkv.integrations.fd_transfers import transfer_ids
+from fastkv.integrations.results_channel import ResultsSender
+from fastkv.metadata import TransferResult
+
+BS = 4
+
+
+def config(**kw) -> FDConfig:
+    cache = {"block_size": BS, "total_block_num": 8, "num_cpu_blocks": 4, **kw}
+    return FDConfig(FDCacheConfig(**cache), ModelConfig(num_hidden_layers=2))
+
+
+def request(rid: str, tokens: list[int]) -> Request:
+    r = Request(rid, tokens, 4)
+    r.set_block_hasher(get_request_block_hasher(BS))
+    return r
+
+
+def cached(cm: fd.CacheManager, tokens: list[int], rid: str) -> None:
+    """Run a request to its first token and finish it: its full blocks are cached."""
+    r = request(rid, tokens)
+    cm.match_prefix(r)
+    r.block_tables = r.match_result.device_block_ids
+    r.block_tables.extend(cm.allocate_gpu_blocks(r, -(-len(tokens) // BS)))
+    r.output_token_ids = [1]
+    cm.request_finish(r)
+
+
+def test_the_match_result_stays_what_was_matched_as_the_table_grows(channel: str) -> None:
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        cached(cm, list(range(2 * BS + 1)), "first")
+        r = request("r", list(range(2 * BS + 1)))
+        cm.match_prefix(r)
+        result = r.match_result
+        # ResourceManagerV1: request.block_tables = match_result.device_block_ids,
+        # then request.block_tables.extend(allocate_gpu_blocks(...)).
+        r.block_tables = result.device_block_ids
+        r.block_tables.extend(cm.allocate_gpu_blocks(r, 1))
+        assert len(r.block_tables) == 3
+        assert result.matched_device_nums == 2 and len(result.device_block_ids) == 2
+        assert result.total_matched_blocks == 2
+        cm.request_finish(r)
+    finally:
+        cm.close()
+
+
+def test_update_cache_blocks_in_the_prefill_role_caches_only_proven_kv(channel: str) -> None:
+    # preallocate_resource_in_p: match, allocate, update_cache_blocks(request,
+    # block_size, need_prefill_tokens) before anything is computed.
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        r = request("p", list(range(2 * BS + 1)))
+        cm.match_prefix(r)
+        r.block_tables = r.match_result.device_block_ids
+        r.block_tables.extend(cm.allocate_gpu_blocks(r, 3))
+        cm.update_cache_blocks(r, BS, len(r.prompt_token_ids))
+        assert r.num_cached_blocks == 0  # nothing computed yet: nothing cached
+        peer = request("peer", list(range(2 * BS + 1)))
+        cm.match_prefix(peer)
+        assert peer.match_result.total_matched_blocks == 0
+        cm.request_finish(peer)
+        r.output_token_ids = [5]  # the prefill ran: its first token proves the KV
+        cm.update_cache_blocks(r, BS, len(r.prompt_token_ids))
+        assert r.num_cached_blocks == 2
+        with pytest.raises(ValueError, match="block_size"):
+            cm.update_cache_blocks(r, 2 * BS, 0)
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            cm.update_cache_blocks(r, BS, -1)
+        cm.request_finish(r)
+    finally:
+        cm.close()
+
+
+def test_reset_at_pause_waits_for_copies_in_flight_and_drops_unsent_backups(
+    channel: str,
+) -> None:
+    cm = fd.CacheManager(config(write_policy="write_through"), channel_name=channel)
+    sender = ResultsSender(channel, 0)
+    try:
+        # A hit makes cached blocks owe a backup (FastDeploy's write_through: after
+        # one hit); the next schedule sends them: copies in flight.
+        cached(cm, list(range(2 * BS + 1)), "a")
+        hit = request("hit", list(range(2 * BS + 1)))
+        cm.match_prefix(hit)
+        sent = cm.issue_pending_backup_to_batch_request()
+        assert sent is not None and len(sent.src_block_ids) == 2
+        # More backups planned after the last schedule: never sent.
+        cached(cm, list(range(100, 100 + 2 * BS + 1)), "b")
+        hit2 = request("hit2", list(range(100, 100 + 2 * BS + 1)))
+        cm.match_prefix(hit2)
+        assert cm.get_pending_backup_count() == 2
+        assert cm.reset_cache() is False  # requests still active: nothing reset
+        # Pause: every request aborted and drained.
+        for r in (hit, hit2):
+            cm.request_finish(r)
+        (tid,) = transfer_ids(sent)
+
+        def worker() -> None:  # the eviction's result comes 0.2 s later
+            time.sleep(0.2)
+            for _ in range(400):
+                sender.send([TransferResult(tid, True)])
+                time.sleep(0.005)
+
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        assert cm.reset_cache() is True
+        thread.join(5)
+        stats = cm.get_stats()
+        assert stats["cached_nodes"] == 0 and stats["inflight_transfers"] == 0
+        assert cm.num_free_device_blocks == 8 and cm.num_free_host_blocks == 4
+    finally:
+        sender.close()
+        cm.close()
+
+
+def test_reset_gives_up_when_a_copy_outlasts_the_wait(channel: str) -> None:
+    cm = fd.CacheManager(config(), channel_name=channel, reset_timeout_s=0.1)
+    try:
+        cached(cm, list(range(100, 100 + 4 * BS + 1)), "b")
+        big = request("big", list(range(200, 200 + 6 * BS)))
+        cm.match_prefix(big)
+        big.block_tables = big.match_result.device_block_ids
+        big.block_tables.extend(cm.allocate_gpu_blocks(big, 6))
+        assert big.pop_cache_evict_metadata()  # dispatched, never answered
+        cm.request_finish(big)
+        assert cm.reset_cache() is False  # the worker never answered
+        assert cm.get_stats()["cached_nodes"] > 0  # nothing changed
+    finally:
+        cm.close()
