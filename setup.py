@@ -381,6 +381,8 @@ chain_hash = Extension(
 disk_io = Extension(
     "fastkv.storage._disk_io",
     sources=["fastkv/storage/_disk_io.c"],
+    depends=["fastkv/storage/_ghash.h"],
+    libraries=["crypto"],  # HMAC-SHA256 of authenticated blocks (OpenSSL)
     extra_compile_args=["-O3", "-Wall", "-Wextra"],
 )
 

@@ -6,10 +6,18 @@ A transfer is applied when every rank has reported, and succeeds only if every r
 succeeded: a block is valid only when all of its shards are (for storage transfers,
 per block: a block failed on any rank failed). A storage lookup's usable prefix is
 the minimum over ranks.
+
+Memory is bounded: at most `max_pending` transfers and lookups wait for missing
+ranks. Past that, the oldest is given up: it completes as failed (a lookup with no
+hits), naming the ranks that never reported, and a late report of it is dropped.
+A rank that leaves that many newer results unanswered has stopped (it died or
+hangs); failing its oldest transfers is the conservative answer, holding them
+forever grew the process by 185 MB per 300k.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from fastkv.metadata import LookupResult, TransferResult
@@ -32,17 +40,26 @@ class RankResults:
 
     Args:
         tp_size: number of ranks, >= 1.
+        max_pending: the most transfers and lookups kept waiting for missing ranks
+            (module docstring), >= 1.
 
     Raises:
-        ValueError: `tp_size` out of range.
+        ValueError: `tp_size` or `max_pending` out of range.
     """
 
-    def __init__(self, tp_size: int) -> None:
+    def __init__(self, tp_size: int, max_pending: int = 16384) -> None:
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size: must be an int >= 1, got {tp_size!r}")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending: must be an int >= 1, got {max_pending!r}")
         self.tp_size = tp_size
-        # (kind, id) -> what the ranks that reported so far said
-        self._partial: dict[tuple[type, int], _Partial] = {}
+        self.max_pending = max_pending
+        # (kind, id) -> what the ranks that reported so far said; oldest first
+        self._partial: OrderedDict[tuple[type, int], _Partial] = OrderedDict()
+        # given up (oldest first, at most max_pending): late reports are dropped
+        self._given_up: OrderedDict[tuple[type, int], None] = OrderedDict()
+        self.given_up = 0  # transfers and lookups completed as failed for missing ranks
+        self.late_dropped = 0  # reports that came after their transfer was given up
 
     def add(self, rank: int, results: Iterable[Result]) -> list[Result]:
         """Record one rank's results (TransferResults and LookupResults).
@@ -74,7 +91,14 @@ class RankResults:
         done: list[Result] = []
         for r in results:
             key = _key(r)
-            partial = self._partial.setdefault(key, _Partial())
+            if key in self._given_up:
+                self.late_dropped += 1
+                continue
+            partial = self._partial.get(key)
+            if partial is None:
+                partial = self._partial[key] = _Partial()
+                if len(self._partial) > self.max_pending:
+                    done.append(self._give_up_oldest())
             partial.ranks.add(rank)
             if isinstance(r, LookupResult):
                 partial.hits = (
@@ -88,6 +112,21 @@ class RankResults:
                 del self._partial[key]
                 done.append(_combined(r, partial))
         return done
+
+    def _give_up_oldest(self) -> Result:
+        (kind, id_), partial = self._partial.popitem(last=False)
+        self._given_up[(kind, id_)] = None
+        while len(self._given_up) > self.max_pending:
+            self._given_up.popitem(last=False)
+        self.given_up += 1
+        if kind is LookupResult:
+            return LookupResult(id_, 0)
+        absent = sorted(set(range(self.tp_size)) - partial.ranks)
+        error = (
+            f"ranks {absent} never reported it ({self.max_pending} newer transfers and "
+            "lookups were waiting); given up"
+        )
+        return TransferResult(id_, False, error, tuple(sorted(partial.failed)))
 
     def missing(self) -> dict[tuple[str, int], list[int]]:
         """Transfers and lookups some rank has reported and others not yet:

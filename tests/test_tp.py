@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fastkv import TransferResult
+from fastkv.metadata import LookupResult
 from fastkv.tp import RankResults
 
 
@@ -74,3 +75,39 @@ def test_a_storage_block_failed_on_any_rank_failed() -> None:
     ranks.add(0, [TransferResult(1, False, "miss", (3,))])
     (combined,) = ranks.add(1, [TransferResult(1, False, "timeout", (1, 3))])
     assert combined == TransferResult(1, False, "rank 0: miss", (1, 3))
+
+
+def test_pending_results_are_bounded_and_the_oldest_given_up() -> None:
+    """Issue 15 item 5: a rank that never completes its share left every partial
+    result behind (+185 MB for 300k). At most max_pending wait; the oldest is then
+    completed as failed, and its late report is dropped."""
+    ranks = RankResults(2, max_pending=100)
+    done = []
+    for tid in range(30_000):
+        done += ranks.add(0, [TransferResult(tid, True, "", (tid % 7,))])
+    assert len(ranks.missing()) == 100
+    assert len(ranks._given_up) == 100
+    assert ranks.given_up == len(done) == 30_000 - 100
+    assert done[0] == TransferResult(
+        0,
+        False,
+        "ranks [1] never reported it (100 newer transfers and lookups were waiting); given up",
+        (0,),
+    )
+    # rank 1 wakes up: a given-up transfer is not resurrected, a pending one completes
+    assert ranks.add(1, [TransferResult(29_999, True), TransferResult(29_899, True)]) == [
+        TransferResult(29_999, True, "", (29_999 % 7,))
+    ]
+    assert ranks.late_dropped == 1
+    assert ("transfer", 29_899) not in ranks.missing()
+
+
+def test_given_up_lookups_have_no_hits() -> None:
+    ranks = RankResults(3, max_pending=1)
+    assert ranks.add(0, [LookupResult(1, 5)]) == []
+    assert ranks.add(2, [LookupResult(2, 4)]) == [LookupResult(1, 0)]
+
+
+def test_max_pending_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_pending"):
+        RankResults(2, max_pending=0)

@@ -2,18 +2,25 @@
 in the same run on the same blocks.
 
     .venv/bin/python tools/bench_storage.py [--json] [--dir DIR] [--quick]
+        [--only disk|seal|recovery|mooncake] [--block-kib N ...] [--reps N]
 
 1. Local disk: `LocalDiskBackend.put_from` / `get_into` (header, crc32c-3way checksum
    and verification always on) against raw O_DIRECT `os.pwritev` / `os.preadv` of the
    same blocks' segment iovecs, one call per block, at 256 KiB, 2 MiB and 8 MiB
-   blocks (16 segments each, as K/V of 8 layers) with 1 and 2 threads. Runs
-   alternate raw and backend (and which goes first); the median is reported.
+   blocks (16 segments each, as K/V of 8 layers) with 1 and 2 threads; and the same
+   backend authenticating every block (HMAC-SHA256 tag under a key ring instead of
+   the CRC): `auth_*_cost` is 1 - authenticated / unauthenticated throughput. Runs
+   alternate raw and backends (and which goes first); the median is reported.
 2. Mooncake Store over TCP loopback to a storage-node process (mooncake_client),
    in a private network namespace: the backend zero-copy (one Mooncake buffer per
    segment) and staged (`staging_bytes`: one contiguous object per block), header
    and checksum on, against raw `batch_put_from` / `batch_get_into` of contiguous
    blocks.
-3. Recovery: a new backend on a directory of 100k slots (2 MiB blocks; a sparse
+3. Seal: the CPU cost of a block's check alone, one thread, host memory larger than
+   the caches: `seal_header` with the CRC (no ring) and with the tag (a ring), GB/s
+   and microseconds per block. The disk figures above hide most of it (a helper
+   thread seals block i+1 while block i is written) unless the CPUs are busy.
+4. Recovery: a new backend on a directory of 100k slots (2 MiB blocks; a sparse
    file holding only the headers): time until the background scan has indexed all.
 
 The machine is shared and noisy (2 cores, a virtual disk): read ratios, not
@@ -45,12 +52,14 @@ sys.path.insert(0, str(ROOT / "tests" / "storage"))
 from storage_helpers import HostMemory
 
 from fastkv.storage import BlockLayout, StorageKey, deadline_after
+from fastkv.storage.auth import ENV_KEY_FILE, StorageAuth
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend, SlotGeometry
 
 SEGMENTS = 16
 BATCH = 8  # blocks per backend call, as an I/O engine chunk
 MiB = 1 << 20
+BENCH_AUTH = StorageAuth([os.urandom(32)])
 
 
 def random_host(layout: BlockLayout, n: int) -> HostMemory:
@@ -90,6 +99,7 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
     nbytes = n * block_bytes
     run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=directory))
     backend = LocalDiskBackend(run_dir / "store", layout, capacity_blocks=n)
+    authed = LocalDiskBackend(run_dir / "authed", layout, capacity_blocks=n, auth=BENCH_AUTH)
     raw_fd = os.open(run_dir / "raw", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     os.posix_fallocate(raw_fd, 0, nbytes)
     ns = os.urandom(32)
@@ -97,10 +107,13 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
     try:
         # warm-up: every slot and every raw block written once (allocation)
         backend.put_from(keys_for(0, n, ns), [host.segments(b) for b in range(n)], 1e12)
+        authed.put_from(keys_for(0, n, ns), [host.segments(b) for b in range(n)], 1e12)
         for b in range(n):
             os.pwritev(raw_fd, host.views(b), b * block_bytes)
         for threads in (1, 2):
-            figures: dict[str, list[float]] = {k: [] for k in ("rw", "rr", "bw", "br")}
+            figures: dict[str, list[float]] = {
+                k: [] for k in ("rw", "rr", "bw", "br", "aw", "ar")
+            }
             for rep in range(reps):
                 keys = keys_for(1 + rep + 100 * threads, n, ns)
 
@@ -112,23 +125,35 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
                     for b in range(lo, hi):
                         os.preadv(raw_fd, host.views(b), b * block_bytes)
 
-                def put(lo: int, hi: int, keys: list = keys) -> None:
+                def put(
+                    lo: int, hi: int, keys: list = keys, be: LocalDiskBackend = backend
+                ) -> None:
                     for s in range(lo, hi, BATCH):
                         e = min(hi, s + BATCH)
                         segs = [host.segments(b) for b in range(s, e)]
-                        res = backend.put_from(keys[s:e], segs, deadline_after(600))
+                        res = be.put_from(keys[s:e], segs, deadline_after(600))
                         assert all(r.ok for r in res), res
 
-                def get(lo: int, hi: int, keys: list = keys) -> None:
+                def get(
+                    lo: int, hi: int, keys: list = keys, be: LocalDiskBackend = backend
+                ) -> None:
                     for s in range(lo, hi, BATCH):
                         e = min(hi, s + BATCH)
                         segs = [host.segments(b) for b in range(s, e)]
-                        res = backend.get_into(keys[s:e], segs, deadline_after(600))
+                        res = be.get_into(keys[s:e], segs, deadline_after(600))
                         assert all(r.ok for r in res), res
 
-                runs = [("rw", raw_write), ("bw", put), ("rr", raw_read), ("br", get)]
-                if rep % 2:  # alternate who goes first: the disk's write-back favours neither
-                    runs = [runs[1], runs[0], runs[3], runs[2]]
+                def aput(lo: int, hi: int, keys: list = keys) -> None:
+                    put(lo, hi, keys, authed)
+
+                def aget(lo: int, hi: int, keys: list = keys) -> None:
+                    get(lo, hi, keys, authed)
+
+                writes = [("rw", raw_write), ("bw", put), ("aw", aput)]
+                reads = [("rr", raw_read), ("br", get), ("ar", aget)]
+                # rotate who goes first: the disk's write-back favours none of them
+                k = rep % 3
+                runs = writes[k:] + writes[:k] + reads[k:] + reads[:k]
                 for name, work in runs:
                     figures[name].append(nbytes / in_threads(threads, n, work) / 1e9)
             med = {k: statistics.median(v) for k, v in figures.items()}
@@ -142,6 +167,10 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
                     "raw_read_GBps": round(med["rr"], 3),
                     "backend_read_GBps": round(med["br"], 3),
                     "read_ratio": round(med["br"] / med["rr"], 3),
+                    "auth_write_GBps": round(med["aw"], 3),
+                    "auth_write_cost": round(1 - med["aw"] / med["bw"], 3),
+                    "auth_read_GBps": round(med["ar"], 3),
+                    "auth_read_cost": round(1 - med["ar"] / med["br"], 3),
                     "direct_io": backend.direct_io,
                     "blocks": n,
                     "reps": reps,
@@ -149,9 +178,35 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
             )
     finally:
         backend.close()
+        authed.close()
         os.close(raw_fd)
         shutil.rmtree(run_dir, ignore_errors=True)
     return rows
+
+
+def bench_seal(block_bytes: int, reps: int) -> dict:
+    from fastkv.storage import _disk_io
+
+    layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
+    n = max(4, (256 * MiB) // block_bytes)
+    host = random_host(layout, n)
+    segs = [np.array(host.segments(b), dtype=np.int64) for b in range(n)]
+    header = bytearray(HEADER_BYTES)
+    figures: dict[str, list[float]] = {"crc": [], "tag": []}
+    for _ in range(reps):
+        for name, ring in (("crc", b""), ("tag", BENCH_AUTH.ring)):
+            t0 = time.perf_counter()
+            for b in range(n):
+                _disk_io.seal_header(header, segs[b], ring)
+            figures[name].append(time.perf_counter() - t0)
+    crc, tag = (statistics.median(figures[k]) for k in ("crc", "tag"))
+    return {
+        "block_KiB": block_bytes // 1024,
+        "crc_GBps": round(n * block_bytes / crc / 1e9, 2),
+        "tag_GBps": round(n * block_bytes / tag / 1e9, 2),
+        "crc_us_per_block": round(crc / n * 1e6, 1),
+        "tag_us_per_block": round(tag / n * 1e6, 1),
+    }
 
 
 def bench_recovery(directory: Path, slots: int) -> dict:
@@ -167,7 +222,7 @@ def bench_recovery(directory: Path, slots: int) -> dict:
     ns = os.urandom(32)
     payload = np.zeros(16, dtype=np.uint8)
     segs = np.array([[payload.ctypes.data, 16]], dtype=np.int64)
-    fd = os.open(store / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(store / DATA_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, slots * geometry.slot_bytes)
         t0 = time.perf_counter()
@@ -175,7 +230,7 @@ def bench_recovery(directory: Path, slots: int) -> dict:
             header = bytearray(
                 expected_header(StorageKey(ns, i.to_bytes(32, "little")), layout, i + 1)
             )
-            _disk_io.seal_header(header, segs)  # header CRC valid; payload never read here
+            _disk_io.seal_header(header, segs, b"")  # header CRC valid; payload never read
             os.pwrite(fd, bytes(header), i * geometry.slot_bytes)
         os.fsync(fd)
         build_s = time.perf_counter() - t0
@@ -220,7 +275,9 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
         segment_gb = -(-(2 * reps * n * (block_bytes + 8192) + (256 << 20)) // (1 << 30))
         cluster.start_node(segment=f"{segment_gb}GB")
         layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
-        backend = MooncakeBackend(layout, cluster.master_address, max_batch=BATCH)
+        backend = MooncakeBackend(
+            layout, cluster.master_address, max_batch=BATCH, auth=BENCH_AUTH
+        )
         host = random_host(layout, n)
         backend.register_host_memory(host.base, host.nbytes)
         staged = MooncakeBackend(
@@ -228,6 +285,7 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
             max_batch=BATCH,
             staging_bytes=4 * BATCH * (HEADER_BYTES + layout.payload_bytes),
             store=backend.store,
+            auth=BENCH_AUTH,
         )
         contiguous = mmap.mmap(-1, n * block_bytes)
         arr = np.frombuffer(contiguous, dtype=np.uint8)
@@ -344,9 +402,17 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to put the test files")
     parser.add_argument("--quick", action="store_true", help="less data, fewer repetitions")
     parser.add_argument("--recovery-slots", type=int, default=100_000)
+    parser.add_argument(
+        "--only", choices=["disk", "seal", "recovery", "mooncake"], help="run one part only"
+    )
+    parser.add_argument(
+        "--block-kib", type=int, nargs="+", default=[256, 2048, 8192], help="disk block sizes"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (median)")
     parser.add_argument("--mooncake-inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("GLOG_minloglevel", "2")
+    os.environ.pop(ENV_KEY_FILE, None)  # each backend here is given its ring (or none)
     if args.mooncake_inside:
         sizes, total, reps = json.loads(args.mooncake_inside)
         rows = [row for bs in sizes for row in bench_mooncake_inside(bs, total, reps)]
@@ -354,43 +420,78 @@ def main() -> None:
         os._exit(0)  # skip Mooncake's client teardown
     directory = args.dir or Path(tempfile.gettempdir())
     total = (128 if args.quick else 512) * MiB
-    reps = 2 if args.quick else 5
-    disk = []
-    for bs in (256 << 10, 2 * MiB, 8 * MiB):
-        disk += bench_disk(directory, bs, total, reps)
-    recovery = bench_recovery(directory, 10_000 if args.quick else args.recovery_slots)
-    mooncake = bench_mooncake([256 << 10, 2 * MiB], total // 2, reps)
-    result = {"disk": disk, "recovery": recovery, "mooncake": mooncake}
+    reps = args.reps or (2 if args.quick else 5)
+    disk: list[dict] = []
+    if args.only in (None, "disk"):
+        for kib in args.block_kib:
+            disk += bench_disk(directory, kib << 10, total, reps)
+    seal: list[dict] = []
+    if args.only in (None, "seal"):
+        seal = [bench_seal(kib << 10, reps) for kib in args.block_kib]
+    recovery: dict | None = None
+    if args.only in (None, "recovery"):
+        recovery = bench_recovery(directory, 10_000 if args.quick else args.recovery_slots)
+    mooncake: list[dict] | str | None = None
+    if args.only in (None, "mooncake"):
+        mooncake = bench_mooncake([256 << 10, 2 * MiB], total // 2, reps)
+    result = {"disk": disk, "seal": seal, "recovery": recovery, "mooncake": mooncake}
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print_table(
-        "Local disk: backend (header + crc32c-3way, verified reads) vs raw O_DIRECT "
-        "pwritev/preadv of the same segments, GB/s (median)",
-        disk,
-        [
-            "block_KiB",
-            "threads",
-            "raw_write_GBps",
-            "backend_write_GBps",
-            "write_ratio",
-            "raw_read_GBps",
-            "backend_read_GBps",
-            "read_ratio",
-        ],
-    )
-    print_table(
-        "Recovery: new backend on a directory of slots (background header scan)",
-        [recovery],
-        ["slots", "slot_MiB", "recovered", "open_s", "scan_s", "slots_per_s", "direct_io"],
-    )
+    if disk:
+        print_table(
+            "Local disk: backend (header + crc32c-3way, verified reads) vs raw O_DIRECT "
+            "pwritev/preadv of the same segments, GB/s (median)",
+            disk,
+            [
+                "block_KiB",
+                "threads",
+                "raw_write_GBps",
+                "backend_write_GBps",
+                "write_ratio",
+                "raw_read_GBps",
+                "backend_read_GBps",
+                "read_ratio",
+            ],
+        )
+        print_table(
+            "Local disk, authenticated (HMAC-SHA256 tag per block) vs the same backend "
+            "unauthenticated: GB/s and cost (1 - auth / unauth)",
+            disk,
+            [
+                "block_KiB",
+                "threads",
+                "backend_write_GBps",
+                "auth_write_GBps",
+                "auth_write_cost",
+                "backend_read_GBps",
+                "auth_read_GBps",
+                "auth_read_cost",
+            ],
+        )
+    if seal:
+        print_table(
+            "Seal one block, one thread: CRC (no ring) vs tag (HMAC-SHA256 over header and "
+            "GMAC of the payload)",
+            seal,
+            ["block_KiB", "crc_GBps", "tag_GBps", "crc_us_per_block", "tag_us_per_block"],
+        )
+    if recovery is not None:
+        print_table(
+            "Recovery: new backend on a directory of slots (background header scan)",
+            [recovery],
+            ["slots", "slot_MiB", "recovered", "open_s", "scan_s", "slots_per_s", "direct_io"],
+        )
+    if mooncake is None:
+        return
     if isinstance(mooncake, str):
         print(f"\nMooncake: {mooncake}")
     else:
         print_table(
             "Mooncake over TCP loopback (storage-node process): backend zero-copy (one "
-            "buffer per segment) and staged (one contiguous object), header and checksum "
-            "on, vs raw batch_put_from/batch_get_into of contiguous blocks, GB/s",
+            "buffer per segment) and staged (one contiguous object), authenticated "
+            "(HMAC-SHA256 tag, existence check before each put), vs raw "
+            "batch_put_from/batch_get_into of contiguous blocks, GB/s",
             mooncake,
             [
                 "block_KiB",

@@ -20,6 +20,27 @@
  * Three independent lanes keep the CPU's crc32 unit busy (latency 3, throughput 1),
  * about 3x one lane. fastkv.storage.block_header.reference_checksum is the same
  * definition in Python.
+ *
+ * Authentication: with a key ring (entries of a u32 key id and a 32-byte key; the
+ * first entry signs writes) a header carries the key id at HDR_KEY_ID and a 128-bit
+ * tag at HDR_TAG (OpenSSL libcrypto for both primitives):
+ *
+ *   G   = GMAC(AES-128 key k2, fixed IV, payload segments in order)
+ *   tag = HMAC-SHA256(k1, header bytes [0, HDR_TAG) || G), first 16 bytes
+ *
+ * G is a keyed universal hash of the payload (GHASH: _ghash.h with VPCLMULQDQ, about
+ * as fast as the CRC; libcrypto's GMAC elsewhere) and never leaves the process: only the HMAC of it
+ * is stored, so the fixed IV reveals nothing (hash-then-PRF). Finding another
+ * payload with the same G without k2 succeeds with probability about
+ * (payload bytes / 16) / 2^128 per try.
+ * Without a ring the key id is 0 and the same 16 bytes hold the payload CRC and
+ * zeros: the only check (accidents, not adversaries). A reader with a
+ * ring refuses key id 0; a reader without one refuses any other.
+ *
+ * Cancellation: a batch reads a flag (`cancel_ptr`, an int32 the caller owns) before
+ * each block; once it is set, the blocks not yet started answer ST_CLOSED. A
+ * backend's close() sets it and waits for its calls to return before it closes the
+ * file they use.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -38,11 +59,24 @@
 #include <nmmintrin.h>
 #endif
 
+#include "_ghash.h"
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
+
 #define HDR_BYTES 128
 #define HDR_CMP_END 104     /* bytes a read must match exactly: key, layout, seq */
-#define HDR_PAYLOAD_CRC 104 /* u32 */
-#define HDR_CRC 124         /* u32, CRC-32C of bytes [0, 124) */
+#define HDR_KEY_ID 104      /* u32: 0 = not authenticated */
+#define HDR_PAYLOAD_CRC 108 /* u32, when key id is 0 (then bytes [112, 124) are zero) */
+#define HDR_TAG 108         /* 16 bytes, when key id is not 0: truncated HMAC-SHA256 */
+#define TAG_BYTES 16
+#define HDR_CRC 124 /* u32, CRC-32C of bytes [0, 124) */
 #define ALIGN 4096
+#define KEY_BYTES 32  /* HMAC-SHA256 key */
+#define GKEY_BYTES 16 /* AES-128 key of the GMAC, then its H = E(0) and mask = E(J0) */
+#define RING_ENTRY (4 + KEY_BYTES + 3 * GKEY_BYTES) /* u32 key id (little-endian), keys */
 
 enum {
     ST_OK = 0,
@@ -51,6 +85,10 @@ enum {
     ST_BAD_HEADER = 3,
     ST_BAD_CHECKSUM = 4,
     ST_NO_BOUNCE = 5,
+    ST_BAD_MAC = 6,         /* authenticated by a key of the ring, tag does not verify */
+    ST_UNKNOWN_KEY = 7,     /* signed by a key id this reader does not hold */
+    ST_UNAUTHENTICATED = 8, /* no tag, and this reader requires one */
+    ST_CLOSED = 9,          /* the backend closed before this block started */
 };
 
 /* ---- CRC-32C ---------------------------------------------------------------- */
@@ -187,10 +225,89 @@ static uint32_t get_u32(const uint8_t *p) {
 
 /* ---- the block header ---------------------------------------------------------- */
 
-/* Fills a header's CRC fields: the payload checksum of the block, then the header's own. */
-static void seal_hdr(uint8_t *h, const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf) {
-    put_u32(h + HDR_PAYLOAD_CRC, block_checksum(segs, nseg, lanes_buf));
+/* A key ring: `n` entries of RING_ENTRY bytes; entry 0 signs writes. n == 0: no
+ * authentication. */
+typedef struct {
+    const uint8_t *buf;
+    Py_ssize_t n;
+} Ring;
+
+/* fetched once at import; EVP_MAC objects are shareable between threads */
+static EVP_MAC *gmac_alg;
+static EVP_MD *sha256_md; /* HMAC below is RFC 2104 over it (no name lookup per block) */
+static const uint8_t gmac_iv[12]; /* fixed: G is never revealed (above) */
+static int use_native_gmac;       /* _ghash.h: the CPU has VPCLMULQDQ and AVX-512 */
+
+/* G over the segments with the ring entry's GMAC keys (k2, H, mask). 0 or -1. */
+static int payload_gmac(const uint8_t *gkeys, const int64_t *segs, Py_ssize_t nseg, uint8_t g[16]) {
+#if defined(__x86_64__)
+    if (use_native_gmac) {
+        Ghash gh;
+        gh_init(&gh, gkeys + GKEY_BYTES);
+        for (Py_ssize_t s = 0; s < nseg; s++)
+            gh_update(&gh, (const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1]);
+        gh_final(&gh, gkeys + 2 * GKEY_BYTES, g);
+        return 0;
+    }
+#endif
+    size_t glen = 0;
+    EVP_MAC_CTX *gc = EVP_MAC_CTX_new(gmac_alg);
+    OSSL_PARAM gp[3];
+    gp[0] = OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_CIPHER, (char *)"AES-128-GCM", 0);
+    gp[1] = OSSL_PARAM_construct_octet_string(OSSL_MAC_PARAM_IV, (void *)gmac_iv, sizeof(gmac_iv));
+    gp[2] = OSSL_PARAM_construct_end();
+    int ok = gc && EVP_MAC_init(gc, gkeys, GKEY_BYTES, gp);
+    for (Py_ssize_t s = 0; ok && s < nseg; s++)
+        ok = EVP_MAC_update(gc, (const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1]);
+    ok = ok && EVP_MAC_final(gc, g, &glen, 16) && glen == 16;
+    EVP_MAC_CTX_free(gc);
+    return ok ? 0 : -1;
+}
+
+/* The 128-bit tag of a block under `key` (a ring entry's keys: k1 then k2). Returns
+ * 0, or -1 when libcrypto failed (the write fails; a read is refused). */
+static int block_tag(const uint8_t *key, const uint8_t *h, const int64_t *segs, Py_ssize_t nseg,
+                     uint8_t tag[TAG_BYTES]) {
+    uint8_t g[16], pad[64], inner[32], full[32];
+    unsigned int len = 0;
+    if (payload_gmac(key + KEY_BYTES, segs, nseg, g) < 0) return -1;
+    /* HMAC-SHA256(k1, h[0, HDR_TAG) || g): the key is 32 bytes, padded to the block */
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    memset(pad, 0x36, sizeof(pad));
+    for (int i = 0; i < KEY_BYTES; i++) pad[i] ^= key[i];
+    int ok = c && EVP_DigestInit_ex(c, sha256_md, NULL) && EVP_DigestUpdate(c, pad, sizeof(pad)) &&
+             EVP_DigestUpdate(c, h, HDR_TAG) && EVP_DigestUpdate(c, g, sizeof(g)) &&
+             EVP_DigestFinal_ex(c, inner, &len) && len == 32;
+    memset(pad, 0x5c, sizeof(pad));
+    for (int i = 0; i < KEY_BYTES; i++) pad[i] ^= key[i];
+    ok = ok && EVP_DigestInit_ex(c, sha256_md, NULL) && EVP_DigestUpdate(c, pad, sizeof(pad)) &&
+         EVP_DigestUpdate(c, inner, sizeof(inner)) && EVP_DigestFinal_ex(c, full, &len) && len == 32;
+    EVP_MD_CTX_free(c);
+    if (!ok) return -1;
+    memcpy(tag, full, TAG_BYTES);
+    return 0;
+}
+
+static const uint8_t *ring_key(const Ring *r, uint32_t id) {
+    for (Py_ssize_t i = 0; i < r->n; i++)
+        if (get_u32(r->buf + RING_ENTRY * i) == id) return r->buf + RING_ENTRY * i + 4;
+    return NULL;
+}
+
+/* Fills a header's check fields: payload CRC (no ring) or key id and tag (ring
+ * entry 0), then the header's own CRC. Returns 0, or -1 when the tag could not be
+ * computed (the block must not be written). */
+static int seal_hdr(uint8_t *h, const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf, const Ring *r) {
+    memset(h + HDR_PAYLOAD_CRC, 0, HDR_CRC - HDR_PAYLOAD_CRC);
+    int rc = 0;
+    if (r->n) {
+        memcpy(h + HDR_KEY_ID, r->buf, 4);
+        rc = block_tag(r->buf + 4, h, segs, nseg, h + HDR_TAG);
+    } else {
+        put_u32(h + HDR_PAYLOAD_CRC, block_checksum(segs, nseg, lanes_buf));
+    }
     put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+    return rc;
 }
 
 /* A header's own CRC verifies (it was written whole, by this format). */
@@ -201,9 +318,21 @@ static int header_ok(const uint8_t *got, const uint8_t *want) {
     return memcmp(got, want, HDR_CMP_END) == 0 && header_crc_ok(got);
 }
 
-/* Whether the payload now in the segments matches the checksum a header carries. */
-static int payload_ok(const uint8_t *h, const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf) {
-    return get_u32(h + HDR_PAYLOAD_CRC) == block_checksum(segs, nseg, lanes_buf);
+/* Whether the payload now in the segments is the one header `h` vouches for:
+ * ST_OK, ST_BAD_CHECKSUM, ST_BAD_MAC, ST_UNKNOWN_KEY or ST_UNAUTHENTICATED. */
+static int payload_status(const uint8_t *h, const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf,
+                          const Ring *r) {
+    uint32_t id = get_u32(h + HDR_KEY_ID);
+    if (!r->n) {
+        if (id) return ST_UNKNOWN_KEY;
+        return get_u32(h + HDR_PAYLOAD_CRC) == block_checksum(segs, nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+    }
+    if (!id) return ST_UNAUTHENTICATED;
+    const uint8_t *key = ring_key(r, id);
+    if (!key) return ST_UNKNOWN_KEY;
+    uint8_t tag[TAG_BYTES];
+    if (block_tag(key, h, segs, nseg, tag) < 0) return ST_BAD_MAC;
+    return CRYPTO_memcmp(tag, h + HDR_TAG, TAG_BYTES) == 0 ? ST_OK : ST_BAD_MAC;
 }
 
 /* ---- helpers ---------------------------------------------------------------- */
@@ -332,6 +461,9 @@ typedef struct {
     int32_t *io_st; /* read: outcome of the I/O (ST_OK: to be verified) */
     uint8_t *lanes_main, *lanes_helper;
     struct iovec *iov; /* nseg + 1 entries, for the main thread */
+    Ring ring;
+    const int32_t *cancel; /* non-zero: stop before the next block (ST_CLOSED) */
+    int32_t *seal_st;      /* write: ST_OK, or ST_BAD_MAC when the tag failed */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     Py_ssize_t ready; /* write: headers sealed below this; read: I/O done below this */
@@ -345,7 +477,8 @@ static uint8_t *job_bounce(const Job *j, Py_ssize_t i) {
 }
 
 static void seal(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
-    seal_hdr((uint8_t *)j->b->headers.buf + HDR_BYTES * i, job_segs(j, i), j->b->nseg, lanes_buf);
+    if (seal_hdr((uint8_t *)j->b->headers.buf + HDR_BYTES * i, job_segs(j, i), j->b->nseg, lanes_buf, &j->ring) < 0)
+        j->seal_st[i] = ST_BAD_MAC;
 }
 
 /* The final status of read block i whose I/O ended with io_st[i]. */
@@ -367,7 +500,7 @@ static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
     for (Py_ssize_t s = 0; s < b->nseg; s++)
         if (full_bounce || so[s] < b->header_area)
             memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
-    j->st[i] = payload_ok(bounce, sg, b->nseg, lanes_buf) ? ST_OK : ST_BAD_CHECKSUM;
+    j->st[i] = payload_status(bounce, sg, b->nseg, lanes_buf, &j->ring);
 }
 
 static void *helper(void *arg) {
@@ -404,10 +537,14 @@ static void run_job(Job *j) {
     if (j->pipelined && pthread_create(&tid, NULL, helper, j) != 0) j->pipelined = 0;
     for (Py_ssize_t i = 0; i < b->n; i++) {
         if (now_monotonic() >= j->deadline) {
-            for (Py_ssize_t k = i; k < b->n; k++) j->st[k] = ST_TIMEOUT;
+            for (Py_ssize_t k = i; k < b->n; k++) j->io_st[k] = j->st[k] = ST_TIMEOUT;
             break;
         }
         sleep_seconds(j->delay);
+        if (__atomic_load_n(j->cancel, __ATOMIC_ACQUIRE)) {
+            for (Py_ssize_t k = i; k < b->n; k++) j->io_st[k] = j->st[k] = ST_CLOSED;
+            break;
+        }
         const int64_t *sg = job_segs(j, i);
         uint8_t *bounce = job_bounce(j, i);
         if (j->is_write) {
@@ -417,6 +554,10 @@ static void run_job(Job *j) {
                 pthread_mutex_unlock(&j->mu);
             } else {
                 seal(j, i, j->lanes_main);
+            }
+            if (j->seal_st[i] != ST_OK) {
+                j->st[i] = j->seal_st[i];
+                continue;
             }
             memset(bounce, 0, (size_t)b->header_area);
             memcpy(bounce, (uint8_t *)b->headers.buf + HDR_BYTES * i, HDR_BYTES);
@@ -463,23 +604,46 @@ static void run_job(Job *j) {
     }
 }
 
+/* Gets a key ring argument (bytes: whole RING_ENTRY entries, possibly none). */
+static int ring_get(PyObject *obj, Py_buffer *view, Ring *r) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
+    if (view->len % RING_ENTRY) {
+        PyErr_Format(PyExc_ValueError, "_disk_io: a key ring is whole %d-byte entries, got %zd bytes", RING_ENTRY,
+                     view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    r->buf = view->buf;
+    r->n = view->len / RING_ENTRY;
+    return 0;
+}
+
 static PyObject *run_batch(PyObject *args, int is_write) {
     int fd, direct, pipelined;
-    PyObject *headers, *offsets, *segs, *seg_off;
-    unsigned long long bounce_ptr, bounce_len;
+    PyObject *headers, *offsets, *segs, *seg_off, *ring_obj;
+    unsigned long long bounce_ptr, bounce_len, cancel_ptr;
     long long header_area, slot_bytes;
     double deadline, delay;
-    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddp", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
-                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined))
+    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddpOK", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
+                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined, &ring_obj,
+                          &cancel_ptr))
         return NULL;
+    if (!cancel_ptr) return PyErr_Format(PyExc_ValueError, "_disk_io: cancel_ptr must point to an int32 flag");
+    Py_buffer ring_view;
+    Ring ring;
+    if (ring_get(ring_obj, &ring_view, &ring) < 0) return NULL;
     Batch b;
-    if (batch_parse(&b, headers, offsets, segs, seg_off, is_write) < 0) return NULL;
+    if (batch_parse(&b, headers, offsets, segs, seg_off, is_write) < 0) {
+        PyBuffer_Release(&ring_view);
+        return NULL;
+    }
     b.header_area = header_area;
     b.slot_bytes = slot_bytes;
     pipelined = pipelined && b.n >= 2;
     unsigned long long need = (unsigned long long)header_area * (pipelined && !is_write ? (unsigned long long)b.n : 1);
     if (header_area < HDR_BYTES || slot_bytes < header_area || bounce_len < need) {
         batch_release(&b);
+        PyBuffer_Release(&ring_view);
         return PyErr_Format(PyExc_ValueError, "_disk_io: bounce buffer or slot geometry too small");
     }
     Job j;
@@ -493,13 +657,16 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     j.bounce_len = bounce_len;
     j.deadline = deadline;
     j.delay = delay;
+    j.ring = ring;
+    j.cancel = (const int32_t *)(uintptr_t)cancel_ptr;
+    j.seal_st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
     j.st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
     j.io_st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
     j.lanes_main = PyMem_Malloc((size_t)(12 * b.nseg));
     j.lanes_helper = PyMem_Malloc((size_t)(12 * b.nseg));
     j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1));
     PyObject *out = NULL;
-    if (!j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov) {
+    if (!j.seal_st || !j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov) {
         PyErr_NoMemory();
     } else {
         pthread_mutex_init(&j.mu, NULL);
@@ -511,12 +678,14 @@ static PyObject *run_batch(PyObject *args, int is_write) {
         pthread_cond_destroy(&j.cv);
         out = status_list(j.st, b.n);
     }
+    PyMem_Free(j.seal_st);
     PyMem_Free(j.st);
     PyMem_Free(j.io_st);
     PyMem_Free(j.lanes_main);
     PyMem_Free(j.lanes_helper);
     PyMem_Free(j.iov);
     batch_release(&b);
+    PyBuffer_Release(&ring_view);
     return out;
 }
 
@@ -589,7 +758,8 @@ static PyObject *scan_headers(PyObject *self, PyObject *args) {
 /* The arguments the single-block calls share: a 128-byte header (optional) and a
  * block's int64 (ptr, len) segments, plus room for their checksum lanes. */
 typedef struct {
-    Py_buffer hdr, segs;
+    Py_buffer hdr, segs, ring_view;
+    Ring ring;
     Py_ssize_t nseg;
     uint8_t *lanes;
 } BlockArgs;
@@ -598,16 +768,18 @@ static void block_args_release(BlockArgs *a) {
     PyMem_Free(a->lanes);
     if (a->hdr.obj) PyBuffer_Release(&a->hdr);
     if (a->segs.obj) PyBuffer_Release(&a->segs);
+    if (a->ring_view.obj) PyBuffer_Release(&a->ring_view);
     memset(a, 0, sizeof(*a));
 }
 
 /* Gets the buffers (the header only when `hdr` is not NULL, writable when asked) and
  * the lanes. On a malformed argument raises ValueError("<usage>"); on failure holds
  * nothing and returns -1. */
-static int block_args_get(BlockArgs *a, PyObject *hdr, int hdr_writable, PyObject *segs, const char *usage) {
+static int block_args_get(BlockArgs *a, PyObject *hdr, int hdr_writable, PyObject *segs, PyObject *ring,
+                          const char *usage) {
     memset(a, 0, sizeof(*a));
     if ((hdr && PyObject_GetBuffer(hdr, &a->hdr, hdr_writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) ||
-        PyObject_GetBuffer(segs, &a->segs, PyBUF_SIMPLE) < 0) {
+        PyObject_GetBuffer(segs, &a->segs, PyBUF_SIMPLE) < 0 || (ring && ring_get(ring, &a->ring_view, &a->ring) < 0)) {
         block_args_release(a);
         return -1;
     }
@@ -630,7 +802,7 @@ static PyObject *py_block_checksum(PyObject *self, PyObject *args) {
     PyObject *segs_obj;
     if (!PyArg_ParseTuple(args, "O", &segs_obj)) return NULL;
     BlockArgs a;
-    if (block_args_get(&a, NULL, 0, segs_obj, "block_checksum: expected int64 (ptr, len) pairs") < 0) return NULL;
+    if (block_args_get(&a, NULL, 0, segs_obj, NULL, "block_checksum: expected int64 (ptr, len) pairs") < 0) return NULL;
     uint32_t c;
     Py_BEGIN_ALLOW_THREADS;
     c = block_checksum((const int64_t *)a.segs.buf, a.nseg, a.lanes);
@@ -639,19 +811,26 @@ static PyObject *py_block_checksum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
-/* Seals a header in place: payload CRC of the block, then the header CRC. */
+static PyObject *tag_failed(void) {
+    PyErr_SetString(PyExc_RuntimeError, "_disk_io: libcrypto could not compute HMAC-SHA256");
+    return NULL;
+}
+
+/* Seals a header in place: payload CRC or key id and tag, then the header CRC. */
 static PyObject *seal_header(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *hdr_obj, *segs_obj;
-    if (!PyArg_ParseTuple(args, "OO", &hdr_obj, &segs_obj)) return NULL;
+    PyObject *hdr_obj, *segs_obj, *ring_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &hdr_obj, &segs_obj, &ring_obj)) return NULL;
     BlockArgs a;
-    if (block_args_get(&a, hdr_obj, 1, segs_obj,
-                       "seal_header: a 128-byte header and (ptr, len) pairs expected") < 0)
+    if (block_args_get(&a, hdr_obj, 1, segs_obj, ring_obj,
+                       "seal_header: a 128-byte header, (ptr, len) pairs and a key ring expected") < 0)
         return NULL;
+    int rc;
     Py_BEGIN_ALLOW_THREADS;
-    seal_hdr(a.hdr.buf, (const int64_t *)a.segs.buf, a.nseg, a.lanes);
+    rc = seal_hdr(a.hdr.buf, (const int64_t *)a.segs.buf, a.nseg, a.lanes, &a.ring);
     Py_END_ALLOW_THREADS;
     block_args_release(&a);
+    if (rc < 0) return tag_failed();
     Py_RETURN_NONE;
 }
 
@@ -659,13 +838,13 @@ static PyObject *seal_header(PyObject *self, PyObject *args) {
  * in the segments. Returns 0, ST_BAD_HEADER or ST_BAD_CHECKSUM. */
 static PyObject *verify_block(PyObject *self, PyObject *args) {
     (void)self;
-    static const char usage[] = "verify_block: two 128-byte headers and (ptr, len) pairs expected";
-    PyObject *got_obj, *want_obj, *segs_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &got_obj, &want_obj, &segs_obj)) return NULL;
+    static const char usage[] = "verify_block: two 128-byte headers, (ptr, len) pairs and a key ring expected";
+    PyObject *got_obj, *want_obj, *segs_obj, *ring_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &got_obj, &want_obj, &segs_obj, &ring_obj)) return NULL;
     Py_buffer want;
     if (PyObject_GetBuffer(want_obj, &want, PyBUF_SIMPLE) < 0) return NULL;
     BlockArgs a;
-    if (block_args_get(&a, got_obj, 0, segs_obj, usage) < 0) {
+    if (block_args_get(&a, got_obj, 0, segs_obj, ring_obj, usage) < 0) {
         PyBuffer_Release(&want);
         return NULL;
     }
@@ -676,9 +855,7 @@ static PyObject *verify_block(PyObject *self, PyObject *args) {
         const uint8_t *g = a.hdr.buf;
         const int64_t *sg = a.segs.buf;
         Py_BEGIN_ALLOW_THREADS;
-        status = !header_ok(g, want.buf)               ? ST_BAD_HEADER
-                 : payload_ok(g, sg, a.nseg, a.lanes) ? ST_OK
-                                                       : ST_BAD_CHECKSUM;
+        status = !header_ok(g, want.buf) ? ST_BAD_HEADER : payload_status(g, sg, a.nseg, a.lanes, &a.ring);
         Py_END_ALLOW_THREADS;
     }
     block_args_release(&a);
@@ -690,20 +867,21 @@ static PyObject *verify_block(PyObject *self, PyObject *args) {
  * payload and header CRCs) followed by the segments in order. */
 static PyObject *stage_block(PyObject *self, PyObject *args) {
     (void)self;
-    static const char usage[] = "stage_block: a destination, a 128-byte header and (ptr, len) pairs";
+    static const char usage[] = "stage_block: a destination, a 128-byte header, (ptr, len) pairs and a key ring";
     unsigned long long dst_ptr;
-    PyObject *hdr_obj, *segs_obj;
-    if (!PyArg_ParseTuple(args, "KOO", &dst_ptr, &hdr_obj, &segs_obj)) return NULL;
+    PyObject *hdr_obj, *segs_obj, *ring_obj;
+    if (!PyArg_ParseTuple(args, "KOOO", &dst_ptr, &hdr_obj, &segs_obj, &ring_obj)) return NULL;
     if (!dst_ptr) {
         PyErr_SetString(PyExc_ValueError, usage);
         return NULL;
     }
     BlockArgs a;
-    if (block_args_get(&a, hdr_obj, 1, segs_obj, usage) < 0) return NULL;
+    if (block_args_get(&a, hdr_obj, 1, segs_obj, ring_obj, usage) < 0) return NULL;
     uint8_t *h = a.hdr.buf, *dst = (uint8_t *)(uintptr_t)dst_ptr;
     const int64_t *sg = a.segs.buf;
+    int rc;
     Py_BEGIN_ALLOW_THREADS;
-    seal_hdr(h, sg, a.nseg, a.lanes);
+    rc = seal_hdr(h, sg, a.nseg, a.lanes, &a.ring);
     memcpy(dst, h, HDR_BYTES);
     size_t off = HDR_BYTES;
     for (Py_ssize_t s = 0; s < a.nseg; s++) {
@@ -712,6 +890,7 @@ static PyObject *stage_block(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS;
     block_args_release(&a);
+    if (rc < 0) return tag_failed();
     Py_RETURN_NONE;
 }
 
@@ -720,16 +899,16 @@ static PyObject *stage_block(PyObject *self, PyObject *args) {
  * ST_BAD_HEADER (nothing scattered) or ST_BAD_CHECKSUM. */
 static PyObject *unstage_block(PyObject *self, PyObject *args) {
     (void)self;
-    static const char usage[] = "unstage_block: a source, a 128-byte header and (ptr, len) pairs";
+    static const char usage[] = "unstage_block: a source, a 128-byte header, (ptr, len) pairs and a key ring";
     unsigned long long src_ptr;
-    PyObject *want_obj, *segs_obj;
-    if (!PyArg_ParseTuple(args, "KOO", &src_ptr, &want_obj, &segs_obj)) return NULL;
+    PyObject *want_obj, *segs_obj, *ring_obj;
+    if (!PyArg_ParseTuple(args, "KOOO", &src_ptr, &want_obj, &segs_obj, &ring_obj)) return NULL;
     if (!src_ptr) {
         PyErr_SetString(PyExc_ValueError, usage);
         return NULL;
     }
     BlockArgs a;
-    if (block_args_get(&a, want_obj, 0, segs_obj, usage) < 0) return NULL;
+    if (block_args_get(&a, want_obj, 0, segs_obj, ring_obj, usage) < 0) return NULL;
     const uint8_t *src = (const uint8_t *)(uintptr_t)src_ptr;
     const int64_t *sg = a.segs.buf;
     int status;
@@ -742,11 +921,79 @@ static PyObject *unstage_block(PyObject *self, PyObject *args) {
             memcpy((void *)(uintptr_t)sg[2 * s], src + off, (size_t)sg[2 * s + 1]);
             off += (size_t)sg[2 * s + 1];
         }
-        status = payload_ok(src, sg, a.nseg, a.lanes) ? ST_OK : ST_BAD_CHECKSUM;
+        status = payload_status(src, sg, a.nseg, a.lanes, &a.ring);
     }
     Py_END_ALLOW_THREADS;
     block_args_release(&a);
     return PyLong_FromLong(status);
+}
+
+/* (H, mask) of a GMAC key: E_k2(0) and E_k2(J0) for the fixed IV (32 bytes). */
+static PyObject *gmac_subkeys(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer k;
+    if (!PyArg_ParseTuple(args, "y*", &k)) return NULL;
+    uint8_t in[32] = {0}, out[48];
+    memcpy(in + 16, gmac_iv, sizeof(gmac_iv));
+    in[31] = 1;
+    int len = 0, ok = k.len == GKEY_BYTES;
+    EVP_CIPHER_CTX *c = ok ? EVP_CIPHER_CTX_new() : NULL;
+    ok = c && EVP_EncryptInit_ex(c, EVP_aes_128_ecb(), NULL, k.buf, NULL) && EVP_CIPHER_CTX_set_padding(c, 0) &&
+         EVP_EncryptUpdate(c, out, &len, in, 32) && len == 32;
+    EVP_CIPHER_CTX_free(c);
+    PyBuffer_Release(&k);
+    if (!ok) return PyErr_Format(PyExc_ValueError, "gmac_subkeys: a %d-byte AES key expected", GKEY_BYTES);
+    return PyBytes_FromStringAndSize((const char *)out, 32);
+}
+
+/* Which GMAC implementation runs: "native" (_ghash.h) or "libcrypto". Tests switch. */
+static PyObject *set_gmac_impl(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    PyObject *before = PyUnicode_FromString(use_native_gmac ? "native" : "libcrypto");
+    if (strcmp(name, "libcrypto") == 0) {
+        use_native_gmac = 0;
+    } else if (strcmp(name, "native") == 0) {
+        int have = 0;
+#if defined(__x86_64__)
+        have = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
+        if (!have) {
+            Py_XDECREF(before);
+            return PyErr_Format(PyExc_RuntimeError, "set_gmac_impl: this CPU lacks VPCLMULQDQ / AVX-512");
+        }
+        use_native_gmac = 1;
+    } else {
+        Py_XDECREF(before);
+        return PyErr_Format(PyExc_ValueError, "set_gmac_impl: 'native' or 'libcrypto', got %s", name);
+    }
+    return before;
+}
+
+/* G of a block: payload_gmac over (ptr, len) segments with a ring entry's GMAC keys. */
+static PyObject *py_payload_gmac(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer gk;
+    PyObject *segs_obj;
+    if (!PyArg_ParseTuple(args, "y*O", &gk, &segs_obj)) return NULL;
+    BlockArgs a;
+    if (gk.len != 3 * GKEY_BYTES ||
+        block_args_get(&a, NULL, 0, segs_obj, NULL, "payload_gmac: 48 key bytes and (ptr, len) pairs") < 0) {
+        if (gk.len != 3 * GKEY_BYTES) PyErr_SetString(PyExc_ValueError, "payload_gmac: 48 key bytes expected");
+        PyBuffer_Release(&gk);
+        return NULL;
+    }
+    uint8_t g[16];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = payload_gmac(gk.buf, (const int64_t *)a.segs.buf, a.nseg, g);
+    Py_END_ALLOW_THREADS;
+    block_args_release(&a);
+    PyBuffer_Release(&gk);
+    if (rc < 0) return tag_failed();
+    return PyBytes_FromStringAndSize((const char *)g, 16);
 }
 
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
@@ -761,24 +1008,27 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"write_batch", write_batch, METH_VARARGS,
      "write_batch(fd, direct, headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
-     "bounce_len, deadline, delay, pipelined) -> list[int]: seal each header and write each block to its "
-     "slot."},
+     "bounce_len, deadline, delay, pipelined, ring, cancel_ptr) -> list[int]: seal each header and write each "
+     "block to its slot."},
     {"read_batch", read_batch, METH_VARARGS,
      "read_batch(fd, direct, expected_headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
-     "bounce_len, deadline, delay, pipelined) -> list[int]: read and verify each block into its segments "
-     "(pipelined reads need a bounce of header_area per block)."},
+     "bounce_len, deadline, delay, pipelined, ring, cancel_ptr) -> list[int]: read and verify each block into "
+     "its segments (pipelined reads need a bounce of header_area per block)."},
     {"scan_headers", scan_headers, METH_VARARGS,
      "scan_headers(fd, offsets, out, bounce_ptr, bounce_len) -> list[int]: read slot headers that verify."},
     {"block_checksum", py_block_checksum, METH_VARARGS,
      "block_checksum(segs) -> int: the crc32c-3way checksum of int64 (ptr, len) segments."},
-    {"seal_header", seal_header, METH_VARARGS, "seal_header(header, segs): fill payload and header CRCs."},
+    {"seal_header", seal_header, METH_VARARGS, "seal_header(header, segs, ring): fill payload CRC or key id and tag, and the header CRC."},
     {"verify_block", verify_block, METH_VARARGS,
-     "verify_block(got, want, segs) -> int: 0, BAD_HEADER or BAD_CHECKSUM."},
+     "verify_block(got, want, segs, ring) -> int: ST_OK or why not."},
     {"stage_block", stage_block, METH_VARARGS,
-     "stage_block(dst_ptr, header, segs): seal the header and gather header + segments at dst."},
+     "stage_block(dst_ptr, header, segs, ring): seal the header and gather header + segments at dst."},
     {"unstage_block", unstage_block, METH_VARARGS,
-     "unstage_block(src_ptr, want_header, segs) -> int: verify, scatter and checksum a staged object."},
+     "unstage_block(src_ptr, want_header, segs, ring) -> int: verify, scatter and check a staged object."},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int"},
+    {"gmac_subkeys", gmac_subkeys, METH_VARARGS, "gmac_subkeys(k2) -> H || mask (32 bytes)"},
+    {"set_gmac_impl", set_gmac_impl, METH_VARARGS, "set_gmac_impl('native' | 'libcrypto') -> the previous one"},
+    {"payload_gmac", py_payload_gmac, METH_VARARGS, "payload_gmac(k2 || H || mask, segs) -> G (16 bytes)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -787,6 +1037,15 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_disk_io", "Batched 
 
 PyMODINIT_FUNC PyInit__disk_io(void) {
     crc_init();
+    if ((!sha256_md && !(sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL))) ||
+        (!gmac_alg && !(gmac_alg = EVP_MAC_fetch(NULL, "GMAC", NULL)))) {
+        PyErr_SetString(PyExc_ImportError, "_disk_io: libcrypto has no SHA-256 or GMAC");
+        return NULL;
+    }
+#if defined(__x86_64__)
+    use_native_gmac = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HDR_BYTES", HDR_BYTES) < 0 ||
@@ -796,7 +1055,13 @@ PyMODINIT_FUNC PyInit__disk_io(void) {
         PyModule_AddIntConstant(m, "ST_SHORT", ST_SHORT) < 0 ||
         PyModule_AddIntConstant(m, "ST_BAD_HEADER", ST_BAD_HEADER) < 0 ||
         PyModule_AddIntConstant(m, "ST_BAD_CHECKSUM", ST_BAD_CHECKSUM) < 0 ||
-        PyModule_AddIntConstant(m, "ST_NO_BOUNCE", ST_NO_BOUNCE) < 0) {
+        PyModule_AddIntConstant(m, "ST_NO_BOUNCE", ST_NO_BOUNCE) < 0 ||
+        PyModule_AddIntConstant(m, "ST_BAD_MAC", ST_BAD_MAC) < 0 ||
+        PyModule_AddIntConstant(m, "ST_UNKNOWN_KEY", ST_UNKNOWN_KEY) < 0 ||
+        PyModule_AddIntConstant(m, "ST_UNAUTHENTICATED", ST_UNAUTHENTICATED) < 0 ||
+        PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED) < 0 || PyModule_AddIntConstant(m, "HDR_TAG", HDR_TAG) < 0 ||
+        PyModule_AddIntConstant(m, "HDR_KEY_ID", HDR_KEY_ID) < 0 ||
+        PyModule_AddIntConstant(m, "RING_ENTRY", RING_ENTRY) < 0) {
         Py_DECREF(m);
         return NULL;
     }

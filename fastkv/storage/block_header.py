@@ -1,8 +1,8 @@
-"""The 128-byte header in front of every stored block, and its checksum.
+"""The 128-byte header in front of every stored block, and its checks.
 
     offset  field
          0  magic         8 bytes  b"FKVBLK\\0\\1"
-         8  version       u32      1
+         8  version       u32      2
         12  num_segments  u32
         16  namespace     32 bytes StorageNamespace digest
         48  block_hash    32 bytes
@@ -10,13 +10,19 @@
         84  layout        u32      BlockLayout.digest32()
         88  payload_len   u64      sum of the segment lengths
         96  seq           u64      write sequence (0 where the store keeps one version)
-       104  payload_crc   u32      crc32c-3way of the segments (below)
-       108  reserved      16 bytes zero
+       104  key_id        u32      the key that made `tag` (fastkv.storage.auth); 0: none
+       108  tag           16 bytes key_id != 0: HMAC-SHA256(k1, bytes [0, 108) || G),
+                                   first 16 bytes; G = GMAC(k2, fixed IV, segments)
+            payload_crc   u32      key_id == 0: crc32c-3way of the segments (below),
+                                   then 12 zero bytes
        124  header_crc    u32      CRC-32C of bytes [0, 124)
 
 A read proves it holds the block it asked for when bytes [0, 104) equal the header
-it expects, the header CRC verifies and the payload checksum matches the bytes
-that landed in host memory. Little-endian throughout.
+it expects, the header CRC verifies and the payload verifies against the bytes that
+landed in host memory: by its tag under a key of the reader's ring when the reader
+has one (an untagged block is then refused), else by its payload CRC (and a tagged
+block is refused: the reader cannot check it). Little-endian throughout. Version 1
+(no key id, no tag) is not read: its blocks are misses.
 
 crc32c-3way: per segment, three CRC-32C lanes over its 8-byte words (word i feeds
 lane i % 3; the trailing len % 8 bytes feed lane 0 after its words); the block
@@ -38,7 +44,7 @@ from fastkv.storage.base import BlockLayout, StorageKey
 
 HEADER_BYTES = 128
 MAGIC = b"FKVBLK\0\1"
-VERSION = 1
+VERSION = 2
 _FIXED = struct.Struct("<8sII32s32sIIQQ")  # bytes [0, 104)
 MATCHED_BYTES = _FIXED.size
 assert MATCHED_BYTES == _disk_io.HDR_CMP_END
@@ -63,13 +69,16 @@ def _layout_fields(layout: BlockLayout) -> tuple[int, int, int]:
     return layout.num_segments, layout.digest32(), layout.payload_bytes
 
 
-def parse_header(raw: bytes | memoryview) -> tuple[StorageKey, int, int, int, int] | None:
-    """(key, num_segments, layout digest, payload length, seq) of a header whose
-    magic and version match, else None. The caller has verified its CRC."""
+def parse_header(
+    raw: bytes | memoryview,
+) -> tuple[StorageKey, int, int, int, int, int] | None:
+    """(key, num_segments, layout digest, payload length, seq, key id) of a header
+    whose magic and version match, else None. The caller has verified its CRC."""
     magic, version, nseg, ns, block_hash, rank, layout, length, seq = _FIXED.unpack_from(raw)
     if magic != MAGIC or version != VERSION or rank > 0xFFFF:
         return None
-    return StorageKey(bytes(ns), bytes(block_hash), rank), nseg, layout, length, seq
+    key_id = int.from_bytes(bytes(raw[_disk_io.HDR_KEY_ID : _disk_io.HDR_KEY_ID + 4]), "little")
+    return StorageKey(bytes(ns), bytes(block_hash), rank), nseg, layout, length, seq, key_id
 
 
 def reference_checksum(segments: list[bytes]) -> int:

@@ -3,8 +3,15 @@
 Directory layout:
 
     LOCK                  flock'ed exclusively while a backend has the directory open
-    fastkv-storage.json   slot geometry; a backend with another block layout refuses
+    fastkv-storage.json   format and slot geometry; a backend with another refuses
     blocks.fkv            slot i at i * slot_bytes, preallocated one slab at a time
+
+The directory is private: it must be owned by the process's effective uid and
+writable by no one else (otherwise it is refused), is made 0700 and every file in
+it 0600 whatever the umask. It is opened once with O_DIRECTORY | O_NOFOLLOW and
+every file is opened relative to it with O_NOFOLLOW (a symlink is refused, never
+followed; a file with another owner or a second hard link is refused too);
+temporary and probe files are created with O_EXCL under unpredictable names.
 
 Why slots in one file rather than a file per block (measured on the development
 VM, STORAGE.md): writing a new file + rename per block ran at 0.15 / 0.5 / 0.8 GB/s
@@ -26,6 +33,13 @@ The index (key -> slot, seq; LRU order) lives in memory. A new process on the sa
 directory scans slot headers in the background; until the scan reaches a slot, its
 key answers miss and the slot is not reused. Eviction is index-only (no I/O) and
 never takes a slot a read or write is using.
+
+close() stops the calls in flight before it closes anything: a flag the C batch
+reads before each block makes the blocks not yet started answer FAILED ("closed"),
+and close() waits (bounded) for the block each call is moving. Should a call stay
+stuck in the kernel past that bound, the files stay open until it returns (closed
+by the last call out, with a warning): a file descriptor is never used after it
+was closed, so nothing is ever written into a file the process opens later.
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ import json
 import logging
 import mmap
 import os
+import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from fastkv.storage import _disk_io
+from fastkv.storage.auth import StorageAuth, ring_of
 from fastkv.storage.base import (
     ALREADY_STORED,
     OK,
@@ -64,7 +81,7 @@ from fastkv.storage.block_header import HEADER_BYTES, expected_header, parse_hea
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
-FORMAT = 1
+FORMAT = 2  # 1: block header version 1 (no key id, no tag)
 DATA_FILE = "blocks.fkv"
 META_FILE = "fastkv-storage.json"
 LOCK_FILE = "LOCK"
@@ -72,10 +89,18 @@ _SLAB_BYTES = 1 << 30
 _SCAN_CHUNK = 4096
 _GROW_RETRY_S = 1.0
 _SCAN_THREADS = 8
+_CLOSE_TIMEOUT_S = 30.0
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
 
 
 class StorageDirectoryLocked(RuntimeError):
     """Another backend (in this or another process) has the directory open."""
+
+
+class StorageDirectoryUnsafe(ValueError):
+    """The directory (or a file in it) could be read, changed or redirected by
+    someone else: another owner, writable by others, a symlink, a hard link."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +175,15 @@ class LocalDiskBackend(StorageBackend):
         recover: scan what a previous process stored (in the background).
         io_delay_s: fault injection: sleep this long before each block's I/O (a slow
             disk, for tests of deadlines).
+        auth: the key ring that tags every block written and verifies every block
+            read (fastkv.storage.auth). None: `FASTKV_STORAGE_KEY_FILE` when set,
+            else no tags (blocks carry a CRC only: anyone able to write the
+            directory, i.e. this uid or root, could forge one).
 
     Raises:
-        ValueError: bad argument, or the directory holds another slot geometry.
+        ValueError: bad argument, or the directory holds another format or slot
+            geometry (the message names the difference).
+        StorageDirectoryUnsafe: the directory or a file in it is not private.
         StorageDirectoryLocked: the directory is in use.
         OSError: the directory cannot be created or opened, or O_DIRECT was
             required and the filesystem refuses it.
@@ -167,7 +198,16 @@ class LocalDiskBackend(StorageBackend):
         direct_io: bool | None = None,
         recover: bool = True,
         io_delay_s: float = 0.0,
+        auth: StorageAuth | None = None,
     ) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._closed = True  # until opened
+        self._users = 0  # calls (and the recovery scan) using the files
+        self._release_when_idle = False
+        self._fd = self._lock_fd = self._dir_fd = -1
+        if auth is not None and not isinstance(auth, StorageAuth):
+            raise ValueError(f"auth: must be a StorageAuth or None, got {type(auth).__name__}")
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
         self.layout = layout
@@ -178,21 +218,36 @@ class LocalDiskBackend(StorageBackend):
         if not isinstance(io_delay_s, (int, float)) or not 0 <= io_delay_s < 3600:
             raise ValueError(f"io_delay_s: must be in [0, 3600) seconds, got {io_delay_s!r}")
         self.io_delay_s = float(io_delay_s)
+        self.auth = auth if auth is not None else StorageAuth.from_environment()
+        self._ring = ring_of(self.auth)
+        self._cancel = np.zeros(1, dtype=np.int32)  # read by the C batch before each block
+        self._cancel_addr = self._cancel.ctypes.data
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _lock_directory(self.directory)
-        self._fd = -1
+        self._dir_fd = _open_private_directory(self.directory)
         try:
+            self._lock_fd = _lock_directory(self._dir_fd, self.directory)
             self._check_meta()
-            self.direct_io = _probe_direct(self.directory) if direct_io is None else direct_io
-            self._fd = _open_data(self.directory / DATA_FILE, self.direct_io)
+            self.direct_io = (
+                _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
+            )
+            self._fd = _open_file(
+                self._dir_fd, self.directory, DATA_FILE, os.O_RDWR | os.O_CREAT, self.direct_io
+            )
+            self._data_ino = os.fstat(self._fd).st_ino
             self._slots = _Slots(capacity)
             self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
             self._open_existing(recover)
         except BaseException:
-            self.close()
+            self._release_files()
             raise
-        self._lock = threading.Lock()
+        if self.auth is None:
+            log.info(
+                "fastkv storage: %s: blocks are not authenticated (no key ring; set %s): "
+                "whoever can write this directory could forge one",
+                self.directory,
+                "FASTKV_STORAGE_KEY_FILE",
+            )
+        self._slab_warned = False
         self._grow_error: OSError | None = None
         self._grow_retry_at = 0.0
         self._seq = time.time_ns()
@@ -203,6 +258,7 @@ class LocalDiskBackend(StorageBackend):
         self._scan_done = threading.Event()
         self._scanner: threading.Thread | None = None
         if self._scan_slots_upto:
+            self._users += 1  # the scan reads the file: close() waits for it too
             self._scanner = threading.Thread(
                 target=self._scan, name="fastkv-disk-recovery", daemon=True
             )
@@ -222,7 +278,15 @@ class LocalDiskBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         self._check_batch(keys, blocks, deadline)
-        self._check_open()
+        self._enter()
+        try:
+            return self._get_into(keys, blocks, deadline)
+        finally:
+            self._leave()
+
+    def _get_into(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> list[KeyResult]:
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
@@ -252,7 +316,20 @@ class LocalDiskBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         self._check_batch(keys, blocks, deadline)
-        self._check_open()
+        self._enter()
+        try:
+            gone = self._slot_file_gone()
+            if gone:
+                results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
+                self._count_puts(results)
+                return results
+            return self._put_from(keys, blocks, deadline)
+        finally:
+            self._leave()
+
+    def _put_from(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> list[KeyResult]:
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
@@ -299,12 +376,74 @@ class LocalDiskBackend(StorageBackend):
         """Wait (bounded) for the background scan; True when it has finished."""
         return self._scan_done.wait(timeout)
 
-    def close(self) -> None:
-        if getattr(self, "_closed", True) is False:
+    def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> bool:
+        """Stop the calls in flight, wait for them, then close the files and unlock
+        the directory. Idempotent.
+
+        Blocks a call has not started by now answer FAILED ("closed"); a block being
+        written finishes (a put answered OK is on disk). Waits at most `timeout`
+        seconds for the calls to return; if one is still stuck in the kernel then
+        (a hung disk), logs what it waits for and returns False, and the files stay
+        open (and the directory locked) until the last such call returns.
+
+        Returns:
+            True when everything was closed before returning.
+
+        Raises:
+            ValueError: timeout is negative or not a number.
+        """
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not timeout >= 0
+        ):
+            raise ValueError(f"timeout: must be a number of seconds >= 0, got {timeout!r}")
+        with self._lock:
+            if self._closed:
+                return self._fd < 0 and self._lock_fd < 0
             self._closed = True
+            self._cancel[0] = 1
             self._stop_scan.set()
-            if self._scanner is not None:
-                self._scanner.join(timeout=30)
+            end = time.monotonic() + timeout
+            while self._users and time.monotonic() < end:
+                self._idle.wait(max(0.0, end - time.monotonic()))
+            if self._users:
+                self._release_when_idle = True
+                log.warning(
+                    "fastkv storage: close of %s: %d call(s) still inside a disk read or "
+                    "write after %.1f s; %s stays open and locked until they return",
+                    self.directory,
+                    self._users,
+                    timeout,
+                    DATA_FILE,
+                )
+                return False
+        self._release_files()
+        return True
+
+    def _enter(self) -> None:
+        """Count a call that uses the files (refused once closed)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the storage backend is closed")
+            self._users += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+            self._idle.notify_all()
+            release = self._release_when_idle
+            self._release_when_idle = False
+        if release:
+            self._release_files()
+            log.warning(
+                "fastkv storage: %s closed after its last call returned", self.directory
+            )
+
+    def _release_files(self) -> None:
+        """Close the files (no call uses them any more) and unlock the directory."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -312,6 +451,34 @@ class LocalDiskBackend(StorageBackend):
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def _slot_file_gone(self) -> str:
+        """Why puts cannot be kept ("" when they can): blocks.fkv was deleted or
+        replaced under the backend (writes would land in a file no later process
+        finds). Logged once."""
+        reason = ""
+        try:
+            if os.fstat(self._fd).st_nlink == 0:
+                reason = "was deleted"
+            else:
+                st = os.stat(DATA_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
+                if st.st_ino != self._data_ino:
+                    reason = "was replaced by another file"
+        except FileNotFoundError:
+            reason = "was deleted"
+        if not reason:
+            return ""
+        text = (
+            f"the slot file {self.directory / DATA_FILE} {reason} while open: a block "
+            "written now would be lost on restart; reopen the backend"
+        )
+        if not self._slab_warned:
+            self._slab_warned = True
+            log.error("fastkv storage: %s (puts fail from now on; reads still verify)", text)
+        return text
 
     def _live_stats(self, snap: StorageStats) -> None:
         snap.stored_blocks = len(self._slots.index)
@@ -376,6 +543,8 @@ class LocalDiskBackend(StorageBackend):
             slots.free.append(slot)
             if status == _disk_io.ST_TIMEOUT:
                 return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the write")
+            if status == _disk_io.ST_CLOSED:
+                return KeyResult(KeyStatus.FAILED, "the backend closed before the write")
             return KeyResult(KeyStatus.FAILED, f"write failed: {_describe(status)}")
         if packed in slots.index:  # a concurrent put stored it first
             slots.free.append(slot)
@@ -388,6 +557,8 @@ class LocalDiskBackend(StorageBackend):
             return OK
         if status == _disk_io.ST_TIMEOUT:
             return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the read")
+        if status == _disk_io.ST_CLOSED:
+            return KeyResult(KeyStatus.FAILED, "the backend closed before the read")
         if status < 0 or status == _disk_io.ST_NO_BOUNCE:
             # An I/O error, or no staging buffer for this host memory (a local
             # condition, not bad data): the stored block stays indexed.
@@ -442,6 +613,8 @@ class LocalDiskBackend(StorageBackend):
             deadline,
             self.io_delay_s,
             not full,
+            self._ring,
+            self._cancel_addr,
         )
 
     def _needs_full_bounce(self, segs: np.ndarray) -> bool:
@@ -480,10 +653,13 @@ class LocalDiskBackend(StorageBackend):
             log.exception("fastkv storage: recovery scan of %s stopped", self.directory)
         finally:
             self._scan_done.set()
+            self._leave()
 
     def _scan_slots(self) -> None:
         g = self.geometry
         want_layout = self.layout.digest32()
+        # Blocks this backend could never verify are not indexed: their slots are free.
+        key_ids = set(self.auth.key_ids) if self.auth is not None else {0}
         # Header reads are small and random: several in flight keep the disk busy.
         buffers = [mmap.mmap(-1, ALIGN) for _ in range(_SCAN_THREADS)]
         pool = ThreadPoolExecutor(_SCAN_THREADS, thread_name_prefix="fastkv-disk-scan")
@@ -505,8 +681,8 @@ class LocalDiskBackend(StorageBackend):
                 if parsed is None:
                     empty.append(start + j)
                     continue
-                key, nseg, layout, length, seq = parsed
-                if (nseg, layout, length) != (
+                key, nseg, layout, length, seq, key_id = parsed
+                if key_id not in key_ids or (nseg, layout, length) != (
                     self.layout.num_segments,
                     want_layout,
                     self.layout.payload_bytes,
@@ -571,21 +747,70 @@ class LocalDiskBackend(StorageBackend):
             "segment_lengths": list(self.layout.segment_lengths),
         }
         path = self.directory / META_FILE
-        if path.exists():
+        try:
+            fd = _open_file(self._dir_fd, self.directory, META_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
             try:
-                have = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise ValueError(f"directory: {path} is unreadable ({e})") from None
-            if have != meta:
-                raise ValueError(
-                    f"directory: {self.directory} holds blocks of another layout "
-                    f"(slot_bytes {have.get('slot_bytes')}, this backend needs "
-                    f"{meta['slot_bytes']}); use another directory"
-                )
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    raw = f.read(1 << 20)
+            finally:
+                os.close(fd)
+            _check_meta_matches(path, raw, meta)
             return
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, path)
+        # Written under a fresh name no one can have planted, then renamed over.
+        tmp = f".{META_FILE}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            _FILE_MODE,
+            dir_fd=self._dir_fd,
+        )
+        try:
+            os.fchmod(fd, _FILE_MODE)
+            os.write(fd, json.dumps(meta).encode())
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, META_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir_fd)
+            raise
+
+
+def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> None:
+    """Raises ValueError saying how the directory's metadata differs from `meta`."""
+    try:
+        have = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(
+            f"directory: {path} is not valid JSON ({e}); use another directory"
+        ) from None
+    if not isinstance(have, dict):
+        raise ValueError(
+            f"directory: {path} holds a JSON {type(have).__name__}, not fastkv storage "
+            "metadata (an object); use another directory"
+        )
+    if have.get("format") != meta["format"]:
+        raise ValueError(
+            f"directory: {path.parent} was written by fastkv storage format "
+            f"{have.get('format')!r}, this backend reads format {meta['format']} only "
+            "(the block header changed); use another directory or empty this one"
+        )
+    for field in ("slot_bytes", "segment_lengths"):
+        if have.get(field) != meta[field]:
+            raise ValueError(
+                f"directory: {path.parent} holds blocks of another layout ({field} "
+                f"{have.get(field)!r}, this backend needs {meta[field]!r}); use another "
+                "directory"
+            )
+    extra = sorted(set(have) - set(meta))
+    if extra:
+        raise ValueError(f"directory: {path} has unknown fields {extra}; use another directory")
 
 
 def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:
@@ -602,8 +827,87 @@ def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:
     return min(nbytes // slot_bytes, 2**31 - 1)
 
 
-def _lock_directory(directory: Path) -> int:
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+def _open_private_directory(directory: Path) -> int:
+    """Create `directory` (0700) if missing and open it without following a symlink.
+
+    Raises:
+        StorageDirectoryUnsafe: it is a symlink, not a directory, owned by another
+            uid, or writable by group or others.
+        OSError: it cannot be created or opened.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, _DIR_MODE)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            what = "a symbolic link" if os.path.islink(directory) else "not a directory"
+            raise StorageDirectoryUnsafe(
+                f"directory: {directory} is {what}; give the real path of a directory"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StorageDirectoryUnsafe(
+                f"directory: {directory} is owned by uid {st.st_uid}, not this process's "
+                f"uid {os.geteuid()}; the cache directory must be private"
+            )
+        if st.st_mode & 0o022:
+            raise StorageDirectoryUnsafe(
+                f"directory: {directory} has mode {stat.S_IMODE(st.st_mode):#o}: others can "
+                "add or replace files in it; use a private directory (0700)"
+            )
+        if stat.S_IMODE(st.st_mode) != _DIR_MODE:
+            os.fchmod(fd, _DIR_MODE)  # others may have been able to read KV: no more
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_file(
+    dir_fd: int, directory: Path, name: str, flags: int, direct: bool = False
+) -> int:
+    """Open `name` in the directory: never through a symlink, only a regular file of
+    this uid with one link, made 0600.
+
+    Raises:
+        StorageDirectoryUnsafe: a symlink, another kind of file, another owner or a
+            second hard link.
+        OSError: as os.open (FileNotFoundError without O_CREAT).
+    """
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    try:
+        fd = os.open(name, flags, _FILE_MODE, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StorageDirectoryUnsafe(
+                f"directory: {directory / name} is a symbolic link; fastkv follows none"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = ""
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        elif st.st_uid != os.geteuid():
+            problem = f"is owned by uid {st.st_uid}, not {os.geteuid()}"
+        elif st.st_nlink != 1:
+            problem = f"has {st.st_nlink} hard links (it is also elsewhere)"
+        if problem:
+            raise StorageDirectoryUnsafe(f"directory: {directory / name} {problem}")
+        if stat.S_IMODE(st.st_mode) != _FILE_MODE:
+            os.fchmod(fd, _FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_directory(dir_fd: int, directory: Path) -> int:
+    fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -618,13 +922,16 @@ def _lock_directory(directory: Path) -> int:
     return fd
 
 
-def _probe_direct(directory: Path) -> bool:
-    """Whether this filesystem takes O_DIRECT writes of aligned pages."""
-    path = directory / f".direct-probe-{os.getpid()}"
+def _probe_direct(dir_fd: int, directory: Path) -> bool:
+    """Whether this filesystem takes O_DIRECT writes of aligned pages (probed on a
+    file created exclusively under a name no one can have planted)."""
+    name = f".direct-probe-{os.getpid()}-{secrets.token_hex(8)}"
     buf = mmap.mmap(-1, ALIGN)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        fd = os.open(name, flags, _FILE_MODE, dir_fd=dir_fd)
     except OSError:
+        buf.close()
         return False
     try:
         return os.pwritev(fd, [buf], 0) == ALIGN
@@ -633,13 +940,8 @@ def _probe_direct(directory: Path) -> bool:
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
-            path.unlink()
+            os.unlink(name, dir_fd=dir_fd)
         buf.close()
-
-
-def _open_data(path: Path, direct: bool) -> int:
-    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
-    return os.open(path, flags, 0o644)
 
 
 def _address(buf: mmap.mmap) -> int:
@@ -654,6 +956,10 @@ def _describe(status: int) -> str:
         _disk_io.ST_BAD_HEADER: "header does not match the key",
         _disk_io.ST_BAD_CHECKSUM: "payload checksum mismatch",
         _disk_io.ST_NO_BOUNCE: "no staging buffer",
+        _disk_io.ST_BAD_MAC: "authentication tag does not verify (forged or altered)",
+        _disk_io.ST_UNKNOWN_KEY: "signed by a key this backend does not hold",
+        _disk_io.ST_UNAUTHENTICATED: "not authenticated, and this backend requires it",
+        _disk_io.ST_CLOSED: "the backend closed",
     }.get(status, f"status {status}")
 
 
@@ -661,4 +967,9 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-__all__ = ["LocalDiskBackend", "SlotGeometry", "StorageDirectoryLocked"]
+__all__ = [
+    "LocalDiskBackend",
+    "SlotGeometry",
+    "StorageDirectoryLocked",
+    "StorageDirectoryUnsafe",
+]

@@ -7,11 +7,27 @@ the block's segments in order, gathered zero-copy from the host cache by
 (both need the memory registered: `register_host_memory` once for the whole host
 cache; the headers live in a small registered arena of the backend's own).
 
+Authentication: any client that reaches the master can put any key, and keys are
+predictable (the namespace digest hashes public fields; block hashes chain from a
+public root). Every object therefore carries a tag (HMAC-SHA256 under the
+deployment's key ring, fastkv.storage.auth) that a get verifies before anything is
+served; a backend without a ring must be asked for explicitly
+(`allow_unauthenticated=True`) and then accepts whatever any client stored.
+Mooncake keeps the old value when a key is put again (answering 0 or -705), so a
+put first asks which keys exist and reads those back: one that verifies is
+ALREADY_STORED, one that does not (forged, or another deployment's) answers
+FAILED, never stored, and is removed so a later put can store the real block
+(Mooncake refuses a remove during the read lease it just granted, -706: the key is
+then remembered and removed by the next put of it once the lease has run out). A
+-705 from the put itself (a key that appeared in between) is checked the same way.
+What remains: an object planted between the existence check and the put (when
+Mooncake answers 0) makes that put count as stored; its reads still refuse it.
+
 Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
 
-    put   0, -705 (exists)      stored (an existing key keeps its old value; keys name
-                                content, so it is the same block); -705 answers
-                                ALREADY_STORED
+    put   0, -705 (exists)      stored (an existing key keeps its old value); -705
+                                answers ALREADY_STORED once the stored object
+                                verifies (above)
           -200 (pool full)      retried with a short backoff, at most `put_retries`
                                 times and never past the deadline; then FAILED
     get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
@@ -22,14 +38,31 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
                                 `get_size` tells them apart -> MISS or FAILED
                                 (zero-copy reads only, while the deadline allows,
                                 until a fatal code in the same call)
-    any   -800, -900, -901      FAILED, and the circuit breaker opens (RPC or transfer
-                                failure: a dead master or storage node)
+    any   -800 (transfer fail)  FAILED; for a get, the key is not asked again for
+                                `breaker_cooldown_s` (its storage node is failing;
+                                the others are not: measured, a dead node fails only
+                                the keys it holds, in the same call as healthy ones)
+          -900, -901            FAILED, and the circuit breaker opens (the master's
+                                RPC failed: every key depends on it)
           anything else         FAILED with the code
 
-While the breaker is open every call fails fast without touching Mooncake; after
-`breaker_cooldown_s` one call goes through as a probe and closes it on success
-(the cooldown doubles, up to 30 s, while probes fail). `health_check()` answered 0
-with the master dead, so the breaker learns from real calls only.
+Failures stay local to what failed: a dead storage node fails its own keys (a
+quarantine per key), only a failing master (or a binding that raises) opens the
+breaker. While it is open every call fails fast without touching Mooncake; after
+`breaker_cooldown_s` one call goes through as a probe and closes it on success (the
+cooldown doubles while probes fail, up to `breaker_max_cooldown_s`, 4 s by default:
+the breaker closes at most that long, plus the probe call, after the master is
+back). `health_check()` answered 0 with the master dead, so the breaker learns from
+real calls only.
+
+Deadlines: a Mooncake call blocks (4.3 s measured against a dead master), so calls
+run on the backend's own threads and the caller waits until the deadline plus
+`deadline_margin_s` (50 ms): every `exists`, `put_from` and staged `get_into`
+returns by then, keys not done answering TIMEOUT; the call that overran keeps its
+arena (and thread) until Mooncake returns it. A zero-copy `get_into` cannot leave
+early, since Mooncake writes into the caller's host memory until its call ends: it
+returns when Mooncake does (use the I/O engine, which keeps such host blocks busy,
+or staged mode, for a hard bound).
 """
 
 from __future__ import annotations
@@ -37,11 +70,16 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 
 from fastkv.storage import _disk_io
+from fastkv.storage.auth import StorageAuth, ring_of
 from fastkv.storage.base import (
     ALREADY_STORED,
     OK,
@@ -60,20 +98,25 @@ OBJECT_EXISTS = -705
 POOL_FULL = -200
 BUFFER_TOO_SMALL = -600
 OBJECT_NOT_FOUND = -704
+LEASE_HELD = -706
+_MAX_CONDEMNED = 4096
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
-FATAL_CODES = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
-_MAX_COOLDOWN_S = 30.0
+FATAL_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+"""Codes that mean the master failed: they open the breaker (every key needs it)."""
+_MAX_QUARANTINED = 65536
 
 
 class CircuitBreaker:
     """Closed: calls go through. Open: they fail fast. After the cooldown one probe
     call goes through; its success closes the breaker, its failure reopens it with
-    twice the cooldown (at most 30 s)."""
+    twice the cooldown (at most `max_cooldown_s`, so recovery is never later than
+    that after the failure ends, plus the probe)."""
 
-    def __init__(self, cooldown_s: float) -> None:
+    def __init__(self, cooldown_s: float, max_cooldown_s: float = 4.0) -> None:
         self.base_cooldown_s = cooldown_s
+        self.max_cooldown_s = max(cooldown_s, max_cooldown_s)
         self._cooldown_s = cooldown_s
         self._lock = threading.Lock()
         self._open_until: float | None = None
@@ -113,7 +156,7 @@ class CircuitBreaker:
                     self._cooldown_s = self.base_cooldown_s
                 return
             if self._open_until is not None and was_probe:
-                self._cooldown_s = min(self._cooldown_s * 2, _MAX_COOLDOWN_S)
+                self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
             if self._open_until is None:
                 self.trips += 1
             self._open_until = time.monotonic() + self._cooldown_s
@@ -132,10 +175,19 @@ class MooncakeBackend(StorageBackend):
             client; the blocks then live on storage-node processes).
         put_retries: how often a put answered -200 (pool full) is retried.
         retry_backoff_s: pause before each retry.
-        breaker_cooldown_s: how long the breaker stays open before a probe.
+        breaker_cooldown_s: how long the breaker stays open before a probe, and how
+            long a key whose read hit a failing storage node is not asked again.
+        breaker_max_cooldown_s: the longest the cooldown grows while probes fail.
+        deadline_margin_s: how long past its deadline a call may take (see the
+            module docstring for the one exception, zero-copy reads).
         max_batch: keys per Mooncake call (the deadline is checked between calls).
         max_concurrency: calls running at once (each holds max_batch header slots);
             further calls wait for a slot until their deadline.
+        auth: the key ring that tags every object put and verifies every object
+            read. None: `FASTKV_STORAGE_KEY_FILE` when set.
+        allow_unauthenticated: without a ring the backend refuses to start unless
+            this is True; then objects carry a CRC only, and any client of the
+            Mooncake cluster can make this backend serve KV it forged.
         staging_bytes: 0 (default) moves blocks zero-copy, one Mooncake buffer per
             segment. Above 0, a registered staging area of this size (split among
             `max_concurrency` calls, at least one object each) gathers each block
@@ -161,13 +213,28 @@ class MooncakeBackend(StorageBackend):
         put_retries: int = 5,
         retry_backoff_s: float = 0.01,
         breaker_cooldown_s: float = 2.0,
+        breaker_max_cooldown_s: float = 4.0,
+        deadline_margin_s: float = 0.05,
         max_batch: int = 64,
         max_concurrency: int = 4,
         staging_bytes: int = 0,
         store: object | None = None,
+        auth: StorageAuth | None = None,
+        allow_unauthenticated: bool = False,
     ) -> None:
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
+        if auth is not None and not isinstance(auth, StorageAuth):
+            raise ValueError(f"auth: must be a StorageAuth or None, got {type(auth).__name__}")
+        if auth is None:
+            auth = StorageAuth.from_environment()
+        if auth is None and allow_unauthenticated is not True:
+            raise ValueError(
+                "auth: Mooncake Store lets every client that reaches its master write any "
+                "key, so blocks must be authenticated: give a StorageAuth (or set "
+                "FASTKV_STORAGE_KEY_FILE), or allow_unauthenticated=True to accept "
+                "blocks any client could have forged"
+            )
         for name, value, low, high in (
             ("segment_bytes", segment_bytes, 0, 1 << 50),
             ("put_retries", put_retries, 0, 1000),
@@ -184,6 +251,8 @@ class MooncakeBackend(StorageBackend):
         for name, value in (
             ("retry_backoff_s", retry_backoff_s),
             ("breaker_cooldown_s", breaker_cooldown_s),
+            ("breaker_max_cooldown_s", breaker_max_cooldown_s),
+            ("deadline_margin_s", deadline_margin_s),
         ):
             if not isinstance(value, (int, float)) or not 0 <= value <= 600:
                 raise ValueError(f"{name}: must be in [0, 600] seconds, got {value!r}")
@@ -200,11 +269,22 @@ class MooncakeBackend(StorageBackend):
         if staging_bytes:
             max_batch = min(max_batch, per_call // object_bytes)
         self.staged = staging_bytes > 0
+        self.auth = auth
+        self._ring = ring_of(auth)
         self.layout = layout
         self.put_retries = put_retries
         self.retry_backoff_s = float(retry_backoff_s)
         self.max_batch = max_batch
-        self.breaker = CircuitBreaker(float(breaker_cooldown_s))
+        self.breaker = CircuitBreaker(float(breaker_cooldown_s), float(breaker_max_cooldown_s))
+        self.quarantine_s = float(breaker_cooldown_s)
+        self.deadline_margin_s = float(deadline_margin_s)
+        self._quarantined: OrderedDict[str, float] = OrderedDict()  # key text -> until
+        # transfers hold an arena each, lookups a slot of their own: both bounded
+        self._pool = ThreadPoolExecutor(
+            2 * max_concurrency, thread_name_prefix="fastkv-mooncake"
+        )
+        self._lookup_slots = threading.BoundedSemaphore(max_concurrency)
+        self.overruns = 0  # calls still inside Mooncake past deadline + margin
         self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
         if store is None:
@@ -229,6 +309,15 @@ class MooncakeBackend(StorageBackend):
             self._staging = mmap.mmap(-1, max_concurrency * max_batch * object_bytes)
             self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
             self._register(self._staging_addr, len(self._staging))
+        # One object per concurrent call: where a put reads back an existing object.
+        self._verify = mmap.mmap(-1, max_concurrency * object_bytes)
+        self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
+        self._register(self._verify_addr, len(self._verify))
+        self._payload_offsets = np.concatenate(
+            [[HEADER_BYTES], HEADER_BYTES + np.cumsum(layout.segment_lengths)[:-1]]
+        ).astype(np.int64)
+        self.forged_puts = 0
+        self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
         self._free_arenas = list(range(max_concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
@@ -260,20 +349,49 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, None, deadline)
         self._check_open()
         found = [False] * len(keys)
-        for start in range(0, len(keys), self.max_batch):
-            if time.monotonic() >= deadline or not self.breaker.allow():
-                break
-            part = keys[start : start + self.max_batch]
-            try:
-                codes = self.store.batch_is_exist([k.text() for k in part])
-            except Exception as e:  # the binding raised: answer "not found"
-                self.breaker.record(f"is_exist raised {type(e).__name__}: {e}")
-                break
-            fatal = next((c for c in codes if c in FATAL_CODES), None)
-            self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
-            for j, code in enumerate(codes):
-                found[start + j] = code == 1
+        # a slot bounds the lookups inside Mooncake (a stuck one keeps its slot)
+        if not self._lookup_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return found
+        abandoned = False
+        try:
+            for start in range(0, len(keys), self.max_batch):
+                if time.monotonic() >= deadline or not self.breaker.allow():
+                    break
+                names = [k.text() for k in keys[start : start + self.max_batch]]
+                fut = self._pool.submit(self._is_exist, names)
+                codes = self._wait(fut, deadline, self._lookup_slots.release)
+                if codes is None:  # still inside Mooncake: "not found"
+                    abandoned = True
+                    break
+                for j, code in enumerate(codes):
+                    found[start + j] = code == 1
+        finally:
+            if not abandoned:
+                self._lookup_slots.release()
         return found
+
+    def _is_exist(self, names: list[str]) -> list[int]:
+        """One is_exist call on a pool thread; reports its outcome to the breaker."""
+        try:
+            codes = self.store.batch_is_exist(names)
+        except Exception as e:  # the binding raised: answer "not found"
+            self.breaker.record(f"is_exist raised {type(e).__name__}: {e}")
+            return [0] * len(names)
+        fatal = next((c for c in codes if c in FATAL_CODES), None)
+        self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
+        return codes
+
+    def _wait(self, fut: Future, deadline: float, release: Callable[[], None]) -> Any:
+        """The result of a pool call, or None when it is still running at the
+        deadline plus the margin: then `release` (what the call holds: its arena or
+        slot) runs when it ends."""
+        try:
+            return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
+        except FutureTimeout:
+            with self._lock:
+                self.overruns += 1
+            fut.add_done_callback(lambda _f: release())
+            return None
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -299,6 +417,7 @@ class MooncakeBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        self._pool.shutdown(wait=False)
         close = getattr(self.store, "close", None)
         if close is not None:
             close()
@@ -318,6 +437,10 @@ class MooncakeBackend(StorageBackend):
         arena = self._take_arena(deadline)
         if arena is None:
             return results
+        # A zero-copy read writes into the caller's memory until Mooncake returns:
+        # it cannot be left behind at the deadline. Everything else can.
+        inline = run_part == self._get_part and not self.staged
+        abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
                 if time.monotonic() >= deadline:
@@ -329,20 +452,43 @@ class MooncakeBackend(StorageBackend):
                     results[start:] = [refused] * (len(keys) - start)
                     break
                 stop = min(len(keys), start + self.max_batch)
-                try:
-                    part, fatal = run_part(
-                        keys[start:stop], blocks[start:stop], arena, deadline
-                    )
-                except Exception as e:  # the binding raised: a failure, never a hang
-                    fatal = f"{type(e).__name__}: {e}"
-                    part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * (
-                        stop - start
-                    )
-                self.breaker.record(fatal)
+                args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline)
+                if inline:
+                    part = self._run_part(*args)
+                else:
+                    fut = self._pool.submit(self._run_part, *args)
+                    part = self._wait(fut, deadline, lambda a=arena: self._give_arena(a))
+                if part is None:
+                    abandoned = True
+                    results[start:stop] = [
+                        KeyResult(
+                            KeyStatus.TIMEOUT,
+                            "deadline passed with the call still inside Mooncake",
+                        )
+                    ] * (stop - start)
+                    break
                 results[start:stop] = part
         finally:
-            self._give_arena(arena)
+            if not abandoned:
+                self._give_arena(arena)
         return results
+
+    def _run_part(
+        self,
+        run_part: Callable[..., tuple[list[KeyResult], str | None]],
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        arena: int,
+        deadline: float,
+    ) -> list[KeyResult]:
+        """One batch of Mooncake calls; reports its outcome to the breaker."""
+        try:
+            part, fatal = run_part(keys, blocks, arena, deadline)
+        except Exception as e:  # the binding raised: a failure, never a hang
+            fatal = f"{type(e).__name__}: {e}"
+            part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * len(keys)
+        self.breaker.record(fatal)
+        return part
 
     def _take_arena(self, deadline: float) -> int | None:
         with self._arena_ready:
@@ -376,22 +522,36 @@ class MooncakeBackend(StorageBackend):
         arena: int,
         deadline: float,
     ) -> tuple[list[KeyResult], str | None]:
-        ptrs: list = []
-        for j, (key, segs) in enumerate(zip(keys, blocks, strict=True)):
+        results: list[KeyResult | None] = [None] * len(keys)
+        self._remove_condemned([k.text() for k in keys])
+        exist = self.store.batch_is_exist([k.text() for k in keys])
+        fatal_code = next((c for c in exist if c in FATAL_CODES), None)
+        if fatal_code is not None:
+            failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
+            return [failed] * len(keys), f"is_exist answered {fatal_code}"
+        fatal: str | None = None
+        pending = []
+        for j, code in enumerate(exist):
+            if code == 1:  # Mooncake would keep it: stored only if it is our block
+                results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
+            else:
+                pending.append(j)
+        ptrs: dict[int, object] = {}
+        for j in pending:
+            key, segs = keys[j], blocks[j]
             seg_array = np.asarray(segs, dtype=np.int64)
             if self.staged:
                 header = bytearray(expected_header(key, self.layout, 0))
-                _disk_io.stage_block(self._object_addr(arena, j), header, seg_array)
-                ptrs.append(self._object_addr(arena, j))
+                _disk_io.stage_block(self._object_addr(arena, j), header, seg_array, self._ring)
+                ptrs[j] = self._object_addr(arena, j)
                 continue
             header_view = self._header_view(arena, j)
             header_view[:] = expected_header(key, self.layout, 0)
-            _disk_io.seal_header(header_view, seg_array)
-            ptrs.append([self._header_addr(arena, j), *(p for p, _ in segs)])
-        results: list[KeyResult | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        fatal: str | None = None
+            _disk_io.seal_header(header_view, seg_array, self._ring)
+            ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
         for attempt in range(self.put_retries + 1):
+            if not pending:
+                break
             names = [keys[j].text() for j in pending]
             if self.staged:
                 codes = self.store.batch_put_from(
@@ -405,8 +565,8 @@ class MooncakeBackend(StorageBackend):
             for j, code in zip(pending, codes, strict=True):
                 if code == PUT_OK:
                     results[j] = OK
-                elif code == OBJECT_EXISTS:
-                    results[j] = ALREADY_STORED
+                elif code == OBJECT_EXISTS:  # appeared since is_exist: ours only if it verifies
+                    results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
                 elif code == POOL_FULL:
                     retry.append(j)
                 else:
@@ -430,6 +590,72 @@ class MooncakeBackend(StorageBackend):
             )
         return results, fatal  # type: ignore[return-value]
 
+    def _check_existing(
+        self, key: StorageKey, arena: int, deadline: float, fatal: str | None
+    ) -> tuple[KeyResult, str | None]:
+        """A put met an object under `key`: ALREADY_STORED if it is this block (its
+        header and tag verify), else FAILED; an object that does not verify is
+        removed (best effort) so a later put can store the real block."""
+        if time.monotonic() >= deadline:
+            return KeyResult(
+                KeyStatus.TIMEOUT, "deadline passed before the stored object was verified"
+            ), fatal
+        name = key.text()
+        addr = self._verify_addr + arena * self._expected_bytes
+        code = self.store.batch_get_into([name], [addr], [self._expected_bytes])[0]
+        if code in FATAL_CODES:
+            return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), (
+                f"get answered {code}"
+            )
+        if code == OBJECT_NOT_FOUND:
+            return KeyResult(
+                KeyStatus.FAILED, "the existing object vanished before it was verified"
+            ), fatal
+        if code == self._expected_bytes:
+            segs = np.stack(
+                [addr + self._payload_offsets, np.asarray(self.layout.segment_lengths)], axis=1
+            ).astype(np.int64)
+            header = memoryview(self._verify)[
+                arena * self._expected_bytes : arena * self._expected_bytes + HEADER_BYTES
+            ]
+            want = expected_header(key, self.layout, 0)
+            status = _disk_io.verify_block(header, want, segs, self._ring)
+            if status == _disk_io.ST_OK:
+                return ALREADY_STORED, fatal
+            why = _describe(status)
+        elif code < 0 and code != BUFFER_TOO_SMALL:
+            return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
+        else:
+            why = "wrong size"
+        removed = self.store.remove(name)
+        with self._lock:
+            self.forged_puts += 1
+            if removed == LEASE_HELD:
+                self._condemned[name] = None
+                while len(self._condemned) > _MAX_CONDEMNED:
+                    del self._condemned[next(iter(self._condemned))]
+        if removed == 0:
+            done = "removed it"
+        elif removed == LEASE_HELD:
+            done = "it is removed by a later put once Mooncake's read lease ends"
+        else:
+            done = f"remove answered {removed}"
+        return KeyResult(
+            KeyStatus.FAILED,
+            f"Mooncake holds an object under this key that is not this block ({why}): "
+            f"not stored; {done}",
+        ), fatal
+
+    def _remove_condemned(self, names: list[str]) -> None:
+        """Remove objects found not to verify whose removal the read lease refused."""
+        with self._lock:
+            due = [n for n in names if n in self._condemned]
+        for name in due:
+            code = self.store.remove(name)
+            if code != LEASE_HELD:
+                with self._lock:
+                    self._condemned.pop(name, None)
+
     def _get_part(
         self,
         keys: Sequence[StorageKey],
@@ -438,26 +664,36 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
     ) -> tuple[list[KeyResult], str | None]:
         names = [k.text() for k in keys]
-        if self.staged:
-            ptrs = [self._object_addr(arena, j) for j in range(len(keys))]
-            codes = self.store.batch_get_into(names, ptrs, [self._expected_bytes] * len(keys))
-        else:
-            codes = self.store.batch_get_into_multi_buffers(
-                names,
-                [
-                    [self._header_addr(arena, j), *(p for p, _ in segs)]
-                    for j, segs in enumerate(blocks)
-                ],
-                [self._lengths] * len(keys),
+        held = self._quarantine_reasons(names)
+        live = [j for j in range(len(keys)) if held[j] is None]
+        codes = [0] * len(keys)
+        if live and self.staged:
+            got = self.store.batch_get_into(
+                [names[j] for j in live],
+                [self._object_addr(arena, j) for j in live],
+                [self._expected_bytes] * len(live),
             )
+        elif live:
+            got = self.store.batch_get_into_multi_buffers(
+                [names[j] for j in live],
+                [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
+                [self._lengths] * len(live),
+            )
+        for j, code in zip(live, got if live else [], strict=True):
+            codes[j] = code
         results: list[KeyResult] = []
         fatal: str | None = None
         corrupt = 0
+        failing: list[str] = []
         # A short object also fails a multi-buffer read with -800 (a single-buffer
         # read answers its size): ask its size, one key at a time, but only while
         # the deadline allows and until a fatal code shows the store is failing.
         ask_size = not self.staged
         for j, code in enumerate(codes):
+            reason = held[j]
+            if reason is not None:
+                results.append(KeyResult(KeyStatus.FAILED, reason))
+                continue
             size = None
             if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
                 size = self.store.get_size(keys[j].text())
@@ -465,11 +701,38 @@ class MooncakeBackend(StorageBackend):
             if outcome == "fatal":
                 fatal = f"get answered {code}"
                 ask_size = False
+            elif outcome == "node":
+                failing.append(names[j])
             corrupt += outcome == "corrupt"
             results.append(result)
+        until = time.monotonic() + self.quarantine_s
         with self._lock:
             self._stats.corrupt += corrupt
+            for name in failing:
+                self._quarantined[name] = until
+                self._quarantined.move_to_end(name)
+            while len(self._quarantined) > _MAX_QUARANTINED:
+                self._quarantined.popitem(last=False)
         return results, fatal
+
+    def _quarantine_reasons(self, names: list[str]) -> list[str | None]:
+        """Per key: why it is not asked now (its last read hit a failing storage
+        node less than `quarantine_s` ago), or None."""
+        now = time.monotonic()
+        out: list[str | None] = []
+        with self._lock:
+            for name in names:
+                until = self._quarantined.get(name)
+                if until is not None and until <= now:
+                    del self._quarantined[name]
+                    until = None
+                out.append(
+                    None
+                    if until is None
+                    else "its storage node failed a read (-800) moments ago; "
+                    f"not asked again for {until - now:.1f} s"
+                )
+        return out
 
     def _read_result(
         self,
@@ -480,21 +743,23 @@ class MooncakeBackend(StorageBackend):
         code: int,
         size: int | None,
     ) -> tuple[KeyResult, str]:
-        """The result of one get and its kind: "", "corrupt" (counted) or "fatal"
-        (opens the breaker). `size`: what get_size answered for a -800, if asked."""
+        """The result of one get and its kind: "", "corrupt" (counted), "node" (the
+        storage node holding it failed: quarantined) or "fatal" (the master failed:
+        opens the breaker). `size`: what get_size answered for a -800, if asked."""
         if code == self._expected_bytes:
             want = expected_header(key, self.layout, 0)
             seg_array = np.asarray(segs, dtype=np.int64)
             if self.staged:
-                status = _disk_io.unstage_block(self._object_addr(arena, j), want, seg_array)
+                status = _disk_io.unstage_block(
+                    self._object_addr(arena, j), want, seg_array, self._ring
+                )
             else:
-                status = _disk_io.verify_block(self._header_view(arena, j), want, seg_array)
+                status = _disk_io.verify_block(
+                    self._header_view(arena, j), want, seg_array, self._ring
+                )
             if status == _disk_io.ST_OK:
                 return OK, ""
-            what = (
-                "header mismatch" if status == _disk_io.ST_BAD_HEADER else "checksum mismatch"
-            )
-            return KeyResult(KeyStatus.MISS, f"rejected: {what}"), "corrupt"
+            return KeyResult(KeyStatus.MISS, f"rejected: {_describe(status)}"), "corrupt"
         if 0 <= code < self._expected_bytes:
             return KeyResult(
                 KeyStatus.MISS, f"rejected: short object ({code} bytes)"
@@ -510,8 +775,8 @@ class MooncakeBackend(StorageBackend):
                 KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
                 "corrupt",
             )
-        fatal = "fatal" if code in FATAL_CODES else ""
-        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
+        kind = "fatal" if code in FATAL_CODES else "node" if code == TRANSFER_FAIL else ""
+        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), kind
 
     # -- helpers ------------------------------------------------------------------
 
@@ -543,6 +808,16 @@ class MooncakeBackend(StorageBackend):
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"
             )
+
+
+def _describe(status: int) -> str:
+    return {
+        _disk_io.ST_BAD_HEADER: "header mismatch",
+        _disk_io.ST_BAD_CHECKSUM: "checksum mismatch",
+        _disk_io.ST_BAD_MAC: "authentication tag does not verify (forged or altered)",
+        _disk_io.ST_UNKNOWN_KEY: "signed by a key this backend does not hold",
+        _disk_io.ST_UNAUTHENTICATED: "not authenticated, and this backend requires it",
+    }.get(status, f"status {status}")
 
 
 def _setup_store(

@@ -2,11 +2,12 @@
 makes), for unit tests that need exact control over return codes. Objects live in a
 dict; buffers are copied with ctypes. The real store is exercised by test_mooncake.py.
 
-Codes follow mooncake.py's table: a put of an existing key answers -705 (the
-0.3.13 store in the venv answers 0 there), a get of a missing key -704, a
-multi-buffer get of a short object -800.
-`fail_get` / `fail_put` force a code for a key's text; `get_delay_s` slows every
-batch get (a slow transfer).
+Codes follow mooncake.py's table: a put of an existing key keeps the old value and
+answers `reput_code` (-705; the 0.3.13 store in the venv answers 0), a get of a
+missing key -704, a multi-buffer get of a short object -800.
+`fail_get` / `fail_put` force a code for a key's text; `get_delay_s`,
+`put_delay_s` and `exist_delay_s` block every batch get, put and is_exist (a
+transfer or RPC stuck inside Mooncake).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class FakeMooncakeStore:
         self.fail_put: dict[str, int] = {}
         self.get_size_calls: list[str] = []
         self.get_delay_s = 0.0
+        self.put_delay_s = 0.0
+        self.exist_delay_s = 0.0
+        self.reput_code = OBJECT_EXISTS
+        self.removed: list[str] = []
 
     def register_buffer(self, address: int, nbytes: int) -> int:
         return 0
@@ -36,7 +41,12 @@ class FakeMooncakeStore:
     def close(self) -> None:
         pass
 
+    def remove(self, name: str) -> int:
+        self.removed.append(name)
+        return 0 if self.objects.pop(name, None) is not None else OBJECT_NOT_FOUND
+
     def batch_is_exist(self, names: list[str]) -> list[int]:
+        time.sleep(self.exist_delay_s)
         return [int(n in self.objects) for n in names]
 
     def get_size(self, name: str) -> int:
@@ -45,11 +55,13 @@ class FakeMooncakeStore:
         return OBJECT_NOT_FOUND if obj is None else len(obj)
 
     def batch_put_from(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        time.sleep(self.put_delay_s)
         return [self._put(n, [p], [s]) for n, p, s in zip(names, ptrs, sizes, strict=True)]
 
     def batch_put_from_multi_buffers(
         self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
     ) -> list[int]:
+        time.sleep(self.put_delay_s)
         return [self._put(n, p, s) for n, p, s in zip(names, ptrs, sizes, strict=True)]
 
     def batch_get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
@@ -71,7 +83,7 @@ class FakeMooncakeStore:
         if name in self.fail_put:
             return self.fail_put[name]
         if name in self.objects:
-            return OBJECT_EXISTS
+            return self.reput_code
         parts = zip(ptrs, sizes, strict=True)
         self.objects[name] = b"".join(ctypes.string_at(p, s) for p, s in parts)
         return 0

@@ -25,7 +25,13 @@ sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 
 import numpy as np  # noqa: E402
 from mooncake_cluster import Cluster  # noqa: E402
-from storage_helpers import LAYOUTS, HostMemory, make_keys, make_namespace  # noqa: E402
+from storage_helpers import (  # noqa: E402
+    LAYOUTS,
+    TEST_AUTH,
+    HostMemory,
+    make_keys,
+    make_namespace,
+)
 
 from fastkv.storage import KeyStatus, _disk_io, deadline_after  # noqa: E402
 from fastkv.storage.block_header import HEADER_BYTES, expected_header  # noqa: E402
@@ -40,6 +46,7 @@ def names(results) -> list[str]:
 
 
 def backend_for(cluster: Cluster, **kw) -> MooncakeBackend:
+    kw.setdefault("auth", TEST_AUTH)
     return MooncakeBackend(LAYOUT, cluster.master_address, **kw)
 
 
@@ -120,7 +127,7 @@ def bad_objects(cluster: Cluster, staged: bool = False) -> dict:
     codes += store.batch_put_from([keys[2].text()], [staging.base], [size])
     # keys[3]'s own sealed header over the block, then one payload byte flipped
     header = bytearray(expected_header(keys[3], LAYOUT, 0))
-    _disk_io.seal_header(header, np.array(host.segments(0), dtype=np.int64))
+    _disk_io.seal_header(header, np.array(host.segments(0), dtype=np.int64), TEST_AUTH.ring)
     staging.array[:HEADER_BYTES] = np.frombuffer(bytes(header), dtype=np.uint8)
     staging.array[HEADER_BYTES:size] = np.frombuffer(want, dtype=np.uint8)
     staging.array[HEADER_BYTES + 100] ^= 0x01
@@ -323,6 +330,141 @@ def node_killed(cluster: Cluster) -> dict:
     }
 
 
+ATTACKER = """
+import sys
+sys.path[:0] = sys.argv[1:3]
+import numpy as np
+from storage_helpers import LAYOUTS, HostMemory, make_keys
+from fastkv.storage import deadline_after
+from fastkv.storage.auth import StorageAuth
+from fastkv.storage.mooncake import MooncakeBackend
+master = sys.argv[3]
+host = HostMemory(LAYOUTS["fp8"], 1)
+host.array[:] = 0xAA
+keys = make_keys(4)  # the victim's keys: namespace and hashes are predictable
+out = []
+for keys_, auth in ((keys[0:1] + keys[3:4], None), (keys[1:2], StorageAuth([b"x" * 32]))):
+    be = MooncakeBackend(
+        LAYOUTS["fp8"], master, auth=auth, allow_unauthenticated=auth is None
+    )
+    be.register_host_memory(host.base, host.nbytes)
+    res = be.put_from(keys_, [host.segments(0)] * len(keys_), deadline_after(10))
+    out += [r.status.name for r in res]
+print("ATTACKER", out, flush=True)
+import os
+os._exit(0)
+"""
+
+
+def forged(cluster: Cluster) -> dict:
+    """Another user (uid 65534, a client of the same cluster) puts objects under the
+    victim's keys first: with a valid CRC header (no secret), or tagged under
+    another deployment's secret. The victim's puts must not count them as stored,
+    and its gets must never serve them."""
+    cluster.lease_ttl_ms = 300  # Mooncake refuses a remove within a read's lease
+    cluster.start_master()
+    cluster.start_node()
+    backend = backend_for(cluster)
+    host = HostMemory(LAYOUT, 8)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = host.fill(0, seed=0)
+    keys = make_keys(4)
+    attacker = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            ATTACKER,
+            str(HERE),
+            str(HERE.parents[1]),
+            cluster.master_address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/tmp",
+    )
+    line = [ln for ln in attacker.stdout.splitlines() if ln.startswith("ATTACKER")]
+    assert attacker.returncode == 0 and line, attacker.stdout + attacker.stderr
+    first = backend.put_from(keys[:3], [host.segments(0)] * 3, deadline_after(10))
+    served = []
+    for b in range(1, 5):
+        host.clear(b)
+    got = backend.get_into(keys, [host.segments(b) for b in range(1, 5)], deadline_after(10))
+    served += [host.read(b + 1) for b, r in enumerate(got) if r.ok]
+    time.sleep(0.4)  # the leases of the reads above end
+    again = backend.put_from(keys[:2], [host.segments(0)] * 2, deadline_after(10))
+    for b in range(1, 3):
+        host.clear(b)
+    back = backend.get_into(keys[:2], [host.segments(1), host.segments(2)], deadline_after(10))
+    served += [host.read(b + 1) for b, r in enumerate(back) if r.ok]
+    return {
+        "attacker": line[0],
+        "first": names(first),
+        "first_reasons": [r.reason for r in first],
+        "get": names(got),
+        "get_reasons": [r.reason for r in got],
+        "again": names(again),
+        "back": names(back),
+        "served_wrong": sum(b != want for b in served),
+        "served_right": sum(b == want for b in served),
+        "forged_puts": backend.forged_puts,
+    }
+
+
+def node_killed_locality(cluster: Cluster) -> dict:
+    """Two storage nodes; one dies. Keys on the healthy node must keep being served
+    (before: one -800 opened the backend's only breaker and refused them all)."""
+    cluster.start_master()
+    dead = cluster.start_node()
+    cluster.start_node()
+    backend = backend_for(cluster, breaker_cooldown_s=1.0)
+    host = HostMemory(LAYOUT, 8)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = host.fill(0, seed=0)
+    keys = make_keys(24)
+    assert all(
+        r.ok for r in backend.put_from(keys, [host.segments(0)] * 24, deadline_after(10))
+    )
+    cluster.kill_node(dead)
+    first = backend.get_into(keys, [host.segments(1)] * 24, deadline_after(10))
+    healthy = [k for k, r in zip(keys, first, strict=True) if r.ok]
+    lost = [k for k, r in zip(keys, first, strict=True) if not r.ok]
+    refused = calls = wrong = 0
+    lost_fast: list[float] = []
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        for i in range(0, len(keys), 6):  # mixed batches, as the engine sends them
+            part = keys[i : i + 6]
+            host.clear(2)
+            t0 = time.monotonic()
+            res = backend.get_into(part, [host.segments(2 + j % 4) for j in range(len(part))],
+                                   deadline_after(5))  # fmt: skip
+            took = time.monotonic() - t0
+            for k, r in zip(part, res, strict=True):
+                if k in healthy:
+                    calls += 1
+                    refused += not r.ok
+                elif r.ok:
+                    wrong += 1
+            if all(k in lost for k in part):
+                lost_fast.append(took)
+            for j, r in enumerate(res):
+                wrong += r.ok and host.read(2 + j % 4) != want
+    return {
+        "healthy": len(healthy),
+        "lost": len(lost),
+        "lost_reasons": sorted({r.reason for r in first if not r.ok}),
+        "healthy_calls": calls,
+        "healthy_refused": refused,
+        "wrong": wrong,
+        "breaker_trips": backend.breaker.trips,
+    }
+
+
 def tiered(cluster: Cluster) -> dict:
     """device -> host -> Mooncake -> host -> device with the real scheduler and
     worker, per dtype (tests/storage/tiered.py)."""
@@ -333,7 +475,9 @@ def tiered(cluster: Cluster) -> dict:
     out = {}
     for dtype, extra in (("bfloat16", 0), ("fp8", 1)):
         out[f"{dtype}+{extra}"] = tiered_round_trip(
-            lambda layout: MooncakeBackend(layout, cluster.master_address, segment_bytes=0),
+            lambda layout: MooncakeBackend(
+                layout, cluster.master_address, segment_bytes=0, auth=TEST_AUTH
+            ),
             dtype,
             extra,
         )
@@ -351,6 +495,8 @@ CASES = {
     "master_killed_mid_put": lambda c: master_killed(c, "put"),
     "master_killed_mid_get": lambda c: master_killed(c, "get"),
     "node_killed": node_killed,
+    "forged": forged,
+    "node_killed_locality": node_killed_locality,
 }
 
 

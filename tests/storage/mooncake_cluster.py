@@ -39,9 +39,10 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str) -> None:
 class Cluster:
     """One master and any number of storage nodes; every process is killed on close."""
 
-    def __init__(self, logdir: Path, client_ttl_s: int = 2) -> None:
+    def __init__(self, logdir: Path, client_ttl_s: int = 2, lease_ttl_ms: int = 10_000) -> None:
         self.logdir = logdir
         self.client_ttl_s = client_ttl_s
+        self.lease_ttl_ms = lease_ttl_ms
         self.master: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
         self._node_port = NODE_PORT
@@ -65,6 +66,7 @@ class Cluster:
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={METRICS_PORT}",
                 f"--client_ttl={self.client_ttl_s}",
+                f"--default_kv_lease_ttl={self.lease_ttl_ms}",
             ],
         )
         wait_for_port(MASTER_PORT, self.master, "mooncake_master")

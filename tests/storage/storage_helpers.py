@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fastkv.storage import BlockLayout, StorageKey, StorageNamespace
+from fastkv.storage.auth import StorageAuth
 
 ALIGN = 4096
 
@@ -89,6 +90,9 @@ def make_namespace(**changes: object) -> StorageNamespace:
 
 
 NAMESPACE = make_namespace().digest()
+
+TEST_AUTH = StorageAuth([bytes.fromhex("5e" * 32)])
+"""The tests' deployment key ring (a real deployment reads its own from a file)."""
 
 
 def make_keys(n: int, start: int = 0, namespace: bytes = NAMESPACE, rank: int = 0) -> list:

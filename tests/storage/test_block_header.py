@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fastkv.storage import BlockLayout, StorageKey, _disk_io
+from fastkv.storage.auth import NO_AUTH_RING
 from fastkv.storage.block_header import (
     HEADER_BYTES,
     MATCHED_BYTES,
@@ -52,25 +53,27 @@ def test_header_round_trip_and_seal() -> None:
     assert len(header) == HEADER_BYTES
     payload = np.zeros(4096 + 32, dtype=np.uint8)
     segs = np.array([[payload.ctypes.data, 4096], [payload.ctypes.data + 4096, 32]], np.int64)
-    _disk_io.seal_header(header, segs)
-    assert _disk_io.verify_block(bytes(header), expected_header(key, layout, 42), segs) == 0
+    _disk_io.seal_header(header, segs, NO_AUTH_RING)
+    assert (
+        _disk_io.verify_block(bytes(header), expected_header(key, layout, 42), segs, b"") == 0
+    )
     parsed = parse_header(bytes(header))
-    assert parsed == (key, 2, layout.digest32(), 4096 + 32, 42)
+    assert parsed == (key, 2, layout.digest32(), 4096 + 32, 42, 0)
     # another seq, rank or hash: the header does not match
     for other in (
         expected_header(key, layout, 43),
         expected_header(StorageKey(b"n" * 32, b"h" * 32, 4), layout, 42),
         expected_header(StorageKey(b"n" * 32, b"g" * 32, 3), layout, 42),
     ):
-        assert _disk_io.verify_block(bytes(header), other, segs) == _disk_io.ST_BAD_HEADER
+        assert _disk_io.verify_block(bytes(header), other, segs, b"") == _disk_io.ST_BAD_HEADER
     payload[5] = 1
-    assert _disk_io.verify_block(bytes(header), expected_header(key, layout, 42), segs) == (
-        _disk_io.ST_BAD_CHECKSUM
-    )
-    header[MATCHED_BYTES + 4] ^= 0xFF  # the reserved bytes are covered by the header CRC
-    assert _disk_io.verify_block(bytes(header), expected_header(key, layout, 42), segs) == (
-        _disk_io.ST_BAD_HEADER
-    )
+    assert _disk_io.verify_block(
+        bytes(header), expected_header(key, layout, 42), segs, b""
+    ) == (_disk_io.ST_BAD_CHECKSUM)
+    header[MATCHED_BYTES + 4] ^= 0xFF  # key id and tag are covered by the header CRC
+    assert _disk_io.verify_block(
+        bytes(header), expected_header(key, layout, 42), segs, b""
+    ) == (_disk_io.ST_BAD_HEADER)
 
 
 def test_storage_imports_without_the_crc32c_package() -> None:

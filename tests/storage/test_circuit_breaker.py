@@ -32,6 +32,26 @@ def test_one_probe_after_the_cooldown_closes_it_on_success() -> None:
     assert breaker.trips == 1
 
 
+def test_recovery_is_prompt_however_long_the_outage() -> None:
+    """Issue 15 item 5: after a long outage the breaker reopened for 30 s per failed
+    probe; the cooldown now stops growing at max_cooldown_s."""
+    breaker = CircuitBreaker(cooldown_s=0.02, max_cooldown_s=0.08)
+    assert breaker.allow()
+    breaker.record("get answered -901")
+    for _ in range(8):  # a long outage: every probe fails
+        time.sleep(breaker.cooldown_s + 0.005)
+        assert breaker.allow()
+        breaker.record("get answered -901")
+    assert breaker.cooldown_s == 0.08
+    # the master is back: the next probe is at most max_cooldown_s away
+    t0 = time.monotonic()
+    while not breaker.allow():
+        time.sleep(0.002)
+    assert time.monotonic() - t0 <= 0.08 + 0.02
+    breaker.record(None)
+    assert not breaker.is_open
+
+
 def test_a_failed_probe_reopens_with_a_longer_cooldown() -> None:
     breaker = CircuitBreaker(cooldown_s=0.05)
     assert breaker.allow()

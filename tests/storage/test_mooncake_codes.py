@@ -7,7 +7,7 @@ import time
 
 import pytest
 from fake_mooncake import FakeMooncakeStore
-from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
+from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
 from fastkv.storage.mooncake import RPC_FAIL, TRANSFER_FAIL, MooncakeBackend
@@ -24,6 +24,7 @@ def open_backend(staged: bool = False) -> tuple[MooncakeBackend, FakeMooncakeSto
         store=store,
         staging_bytes=4 * 8 * OBJECT_BYTES if staged else 0,
         breaker_cooldown_s=0.05,
+        auth=TEST_AUTH,
     )
     host = HostMemory(LAYOUT, 8)
     backend.register_host_memory(host.base, host.nbytes)
@@ -43,9 +44,18 @@ def test_a_short_object_is_told_from_a_failing_store_by_its_size() -> None:
     res = backend.get_into(keys, [host.segments(b) for b in range(4, 8)], deadline_after(SOON))
     assert statuses(res) == ["MISS", "FAILED", "FAILED", "FAILED"]
     assert "short object (1000 bytes)" in res[0].reason
-    # the first -800 get_size confirms is the store failing: the rest are not asked
-    assert store.get_size_calls == [keys[0].text(), keys[1].text()]
-    assert backend.stats().corrupt == 1 and backend.breaker.is_open
+    assert store.get_size_calls == [k.text() for k in keys]
+    # -800 is the storage node holding the key, not the store: no breaker, the
+    # failing keys rest for the cooldown (not asked), the others are served
+    assert backend.stats().corrupt == 1 and not backend.breaker.is_open
+    del store.objects[keys[0].text()]
+    assert backend.put_from(keys[:1], [host.segments(0)], deadline_after(SOON))[0].ok
+    res = backend.get_into(keys[:2], [host.segments(4), host.segments(5)], deadline_after(SOON))
+    assert statuses(res) == ["OK", "FAILED"] and "not asked again" in res[1].reason
+    assert len(store.get_size_calls) == 4
+    time.sleep(0.06)  # the cooldown (0.05 s) ends: asked again
+    res = backend.get_into(keys[1:2], [host.segments(5)], deadline_after(SOON))
+    assert res[0].reason == "Mooncake get answered -800"
 
 
 def test_no_size_is_asked_after_a_fatal_code() -> None:
@@ -96,3 +106,36 @@ def test_staged_reads_never_ask_the_size(code: int) -> None:
     time.sleep(backend.breaker.cooldown_s + 0.05)
     res = backend.get_into(keys[:1], [host.segments(4)], deadline_after(SOON))
     assert statuses(res) == ["MISS"] and "short object (1000 bytes)" in res[0].reason
+
+
+@pytest.mark.parametrize("call", ["put", "exists", "staged_get"])
+def test_a_call_stuck_inside_mooncake_returns_by_its_deadline(call: str) -> None:
+    """Issue 15 item 5: a Mooncake call blocked (4.3 s against a dead master); the
+    backend answers by the deadline plus `deadline_margin_s` (TIMEOUT / not found),
+    keeps the stuck call's arena until it returns, and serves the next call."""
+    backend, store, host = open_backend(staged=call == "staged_get")
+    keys = make_keys(2)
+    assert all(
+        r.ok for r in backend.put_from(keys[:1], [host.segments(0)], deadline_after(SOON))
+    )
+    store.put_delay_s = store.exist_delay_s = store.get_delay_s = 1.0
+    t0 = time.monotonic()
+    deadline = t0 + 0.2
+    if call == "put":
+        got = statuses(backend.put_from(keys[1:], [host.segments(0)], deadline))
+        assert got == ["TIMEOUT"]
+    elif call == "exists":
+        assert backend.exists(keys, deadline) == [False, False]
+    else:
+        got = statuses(backend.get_into(keys[:1], [host.segments(1)], deadline))
+        assert got == ["TIMEOUT"]
+    took = time.monotonic() - t0
+    assert took < 0.2 + backend.deadline_margin_s + 0.1, took
+    assert backend.overruns == 1
+    store.put_delay_s = store.exist_delay_s = store.get_delay_s = 0.0
+    time.sleep(1.1)  # the stuck call returns and gives its arena back
+    assert backend.exists(keys[:1], deadline_after(SOON)) == [True]
+    assert statuses(backend.get_into(keys[:1], [host.segments(2)], deadline_after(SOON))) == [
+        "OK"
+    ]
+    assert host.read(2) == host.read(0)

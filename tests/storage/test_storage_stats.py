@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fake_mooncake import FakeMooncakeStore
-from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
+from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import KeyResult, KeyStatus, StorageStats, deadline_after
 from fastkv.storage.base import ALREADY_STORED
@@ -79,7 +79,10 @@ def test_mooncake_counts_every_key_asked(staged: bool) -> None:
     store = FakeMooncakeStore()
     object_bytes = 128 + LAYOUT.payload_bytes
     backend = MooncakeBackend(
-        LAYOUT, store=store, staging_bytes=4 * 4 * object_bytes if staged else 0
+        LAYOUT,
+        store=store,
+        staging_bytes=4 * 4 * object_bytes if staged else 0,
+        auth=TEST_AUTH,
     )
     host = HostMemory(LAYOUT, 4)
     backend.register_host_memory(host.base, host.nbytes)
