@@ -186,6 +186,8 @@ def test_prefetched_blocks_are_storage_hits_swapped_in_like_host_hits(channel: s
         result = r.match_result
         assert (result.matched_device_nums, result.matched_host_nums) == (0, 0)
         assert result.matched_storage_nums == 2
+        # The match itself looks nothing up (the request does not wait for it).
+        assert storage_ids(cm.issue_pending_backup_to_batch_request()) == ([], [])
         assert cm.can_allocate_gpu_blocks(4)
         r.block_tables = cm.allocate_gpu_blocks(r, 4)
         assert len(r.block_tables) == 4  # the yes was exact
