@@ -36,6 +36,7 @@ import atexit
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -209,10 +210,11 @@ class FastDeployCacheManager:
             0,
         )
         # Storage prefetches: request id -> the key of the stand-in request that
-        # holds the prefetch in fastkv's manager; and, once drained, the hashes
-        # that came from storage (counted as storage hits at the request's match).
+        # holds the prefetch in fastkv's manager. Blocks a prefetch brought from
+        # storage, not yet hit since (a hit on one counts as a storage hit, once);
+        # bounded, oldest forgotten first.
         self._prefetch: dict[Hashable, _PrefetchKey] = {}
-        self._from_storage: dict[Hashable, frozenset[Hashable]] = {}
+        self._landed: OrderedDict[Hashable, None] = OrderedDict()
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = _bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
@@ -314,7 +316,7 @@ class FastDeployCacheManager:
                         )
                     self._release(request, finished=False)
                 tokens, hashes = self._prompt(request)
-                prefetched = rid in self._prefetch or rid in self._from_storage
+                prefetched = rid in self._prefetch
                 self._end_prefetch(rid)
                 hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
             except (ValueError, TypeError) as e:
@@ -324,8 +326,11 @@ class FastDeployCacheManager:
                 return
             self._tracked[rid] = _Tracked(request)
             table = self.manager.block_table(rid)
-            loaded = self._from_storage.pop(rid, frozenset())
-            from_storage = sum(1 for h in hashes[len(table) : hit.num_hits] if h in loaded)
+            from_storage = 0
+            if self._landed:
+                for h in hashes[len(table) : hit.num_hits]:
+                    if self._landed.pop(h, 1) is None:
+                        from_storage += 1
             self._counts["storage_hit_blocks"] += from_storage
             request._match_result = FastDeployMatchResult(
                 table, hit.num_host_hits - from_storage, from_storage
@@ -457,7 +462,6 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             self._end_prefetch(request.request_id)
-            self._from_storage.pop(request.request_id, None)
 
     def _start_prefetch(self, rid: Hashable, hashes: list[Any], tokens: int) -> bool:
         key = _PrefetchKey(rid)
@@ -477,7 +481,12 @@ class FastDeployCacheManager:
         key = self._prefetch.pop(rid, None)
         if key is None:
             return
-        self._from_storage[rid] = frozenset(self.manager.storage_loaded(key))
+        landed = self._landed
+        for h in self.manager.storage_loaded(key):
+            landed[h] = None
+            landed.move_to_end(h)
+        while len(landed) > 2 * self.config.num_host_blocks:
+            landed.popitem(last=False)
         self.manager.finish(key)
 
     def _prompt(self, request: Any) -> tuple[int, list[Any]]:
@@ -494,7 +503,6 @@ class FastDeployCacheManager:
             self._poll()
             self._release(request, finished=True)
             self._end_prefetch(request.request_id)
-            self._from_storage.pop(request.request_id, None)
             self.metrics.update()
 
     def recycle_gpu_blocks(self, block_ids: Sequence[int], request_id: Any = None) -> None:
@@ -654,7 +662,7 @@ class FastDeployCacheManager:
                 return False
             for rid in list(self._prefetch):  # FastDeploy aborted their requests
                 self._end_prefetch(rid)
-            self._from_storage.clear()
+            self._landed.clear()
             self._fail_never_sent()
         while True:
             with self._lock:
@@ -901,7 +909,7 @@ class FastDeployCacheManager:
         self.manager = CacheManager(config)
         self._tracked.clear()
         self._prefetch.clear()
-        self._from_storage.clear()
+        self._landed.clear()
         self.metrics.rebase()
 
     def _figures(self) -> dict[str, float]:
