@@ -221,3 +221,59 @@ def test_a_failed_load_is_no_hit(channel: str) -> None:
     finally:
         sender.close()
         cm.close()
+
+
+def test_a_worker_without_its_storage_directory_refuses_to_start(
+    channel: str, monkeypatch
+) -> None:
+    monkeypatch.delenv(fdc.STORAGE_DIR_ENV, raising=False)
+    with pytest.raises(ValueError, match="FASTKV_STORAGE_DIR"):
+        fd.CacheController(config(), 0, 0, channel_name=channel)
+
+
+def test_the_worker_writes_looks_up_and_loads_through_its_disk(
+    channel: str, tmp_path, monkeypatch
+) -> None:
+    """The worker half alone (real CPU tensors, real disk, real channel): storage
+    entries in the step's eviction metadata are written, looked up and loaded, and
+    the results come back with the scheduler's ids; the bytes come back."""
+    pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
+    from fastkv.integrations.results_channel import ResultsReceiver
+
+    monkeypatch.setenv(fdc.STORAGE_DIR_ENV, str(tmp_path / "kv"))
+    receiver = ResultsReceiver(channel, 1)
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        from fd_standins import AttentionBackend
+
+        backend = AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS)
+        worker.initialize_kv_cache(attn_backend=backend, num_gpu_blocks=8)
+        ctrl = worker.controller
+        for t in range(len(ctrl.caches)):
+            ctrl.host_blocks(t)[0] = 0x5A  # host block 0: the bytes to keep
+        write = FKMeta(40, FK.HOST, FK.STORAGE, [0], [], ["blk"])
+        meta = storage_to_fastdeploy(None, write, (), CacheSwapMetadata, CacheLevel)
+
+        def results(count: int) -> list:
+            got: list = []
+            deadline = time.monotonic() + 10
+            while len(got) < count and time.monotonic() < deadline:
+                worker.report_results()
+                got += receiver.poll()
+                time.sleep(0.005)
+            return got
+
+        assert worker.submit_swap_tasks(meta, None) is None
+        assert results(1) == [TransferResult(40, True, "", ())]
+        lookup = [StorageLookup(41, ["blk", "other"])]
+        load = FKMeta(42, FK.STORAGE, FK.HOST, [], [3], ["blk"])
+        meta = storage_to_fastdeploy(load, None, lookup, CacheSwapMetadata, CacheLevel)
+        worker.submit_swap_tasks(meta, None)
+        got = results(2)
+        assert LookupResult(41, 1) in got and TransferResult(42, True, "", ()) in got
+        for t in range(len(ctrl.caches)):
+            assert (ctrl.host_blocks(t)[3] == 0x5A).all()
+        assert worker.get_stats()["transfers_without_result"] == 0
+    finally:
+        worker.free_cache()
+        receiver.close()
