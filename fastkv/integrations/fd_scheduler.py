@@ -647,7 +647,9 @@ class FastDeployCacheManager:
         write-through backups planned after the last schedule were never sent. The
         backups never sent are failed here (no worker saw them); copies in flight
         are waited for, polling the results channel for at most `reset_timeout_s`,
-        so no block is handed out again while a copy still uses it.
+        so no block is handed out again while a copy still uses it. Storage
+        prefetches still pending are given up with them (FastDeploy aborted their
+        requests; loads in flight are waited for like any copy).
 
         Returns:
             True once reset; False, changing nothing, while a request is active or
