@@ -277,3 +277,31 @@ def test_the_worker_writes_looks_up_and_loads_through_its_disk(
     finally:
         worker.free_cache()
         receiver.close()
+
+
+def test_the_first_request_to_hit_a_block_from_storage_counts_it(channel: str) -> None:
+    """Blocks a prefetch brought back serve whichever request matches them first
+    (here another one sharing the prefix): that hit is the storage hit, once."""
+    cm = fd.CacheManager(config(), channel_name=channel)
+    sender = ResultsSender(channel, 0)
+    try:
+        shared = list(range(200, 200 + 2 * BS))
+        r = request("r", [*shared, 1, 2, 3])
+        assert cm.prefetch_storage(r)
+        _, (qid,) = storage_ids(cm.issue_pending_backup_to_batch_request())
+        deliver(cm, sender, [LookupResult(qid, 2)], 1)
+        (lid,), _ = storage_ids(cm.issue_pending_backup_to_batch_request())
+        deliver(cm, sender, [TransferResult(lid, True)], 2)
+        assert cm.drain_pending_prefetches() == ["r"]
+        other = request("s", [*shared, 9, 9, 9, 9, 9])
+        cm.match_prefix(other)
+        assert other.match_result.matched_storage_nums == 2
+        cm.match_prefix(r)  # the same blocks again: host hits now, not storage
+        assert (r.match_result.matched_host_nums, r.match_result.matched_storage_nums) == (2, 0)
+        assert cm.get_stats()["storage_hit_blocks"] == 2
+        cm.request_finish(other)
+        cm.request_finish(r)
+        cm.manager.check_invariants()
+    finally:
+        sender.close()
+        cm.close()
