@@ -3,7 +3,8 @@
 Fields read (everything else is ignored):
 - `cache_config`: `block_size`, `total_block_num` (device blocks), `num_cpu_blocks`
   (host blocks; 0 or None disables the host tier), `enable_prefix_caching`,
-  `write_policy`, `write_through_threshold`;
+  `write_policy`, `write_through_threshold`, `kvcache_storage_backend` ("file":
+  fastkv's storage tier on local disk, see `storage_config_from_fastdeploy`);
 - `model_config`: `dtype`, `model` (namespace only), `num_hidden_layers` (worker);
 - `quant_config.kv_cache_quant_type` / `cache_config.kv_cache_quant_type`: any
   quantized cache is stored as uint8 ("fp8" in fastkv's vocabulary);
@@ -21,9 +22,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fastkv.config import CacheConfig, WritePolicy, check_int
+from fastkv.config import CacheConfig, StorageConfig, WritePolicy, check_int
 
 CHANNEL_ENV = "FASTKV_RESULTS_CHANNEL"
+STORAGE_BACKEND_FILE = "file"
+STORAGE_DIR_ENV = "FASTKV_STORAGE_DIR"
+STORAGE_WRITE_POLICY_ENV = "FASTKV_STORAGE_WRITE_POLICY"
+STORAGE_CAPACITY_ENV = "FASTKV_STORAGE_CAPACITY_BLOCKS"
 DEFAULT_WRITE_POLICY = "write_back"
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -126,9 +131,77 @@ def cache_config_from_fastdeploy(
             kv_dtype=kv_dtype or kv_dtype_of(fd_config),
             tp_size=tensor_parallel_size(fd_config),
             reuse_evicted_blocks=True,
+            storage=storage_config_from_fastdeploy(fd_config, cache_config=cc),
         )
     except ValueError as e:
         raise ValueError(f"fd_config.cache_config: {e}") from None
+
+
+def storage_config_from_fastdeploy(
+    fd_config: Any, *, cache_config: Any | None = None
+) -> StorageConfig | None:
+    """The storage tier of a FastDeploy deployment, or None.
+
+    On when `cache_config.kvcache_storage_backend` is "file" (FastDeploy's
+    `--kvcache-storage-backend file`): every worker rank keeps its blocks in
+    `$FASTKV_STORAGE_DIR/rank<r>` with fastkv's local disk backend. The storage
+    write policy is `$FASTKV_STORAGE_WRITE_POLICY` (default write_through). Requests
+    never wait for storage in `allocate` (prefetch policy best_effort): FastDeploy
+    allocates right after `can_allocate_gpu_blocks` said yes; blocks come back from
+    storage through `prefetch_storage` before a request's match.
+
+    Raises:
+        ValueError: another backend (mooncake, attention_store) or a bad write
+            policy; the message names the field or variable.
+    """
+    cc = cache_config if cache_config is not None else _section(fd_config, "cache_config")
+    backend = _field(cc, "kvcache_storage_backend")
+    if backend is None or backend == "":
+        return None
+    if backend != STORAGE_BACKEND_FILE:
+        raise ValueError(
+            f"fd_config.cache_config.kvcache_storage_backend: {backend!r}; fastkv serves "
+            f"{STORAGE_BACKEND_FILE!r} (its local disk backend) or None"
+        )
+    policy = os.environ.get(STORAGE_WRITE_POLICY_ENV) or "write_through"
+    try:
+        return StorageConfig(write_policy=policy, prefetch_policy="best_effort")
+    except ValueError as e:
+        raise ValueError(f"${STORAGE_WRITE_POLICY_ENV}: {e}") from None
+
+
+def storage_directory(fd_config: Any, rank: int) -> str | None:
+    """Where worker `rank` keeps its storage blocks, or None without a storage tier.
+
+    Raises:
+        ValueError: a storage tier is configured but $FASTKV_STORAGE_DIR is not set.
+    """
+    if storage_config_from_fastdeploy(fd_config) is None:
+        return None
+    root = os.environ.get(STORAGE_DIR_ENV)
+    if not root:
+        raise ValueError(
+            f"${STORAGE_DIR_ENV}: not set; kvcache_storage_backend='file' needs the "
+            "directory the workers keep their blocks in"
+        )
+    return os.path.join(root, f"rank{rank}")
+
+
+def storage_capacity_blocks(num_host_blocks: int) -> int:
+    """$FASTKV_STORAGE_CAPACITY_BLOCKS, default 4 x the host tier's blocks.
+
+    Raises:
+        ValueError: the variable is not an int >= 1.
+    """
+    raw = os.environ.get(STORAGE_CAPACITY_ENV)
+    if not raw:
+        return max(1, 4 * num_host_blocks)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${STORAGE_CAPACITY_ENV}: {raw!r} is not an int") from None
+    check_int(f"${STORAGE_CAPACITY_ENV}", value, 1)
+    return value
 
 
 def results_channel_name(fd_config: Any) -> str:
@@ -156,11 +229,18 @@ def results_channel_name(fd_config: Any) -> str:
 
 __all__ = [
     "CHANNEL_ENV",
+    "STORAGE_BACKEND_FILE",
+    "STORAGE_CAPACITY_ENV",
+    "STORAGE_DIR_ENV",
+    "STORAGE_WRITE_POLICY_ENV",
     "cache_config_from_fastdeploy",
     "kv_cache_quant_type",
     "kv_dtype_of",
     "model_dtype",
     "prefix_caching_enabled",
     "results_channel_name",
+    "storage_capacity_blocks",
+    "storage_config_from_fastdeploy",
+    "storage_directory",
     "tensor_parallel_size",
 ]

@@ -36,6 +36,7 @@ import atexit
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -46,11 +47,13 @@ from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_transfers import (
     fastdeploy_metadata_types,
+    storage_ids,
+    storage_to_fastdeploy,
     to_fastdeploy,
     transfer_ids,
 )
 from fastkv.integrations.results_channel import ResultsReceiver
-from fastkv.metadata import TransferResult
+from fastkv.metadata import LookupResult, TransferResult
 from fastkv.scheduler import CacheManager, Rollback
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,14 @@ class FastDeployMatchResult:
             f"FastDeployMatchResult(device={list(self._device)}, "
             f"host={self.matched_host_nums}, storage={self.matched_storage_nums})"
         )
+
+
+class _PrefetchKey(tuple):
+    """The id of the stand-in request that holds a storage prefetch in fastkv's
+    manager: distinct from every FastDeploy request id."""
+
+    def __new__(cls, request_id: Hashable) -> _PrefetchKey:
+        return super().__new__(cls, ("fastkv-prefetch", request_id))
 
 
 class _Tracked:
@@ -193,9 +204,17 @@ class FastDeployCacheManager:
                 "commit_errors",
                 "table_mismatches",
                 "uncovered_computes",
+                "prefetches",
+                "storage_hit_blocks",
             ),
             0,
         )
+        # Storage prefetches: request id -> the key of the stand-in request that
+        # holds the prefetch in fastkv's manager. Blocks a prefetch brought from
+        # storage, not yet hit since (a hit on one counts as a storage hit, once);
+        # bounded, oldest forgotten first.
+        self._prefetch: dict[Hashable, _PrefetchKey] = {}
+        self._landed: OrderedDict[Hashable, None] = OrderedDict()
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = _bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
@@ -236,8 +255,14 @@ class FastDeployCacheManager:
 
     @property
     def storage_scheduler(self) -> None:
-        """No storage tier behind FastDeploy yet."""
+        """None: fastkv's storage tier is asked through the workers (see
+        `prefetch_storage`), there is no FastDeploy StorageScheduler object."""
         return None
+
+    @property
+    def enable_storage(self) -> bool:
+        """Whether a storage tier is configured (`kvcache_storage_backend="file"`)."""
+        return self.config.storage is not None
 
     # -- admission and allocation ----------------------------------------------
 
@@ -262,12 +287,20 @@ class FastDeployCacheManager:
         `request._match_result` (device hits first; at most (tokens - 1) // block
         size blocks hit, so the last token is always computed).
 
+        With a storage tier: blocks a `prefetch_storage` of this request brought
+        from storage into host are host hits swapped in by `allocate` like any
+        other, counted as `matched_storage_nums` (and FastDeploy's ssd hit
+        metric); a prefetch still in flight is let go of first (its blocks land
+        and serve later matches). The match itself never waits for storage, so
+        `can_allocate_gpu_blocks` stays exact. With `skip_storage=False` and no
+        prefetch made yet, one is started for what is not cached (it serves this
+        request's next admission and every request sharing the prefix).
+
         With prefix caching off it leaves an empty result (as v1). A request already known
         with no blocks in its table (a stale registration) is released first.
         On a request that holds blocks, or bad input, the error is logged and an
         empty result left (FastDeploy then allocates every block).
         """
-        del skip_storage  # no storage tier yet: storage never hits
         if not self.enable_prefix_caching:  # as v1: an empty result, nothing locked
             request._match_result = FastDeployMatchResult()
             return
@@ -282,18 +315,28 @@ class FastDeployCacheManager:
                             f"{len(request.block_tables)} blocks; request_finish first"
                         )
                     self._release(request, finished=False)
-                tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-                hashes = list(request.prompt_hashes)[: tokens // self.config.block_size]
-                hit = self.manager.match(rid, hashes, tokens)
+                tokens, hashes = self._prompt(request)
+                prefetched = rid in self._prefetch
+                self._end_prefetch(rid)
+                hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
             except (ValueError, TypeError) as e:
                 self._counts["match_failures"] += 1
                 log.error("fastkv match_prefix(%r) failed: %s", rid, e)
                 request._match_result = FastDeployMatchResult()
                 return
             self._tracked[rid] = _Tracked(request)
+            table = self.manager.block_table(rid)
+            from_storage = 0
+            if self._landed:
+                for h in hashes[len(table) : hit.num_hits]:
+                    if self._landed.pop(h, 1) is None:
+                        from_storage += 1
+            self._counts["storage_hit_blocks"] += from_storage
             request._match_result = FastDeployMatchResult(
-                self.manager.block_table(rid), hit.num_host_hits
+                table, hit.num_host_hits - from_storage, from_storage
             )
+            if not skip_storage and not prefetched and hit.num_hits < len(hashes):
+                self._start_prefetch(rid, hashes, tokens)
 
     def allocate_device_blocks(self, request: Any, num_blocks: int) -> list[int]:
         """Add `num_blocks` device blocks to the request (FastDeploy counts its host
@@ -355,6 +398,101 @@ class FastDeployCacheManager:
 
     allocate_gpu_blocks = allocate_device_blocks
 
+    # -- storage prefetch (FastDeploy's newer v1 API) -----------------------------
+
+    def prefetch_storage(self, request: Any) -> bool:
+        """Look up in storage the request's blocks that are cached neither on the
+        device nor in host, and load what is found into host blocks. Never waits:
+        the lookup and the loads go to the workers with the next step's metadata
+        (`issue_pending_backup_to_batch_request`, also when the step's batch is
+        empty) and their results come back over the results channel. An engine
+        that keeps the request out of `schedule()` until `drain_pending_prefetches`
+        names it gets the loaded blocks as hits at its match.
+
+        Returns:
+            True while a prefetch of the request is in flight (started now or
+            before); False when there is nothing to look up (no storage tier,
+            prefix caching off, everything cached, or the request already
+            matched).
+        """
+        if self.config.storage is None or not self.enable_prefix_caching:
+            return False
+        with self._lock:
+            self._poll()
+            rid = request.request_id
+            if rid in self._prefetch:
+                return True
+            if self.manager.is_active(rid):
+                return False
+            tokens, hashes = self._prompt(request)
+            return self._start_prefetch(rid, hashes, tokens)
+
+    def drain_pending_prefetches(self) -> list[Hashable]:
+        """Apply the workers' results and end every prefetch whose lookup was
+        answered and whose loads have all landed (or failed). Returns their
+        request ids, in the order they were started; their blocks now sit in host,
+        unlocked, until the request's `match_prefix`."""
+        with self._lock:
+            self._poll()
+            done = [
+                rid
+                for rid, key in self._prefetch.items()
+                if not self.manager.storage_pending(key)
+            ]
+            for rid in done:
+                self._end_prefetch(rid)
+            return done
+
+    def update_storage_blocks_to_host(self, *_: Any, **__: Any) -> int:
+        """Make the blocks loaded from storage host blocks. fastkv does this as the
+        load's results arrive (every hook polls them); this polls now. Whatever
+        FastDeploy passes is ignored (its arguments are not known at this
+        snapshot).
+
+        Returns:
+            How many results were applied.
+        """
+        with self._lock:
+            return self._poll()
+
+    def abort_prefetch_blocks(self, request: Any) -> None:
+        """Stop waiting for the request's prefetch (aborted or given up on): its
+        lookup's answer is ignored, blocks still loading land and serve later
+        matches."""
+        with self._lock:
+            self._poll()
+            self._end_prefetch(request.request_id)
+
+    def _start_prefetch(self, rid: Hashable, hashes: list[Any], tokens: int) -> bool:
+        key = _PrefetchKey(rid)
+        try:
+            hit = self.manager.match(key, hashes, tokens)
+        except (ValueError, TypeError) as e:
+            log.error("fastkv prefetch_storage(%r) failed: %s", rid, e)
+            return False
+        if not hit.storage_lookup:
+            self.manager.finish(key)
+            return False
+        self._counts["prefetches"] += 1
+        self._prefetch[rid] = key
+        return True
+
+    def _end_prefetch(self, rid: Hashable) -> None:
+        key = self._prefetch.pop(rid, None)
+        if key is None:
+            return
+        landed = self._landed
+        for h in self.manager.storage_loaded(key):
+            landed[h] = None
+            landed.move_to_end(h)
+        while len(landed) > 2 * self.config.num_host_blocks:
+            landed.popitem(last=False)
+        self.manager.finish(key)
+
+    def _prompt(self, request: Any) -> tuple[int, list[Any]]:
+        tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        return tokens, list(request.prompt_hashes)[: tokens // self.config.block_size]
+
     # -- lifecycle --------------------------------------------------------------
 
     def request_finish(self, request: Any) -> None:
@@ -364,6 +502,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             self._release(request, finished=True)
+            self._end_prefetch(request.request_id)
             self.metrics.update()
 
     def recycle_gpu_blocks(self, block_ids: Sequence[int], request_id: Any = None) -> None:
@@ -386,12 +525,19 @@ class FastDeployCacheManager:
 
     def write_cache_to_storage(self, request: Any) -> None:
         """Commit the request's computed blocks now (FastDeploy calls this before
-        freeing a finished request). No storage tier yet: nothing is written there."""
+        freeing a finished request, and for a preempted one). With a storage tier
+        under the write policy write_through, its cached blocks storage does not
+        hold yet are written: those with a host copy at the next step, device-only
+        ones backed up to host first (if host room) and written once that copy
+        lands. Other write policies write at hits or at host eviction."""
         with self._lock:
             self._poll()
-            tracked = self._tracked.get(request.request_id)
+            rid = request.request_id
+            tracked = self._tracked.get(rid)
             if tracked is not None:
                 self._commit(tracked)
+            if self.config.storage is not None and self.manager.is_active(rid):
+                self.manager.write_to_storage(rid)
 
     write_cache_to_storage_decode = write_cache_to_storage
 
@@ -448,7 +594,9 @@ class FastDeployCacheManager:
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
         """The backups planned so far, as one FastDeploy eviction metadata for the
-        batch being sent, or None."""
+        batch being sent, or None. The step's storage work (lookups, loads, writes)
+        rides in it too (see `fd_transfers.storage_to_fastdeploy`): an engine whose
+        step has no batch but prefetches in flight sends it anyway."""
         with self._lock:
             self._poll()
             tasks = self.manager.take_swap_metadata()
@@ -457,9 +605,7 @@ class FastDeployCacheManager:
                 log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
                 error = "planned outside allocate_device_blocks: never dispatched"
                 self._apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
-            if tasks.evict is None:
-                return None
-            return to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
+            return self._evict_with_storage(tasks)
 
     def get_pending_backup_count(self) -> int:
         return self.manager.num_queued_blocks
@@ -501,7 +647,9 @@ class FastDeployCacheManager:
         write-through backups planned after the last schedule were never sent. The
         backups never sent are failed here (no worker saw them); copies in flight
         are waited for, polling the results channel for at most `reset_timeout_s`,
-        so no block is handed out again while a copy still uses it.
+        so no block is handed out again while a copy still uses it. Storage
+        prefetches still pending are given up with them (FastDeploy aborted their
+        requests; loads in flight are waited for like any copy).
 
         Returns:
             True once reset; False, changing nothing, while a request is active or
@@ -510,10 +658,13 @@ class FastDeployCacheManager:
         deadline = time.monotonic() + self.reset_timeout_s
         with self._lock:
             self._poll()
-            active = self.manager.get_stats().active_requests
+            active = self.manager.get_stats().active_requests - len(self._prefetch)
             if active:
                 log.warning("reset_cache: %d requests active; nothing reset", active)
                 return False
+            for rid in list(self._prefetch):  # FastDeploy aborted their requests
+                self._end_prefetch(rid)
+            self._landed.clear()
             self._fail_never_sent()
         while True:
             with self._lock:
@@ -554,6 +705,7 @@ class FastDeployCacheManager:
                 tracked_requests=len(self._tracked),
                 results_channel=self.results.name,
                 results_waiting_for_ranks=len(self.results.missing()),
+                pending_prefetches=len(self._prefetch),
                 **self._counts,
             )
             return stats
@@ -582,7 +734,7 @@ class FastDeployCacheManager:
             self._apply(combined)
         return len(combined)
 
-    def _apply(self, results: list[TransferResult]) -> None:
+    def _apply(self, results: list[TransferResult | LookupResult]) -> None:
         rollbacks: list[Rollback] = []
         for result in results:  # one at a time: an unknown id spoils no other
             try:
@@ -592,7 +744,7 @@ class FastDeployCacheManager:
                 log.error("fastkv: dropped a worker result: %s", e)
                 continue
             self._counts["results_applied"] += 1
-            if not result.success:
+            if isinstance(result, TransferResult) and not result.success:
                 log.warning("fastkv transfer %d failed: %s", result.transfer_id, result.error)
         bs = self.config.block_size
         for rollback in rollbacks:
@@ -611,11 +763,31 @@ class FastDeployCacheManager:
                 first,
             )
 
+    def _evict_with_storage(self, tasks: Any) -> Any | None:
+        evict = (
+            None
+            if tasks.evict is None
+            else to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
+        )
+        return storage_to_fastdeploy(
+            tasks.storage_load,
+            tasks.storage_store,
+            tasks.lookups,
+            self._swap_cls,
+            self._levels,
+            evict,
+        )
+
     def _attach_swaps(self, request: Any) -> None:
         tasks = self.manager.take_swap_metadata()
+        swap_in = (
+            None
+            if tasks.swap_in is None
+            else to_fastdeploy(tasks.swap_in, self._swap_cls, self._levels)
+        )
         for attr, meta in (
-            ("cache_evict_metadata", tasks.evict),
-            ("cache_swap_metadata", tasks.swap_in),
+            ("cache_evict_metadata", self._evict_with_storage(tasks)),
+            ("cache_swap_metadata", swap_in),
         ):
             if meta is None:
                 continue
@@ -623,7 +795,7 @@ class FastDeployCacheManager:
             if lst is None:
                 lst = []
                 setattr(request, attr, lst)
-            lst.append(to_fastdeploy(meta, self._swap_cls, self._levels))
+            lst.append(meta)
 
     def _check_coverage(self, tracked: _Tracked) -> None:
         """Once a schedule is done, every position a request has been scheduled to
@@ -690,21 +862,24 @@ class FastDeployCacheManager:
 
     def _fail_undispatched(self, request: Any) -> None:
         ids: list[int] = []
+        lookups: list[int] = []
         for attr in _LISTS:
             for meta in getattr(request, attr, None) or ():
+                stored, looked = storage_ids(meta)
+                ids += stored
+                lookups += looked
                 try:
                     ids += transfer_ids(meta)
                 except ValueError as e:  # not ours: nothing of fastkv's to undo
                     log.error("fastkv: request %r: %s", request.request_id, e)
             if getattr(request, attr, None):
                 setattr(request, attr, [])
-        if ids:
-            self._counts["undispatched_transfers"] += len(ids)
+        if ids or lookups:
+            self._counts["undispatched_transfers"] += len(ids) + len(lookups)
+            error = "never dispatched: the request ended first"
             self._apply(
-                [
-                    TransferResult(t, False, "never dispatched: the request ended first")
-                    for t in ids
-                ]
+                [TransferResult(t, False, error) for t in ids]
+                + [LookupResult(q, 0) for q in lookups]
             )
 
     def _fail_never_sent(self) -> None:
@@ -716,9 +891,12 @@ class FastDeployCacheManager:
             for m in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
             if m is not None
         ]
-        if ids:
-            self._counts["undispatched_transfers"] += len(ids)
-            self._apply([TransferResult(t, False, "never dispatched: reset") for t in ids])
+        if ids or tasks.lookups:
+            self._counts["undispatched_transfers"] += len(ids) + len(tasks.lookups)
+            self._apply(
+                [TransferResult(t, False, "never dispatched: reset") for t in ids]
+                + [LookupResult(q.lookup_id, 0) for q in tasks.lookups]
+            )
 
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
@@ -732,6 +910,8 @@ class FastDeployCacheManager:
         self.config = config
         self.manager = CacheManager(config)
         self._tracked.clear()
+        self._prefetch.clear()
+        self._landed.clear()
         self.metrics.rebase()
 
     def _figures(self) -> dict[str, float]:
@@ -749,7 +929,8 @@ class FastDeployCacheManager:
                 "free_gpu_block_num": free,
                 "prefix_gpu_cache_token_num": s.device_hit_tokens,
                 "prefix_cpu_cache_token_num": s.host_hit_tokens,
-                "prefix_ssd_cache_token_num": 0,
+                "prefix_ssd_cache_token_num": self._counts["storage_hit_blocks"]
+                * self.config.block_size,
             }
 
 

@@ -7,7 +7,9 @@ everything else. Its metadata has no transfer id, so nothing could tell the
 scheduler which copy a result belongs to. fastkv keeps its transfer ids through
 that merge by tagging every `hash_values` entry: `f"{transfer_id}:{block_hash}"`.
 The worker regroups a merged metadata by those tags (`parse_merged`) and reports
-one result per scheduler transfer id.
+one result per scheduler transfer id. Storage loads, writes and lookups ride in the
+device-to-host metadata with entries of their own (`storage_to_fastdeploy`, taken
+out again on the worker by `split_storage`).
 
 FastDeploy's own classes are used when `fastdeploy` is importable (its BatchRequest
 builds its merged metadata with them); otherwise the FastDeploy-shaped stand-ins
@@ -21,7 +23,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastkv.metadata import CacheLevel, CacheSwapMetadata
+from fastkv.metadata import CacheLevel, CacheSwapMetadata, StorageLookup
 
 FASTDEPLOY_METADATA_MODULE = "fastdeploy.cache_manager.v1.metadata"
 
@@ -68,6 +70,24 @@ def tag(transfer_id: int, block_hash: Hashable) -> str:
     return f"{transfer_id}:{text}"
 
 
+# Storage work rides in the step's device-to-host metadata (FastDeploy's BatchRequest
+# carries no other list to the workers at this snapshot), tagged with a letter so no
+# copy ever takes it for one of its blocks: "L<id>:<hash>" a block loaded from
+# storage into host block dst (src -1), "W<id>:<hash>" a host block src written to
+# storage (dst -1), "Q<id>:<hash>" a block of storage lookup <id> (src, dst -1).
+STORAGE_LOAD, STORAGE_WRITE, STORAGE_LOOKUP = "L", "W", "Q"
+_STORAGE_KINDS = (STORAGE_LOAD, STORAGE_WRITE, STORAGE_LOOKUP)
+
+
+def storage_tag_of(entry: object) -> tuple[str, int, str] | None:
+    """(kind, id, block hash text) of a storage entry, None for any other entry."""
+    if isinstance(entry, str) and entry[:1] in _STORAGE_KINDS:
+        head, sep, text = entry[1:].partition(":")
+        if sep and head.isdigit():
+            return entry[0], int(head), text
+    return None
+
+
 def transfer_id_of(entry: object) -> int:
     """The transfer id a `hash_values` entry was tagged with.
 
@@ -93,8 +113,141 @@ def transfer_ids(meta: Any) -> list[int]:
     """
     seen: dict[int, None] = {}
     for entry in getattr(meta, "hash_values", None) or ():
-        seen[transfer_id_of(entry)] = None
+        if storage_tag_of(entry) is None:
+            seen[transfer_id_of(entry)] = None
     return list(seen)
+
+
+def storage_ids(meta: Any) -> tuple[list[int], list[int]]:
+    """The storage transfer ids and lookup ids a (possibly merged) metadata carries,
+    in order of first appearance."""
+    transfers: dict[int, None] = {}
+    lookups: dict[int, None] = {}
+    for entry in getattr(meta, "hash_values", None) or ():
+        found = storage_tag_of(entry)
+        if found is not None:
+            (lookups if found[0] == STORAGE_LOOKUP else transfers)[found[1]] = None
+    return list(transfers), list(lookups)
+
+
+def storage_to_fastdeploy(
+    load: CacheSwapMetadata | None,
+    store: CacheSwapMetadata | None,
+    lookups: Sequence[StorageLookup],
+    swap_cls: type,
+    levels: Any,
+    evict: Any | None = None,
+) -> Any | None:
+    """The step's storage work appended to its device-to-host metadata `evict`
+    (FastDeploy-shaped; a new one when None). Returns it, or None when there is
+    nothing to carry."""
+    src: list[int] = []
+    dst: list[int] = []
+    hashes: list[str] = []
+    if load is not None:
+        for host, key in zip(load.dst_block_ids, load.block_hashes, strict=True):
+            src.append(-1)
+            dst.append(host)
+            hashes.append(STORAGE_LOAD + tag(load.transfer_id, key))
+    if store is not None:
+        for host, key in zip(store.src_block_ids, store.block_hashes, strict=True):
+            src.append(host)
+            dst.append(-1)
+            hashes.append(STORAGE_WRITE + tag(store.transfer_id, key))
+    for lookup in lookups:
+        for key in lookup.block_hashes:
+            src.append(-1)
+            dst.append(-1)
+            hashes.append(STORAGE_LOOKUP + tag(lookup.lookup_id, key))
+    if not hashes:
+        return evict
+    if evict is None:
+        return swap_cls(
+            src_block_ids=src,
+            dst_block_ids=dst,
+            src_type=levels.DEVICE,
+            dst_type=levels.HOST,
+            hash_values=hashes,
+        )
+    evict.src_block_ids.extend(src)
+    evict.dst_block_ids.extend(dst)
+    evict.hash_values.extend(hashes)
+    return evict
+
+
+@dataclass(frozen=True, slots=True)
+class StorageWork:
+    """The storage work of one step, regrouped by id (worker side).
+
+    Attributes:
+        loads, writes: per scheduler transfer id, its (host block, hash text) pairs
+            in order.
+        lookups: per scheduler lookup id, its hash texts in order.
+    """
+
+    loads: dict[int, list[tuple[int, str]]]
+    writes: dict[int, list[tuple[int, str]]]
+    lookups: dict[int, list[str]]
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.writes or self.lookups)
+
+
+def split_storage(meta: Any) -> tuple[Any, StorageWork]:
+    """Take the storage entries out of a step's merged device-to-host metadata.
+
+    Returns:
+        (the metadata without them, or None when nothing else was in it; the
+        storage work). `meta` itself is not changed.
+
+    Raises:
+        ValueError: id lists of different lengths, or a storage entry whose host
+            block is missing or is not an int (nothing is returned then).
+    """
+    empty = StorageWork({}, {}, {})
+    if meta is None:
+        return None, empty
+    hashes = list(meta.hash_values or ())
+    if not any(storage_tag_of(h) is not None for h in hashes):
+        return meta, empty
+    src = _ids("src_block_ids", meta.src_block_ids)
+    dst = _ids("dst_block_ids", meta.dst_block_ids)
+    if not (len(src) == len(dst) == len(hashes)):
+        raise ValueError(
+            f"block lists: {len(src)} src ids, {len(dst)} dst ids and {len(hashes)} "
+            "hash_values; fastkv metadata has one of each per block"
+        )
+    work = StorageWork({}, {}, {})
+    rest: tuple[list[int], list[int], list[str]] = ([], [], [])
+    for i, (s_id, d_id, entry) in enumerate(zip(src, dst, hashes, strict=True)):
+        found = storage_tag_of(entry)
+        if found is None:
+            rest[0].append(s_id)
+            rest[1].append(d_id)
+            rest[2].append(entry)
+            continue
+        kind, ident, text = found
+        if kind == STORAGE_LOOKUP:
+            work.lookups.setdefault(ident, []).append(text)
+            continue
+        host = d_id if kind == STORAGE_LOAD else s_id
+        if host < 0:
+            raise ValueError(f"hash_values[{i}]: storage entry {entry!r:.60} has no host block")
+        (work.loads if kind == STORAGE_LOAD else work.writes).setdefault(ident, []).append(
+            (host, text)
+        )
+    if not rest[2]:
+        return None, work
+    return (
+        FDCacheSwapMetadata(
+            src_block_ids=rest[0],
+            dst_block_ids=rest[1],
+            src_type=meta.src_type,
+            dst_type=meta.dst_type,
+            hash_values=rest[2],
+        ),
+        work,
+    )
 
 
 def to_fastdeploy(meta: CacheSwapMetadata, swap_cls: type, levels: Any) -> Any:
@@ -183,12 +336,20 @@ def _ids(name: str, ids: Sequence[int]) -> list[int]:
 
 
 __all__ = [
+    "STORAGE_LOAD",
+    "STORAGE_LOOKUP",
+    "STORAGE_WRITE",
     "FDCacheLevel",
     "FDCacheSwapMetadata",
     "MergedTransfer",
+    "StorageWork",
     "fastdeploy_metadata_types",
     "level_name",
     "parse_merged",
+    "split_storage",
+    "storage_ids",
+    "storage_tag_of",
+    "storage_to_fastdeploy",
     "tag",
     "to_fastdeploy",
     "transfer_id_of",

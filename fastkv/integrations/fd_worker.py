@@ -32,6 +32,7 @@ a prefill task from there.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -40,9 +41,20 @@ from typing import Any
 from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
-from fastkv.integrations.fd_transfers import MergedTransfer, parse_merged
+from fastkv.integrations.fd_transfers import (
+    MergedTransfer,
+    StorageWork,
+    parse_merged,
+    split_storage,
+)
 from fastkv.integrations.results_channel import ResultsSender
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
+from fastkv.metadata import (
+    CacheLevel,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageLookup,
+    TransferResult,
+)
 from fastkv.worker.transfer_manager import (
     DEFAULT_TIMEOUT,
     LayerDoneCounter,
@@ -233,6 +245,9 @@ class FastDeployCacheController:
         self._num_gpu_blocks = 0
         self._next_id = 0
         self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
+        self._lookup_ids: dict[int, int] = {}  # local lookup -> the scheduler's
+        self._storage_dir = fdc.storage_directory(fd_config, self.rank)
+        self._storage_backend: Any = None  # fastkv LocalDiskBackend, with the cache
         self.swap_layer_done_counter: StepLayerCounter | None = None
         # Swap-ins whose failure waits for the runner's wait to retry them: local
         # transfer id -> the failure, once reported.
@@ -360,13 +375,16 @@ class FastDeployCacheController:
                 lists of different lengths, untagged hashes); nothing is launched.
         """
         with self._lock:
+            evict_metadata, work = split_storage(evict_metadata)
             evict = parse_merged(evict_metadata, "device", "host")
             swap = parse_merged(swap_in_metadata, "host", "device")
             self._settle_held()
             if self.controller is None:
+                self._fail_storage(work, "the KV cache is not initialized")
                 return self._refuse_step(evict, swap, "the KV cache is not initialized")
             ctrl = self.controller
             self._report()
+            self._submit_storage(work)
             fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
             if fk_evict is not None:
@@ -516,6 +534,9 @@ class FastDeployCacheController:
             ctrl, self.controller = self.controller, None
             if ctrl is not None:
                 self._forward(ctrl.free_cache())  # it drops the adopted tensors
+            if self._storage_backend is not None:
+                self._storage_backend.close()
+                self._storage_backend = None
             self._settle_held()
             self._recovered.clear()
             self.cache_kvs_map.clear()
@@ -525,7 +546,7 @@ class FastDeployCacheController:
     def free_cache(self, clear_storage: bool = False) -> bool:
         """`free_gpu_cache`, then close the results sender (shutdown). Returns True,
         as FastDeploy's."""
-        del clear_storage  # no storage tier on the worker yet
+        del clear_storage  # blocks on disk stay: they serve after a restart
         self.free_gpu_cache()
         with self._lock:
             self.sender.close()
@@ -552,7 +573,7 @@ class FastDeployCacheController:
                 results_sent=sent.sent,
                 results_pending=sent.pending,
                 results_dropped=sent.dropped,
-                transfers_without_result=len(self._groups),
+                transfers_without_result=len(self._groups) + len(self._lookup_ids),
                 swap_in_retries=self._retries,
                 swap_ins_recovered=self._recoveries,
             )
@@ -588,14 +609,24 @@ class FastDeployCacheController:
             num_device_blocks=self._num_gpu_blocks,
             kv_dtype=_kv_dtype_of_tensor(caches[0]),
         )
-        self.controller = CacheController.adopt(
-            caches,
-            config,
-            tensors_per_layer=per_layer,
-            num_extra_layers=num_extra,
-            block_axis=self.block_axis,
-            fail_rate=self.fail_rate,
-        )
+        backend, namespace = self._open_storage(caches, config, per_layer, num_extra)
+        try:
+            self.controller = CacheController.adopt(
+                caches,
+                config,
+                tensors_per_layer=per_layer,
+                num_extra_layers=num_extra,
+                block_axis=self.block_axis,
+                fail_rate=self.fail_rate,
+                storage=backend,
+                storage_namespace=namespace,
+                tp_rank=self.rank,
+            )
+        except BaseException:
+            if backend is not None:
+                backend.close()
+            raise
+        self._storage_backend = backend
         self._caches = caches
         if self.sender.closed:  # a cache made again after free_cache
             self.sender = ResultsSender(self.sender.name, self.rank)
@@ -606,6 +637,45 @@ class FastDeployCacheController:
                 target=self._report_loop, name=f"fastkv-report-r{self.rank}", daemon=True
             )
             self._reporter.start()
+
+    def _open_storage(
+        self, caches: list[Any], config: Any, per_layer: int, num_extra: int
+    ) -> tuple[Any, bytes]:
+        """The local disk backend of this rank, or (None, b"") without a storage
+        tier. Its layout is one segment per cache tensor (a host block's bytes);
+        its namespace digest covers the model, dtype, block size, TP size, layers
+        and the per-rank head shape, so a different cache never hits."""
+        if self._storage_dir is None:
+            return None, b""
+        from fastkv.storage import BlockLayout, StorageNamespace
+        from fastkv.storage.local_disk import LocalDiskBackend
+
+        lengths = []
+        for t in caches:
+            shape = [int(d) for d in t.shape]
+            per_block = 1
+            for d in shape[1:]:
+                per_block *= d
+            lengths.append(per_block * int(t.element_size()))
+        shape = [int(d) for d in caches[0].shape]
+        model = getattr(getattr(self.fd_config, "model_config", None), "model", None)
+        namespace = StorageNamespace(
+            config.namespace_key(),
+            str(model) if model else "fastdeploy",
+            config.kv_dtype,
+            config.block_size,
+            self.tp_size,
+            len(caches) // per_layer - num_extra,
+            shape[1],
+            shape[-1],
+            num_extra_layers=num_extra,
+        ).digest()
+        backend = LocalDiskBackend(
+            self._storage_dir,
+            BlockLayout(tuple(lengths)),
+            capacity_blocks=fdc.storage_capacity_blocks(config.num_host_blocks),
+        )
+        return backend, namespace
 
     def _local(
         self, merged: MergedTransfer | None, src: CacheLevel, dst: CacheLevel
@@ -623,9 +693,14 @@ class FastDeployCacheController:
             return self.sender.flush()
         return self._forward(self.controller.poll_results())
 
-    def _forward(self, results: list[TransferResult]) -> int:
-        out = []
+    def _forward(self, results: Sequence[TransferResult | LookupResult]) -> int:
+        out: list[TransferResult | LookupResult] = []
         for r in results:
+            if isinstance(r, LookupResult):
+                qid = self._lookup_ids.pop(r.lookup_id, None)
+                if qid is not None:
+                    out.append(LookupResult(qid, r.num_hits))
+                continue
             tid = r.transfer_id
             if tid in self._held:
                 if tid in self._recovered:  # a retry loaded every layer after all
@@ -636,8 +711,72 @@ class FastDeployCacheController:
                     continue
                 del self._held[tid]
             ids = self._groups.pop(tid, ())
-            out += [TransferResult(t, r.success, r.error) for t in ids]
+            out += [TransferResult(t, r.success, r.error, r.failed_blocks) for t in ids]
         return self.sender.send(out)
+
+    def _submit_storage(self, work: StorageWork) -> None:
+        """Start the step's storage lookups, loads and writes (never waits); each
+        keeps its scheduler id for its result. Refused work is reported failed."""
+        if not work:
+            return
+        ctrl = self.controller
+        lookups, loads, stores = [], [], []
+        ids: dict[int, tuple[int, ...]] = {}
+        lookup_ids: dict[int, int] = {}
+        try:
+            for qid, texts in work.lookups.items():
+                local = self._next_id
+                self._next_id += 1
+                lookups.append(StorageLookup(local, [_key(t) for t in texts]))
+                lookup_ids[local] = qid
+            for tid, pairs in (*work.loads.items(), *work.writes.items()):
+                local = self._next_id
+                self._next_id += 1
+                hosts = [h for h, _ in pairs]
+                keys = [_key(t) for _, t in pairs]
+                if tid in work.loads:
+                    loads.append(
+                        CacheSwapMetadata(
+                            local, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys
+                        )
+                    )
+                else:
+                    stores.append(
+                        CacheSwapMetadata(
+                            local, CacheLevel.HOST, CacheLevel.STORAGE, hosts, [], keys
+                        )
+                    )
+                ids[local] = (tid,)
+            # One load and one write per call (the controller's shape).
+            for i in range(max(len(loads), len(stores), 1)):
+                ctrl.submit_storage_tasks(
+                    loads[i] if i < len(loads) else None,
+                    stores[i] if i < len(stores) else None,
+                    lookups if i == 0 else (),
+                )
+                for meta in (
+                    loads[i] if i < len(loads) else None,
+                    stores[i] if i < len(stores) else None,
+                ):
+                    if meta is not None:
+                        self._groups[meta.transfer_id] = ids.pop(meta.transfer_id)
+                if i == 0:
+                    self._lookup_ids.update(lookup_ids)
+                    lookup_ids = {}
+        except (ValueError, TypeError) as e:  # refused: what did not start fails
+            log.error("fastkv rank %d: storage work not started: %s", self.rank, e)
+            error = f"not started: {type(e).__name__}: {e}"
+            self.sender.send(
+                [TransferResult(t, False, error) for group in ids.values() for t in group]
+                + [LookupResult(q, 0) for q in lookup_ids.values()]
+            )
+
+    def _fail_storage(self, work: StorageWork, why: str) -> None:
+        if work:
+            self.sender.send(
+                [TransferResult(t, False, why) for t in (*work.loads, *work.writes)]
+                + [LookupResult(q, 0) for q in work.lookups]
+            )
 
     def _recover(self, counter: StepLayerCounter, timeout: float) -> bool:
         """A step's swap-in failed: copy it again, every layer, at most
@@ -716,6 +855,13 @@ class FastDeployCacheController:
                 self.report_results()
             except Exception:  # never let the reporter die silently mid-run
                 log.exception("fastkv rank %d: reporting results failed", self.rank)
+
+
+def _key(text: str) -> bytes:
+    """A block's storage key: SHA-256 of the scheduler's hash text (FastDeploy's
+    block hashes are hex strings; every rank derives the same key, its rank is
+    part of the storage key)."""
+    return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 def _kv_dtype_of_tensor(tensor: Any) -> str:

@@ -30,7 +30,10 @@ never be recomputed. This channel is that path:
 - **What is parsed.** A fixed binary layout (no nesting, no recursion), at most
   `MAX_FRAME_BYTES` per message, checked before decoding; `poll()` never raises for
   anything a peer sends, and what it logs about peers is rate-limited.
-- **Delivery.** Each worker rank sends `(rank, [TransferResult, ...])`
+- **What is carried.** TransferResults (with the positions of a storage transfer's
+  failed blocks, at most MAX_FAILED_BLOCKS; more go as "every block failed") and
+  storage LookupResults (the leading blocks a rank's storage holds).
+- **Delivery.** Each worker rank sends `(rank, [TransferResult | LookupResult, ...])`
   (`ResultsSender.send`); what it cannot deliver yet (scheduler not bound, queue
   full, connection lost) stays queued up to a bound and goes with the next send or
   `flush`. `poll()` reads at most MESSAGES_PER_POLL messages per connection, so one
@@ -65,8 +68,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fastkv.config import check_int
-from fastkv.metadata import TransferResult
+from fastkv.metadata import LookupResult, TransferResult
 from fastkv.tp import RankResults
+
+Result = TransferResult | LookupResult
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +82,18 @@ KEY_FILE_BYTES = 32
 MAX_NAME_BYTES = 64
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 RESULTS_PER_DATAGRAM = 32
 MAX_ERROR_CHARS = 300
 MAX_ERROR_BYTES = 4 * MAX_ERROR_CHARS  # UTF-8
+MAX_FAILED_BLOCKS = 64  # per storage result; more are sent as "every block failed"
+MAX_LOOKUP_HITS = (1 << 32) - 1
 _PAYLOAD_HEAD = struct.Struct("!BIH")  # version, rank, count
-_ROW = struct.Struct("!qBH")  # transfer_id, success, error bytes
+_KIND_TRANSFER = 0
+_KIND_LOOKUP = 1
+_ROW = struct.Struct("!BqBHH")  # kind, id, success, error bytes, failed positions
+_FAILED = struct.Struct("!I")  # one failed block position
+_LOOKUP_ROW = struct.Struct("!BqI")  # kind, lookup_id, num_hits
 _NONCE_BYTES = 16
 _FRAME_HEAD = struct.Struct(f"!4s{_NONCE_BYTES}sQ")  # magic, connection nonce, sequence
 _FRAME_MAGIC = b"FKR2"
@@ -90,7 +101,9 @@ _EPOCH_BYTES = 16
 _MAC_BYTES = 32
 MAX_FRAME_BYTES = 1 << 16
 MESSAGES_PER_POLL = 256
-_MAX_PAYLOAD = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (_ROW.size + MAX_ERROR_BYTES)
+_MAX_PAYLOAD = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (
+    _ROW.size + MAX_ERROR_BYTES + MAX_FAILED_BLOCKS * _FAILED.size
+)
 assert _FRAME_HEAD.size + _MAX_PAYLOAD + _MAC_BYTES <= MAX_FRAME_BYTES
 _CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _KEY_LABEL = b"fastkv-results-v2\0"
@@ -328,25 +341,59 @@ def read_epoch(dir_fd: int, name: str) -> bytes | None:
 # --- wire format -------------------------------------------------------------------
 
 
-def encode(rank: int, results: Iterable[TransferResult]) -> list[bytes]:
-    """The payloads carrying one rank's results, RESULTS_PER_DATAGRAM per payload
-    (errors cut to MAX_ERROR_CHARS characters)."""
+def encode(rank: int, results: Iterable[Result]) -> list[bytes]:
+    """The payloads carrying one rank's results, RESULTS_PER_DATAGRAM per payload.
+
+    A TransferResult row carries its id, success, error (cut to MAX_ERROR_CHARS
+    characters) and the positions of its failed blocks (storage transfers); one
+    naming more than MAX_FAILED_BLOCKS failed positions goes as "every block
+    failed" (no positions, success False): the scheduler then drops the whole
+    transfer, never keeps a bad block. A LookupResult row carries the lookup id and
+    the leading blocks found (at most MAX_LOOKUP_HITS).
+
+    Raises:
+        ValueError: an id, position or hit count outside what the format holds.
+        TypeError: an entry is neither a TransferResult nor a LookupResult.
+    """
     rows = list(results)
+    for i, r in enumerate(rows):
+        if isinstance(r, LookupResult):
+            check_int(f"results[{i}].lookup_id", r.lookup_id, 0, (1 << 63) - 1)
+            check_int(f"results[{i}].num_hits", r.num_hits, 0, MAX_LOOKUP_HITS)
+        elif isinstance(r, TransferResult):
+            check_int(f"results[{i}].transfer_id", r.transfer_id, 0, (1 << 63) - 1)
+            for j, pos in enumerate(r.failed_blocks):
+                check_int(f"results[{i}].failed_blocks[{j}]", pos, 0, (1 << 32) - 1)
+        else:
+            raise TypeError(
+                f"results[{i}]: expected TransferResult or LookupResult, got {r!r:.80}"
+            )
     out = []
     for i in range(0, len(rows), RESULTS_PER_DATAGRAM):
         chunk = rows[i : i + RESULTS_PER_DATAGRAM]
         parts = [_PAYLOAD_HEAD.pack(WIRE_VERSION, rank, len(chunk))]
         for r in chunk:
+            if isinstance(r, LookupResult):
+                parts.append(_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.num_hits))
+                continue
             error = r.error[:MAX_ERROR_CHARS].encode("utf-8", "replace")
-            parts.append(_ROW.pack(r.transfer_id, 1 if r.success else 0, len(error)))
+            failed = tuple(r.failed_blocks)
+            if len(failed) > MAX_FAILED_BLOCKS:
+                failed = ()  # with success False: every block failed
+            success = r.success and not r.failed_blocks
+            parts.append(
+                _ROW.pack(_KIND_TRANSFER, r.transfer_id, int(success), len(error), len(failed))
+            )
             parts.append(error)
+            parts.extend(_FAILED.pack(p) for p in failed)
         out.append(b"".join(parts))
     return out
 
 
-def decode(data: bytes) -> tuple[int, list[TransferResult]]:
+def decode(data: bytes) -> tuple[int, list[Result]]:
     """One payload back into (rank, results). Work is bounded by the payload's size
-    (at most RESULTS_PER_DATAGRAM rows, flat layout).
+    (at most RESULTS_PER_DATAGRAM rows, flat layout, every length checked against
+    its bound before it is read).
 
     Raises:
         ValueError: not a payload of this format (the message says what is wrong).
@@ -364,22 +411,46 @@ def decode(data: bytes) -> tuple[int, list[TransferResult]]:
     if count > RESULTS_PER_DATAGRAM:
         raise ValueError(f"datagram: {count} results, at most {RESULTS_PER_DATAGRAM}")
     offset = _PAYLOAD_HEAD.size
-    results = []
+    results: list[Result] = []
     for i in range(count):
+        if offset + 1 > len(data):
+            raise ValueError(f"datagram: results[{i}] cut short")
+        kind = data[offset]
+        if kind == _KIND_LOOKUP:
+            if offset + _LOOKUP_ROW.size > len(data):
+                raise ValueError(f"datagram: results[{i}] cut short")
+            _, lookup_id, hits = _LOOKUP_ROW.unpack_from(data, offset)
+            offset += _LOOKUP_ROW.size
+            if lookup_id < 0:
+                raise ValueError(f"datagram: results[{i}] lookup id {lookup_id} < 0")
+            results.append(LookupResult(lookup_id, hits))
+            continue
+        if kind != _KIND_TRANSFER:
+            raise ValueError(f"datagram: results[{i}] kind {kind}, expected 0 or 1")
         if offset + _ROW.size > len(data):
             raise ValueError(f"datagram: results[{i}] cut short")
-        transfer_id, success, length = _ROW.unpack_from(data, offset)
+        _, transfer_id, success, length, num_failed = _ROW.unpack_from(data, offset)
         offset += _ROW.size
         if success > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
             raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short error)")
-        if offset + length > len(data):
-            raise ValueError(f"datagram: results[{i}] error cut short")
+        if num_failed > MAX_FAILED_BLOCKS or (success and num_failed):
+            raise ValueError(
+                f"datagram: results[{i}] names {num_failed} failed blocks "
+                f"(at most {MAX_FAILED_BLOCKS}, none on a success)"
+            )
+        end = offset + length + num_failed * _FAILED.size
+        if end > len(data):
+            raise ValueError(f"datagram: results[{i}] error or failed blocks cut short")
         try:
             error = data[offset : offset + length].decode("utf-8")
         except UnicodeDecodeError:
             raise ValueError(f"datagram: results[{i}] error is not UTF-8") from None
         offset += length
-        results.append(TransferResult(transfer_id, bool(success), error))
+        failed = tuple(
+            _FAILED.unpack_from(data, offset + k * _FAILED.size)[0] for k in range(num_failed)
+        )
+        offset = end
+        results.append(TransferResult(transfer_id, bool(success), error, failed))
     if offset != len(data):
         raise ValueError(f"datagram: {len(data) - offset} bytes after the last result")
     return rank, results
@@ -625,14 +696,14 @@ class ResultsReceiver:
             ) from None
         return sock
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[Result]:
         """Accept waiting workers and read every message waiting (never blocks);
         return the transfers that every rank has now reported, combined. Never
         raises for anything a peer sent: bad input is counted, logged (rate-limited)
         and its connection closed."""
         if self._sock is None:
             return []
-        done: list[TransferResult] = []
+        done: list[Result] = []
         try:
             self._accept()
         except Exception as e:  # nothing a peer does may escape
@@ -688,7 +759,7 @@ class ResultsReceiver:
                 continue
             self._conns.append(_Conn(sock))
 
-    def _drain(self, conn: _Conn, done: list[TransferResult]) -> None:
+    def _drain(self, conn: _Conn, done: list[Result]) -> None:
         for _ in range(MESSAGES_PER_POLL):  # the rest waits for the next poll
             try:
                 frame = conn.sock.recv(MAX_FRAME_BYTES + 1)
@@ -863,19 +934,19 @@ class ResultsSender:
         self._dir_fd = open_private_dir(self.directory)
         _OPEN_ENDS.add(self)
 
-    def send(self, results: Iterable[TransferResult]) -> int:
+    def send(self, results: Iterable[Result]) -> int:
         """Queue `results` and send everything queued that the receiver takes now.
 
         Returns:
             How many results are still waiting.
 
         Raises:
-            TypeError: an entry is not a TransferResult (nothing is queued).
+            TypeError: an entry is neither a TransferResult nor a LookupResult.
+            ValueError: an id, failed position or hit count the wire format cannot
+                hold. Nothing is queued when it raises.
         """
         results = list(results)
-        for r in results:
-            if not isinstance(r, TransferResult):
-                raise TypeError(f"results: expected TransferResult, got {r!r:.80}")
+        encode(self.rank, results)  # checks every entry before anything is queued
         self._pending.extend(results)
         overflow = len(self._pending) - self.max_pending
         if overflow > 0:

@@ -48,6 +48,7 @@ from fastkv.scheduler.radix_tree import (
     HOST,
     HOST_LANDING,
     LOADING_FROM_STORAGE,
+    NOT_STORED,
     PENDING_HOST,
     STORING,
     SWAP_TO_DEVICE,
@@ -374,7 +375,12 @@ class CacheManager:
     # -- request lifecycle ----------------------------------------------------
 
     def match(
-        self, request_id: RequestId, block_hashes: Sequence[BlockHash], num_tokens: int
+        self,
+        request_id: RequestId,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        *,
+        lookup_storage: bool = True,
     ) -> MatchResult:
         """Register a new request and lock the longest cached prefix of its blocks.
 
@@ -390,6 +396,9 @@ class CacheManager:
             block_hashes: the chained hashes of the prompt's full blocks, in order
                 (fewer is fine: only hashed blocks are matched and cached).
             num_tokens: the prompt's length in tokens.
+            lookup_storage: False: no storage lookup for the blocks past the hits
+                (the request computes them; an engine that looks storage up ahead
+                of admission passes it).
 
         Raises:
             ValueError: `request_id` is already active, `num_tokens` is not an int
@@ -435,13 +444,70 @@ class CacheManager:
             for node in nodes:
                 storage.on_hit(node)  # type: ignore[union-attr]
         looked_up = False
-        if storage is not None and not waiting and len(nodes) < limit:
+        if storage is not None and lookup_storage and not waiting and len(nodes) < limit:
             looked_up = storage.plan_lookup(req, len(nodes), limit)
         self._lookup_blocks += len(hashes)
         self._lookup_tokens += num_tokens
         self._device_hits += len(nodes) - num_host
         self._host_hits += num_host
         return MatchResult(len(nodes) - num_host, num_host, len(nodes) * bs, waiting, looked_up)
+
+    def storage_pending(self, request_id: RequestId) -> bool:
+        """Whether the request's storage lookup is unanswered or blocks found for it
+        are still loading into host.
+
+        Raises:
+            ValueError: unknown request.
+        """
+        req = self._get(request_id)
+        if req.lookup_id >= 0:
+            return True
+        return any(n.state is LOADING for n in req.nodes[req.num_matched :])
+
+    def storage_loaded(self, request_id: RequestId) -> list[BlockHash]:
+        """The hashes of the request's blocks that came from storage past its match
+        and sit in the cache now (loads that failed are gone from its path); meant
+        for a request that has committed nothing since its match (a prefetch).
+
+        Raises:
+            ValueError: unknown request.
+        """
+        req = self._get(request_id)
+        return [n.key for n in req.nodes[req.num_matched :] if n.state is not LOADING]
+
+    def write_to_storage(self, request_id: RequestId) -> int:
+        """Under the storage write policy WRITE_THROUGH, plan the writes of the
+        request's cached blocks that storage does not hold yet: a block with a valid
+        host copy is written with the next `take_swap_metadata`; a device-only block
+        is backed up to host first (if host room) and written once that copy lands.
+        Other policies write at hits (AFTER_HITS) or at host eviction
+        (ON_HOST_EVICTION): nothing is planned here.
+
+        Returns:
+            How many blocks were planned (writes and backups).
+
+        Raises:
+            ValueError: unknown request. Nothing changes.
+        """
+        req = self._get(request_id)
+        storage = self._storage
+        if storage is None or storage.write_policy is not StorageWritePolicy.WRITE_THROUGH:
+            return 0
+        planned = 0
+        device_only = []
+        for node in req.nodes:
+            if node.storage != NOT_STORED:
+                continue
+            if node.host_block >= 0 and node.state in (HOST, DEVICE):
+                storage.on_host_copy(node)
+                planned += 1
+            elif node.state == DEVICE and node.host_block < 0:
+                device_only.append(node)
+        if device_only:
+            before = self._backups
+            self._backup(device_only)
+            planned += self._backups - before
+        return planned
 
     def append_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
         """Add the hashes of blocks the request completed since `match` (decoded

@@ -225,9 +225,13 @@ class StorageTier:
             del req.nodes[first_loading:]
 
     def forget(self, req: _Request) -> None:
-        """The request finished or aborted: its lookup answer will be ignored."""
+        """The request finished or aborted: its lookup is not sent if it has not
+        been yet, and its answer is ignored if it has."""
         if req.lookup_id >= 0:
             self._lookup_owner.pop(req.lookup_id, None)
+            if self._lookups:
+                lookup_id = req.lookup_id
+                self._lookups = [q for q in self._lookups if q.lookup_id != lookup_id]
 
     # -- writes -----------------------------------------------------------------
 
