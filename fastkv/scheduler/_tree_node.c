@@ -35,6 +35,8 @@ typedef struct TreeNodeObject {
     struct TreeNodeObject *prev[NUM_SLOTS];
     struct TreeNodeObject *next[NUM_SLOTS];
     LRUListObject *owner[NUM_SLOTS];
+    struct TreeNodeObject *hnext; /* the next node in its NodeIndex bucket */
+    Py_hash_t hash;               /* hash(key), once indexed */
     int64_t hits;
     int32_t device_block;
     int32_t host_block;
@@ -43,6 +45,7 @@ typedef struct TreeNodeObject {
     int32_t num_device_children;
     uint8_t state;
     uint8_t storage;
+    uint8_t indexed; /* held by a NodeIndex */
 } TreeNodeObject;
 
 struct LRUListObject {
@@ -189,6 +192,9 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         self->prev[s] = self->next[s] = NULL;
         self->owner[s] = NULL;
     }
+    self->hnext = NULL;
+    self->hash = 0;
+    self->indexed = 0;
     self->hits = 0;
     self->device_block = (int32_t)dev;
     self->host_block = -1;
@@ -669,6 +675,470 @@ static PyTypeObject LRUIterType = {
 };
 
 
+/* -- NodeIndex ------------------------------------------------------------------
+ *
+ * The tree-wide map from key to node: a chained hash table threaded through the
+ * nodes (`hnext`, `hash`). It grows by doubling, incrementally: while a grow is
+ * under way, every operation moves a few buckets from the old array to the new
+ * one, so no single call rehashes millions of entries (a dict's resize at 4M keys
+ * stalls its caller for hundreds of milliseconds). It never shrinks. It holds a
+ * strong reference to each node it indexes.
+ */
+
+#define INDEX_MIN_BUCKETS 8
+#define REHASH_STEP 4
+
+typedef struct {
+    PyObject_HEAD
+    TreeNodeObject **table[2]; /* [0] the current array; [1] the old one while growing */
+    size_t mask[2];
+    size_t rehash_idx; /* next bucket of table[1] to move; meaningful while table[1] */
+    Py_ssize_t size;
+    uint64_t version;
+} NodeIndexObject;
+
+static PyTypeObject NodeIndexType;
+
+static void
+index_rehash_step(NodeIndexObject *self, int buckets)
+{
+    TreeNodeObject **old = self->table[1];
+    if (old == NULL) {
+        return;
+    }
+    size_t n = self->mask[1] + 1;
+    int empty_visits = buckets * 10;
+    while (buckets > 0 && self->rehash_idx < n) {
+        TreeNodeObject *node = old[self->rehash_idx];
+        if (node == NULL) {
+            self->rehash_idx++;
+            if (--empty_visits == 0) {
+                break;
+            }
+            continue;
+        }
+        while (node != NULL) {
+            TreeNodeObject *next = node->hnext;
+            size_t b = (size_t)node->hash & self->mask[0];
+            node->hnext = self->table[0][b];
+            self->table[0][b] = node;
+            node = next;
+        }
+        old[self->rehash_idx++] = NULL;
+        buckets--;
+    }
+    if (self->rehash_idx >= n) {
+        PyMem_Free(old);
+        self->table[1] = NULL;
+        self->mask[1] = 0;
+        self->rehash_idx = 0;
+    }
+}
+
+/* Makes room for one more node: starts a grow when the load reaches 1. */
+static int
+index_reserve(NodeIndexObject *self)
+{
+    index_rehash_step(self, REHASH_STEP);
+    if ((size_t)self->size < self->mask[0] + 1) {
+        return 0;
+    }
+    while (self->table[1] != NULL) { /* only if a grow could not keep up */
+        index_rehash_step(self, 1 << 20);
+    }
+    size_t n = (self->mask[0] + 1) * 2;
+    TreeNodeObject **bigger = PyMem_Calloc(n, sizeof(TreeNodeObject *));
+    if (bigger == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->table[1] = self->table[0];
+    self->mask[1] = self->mask[0];
+    self->rehash_idx = 0;
+    self->table[0] = bigger;
+    self->mask[0] = n - 1;
+    self->version++;
+    index_rehash_step(self, REHASH_STEP);
+    return 0;
+}
+
+static int
+keys_equal(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    PyTypeObject *t = Py_TYPE(a);
+    if (t != Py_TYPE(b)) {
+        return PyObject_RichCompareBool(a, b, Py_EQ);
+    }
+    if (t == &PyBytes_Type) {
+        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
+               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), PyBytes_GET_SIZE(a)) == 0;
+    }
+    if (t == &PyLong_Type || t == &PyUnicode_Type) {
+        return PyObject_RichCompareBool(a, b, Py_EQ); /* runs no Python code */
+    }
+    return -2; /* may run Python code: the caller re-checks the table */
+}
+
+/* The node indexed under `key` (borrowed), or NULL (with an error set on failure).
+ * Where *pprev is given, it receives the link that points at the node. */
+static TreeNodeObject *
+index_find(NodeIndexObject *self, PyObject *key, Py_hash_t h, TreeNodeObject ***pprev)
+{
+restart:
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        TreeNodeObject **link = &table[(size_t)h & self->mask[t]];
+        for (TreeNodeObject *node = *link; node != NULL; link = &node->hnext, node = *link) {
+            if (node->hash != h) {
+                continue;
+            }
+            int eq = keys_equal(node->key, key);
+            if (eq == -2) { /* an arbitrary __eq__ may change the index */
+                uint64_t version = self->version;
+                Py_INCREF(node);
+                eq = PyObject_RichCompareBool(node->key, key, Py_EQ);
+                Py_DECREF(node);
+                if (eq >= 0 && version != self->version) {
+                    goto restart;
+                }
+            }
+            if (eq < 0) {
+                return NULL;
+            }
+            if (eq) {
+                if (pprev != NULL) {
+                    *pprev = link;
+                }
+                return node;
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Indexes `node` under its key; raises ValueError if that key is indexed. */
+static int
+index_add(NodeIndexObject *self, TreeNodeObject *node)
+{
+    if (node->indexed) {
+        PyErr_SetString(PyExc_ValueError, "NodeIndex: the node is indexed already");
+        return -1;
+    }
+    Py_hash_t h = PyObject_Hash(node->key);
+    if (h == -1) {
+        return -1;
+    }
+    if (index_find(self, node->key, h, NULL) != NULL) {
+        PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is indexed already", node->key);
+        return -1;
+    }
+    if (PyErr_Occurred() || index_reserve(self) < 0) {
+        return -1;
+    }
+    size_t b = (size_t)h & self->mask[0];
+    node->hash = h;
+    node->hnext = self->table[0][b];
+    self->table[0][b] = node;
+    node->indexed = 1;
+    Py_INCREF(node);
+    self->size++;
+    self->version++;
+    return 0;
+}
+
+/* Unindexes the node under `key`; returns the index's reference, or NULL (KeyError
+ * when absent). */
+static TreeNodeObject *
+index_pop(NodeIndexObject *self, PyObject *key)
+{
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) {
+        return NULL;
+    }
+    index_rehash_step(self, REHASH_STEP);
+    TreeNodeObject **link;
+    TreeNodeObject *node = index_find(self, key, h, &link);
+    if (node == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return NULL;
+    }
+    *link = node->hnext;
+    node->hnext = NULL;
+    node->indexed = 0;
+    self->size--;
+    self->version++;
+    return node;
+}
+
+static PyObject *
+nodeindex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (!_PyArg_NoKeywords("NodeIndex", kwds) || !_PyArg_NoPositional("NodeIndex", args)) {
+        return NULL;
+    }
+    NodeIndexObject *self = PyObject_New(NodeIndexObject, type);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->table[0] = PyMem_Calloc(INDEX_MIN_BUCKETS, sizeof(TreeNodeObject *));
+    if (self->table[0] == NULL) {
+        PyObject_Free(self);
+        return PyErr_NoMemory();
+    }
+    self->mask[0] = INDEX_MIN_BUCKETS - 1;
+    self->table[1] = NULL;
+    self->mask[1] = 0;
+    self->rehash_idx = 0;
+    self->size = 0;
+    self->version = 0;
+    return (PyObject *)self;
+}
+
+static void
+nodeindex_dealloc(NodeIndexObject *self)
+{
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (size_t b = 0; b <= self->mask[t]; b++) {
+            TreeNodeObject *node = table[b];
+            while (node != NULL) {
+                TreeNodeObject *next = node->hnext;
+                node->hnext = NULL;
+                node->indexed = 0;
+                Py_DECREF(node);
+                node = next;
+            }
+        }
+        PyMem_Free(table);
+    }
+    PyObject_Free(self);
+}
+
+static Py_ssize_t
+nodeindex_len(NodeIndexObject *self)
+{
+    return self->size;
+}
+
+static TreeNodeObject *
+nodeindex_lookup(NodeIndexObject *self, PyObject *key)
+{
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) {
+        return NULL;
+    }
+    return index_find(self, key, h, NULL);
+}
+
+static int
+nodeindex_contains(NodeIndexObject *self, PyObject *key)
+{
+    TreeNodeObject *node = nodeindex_lookup(self, key);
+    return node != NULL ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+static PyObject *
+nodeindex_subscript(NodeIndexObject *self, PyObject *key)
+{
+    TreeNodeObject *node = nodeindex_lookup(self, key);
+    if (node == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return NULL;
+    }
+    Py_INCREF(node);
+    return (PyObject *)node;
+}
+
+/* index[key] = node indexes a node whose key equals `key` (no key may be replaced);
+ * del index[key] unindexes. */
+static int
+nodeindex_ass_sub(NodeIndexObject *self, PyObject *key, PyObject *value)
+{
+    if (value == NULL) {
+        TreeNodeObject *node = index_pop(self, key);
+        if (node == NULL) {
+            return -1;
+        }
+        Py_DECREF(node);
+        return 0;
+    }
+    TreeNodeObject *node = as_node(value);
+    if (node == NULL) {
+        return -1;
+    }
+    int eq = node->key == key ? 1 : PyObject_RichCompareBool(node->key, key, Py_EQ);
+    if (eq <= 0) {
+        if (eq == 0) {
+            PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is not the node's key %R", key,
+                         node->key);
+        }
+        return -1;
+    }
+    return index_add(self, node);
+}
+
+static PyObject *
+nodeindex_get(NodeIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "NodeIndex.get: takes 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    TreeNodeObject *node = nodeindex_lookup(self, args[0]);
+    if (node != NULL) {
+        Py_INCREF(node);
+        return (PyObject *)node;
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(dflt);
+    return dflt;
+}
+
+static PyObject *
+nodeindex_isdisjoint(NodeIndexObject *self, PyObject *keys)
+{
+    PyObject *it = PyObject_GetIter(keys);
+    if (it == NULL) {
+        return NULL;
+    }
+    PyObject *key;
+    while ((key = PyIter_Next(it)) != NULL) {
+        int found = nodeindex_contains(self, key);
+        Py_DECREF(key);
+        if (found != 0) {
+            Py_DECREF(it);
+            if (found < 0) {
+                return NULL;
+            }
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* A list snapshot of the nodes (`pairs`: of (key, node) tuples). */
+static PyObject *
+nodeindex_snapshot(NodeIndexObject *self, int pairs)
+{
+    PyObject *out = PyList_New(self->size);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (size_t b = 0; b <= self->mask[t]; b++) {
+            for (TreeNodeObject *node = table[b]; node != NULL; node = node->hnext) {
+                PyObject *item;
+                if (pairs) {
+                    item = PyTuple_Pack(2, node->key, (PyObject *)node);
+                    if (item == NULL) {
+                        Py_DECREF(out);
+                        return NULL;
+                    }
+                }
+                else {
+                    Py_INCREF(node);
+                    item = (PyObject *)node;
+                }
+                PyList_SET_ITEM(out, i++, item);
+            }
+        }
+    }
+    return out;
+}
+
+static PyObject *
+nodeindex_values(NodeIndexObject *self, PyObject *unused)
+{
+    return nodeindex_snapshot(self, 0);
+}
+
+static PyObject *
+nodeindex_items(NodeIndexObject *self, PyObject *unused)
+{
+    return nodeindex_snapshot(self, 1);
+}
+
+static PyObject *
+nodeindex_add(NodeIndexObject *self, PyObject *arg)
+{
+    TreeNodeObject *node = as_node(arg);
+    if (node == NULL || index_add(self, node) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+nodeindex_growing(NodeIndexObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(self->table[1] != NULL);
+}
+
+static PyMethodDef nodeindex_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))nodeindex_get, METH_FASTCALL,
+     "get(key[, default]): the node indexed under key, else default (None)."},
+    {"add", (PyCFunction)nodeindex_add, METH_O,
+     "add(node): index a node under its key (ValueError if the key is indexed)."},
+    {"isdisjoint", (PyCFunction)nodeindex_isdisjoint, METH_O,
+     "isdisjoint(keys): True when no key of `keys` is indexed."},
+    {"values", (PyCFunction)nodeindex_values, METH_NOARGS, "values(): a list of the nodes."},
+    {"items", (PyCFunction)nodeindex_items, METH_NOARGS,
+     "items(): a list of (key, node) pairs."},
+    {"growing", (PyCFunction)nodeindex_growing, METH_NOARGS,
+     "growing(): whether an incremental grow is under way (for tests)."},
+    {NULL},
+};
+
+static PySequenceMethods nodeindex_as_sequence = {
+    .sq_length = (lenfunc)nodeindex_len,
+    .sq_contains = (objobjproc)nodeindex_contains,
+};
+
+static PyMappingMethods nodeindex_as_mapping = {
+    .mp_length = (lenfunc)nodeindex_len,
+    .mp_subscript = (binaryfunc)nodeindex_subscript,
+    .mp_ass_subscript = (objobjargproc)nodeindex_ass_sub,
+};
+
+static PyTypeObject NodeIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fastkv.scheduler._tree_node.NodeIndex",
+    .tp_doc = PyDoc_STR("NodeIndex()\n\nTreeNodes by key: a hash table threaded through the "
+                        "nodes that grows incrementally (no call rehashes it whole)."),
+    .tp_basicsize = sizeof(NodeIndexObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = nodeindex_new,
+    .tp_dealloc = (destructor)nodeindex_dealloc,
+    .tp_as_sequence = &nodeindex_as_sequence,
+    .tp_as_mapping = &nodeindex_as_mapping,
+    .tp_methods = nodeindex_methods,
+};
+
 /* -- path operations (the radix tree's hot loops; radix_tree.py has the
  *    equivalent Python loops for builds without this extension) ------------ */
 
@@ -766,11 +1236,13 @@ discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (lru == NULL) {
         return NULL;
     }
-    PyObject *parked = args[1], *index = args[2];
-    if (!PySet_Check(parked) || !PyDict_Check(index)) {
-        PyErr_SetString(PyExc_TypeError, "discard_leaves: parked must be a set, index a dict");
+    PyObject *parked = args[1];
+    if (!PySet_Check(parked) || !Py_IS_TYPE(args[2], &NodeIndexType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "discard_leaves: parked must be a set, index a NodeIndex");
         return NULL;
     }
+    NodeIndexObject *index = (NodeIndexObject *)args[2];
     Py_ssize_t n = PyLong_AsSsize_t(args[3]);
     if (n == -1 && PyErr_Occurred()) {
         return NULL;
@@ -798,11 +1270,13 @@ discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         PyObject *block = PyLong_FromLong(node->device_block);
-        if (block == NULL || PyDict_DelItem(index, node->key) < 0) {
+        TreeNodeObject *unindexed = block != NULL ? index_pop(index, node->key) : NULL;
+        if (unindexed == NULL) {
             Py_XDECREF(block);
             Py_DECREF(node);
             goto error;
         }
+        Py_DECREF(unindexed); /* `node` still holds it */
         parent->num_children--;
         parent->num_device_children--;
         if (!parent->num_device_children) {
@@ -845,11 +1319,13 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "make_path(parent, keys, device_blocks, index)");
         return NULL;
     }
-    PyObject *parent = args[0], *index = args[3];
-    if (!TreeNode_Check(parent) || !PyDict_Check(index)) {
-        PyErr_SetString(PyExc_TypeError, "make_path: parent must be a TreeNode, index a dict");
+    PyObject *parent = args[0];
+    if (!TreeNode_Check(parent) || !Py_IS_TYPE(args[3], &NodeIndexType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "make_path: parent must be a TreeNode, index a NodeIndex");
         return NULL;
     }
+    NodeIndexObject *index = (NodeIndexObject *)args[3];
     PyObject *keys = PySequence_Fast(args[1], "make_path: keys must be a sequence");
     if (keys == NULL) {
         return NULL;
@@ -899,6 +1375,9 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             node->prev[s] = node->next[s] = NULL;
             node->owner[s] = NULL;
         }
+        node->hnext = NULL;
+        node->hash = 0;
+        node->indexed = 0;
         node->hits = 0;
         node->device_block = (int32_t)ids[i];
         node->host_block = -1;
@@ -910,10 +1389,13 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         parent = (PyObject *)node;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyDict_SetItem(index, kitems[i], PyList_GET_ITEM(path, i)) < 0) {
+        if (index_add(index, (TreeNodeObject *)PyList_GET_ITEM(path, i)) < 0) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t j = 0; j < i; j++) { /* leave the index as it was */
-                PyDict_DelItem(index, kitems[j]);
+                Py_XDECREF(index_pop(index, kitems[j]));
             }
+            PyErr_Restore(type, value, tb);
             Py_CLEAR(path);
             goto done_ids;
         }
@@ -981,7 +1463,7 @@ PyMODINIT_FUNC
 PyInit__tree_node(void)
 {
     if (PyType_Ready(&TreeNodeType) < 0 || PyType_Ready(&LRUListType) < 0 ||
-        PyType_Ready(&LRUIterType) < 0) {
+        PyType_Ready(&LRUIterType) < 0 || PyType_Ready(&NodeIndexType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module_def);
@@ -990,6 +1472,7 @@ PyInit__tree_node(void)
     }
     if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&TreeNodeType) < 0 ||
         PyModule_AddObjectRef(m, "LRUList", (PyObject *)&LRUListType) < 0 ||
+        PyModule_AddObjectRef(m, "NodeIndex", (PyObject *)&NodeIndexType) < 0 ||
         PyModule_AddIntConstant(m, "NODE_SIZE", (long)sizeof(TreeNodeObject)) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -2,7 +2,7 @@
 
 One node per block. A block hash is chained: it commits to every block before it,
 so it names a whole prefix, and a request's blocks form one root-to-node path. The
-children of every node are therefore found by hash in one tree-wide dict (a child of
+children of every node are therefore found by hash in one tree-wide index (a child of
 `node` is `index[h]` when that entry's parent is `node`), and each node keeps counts
 of its children. One dict per node cost twice the time per block at 100,000 cached
 blocks, from memory traffic alone.
@@ -32,7 +32,9 @@ collection stall the scheduler for up to a second. Nodes cannot form reference
 cycles (a node refers only to its key and its parent), so the `fastkv.scheduler.
 _tree_node` C extension gives them C fields and keeps them out of the collector,
 and threads both eviction lists through the nodes instead of OrderedDicts: nothing
-per block is left for a collection to traverse. Without the extension (it is built
+per block is left for a collection to traverse. Its index grows incrementally, a
+few buckets per operation, where a dict of millions of keys stops its caller for
+a whole resize. Without the extension (it is built
 by `make install`) the pure-Python `TreeNode` and OrderedDicts below do the same.
 """
 
@@ -133,6 +135,15 @@ class _PyLRUList(OrderedDict):  # type: ignore[type-arg]
         return self.popitem(last=False)[0] if self else None
 
 
+class _PyNodeIndex(dict):  # type: ignore[type-arg]
+    """Nodes by key (the C `NodeIndex`'s pure-Python twin)."""
+
+    def isdisjoint(self, keys: Sequence[BlockHash] | set[BlockHash]) -> bool:
+        """True when no key of `keys` is indexed."""
+        return self.keys().isdisjoint(keys)
+
+
+_new_index: Callable[[], _PyNodeIndex]
 _new_lru: Callable[[int], _PyLRUList]
 _unlock_path: Callable[[Sequence[TreeNode], _PyLRUList, _PyLRUList], None] | None
 _discard_leaves: Callable[[_PyLRUList, set[TreeNode], dict, int], list[int]] | None
@@ -145,12 +156,14 @@ try:
     _tree_node.set_states(tuple(NodeState))
     TreeNode = _tree_node.TreeNode
     _new_lru = _tree_node.LRUList
+    _new_index = _tree_node.NodeIndex
     _unlock_path = _tree_node.unlock_path
     _discard_leaves = _tree_node.discard_leaves
     _make_path = _tree_node.make_path
 except ImportError:  # built by `make install`; the pure-Python classes are equivalent
     TreeNode = _PyTreeNode  # type: ignore[misc]
     _new_lru = _PyLRUList
+    _new_index = _PyNodeIndex
     _unlock_path = _discard_leaves = _make_path = None
 
 
@@ -174,7 +187,7 @@ class RadixTree:
 
     def __init__(self) -> None:
         self.root = TreeNode(None, None, -1)
-        self._index: dict[BlockHash, TreeNode] = {}
+        self._index = _new_index()  # every node but the root, by key
         # Unlocked nodes whose copy in that tier could be evicted, oldest first.
         self.device_lru = _new_lru(0)
         self.host_lru = _new_lru(1)
@@ -308,7 +321,7 @@ class RadixTree:
         """
         index = self._index
         distinct = set(keys)
-        if len(distinct) == len(keys) and index.keys().isdisjoint(distinct):  # all new
+        if len(distinct) == len(keys) and index.isdisjoint(distinct):  # all new
             if _make_path is not None:
                 path = _make_path(parent, keys, device_blocks, index)
                 self._new_child(parent)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -206,6 +207,7 @@ def test_lru_lists_share_no_slot_and_refuse_changes_while_iterated() -> None:
 def _use_python_twin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rt, "TreeNode", rt._PyTreeNode)
     monkeypatch.setattr(rt, "_new_lru", rt._PyLRUList)
+    monkeypatch.setattr(rt, "_new_index", rt._PyNodeIndex)
     for name in ("_unlock_path", "_discard_leaves", "_make_path"):
         monkeypatch.setattr(rt, name, None)
 
@@ -233,3 +235,71 @@ def test_native_and_python_trees_replay_identically(
         python = run()
     assert native == python
     assert native["device_evictions"] > 0
+
+
+def test_node_index_matches_a_dict_through_growth_and_collisions() -> None:
+    import random
+
+    index, ref = _native().NodeIndex(), {}
+    rng = random.Random(5)
+    modulus = 2**61 - 1  # ints k and k + modulus hash alike: they share buckets
+    universe = [k for i in range(3000) for k in (i, i + modulus)]
+    saw_growth = False
+    for _ in range(40_000):
+        key = rng.choice(universe)
+        if key in ref and rng.random() < 0.4:
+            del index[key]
+            del ref[key]
+        elif key not in ref:
+            node = rt.TreeNode(key, None, 1)
+            index.add(node)
+            ref[key] = node
+        assert index.get(key) is ref.get(key)
+        saw_growth |= index.growing()
+    assert saw_growth
+    assert len(index) == len(ref)
+    assert sorted(n.key for n in index.values()) == sorted(ref)
+    assert sorted(index.items(), key=lambda kv: kv[0]) == sorted(ref.items())
+    for key in universe:
+        assert (key in index) == (key in ref)
+        assert index.get(key, "x") is ref.get(key, "x")
+
+
+def test_node_index_refuses_duplicates_and_foreign_keys_unchanged() -> None:
+    index = _native().NodeIndex()
+    node = rt.TreeNode(b"a", None, 1)
+    index[b"a"] = node
+    with pytest.raises(ValueError, match="indexed already"):
+        index.add(rt.TreeNode(b"a", None, 2))
+    with pytest.raises(ValueError, match="indexed already"):
+        index.add(node)
+    with pytest.raises(ValueError, match="not the node's key"):
+        index[b"b"] = rt.TreeNode(b"c", None, 3)
+    with pytest.raises(TypeError):
+        index[b"b"] = "not a node"
+    with pytest.raises(KeyError):
+        del index[b"b"]
+    with pytest.raises(KeyError):
+        index[b"b"]
+    with pytest.raises(TypeError):
+        index.get([])  # unhashable
+    assert len(index) == 1 and index[b"a"] is node
+    assert index.isdisjoint([b"b", b"c"]) and not index.isdisjoint({b"c", b"a"})
+
+
+def test_a_dropped_tree_frees_its_nodes() -> None:
+    def churn() -> None:
+        tree = RadixTree()
+        _fill(tree, num_paths=50, depth=100)
+        tree.discard_device_leaves(2_000)  # through the lists and the index
+        for node in tree.device_lru:
+            tree.host_lru[node] = None  # nodes on both lists when the tree goes
+        assert tree.num_nodes == 3_000
+
+    churn()  # warm-up: free lists and caches reach their size
+    gc.collect()
+    before = sys.getallocatedblocks()
+    for _ in range(3):
+        churn()
+    gc.collect()
+    assert sys.getallocatedblocks() - before < 100  # 3,000 nodes per tree
