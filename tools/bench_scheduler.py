@@ -45,6 +45,7 @@ import gc
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -397,6 +398,7 @@ def scale_child(impl: str, num_blocks: int) -> dict[str, float]:
         "longest_gc_ms": max(pauses, default=0.0) * 1e3,
         "longest_call_ms": longest_call * 1e3,
         "hit_rate": hits / (num_requests * per),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -536,6 +538,7 @@ def _print_scale(figures: dict[str, dict[str, dict[str, float]]]) -> None:
     print(
         f"\n{'cached blocks':>13} {'side':>6} {'bytes/block':>11} {'fill s':>7}"
         f" {'GCs':>5} {'GC s':>6} {'longest GC ms':>13} {'longest call ms':>15}"
+        f" {'peak RSS MiB':>12}   (CPU time)"
     )
     for n, row in figures.items():
         for impl, f in row.items():
@@ -543,7 +546,7 @@ def _print_scale(figures: dict[str, dict[str, dict[str, float]]]) -> None:
                 f"{int(n):>13,} {impl:>6} {f['bytes_per_block']:>11.1f}"
                 f" {f['fill_seconds']:>7.2f} {f['gc_collections']:>5}"
                 f" {f['gc_seconds']:>6.2f} {f['longest_gc_ms']:>13.2f}"
-                f" {f['longest_call_ms']:>15.2f}"
+                f" {f['longest_call_ms']:>15.2f} {f['peak_rss_mib']:>12.0f}"
             )
 
 
