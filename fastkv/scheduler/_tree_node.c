@@ -770,7 +770,7 @@ keys_equal(PyObject *a, PyObject *b)
     }
     PyTypeObject *t = Py_TYPE(a);
     if (t != Py_TYPE(b)) {
-        return PyObject_RichCompareBool(a, b, Py_EQ);
+        return -2;
     }
     if (t == &PyBytes_Type) {
         return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&

@@ -303,3 +303,33 @@ def test_a_dropped_tree_frees_its_nodes() -> None:
         churn()
     gc.collect()
     assert sys.getallocatedblocks() - before < 100  # 3,000 nodes per tree
+
+
+def test_node_index_survives_keys_whose_eq_changes_it() -> None:
+    index = _native().NodeIndex()
+
+    class Key:
+        """Hashes alike; comparing removes the victim from the index."""
+
+        victim: object = None
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __hash__(self) -> int:
+            return 7
+
+        def __eq__(self, other: object) -> bool:
+            victim, Key.victim = Key.victim, None
+            if victim is not None:
+                del index[victim]
+            return isinstance(other, Key) and other.name == self.name
+
+    keys = [Key(str(i)) for i in range(5)]
+    for k in keys:
+        index.add(rt.TreeNode(k, None, 1))
+    # The newest node heads the bucket: the lookup compares with it first, and that
+    # comparison unindexes (and frees) the very node being compared.
+    Key.victim = keys[4]
+    assert index.get(Key("0")).key is keys[0]
+    assert len(index) == 4 and Key("4") not in index
