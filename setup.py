@@ -111,6 +111,15 @@ chain_hash = Extension(
     optional=True,  # fastkv.hashing falls back to an equivalent pure-Python loop
 )
 
+# Radix tree nodes outside the garbage collector (fastkv/scheduler/radix_tree.py
+# falls back to equivalent pure-Python classes).
+tree_node = Extension(
+    "fastkv.scheduler._tree_node",
+    sources=["fastkv/scheduler/_tree_node.c"],
+    extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    optional=True,
+)
+
 # The storage tier's batched, verified block I/O (fastkv/storage/local_disk.py needs it).
 disk_io = Extension(
     "fastkv.storage._disk_io",
@@ -129,6 +138,7 @@ setup(
     install_requires=["numpy"],
     ext_modules=[
         chain_hash,
+        tree_node,
         disk_io,
         # Order matters: the Paddle op library links against the core.
         NativeLibrary(

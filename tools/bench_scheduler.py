@@ -25,6 +25,14 @@
     step (take_swap_metadata, results applied), as decode does. Flat means the cost
     of a commit does not grow with the depth of the path above it; the ratio of the
     deepest to the shallowest depth is printed per policy.
+(f) Scale (--scale-blocks, default 1M and 4M; 0 skips): requests of 128 distinct
+    32-byte digests fill a cache of that many device blocks, then as many blocks
+    again go through it (each evicting the oldest). Each side runs in a fresh
+    process: bytes per cached block (RSS growth over the fill, the keys excluded),
+    the longest single garbage collection (timed with gc.callbacks) and the longest
+    single scheduler call (the floor: the longest single request), both in CPU
+    time of the scheduler's thread. The floor is
+    the leaf-first floor above, holding the same keys.
 
 Every figure is the best of --repeats interleaved runs: the machines this runs on
 are shared, and the minimum is the least disturbed run.
@@ -36,6 +44,9 @@ import argparse
 import gc
 import hashlib
 import json
+import os
+import resource
+import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -64,6 +75,8 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversatio
 CAPACITIES = (1_000, 10_000, 30_000, 100_000)
 HEADLINE_CAPACITY = 10_000
 DEPTHS = (100, 1_000, 8_000)
+SCALE_BLOCKS = (1_000_000, 4_000_000)
+SCALE_REQUEST_BLOCKS = 128
 
 
 def leaf_first_floor(trace: Sequence[TraceRequest], capacity: int) -> tuple[float, float]:
@@ -272,6 +285,145 @@ def bench_metrics(trace: Sequence[TraceRequest], repeats: int) -> dict[str, floa
     }
 
 
+class _FloorCache:
+    """The leaf-first floor of `leaf_first_floor`, one request at a time."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.parent_of: dict[bytes, bytes | None] = {}
+        self.num_children: dict[bytes, int] = {}
+        self.lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def serve(self, ids: Sequence[bytes]) -> int:
+        parent_of, num_children, lru = self.parent_of, self.num_children, self.lru
+        n = 0
+        for h in ids:
+            if h not in parent_of:
+                break
+            n += 1
+        for h in ids[:n]:
+            del lru[h]
+        for _ in range(len(parent_of) + len(ids) - n - self.capacity):
+            victim = lru.popitem(last=False)[0]
+            if num_children.pop(victim):
+                raise AssertionError("the floor evicted an inner block")
+            parent = parent_of.pop(victim)
+            if parent is not None:
+                num_children[parent] -= 1
+        parent = ids[n - 1] if n else None
+        for h in ids[n:]:
+            parent_of[h] = parent
+            num_children[h] = 0
+            if parent is not None:
+                num_children[parent] += 1
+            parent = h
+        for h in reversed(ids):
+            lru[h] = None
+        return n
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def scale_child(impl: str, num_blocks: int) -> dict[str, float]:
+    """One side of the scale bench (run in a fresh process): fill `num_blocks`, then
+    push as many blocks again through the full cache."""
+    per = SCALE_REQUEST_BLOCKS
+    num_requests = 2 * num_blocks // per
+    keys = [
+        [(r * per + j).to_bytes(32, "big") for j in range(per)] for r in range(num_requests)
+    ]
+    gc.collect()
+    gc.freeze()  # the keys are the workload, not the scheduler's state
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.thread_time())
+        else:
+            pauses.append(time.thread_time() - started.pop())
+
+    # CPU time of this thread: the machines this runs on are shared, and a wall
+    # clock would time other processes' turns as pauses.
+    clock = time.thread_time
+    longest_call = 0.0
+    hits = 0
+    rss0 = _rss_bytes()
+    gc.callbacks.append(on_gc)
+    start = clock()
+    fill_seconds = bytes_per_block = 0.0
+    if impl == "floor":
+        floor = _FloorCache(num_blocks)
+        for r, ids in enumerate(keys):
+            t = clock()
+            hits += floor.serve(ids)
+            longest_call = max(longest_call, clock() - t)
+            if r + 1 == num_requests // 2:
+                fill_seconds = clock() - start
+                bytes_per_block = (_rss_bytes() - rss0) / num_blocks
+    else:
+        mgr = CacheManager(
+            CacheConfig(block_size=16, num_device_blocks=num_blocks), clock=lambda: 0.0
+        )
+        num_tokens = per * 16 + 1
+        for r, ids in enumerate(keys):
+            t = clock()
+            hit = mgr.match(r, ids, num_tokens)
+            longest_call = max(longest_call, clock() - t)
+            t = clock()
+            if not mgr.allocate(r, per - hit.num_hits):
+                raise AssertionError(f"request {r}: allocation refused")
+            longest_call = max(longest_call, clock() - t)
+            t = clock()
+            mgr.commit(r, per * 16)
+            longest_call = max(longest_call, clock() - t)
+            t = clock()
+            mgr.finish(r)
+            longest_call = max(longest_call, clock() - t)
+            hits += hit.num_hits
+            if r + 1 == num_requests // 2:
+                fill_seconds = clock() - start
+                bytes_per_block = (_rss_bytes() - rss0) / num_blocks
+    seconds = clock() - start
+    gc.callbacks.remove(on_gc)
+    return {
+        "bytes_per_block": bytes_per_block,
+        "fill_seconds": fill_seconds,
+        "seconds": seconds,
+        "gc_collections": len(pauses),
+        "gc_seconds": sum(pauses),
+        "longest_gc_ms": max(pauses, default=0.0) * 1e3,
+        "longest_call_ms": longest_call * 1e3,
+        "hit_rate": hits / (num_requests * per),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def bench_scale(sizes: Sequence[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each size and side in its own process, so that neither inherits the other's
+    heap."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for n in sizes:
+        row = {}
+        for impl in ("fastkv", "floor"):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--_scale-child", impl, str(n)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"scale bench ({impl}, {n} blocks) failed:\n{proc.stderr}")
+            row[impl] = json.loads(proc.stdout)
+        if row["fastkv"]["hit_rate"] != row["floor"]["hit_rate"]:
+            raise AssertionError(f"hit rates differ at {n} blocks: {row}")
+        out[str(n)] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -279,7 +431,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace (JSONL)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--scale-blocks",
+        type=int,
+        nargs="*",
+        default=list(SCALE_BLOCKS),
+        help="cache sizes of the scale bench (f); none (or 0) skips it",
+    )
+    p.add_argument("--scale-only", action="store_true", help="run only the scale bench (f)")
+    p.add_argument("--_scale-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args._scale_child:
+        impl, n = args._scale_child
+        print(json.dumps(scale_child(impl, int(n))))
+        return 0
+    scale_sizes = [n for n in args.scale_blocks if n > 0]
+    if args.scale_only:
+        scale_figures = bench_scale(scale_sizes)
+        if args.json:
+            print(json.dumps({"scale": scale_figures}))
+        else:
+            _print_scale(scale_figures)
+        return 0
 
     if Path(args.trace).is_file():
         trace, source = load_trace(args.trace), args.trace
@@ -293,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     depth_figures = bench_commit_depth(args.repeats)
     lookup_figures = bench_storage_lookups(trace, args.repeats)
     metrics_figures = bench_metrics(trace, args.repeats)
+    scale_figures = bench_scale(scale_sizes)
     headline = replay_figures[str(HEADLINE_CAPACITY)]
     result = {
         "replay_us_per_block": headline["us_per_block"],
@@ -305,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         **lookup_figures,
         **metrics_figures,
         **hash_figures,
+        "scale": scale_figures,
     }
     if args.json:
         print(json.dumps(result))
@@ -351,9 +526,28 @@ def main(argv: list[str] | None = None) -> int:
         f"metrics (10,000 device blocks): off {mf['metrics_off_us_per_block']:.3f} us/block,"
         f" on {mf['metrics_on_us_per_block']:.3f} us/block ({mf['metrics_on_vs_off']:.3f}x)"
     )
+    _print_scale(scale_figures)
     if not hash_figures["hash_native"]:
         print("(hashing ran the pure-Python loop: fastkv._chain_hash is not built)")
     return 0
+
+
+def _print_scale(figures: dict[str, dict[str, dict[str, float]]]) -> None:
+    if not figures:
+        return
+    print(
+        f"\n{'cached blocks':>13} {'side':>6} {'bytes/block':>11} {'fill s':>7}"
+        f" {'GCs':>5} {'GC s':>6} {'longest GC ms':>13} {'longest call ms':>15}"
+        f" {'peak RSS MiB':>12}   (CPU time)"
+    )
+    for n, row in figures.items():
+        for impl, f in row.items():
+            print(
+                f"{int(n):>13,} {impl:>6} {f['bytes_per_block']:>11.1f}"
+                f" {f['fill_seconds']:>7.2f} {f['gc_collections']:>5}"
+                f" {f['gc_seconds']:>6.2f} {f['longest_gc_ms']:>13.2f}"
+                f" {f['longest_call_ms']:>15.2f} {f['peak_rss_mib']:>12.0f}"
+            )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 One node per block. A block hash is chained: it commits to every block before it,
 so it names a whole prefix, and a request's blocks form one root-to-node path. The
-children of every node are therefore found by hash in one tree-wide dict (a child of
+children of every node are therefore found by hash in one tree-wide index (a child of
 `node` is `index[h]` when that entry's parent is `node`), and each node keeps counts
 of its children. One dict per node cost twice the time per block at 100,000 cached
 blocks, from memory traffic alone.
@@ -26,12 +26,22 @@ comes after its ancestors). So victims are checked where they are taken: a node
 that still has a child holding a copy in that tier is parked instead of evicted,
 and goes back to the head of its list when that last child leaves. Only nodes
 without any children are ever deleted.
+
+Scale. With millions of cached blocks, per-block Python objects made cyclic garbage
+collection stall the scheduler for up to a second. Nodes cannot form reference
+cycles (a node refers only to its key and its parent), so the `fastkv.scheduler.
+_tree_node` C extension gives them C fields and keeps them out of the collector,
+and threads both eviction lists through the nodes instead of OrderedDicts: nothing
+per block is left for a collection to traverse. Its index grows incrementally, a
+few buckets per operation, where a dict of millions of keys stops its caller for
+a whole resize. Without the extension (it is built
+by `make install`) the pure-Python `TreeNode` and OrderedDicts below do the same.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from enum import IntEnum
 
 BlockHash = Hashable
@@ -75,7 +85,7 @@ HOST_LANDING = (PENDING_HOST, LOADING_FROM_STORAGE)  # host copy in flight, no d
 NOT_STORED, STORING, STORED = 0, 1, 2
 
 
-class TreeNode:
+class _PyTreeNode:
     """One cached block. State changes go through `RadixTree` methods, which keep the
     counts and eviction lists consistent."""
 
@@ -114,6 +124,49 @@ class TreeNode:
         )
 
 
+class _PyLRUList(OrderedDict):  # type: ignore[type-arg]
+    """An eviction list: nodes oldest first (the C `LRUList`'s pure-Python twin)."""
+
+    def __init__(self, slot: int) -> None:
+        super().__init__()
+
+    def pop_oldest(self) -> TreeNode | None:
+        """Take the oldest node off the list, or None when it is empty."""
+        return self.popitem(last=False)[0] if self else None
+
+
+class _PyNodeIndex(dict):  # type: ignore[type-arg]
+    """Nodes by key (the C `NodeIndex`'s pure-Python twin)."""
+
+    def isdisjoint(self, keys: Sequence[BlockHash] | set[BlockHash]) -> bool:
+        """True when no key of `keys` is indexed."""
+        return self.keys().isdisjoint(keys)
+
+
+_new_index: Callable[[], _PyNodeIndex]
+_new_lru: Callable[[int], _PyLRUList]
+_unlock_path: Callable[[Sequence[TreeNode], _PyLRUList, _PyLRUList], None] | None
+_discard_leaves: Callable[[_PyLRUList, set[TreeNode], dict, int], list[int]] | None
+_make_path: (
+    Callable[[TreeNode, Sequence[BlockHash], Sequence[int], dict], list[TreeNode]] | None
+)
+try:
+    from fastkv.scheduler import _tree_node
+
+    _tree_node.set_states(tuple(NodeState))
+    TreeNode = _tree_node.TreeNode
+    _new_lru = _tree_node.LRUList
+    _new_index = _tree_node.NodeIndex
+    _unlock_path = _tree_node.unlock_path
+    _discard_leaves = _tree_node.discard_leaves
+    _make_path = _tree_node.make_path
+except ImportError:  # built by `make install`; the pure-Python classes are equivalent
+    TreeNode = _PyTreeNode  # type: ignore[misc]
+    _new_lru = _PyLRUList
+    _new_index = _PyNodeIndex
+    _unlock_path = _discard_leaves = _make_path = None
+
+
 class RadixTree:
     """Nodes, their lock counts, their states and the two tiers' eviction lists.
 
@@ -134,10 +187,10 @@ class RadixTree:
 
     def __init__(self) -> None:
         self.root = TreeNode(None, None, -1)
-        self._index: dict[BlockHash, TreeNode] = {}
+        self._index = _new_index()  # every node but the root, by key
         # Unlocked nodes whose copy in that tier could be evicted, oldest first.
-        self.device_lru: OrderedDict[TreeNode, None] = OrderedDict()
-        self.host_lru: OrderedDict[TreeNode, None] = OrderedDict()
+        self.device_lru = _new_lru(0)
+        self.host_lru = _new_lru(1)
         # Taken off a list because a child still holds a copy in that tier.
         self._device_parked: set[TreeNode] = set()
         self._host_parked: set[TreeNode] = set()
@@ -228,6 +281,9 @@ class RadixTree:
     def unlock(self, nodes: Sequence[TreeNode]) -> None:
         """Drop one reference from each node, deepest first, listing freed nodes."""
         device_lru, host_lru = self.device_lru, self.host_lru
+        if _unlock_path is not None:
+            _unlock_path(nodes, device_lru, host_lru)
+            return
         for node in reversed(nodes):
             if node.ref == 1:
                 node.ref = 0
@@ -265,7 +321,11 @@ class RadixTree:
         """
         index = self._index
         distinct = set(keys)
-        if len(distinct) == len(keys) and index.keys().isdisjoint(distinct):  # all new
+        if len(distinct) == len(keys) and index.isdisjoint(distinct):  # all new
+            if _make_path is not None:
+                path = _make_path(parent, keys, device_blocks, index)
+                self._new_child(parent)
+                return path, []
             path: list[TreeNode] = []
             self._new_child(parent)
             last = len(keys) - 1
@@ -525,8 +585,7 @@ class RadixTree:
         parent becomes a leaf, and a candidate, only once it has left.
         """
         lru = self.device_lru
-        while lru:
-            node = lru.popitem(last=False)[0]
+        while (node := lru.pop_oldest()) is not None:
             if not node.num_device_children:
                 return node
             self._device_parked.add(node)
@@ -537,6 +596,8 @@ class RadixTree:
         host copy and no children (the path without a host tier). Returns their
         device blocks."""
         lru = self.device_lru
+        if _discard_leaves is not None:
+            return _discard_leaves(lru, self._device_parked, self._index, n)
         pop = lru.popitem
         index = self._index
         parked = self._device_parked
@@ -598,8 +659,7 @@ class RadixTree:
         """Take the least recently used unlocked node whose host copy can be dropped:
         one that keeps a device copy, or a host-only node without children."""
         host_lru = self.host_lru
-        while host_lru:
-            node = host_lru.popitem(last=False)[0]
+        while (node := host_lru.pop_oldest()) is not None:
             if node.storage == STORING:  # a storage write reads it: not now
                 self._host_storing.add(node)
                 continue
@@ -627,9 +687,7 @@ class RadixTree:
             self._unpark(parent, self._device_parked, self.device_lru)
 
     @staticmethod
-    def _unpark(
-        node: TreeNode, parked: set[TreeNode], lru: OrderedDict[TreeNode, None]
-    ) -> None:
+    def _unpark(node: TreeNode, parked: set[TreeNode], lru: _PyLRUList) -> None:
         parked.discard(node)
         lru[node] = None
         lru.move_to_end(node, last=False)

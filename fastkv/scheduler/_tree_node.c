@@ -1,0 +1,1481 @@
+/* The radix tree's per-block state, out of the garbage collector's reach.
+ *
+ * `TreeNode` holds one cached block: its key, its parent, its state and its block
+ * ids and counts as C integers. A node refers only to its key, its parent (up the
+ * tree) and the state enum's members, so nodes cannot form reference cycles, and
+ * the type does not take part in cyclic garbage collection: a full collection
+ * never visits them, and the tree-wide dict that holds only nodes and hash keys is
+ * untracked too.
+ *
+ * `LRUList` is an eviction list threaded through the nodes themselves (two link
+ * pairs per node: one for the device list, one for the host list), replacing an
+ * OrderedDict: no per-entry allocation, nothing for the collector to traverse. It
+ * offers the subset of the OrderedDict API the tree uses, with the same semantics
+ * (assigning a key that is already listed keeps its position).
+ *
+ * Ownership: a list holds a strong reference to each node it links; the links
+ * themselves are borrowed. A node records which list holds it in each slot, so a
+ * node can be on at most one list per slot, and a list never unlinks a node that
+ * another list holds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define NUM_SLOTS 2
+#define NUM_STATES 8
+#define NUM_STORAGE 3
+
+typedef struct LRUListObject LRUListObject;
+
+typedef struct TreeNodeObject {
+    PyObject_HEAD
+    PyObject *key;
+    PyObject *parent; /* a TreeNode or None */
+    struct TreeNodeObject *prev[NUM_SLOTS];
+    struct TreeNodeObject *next[NUM_SLOTS];
+    LRUListObject *owner[NUM_SLOTS];
+    struct TreeNodeObject *hnext; /* the next node in its NodeIndex bucket */
+    Py_hash_t hash;               /* hash(key), once indexed */
+    int64_t hits;
+    int32_t device_block;
+    int32_t host_block;
+    int32_t ref;
+    int32_t num_children;
+    int32_t num_device_children;
+    uint8_t state;
+    uint8_t storage;
+    uint8_t indexed; /* held by a NodeIndex */
+} TreeNodeObject;
+
+struct LRUListObject {
+    PyObject_HEAD
+    TreeNodeObject *head; /* oldest */
+    TreeNodeObject *tail; /* newest */
+    Py_ssize_t size;
+    uint64_t version; /* changes on every link or unlink: iterators check it */
+    int slot;
+};
+
+static PyTypeObject TreeNodeType;
+static PyTypeObject LRUListType;
+static PyTypeObject LRUIterType;
+
+/* The NodeState members, indexed by value (set once by radix_tree.py). */
+static PyObject *states[NUM_STATES];
+
+#define TreeNode_Check(op) Py_IS_TYPE((op), &TreeNodeType)
+
+/* -- integer fields ------------------------------------------------------- */
+
+/* Converts `value` for field `name` within [lo, hi]; raises TypeError for a
+ * non-int and OverflowError naming the field, value and bounds otherwise. */
+static int
+as_bounded(PyObject *value, const char *name, long long lo, long long hi, long long *out)
+{
+    if (value == NULL) {
+        PyErr_Format(PyExc_AttributeError, "TreeNode.%s cannot be deleted", name);
+        return -1;
+    }
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "TreeNode.%s: must be an int, got %.100s", name,
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_OverflowError, "TreeNode.%s: %R is out of range [%lld, %lld]",
+                     name, value, lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+#define INT_FIELD(field, lo, hi)                                                    \
+    static PyObject *node_get_##field(TreeNodeObject *self, void *closure)         \
+    {                                                                               \
+        return PyLong_FromLongLong((long long)self->field);                         \
+    }                                                                               \
+    static int node_set_##field(TreeNodeObject *self, PyObject *value, void *closure) \
+    {                                                                               \
+        long long v;                                                                \
+        if (as_bounded(value, #field, (lo), (hi), &v) < 0) {                        \
+            return -1;                                                              \
+        }                                                                           \
+        self->field = (__typeof__(self->field))v;                                   \
+        return 0;                                                                   \
+    }
+
+INT_FIELD(device_block, -1, INT32_MAX)
+INT_FIELD(host_block, -1, INT32_MAX)
+INT_FIELD(ref, 0, INT32_MAX)
+INT_FIELD(num_children, 0, INT32_MAX)
+INT_FIELD(num_device_children, 0, INT32_MAX)
+INT_FIELD(hits, 0, INT64_MAX)
+INT_FIELD(storage, 0, NUM_STORAGE - 1)
+
+static PyObject *
+node_get_state(TreeNodeObject *self, void *closure)
+{
+    PyObject *s = states[self->state];
+    if (s == NULL) {
+        return PyLong_FromLong(self->state);
+    }
+    Py_INCREF(s);
+    return s;
+}
+
+static int
+node_set_state(TreeNodeObject *self, PyObject *value, void *closure)
+{
+    for (int i = 0; i < NUM_STATES; i++) { /* the common case: a member itself */
+        if (value == states[i]) {
+            self->state = (uint8_t)i;
+            return 0;
+        }
+    }
+    long long v;
+    if (as_bounded(value, "state", 0, NUM_STATES - 1, &v) < 0) {
+        return -1;
+    }
+    self->state = (uint8_t)v;
+    return 0;
+}
+
+/* -- TreeNode --------------------------------------------------------------- */
+
+static int
+check_parent(PyObject *parent)
+{
+    if (parent != Py_None && !TreeNode_Check(parent)) {
+        PyErr_Format(PyExc_TypeError, "TreeNode.parent: must be a TreeNode or None, got %.100s",
+                     Py_TYPE(parent)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"key", "parent", "device_block", "num_children", NULL};
+    PyObject *key, *parent, *device_block, *num_children = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O:TreeNode", kwlist, &key, &parent,
+                                     &device_block, &num_children)) {
+        return NULL;
+    }
+    if (check_parent(parent) < 0) {
+        return NULL;
+    }
+    long long dev, children = 0;
+    if (as_bounded(device_block, "device_block", -1, INT32_MAX, &dev) < 0) {
+        return NULL;
+    }
+    if (num_children != NULL &&
+        as_bounded(num_children, "num_children", 0, INT32_MAX, &children) < 0) {
+        return NULL;
+    }
+    TreeNodeObject *self = PyObject_New(TreeNodeObject, type);
+    if (self == NULL) {
+        return NULL;
+    }
+    Py_INCREF(key);
+    self->key = key;
+    Py_INCREF(parent);
+    self->parent = parent;
+    for (int s = 0; s < NUM_SLOTS; s++) {
+        self->prev[s] = self->next[s] = NULL;
+        self->owner[s] = NULL;
+    }
+    self->hnext = NULL;
+    self->hash = 0;
+    self->indexed = 0;
+    self->hits = 0;
+    self->device_block = (int32_t)dev;
+    self->host_block = -1;
+    self->ref = 1; /* a new node starts locked by the request that computed it */
+    self->num_children = (int32_t)children;
+    /* Children whose device block stays: any state but HOST and SWAP_TO_HOST. */
+    self->num_device_children = (int32_t)children;
+    self->state = 0; /* DEVICE */
+    self->storage = 0; /* NOT_STORED */
+    return (PyObject *)self;
+}
+
+/* Frees a node and, without recursion, every ancestor whose last reference it
+ * held: a deep path would otherwise dealloc through one C frame per level. */
+static void
+node_dealloc(TreeNodeObject *self)
+{
+    while (self != NULL) {
+        PyObject *parent = self->parent;
+        Py_XDECREF(self->key);
+        PyObject_Free(self);
+        self = NULL;
+        if (parent == NULL) {
+            break;
+        }
+        if (TreeNode_Check(parent) && Py_REFCNT(parent) == 1) {
+            Py_SET_REFCNT(parent, 0);
+            self = (TreeNodeObject *)parent;
+        }
+        else {
+            Py_DECREF(parent);
+        }
+    }
+}
+
+static PyObject *
+node_repr(TreeNodeObject *self)
+{
+    PyObject *state = node_get_state(self, NULL);
+    if (state == NULL) {
+        return NULL;
+    }
+    PyObject *name = PyObject_GetAttrString(state, "name");
+    Py_DECREF(state);
+    if (name == NULL) {
+        PyErr_Clear();
+        name = PyUnicode_FromFormat("%d", (int)self->state);
+        if (name == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *r = PyUnicode_FromFormat("TreeNode(%R, %U, dev=%d, host=%d, ref=%d)", self->key,
+                                       name, (int)self->device_block, (int)self->host_block,
+                                       (int)self->ref);
+    Py_DECREF(name);
+    return r;
+}
+
+static PyObject *
+node_get_key(TreeNodeObject *self, void *closure)
+{
+    Py_INCREF(self->key);
+    return self->key;
+}
+
+static PyObject *
+node_get_parent(TreeNodeObject *self, void *closure)
+{
+    Py_INCREF(self->parent);
+    return self->parent;
+}
+
+#define GETSET(field, doc) \
+    {#field, (getter)node_get_##field, (setter)node_set_##field, doc, NULL}
+
+static PyGetSetDef node_getset[] = {
+    {"key", (getter)node_get_key, NULL, "The block hash (read-only).", NULL},
+    {"parent", (getter)node_get_parent, NULL, "The parent node, None for the root (read-only).",
+     NULL},
+    GETSET(state, "The NodeState member: where the block lives."),
+    GETSET(device_block, "Device block id, -1 for none (int32)."),
+    GETSET(host_block, "Host block id, -1 for none (int32)."),
+    GETSET(ref, "Requests holding the node (>= 0, int32)."),
+    GETSET(num_children, "Children in the tree (>= 0, int32)."),
+    GETSET(num_device_children, "Children that keep a device block (>= 0, int32)."),
+    GETSET(hits, "Matches so far (>= 0, int64)."),
+    GETSET(storage, "Where the block stands with the storage tier (0, 1 or 2)."),
+    {NULL},
+};
+
+static PyTypeObject TreeNodeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fastkv.scheduler._tree_node.TreeNode",
+    .tp_doc = PyDoc_STR("TreeNode(key, parent, device_block, num_children=0)\n\n"
+                        "One cached block (C fields; not tracked by the cyclic garbage "
+                        "collector: a node refers only to its key and its parent)."),
+    .tp_basicsize = sizeof(TreeNodeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = node_new,
+    .tp_dealloc = (destructor)node_dealloc,
+    .tp_repr = (reprfunc)node_repr,
+    .tp_getset = node_getset,
+};
+
+/* -- LRUList --------------------------------------------------------------- */
+
+static TreeNodeObject *
+as_node(PyObject *obj)
+{
+    if (!TreeNode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "LRUList: keys must be TreeNodes, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return (TreeNodeObject *)obj;
+}
+
+/* Links an unlisted node at the tail (newest) or head (oldest); takes a reference. */
+static void
+link_node(LRUListObject *self, TreeNodeObject *node, int at_tail)
+{
+    int s = self->slot;
+    Py_INCREF(node);
+    node->owner[s] = self;
+    if (at_tail) {
+        node->prev[s] = self->tail;
+        node->next[s] = NULL;
+        if (self->tail != NULL) {
+            self->tail->next[s] = node;
+        }
+        else {
+            self->head = node;
+        }
+        self->tail = node;
+    }
+    else {
+        node->next[s] = self->head;
+        node->prev[s] = NULL;
+        if (self->head != NULL) {
+            self->head->prev[s] = node;
+        }
+        else {
+            self->tail = node;
+        }
+        self->head = node;
+    }
+    self->size++;
+    self->version++;
+}
+
+/* Unlinks a node this list holds; returns the list's reference to the caller. */
+static TreeNodeObject *
+unlink_node(LRUListObject *self, TreeNodeObject *node)
+{
+    int s = self->slot;
+    TreeNodeObject *prev = node->prev[s], *next = node->next[s];
+    if (prev != NULL) {
+        prev->next[s] = next;
+    }
+    else {
+        self->head = next;
+    }
+    if (next != NULL) {
+        next->prev[s] = prev;
+    }
+    else {
+        self->tail = prev;
+    }
+    node->prev[s] = node->next[s] = NULL;
+    node->owner[s] = NULL;
+    self->size--;
+    self->version++;
+    return node;
+}
+
+static PyObject *
+lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"slot", NULL};
+    int slot;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:LRUList", kwlist, &slot)) {
+        return NULL;
+    }
+    if (slot < 0 || slot >= NUM_SLOTS) {
+        PyErr_Format(PyExc_ValueError, "LRUList.slot: %d is out of range [0, %d]", slot,
+                     NUM_SLOTS - 1);
+        return NULL;
+    }
+    LRUListObject *self = PyObject_New(LRUListObject, type);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->head = self->tail = NULL;
+    self->size = 0;
+    self->version = 0;
+    self->slot = slot;
+    return (PyObject *)self;
+}
+
+static void
+lru_clear_all(LRUListObject *self)
+{
+    while (self->head != NULL) {
+        Py_DECREF(unlink_node(self, self->head));
+    }
+}
+
+static void
+lru_dealloc(LRUListObject *self)
+{
+    lru_clear_all(self);
+    PyObject_Free(self);
+}
+
+static Py_ssize_t
+lru_len(LRUListObject *self)
+{
+    return self->size;
+}
+
+static int
+lru_contains(LRUListObject *self, PyObject *key)
+{
+    return TreeNode_Check(key) && ((TreeNodeObject *)key)->owner[self->slot] == self;
+}
+
+/* Raises when `node` is on another list of this slot. */
+static int
+check_free(LRUListObject *self, TreeNodeObject *node)
+{
+    LRUListObject *owner = node->owner[self->slot];
+    if (owner != NULL && owner != self) {
+        PyErr_SetString(PyExc_ValueError, "LRUList: the node is on another list of this slot");
+        return -1;
+    }
+    return 0;
+}
+
+/* lru[node] = None appends an unlisted node (a listed one keeps its place);
+ * del lru[node] unlinks it (KeyError when it is not listed). */
+static int
+lru_ass_sub(LRUListObject *self, PyObject *key, PyObject *value)
+{
+    TreeNodeObject *node = as_node(key);
+    if (node == NULL) {
+        return -1;
+    }
+    if (value == NULL) {
+        if (node->owner[self->slot] != self) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        Py_DECREF(unlink_node(self, node));
+        return 0;
+    }
+    if (value != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "LRUList: the only value is None");
+        return -1;
+    }
+    if (check_free(self, node) < 0) {
+        return -1;
+    }
+    if (node->owner[self->slot] != self) {
+        link_node(self, node, 1);
+    }
+    return 0;
+}
+
+static PyObject *
+lru_subscript(LRUListObject *self, PyObject *key)
+{
+    if (!lru_contains(self, key)) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+lru_pop(LRUListObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "LRUList.pop: takes 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *key = args[0];
+    if (lru_contains(self, key)) {
+        Py_DECREF(unlink_node(self, (TreeNodeObject *)key));
+        Py_RETURN_NONE;
+    }
+    if (nargs == 2) {
+        Py_INCREF(args[1]);
+        return args[1];
+    }
+    PyErr_SetObject(PyExc_KeyError, key);
+    return NULL;
+}
+
+static int
+parse_last(const char *what, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+           Py_ssize_t positional_before, int *last)
+{
+    PyObject *arg = NULL;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs > positional_before + 1 || nargs + nkw > positional_before + 1) {
+        PyErr_Format(PyExc_TypeError, "LRUList.%s: too many arguments", what);
+        return -1;
+    }
+    if (nkw == 1) {
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(kwnames, 0)) ||
+            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "last") != 0) {
+            PyErr_Format(PyExc_TypeError, "LRUList.%s: unexpected keyword %R", what,
+                         PyTuple_GET_ITEM(kwnames, 0));
+            return -1;
+        }
+        arg = args[nargs];
+    }
+    else if (nargs == positional_before + 1) {
+        arg = args[positional_before];
+    }
+    *last = 1;
+    if (arg != NULL) {
+        int t = PyObject_IsTrue(arg);
+        if (t < 0) {
+            return -1;
+        }
+        *last = t;
+    }
+    return 0;
+}
+
+static PyObject *
+lru_move_to_end(LRUListObject *self, PyObject *const *args, Py_ssize_t nargs,
+                PyObject *kwnames)
+{
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "LRUList.move_to_end: missing the node");
+        return NULL;
+    }
+    int last;
+    if (parse_last("move_to_end", args, nargs, kwnames, 1, &last) < 0) {
+        return NULL;
+    }
+    if (!lru_contains(self, args[0])) {
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    TreeNodeObject *node = unlink_node(self, (TreeNodeObject *)args[0]);
+    link_node(self, node, last);
+    Py_DECREF(node); /* link_node took its own reference */
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+lru_popitem(LRUListObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    int last;
+    if (parse_last("popitem", args, nargs, kwnames, 0, &last) < 0) {
+        return NULL;
+    }
+    if (self->head == NULL) {
+        PyErr_SetString(PyExc_KeyError, "LRUList.popitem: the list is empty");
+        return NULL;
+    }
+    TreeNodeObject *node = unlink_node(self, last ? self->tail : self->head);
+    PyObject *item = PyTuple_Pack(2, (PyObject *)node, Py_None);
+    Py_DECREF(node);
+    return item;
+}
+
+static PyObject *
+lru_pop_oldest(LRUListObject *self, PyObject *unused)
+{
+    if (self->head == NULL) {
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)unlink_node(self, self->head);
+}
+
+static PyObject *lru_iter(LRUListObject *self);
+
+static PyMethodDef lru_methods[] = {
+    {"pop", (PyCFunction)(void (*)(void))lru_pop, METH_FASTCALL,
+     "pop(node[, default]): unlink a listed node (returns None), else default or KeyError."},
+    {"move_to_end", (PyCFunction)(void (*)(void))lru_move_to_end,
+     METH_FASTCALL | METH_KEYWORDS,
+     "move_to_end(node, last=True): move a listed node to the newest (or oldest) end."},
+    {"popitem", (PyCFunction)(void (*)(void))lru_popitem, METH_FASTCALL | METH_KEYWORDS,
+     "popitem(last=True): unlink the newest (or oldest) node; returns (node, None)."},
+    {"pop_oldest", (PyCFunction)lru_pop_oldest, METH_NOARGS,
+     "pop_oldest(): unlink and return the oldest node, or None when empty."},
+    {NULL},
+};
+
+static PySequenceMethods lru_as_sequence = {
+    .sq_length = (lenfunc)lru_len,
+    .sq_contains = (objobjproc)lru_contains,
+};
+
+static PyMappingMethods lru_as_mapping = {
+    .mp_length = (lenfunc)lru_len,
+    .mp_subscript = (binaryfunc)lru_subscript,
+    .mp_ass_subscript = (objobjargproc)lru_ass_sub,
+};
+
+static PyTypeObject LRUListType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fastkv.scheduler._tree_node.LRUList",
+    .tp_doc = PyDoc_STR("LRUList(slot)\n\nAn eviction list of TreeNodes, oldest first, linked "
+                        "through the nodes' `slot` link pair (0 or 1). The OrderedDict "
+                        "subset the radix tree uses, with the same semantics."),
+    .tp_basicsize = sizeof(LRUListObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = lru_new,
+    .tp_dealloc = (destructor)lru_dealloc,
+    .tp_as_sequence = &lru_as_sequence,
+    .tp_as_mapping = &lru_as_mapping,
+    .tp_iter = (getiterfunc)lru_iter,
+    .tp_methods = lru_methods,
+};
+
+/* -- iteration (oldest first; changing the list while iterating raises) ----- */
+
+typedef struct {
+    PyObject_HEAD
+    LRUListObject *list;
+    TreeNodeObject *next; /* strong reference, or NULL at the end */
+    uint64_t version;
+} LRUIterObject;
+
+static PyObject *
+lru_iter(LRUListObject *self)
+{
+    LRUIterObject *it = PyObject_New(LRUIterObject, &LRUIterType);
+    if (it == NULL) {
+        return NULL;
+    }
+    Py_INCREF(self);
+    it->list = self;
+    it->next = self->head;
+    Py_XINCREF(it->next);
+    it->version = self->version;
+    return (PyObject *)it;
+}
+
+static void
+lru_iter_dealloc(LRUIterObject *it)
+{
+    Py_XDECREF(it->next);
+    Py_DECREF(it->list);
+    PyObject_Free(it);
+}
+
+static PyObject *
+lru_iter_next(LRUIterObject *it)
+{
+    if (it->next == NULL) {
+        return NULL;
+    }
+    if (it->version != it->list->version) {
+        PyErr_SetString(PyExc_RuntimeError, "LRUList changed during iteration");
+        return NULL;
+    }
+    TreeNodeObject *node = it->next; /* the reference passes to the caller */
+    it->next = node->next[it->list->slot];
+    Py_XINCREF(it->next);
+    return (PyObject *)node;
+}
+
+static PyTypeObject LRUIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fastkv.scheduler._tree_node.LRUListIterator",
+    .tp_basicsize = sizeof(LRUIterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)lru_iter_dealloc,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)lru_iter_next,
+};
+
+
+/* -- NodeIndex ------------------------------------------------------------------
+ *
+ * The tree-wide map from key to node: a chained hash table threaded through the
+ * nodes (`hnext`, `hash`). It grows by doubling, incrementally: while a grow is
+ * under way, every operation moves a few buckets from the old array to the new
+ * one, so no single call rehashes millions of entries (a dict's resize at 4M keys
+ * stalls its caller for hundreds of milliseconds). It never shrinks. It holds a
+ * strong reference to each node it indexes.
+ */
+
+#define INDEX_MIN_BUCKETS 8
+#define REHASH_STEP 4
+
+typedef struct {
+    PyObject_HEAD
+    TreeNodeObject **table[2]; /* [0] the current array; [1] the old one while growing */
+    size_t mask[2];
+    size_t rehash_idx; /* next bucket of table[1] to move; meaningful while table[1] */
+    Py_ssize_t size;
+    uint64_t version;
+} NodeIndexObject;
+
+static PyTypeObject NodeIndexType;
+
+static void
+index_rehash_step(NodeIndexObject *self, int buckets)
+{
+    TreeNodeObject **old = self->table[1];
+    if (old == NULL) {
+        return;
+    }
+    size_t n = self->mask[1] + 1;
+    int empty_visits = buckets * 10;
+    while (buckets > 0 && self->rehash_idx < n) {
+        TreeNodeObject *node = old[self->rehash_idx];
+        if (node == NULL) {
+            self->rehash_idx++;
+            if (--empty_visits == 0) {
+                break;
+            }
+            continue;
+        }
+        while (node != NULL) {
+            TreeNodeObject *next = node->hnext;
+            size_t b = (size_t)node->hash & self->mask[0];
+            node->hnext = self->table[0][b];
+            self->table[0][b] = node;
+            node = next;
+        }
+        old[self->rehash_idx++] = NULL;
+        buckets--;
+    }
+    if (self->rehash_idx >= n) {
+        PyMem_Free(old);
+        self->table[1] = NULL;
+        self->mask[1] = 0;
+        self->rehash_idx = 0;
+    }
+}
+
+/* Makes room for one more node: starts a grow when the load reaches 1. */
+static int
+index_reserve(NodeIndexObject *self)
+{
+    index_rehash_step(self, REHASH_STEP);
+    if ((size_t)self->size < self->mask[0] + 1) {
+        return 0;
+    }
+    while (self->table[1] != NULL) { /* only if a grow could not keep up */
+        index_rehash_step(self, 1 << 20);
+    }
+    size_t n = (self->mask[0] + 1) * 2;
+    TreeNodeObject **bigger = PyMem_Calloc(n, sizeof(TreeNodeObject *));
+    if (bigger == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->table[1] = self->table[0];
+    self->mask[1] = self->mask[0];
+    self->rehash_idx = 0;
+    self->table[0] = bigger;
+    self->mask[0] = n - 1;
+    self->version++;
+    index_rehash_step(self, REHASH_STEP);
+    return 0;
+}
+
+static int
+keys_equal(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    PyTypeObject *t = Py_TYPE(a);
+    if (t != Py_TYPE(b)) {
+        return -2;
+    }
+    if (t == &PyBytes_Type) {
+        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
+               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), PyBytes_GET_SIZE(a)) == 0;
+    }
+    if (t == &PyLong_Type || t == &PyUnicode_Type) {
+        return PyObject_RichCompareBool(a, b, Py_EQ); /* runs no Python code */
+    }
+    return -2; /* may run Python code: the caller re-checks the table */
+}
+
+/* The node indexed under `key` (borrowed), or NULL (with an error set on failure).
+ * Where *pprev is given, it receives the link that points at the node. */
+static TreeNodeObject *
+index_find(NodeIndexObject *self, PyObject *key, Py_hash_t h, TreeNodeObject ***pprev)
+{
+restart:
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        TreeNodeObject **link = &table[(size_t)h & self->mask[t]];
+        for (TreeNodeObject *node = *link; node != NULL; link = &node->hnext, node = *link) {
+            if (node->hash != h) {
+                continue;
+            }
+            int eq = keys_equal(node->key, key);
+            if (eq == -2) { /* an arbitrary __eq__ may change the index */
+                uint64_t version = self->version;
+                Py_INCREF(node);
+                eq = PyObject_RichCompareBool(node->key, key, Py_EQ);
+                Py_DECREF(node);
+                if (eq >= 0 && version != self->version) {
+                    goto restart;
+                }
+            }
+            if (eq < 0) {
+                return NULL;
+            }
+            if (eq) {
+                if (pprev != NULL) {
+                    *pprev = link;
+                }
+                return node;
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Indexes `node` under its key; raises ValueError if that key is indexed. */
+static int
+index_add(NodeIndexObject *self, TreeNodeObject *node)
+{
+    if (node->indexed) {
+        PyErr_SetString(PyExc_ValueError, "NodeIndex: the node is indexed already");
+        return -1;
+    }
+    Py_hash_t h = PyObject_Hash(node->key);
+    if (h == -1) {
+        return -1;
+    }
+    if (index_find(self, node->key, h, NULL) != NULL) {
+        PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is indexed already", node->key);
+        return -1;
+    }
+    if (PyErr_Occurred() || index_reserve(self) < 0) {
+        return -1;
+    }
+    size_t b = (size_t)h & self->mask[0];
+    node->hash = h;
+    node->hnext = self->table[0][b];
+    self->table[0][b] = node;
+    node->indexed = 1;
+    Py_INCREF(node);
+    self->size++;
+    self->version++;
+    return 0;
+}
+
+/* Unindexes the node under `key`; returns the index's reference, or NULL (KeyError
+ * when absent). */
+static TreeNodeObject *
+index_pop(NodeIndexObject *self, PyObject *key)
+{
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) {
+        return NULL;
+    }
+    index_rehash_step(self, REHASH_STEP);
+    TreeNodeObject **link;
+    TreeNodeObject *node = index_find(self, key, h, &link);
+    if (node == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return NULL;
+    }
+    *link = node->hnext;
+    node->hnext = NULL;
+    node->indexed = 0;
+    self->size--;
+    self->version++;
+    return node;
+}
+
+static PyObject *
+nodeindex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (!_PyArg_NoKeywords("NodeIndex", kwds) || !_PyArg_NoPositional("NodeIndex", args)) {
+        return NULL;
+    }
+    NodeIndexObject *self = PyObject_New(NodeIndexObject, type);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->table[0] = PyMem_Calloc(INDEX_MIN_BUCKETS, sizeof(TreeNodeObject *));
+    if (self->table[0] == NULL) {
+        PyObject_Free(self);
+        return PyErr_NoMemory();
+    }
+    self->mask[0] = INDEX_MIN_BUCKETS - 1;
+    self->table[1] = NULL;
+    self->mask[1] = 0;
+    self->rehash_idx = 0;
+    self->size = 0;
+    self->version = 0;
+    return (PyObject *)self;
+}
+
+static void
+nodeindex_dealloc(NodeIndexObject *self)
+{
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (size_t b = 0; b <= self->mask[t]; b++) {
+            TreeNodeObject *node = table[b];
+            while (node != NULL) {
+                TreeNodeObject *next = node->hnext;
+                node->hnext = NULL;
+                node->indexed = 0;
+                Py_DECREF(node);
+                node = next;
+            }
+        }
+        PyMem_Free(table);
+    }
+    PyObject_Free(self);
+}
+
+static Py_ssize_t
+nodeindex_len(NodeIndexObject *self)
+{
+    return self->size;
+}
+
+static TreeNodeObject *
+nodeindex_lookup(NodeIndexObject *self, PyObject *key)
+{
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) {
+        return NULL;
+    }
+    return index_find(self, key, h, NULL);
+}
+
+static int
+nodeindex_contains(NodeIndexObject *self, PyObject *key)
+{
+    TreeNodeObject *node = nodeindex_lookup(self, key);
+    return node != NULL ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+static PyObject *
+nodeindex_subscript(NodeIndexObject *self, PyObject *key)
+{
+    TreeNodeObject *node = nodeindex_lookup(self, key);
+    if (node == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return NULL;
+    }
+    Py_INCREF(node);
+    return (PyObject *)node;
+}
+
+/* index[key] = node indexes a node whose key equals `key` (no key may be replaced);
+ * del index[key] unindexes. */
+static int
+nodeindex_ass_sub(NodeIndexObject *self, PyObject *key, PyObject *value)
+{
+    if (value == NULL) {
+        TreeNodeObject *node = index_pop(self, key);
+        if (node == NULL) {
+            return -1;
+        }
+        Py_DECREF(node);
+        return 0;
+    }
+    TreeNodeObject *node = as_node(value);
+    if (node == NULL) {
+        return -1;
+    }
+    int eq = node->key == key ? 1 : PyObject_RichCompareBool(node->key, key, Py_EQ);
+    if (eq <= 0) {
+        if (eq == 0) {
+            PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is not the node's key %R", key,
+                         node->key);
+        }
+        return -1;
+    }
+    return index_add(self, node);
+}
+
+static PyObject *
+nodeindex_get(NodeIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "NodeIndex.get: takes 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    TreeNodeObject *node = nodeindex_lookup(self, args[0]);
+    if (node != NULL) {
+        Py_INCREF(node);
+        return (PyObject *)node;
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(dflt);
+    return dflt;
+}
+
+static PyObject *
+nodeindex_isdisjoint(NodeIndexObject *self, PyObject *keys)
+{
+    PyObject *it = PyObject_GetIter(keys);
+    if (it == NULL) {
+        return NULL;
+    }
+    PyObject *key;
+    while ((key = PyIter_Next(it)) != NULL) {
+        int found = nodeindex_contains(self, key);
+        Py_DECREF(key);
+        if (found != 0) {
+            Py_DECREF(it);
+            if (found < 0) {
+                return NULL;
+            }
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* A list snapshot of the nodes (`pairs`: of (key, node) tuples). */
+static PyObject *
+nodeindex_snapshot(NodeIndexObject *self, int pairs)
+{
+    PyObject *out = PyList_New(self->size);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (size_t b = 0; b <= self->mask[t]; b++) {
+            for (TreeNodeObject *node = table[b]; node != NULL; node = node->hnext) {
+                PyObject *item;
+                if (pairs) {
+                    item = PyTuple_Pack(2, node->key, (PyObject *)node);
+                    if (item == NULL) {
+                        Py_DECREF(out);
+                        return NULL;
+                    }
+                }
+                else {
+                    Py_INCREF(node);
+                    item = (PyObject *)node;
+                }
+                PyList_SET_ITEM(out, i++, item);
+            }
+        }
+    }
+    return out;
+}
+
+static PyObject *
+nodeindex_values(NodeIndexObject *self, PyObject *unused)
+{
+    return nodeindex_snapshot(self, 0);
+}
+
+static PyObject *
+nodeindex_items(NodeIndexObject *self, PyObject *unused)
+{
+    return nodeindex_snapshot(self, 1);
+}
+
+static PyObject *
+nodeindex_add(NodeIndexObject *self, PyObject *arg)
+{
+    TreeNodeObject *node = as_node(arg);
+    if (node == NULL || index_add(self, node) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+nodeindex_growing(NodeIndexObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(self->table[1] != NULL);
+}
+
+static PyMethodDef nodeindex_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))nodeindex_get, METH_FASTCALL,
+     "get(key[, default]): the node indexed under key, else default (None)."},
+    {"add", (PyCFunction)nodeindex_add, METH_O,
+     "add(node): index a node under its key (ValueError if the key is indexed)."},
+    {"isdisjoint", (PyCFunction)nodeindex_isdisjoint, METH_O,
+     "isdisjoint(keys): True when no key of `keys` is indexed."},
+    {"values", (PyCFunction)nodeindex_values, METH_NOARGS, "values(): a list of the nodes."},
+    {"items", (PyCFunction)nodeindex_items, METH_NOARGS,
+     "items(): a list of (key, node) pairs."},
+    {"growing", (PyCFunction)nodeindex_growing, METH_NOARGS,
+     "growing(): whether an incremental grow is under way (for tests)."},
+    {NULL},
+};
+
+static PySequenceMethods nodeindex_as_sequence = {
+    .sq_length = (lenfunc)nodeindex_len,
+    .sq_contains = (objobjproc)nodeindex_contains,
+};
+
+static PyMappingMethods nodeindex_as_mapping = {
+    .mp_length = (lenfunc)nodeindex_len,
+    .mp_subscript = (binaryfunc)nodeindex_subscript,
+    .mp_ass_subscript = (objobjargproc)nodeindex_ass_sub,
+};
+
+static PyTypeObject NodeIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fastkv.scheduler._tree_node.NodeIndex",
+    .tp_doc = PyDoc_STR("NodeIndex()\n\nTreeNodes by key: a hash table threaded through the "
+                        "nodes that grows incrementally (no call rehashes it whole)."),
+    .tp_basicsize = sizeof(NodeIndexObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = nodeindex_new,
+    .tp_dealloc = (destructor)nodeindex_dealloc,
+    .tp_as_sequence = &nodeindex_as_sequence,
+    .tp_as_mapping = &nodeindex_as_mapping,
+    .tp_methods = nodeindex_methods,
+};
+
+/* -- path operations (the radix tree's hot loops; radix_tree.py has the
+ *    equivalent Python loops for builds without this extension) ------------ */
+
+#define STATE_DEVICE 0
+#define STATE_HOST 1
+
+static LRUListObject *
+as_lru(PyObject *obj, const char *name)
+{
+    if (!Py_IS_TYPE(obj, &LRUListType)) {
+        PyErr_Format(PyExc_TypeError, "%s: must be an LRUList, got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return (LRUListObject *)obj;
+}
+
+/* lru[node] = None: append an unlisted node, keep a listed one in place. */
+static int
+list_node(LRUListObject *lru, TreeNodeObject *node)
+{
+    LRUListObject *owner = node->owner[lru->slot];
+    if (owner == lru) {
+        return 0;
+    }
+    if (check_free(lru, node) < 0) {
+        return -1;
+    }
+    link_node(lru, node, 1);
+    return 0;
+}
+
+static PyObject *
+unlock_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "unlock_path(nodes, device_lru, host_lru)");
+        return NULL;
+    }
+    LRUListObject *device_lru = as_lru(args[1], "device_lru");
+    LRUListObject *host_lru = as_lru(args[2], "host_lru");
+    if (device_lru == NULL || host_lru == NULL) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "unlock_path: nodes must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first */
+        TreeNodeObject *node = as_node(items[i]);
+        if (node == NULL) {
+            goto error;
+        }
+        if (node->ref == 1) {
+            node->ref = 0;
+            if (node->state == STATE_DEVICE) {
+                if (list_node(device_lru, node) < 0 ||
+                    (node->host_block >= 0 && list_node(host_lru, node) < 0)) {
+                    goto error;
+                }
+            }
+            else if (node->state == STATE_HOST && list_node(host_lru, node) < 0) {
+                goto error;
+            }
+        }
+        else if (node->ref > 1) {
+            node->ref--;
+        }
+        else {
+            PyObject *r = node_repr(node);
+            if (r != NULL) {
+                PyErr_Format(PyExc_AssertionError, "unlocking %U, which is not locked", r);
+                Py_DECREF(r);
+            }
+            goto error;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *
+discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "discard_leaves(lru, parked, index, n)");
+        return NULL;
+    }
+    LRUListObject *lru = as_lru(args[0], "lru");
+    if (lru == NULL) {
+        return NULL;
+    }
+    PyObject *parked = args[1];
+    if (!PySet_Check(parked) || !Py_IS_TYPE(args[2], &NodeIndexType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "discard_leaves: parked must be a set, index a NodeIndex");
+        return NULL;
+    }
+    NodeIndexObject *index = (NodeIndexObject *)args[2];
+    Py_ssize_t n = PyLong_AsSsize_t(args[3]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *freed = PyList_New(0);
+    if (freed == NULL) {
+        return NULL;
+    }
+    int s = lru->slot;
+    while (n > 0 && lru->head != NULL) {
+        TreeNodeObject *node = unlink_node(lru, lru->head); /* the list's reference */
+        if (node->num_children) { /* only after a failure reordered the list */
+            int r = PySet_Add(parked, (PyObject *)node);
+            Py_DECREF(node);
+            if (r < 0) {
+                goto error;
+            }
+            continue;
+        }
+        TreeNodeObject *parent = (TreeNodeObject *)node->parent;
+        if (!TreeNode_Check((PyObject *)parent) || parent->num_children <= 0 ||
+            parent->num_device_children <= 0) {
+            PyErr_SetString(PyExc_AssertionError, "discard_leaves: a leaf's parent counts are off");
+            Py_DECREF(node);
+            goto error;
+        }
+        PyObject *block = PyLong_FromLong(node->device_block);
+        TreeNodeObject *unindexed = block != NULL ? index_pop(index, node->key) : NULL;
+        if (unindexed == NULL) {
+            Py_XDECREF(block);
+            Py_DECREF(node);
+            goto error;
+        }
+        Py_DECREF(unindexed); /* `node` still holds it */
+        parent->num_children--;
+        parent->num_device_children--;
+        if (!parent->num_device_children) {
+            int r = PySet_Discard(parked, (PyObject *)parent);
+            if (r < 0) {
+                Py_DECREF(block);
+                Py_DECREF(node);
+                goto error;
+            }
+            if (r == 1) { /* unpark: back to the head */
+                if (parent->owner[s] == lru) {
+                    Py_DECREF(unlink_node(lru, parent));
+                }
+                if (check_free(lru, parent) < 0) {
+                    Py_DECREF(block);
+                    Py_DECREF(node);
+                    goto error;
+                }
+                link_node(lru, parent, 0);
+            }
+        }
+        Py_DECREF(node);
+        int r = PyList_Append(freed, block);
+        Py_DECREF(block);
+        if (r < 0) {
+            goto error;
+        }
+        n--;
+    }
+    return freed;
+error:
+    Py_DECREF(freed);
+    return NULL;
+}
+
+static PyObject *
+make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "make_path(parent, keys, device_blocks, index)");
+        return NULL;
+    }
+    PyObject *parent = args[0];
+    if (!TreeNode_Check(parent) || !Py_IS_TYPE(args[3], &NodeIndexType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "make_path: parent must be a TreeNode, index a NodeIndex");
+        return NULL;
+    }
+    NodeIndexObject *index = (NodeIndexObject *)args[3];
+    PyObject *keys = PySequence_Fast(args[1], "make_path: keys must be a sequence");
+    if (keys == NULL) {
+        return NULL;
+    }
+    PyObject *blocks = PySequence_Fast(args[2], "make_path: device_blocks must be a sequence");
+    if (blocks == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject *path = NULL;
+    if (PySequence_Fast_GET_SIZE(blocks) < n) {
+        PyErr_Format(PyExc_ValueError, "make_path: %zd keys but %zd device blocks", n,
+                     PySequence_Fast_GET_SIZE(blocks));
+        goto done;
+    }
+    /* Validate every block id before creating anything. */
+    long long ids_buf[64], *ids = ids_buf;
+    if (n > 64) {
+        ids = PyMem_Malloc(sizeof(long long) * n);
+        if (ids == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    PyObject **bitems = PySequence_Fast_ITEMS(blocks), **kitems = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (as_bounded(bitems[i], "device_block", -1, INT32_MAX, &ids[i]) < 0) {
+            goto done_ids;
+        }
+    }
+    path = PyList_New(n);
+    if (path == NULL) {
+        goto done_ids;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        TreeNodeObject *node = PyObject_New(TreeNodeObject, &TreeNodeType);
+        if (node == NULL) {
+            Py_CLEAR(path);
+            goto done_ids;
+        }
+        Py_INCREF(kitems[i]);
+        node->key = kitems[i];
+        Py_INCREF(parent);
+        node->parent = parent;
+        for (int s = 0; s < NUM_SLOTS; s++) {
+            node->prev[s] = node->next[s] = NULL;
+            node->owner[s] = NULL;
+        }
+        node->hnext = NULL;
+        node->hash = 0;
+        node->indexed = 0;
+        node->hits = 0;
+        node->device_block = (int32_t)ids[i];
+        node->host_block = -1;
+        node->ref = 1;
+        node->num_children = node->num_device_children = i + 1 < n ? 1 : 0;
+        node->state = STATE_DEVICE;
+        node->storage = 0;
+        PyList_SET_ITEM(path, i, (PyObject *)node);
+        parent = (PyObject *)node;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (index_add(index, (TreeNodeObject *)PyList_GET_ITEM(path, i)) < 0) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            for (Py_ssize_t j = 0; j < i; j++) { /* leave the index as it was */
+                Py_XDECREF(index_pop(index, kitems[j]));
+            }
+            PyErr_Restore(type, value, tb);
+            Py_CLEAR(path);
+            goto done_ids;
+        }
+    }
+done_ids:
+    if (ids != ids_buf) {
+        PyMem_Free(ids);
+    }
+done:
+    Py_DECREF(keys);
+    Py_DECREF(blocks);
+    return path;
+}
+
+/* -- module ------------------------------------------------------------------ */
+
+static PyObject *
+set_states(PyObject *module, PyObject *members)
+{
+    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != NUM_STATES) {
+        PyErr_Format(PyExc_ValueError, "set_states: needs a tuple of the %d NodeState members",
+                     NUM_STATES);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < NUM_STATES; i++) {
+        PyObject *m = PyTuple_GET_ITEM(members, i);
+        long v = PyLong_Check(m) ? PyLong_AsLong(m) : -1;
+        if (v != i) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "set_states: member %zd is %R, not an int equal to %zd",
+                         i, m, i);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < NUM_STATES; i++) {
+        PyObject *m = PyTuple_GET_ITEM(members, i);
+        Py_INCREF(m);
+        Py_XSETREF(states[i], m);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"unlock_path", (PyCFunction)(void (*)(void))unlock_path, METH_FASTCALL,
+     "unlock_path(nodes, device_lru, host_lru): RadixTree.unlock's loop."},
+    {"discard_leaves", (PyCFunction)(void (*)(void))discard_leaves, METH_FASTCALL,
+     "discard_leaves(lru, parked, index, n): RadixTree.discard_device_leaves' loop."},
+    {"make_path", (PyCFunction)(void (*)(void))make_path, METH_FASTCALL,
+     "make_path(parent, keys, device_blocks, index): new locked DEVICE nodes, one per "
+     "key, each the parent of the next, entered in index; returns them."},
+    {"set_states", set_states, METH_O,
+     "set_states(members): the NodeState members, by value, that TreeNode.state returns."},
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "fastkv.scheduler._tree_node",
+    .m_doc = "Radix tree nodes and eviction lists outside the cyclic garbage collector.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__tree_node(void)
+{
+    if (PyType_Ready(&TreeNodeType) < 0 || PyType_Ready(&LRUListType) < 0 ||
+        PyType_Ready(&LRUIterType) < 0 || PyType_Ready(&NodeIndexType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&TreeNodeType) < 0 ||
+        PyModule_AddObjectRef(m, "LRUList", (PyObject *)&LRUListType) < 0 ||
+        PyModule_AddObjectRef(m, "NodeIndex", (PyObject *)&NodeIndexType) < 0 ||
+        PyModule_AddIntConstant(m, "NODE_SIZE", (long)sizeof(TreeNodeObject)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

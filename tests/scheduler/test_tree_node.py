@@ -1,0 +1,335 @@
+"""The C radix-tree node (`fastkv.scheduler._tree_node`): per-block state out of the
+garbage collector's reach, bounded integer fields, eviction lists with OrderedDict's
+semantics, and the same behaviour as the pure-Python twin it replaces."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import sys
+from collections import OrderedDict
+
+import pytest
+
+from fastkv import CacheConfig, WritePolicy
+from fastkv.scheduler import NodeState, RadixTree
+from fastkv.scheduler import radix_tree as rt
+from tools.trace_replay import replay, synthetic_trace
+
+HAVE_NATIVE = importlib.util.find_spec("fastkv.scheduler._tree_node") is not None
+pytestmark = pytest.mark.skipif(
+    not HAVE_NATIVE, reason="fastkv.scheduler._tree_node is not built (make install builds it)"
+)
+
+INT32_MAX = 2**31 - 1
+
+
+def _native():
+    from fastkv.scheduler import _tree_node
+
+    return _tree_node
+
+
+def _fill(tree: RadixTree, num_paths: int, depth: int) -> None:
+    block = 0
+    for p in range(num_paths):
+        keys = [(p * depth + d).to_bytes(32, "big") for d in range(depth)]
+        path, _ = tree.insert(tree.root, keys, list(range(block, block + depth)))
+        block += depth
+        tree.unlock(path)
+
+
+def test_the_tree_uses_the_native_node() -> None:
+    assert rt.TreeNode is _native().TreeNode
+
+
+def test_a_filled_tree_leaves_nothing_per_block_to_the_collector() -> None:
+    gc.collect()
+    before = len(gc.get_objects())
+    tree = RadixTree()
+    _fill(tree, num_paths=100, depth=100)
+    gc.collect()
+    assert tree.num_nodes == 10_000
+    assert len(tree.device_lru) == 10_000
+    node_type = rt.TreeNode
+    assert not any(type(o) is node_type for o in gc.get_objects())
+    assert not any(gc.is_tracked(n) for n in tree)
+    for container in (tree._index, tree.device_lru, tree.host_lru):
+        assert not gc.is_tracked(container)
+    # The tree itself and a few small sets: nothing that grows with the blocks.
+    assert len(gc.get_objects()) - before < 50
+    tree.check()
+
+
+def test_new_node_fields() -> None:
+    parent = rt.TreeNode(None, None, -1)
+    node = rt.TreeNode(b"k", parent, 7, 2)
+    assert node.key == b"k" and node.parent is parent
+    assert node.state is NodeState.DEVICE
+    assert (node.device_block, node.host_block, node.ref, node.hits, node.storage) == (
+        7,
+        -1,
+        1,
+        0,
+        rt.NOT_STORED,
+    )
+    assert node.num_children == node.num_device_children == 2
+    assert parent.parent is None and parent.key is None
+
+
+@pytest.mark.parametrize(
+    ("field", "low", "high"),
+    [
+        ("device_block", -1, INT32_MAX),
+        ("host_block", -1, INT32_MAX),
+        ("ref", 0, INT32_MAX),
+        ("num_children", 0, INT32_MAX),
+        ("num_device_children", 0, INT32_MAX),
+        ("hits", 0, 2**63 - 1),
+        ("storage", 0, 2),
+    ],
+)
+def test_int_fields_take_their_range_and_refuse_beyond(field: str, low: int, high: int) -> None:
+    node = rt.TreeNode(b"k", None, 3)
+    for value in (low, high):
+        setattr(node, field, value)
+        assert getattr(node, field) == value
+    setattr(node, field, low)
+    for bad in (low - 1, high + 1, 2**70, -(2**70)):
+        with pytest.raises(
+            OverflowError, match=rf"TreeNode\.{field}: .*{bad}.*\[{low}, {high}\]"
+        ):
+            setattr(node, field, bad)
+        assert getattr(node, field) == low  # unchanged
+    with pytest.raises(TypeError, match=field):
+        setattr(node, field, 1.0)
+    with pytest.raises(AttributeError):
+        delattr(node, field)
+
+
+def test_state_returns_the_enum_member() -> None:
+    node = rt.TreeNode(b"k", None, 3)
+    for state in NodeState:
+        node.state = state
+        assert node.state is state
+        node.state = int(state)  # a plain int names the same member
+        assert node.state is state
+    with pytest.raises(OverflowError, match=r"TreeNode\.state: 8 is out of range \[0, 7\]"):
+        node.state = 8
+    with pytest.raises(TypeError, match="state"):
+        node.state = "HOST"
+    assert node.state is NodeState.LOADING_FROM_STORAGE
+
+
+def test_key_and_parent_are_read_only_and_checked() -> None:
+    node = rt.TreeNode(b"k", None, 3)
+    with pytest.raises(AttributeError):
+        node.key = b"other"
+    with pytest.raises(AttributeError):
+        node.parent = None
+    with pytest.raises(TypeError, match="parent"):
+        rt.TreeNode(b"k", object(), 3)
+    with pytest.raises(OverflowError, match="device_block"):
+        rt.TreeNode(b"k", None, 2**31)
+    with pytest.raises(OverflowError, match="num_children"):
+        rt.TreeNode(b"k", None, 1, -1)
+
+
+def test_repr_matches_the_python_node() -> None:
+    parent = rt.TreeNode(None, None, -1)
+    node, twin = rt.TreeNode(b"k", parent, 5), rt._PyTreeNode(b"k", None, 5)
+    for n in (node, twin):
+        n.state, n.host_block, n.ref = NodeState.BACKUP_TO_HOST, 9, 3
+    assert repr(node) == repr(twin) == "TreeNode(b'k', BACKUP_TO_HOST, dev=5, host=9, ref=3)"
+
+
+def test_a_deep_path_is_freed_without_recursion() -> None:
+    node = rt.TreeNode(None, None, -1)
+    root = node
+    for i in range(300_000):
+        node = rt.TreeNode(i, node, i % 1000)
+    del root
+    del node  # frees 300,001 nodes, each the last holder of its parent
+
+
+def test_lru_list_has_ordered_dict_semantics() -> None:
+    lru, ref = _native().LRUList(0), OrderedDict()
+    nodes = [rt.TreeNode(i, None, i) for i in range(6)]
+    for n in nodes[:4]:
+        lru[n] = ref[n] = None
+    lru[nodes[0]] = ref[nodes[0]] = None  # already listed: keeps its place
+    lru.move_to_end(nodes[1], last=False)
+    ref.move_to_end(nodes[1], last=False)
+    lru.move_to_end(nodes[2])
+    ref.move_to_end(nodes[2])
+    assert list(lru) == list(ref) and len(lru) == len(ref) == 4
+    assert lru.pop(nodes[3], "x") is ref.pop(nodes[3], "x") is None
+    assert lru.pop(nodes[3], "x") == ref.pop(nodes[3], "x") == "x"
+    with pytest.raises(KeyError):
+        lru.pop(nodes[3])
+    assert nodes[0] in lru and nodes[3] not in lru and "x" not in lru
+    assert lru.popitem(last=False) == ref.popitem(last=False)
+    assert lru.popitem() == ref.popitem()
+    del lru[nodes[0]]
+    del ref[nodes[0]]
+    with pytest.raises(KeyError):
+        del lru[nodes[0]]
+    assert list(lru) == list(ref) == []
+    assert lru.pop_oldest() is None
+    with pytest.raises(KeyError):
+        lru.popitem()
+    with pytest.raises(TypeError):
+        lru["x"] = None
+    with pytest.raises(TypeError):
+        lru[nodes[0]] = 1
+    with pytest.raises(ValueError, match="slot"):
+        _native().LRUList(2)
+
+
+def test_lru_lists_share_no_slot_and_refuse_changes_while_iterated() -> None:
+    native = _native()
+    device, host, other = native.LRUList(0), native.LRUList(1), native.LRUList(0)
+    node = rt.TreeNode(1, None, 1)
+    device[node] = host[node] = None  # one link pair each
+    with pytest.raises(ValueError, match="another list"):
+        other[node] = None
+    assert node not in other
+    second = rt.TreeNode(2, None, 2)
+    device[second] = None
+    it = iter(device)
+    assert next(it) is node
+    device.pop(second)
+    with pytest.raises(RuntimeError, match="changed during iteration"):
+        next(it)
+
+
+def _use_python_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rt, "TreeNode", rt._PyTreeNode)
+    monkeypatch.setattr(rt, "_new_lru", rt._PyLRUList)
+    monkeypatch.setattr(rt, "_new_index", rt._PyNodeIndex)
+    for name in ("_unlock_path", "_discard_leaves", "_make_path"):
+        monkeypatch.setattr(rt, name, None)
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+@pytest.mark.parametrize("host_blocks", [0, 300])
+def test_native_and_python_trees_replay_identically(
+    monkeypatch: pytest.MonkeyPatch, policy: WritePolicy, host_blocks: int
+) -> None:
+    trace = synthetic_trace(400, seed=3)
+    config = CacheConfig(
+        block_size=16,
+        num_device_blocks=250,
+        num_host_blocks=host_blocks,
+        write_policy=policy if host_blocks else WritePolicy.WRITE_BACK,
+    )
+
+    def run() -> dict:
+        stats = dataclasses.asdict(replay(trace, config).stats)
+        return stats
+
+    native = run()
+    with monkeypatch.context() as m:
+        _use_python_twin(m)
+        python = run()
+    assert native == python
+    assert native["device_evictions"] > 0
+
+
+def test_node_index_matches_a_dict_through_growth_and_collisions() -> None:
+    import random
+
+    index, ref = _native().NodeIndex(), {}
+    rng = random.Random(5)
+    modulus = 2**61 - 1  # ints k and k + modulus hash alike: they share buckets
+    universe = [k for i in range(3000) for k in (i, i + modulus)]
+    saw_growth = False
+    for _ in range(40_000):
+        key = rng.choice(universe)
+        if key in ref and rng.random() < 0.4:
+            del index[key]
+            del ref[key]
+        elif key not in ref:
+            node = rt.TreeNode(key, None, 1)
+            index.add(node)
+            ref[key] = node
+        assert index.get(key) is ref.get(key)
+        saw_growth |= index.growing()
+    assert saw_growth
+    assert len(index) == len(ref)
+    assert sorted(n.key for n in index.values()) == sorted(ref)
+    assert sorted(index.items(), key=lambda kv: kv[0]) == sorted(ref.items())
+    for key in universe:
+        assert (key in index) == (key in ref)
+        assert index.get(key, "x") is ref.get(key, "x")
+
+
+def test_node_index_refuses_duplicates_and_foreign_keys_unchanged() -> None:
+    index = _native().NodeIndex()
+    node = rt.TreeNode(b"a", None, 1)
+    index[b"a"] = node
+    with pytest.raises(ValueError, match="indexed already"):
+        index.add(rt.TreeNode(b"a", None, 2))
+    with pytest.raises(ValueError, match="indexed already"):
+        index.add(node)
+    with pytest.raises(ValueError, match="not the node's key"):
+        index[b"b"] = rt.TreeNode(b"c", None, 3)
+    with pytest.raises(TypeError):
+        index[b"b"] = "not a node"
+    with pytest.raises(KeyError):
+        del index[b"b"]
+    with pytest.raises(KeyError):
+        index[b"b"]
+    with pytest.raises(TypeError):
+        index.get([])  # unhashable
+    assert len(index) == 1 and index[b"a"] is node
+    assert index.isdisjoint([b"b", b"c"]) and not index.isdisjoint({b"c", b"a"})
+
+
+def test_a_dropped_tree_frees_its_nodes() -> None:
+    def churn() -> None:
+        tree = RadixTree()
+        _fill(tree, num_paths=50, depth=100)
+        tree.discard_device_leaves(2_000)  # through the lists and the index
+        for node in tree.device_lru:
+            tree.host_lru[node] = None  # nodes on both lists when the tree goes
+        assert tree.num_nodes == 3_000
+
+    churn()  # warm-up: free lists and caches reach their size
+    gc.collect()
+    before = sys.getallocatedblocks()
+    for _ in range(3):
+        churn()
+    gc.collect()
+    assert sys.getallocatedblocks() - before < 100  # 3,000 nodes per tree
+
+
+def test_node_index_survives_keys_whose_eq_changes_it() -> None:
+    index = _native().NodeIndex()
+
+    class Key:
+        """Hashes alike; comparing removes the victim from the index."""
+
+        victim: object = None
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __hash__(self) -> int:
+            return 7
+
+        def __eq__(self, other: object) -> bool:
+            victim, Key.victim = Key.victim, None
+            if victim is not None:
+                del index[victim]
+            return isinstance(other, Key) and other.name == self.name
+
+    keys = [Key(str(i)) for i in range(5)]
+    for k in keys:
+        index.add(rt.TreeNode(k, None, 1))
+    # The newest node heads the bucket: the lookup compares with it first, and that
+    # comparison unindexes (and frees) the very node being compared.
+    Key.victim = keys[4]
+    assert index.get(Key("0")).key is keys[0]
+    assert len(index) == 4 and Key("4") not in index

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Noise-free replay cost: instructions (callgrind) of fastkv against the leaf-first floor.
+
+    python tools/callgrind_replay.py [--trace FILE] [--requests 4000] [--capacity 10000]
+
+Each side runs under `valgrind --tool=callgrind` twice: once replaying the first
+`--requests` requests and once replaying none, in the same process layout (imports,
+trace loading). The difference is the replay's own instruction count, so start-up
+cost cancels out. Prints both counts and their ratio (the issue 16 target is <= 2x).
+
+Needs valgrind on PATH (`apt-get install valgrind`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.trace_replay import TRACE_BLOCK_SIZE, load_trace, replay
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
+
+
+def _run_one(impl: str, trace_path: str, requests: int, capacity: int) -> None:
+    """The measured body (run under callgrind): replay `requests` requests."""
+    import gc
+
+    from fastkv import CacheConfig
+    from tools.bench_scheduler import leaf_first_floor
+
+    trace = load_trace(trace_path)[:requests]
+    gc.freeze()
+    if not trace:  # the baseline run: imports and trace loading only
+        return
+    if impl == "fastkv":
+        replay(trace, CacheConfig(block_size=TRACE_BLOCK_SIZE, num_device_blocks=capacity))
+    else:
+        leaf_first_floor(trace, capacity)
+
+
+def _instructions(impl: str, trace: str, requests: int, capacity: int) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--_child",
+            impl,
+            "--trace",
+            trace,
+            "--requests",
+            str(requests),
+            "--capacity",
+            str(capacity),
+        ]
+        # A fixed hash seed: string hashing (dict probes) must not vary between runs.
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{impl}: callgrind failed:\n{proc.stderr[-2000:]}")
+        match = re.search(r"^summary:\s+(\d+)", out.read_text(), re.MULTILINE)
+        if match is None:
+            raise RuntimeError(f"{impl}: no summary line in {out}")
+        return int(match.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--capacity", type=int, default=10_000)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--_child", choices=("fastkv", "floor"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._child:
+        _run_one(args._child, args.trace, args.requests, args.capacity)
+        return 0
+    if shutil.which("valgrind") is None:
+        print("valgrind not found (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    counts = {}
+    for impl in ("fastkv", "floor"):
+        full = _instructions(impl, args.trace, args.requests, args.capacity)
+        empty = _instructions(impl, args.trace, 0, args.capacity)
+        counts[impl] = full - empty
+    result = {
+        "requests": args.requests,
+        "capacity": args.capacity,
+        "fastkv_instructions": counts["fastkv"],
+        "floor_instructions": counts["floor"],
+        "ratio": counts["fastkv"] / counts["floor"],
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{args.requests:,} requests, {args.capacity:,} device blocks: fastkv "
+            f"{counts['fastkv']:,} instructions, floor {counts['floor']:,}: "
+            f"{result['ratio']:.3f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
