@@ -7,7 +7,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-NATIVE := $(wildcard fastkv/*.c fastkv/storage/*.c fastkv/storage/*.h custom_ops/csrc/*) \
+NATIVE := $(wildcard fastkv/*.c fastkv/scheduler/*.c fastkv/storage/*.c fastkv/storage/*.h custom_ops/csrc/*) \
 	fastkv/ops/native_build.py fastkv/ops/cuda_build.py
 # Mooncake Store's wheel links these; `ip` brings up loopback in the test namespaces.
 SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 iproute2 libssl-dev
