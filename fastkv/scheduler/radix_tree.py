@@ -127,7 +127,7 @@ class _PyTreeNode:
 class _PyLRUList(OrderedDict):  # type: ignore[type-arg]
     """An eviction list: nodes oldest first (the C `LRUList`'s pure-Python twin)."""
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int = 0) -> None:  # slot: the C list's; unused here
         super().__init__()
 
     def pop_oldest(self) -> TreeNode | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable
 
 import pytest
 from fd_standins import FDCacheConfig, FDConfig, ModelConfig, Request, get_request_block_hasher
@@ -79,7 +80,15 @@ def _fake_worker_step(mgr: CacheManager, inflight: list[int], rng: random.Random
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(6))
-def test_the_obtainable_count_is_exact_in_random_runs(policy: str, seed: int) -> None:
+def test_the_obtainable_count_is_exact_in_random_runs(
+    policy: str,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+    use_python_radix_tree: Callable[[pytest.MonkeyPatch], None],
+) -> None:
+    # Each answer is checked against a real allocation on a deep copy of the
+    # manager: the Python tree (identical behaviour, test_tree_node.py) can be copied.
+    use_python_radix_tree(monkeypatch)
     # Against the allocation itself, on a copy of the manager: every count is met
     # by an allocation of that many blocks, and one more block is refused.
     rng = random.Random(seed)
@@ -94,6 +103,8 @@ def test_the_obtainable_count_is_exact_in_random_runs(policy: str, seed: int) ->
     mgr = CacheManager(config)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 5) * BS)] for _ in range(4)]
     active: dict[int, int] = {}  # request -> blocks it holds
+    allocated_at: dict[int, int] = {}  # request -> worker steps run before its allocation
+    worker_steps = 0
     inflight: list[int] = []
     checked = 0
     for step in range(300):
@@ -115,16 +126,25 @@ def test_the_obtainable_count_is_exact_in_random_runs(policy: str, seed: int) ->
                 checked += 1
             if hit.num_device_hits + want <= 16 and mgr.allocate(rid, want - hit.num_host_hits):
                 active[rid] = len(hashes)
+                allocated_at[rid] = worker_steps
             else:
                 mgr.abort(rid)
         elif op < 0.8:
             rid = rng.choice(list(active))
             full = min(active.pop(rid), mgr.num_blocks(rid))
-            if not mgr.has_pending_swap_in(rid) and full > mgr.num_committed_blocks(rid):
+            # KV exists only once a worker step ran since the allocation (its
+            # metadata sent): only then may the request commit it.
+            computed = worker_steps > allocated_at.pop(rid)
+            if (
+                computed
+                and not mgr.has_pending_swap_in(rid)
+                and full > mgr.num_committed_blocks(rid)
+            ):
                 mgr.commit(rid, full * BS)
             mgr.finish(rid)
         else:
             _fake_worker_step(mgr, inflight, rng)
+            worker_steps += 1
         mgr.check_invariants()
     assert checked > 100
 

@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 
@@ -204,18 +205,13 @@ def test_lru_lists_share_no_slot_and_refuse_changes_while_iterated() -> None:
         next(it)
 
 
-def _use_python_twin(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rt, "TreeNode", rt._PyTreeNode)
-    monkeypatch.setattr(rt, "_new_lru", rt._PyLRUList)
-    monkeypatch.setattr(rt, "_new_index", rt._PyNodeIndex)
-    for name in ("_unlock_path", "_discard_leaves", "_make_path"):
-        monkeypatch.setattr(rt, name, None)
-
-
 @pytest.mark.parametrize("policy", list(WritePolicy))
 @pytest.mark.parametrize("host_blocks", [0, 300])
 def test_native_and_python_trees_replay_identically(
-    monkeypatch: pytest.MonkeyPatch, policy: WritePolicy, host_blocks: int
+    monkeypatch: pytest.MonkeyPatch,
+    use_python_radix_tree: Callable[[pytest.MonkeyPatch], None],
+    policy: WritePolicy,
+    host_blocks: int,
 ) -> None:
     trace = synthetic_trace(400, seed=3)
     config = CacheConfig(
@@ -231,7 +227,7 @@ def test_native_and_python_trees_replay_identically(
 
     native = run()
     with monkeypatch.context() as m:
-        _use_python_twin(m)
+        use_python_radix_tree(m)
         python = run()
     assert native == python
     assert native["device_evictions"] > 0
