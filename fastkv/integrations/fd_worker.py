@@ -402,32 +402,13 @@ class FastDeployCacheController:
             try:
                 counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, (), compute_stream)
             except Exception as e:  # fail what did not start, never lose a result
-                log.error("fastkv rank %d: step not launched: %s", self.rank, e)
-                error = f"not launched: {type(e).__name__}: {e}"
                 # A launch error after the eviction started (a CUDA error on the
                 # load): the eviction still reads and writes its blocks, so its own
                 # result must come, not a failure that frees its host blocks now.
                 if evict_new and transfers.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
                     self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
                     evict = None
-                self.sender.send(
-                    TransferResult(t, False, error)
-                    for m in (evict, swap)
-                    if m is not None
-                    for t in m.transfer_ids
-                )
-                self.swap_layer_done_counter = None
-                if swap is None:
-                    return None
-                self.swap_layer_done_counter = StepLayerCounter(
-                    self,
-                    None,
-                    ctrl.shape.num_layers,
-                    swap.dst_block_ids,
-                    swap.transfer_ids,
-                    error,
-                )
-                return self.swap_layer_done_counter
+                return self._refuse_step(evict, swap, f"{type(e).__name__}: {e}")
             if fk_evict is not None:
                 self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
             if fk_swap is None:
