@@ -10,7 +10,7 @@ import numpy as np
 
 from fastkv import CacheConfig
 from fastkv.hashing import BlockHasher, namespace_root
-from fastkv.scheduler import AllocStatus, CacheManager
+from fastkv.scheduler import AllocStatus, CacheManager, Slot
 from fastkv.worker import CacheController, KVCacheSpec
 
 BS = 4  # tokens per block
@@ -45,26 +45,26 @@ def run_step() -> None:
 
 
 def serve(rid: str, tokens: list[int]) -> None:
-    hashes = BlockHasher(BS, root).append(tokens)  # chained hashes of the full blocks
-    hit = mgr.match(rid, hashes, len(tokens))
-    need = -(-len(tokens) // BS) - hit.num_hits
-    while not (alloc := mgr.allocate(rid, need)):  # "not yet": evictions must land
-        assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS
+    hit = mgr.add_request(rid, tokens)  # the manager hashes the tokens, locks its prefix
+    while not (alloc := mgr.allocate(rid, num_tokens=len(tokens))):  # "not yet"
+        assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS  # evictions must land
         run_step()
     run_step()  # this step's swap-ins (host hits) land before the model reads them
-    table = mgr.block_table(rid)
-    for pos in range(hit.num_hits):  # cached KV: exactly the bytes once written
-        assert kv_bytes(table[pos]) == written[hashes[pos]], (rid, pos)
-    for pos in range(hit.num_hits, len(table)):  # "the model" computes the rest
-        for t in range(len(ctrl.caches)):
-            ctrl.device_blocks(t)[table[pos]] = rng.integers(0, 256, ctrl.block_bytes[t])
+    table = mgr.block_table(rid)  # per position: the block, and CACHED/LOADING/COMPUTE
+    hashes = BlockHasher(BS, root).append(tokens)  # the same digests, to check bytes
+    for pos, (block, slot) in enumerate(zip(table.block_ids, table.slots, strict=True)):
+        if slot is not Slot.COMPUTE:  # cached KV: exactly the bytes once written
+            assert kv_bytes(block) == written[hashes[pos]], (rid, pos)
+            continue
+        for t in range(len(ctrl.caches)):  # "the model" computes the rest
+            ctrl.device_blocks(t)[block] = rng.integers(0, 256, ctrl.block_bytes[t])
         if pos < len(hashes):
-            written[hashes[pos]] = kv_bytes(table[pos])
-    mgr.commit(rid, len(tokens))  # its full blocks become matchable
+            written[hashes[pos]] = kv_bytes(block)
+    mgr.commit(rid, num_computed_tokens=len(tokens))  # its full blocks become matchable
     mgr.finish(rid)
     print(
         f"{rid}: {hit.num_device_hits} device hits, {hit.num_host_hits} host hits, "
-        f"{len(table) - hit.num_hits} blocks computed"
+        f"{len(table) - table.num_cached_blocks} blocks computed"
     )
 
 

@@ -136,12 +136,17 @@ class TransferResult:
     every destination block as garbage and rolls the affected cache entries back. A
     storage transfer answers per block: `failed_blocks` lists the positions that
     failed (then `success` is False); the others are good.
+
+    `num_ranks` is how many tensor-parallel ranks the result speaks for: 1 from a
+    worker, every rank once `fastkv.tp.RankResults` has combined them. A scheduler
+    with several ranks applies only combined results.
     """
 
     transfer_id: int
     success: bool
     error: str = ""
     failed_blocks: tuple[int, ...] = ()
+    num_ranks: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +164,9 @@ class StorageLookup:
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """One rank's answer to a `StorageLookup`: the leading blocks storage holds."""
+    """One rank's answer to a `StorageLookup`: the leading blocks storage holds
+    (at most the lookup's length). `num_ranks` as for `TransferResult`."""
 
     lookup_id: int
     num_hits: int
+    num_ranks: int = 1

@@ -19,7 +19,8 @@ Scheduler families (from `CacheStats`):
     fastkv:evictions_total{tier}, fastkv:backups_total,
     fastkv:backups_without_room_total, fastkv:backup_retries_total
     fastkv:failed_transfers_total, fastkv:rollback_blocks_total
-    fastkv:inflight_transfers, fastkv:inflight_blocks, fastkv:queued_blocks
+    fastkv:inflight_transfers, fastkv:inflight_blocks, fastkv:stalled_transfers,
+    fastkv:queued_blocks
     fastkv:active_requests, fastkv:cached_blocks
     fastkv:pool_blocks{tier, state="used"|"free"}, fastkv:pool_usage_ratio{tier}
     fastkv:transfer_roundtrip_seconds{direction}  histogram: planned -> result applied
@@ -198,6 +199,11 @@ class _SchedulerCollector(Collector):
             "fastkv:inflight_transfers", "Transfers without a result", s.inflight_transfers
         )
         yield gauge("fastkv:inflight_blocks", "Blocks in those transfers", s.inflight_blocks)
+        yield gauge(
+            "fastkv:stalled_transfers",
+            "Transfers taken but without a result for the manager's stall_after_s",
+            s.stalled_transfers,
+        )
         yield gauge("fastkv:queued_blocks", "Blocks in planned, untaken swaps", s.queued_blocks)
         yield gauge("fastkv:active_requests", "Requests holding blocks", s.active_requests)
         yield gauge("fastkv:cached_blocks", "Blocks in the prefix tree", s.cached_nodes)

@@ -120,13 +120,13 @@ class RankResults:
             self._given_up.popitem(last=False)
         self.given_up += 1
         if kind is LookupResult:
-            return LookupResult(id_, 0)
+            return LookupResult(id_, 0, self.tp_size)
         absent = sorted(set(range(self.tp_size)) - partial.ranks)
         error = (
             f"ranks {absent} never reported it ({self.max_pending} newer transfers and "
             "lookups were waiting); given up"
         )
-        return TransferResult(id_, False, error, tuple(sorted(partial.failed)))
+        return TransferResult(id_, False, error, tuple(sorted(partial.failed)), self.tp_size)
 
     def missing(self) -> dict[tuple[str, int], list[int]]:
         """Transfers and lookups some rank has reported and others not yet:
@@ -146,10 +146,15 @@ def _key(r: Result) -> tuple[type, int]:
 
 
 def _combined(r: Result, partial: _Partial) -> Result:
+    ranks = len(partial.ranks)
     if isinstance(r, LookupResult):
-        return LookupResult(r.lookup_id, partial.hits or 0)
+        return LookupResult(r.lookup_id, partial.hits or 0, ranks)
     return TransferResult(
-        r.transfer_id, partial.error is None, partial.error or "", tuple(sorted(partial.failed))
+        r.transfer_id,
+        partial.error is None,
+        partial.error or "",
+        tuple(sorted(partial.failed)),
+        ranks,
     )
 
 

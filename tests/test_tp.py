@@ -15,9 +15,10 @@ def test_a_transfer_completes_when_every_rank_has_reported() -> None:
     assert ranks.add(0, [TransferResult(1, True), TransferResult(2, True)]) == []
     assert ranks.add(2, [TransferResult(2, True)]) == []
     assert ranks.missing() == {("transfer", 1): [1, 2], ("transfer", 2): [1]}
-    assert ranks.add(1, [TransferResult(2, True)]) == [TransferResult(2, True)]
+    # A combined result speaks for every rank: the manager applies only those.
+    assert ranks.add(1, [TransferResult(2, True)]) == [TransferResult(2, True, num_ranks=3)]
     assert ranks.add(1, [TransferResult(1, True)]) == []
-    assert ranks.add(2, [TransferResult(1, True)]) == [TransferResult(1, True)]
+    assert ranks.add(2, [TransferResult(1, True)]) == [TransferResult(1, True, num_ranks=3)]
     assert ranks.missing() == {}
 
 
@@ -27,7 +28,7 @@ def test_one_failing_rank_fails_the_transfer_and_is_named(failing: int) -> None:
     first = 1 - failing
     assert ranks.add(first, [TransferResult(7, True)]) == []
     (combined,) = ranks.add(failing, [TransferResult(7, False, "injected")])
-    assert combined == TransferResult(7, False, f"rank {failing}: injected")
+    assert combined == TransferResult(7, False, f"rank {failing}: injected", num_ranks=2)
 
 
 def test_a_single_rank_passes_results_through() -> None:
@@ -53,7 +54,7 @@ def test_bad_reports_are_refused_and_record_nothing(rank, batch, error) -> None:
     with pytest.raises(error):
         ranks.add(rank, batch)
     assert ranks.missing() == {("transfer", 9): [1]}
-    assert ranks.add(1, [TransferResult(9, True)]) == [TransferResult(9, True)]
+    assert ranks.add(1, [TransferResult(9, True)]) == [TransferResult(9, True, num_ranks=2)]
     with pytest.raises(ValueError, match="tp_size"):
         RankResults(0)
 
@@ -64,8 +65,8 @@ def test_a_lookup_prefix_is_the_minimum_over_ranks() -> None:
     ranks = RankResults(2)
     assert ranks.add(0, [LookupResult(5, 7), TransferResult(5, True)]) == []
     assert ranks.missing() == {("lookup", 5): [1], ("transfer", 5): [1]}  # ids per kind
-    assert ranks.add(1, [LookupResult(5, 3)]) == [LookupResult(5, 3)]
-    assert ranks.add(1, [TransferResult(5, True)]) == [TransferResult(5, True)]
+    assert ranks.add(1, [LookupResult(5, 3)]) == [LookupResult(5, 3, 2)]
+    assert ranks.add(1, [TransferResult(5, True)]) == [TransferResult(5, True, num_ranks=2)]
     with pytest.raises(ValueError, match="lookup 6 twice"):
         ranks.add(0, [LookupResult(6, 1), LookupResult(6, 2)])
 
@@ -74,7 +75,7 @@ def test_a_storage_block_failed_on_any_rank_failed() -> None:
     ranks = RankResults(2)
     ranks.add(0, [TransferResult(1, False, "miss", (3,))])
     (combined,) = ranks.add(1, [TransferResult(1, False, "timeout", (1, 3))])
-    assert combined == TransferResult(1, False, "rank 0: miss", (1, 3))
+    assert combined == TransferResult(1, False, "rank 0: miss", (1, 3), 2)
 
 
 def test_pending_results_are_bounded_and_the_oldest_given_up() -> None:
@@ -93,10 +94,11 @@ def test_pending_results_are_bounded_and_the_oldest_given_up() -> None:
         False,
         "ranks [1] never reported it (100 newer transfers and lookups were waiting); given up",
         (0,),
+        2,
     )
     # rank 1 wakes up: a given-up transfer is not resurrected, a pending one completes
     assert ranks.add(1, [TransferResult(29_999, True), TransferResult(29_899, True)]) == [
-        TransferResult(29_999, True, "", (29_999 % 7,))
+        TransferResult(29_999, True, "", (29_999 % 7,), 2)
     ]
     assert ranks.late_dropped == 1
     assert ("transfer", 29_899) not in ranks.missing()
@@ -105,9 +107,38 @@ def test_pending_results_are_bounded_and_the_oldest_given_up() -> None:
 def test_given_up_lookups_have_no_hits() -> None:
     ranks = RankResults(3, max_pending=1)
     assert ranks.add(0, [LookupResult(1, 5)]) == []
-    assert ranks.add(2, [LookupResult(2, 4)]) == [LookupResult(1, 0)]
+    assert ranks.add(2, [LookupResult(2, 4)]) == [LookupResult(1, 0, 3)]
 
 
 def test_max_pending_is_validated() -> None:
     with pytest.raises(ValueError, match="max_pending"):
         RankResults(2, max_pending=0)
+
+
+def test_a_manager_of_two_ranks_applies_only_combined_results() -> None:
+    """Issue 16: rank 0's success applied alone kept host hits rank 1 never copied.
+    A manager configured for two ranks refuses a one-rank result, naming RankResults,
+    and applies the combined one."""
+    import hashlib
+
+    from fastkv import CacheConfig
+    from fastkv.scheduler import CacheManager
+
+    mgr = CacheManager(
+        CacheConfig(block_size=4, num_device_blocks=4, num_host_blocks=4, tp_size=2)
+    )
+    digest = hashlib.sha256(b"a").digest()
+    mgr.match("r", [digest], 5)
+    assert mgr.allocate("r", num_tokens=4)
+    mgr.commit("r", num_computed_tokens=4)
+    mgr.finish("r")
+    mgr.match("s", [], 1)
+    assert not mgr.allocate("s", num_tokens=16)  # evicts "a" to host first
+    meta = mgr.take_swap_metadata().evict
+    with pytest.raises(ValueError, match=r"1 of this cache's 2 .*RankResults"):
+        mgr.apply_results([TransferResult(meta.transfer_id, True)])
+    ranks = RankResults(2)
+    assert ranks.add(0, [TransferResult(meta.transfer_id, True)]) == []
+    mgr.apply_results(ranks.add(1, [TransferResult(meta.transfer_id, True)]))
+    assert mgr.allocate("s", num_tokens=16)
+    mgr.check_invariants()

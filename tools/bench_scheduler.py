@@ -213,11 +213,11 @@ def commit_step_us(policy: WritePolicy, depth: int, block_size: int = 16) -> flo
             selective_threshold=1,
         )
     )
-    mgr.match("r", [f"b{i}" for i in range(depth)], depth * block_size + 1)
-    assert mgr.allocate("r", depth)
+    mgr.match("r", [i.to_bytes(32, "big") for i in range(depth)], depth * block_size + 1)
+    assert mgr.allocate("r", num_tokens=depth * block_size)
     start = time.perf_counter()
     for k in range(1, depth + 1):
-        mgr.commit("r", k * block_size)
+        mgr.commit("r", num_computed_tokens=k * block_size)
         complete_transfers(mgr)
     seconds = time.perf_counter() - start
     mgr.finish("r")
@@ -374,11 +374,11 @@ def scale_child(impl: str, num_blocks: int) -> dict[str, float]:
             hit = mgr.match(r, ids, num_tokens)
             longest_call = max(longest_call, clock() - t)
             t = clock()
-            if not mgr.allocate(r, per - hit.num_hits):
+            if not mgr.allocate(r, num_tokens=per * 16):
                 raise AssertionError(f"request {r}: allocation refused")
             longest_call = max(longest_call, clock() - t)
             t = clock()
-            mgr.commit(r, per * 16)
+            mgr.commit(r, num_computed_tokens=per * 16)
             longest_call = max(longest_call, clock() - t)
             t = clock()
             mgr.finish(r)

@@ -16,7 +16,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -35,6 +35,12 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: list[int]
+    block_hashes: list[bytes] = field(init=False, repr=False, compare=False)
+    """The ids as the 32-byte digests the manager takes (a trace id names one
+    prefix block, so the ids' bytes are as unique as chained digests)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hashes", [h.to_bytes(32, "big") for h in self.hash_ids])
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -151,15 +157,15 @@ class ReplayStorage(Protocol):
     """The storage tier as the replay's simulated worker sees it: keys are the
     trace's hash ids, host blocks the manager's host block ids."""
 
-    def lookup(self, keys: Sequence[int]) -> int:
+    def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys storage holds."""
         ...
 
-    def load(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+    def load(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         """Read keys into host blocks; the positions that failed."""
         ...
 
-    def store(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+    def store(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         """Write host blocks as keys; the positions that failed."""
         ...
 
@@ -169,15 +175,15 @@ class MemoryStorage:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._keys: OrderedDict[int, None] = OrderedDict()
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
 
-    def lookup(self, keys: Sequence[int]) -> int:
+    def lookup(self, keys: Sequence[bytes]) -> int:
         for i, key in enumerate(keys):
             if key not in self._keys:
                 return i
         return len(keys)
 
-    def load(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+    def load(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         failed = set()
         for i, key in enumerate(keys):
             if key in self._keys:
@@ -186,7 +192,7 @@ class MemoryStorage:
                 failed.add(i)
         return failed
 
-    def store(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+    def store(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         for key in keys:
             self._keys[key] = None
             self._keys.move_to_end(key)
@@ -216,23 +222,20 @@ class DiskStorage:
         self._namespace = namespace.digest()
         self._host = np.zeros((max(1, num_host_blocks), self.PAYLOAD), dtype=np.uint8)
 
-    def _keys(self, keys: Sequence[int]) -> list[object]:
+    def _keys(self, keys: Sequence[bytes]) -> list[object]:
         from fastkv.storage import StorageKey
 
-        return [
-            StorageKey(self._namespace, hashlib.sha256(key.to_bytes(8, "little")).digest())
-            for key in keys
-        ]
+        return [StorageKey(self._namespace, hashlib.sha256(key).digest()) for key in keys]
 
     def _segments(self, host_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
         base = self._host.ctypes.data
         return [[(base + h * self.PAYLOAD, self.PAYLOAD)] for h in host_ids]
 
-    def lookup(self, keys: Sequence[int]) -> int:
+    def lookup(self, keys: Sequence[bytes]) -> int:
         found = self.backend.exists(self._keys(keys), time.monotonic() + 60)
         return next((i for i, hit in enumerate(found) if not hit), len(keys))
 
-    def load(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+    def load(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         results = self.backend.get_into(
             self._keys(keys), self._segments(host_ids), time.monotonic() + 60
         )
@@ -242,7 +245,7 @@ class DiskStorage:
                 failed.add(i)  # verified by the backend, and the payload is the key's
         return failed
 
-    def store(self, keys: Sequence[int], host_ids: Sequence[int]) -> set[int]:
+    def store(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         for key, h in zip(keys, host_ids, strict=True):
             self._host[h, :8] = np.frombuffer(key.to_bytes(8, "little"), np.uint8)
         results = self.backend.put_from(
@@ -288,20 +291,20 @@ def replay(
     blocks = 0
     start = time.perf_counter()
     for i, request in enumerate(trace):
-        hashes = request.hash_ids
+        hashes = request.block_hashes
         blocks += len(hashes)
         # Every id is a cacheable block (the trace's partial last block too, as in
         # its reference hit rates), so the prompt is its blocks plus one token: the
         # rule that a prompt's last token is computed then hides no block.
-        hit = mgr.match(i, hashes, len(hashes) * bs + 1)
-        need = len(hashes) - hit.num_hits
-        while not (alloc := mgr.allocate(i, need)):
+        mgr.match(i, hashes, len(hashes) * bs + 1)
+        # The table holds the trace's blocks (its one-token tail is not modelled).
+        while not (alloc := mgr.allocate(i, num_tokens=len(hashes) * bs)):
             if alloc.status is AllocStatus.NO_SPACE:  # one request at a time: never
                 raise RuntimeError(f"request {i}: no blocks free and none being freed")
             complete_transfers(mgr, storage)
         if mgr.num_queued_blocks:  # the step: its swap-ins land before the commit
             complete_transfers(mgr, storage)
-        mgr.commit(i, len(hashes) * bs)
+        mgr.commit(i, num_computed_tokens=len(hashes) * bs)
         while mgr.num_queued_blocks:  # backups the commit planned, and their writes
             complete_transfers(mgr, storage)
         mgr.finish(i)

@@ -191,6 +191,7 @@ class EngineScheduler:
             write_policy=config.write_policy,
             model_id=MODEL_ID,
             kv_dtype=config.kv_dtype,
+            tp_size=config.tp_size,  # results are applied once combined over the ranks
             # Steps take tens of milliseconds here: a request waits a few for disk.
             storage=StorageConfig(
                 write_policy=config.storage_write_policy,
@@ -358,9 +359,8 @@ class EngineScheduler:
             new_tokens = prompt_len - r.cached_tokens
             if new_tokens > budget and works:
                 return  # the next step has room
-            blocks = -(-(prompt_len + r.prompt.max_new_tokens) // bs)
-            try:
-                alloc = self.mgr.allocate(r.id, blocks - r.cached_tokens // bs)
+            try:  # the whole request: prompt and every token it may generate
+                alloc = self.mgr.allocate(r.id, num_tokens=prompt_len + r.prompt.max_new_tokens)
             except ValueError as e:  # larger than the whole device pool
                 waiting.pop(0)
                 self.mgr.abort(r.id)
@@ -373,13 +373,16 @@ class EngineScheduler:
                 continue
             if not alloc:  # blocks being freed, or held by running requests, or disk
                 return  # the step's swaps and finishing requests free them: retry then
-            if alloc.num_cached_tokens > r.cached_tokens:  # found in storage meanwhile
-                found = alloc.num_cached_tokens - r.cached_tokens
-                r.cached_tokens = alloc.num_cached_tokens
+            # The manager's table is the only truth: its blocks and how many of its
+            # leading positions the cache provides (storage hits found meanwhile too).
+            table = self.mgr.block_table(r.id)
+            if table.num_cached_tokens > r.cached_tokens:  # found in storage meanwhile
+                found = table.num_cached_tokens - r.cached_tokens
+                r.cached_tokens = table.num_cached_tokens
                 result.storage_hit_tokens += found
                 new_tokens -= found
             waiting.pop(0)
-            r.table = table = self.mgr.block_table(r.id)
+            r.table = list(table.block_ids)
             running.append(r)
             budget -= new_tokens
             cached_blocks = r.cached_tokens // bs
@@ -388,7 +391,7 @@ class EngineScheduler:
                     r.id,
                     r.prompt.tokens[r.cached_tokens :],
                     r.cached_tokens,
-                    table,
+                    r.table,
                     all_tokens=r.prompt.tokens,
                     verify=list(enumerate(r.hasher.hashes[:cached_blocks])),
                     record=self._completed(r, prompt_len),
@@ -420,7 +423,7 @@ class EngineScheduler:
         r.computed = work.start + len(work.tokens)
         r.logits = out.logits
         if self.config.enable_cache:
-            self.mgr.commit(r.id, r.computed)
+            self.mgr.commit(r.id, num_computed_tokens=r.computed)
         r.generated.append(out.next_token)
         if len(r.generated) >= r.prompt.max_new_tokens:
             running.remove(r)

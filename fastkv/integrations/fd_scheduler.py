@@ -61,6 +61,31 @@ log = logging.getLogger(__name__)
 _LISTS = ("cache_swap_metadata", "cache_evict_metadata")
 
 
+def fd_digests(hashes: list[Any]) -> list[bytes]:
+    """FastDeploy's block hashes (SHA-256 hex digests, `Request.prompt_hashes`) as
+    the 32-byte digests fastkv's manager takes; their hex is the text fastkv tags
+    transfers and names storage keys with, so both spell a block the same way.
+
+    Raises:
+        ValueError: an entry is not a 64-digit hex digest (or a 32-byte digest).
+    """
+    out = []
+    for i, h in enumerate(hashes):
+        if type(h) is bytes and len(h) == 32:
+            out.append(h)
+            continue
+        try:
+            digest = bytes.fromhex(h)
+        except (TypeError, ValueError):
+            digest = b""
+        if len(digest) != 32:
+            raise ValueError(
+                f"prompt_hashes[{i}]: {h!r:.80} is not a SHA-256 hex digest (64 hex digits)"
+            )
+        out.append(digest)
+    return out
+
+
 class FastDeployMatchResult:
     """What `match_prefix` leaves on `request._match_result`, with the attributes
     FastDeploy's ResourceManagerV1 reads. Fixed at the match: ResourceManagerV1
@@ -325,7 +350,9 @@ class FastDeployCacheManager:
                 request._match_result = FastDeployMatchResult()
                 return
             self._tracked[rid] = _Tracked(request)
-            table = self.manager.block_table(rid)
+            # The table the match made: its device hits. Every other matched block
+            # (host copies, device blocks below one) comes with allocate.
+            table = self.manager.block_table(rid).block_ids
             from_storage = 0
             if self._landed:
                 for h in hashes[len(table) : hit.num_hits]:
@@ -363,7 +390,7 @@ class FastDeployCacheManager:
                 self._tracked[rid] = _Tracked(request)
             if num_blocks <= 0:
                 return []
-            table = mgr.block_table(rid)
+            table = list(mgr.block_table(rid).block_ids)
             theirs = list(request.block_tables or ())
             if theirs != table:
                 self._counts["table_mismatches"] += 1
@@ -375,9 +402,11 @@ class FastDeployCacheManager:
                     len(table),
                 )
                 return []
-            pending = mgr.num_committed_blocks(rid) - len(table)  # matched, not in table
+            # FastDeploy counts blocks past its table, matched ones among them.
             try:
-                allocation = mgr.allocate(rid, max(0, num_blocks - max(0, pending)))
+                allocation = mgr.allocate(
+                    rid, num_tokens=(len(table) + num_blocks) * self.config.block_size
+                )
             except ValueError as e:
                 self._counts["allocation_failures"] += 1
                 log.error("fastkv allocate(%r, %d) can never fit: %s", rid, num_blocks, e)
@@ -394,7 +423,8 @@ class FastDeployCacheManager:
                 )
                 return []
             self._attach_swaps(request)
-            return mgr.block_table(rid)[len(table) :]
+            # What FastDeploy appends to its table: the manager's positions past it.
+            return list(mgr.block_table(rid, len(table)).block_ids)
 
     allocate_gpu_blocks = allocate_device_blocks
 
@@ -489,9 +519,11 @@ class FastDeployCacheManager:
             landed.popitem(last=False)
         self.manager.finish(key)
 
-    def _prompt(self, request: Any) -> tuple[int, list[Any]]:
+    def _prompt(self, request: Any) -> tuple[int, list[bytes]]:
         tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        return tokens, list(request.prompt_hashes)[: tokens // self.config.block_size]
+        return tokens, fd_digests(
+            list(request.prompt_hashes)[: tokens // self.config.block_size]
+        )
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -839,13 +871,13 @@ class FastDeployCacheManager:
             hashes = request.prompt_hashes
             known = mgr.num_hashes(rid)
             if len(hashes) > known:
-                mgr.append_hashes(rid, hashes[known:])
+                mgr.append_hashes(rid, fd_digests(hashes[known:]))
             computed = len(request.prompt_token_ids) + outputs - 1
             num_blocks = min(computed // bs, len(hashes), mgr.num_blocks(rid))
             if tracked.commit_limit is not None:
                 num_blocks = min(num_blocks, tracked.commit_limit)
             if num_blocks > mgr.num_committed_blocks(rid):
-                mgr.commit(rid, num_blocks * bs)
+                mgr.commit(rid, num_computed_tokens=num_blocks * bs)
         except (ValueError, TypeError) as e:
             self._counts["commit_errors"] += 1
             log.error("fastkv commit(%r) failed: %s", rid, e)

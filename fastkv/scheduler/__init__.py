@@ -11,14 +11,17 @@ from fastkv.scheduler.cache_manager import (
     CacheStats,
     MatchResult,
     Rollback,
+    StalledTransfer,
     SwapTasks,
 )
 from fastkv.scheduler.radix_tree import NodeState, RadixTree, TreeNode
+from fastkv.scheduler.table import BlockTable, Slot
 
 __all__ = [
     "AllocStatus",
     "Allocation",
     "BlockPool",
+    "BlockTable",
     "CacheManager",
     "CacheStats",
     "MatchResult",
@@ -27,6 +30,8 @@ __all__ = [
     "PoolStats",
     "RadixTree",
     "Rollback",
+    "Slot",
+    "StalledTransfer",
     "SwapTasks",
     "TreeNode",
 ]

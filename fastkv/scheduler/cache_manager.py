@@ -27,12 +27,21 @@ is on no eviction list, so nothing evicts it before the result.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fastkv.config import CacheConfig, StorageWritePolicy, WritePolicy
+from fastkv.config import CacheConfig, StorageWritePolicy, WritePolicy, check_int
+from fastkv.hashing import (
+    DIGEST_BYTES,
+    BlockHasher,
+    ExtraKey,
+    Tokens,
+    namespace_root,
+    request_root,
+)
 from fastkv.metadata import (
     CacheLevel,
     CacheSwapMetadata,
@@ -63,6 +72,9 @@ from fastkv.scheduler.storage_tier import (
     StorageTierStats,
     StoreTransfer,
 )
+from fastkv.scheduler.table import BlockTable, Slot
+
+log = logging.getLogger(__name__)
 
 RequestId = Hashable
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
@@ -74,11 +86,14 @@ result; `seconds` from `take_swap_metadata` to `apply_results`."""
 
 @dataclass(slots=True)
 class MatchResult:
-    """What `match` found for a request.
+    """What `match` found for a request (counts for scheduling and metrics; the
+    request's blocks themselves are read from `CacheManager.block_table`).
 
     Attributes:
-        num_device_hits: cached blocks usable in place.
-        num_host_hits: cached blocks that `allocate` will swap in from host.
+        num_device_hits: matched blocks already in the request's table: the leading
+            run of matched blocks that sit on the device.
+        num_host_hits: the other matched blocks, which `allocate` brings into the
+            table: host copies it swaps in, and device blocks matched below one.
         num_cached_tokens: tokens the engine skips: the hits times the block size
             (always fewer than the prompt: its last token is computed).
         waiting_on_transfer: the match stopped at a block whose copy is in flight;
@@ -102,7 +117,7 @@ class AllocStatus(StrEnum):
     """The outcome of `allocate`, and what the caller does next."""
 
     ALLOCATED = "allocated"
-    """The blocks are in the request's table."""
+    """The table covers the tokens asked for: read it with `block_table`."""
     WAIT_FOR_TRANSFERS = "wait_for_transfers"
     """The request fits once transfers already planned complete: evictions that
     free device blocks, or a load of a block it matched. Send `take_swap_metadata()`
@@ -112,23 +127,25 @@ class AllocStatus(StrEnum):
     of them, or wait for one to finish, then call `allocate` again."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Allocation:
-    """What `allocate` did; true exactly when the blocks were allocated.
+    """What `allocate` did; true exactly when the table covers the tokens asked for.
+
+    It names no blocks: the table (`CacheManager.block_table`) is the only place an
+    engine reads them from, position by position.
 
     Attributes:
         status: see `AllocStatus`.
-        new_blocks: the device blocks this call added to the request's table, in
-            table order: first the destinations of its host hits (the swap-in
-            writes them), then the fresh blocks. Empty unless ALLOCATED. The whole
-            table is `CacheManager.block_table(request_id)`.
+        num_new_blocks: how many blocks this call added to the table (host-hit
+            destinations, matched device blocks brought in, fresh blocks).
+        num_cached_tokens: when ALLOCATED, the tokens whose KV the cache provides
+            (device, host and storage hits, the latter known only now): the engine
+            computes from there.
     """
 
     status: AllocStatus
-    new_blocks: list[int]
+    num_new_blocks: int = 0
     num_cached_tokens: int = 0
-    """When ALLOCATED: the positions whose KV the cache provides (device, host and
-    storage hits, the latter known only now); the engine computes from there."""
 
     def __bool__(self) -> bool:
         return self.status is AllocStatus.ALLOCATED
@@ -148,6 +165,26 @@ class SwapTasks:
     """Host to storage: writes the storage write policy planned."""
     lookups: tuple[StorageLookup, ...] = ()
     """Storage lookups; answered with LookupResults in a later step."""
+
+
+@dataclass(frozen=True, slots=True)
+class StalledTransfer:
+    """A transfer taken but without a result for `CacheManager.stall_after_s`."""
+
+    transfer_id: int
+    direction: str
+    """"device->host", "host->device", "storage->host" or "host->storage"."""
+    num_blocks: int
+    age_s: float
+    """Seconds since `take_swap_metadata` handed it out."""
+
+
+def _direction(transfer: object) -> str:
+    if isinstance(transfer, LoadTransfer):
+        return "storage->host"
+    if isinstance(transfer, StoreTransfer):
+        return "host->storage"
+    return "device->host" if transfer.to_host else "host->device"  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +224,7 @@ class CacheStats:
     failed_transfers: int
     rollbacks: int
     inflight_transfers: int
+    stalled_transfers: int
     inflight_blocks: int
     queued_blocks: int
     active_requests: int
@@ -224,8 +262,12 @@ class CacheStats:
         return hits / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
-def _hash_list(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
-    """A request's hashes as a new list, checked: a sequence of distinct hashables."""
+def _hash_list(
+    block_hashes: Sequence[BlockHash], name: str = "block_hashes"
+) -> list[BlockHash]:
+    """A request's hashes as a new list, checked: distinct 32-byte digests (the
+    chained SHA-256 digests `fastkv.hashing` makes; FastDeploy's hex digests become
+    these with `bytes.fromhex`)."""
     kind = type(block_hashes)
     if (
         kind is not list
@@ -234,19 +276,24 @@ def _hash_list(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
             issubclass(kind, (str, bytes, bytearray)) or not isinstance(block_hashes, Sequence)
         )
     ):
-        raise TypeError(
-            f"block_hashes: expected a sequence of block hashes, got {kind.__name__}"
-        )
+        raise TypeError(f"{name}: expected a sequence of block hashes, got {kind.__name__}")
     hashes = list(block_hashes)
-    try:
-        distinct = len(set(hashes))
-    except TypeError:
-        bad = next(i for i, h in enumerate(hashes) if not isinstance(h, Hashable))
+    if hashes and (
+        set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {DIGEST_BYTES}
+    ):
+        bad = next(
+            i for i, h in enumerate(hashes) if type(h) is not bytes or len(h) != DIGEST_BYTES
+        )
+        what = (
+            f"{len(hashes[bad])} bytes"
+            if type(hashes[bad]) is bytes
+            else type(hashes[bad]).__name__
+        )
         raise TypeError(
-            f"block_hashes[{bad}]: {type(hashes[bad]).__name__} is not hashable"
-        ) from None
-    if distinct != len(hashes):
-        raise ValueError("block_hashes: a hash appears twice (chained hashes never repeat)")
+            f"{name}[{bad}]: expected a {DIGEST_BYTES}-byte digest (bytes), got {what}"
+        )
+    if len(set(hashes)) != len(hashes):
+        raise ValueError(f"{name}: a hash appears twice (chained hashes never repeat)")
     return hashes
 
 
@@ -262,6 +309,8 @@ class _Request:
         "allocated",
         "blocks",
         "done",
+        "hash_set",
+        "hasher",
         "hashes",
         "loading",
         "lookup_id",
@@ -271,6 +320,8 @@ class _Request:
         "request_id",
         "rolled_back",
         "storage_deadline",
+        "wait_epoch",
+        "waits",
     )
 
     def __init__(
@@ -278,6 +329,8 @@ class _Request:
     ) -> None:
         self.request_id = request_id
         self.hashes = hashes  # block i's hash, as far as the request has full blocks
+        self.hash_set: set[BlockHash] | None = None  # made at the first append_hashes
+        self.hasher: BlockHasher | None = None  # the manager hashes its tokens (add_request)
         self.nodes = nodes  # locked path; position i holds block i's node
         self.blocks: list[int] = []  # device block table
         self.loading = 0  # blocks of its swap-in whose result has not arrived
@@ -290,6 +343,8 @@ class _Request:
         self.allocated = False
         self.lookup_id = -1  # a storage lookup in flight
         self.storage_deadline = 0.0  # when it stops waiting for storage
+        self.waits = 0  # WAIT_FOR_TRANSFERS answers in a row with nothing taken between
+        self.wait_epoch = -1  # the manager's take count at the last of them
 
 
 class _Transfer:
@@ -323,17 +378,41 @@ class CacheManager:
     Not thread-safe: call it from the scheduler loop only.
 
     Args:
-        config: a validated `CacheConfig`.
+        config: a validated `CacheConfig`. With `tp_size` > 1, `apply_results` takes
+            only results combined over every rank (`fastkv.tp.RankResults`).
         clock: monotonic seconds, for transfer durations (metrics listeners, the
-            storage read-bandwidth estimate) and the storage tier's waits and retries
-            (injectable for tests and replays).
+            storage read-bandwidth estimate), the storage tier's waits and retries,
+            and stalled transfers (injectable for tests and replays).
+        stall_after_s: a transfer taken by `take_swap_metadata` whose result has not
+            been applied after this many seconds is stalled: logged once,
+            counted in `CacheStats.stalled_transfers`, listed by
+            `stalled_transfers()`.
+
+    Raises:
+        ValueError: `stall_after_s` is not a number > 0.
     """
 
     def __init__(
-        self, config: CacheConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: CacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        stall_after_s: float = 60.0,
     ) -> None:
+        if (
+            isinstance(stall_after_s, bool)
+            or not isinstance(stall_after_s, (int, float))
+            or not 0 < stall_after_s < float("inf")
+        ):
+            raise ValueError(
+                f"stall_after_s: must be a number of seconds > 0, got {stall_after_s!r}"
+            )
         self.config = config
         self.block_size = config.block_size
+        self.stall_after_s = float(stall_after_s)
+        self._root = namespace_root(config.namespace_key())
+        self._takes = 0  # take_swap_metadata calls so far
+        self._stalled: set[int] = set()  # transfer ids already reported stalled
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
@@ -374,6 +453,41 @@ class CacheManager:
 
     # -- request lifecycle ----------------------------------------------------
 
+    def add_request(
+        self,
+        request_id: RequestId,
+        token_ids: Tokens,
+        *,
+        request_key: ExtraKey | None = None,
+        extra_keys: Mapping[int, ExtraKey] | None = None,
+        lookup_storage: bool = True,
+    ) -> MatchResult:
+        """Register a request by its prompt tokens: the manager hashes them (chained
+        SHA-256 digests under this cache's namespace, see `fastkv.hashing`), keeps
+        the hashes, and matches them as `match` does. Grow it with
+        `append_tokens`.
+
+        Args:
+            request_id: any hashable id, unique among active requests.
+            token_ids: the prompt (see `fastkv.hashing` for the accepted types).
+            request_key: a request-wide key (LoRA adapter id, cache salt): requests
+                with different keys share no block.
+            extra_keys: per block index, a key folded into that block's hash
+                (multimodal content hashes).
+            lookup_storage: as for `match`.
+
+        Raises:
+            ValueError: `request_id` is already active, or a token or key is out of
+                range. TypeError: tokens or keys of the wrong type. Nothing changes.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already active")
+        hasher = BlockHasher(self.block_size, request_root(self._root, request_key))
+        hashes = hasher.append(token_ids, extra_keys)
+        hit = self.match(request_id, hashes, hasher.num_tokens, lookup_storage=lookup_storage)
+        self._requests[request_id].hasher = hasher
+        return hit
+
     def match(
         self,
         request_id: RequestId,
@@ -382,19 +496,21 @@ class CacheManager:
         *,
         lookup_storage: bool = True,
     ) -> MatchResult:
-        """Register a new request and lock the longest cached prefix of its blocks.
+        """Register a new request by its block hashes and lock the longest cached
+        prefix of its blocks (`add_request` does the hashing for an engine that
+        does not hash itself).
 
         The manager keeps `block_hashes` for the request's later `commit`s. At most
         `(num_tokens - 1) // block_size` blocks hit: the prompt's last token is
         always computed, since its logits start decoding. Locked blocks cannot be
-        evicted until the request finishes or aborts. Device hits enter the
-        request's block table now; host hits get device blocks (and a planned
-        swap-in) from `allocate`.
+        evicted until the request finishes or aborts. The leading device hits enter
+        the request's table now; `allocate` brings in the rest (host hits get
+        device blocks and a planned swap-in).
 
         Args:
             request_id: any hashable id, unique among active requests.
-            block_hashes: the chained hashes of the prompt's full blocks, in order
-                (fewer is fine: only hashed blocks are matched and cached).
+            block_hashes: the chained 32-byte digests of the prompt's full blocks,
+                in order (fewer is fine: only hashed blocks are matched and cached).
             num_tokens: the prompt's length in tokens.
             lookup_storage: False: no storage lookup for the blocks past the hits
                 (the request computes them; an engine that looks storage up ahead
@@ -404,7 +520,7 @@ class CacheManager:
             ValueError: `request_id` is already active, `num_tokens` is not an int
                 >= 0, the hashes cover more than `num_tokens` tokens, or a hash
                 appears twice.
-            TypeError: `block_hashes` is not a sequence, or a hash is unhashable.
+            TypeError: `block_hashes` is not a sequence of 32-byte `bytes` digests.
             Nothing changes when it raises.
         """
         if request_id in self._requests:
@@ -423,7 +539,7 @@ class CacheManager:
         self._requests[request_id] = req
         if not num_host:
             req.blocks = [n.device_block for n in nodes]
-        else:
+        else:  # the table starts with the device run before the first host copy
             for node in nodes:
                 if node.state == HOST:
                     break
@@ -450,7 +566,8 @@ class CacheManager:
         self._lookup_tokens += num_tokens
         self._device_hits += len(nodes) - num_host
         self._host_hits += num_host
-        return MatchResult(len(nodes) - num_host, num_host, len(nodes) * bs, waiting, looked_up)
+        in_table = len(req.blocks)
+        return MatchResult(in_table, len(nodes) - in_table, len(nodes) * bs, waiting, looked_up)
 
     def storage_pending(self, request_id: RequestId) -> bool:
         """Whether the request's storage lookup is unanswered or blocks found for it
@@ -463,6 +580,10 @@ class CacheManager:
         if req.lookup_id >= 0:
             return True
         return any(n.state is LOADING for n in req.nodes[req.num_matched :])
+
+    def storage_pending_lookup(self, lookup_id: int) -> bool:
+        """Whether lookup `lookup_id` waits for its answer (its request still wants it)."""
+        return self._storage is not None and self._storage.wants_answer(lookup_id)
 
     def storage_loaded(self, request_id: RequestId) -> list[BlockHash]:
         """The hashes of the request's blocks that came from storage past its match
@@ -509,38 +630,125 @@ class CacheManager:
             planned += self._backups - before
         return planned
 
-    def append_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
-        """Add the hashes of blocks the request completed since `match` (decoded
-        tokens fill blocks too), so a later `commit` can cache them.
+    def append_tokens(
+        self,
+        request_id: RequestId,
+        token_ids: Tokens,
+        *,
+        extra_keys: Mapping[int, ExtraKey] | None = None,
+    ) -> int:
+        """Add tokens the request generated (or a continuation of its prompt) to a
+        request registered with `add_request`; the blocks they complete get their
+        hashes, for later `commit`s.
+
+        Returns:
+            How many blocks the tokens completed.
 
         Raises:
-            ValueError: unknown request, or a hash repeats within `block_hashes`.
-            TypeError: not a sequence, or an unhashable entry. Nothing changes.
+            ValueError: unknown request, one registered by hashes (`match`: use
+                `append_hashes`), or a token or key out of range. TypeError:
+                tokens or keys of the wrong type. Nothing changes.
         """
         req = self._get(request_id)
-        req.hashes.extend(_hash_list(block_hashes))
+        if req.hasher is None:
+            raise ValueError(
+                f"request_id: {request_id!r} was registered with its hashes (match); "
+                "add its new blocks' hashes with append_hashes"
+            )
+        new = req.hasher.append(token_ids, extra_keys)
+        req.hashes.extend(new)
+        if req.hash_set is not None:
+            req.hash_set.update(new)
+        return len(new)
 
-    def allocate(self, request_id: RequestId, num_new_blocks: int) -> Allocation:
-        """Give the request device blocks: one per matched host hit (swapped in with
-        the next `take_swap_metadata`) and `num_new_blocks` fresh ones.
+    def append_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
+        """Add the hashes of the blocks the request completed since `match` or the
+        last call (decoded tokens fill blocks too), so a later `commit` can cache
+        them. Only the new ones: a hash the request already holds is refused.
+
+        Raises:
+            ValueError: unknown request; one registered by tokens (`add_request`:
+                use `append_tokens`); a hash repeats, or the request holds it
+                already (the whole list passed again instead of the new hashes).
+            TypeError: not a sequence of 32-byte `bytes` digests. Nothing changes.
+        """
+        req = self._get(request_id)
+        if req.hasher is not None:
+            raise ValueError(
+                f"request_id: {request_id!r} was registered with its tokens (add_request); "
+                "the manager hashes it: add tokens with append_tokens"
+            )
+        new = _hash_list(block_hashes)
+        if not new:
+            return
+        held = req.hash_set
+        if held is None:
+            held = set(req.hashes)
+        if not held.isdisjoint(new):
+            first = next(i for i, h in enumerate(new) if h in held)
+            raise ValueError(
+                f"block_hashes[{first}]: request {request_id!r} holds this hash already "
+                f"(it holds {len(req.hashes)}); pass only the hashes of blocks completed "
+                "since the last call"
+            )
+        held.update(new)
+        req.hash_set = held
+        req.hashes.extend(new)
+
+    def allocate(self, request_id: RequestId, *, num_tokens: int) -> Allocation:
+        """Make the request's table hold its first `num_tokens` tokens: every block
+        it matched (a host hit gets a device block and a swap-in planned for the
+        next `take_swap_metadata`) and fresh blocks up to
+        `ceil(num_tokens / block_size)` positions. Asking for no more than the table
+        holds changes nothing, so a decode step passes the request's length each
+        time and a block is added only when a boundary is crossed.
 
         All or nothing. When too few blocks are free, evictions start (queued for
         the next `take_swap_metadata`) and the result says what to do:
         WAIT_FOR_TRANSFERS when the request fits once planned transfers complete,
         NO_SPACE when other requests hold the blocks it needs (see `AllocStatus`).
+        Then read the table with `block_table`.
 
-        Returns:
-            An `Allocation` with the blocks this call added (O(new blocks), so
-            growing a long request block by block stays cheap).
+        Args:
+            request_id: an active request.
+            num_tokens: the request's length in tokens that the table must hold:
+                prompt, tokens generated so far and those this step adds.
 
         Raises:
-            ValueError: unknown request, `num_new_blocks` not an int >= 0, or a
-                demand larger than the device pool could ever hold for this request
-                alone (its table, the device blocks it has matched, its host hits
-                and the new blocks). Nothing changes when it raises.
+            ValueError: unknown request; `num_tokens` not an int >= 0; a demand
+                larger than the device pool could ever hold for this request alone
+                (its table, the device blocks it has matched, its host hits and the
+                new blocks).
+            RuntimeError: the request was answered WAIT_FOR_TRANSFERS twice in a row
+                while the transfers it waits for were never taken
+                (`take_swap_metadata` was not called since): they can never
+                complete. Nothing changes when it raises.
         """
         req = self._get(request_id)
-        _check_count("num_new_blocks", num_new_blocks)
+        _check_count("num_tokens", num_tokens)
+        if req.waits >= 2 and req.wait_epoch == self._takes and self._has_untaken():
+            raise RuntimeError(
+                f"allocate({request_id!r}): answered WAIT_FOR_TRANSFERS {req.waits} times "
+                "while the transfers it waits for were never taken; call "
+                "take_swap_metadata(), run what it returns on the worker(s) and "
+                "apply_results() their reports before allocating again"
+            )
+        alloc = self._allocate(req, -(-num_tokens // self.block_size))
+        if alloc.status is AllocStatus.WAIT_FOR_TRANSFERS:
+            req.waits = req.waits + 1 if req.wait_epoch == self._takes else 1
+            req.wait_epoch = self._takes
+        else:
+            req.waits = 0
+        return alloc
+
+    def _has_untaken(self) -> bool:
+        storage = self._storage
+        return bool(
+            self._d2h.nodes or self._h2d.nodes or (storage is not None and storage.has_queued)
+        )
+
+    def _allocate(self, req: _Request, num_positions: int) -> Allocation:
+        request_id = req.request_id
         nodes, blocks = req.nodes, req.blocks
         storage = self._storage
         # Blocks still loading from storage for this request: it waits for them, or
@@ -552,9 +760,7 @@ class CacheManager:
                 len(nodes),
             )
         storage_busy = keep < len(nodes) or req.lookup_id >= 0
-        num_new = num_new_blocks
-        if not req.allocated:  # storage hits cover the first of the blocks asked for
-            num_new = max(0, num_new_blocks - (keep - req.num_matched))
+        num_new = max(0, num_positions - max(keep, len(blocks)))
         num_swap = 0
         num_held = len(blocks)
         loading_elsewhere = False
@@ -562,35 +768,38 @@ class CacheManager:
             state = nodes[i].state
             if state == HOST:
                 num_swap += 1
-            else:  # on the device below a host hit (after a failed swap-in)
+            else:  # on the device below a host hit, or loaded by another meanwhile
                 num_held += 1
                 loading_elsewhere |= state == SWAP_TO_DEVICE
         need = num_swap + num_new
         pool = self.device_pool
         if num_held + need > pool.capacity:
             raise ValueError(
-                f"num_new_blocks: request {request_id!r} would hold {num_held + need} "
+                f"num_tokens: request {request_id!r} would hold {num_held + need} "
                 f"device blocks ({num_held} held, {num_swap} host hits to load, "
                 f"{num_new} new), more than the {pool.capacity} device blocks"
             )
         if storage_busy:
             if storage.waits(req):  # type: ignore[union-attr]
-                return Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+                return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
             storage.let_go(req, keep)  # type: ignore[union-attr]
         if loading_elsewhere:  # a block it matched is still being loaded by another
-            return Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+            return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
         pending = nodes[len(blocks) :]
-        if need <= pool.num_free:
+        before = len(blocks)
+        if not need:
+            ids: list[int] = []
+        elif need <= pool.num_free:
             ids = pool.allocate(need)
         else:
             if not self._reclaimable(need):  # others hold the blocks: evict nothing
-                return Allocation(AllocStatus.NO_SPACE, [])
+                return Allocation(AllocStatus.NO_SPACE)
             # Evicted blocks go straight to this request, not through the free list.
             freed = self._evict_device(need - pool.num_free)
             if need > pool.num_free + len(freed):
                 pool.free(freed)
                 status = AllocStatus.WAIT_FOR_TRANSFERS if self.busy else AllocStatus.NO_SPACE
-                return Allocation(status, [])
+                return Allocation(status)
             pool.recycled(len(freed))
             ids = pool.allocate(need - len(freed))
             ids += freed
@@ -600,23 +809,27 @@ class CacheManager:
             blocks.extend(n.device_block for n in pending)
         blocks += ids[num_swap:]
         req.allocated = True
-        return Allocation(AllocStatus.ALLOCATED, ids, len(nodes) * self.block_size)
+        return Allocation(
+            AllocStatus.ALLOCATED, len(blocks) - before, self._num_cached(req) * self.block_size
+        )
 
-    def commit(self, request_id: RequestId, num_computed_tokens: int) -> None:
+    def commit(self, request_id: RequestId, *, num_computed_tokens: int) -> None:
         """Record that the request's first `num_computed_tokens` token positions hold
-        valid KV (computed or recomputed): its full blocks among them become
+        valid KV (cached, computed or recomputed): its full blocks among them become
         matchable by later requests, keyed by the hashes the manager holds.
 
-        Idempotent: committing fewer blocks than before changes nothing. Apply the
-        step's TransferResults first: a block computed on top of a swap-in that then
-        failed would be garbage, so committing while the request's swap-in has no
-        result yet is refused.
+        Committing again with the same or a larger count is how a request grows;
+        blocks already committed stay. Apply the step's TransferResults first: a
+        block computed on top of a swap-in that then failed would be garbage, so
+        committing while the request's swap-in has no result yet is refused.
 
         Raises:
             ValueError: unknown request; `num_computed_tokens` not an int >= 0; it
-                fills more blocks than are allocated, or more than the request's
-                known hashes (`append_hashes` adds hashes of blocks completed after
-                `match`); the request's swap-in has no result yet; or a hash is
+                is below the tokens the table's cached prefix already holds (a
+                block count passed for a token count), fills more blocks than are
+                allocated, or more than the request's known hashes
+                (`append_hashes`/`append_tokens` add blocks completed after the
+                match); the request's swap-in has no result yet; or a hash is
                 already cached under another prefix (not a chained hash). Nothing
                 changes when it raises.
         """
@@ -628,7 +841,14 @@ class CacheManager:
                 "apply its TransferResult before committing"
             )
         nodes, blocks = req.nodes, req.blocks
-        num_blocks = num_computed_tokens // self.block_size
+        bs = self.block_size
+        cached = self._num_cached(req) * bs
+        if num_computed_tokens < cached:
+            raise ValueError(
+                f"num_computed_tokens: {num_computed_tokens} is below the {cached} tokens "
+                f"request {request_id!r} already holds cached; counts are tokens, not blocks"
+            )
+        num_blocks = num_computed_tokens // bs
         if num_blocks > len(blocks):
             raise ValueError(
                 f"num_computed_tokens: {num_computed_tokens} tokens fill {num_blocks} "
@@ -642,6 +862,18 @@ class CacheManager:
                 "match with append_hashes"
             )
         start = len(nodes)
+        reused = self._d2h.reused
+        if (
+            reused
+            and num_blocks > start
+            and not set(reused).isdisjoint(blocks[start:num_blocks])
+        ):
+            pos = next(p for p in range(start, num_blocks) if blocks[p] in set(reused))
+            raise ValueError(
+                f"num_computed_tokens: position {pos} of request {request_id!r} is block "
+                f"{blocks[pos]}, handed over by an eviction not taken yet: its KV cannot "
+                "have been computed; run the step (take_swap_metadata) before committing"
+            )
         if num_blocks > start:
             parent = nodes[-1] if nodes else self.tree.root
             # Raises before changing anything when a hash is cached elsewhere.
@@ -651,13 +883,21 @@ class CacheManager:
             nodes.extend(path)
             created = path
             if existing:
+                freed = []
                 for i in existing:
                     node = path[i]
                     if node.state == HOST or node.state in HOST_LANDING:  # adopt ours
                         self.tree.attach_device(node, blocks[start + i], loading=False)
-                    else:  # cached on device concurrently: ours stays private
+                    elif node.state == DEVICE and node.ref == 1:
+                        # Cached on the device, and no one else holds it (a prompt's
+                        # last block, which a match never hits): ours replaces its
+                        # copy, so one position never holds two device blocks.
+                        freed.append(node.device_block)
+                        node.device_block = blocks[start + i]
+                    else:  # held by others, or its copy is moving: ours stays private
                         req.owns_matched_positions = True
                 created = path[len(existing) :]
+                self.device_pool.free(freed)
             if (
                 created
                 and self._policy is WritePolicy.WRITE_THROUGH
@@ -685,9 +925,46 @@ class CacheManager:
         """
         self._release(request_id)
 
-    def block_table(self, request_id: RequestId) -> list[int]:
-        """The request's device blocks, position order (a copy)."""
-        return list(self._get(request_id).blocks)
+    def block_table(self, request_id: RequestId, start: int = 0) -> BlockTable:
+        """The request's table from position `start` on: per position its device
+        block and its `Slot` (CACHED, LOADING, COMPUTE), with the length of the
+        cached prefix (see `fastkv.scheduler.table`). O(positions returned): an
+        engine that keeps the table it was given asks for the positions past it.
+
+        Raises:
+            ValueError: unknown request, or `start` not an int in [0, table length].
+        """
+        req = self._get(request_id)
+        blocks, nodes = req.blocks, req.nodes
+        end = len(blocks)
+        check_int("start", start, 0, end)
+        # Positions with a node hold cached KV, the rest are the engine's to compute;
+        # then the exceptions: blocks a swap-in is writing, positions rolled back.
+        with_node = max(start, min(len(nodes), end))
+        slots = [Slot.CACHED] * (with_node - start) + [Slot.COMPUTE] * (end - with_node)
+        if req.loading:
+            for pos in range(start, with_node):
+                node = nodes[pos]
+                if node.state is SWAP_TO_DEVICE and node.device_block == blocks[pos]:
+                    slots[pos - start] = Slot.LOADING
+        for pos in req.rolled_back:
+            if start <= pos < end:
+                slots[pos - start] = Slot.COMPUTE
+        return BlockTable(
+            start,
+            tuple(blocks[start:]),
+            tuple(slots),
+            end,
+            self._num_cached(req),
+            self.block_size,
+        )
+
+    def _num_cached(self, req: _Request) -> int:
+        """The leading positions of the request's table whose KV the cache provides."""
+        cached = min(len(req.nodes), len(req.blocks))
+        if req.rolled_back:
+            cached = min(cached, *req.rolled_back)
+        return cached
 
     def num_blocks(self, request_id: RequestId) -> int:
         """The length of the request's block table (O(1))."""
@@ -752,6 +1029,9 @@ class CacheManager:
 
         Every block in them stays reserved until `apply_results` sees the result.
         """
+        self._takes += 1
+        if self._transfers:
+            self._note_stalls()
         evict = swap_in = None
         d2h, h2d = self._d2h, self._h2d
         if d2h.nodes:
@@ -773,6 +1053,35 @@ class CacheManager:
         load, store, lookups = storage.take(self._register)
         return SwapTasks(evict, swap_in, load, store, lookups)
 
+    def stalled_transfers(self) -> list[StalledTransfer]:
+        """Transfers taken by `take_swap_metadata` whose result has not been
+        applied for `stall_after_s` or more, oldest first: a worker that lost them,
+        results never delivered, or a batch never applied. Their blocks stay
+        reserved (Invariant 1) until a result comes."""
+        now = self._clock()
+        out = []
+        for tid, transfer in list(self._transfers.items()):  # id order: oldest first
+            age = now - transfer.emitted_at
+            if age < self.stall_after_s:
+                break
+            out.append(StalledTransfer(tid, _direction(transfer), len(transfer.nodes), age))
+        return out
+
+    def _note_stalls(self) -> None:
+        """Log each newly stalled transfer once (O(stalled + 1): ids are emitted in
+        order, so the first young one ends the scan)."""
+        for stalled in self.stalled_transfers():
+            if stalled.transfer_id not in self._stalled:
+                self._stalled.add(stalled.transfer_id)
+                log.warning(
+                    "fastkv: transfer %d (%s, %d blocks) taken %.1f s ago has no result "
+                    "yet; its blocks stay reserved until apply_results() gets one",
+                    stalled.transfer_id,
+                    stalled.direction,
+                    stalled.num_blocks,
+                    stalled.age_s,
+                )
+
     def apply_results(self, results: Iterable[TransferResult | LookupResult]) -> list[Rollback]:
         """Apply the worker's transfer reports and storage lookup answers, in any
         order (with several ranks: combined first, see `fastkv.tp`).
@@ -793,18 +1102,24 @@ class CacheManager:
         """
         results = list(results)
         seen: set[int] = set()
+        ranks = self.config.tp_size
         for result in results:  # all or nothing: check the whole batch first
+            if not isinstance(result, (TransferResult, LookupResult)):
+                raise TypeError(f"results: expected TransferResult, got {result!r:.80}")
+            if result.num_ranks != ranks:
+                raise ValueError(
+                    f"num_ranks: a result for {result.num_ranks} of this cache's {ranks} "
+                    "tensor-parallel ranks; combine every rank's results with "
+                    "fastkv.tp.RankResults and apply what it returns"
+                )
             if isinstance(result, LookupResult):
                 if self._storage is None:
                     raise ValueError(
                         f"results: lookup {result.lookup_id} answered, but this manager "
                         "has no storage tier (CacheConfig.storage is None)"
                     )
-                if isinstance(result.num_hits, bool) or not isinstance(result.num_hits, int):
-                    raise ValueError(f"num_hits: must be an int, got {result.num_hits!r}")
+                self._storage.check_answer(result)
                 continue
-            if not isinstance(result, TransferResult):
-                raise TypeError(f"results: expected TransferResult, got {result!r:.80}")
             if result.transfer_id not in self._transfers or result.transfer_id in seen:
                 raise ValueError(
                     f"transfer_id: {result.transfer_id} is unknown or already applied"
@@ -817,6 +1132,8 @@ class CacheManager:
                 self._storage.apply_lookup(result)  # type: ignore[union-attr]
                 continue
             transfer = self._transfers.pop(result.transfer_id)
+            if self._stalled:
+                self._stalled.discard(result.transfer_id)
             if self._listeners:
                 self._tell_listeners(transfer, now, result.success)
             if not result.success:
@@ -901,6 +1218,7 @@ class CacheManager:
             failed_transfers=self._failed_transfers,
             rollbacks=self._rollbacks,
             inflight_transfers=len(self._transfers),
+            stalled_transfers=len(self.stalled_transfers()) if self._transfers else 0,
             # A snapshot of the values: a metrics thread may read while the loop runs.
             inflight_blocks=sum(len(t.nodes) for t in list(self._transfers.values())),
             queued_blocks=self.num_queued_blocks,

@@ -122,7 +122,8 @@ class StorageTier:
         self.write_policy = StorageWritePolicy(config.write_policy)
         self.prefetch = PrefetchPolicy(config.prefetch_policy)
         self._lookups: list[StorageLookup] = []
-        self._lookup_owner: dict[int, tuple[_Request, int]] = {}  # id -> (request, start)
+        # id -> (request, first position looked up, how many blocks were asked about)
+        self._lookup_owner: dict[int, tuple[_Request, int, int]] = {}
         self._next_lookup_id = 0
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
@@ -157,19 +158,36 @@ class StorageTier:
         lookup_id = self._next_lookup_id
         self._next_lookup_id += 1
         self._lookups.append(StorageLookup(lookup_id, keys))
-        self._lookup_owner[lookup_id] = (req, start)
+        self._lookup_owner[lookup_id] = (req, start, len(keys))
         req.lookup_id = lookup_id
         req.storage_deadline = now + self.config.wait_s
         self.lookups += 1
         self.lookup_blocks += len(keys)
         return True
 
+    def wants_answer(self, lookup_id: int) -> bool:
+        return lookup_id in self._lookup_owner
+
+    def check_answer(self, result: LookupResult) -> None:
+        """Raise ValueError for an answer no lookup could have given: more hits than
+        blocks asked about, or fewer than none. (An answer to a lookup given up
+        is ignored by `apply_lookup`.)"""
+        hits = result.num_hits
+        if isinstance(hits, bool) or not isinstance(hits, int) or hits < 0:
+            raise ValueError(f"num_hits: must be an int >= 0, got {hits!r}")
+        owner = self._lookup_owner.get(result.lookup_id)
+        if owner is not None and hits > owner[2]:
+            raise ValueError(
+                f"num_hits: lookup {result.lookup_id} asked about {owner[2]} blocks, "
+                f"the answer says {hits}"
+            )
+
     def apply_lookup(self, result: LookupResult) -> None:
         """A lookup's combined answer: load the prefix found, if still wanted."""
         owner = self._lookup_owner.pop(result.lookup_id, None)
         if owner is None:
             return
-        req, start = owner
+        req, start, _ = owner
         if req.done or req.lookup_id != result.lookup_id or req.allocated:
             return
         req.lookup_id = -1
@@ -427,14 +445,16 @@ class StorageTier:
 
     def check(self, host_owner: dict[int, object]) -> None:
         """Assert the tier's queued state (part of CacheManager.check_invariants)."""
-        for lookup_id, (req, _) in self._lookup_owner.items():
+        for lookup_id, (req, _, _) in self._lookup_owner.items():
             assert req.lookup_id == lookup_id, f"lookup {lookup_id} owner moved on"
         for node in self._loads.nodes:  # adopted by a recomputed block, or dropped
             assert node.state in (LOADING_FROM_STORAGE, BACKUP_TO_HOST, DROPPED), node
         for node, host, free in zip(
             self._stores.nodes, self._stores.host_ids, self._stores.free_after, strict=True
         ):
-            if free:
+            if free or (node is not None and node.state == DROPPED):
+                # Its host block is the write's until the write ends (a dropped
+                # block's too: it left the tree, the write still reads it).
                 assert host not in host_owner, f"host block {host} owned twice"
                 host_owner[host] = "a queued storage write"
             else:

@@ -194,7 +194,7 @@ def test_a_request_that_holds_blocks_cannot_be_matched_again(channel: str) -> No
         cm.match_prefix(r)  # logged, counted; the request keeps its blocks
         assert cm.get_stats()["match_failures"] == 1
         assert r.match_result.total_matched_blocks == 0
-        assert cm.manager.block_table("r") == r.block_tables
+        assert list(cm.manager.block_table("r").block_ids) == r.block_tables
         stale = request("stale", list(range(9)))
         cm.match_prefix(stale)  # matched, then forgotten by the engine without a free
         cm.match_prefix(stale)  # released and matched again

@@ -6,6 +6,7 @@ never commits a block a request did not hold when its KV was computed."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import random
 from collections.abc import Callable
 
@@ -114,17 +115,23 @@ def test_the_obtainable_count_is_exact_in_random_runs(
             tokens = rng.choice(prefixes) + [
                 rng.randrange(50) for _ in range(rng.randint(0, 9))
             ]
-            hashes = [hash(tuple(tokens[: (i + 1) * BS])) for i in range(len(tokens) // BS)]
+            hashes = [
+                hashlib.sha256(repr(tokens[: (i + 1) * BS]).encode()).digest()
+                for i in range(len(tokens) // BS)
+            ]
             hit = mgr.match(rid, hashes, len(tokens))
             want = -(-len(tokens) // BS) - hit.num_device_hits  # host hits included
             count = mgr.num_obtainable_device_blocks(16)
             for n in sorted({want, count, count + 1}):
                 if n < hit.num_host_hits or hit.num_device_hits + n > 16:
                     continue
-                got = copy.deepcopy(mgr).allocate(rid, n - hit.num_host_hits)
+                positions = hit.num_device_hits + n  # FastDeploy's n counts host hits
+                got = copy.deepcopy(mgr).allocate(rid, num_tokens=positions * BS)
                 assert bool(got) == (n <= count), (step, n, count, got.status)
                 checked += 1
-            if hit.num_device_hits + want <= 16 and mgr.allocate(rid, want - hit.num_host_hits):
+            if hit.num_device_hits + want <= 16 and mgr.allocate(
+                rid, num_tokens=(hit.num_device_hits + want) * BS
+            ):
                 active[rid] = len(hashes)
                 allocated_at[rid] = worker_steps
             else:
@@ -140,7 +147,7 @@ def test_the_obtainable_count_is_exact_in_random_runs(
                 and not mgr.has_pending_swap_in(rid)
                 and full > mgr.num_committed_blocks(rid)
             ):
-                mgr.commit(rid, full * BS)
+                mgr.commit(rid, num_computed_tokens=full * BS)
             mgr.finish(rid)
         else:
             _fake_worker_step(mgr, inflight, rng)

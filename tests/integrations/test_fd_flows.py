@@ -19,6 +19,7 @@ pytest.importorskip("paddle", reason="the workers' CacheController needs paddle"
 from fd_engine import Engine, make_engine, prompt
 from fd_standins import Request, install_fake_fastdeploy
 
+from fastkv.integrations.fd_scheduler import fd_digests
 from fastkv.integrations.fd_transfers import transfer_ids
 from fastkv.metadata import TransferResult
 from fastkv.worker.faults import FaultInjector
@@ -371,9 +372,10 @@ def test_a_swap_in_planned_outside_allocation_fails_without_losing_the_backups(
         engine.add_request(c)  # hashed, never scheduled
         engine.waiting.remove(c)
         tokens = len(c.prompt_token_ids)
-        hit = mgr.match("c", list(c.prompt_hashes)[: tokens // 4], tokens)  # not the adapter
+        hashes = fd_digests(list(c.prompt_hashes)[: tokens // 4])
+        hit = mgr.match("c", hashes, tokens)  # not the adapter
         assert (hit.num_device_hits, hit.num_host_hits) == (3, 1)
-        assert mgr.allocate("c", 4)  # queues the host hit's swap-in and evictions
+        assert mgr.allocate("c", num_tokens=8 * 4)  # the host hit's swap-in, evictions
         host_used = mgr.get_stats().host_pool.used
         failed = cm.get_stats()["failed_transfers"]
         evict = cm.issue_pending_backup_to_batch_request()

@@ -143,7 +143,7 @@ def test_two_worker_processes_combine_into_one_result_per_transfer(
             assert p.exitcode == 0
         assert sorted(r.transfer_id for r in combined) == list(range(1, 40))
         failed = [r for r in combined if not r.success]
-        assert failed == [TransferResult(13, False, "rank 1: copy failed")]
+        assert failed == [TransferResult(13, False, "rank 1: copy failed", num_ranks=2)]
         assert receiver.missing() == {("transfer", 0): [1]}  # rank 1 never reported transfer 0
         stats = receiver.stats()
         assert (stats.results, stats.combined, stats.rejected_datagrams) == (79, 39, 0)
@@ -274,7 +274,7 @@ def test_bad_duplicate_and_out_of_range_reports_are_dropped_and_counted(
         peers.append(peer_1)
         peer_1.send(other)
         got = drain(receiver, 2 + 2 + 1 + 1)
-        assert got == [TransferResult(5, True)]
+        assert got == [TransferResult(5, True, num_ranks=2)]
         stats = receiver.stats()
         assert (stats.rejected_datagrams, stats.rejected_results) == (2, 2)
     finally:

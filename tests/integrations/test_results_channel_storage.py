@@ -103,7 +103,7 @@ def test_lookups_and_block_failures_combine_over_ranks(tmp_path: Path) -> None:
             time.sleep(0.002)
         lookups = [r for r in out if isinstance(r, LookupResult)]
         transfers = [r for r in out if isinstance(r, TransferResult)]
-        assert lookups == [LookupResult(1, 2)]  # the prefix every rank holds
+        assert lookups == [LookupResult(1, 2, num_ranks=2)]  # the prefix every rank holds
         assert len(transfers) == 1 and not transfers[0].success
         assert set(transfers[0].failed_blocks) == {1, 3}
         with pytest.raises(ValueError, match="num_hits"):

@@ -5,6 +5,7 @@ the end. Every call on the manager is followed by `check_invariants()` (see
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import pytest
@@ -25,9 +26,31 @@ BS = 4
 POLICIES = ["write_back", "write_through", "write_through_selective"]
 
 
+_NAMES: dict[bytes, str] = {}
+
+
+def H(name: str) -> bytes:
+    """The 32-byte digest a test names `name` (block hashes are digests)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    _NAMES[digest] = name
+    return digest
+
+
+def names(hashes) -> list[str]:
+    """The test names of digests, for readable comparisons."""
+    return [_NAMES[h] for h in hashes]
+
+
+def _digests(value):
+    if isinstance(value, list | tuple) and any(isinstance(h, str) for h in value):
+        return type(value)(H(h) if isinstance(h, str) else h for h in value)
+    return value
+
+
 class Checked:
     """The manager, with `check_invariants()` run after every method call, whether the
-    call returned or raised. Attributes that are not methods pass through."""
+    call returned or raised. Attributes that are not methods pass through. Hash lists
+    given to `match` and `append_hashes` may name blocks by string (`H`)."""
 
     def __init__(self, mgr: CacheManager) -> None:
         self.mgr = mgr
@@ -38,6 +61,8 @@ class Checked:
             return attr
 
         def call(*args, **kwargs):
+            if name in ("match", "append_hashes") and len(args) >= 2:
+                args = (args[0], _digests(args[1]), *args[2:])
             try:
                 return attr(*args, **kwargs)
             finally:
@@ -60,12 +85,25 @@ def make(policy: str = "write_back", *, device: int = 4, host: int = 8, threshol
     )
 
 
-def keys(prefix: str, n: int) -> list[str]:
-    return [f"{prefix}{i}" for i in range(n)]
+def keys(prefix: str, n: int) -> list[bytes]:
+    return [H(f"{prefix}{i}") for i in range(n)]
 
 
-def node(mgr, key: str) -> TreeNode | None:
+def node(mgr, key: str | bytes) -> TreeNode | None:
+    key = H(key) if isinstance(key, str) else key
     return next((n for n in mgr.tree if n.key == key), None)
+
+
+def table_ids(mgr, rid) -> list[int]:
+    """The request's device blocks, position order."""
+    return list(mgr.block_table(rid).block_ids)
+
+
+def grow(mgr, rid, n: int) -> Allocation:
+    """Allocate `n` fresh blocks past what the request's table and its matched blocks
+    cover (the manager counts tokens: ask for that many positions' tokens)."""
+    covered = max(mgr.num_blocks(rid), mgr.num_committed_blocks(rid))
+    return mgr.allocate(rid, num_tokens=(covered + n) * BS)
 
 
 def emitted(tasks: SwapTasks):
@@ -89,10 +127,11 @@ def prompt(hashes: list[str]) -> int:
 
 def table_after(mgr, rid, n: int) -> list[int]:
     """Allocate, which must succeed at once; the request's whole table after it."""
-    alloc = mgr.allocate(rid, n)
+    before = mgr.num_blocks(rid)
+    alloc = grow(mgr, rid, n)
     assert alloc, alloc
-    table = mgr.block_table(rid)
-    assert table[len(table) - n :] == alloc.new_blocks[len(alloc.new_blocks) - n :]
+    table = table_ids(mgr, rid)
+    assert alloc.num_new_blocks == len(table) - before
     return table
 
 
@@ -100,9 +139,9 @@ def allocate(mgr, rid, n: int, rounds: int = 16) -> list[int]:
     """Allocate, letting the worker complete transfers while allocation waits for
     them (the documented retry)."""
     for _ in range(rounds):
-        alloc = mgr.allocate(rid, n)
+        alloc = grow(mgr, rid, n)
         if alloc:
-            return mgr.block_table(rid)
+            return table_ids(mgr, rid)
         assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS, alloc
         complete(mgr)
     raise AssertionError(f"allocate({rid!r}, {n}) still deferred after {rounds} steps")
@@ -114,7 +153,7 @@ def serve(mgr, rid, hashes: list[str]) -> list[int]:
     hit = mgr.match(rid, hashes, prompt(hashes))
     table = allocate(mgr, rid, len(hashes) - hit.num_hits)
     complete(mgr)
-    mgr.commit(rid, len(hashes) * BS)
+    mgr.commit(rid, num_computed_tokens=len(hashes) * BS)
     mgr.finish(rid)
     complete(mgr)
     return table
@@ -166,16 +205,16 @@ def test_lifecycle_counts_device_hits() -> None:
     assert (hit.num_device_hits, hit.num_host_hits, hit.waiting_on_transfer) == (0, 0, False)
     t1 = table_after(mgr, "r1", 4)
     assert len(set(t1)) == 4
-    mgr.commit("r1", len(keys("a", 4)) * BS)
+    mgr.commit("r1", num_computed_tokens=len(keys("a", 4)) * BS)
     mgr.finish("r1")
 
     hashes = [*keys("a", 2), "b2"]
     hit = mgr.match("r2", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits, hit.num_hits) == (2, 0, 2)
-    assert mgr.block_table("r2") == t1[:2]  # device hits enter the table at match
+    assert table_ids(mgr, "r2") == t1[:2]  # device hits enter the table at match
     t2 = table_after(mgr, "r2", 1)
     assert t2[:2] == t1[:2] and t2[2] not in t1
-    mgr.commit("r2", len(hashes) * BS)
+    mgr.commit("r2", num_computed_tokens=len(hashes) * BS)
     mgr.finish("r2")
 
     stats = mgr.get_stats()
@@ -207,13 +246,13 @@ def test_allocate_returns_the_whole_table_and_grows_it() -> None:
     mgr.match("r2", keys("a", 3), prompt(keys("a", 3)))
     table = table_after(mgr, "r2", 2)
     assert len(table) == 4 and table[:2] == first
-    assert mgr.block_table("r2") == table
+    assert table_ids(mgr, "r2") == table
     grown = table_after(mgr, "r2", 1)  # decode: one more block
     assert mgr.num_blocks("r2") == len(grown) == 5
     assert grown[:4] == table and len(grown) == 5
-    assert mgr.allocate("r2", 0).new_blocks == [] and mgr.block_table("r2") == grown
+    assert grow(mgr, "r2", 0).num_new_blocks == 0 and table_ids(mgr, "r2") == grown
     assert len(set(grown)) == 5
-    mgr.commit("r2", len(keys("a", 3)) * BS)
+    mgr.commit("r2", num_computed_tokens=len(keys("a", 3)) * BS)
     mgr.finish("r2")
     assert mgr.get_stats().cached_nodes == 3
     assert_no_leak(mgr)
@@ -223,16 +262,17 @@ def test_commit_is_incremental_and_idempotent_and_finish_frees_the_rest() -> Non
     mgr = make(device=8)
     mgr.match("r", keys("a", 4), prompt(keys("a", 4)))
     table = table_after(mgr, "r", 5)  # 4 full blocks + one being filled
-    mgr.commit("r", len(keys("a", 2)) * BS)
+    mgr.commit("r", num_computed_tokens=len(keys("a", 2)) * BS)
     assert [node(mgr, k).device_block for k in keys("a", 2)] == table[:2]
-    mgr.commit("r", len(keys("a", 3)) * BS)
-    mgr.commit("r", len(keys("a", 3)) * BS)
-    mgr.commit("r", len(keys("a", 1)) * BS)  # shorter: nothing to do
+    mgr.commit("r", num_computed_tokens=len(keys("a", 3)) * BS)
+    mgr.commit("r", num_computed_tokens=len(keys("a", 3)) * BS)
+    with pytest.raises(ValueError, match=r"below the 12 tokens .* counts are tokens"):
+        mgr.commit("r", num_computed_tokens=len(keys("a", 1)) * BS)  # a block count?
     assert mgr.get_stats().cached_nodes == 3
     with pytest.raises(ValueError, match="num_computed_tokens: 24 tokens fill 6 blocks"):
-        mgr.commit("r", len(keys("a", 6)) * BS)
+        mgr.commit("r", num_computed_tokens=len(keys("a", 6)) * BS)
     with pytest.raises(ValueError, match="only 4 block hashes"):
-        mgr.commit("r", 5 * BS)  # allocated, but its hash is not known
+        mgr.commit("r", num_computed_tokens=5 * BS)  # allocated, but its hash is not known
     mgr.finish("r")
     # Three cached; the uncommitted two blocks went back to the pool.
     assert mgr.device_pool.num_used == 3
@@ -244,8 +284,8 @@ def test_commit_is_incremental_and_idempotent_and_finish_frees_the_rest() -> Non
 def test_release_keeps_committed_blocks_cached(release: str) -> None:
     mgr = make(device=8)
     mgr.match("r", keys("a", 3), prompt(keys("a", 3)))
-    mgr.allocate("r", 3)
-    mgr.commit("r", len(keys("a", 2)) * BS)
+    grow(mgr, "r", 3)
+    mgr.commit("r", num_computed_tokens=len(keys("a", 2)) * BS)
     getattr(mgr, release)("r")
     assert mgr.device_pool.num_used == 2
     hit = mgr.match("again", keys("a", 3), prompt(keys("a", 3)))
@@ -272,8 +312,8 @@ def test_match_of_an_active_id_raises_and_changes_nothing() -> None:
 @pytest.mark.parametrize(
     "call",
     [
-        lambda m: m.allocate("nope", 1),
-        lambda m: m.commit("nope", len([]) * BS),
+        lambda m: m.allocate("nope", num_tokens=1),
+        lambda m: m.commit("nope", num_computed_tokens=0),
         lambda m: m.finish("nope"),
         lambda m: m.abort("nope"),
         lambda m: m.block_table("nope"),
@@ -300,9 +340,9 @@ def test_finished_request_is_unknown() -> None:
 def test_negative_block_count_raises() -> None:
     mgr = make()
     mgr.match("r", [], prompt([]))
-    with pytest.raises(ValueError, match=r"num_new_blocks: -1 is negative"):
-        mgr.allocate("r", -1)
-    assert mgr.block_table("r") == [] and mgr.device_pool.num_used == 0
+    with pytest.raises(ValueError, match=r"num_tokens: -4 is negative"):
+        mgr.allocate("r", num_tokens=-4)
+    assert table_ids(mgr, "r") == [] and mgr.device_pool.num_used == 0
     mgr.finish("r")
 
 
@@ -314,9 +354,11 @@ def test_concurrently_computed_blocks_are_cached_once(policy: str) -> None:
         assert mgr.match(rid, hashes, prompt(hashes)).num_hits == 0  # both miss: both compute
     t1 = table_after(mgr, "r1", 2)
     t2 = table_after(mgr, "r2", 2)
-    mgr.commit("r1", len(hashes) * BS)
+    mgr.commit("r1", num_computed_tokens=len(hashes) * BS)
     first = mgr.take_swap_metadata()
-    mgr.commit("r2", len(hashes) * BS)  # already cached by r1: r2's copies stay private
+    mgr.commit(
+        "r2", num_computed_tokens=len(hashes) * BS
+    )  # already cached by r1: r2's copies stay private
     assert mgr.take_swap_metadata() == SwapTasks(None, None)  # no second backup
     assert [node(mgr, k).device_block for k in hashes] == t1
     mgr.apply_results(TransferResult(m.transfer_id, True) for m in emitted(first))
@@ -332,20 +374,22 @@ def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
     mgr = make("write_back", device=3, host=8)
     mgr.match("r1", ["a0"], prompt(["a0"]))
     mgr.match("r2", ["a0"], prompt(["a0"]))
-    mgr.allocate("r1", 1)
+    grow(mgr, "r1", 1)
     (mine,) = table_after(mgr, "r2", 1)
-    mgr.commit("r1", len(["a0"]) * BS)
+    mgr.commit("r1", num_computed_tokens=len(["a0"]) * BS)
     mgr.finish("r1")
     mgr.match("r3", keys("z", 2), prompt(keys("z", 2)))
     allocate(mgr, "r3", 2)  # pushes a0 out to host
     a0 = node(mgr, "a0")
     assert a0.state == NodeState.HOST
-    mgr.commit("r2", len(["a0"]) * BS)  # r2 computed a0 too: its block becomes a0's copy
+    mgr.commit(
+        "r2", num_computed_tokens=len(["a0"]) * BS
+    )  # r2 computed a0 too: its block becomes a0's copy
     assert (a0.state, a0.device_block) == (NodeState.DEVICE, mine) and a0.host_block >= 0
     mgr.finish("r2")
     assert mgr.device_pool.is_allocated(mine)
     hit = mgr.match("r4", ["a0"], prompt(["a0"]))
-    assert (hit.num_device_hits, mgr.block_table("r4")) == (1, [mine])
+    assert (hit.num_device_hits, table_ids(mgr, "r4")) == (1, [mine])
     mgr.finish("r4")
     mgr.finish("r3")
     assert_no_leak(mgr)
@@ -359,8 +403,8 @@ def test_allocate_is_all_or_nothing() -> None:
     mgr.match("holder", keys("h", 3), prompt(keys("h", 3)))
     held = table_after(mgr, "holder", 3)  # locked, uncommitted: nothing to evict
     mgr.match("r", [], prompt([]))
-    assert mgr.allocate("r", 2) == Allocation(AllocStatus.NO_SPACE, [])
-    assert mgr.block_table("r") == []
+    assert grow(mgr, "r", 2) == Allocation(AllocStatus.NO_SPACE)
+    assert table_ids(mgr, "r") == []
     assert mgr.device_pool.num_free == 1
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     table = table_after(mgr, "r", 1)
@@ -377,11 +421,11 @@ def test_demand_larger_than_the_device_raises(held: int) -> None:
         serve(mgr, "r0", keys("a", held))
     # The request itself holds `held` blocks.
     mgr.match("r", keys("a", held), prompt(keys("a", held)))
-    before = (mgr.block_table("r"), mgr.device_pool.stats())
-    with pytest.raises(ValueError, match=r"num_new_blocks: .* more than the 4 device blocks"):
-        mgr.allocate("r", 5 - held)
-    assert (mgr.block_table("r"), mgr.device_pool.stats()) == before
-    assert mgr.allocate("r", 4 - held)  # the most that can ever fit
+    before = (table_ids(mgr, "r"), mgr.device_pool.stats())
+    with pytest.raises(ValueError, match=r"num_tokens: .* more than the 4 device blocks"):
+        grow(mgr, "r", 5 - held)
+    assert (table_ids(mgr, "r"), mgr.device_pool.stats()) == before
+    assert grow(mgr, "r", 4 - held)  # the most that can ever fit
     mgr.finish("r")
     assert_no_leak(mgr)
 
@@ -390,18 +434,18 @@ def test_allocate_waits_for_evictions_in_flight() -> None:
     mgr = make("write_back", device=4, host=8)
     tables = [serve(mgr, f"f{i}", [f"f{i}"])[0] for i in range(4)]
     mgr.match("r", keys("r", 2), prompt(keys("r", 2)))
-    assert not mgr.allocate("r", 2)
+    assert not grow(mgr, "r", 2)
     assert mgr.get_stats().queued_blocks == 2
-    assert not mgr.allocate("r", 2)  # the copies already planned will do
+    assert not grow(mgr, "r", 2)  # the copies already planned will do
     assert mgr.get_stats().queued_blocks == 2
     tasks = mgr.take_swap_metadata()
     meta = tasks.evict
     assert tasks.swap_in is None
     assert (meta.src_level, meta.dst_level) == (CacheLevel.DEVICE, CacheLevel.HOST)
     assert list(meta.src_block_ids) == tables[:2]  # least recently used first
-    assert list(meta.block_hashes) == ["f0", "f1"]
+    assert names(meta.block_hashes) == ["f0", "f1"]
     assert_reserved(mgr, meta)
-    assert not mgr.allocate("r", 2)  # not before the result arrives
+    assert not grow(mgr, "r", 2)  # not before the result arrives
     assert_reserved(mgr, meta)
     assert mgr.apply_results([TransferResult(meta.transfer_id, True)]) == []
     table = table_after(mgr, "r", 2)
@@ -416,12 +460,12 @@ def test_allocate_evicts_a_whole_chain_in_one_call(policy: str) -> None:
     mgr = make(policy, device=4, host=8)
     serve(mgr, "r1", keys("a", 4))
     mgr.match("r2", keys("b", 4), prompt(keys("b", 4)))
-    alloc = mgr.allocate("r2", 4)
+    alloc = grow(mgr, "r2", 4)
     if policy == "write_through":
         # Every block has a host copy: dropping the device copies needs no transfer.
-        assert alloc and len(alloc.new_blocks) == 4
+        assert alloc and alloc.num_new_blocks == 4
     else:
-        assert alloc == Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+        assert alloc == Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
         assert mgr.get_stats().queued_blocks == 4
 
 
@@ -432,7 +476,7 @@ def test_write_back_copies_only_when_evicting() -> None:
     mgr = make("write_back", device=3, host=8)
     mgr.match("r1", keys("a", 2), prompt(keys("a", 2)))
     table = table_after(mgr, "r1", 2)
-    mgr.commit("r1", len(keys("a", 2)) * BS)
+    mgr.commit("r1", num_computed_tokens=len(keys("a", 2)) * BS)
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     mgr.finish("r1")
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
@@ -451,17 +495,19 @@ def test_write_through_backs_up_every_committed_block() -> None:
     mgr = make("write_through", device=4, host=8)
     mgr.match("r1", keys("a", 3), prompt(keys("a", 3)))
     table = table_after(mgr, "r1", 3)
-    mgr.commit("r1", len(keys("a", 2)) * BS)
+    mgr.commit("r1", num_computed_tokens=len(keys("a", 2)) * BS)
     backup = mgr.take_swap_metadata().evict
     assert (backup.src_level, backup.dst_level) == (CacheLevel.DEVICE, CacheLevel.HOST)
     assert list(backup.src_block_ids) == table[:2]
     assert list(backup.block_hashes) == keys("a", 2)
     assert len(set(backup.dst_block_ids)) == 2
-    mgr.commit("r1", len(keys("a", 3)) * BS)
-    mgr.commit("r1", len(keys("a", 3)) * BS)  # already committed: no second backup
+    mgr.commit("r1", num_computed_tokens=len(keys("a", 3)) * BS)
+    mgr.commit(
+        "r1", num_computed_tokens=len(keys("a", 3)) * BS
+    )  # already committed: no second backup
     tail = mgr.take_swap_metadata()
     assert tail.swap_in is None
-    assert list(tail.evict.src_block_ids) == table[2:] and list(tail.evict.block_hashes) == [
+    assert list(tail.evict.src_block_ids) == table[2:] and names(tail.evict.block_hashes) == [
         "a2"
     ]
     assert mgr.get_stats().backups == 3
@@ -469,7 +515,7 @@ def test_write_through_backs_up_every_committed_block() -> None:
     # While the backups are in flight their blocks stay pinned on the device.
     assert_reserved(mgr, backup)
     mgr.match("big", keys("z", 4), prompt(keys("z", 4)))
-    assert not mgr.allocate("big", 4)
+    assert not grow(mgr, "big", 4)
     assert mgr.get_stats().queued_blocks == 0
     mgr.apply_results(TransferResult(m.transfer_id, True) for m in (backup, tail.evict))
     for k, dst in zip(keys("a", 2), backup.dst_block_ids, strict=True):
@@ -491,7 +537,7 @@ def test_write_through_eviction_drops_the_device_copy_without_a_copy() -> None:
     assert all(h >= 0 for h in hosts.values())
     before = mgr.get_stats()
     mgr.match("r", keys("r", 2), prompt(keys("r", 2)))
-    table = mgr.allocate("r", 2)  # no transfer to wait for
+    table = grow(mgr, "r", 2)  # no transfer to wait for
     assert table
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     after = mgr.get_stats()
@@ -509,7 +555,7 @@ def test_failed_backup_frees_the_host_block_and_keeps_the_device_copy() -> None:
     mgr = make("write_through", device=2, host=4)
     mgr.match("r", ["a0"], prompt(["a0"]))
     (block,) = table_after(mgr, "r", 1)
-    mgr.commit("r", len(["a0"]) * BS)
+    mgr.commit("r", num_computed_tokens=len(["a0"]) * BS)
     mgr.finish("r")
     tasks, _ = complete(mgr, success=False)
     assert tasks.evict is not None
@@ -556,7 +602,7 @@ def test_write_through_selective_backs_up_after_threshold_hits(threshold: int) -
         if hit == threshold:
             assert tasks.evict is not None and tasks.swap_in is None
             assert list(tasks.evict.src_block_ids) == [block]
-            assert list(tasks.evict.block_hashes) == ["hot"]
+            assert names(tasks.evict.block_hashes) == ["hot"]
             mgr.apply_results([TransferResult(tasks.evict.transfer_id, True)])
         else:
             assert tasks == SwapTasks(None, None), f"backup at hit {hit}"
@@ -614,7 +660,7 @@ def test_host_hit_is_swapped_in() -> None:
     hashes = [*keys("a", 2), "b2"]
     hit = mgr.match("r", hashes, prompt(hashes))
     assert (hit.num_device_hits, hit.num_host_hits) == (0, 2)
-    assert mgr.block_table("r") == []  # host hits get device blocks from allocate
+    assert table_ids(mgr, "r") == []  # host hits get device blocks from allocate
     table = table_after(mgr, "r", 1)
     assert len(table) == 3 and len(set(table)) == 3
     tasks = mgr.take_swap_metadata()
@@ -630,7 +676,7 @@ def test_host_hit_is_swapped_in() -> None:
     for k, dev, host in zip(keys("a", 2), table[:2], hosts, strict=True):
         n = node(mgr, k)
         assert (n.state, n.device_block, n.host_block) == (NodeState.DEVICE, dev, host)
-    mgr.commit("r", len(hashes) * BS)
+    mgr.commit("r", num_computed_tokens=len(hashes) * BS)
     mgr.finish("r")
     stats = mgr.get_stats()
     assert (stats.host_hit_blocks, stats.host_to_device_blocks) == (2, 2)
@@ -654,7 +700,7 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
     assert rollbacks == [Rollback("r", (1, 2))]
     # The request keeps its blocks (the engine recomputes into them); the nodes are
     # host-only again, with their host copies.
-    assert mgr.block_table("r") == table
+    assert table_ids(mgr, "r") == table
     for k in ("a1", "a2"):
         n = node(mgr, k)
         assert (n.state, n.device_block) == (NodeState.HOST, -1) and n.host_block >= 0
@@ -662,7 +708,7 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
     assert (stats.failed_transfers, stats.rollbacks) == (1, 2)
     assert mgr.device_pool.num_used == 4
     # Recomputed and committed: the nodes take the request's blocks back.
-    mgr.commit("r", len(hashes) * BS)
+    mgr.commit("r", num_computed_tokens=len(hashes) * BS)
     for k, block in zip(keys("a", 3), table, strict=False):
         n = node(mgr, k)
         assert (n.state, n.device_block) == (NodeState.DEVICE, block)
@@ -677,7 +723,7 @@ def test_failed_swap_in_rolls_back_and_commit_readopts() -> None:
 def test_rolled_back_request_that_finishes_without_recomputing_frees_its_blocks() -> None:
     mgr = on_host()
     mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
-    mgr.allocate("r", 0)
+    grow(mgr, "r", 0)
     _, rollbacks = complete(mgr, success=False)
     assert rollbacks == [Rollback("r", (0, 1))]
     mgr.finish("r")
@@ -708,7 +754,7 @@ def test_swap_in_of_an_aborted_request_resolves_on_its_result(success: bool) -> 
 def test_block_being_loaded_is_not_served_to_a_second_request() -> None:
     mgr = on_host(chain=["a0"])
     mgr.match("r1", ["a0"], prompt(["a0"]))
-    mgr.allocate("r1", 0)
+    grow(mgr, "r1", 0)
     meta = mgr.take_swap_metadata().swap_in
     hit = mgr.match("r2", ["a0"], prompt(["a0"]))
     rollbacks = mgr.apply_results([TransferResult(meta.transfer_id, False)])
@@ -721,7 +767,7 @@ def test_second_request_with_the_host_hit_waits_for_the_first_swap_in() -> None:
     mgr.match("r1", ["a0"], prompt(["a0"]))
     mgr.match("r2", ["a0", "b1"], prompt(["a0", "b1"]))  # both see a0 on host
     t1 = table_after(mgr, "r1", 0)
-    assert not mgr.allocate("r2", 1)  # r1 is loading a0
+    assert not grow(mgr, "r2", 1)  # r1 is loading a0
     meta = mgr.take_swap_metadata().swap_in
     assert meta.num_blocks == 1
     mgr.apply_results([TransferResult(meta.transfer_id, True)])
@@ -740,12 +786,12 @@ def test_commit_waits_for_the_swap_in_result() -> None:
     and commits everything, and a later request is served the recomputed blocks."""
     mgr = on_host(chain=["a0"])
     mgr.match("r", ["a0", "b1"], prompt(["a0", "b1"]))
-    mgr.allocate("r", 1)
+    grow(mgr, "r", 1)
     meta = mgr.take_swap_metadata().swap_in
     with pytest.raises(ValueError, match="swap-in without a result"):
-        mgr.commit("r", len(["a0", "b1"]) * BS)
+        mgr.commit("r", num_computed_tokens=len(["a0", "b1"]) * BS)
     assert mgr.apply_results([TransferResult(meta.transfer_id, False)]) == [Rollback("r", (0,))]
-    mgr.commit("r", len(["a0", "b1"]) * BS)  # recomputed a0, computed b1
+    mgr.commit("r", num_computed_tokens=len(["a0", "b1"]) * BS)  # recomputed a0, computed b1
     mgr.finish("r")
     hit = mgr.match("r2", ["a0", "b1"], prompt(["a0", "b1"]))
     assert (hit.num_device_hits, hit.num_host_hits) == (2, 0)
@@ -760,11 +806,11 @@ def _evicting(device: int = 2):
     """write_back with every device block cached by a single-block request, and an
     allocation that started evicting the least recently used one."""
     mgr = make("write_back", device=device, host=4)
-    blocks = {k: serve(mgr, k, [k])[0] for k in keys("c", device)}
+    blocks = {f"c{i}": serve(mgr, f"c{i}", [f"c{i}"])[0] for i in range(device)}
     mgr.match("r", ["new"], prompt(["new"]))
-    assert not mgr.allocate("r", 1)
+    assert not grow(mgr, "r", 1)
     meta = mgr.take_swap_metadata().evict
-    assert list(meta.block_hashes) == ["c0"] and list(meta.src_block_ids) == [blocks["c0"]]
+    assert names(meta.block_hashes) == ["c0"] and list(meta.src_block_ids) == [blocks["c0"]]
     assert node(mgr, "c0").state == NodeState.SWAP_TO_HOST
     return mgr, meta, blocks
 
@@ -778,9 +824,9 @@ def test_failed_eviction_keeps_the_device_copy_and_frees_the_host_block() -> Non
     assert mgr.host_pool.num_used == 0 and mgr.device_pool.num_free == 0
     assert mgr.get_stats().failed_transfers == 1
     # It went back to the head of the list: the next attempt picks it again.
-    assert not mgr.allocate("r", 1)
+    assert not grow(mgr, "r", 1)
     retry = mgr.take_swap_metadata().evict
-    assert list(retry.block_hashes) == ["c0"]
+    assert names(retry.block_hashes) == ["c0"]
     mgr.apply_results([TransferResult(retry.transfer_id, True)])
     assert table_after(mgr, "r", 1) == [blocks["c0"]]
     mgr.finish("r")
@@ -792,15 +838,15 @@ def test_failed_evictions_return_to_the_head_in_their_lru_order() -> None:
     for k in ("c0", "c1", "c2"):
         serve(mgr, k, [k])
     mgr.match("r", keys("n", 2), prompt(keys("n", 2)))
-    assert not mgr.allocate("r", 2)
+    assert not grow(mgr, "r", 2)
     tasks, _ = complete(mgr, success=False)
-    assert list(tasks.evict.block_hashes) == ["c0", "c1"]
+    assert names(tasks.evict.block_hashes) == ["c0", "c1"]
     mgr.abort("r")
     for expected in ("c0", "c1", "c2"):  # the oldest first, as before the failure
         mgr.match(f"one-{expected}", ["x"], prompt(["x"]))
-        assert not mgr.allocate(f"one-{expected}", 1)
+        assert not grow(mgr, f"one-{expected}", 1)
         meta = mgr.take_swap_metadata().evict
-        assert list(meta.block_hashes) == [expected]
+        assert names(meta.block_hashes) == [expected]
         mgr.apply_results([TransferResult(meta.transfer_id, False)])
         mgr.abort(f"one-{expected}")
         # Put it behind the others so the next one is up.
@@ -814,7 +860,7 @@ def test_eviction_revived_by_a_match_keeps_its_device_copy(release_before_result
     mgr, meta, blocks = _evicting()
     hit = mgr.match("reader", ["c0"], prompt(["c0"]))
     assert hit.num_device_hits == 1
-    assert mgr.block_table("reader") == [blocks["c0"]]
+    assert table_ids(mgr, "reader") == [blocks["c0"]]
     if release_before_result:
         mgr.finish("reader")
     mgr.apply_results([TransferResult(meta.transfer_id, True)])
@@ -838,14 +884,14 @@ def _three_transfers():
         serve(mgr, k, [k])
     metas = []
     mgr.match("r1", keys("x", 2), prompt(keys("x", 2)))
-    assert not mgr.allocate("r1", 2)  # evicts b0
+    assert not grow(mgr, "r1", 2)  # evicts b0
     metas.append(mgr.take_swap_metadata().evict)
     mgr.match("r2", ["h0"], prompt(["h0"]))
-    assert mgr.allocate("r2", 0)  # the last free block, swapped into
+    assert grow(mgr, "r2", 0)  # the last free block, swapped into
     metas.append(mgr.take_swap_metadata().swap_in)
     mgr.match("r3", keys("y", 2), prompt(keys("y", 2)))
     # One block is already on its way out (for r1); r3 evicts the one more it needs.
-    assert not mgr.allocate("r3", 2)  # evicts c0
+    assert not grow(mgr, "r3", 2)  # evicts c0
     metas.append(mgr.take_swap_metadata().evict)
     assert all(m is not None for m in metas)
     return mgr, metas
@@ -867,7 +913,7 @@ def test_results_apply_in_any_order(order: tuple[int, ...]) -> None:
     )
     mgr.finish("r1")
     mgr.finish("r2")
-    assert mgr.allocate("r3", 2)
+    assert grow(mgr, "r3", 2)
     mgr.finish("r3")
     assert_no_leak(mgr)
 
@@ -917,7 +963,7 @@ def test_a_lookup_answer_without_a_storage_tier_refuses_the_whole_batch() -> Non
 def test_batch_with_an_unknown_transfer_id_loses_no_rollback() -> None:
     mgr = on_host(chain=["a0"])
     mgr.match("r", ["a0"], prompt(["a0"]))
-    mgr.allocate("r", 0)
+    grow(mgr, "r", 0)
     meta = mgr.take_swap_metadata().swap_in
     with pytest.raises(ValueError, match="transfer_id"):
         mgr.apply_results([TransferResult(meta.transfer_id, False), TransferResult(999, True)])
@@ -945,7 +991,7 @@ def test_transfer_ids_are_unique_and_increasing() -> None:
         table = allocate(mgr, f"r{i}", 1)
         assert table
         ids += _run_step(mgr)  # the swap-in and evictions
-        mgr.commit(f"r{i}", len(["a0", f"n{i}"]) * BS)
+        mgr.commit(f"r{i}", num_computed_tokens=len(["a0", f"n{i}"]) * BS)
         ids += _run_step(mgr)  # the backup the commit planned
         mgr.finish(f"r{i}")
         push_out(mgr)
@@ -972,7 +1018,7 @@ def test_get_stats_figures() -> None:
     assert s.device_pool.used == 4 and s.device_pool.usage == 1.0
 
     mgr.match("e", keys("e", 2), prompt(keys("e", 2)))
-    assert not mgr.allocate("e", 2)  # evicts a and b
+    assert not grow(mgr, "e", 2)  # evicts a and b
     s = mgr.get_stats()
     assert (s.queued_blocks, s.inflight_transfers, s.inflight_blocks) == (2, 0, 0)
     assert s.device_evictions == 2 and s.active_requests == 1
@@ -983,7 +1029,7 @@ def test_get_stats_figures() -> None:
     assert s.host_pool.used == 2
     mgr.apply_results([TransferResult(evict.transfer_id, True)])
     allocate(mgr, "e", 2)
-    mgr.commit("e", len(keys("e", 2)) * BS)
+    mgr.commit("e", num_computed_tokens=len(keys("e", 2)) * BS)
     mgr.finish("e")
 
     # a comes back from host; the host tier is full, so b's host copy is dropped to
@@ -1014,7 +1060,7 @@ def test_get_stats_figures() -> None:
 def test_failures_count_in_stats() -> None:
     mgr = on_host()
     mgr.match("r", keys("a", 2), prompt(keys("a", 2)))
-    mgr.allocate("r", 0)
+    grow(mgr, "r", 0)
     complete(mgr, success=False)
     s = mgr.get_stats()
     assert (s.failed_transfers, s.rollbacks, s.host_to_device_transfers) == (1, 2, 1)
@@ -1034,14 +1080,14 @@ def test_mixed_workload_leaves_no_leak(policy: str, host: int) -> None:
     for step, doc in enumerate(docs * 3):
         rid = f"q{step}"
         hit = mgr.match(rid, doc, prompt(doc))
-        alloc = mgr.allocate(rid, len(doc) - hit.num_hits)
+        alloc = grow(mgr, rid, len(doc) - hit.num_hits)
         tasks = mgr.take_swap_metadata()
         outstanding += emitted(tasks)
         if not alloc or step % 4 == 3:
             mgr.abort(rid)
         else:
             try:
-                mgr.commit(rid, len(doc) * BS)
+                mgr.commit(rid, num_computed_tokens=len(doc) * BS)
             except ValueError:  # its swap-in has no result yet: the step catches up
                 results = [
                     TransferResult(m.transfer_id, (m.transfer_id % 3) != 0) for m in outstanding
@@ -1049,7 +1095,9 @@ def test_mixed_workload_leaves_no_leak(policy: str, host: int) -> None:
                 outstanding.clear()
                 rollbacks = mgr.apply_results(results)
                 assert {r.request_id for r in rollbacks} <= {rid}
-                mgr.commit(rid, len(doc) * BS)  # recomputed, if its swap-in failed
+                mgr.commit(
+                    rid, num_computed_tokens=len(doc) * BS
+                )  # recomputed, if its swap-in failed
             mgr.finish(rid)
         if step % 2:  # results arrive late, newest first, every third one failing
             results = [
@@ -1075,7 +1123,9 @@ def test_full_hit_leaves_the_last_token_to_compute(extra_tokens: int, hits: int)
     assert (hit.num_device_hits, hit.num_cached_tokens) == (hits, hits * BS)
     assert hit.num_cached_tokens < 3 * BS + extra_tokens
     table = table_after(mgr, "again", 3 - hits + (extra_tokens > 0))
-    mgr.commit("again", 3 * BS + extra_tokens)  # the recomputed block stays private
+    mgr.commit(
+        "again", num_computed_tokens=3 * BS + extra_tokens
+    )  # the recomputed block stays private
     mgr.finish("again")
     assert mgr.get_stats().cached_nodes == 3 and len(table) == 3 + (extra_tokens > 0)
     assert mgr.match("empty", [], 0).num_hits == 0
@@ -1088,19 +1138,19 @@ def test_commit_takes_a_count_and_uses_the_hashes_the_manager_holds() -> None:
     tokens are appended, and commit caches them from a token count alone."""
     mgr = make(device=8)
     mgr.match("r", keys("a", 2), 2 * BS + 2)  # two full blocks and two more tokens
-    assert mgr.allocate("r", 3)
-    mgr.commit("r", 2 * BS + 2)
+    assert grow(mgr, "r", 3)
+    mgr.commit("r", num_computed_tokens=2 * BS + 2)
     assert mgr.get_stats().cached_nodes == 2
     # Decoding completes block 2: its hash arrives, and the next step computes it.
     mgr.append_hashes("r", ["a2"])
-    mgr.commit("r", 2 * BS + 3)  # block 2 not full yet: nothing new
+    mgr.commit("r", num_computed_tokens=2 * BS + 3)  # block 2 not full yet: nothing new
     assert mgr.get_stats().cached_nodes == 2
-    mgr.commit("r", 3 * BS)
-    assert node(mgr, "a2").device_block == mgr.block_table("r")[2]
+    mgr.commit("r", num_computed_tokens=3 * BS)
+    assert node(mgr, "a2").device_block == table_ids(mgr, "r")[2]
     # Computed tokens past the known hashes: refused, with the cure in the message.
-    assert mgr.allocate("r", 1)
+    assert grow(mgr, "r", 1)
     with pytest.raises(ValueError, match=r"only 3 block hashes .* append_hashes"):
-        mgr.commit("r", 4 * BS)
+        mgr.commit("r", num_computed_tokens=4 * BS)
     mgr.finish("r")
     hit = mgr.match("next", keys("a", 4), 4 * BS + 1)
     assert hit.num_device_hits == 3
@@ -1112,13 +1162,13 @@ def test_a_hash_cached_under_another_prefix_is_refused_not_grafted() -> None:
     mgr = make(device=8)
     serve(mgr, "r0", ["x0", "x1"])
     mgr.match("r", ["a0"], BS + 1)
-    assert mgr.allocate("r", 2)
+    assert grow(mgr, "r", 2)
     mgr.append_hashes("r", ["x1"])  # not a chained hash: x1 hangs under x0
     before = (mgr.get_stats(), [(n.key, n.ref) for n in mgr.tree])
     with pytest.raises(ValueError, match="already cached under another prefix"):
-        mgr.commit("r", 2 * BS)
+        mgr.commit("r", num_computed_tokens=2 * BS)
     assert (mgr.get_stats(), [(n.key, n.ref) for n in mgr.tree]) == before
-    mgr.commit("r", BS)  # the good part still commits
+    mgr.commit("r", num_computed_tokens=BS)  # the good part still commits
     mgr.finish("r")
     assert node(mgr, "x1").parent is node(mgr, "x0")
     assert_no_leak(mgr)
@@ -1133,13 +1183,23 @@ def test_a_hash_cached_under_another_prefix_is_refused_not_grafted() -> None:
         (lambda m: m.match("n", ["a0", "a1"], 2 * BS - 1), ValueError),
         (lambda m: m.match("n", ["a0"], 5.0), ValueError),
         (lambda m: m.match("held", [], 1), ValueError),
-        (lambda m: m.allocate("held", 1.5), ValueError),
-        (lambda m: m.allocate("held", True), ValueError),
-        (lambda m: m.allocate("held", "1"), ValueError),
-        (lambda m: m.commit("held", 4.0), ValueError),
-        (lambda m: m.commit("held", True), ValueError),
+        (lambda m: m.allocate("held", num_tokens=1.5), ValueError),
+        (lambda m: m.allocate("held", num_tokens=True), ValueError),
+        (lambda m: m.allocate("held", num_tokens="1"), ValueError),
+        (lambda m: m.allocate("held", 4), TypeError),
+        (lambda m: m.commit("held", num_computed_tokens=4.0), ValueError),
+        (lambda m: m.commit("held", num_computed_tokens=True), ValueError),
+        (lambda m: m.commit("held", 4), TypeError),
+        (lambda m: m.commit("held", num_computed_tokens=1), ValueError),
         (lambda m: m.append_hashes("held", ["z", ["unhashable"]]), TypeError),
         (lambda m: m.append_hashes("held", "z"), TypeError),
+        (lambda m: m.append_hashes("held", ["a0", "z"]), ValueError),
+        (lambda m: m.append_hashes("held", [b"x"]), TypeError),
+        (lambda m: m.match("n", [b"x"], 5), TypeError),
+        (lambda m: m.match("n", [hash("a0")], 5), TypeError),
+        (lambda m: m.match("n", [H("a0"), b"\0" * 31], 9), TypeError),
+        (lambda m: m.append_tokens("held", [1, 2, 3]), ValueError),
+        (lambda m: m.block_table("held", 2), ValueError),
         (lambda m: m.apply_results([None]), TypeError),
     ],
     ids=[
@@ -1152,10 +1212,20 @@ def test_a_hash_cached_under_another_prefix_is_refused_not_grafted() -> None:
         "allocate-float",
         "allocate-bool",
         "allocate-str",
+        "allocate-positional-count",
         "commit-float",
         "commit-bool",
+        "commit-positional-count",
+        "commit-below-the-cached-prefix",
         "append-unhashable",
         "append-str",
+        "append-the-whole-list-again",
+        "append-short-digest",
+        "match-short-digest",
+        "match-python-hash-int",
+        "match-31-byte-digest",
+        "append-tokens-to-a-hash-request",
+        "table-start-past-the-end",
         "apply-non-result",
     ],
 )
@@ -1178,20 +1248,20 @@ def test_allocate_says_wait_only_while_planned_transfers_will_free_the_blocks() 
     for i in range(4):
         serve(mgr, f"f{i}", [f"f{i}"])
     mgr.match("r", [], 1)
-    alloc = mgr.allocate("r", 3)
-    assert alloc == Allocation(AllocStatus.WAIT_FOR_TRANSFERS, [])
+    alloc = grow(mgr, "r", 3)
+    assert alloc == Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
     assert mgr.get_stats().queued_blocks == 3
     # The documented loop: send the planned swaps, apply the results, retry.
-    while not (alloc := mgr.allocate("r", 3)):
+    while not (alloc := grow(mgr, "r", 3)):
         assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS
         complete(mgr)
-    assert len(alloc.new_blocks) == 3 and mgr.block_table("r") == alloc.new_blocks
+    assert alloc.num_new_blocks == 3 and len(table_ids(mgr, "r")) == 3
     # A second request: the blocks are held by "r", not in flight.
     mgr.match("s", [], 1)
-    assert mgr.allocate("s", 2) == Allocation(AllocStatus.NO_SPACE, [])
+    assert grow(mgr, "s", 2) == Allocation(AllocStatus.NO_SPACE)
     assert mgr.take_swap_metadata() == SwapTasks(None, None)
     mgr.finish("r")
-    assert mgr.allocate("s", 2)
+    assert grow(mgr, "s", 2)
     mgr.finish("s")
     assert_no_leak(mgr)
 
@@ -1202,21 +1272,24 @@ def test_device_blocks_below_a_host_hit_count_toward_what_can_never_fit() -> Non
     for the rest of the pool can never fit and raises instead of waiting forever."""
     mgr = on_host("write_back", device=4, host=8, chain=["X"])
     mgr.match("C", ["X"], BS + 1)  # host hit: C loads X
-    assert mgr.allocate("C", 0)
+    assert grow(mgr, "C", 0)
     load = mgr.take_swap_metadata().swap_in
     mgr.match("A", ["X", "Y"], 2 * BS + 1)  # stops at X while it loads
-    assert mgr.allocate("A", 2)
-    mgr.commit("A", 2 * BS)  # A computed X itself; Y hangs under X on the device
+    assert grow(mgr, "A", 2)
+    mgr.commit(
+        "A", num_computed_tokens=2 * BS
+    )  # A computed X itself; Y hangs under X on the device
     mgr.finish("A")
     mgr.apply_results([TransferResult(load.transfer_id, False)])  # X back to host only
     mgr.abort("C")
     x, y = node(mgr, "X"), node(mgr, "Y")
     assert (x.state, y.state, y.parent) == (NodeState.HOST, NodeState.DEVICE, x)
     hit = mgr.match("D", ["X", "Y", "Z"], 3 * BS + 1)
-    assert (hit.num_host_hits, hit.num_device_hits) == (1, 1)
+    # Y is on the device but below host-only X: allocate brings both into the table.
+    assert (hit.num_host_hits, hit.num_device_hits) == (2, 0)
     before = mgr.get_stats()
     with pytest.raises(ValueError, match="would hold 5 device blocks"):
-        mgr.allocate("D", 3)  # Y + X's swap-in + 3 new > 4
+        grow(mgr, "D", 3)  # Y + X's swap-in + 3 new > 4
     assert mgr.get_stats() == before
     table = allocate(mgr, "D", 2)  # the most that fits, after the documented waits
     assert table[1] == y.device_block and len(table) == 4
@@ -1227,12 +1300,12 @@ def test_device_blocks_below_a_host_hit_count_toward_what_can_never_fit() -> Non
 def test_backups_without_host_room_are_counted_and_retried_at_eviction() -> None:
     mgr = make("write_through", device=4, host=1)
     mgr.match("holder", ["h0"], BS + 1)
-    assert mgr.allocate("holder", 1)
-    mgr.commit("holder", BS)  # takes the only host block
+    assert grow(mgr, "holder", 1)
+    mgr.commit("holder", num_computed_tokens=BS)  # takes the only host block
     complete(mgr)
     mgr.match("r", keys("a", 2), 2 * BS + 1)
-    assert mgr.allocate("r", 2)
-    mgr.commit("r", 2 * BS)
+    assert grow(mgr, "r", 2)
+    mgr.commit("r", num_computed_tokens=2 * BS)
     stats = mgr.get_stats()
     assert (stats.backups, stats.backups_without_room) == (1, 2)
     mgr.finish("holder")  # its host copy may now be dropped
@@ -1264,11 +1337,11 @@ def _reusing(device: int = 3):
     )
     serve(mgr, "setup", keys("a", 2))
     mgr.match("big", [], 1)
-    alloc = mgr.allocate("big", device)
+    alloc = grow(mgr, "big", device)
     assert alloc, "reuse hands evicted blocks over without waiting"
     meta = mgr.take_swap_metadata().evict
-    assert list(meta.block_hashes) == ["a1", "a0"]  # leaf first
-    assert sorted(meta.src_block_ids) == sorted(alloc.new_blocks[-2:])
+    assert names(meta.block_hashes) == ["a1", "a0"]  # leaf first
+    assert sorted(meta.src_block_ids) == sorted(table_ids(mgr, "big")[-2:])
     assert [node(mgr, k).state for k in ("a0", "a1")] == [NodeState.PENDING_HOST] * 2
     return mgr, meta
 
@@ -1304,11 +1377,11 @@ def test_a_recomputed_block_rescues_a_reused_eviction() -> None:
     mgr.abort("big")  # its blocks are free again; the copies still read them first
     mgr.match("r", ["a0"], BS + 1)  # stops at a0: in flight
     assert table_after(mgr, "r", 1)
-    mgr.commit("r", BS)
+    mgr.commit("r", num_computed_tokens=BS)
     assert node(mgr, "a0").state == NodeState.BACKUP_TO_HOST
     mgr.apply_results([TransferResult(meta.transfer_id, False)])
     a0 = node(mgr, "a0")
-    assert (a0.state, a0.device_block) == (NodeState.DEVICE, mgr.block_table("r")[0])
+    assert (a0.state, a0.device_block) == (NodeState.DEVICE, table_ids(mgr, "r")[0])
     assert node(mgr, "a1") is None  # a1 had no other copy
     mgr.finish("r")
     assert_no_leak(mgr)

@@ -4,6 +4,7 @@ brief; a bad call at any point must raise and leave the manager exactly as it wa
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from hypothesis import HealthCheck, event, settings
@@ -19,9 +20,15 @@ from fastkv import (
     TransferResult,
 )
 from fastkv.metadata import CacheLevel
-from fastkv.scheduler import AllocStatus, CacheManager
+from fastkv.scheduler import AllocStatus, CacheManager, Slot
 
 BS = 4
+
+
+def H(name: str) -> bytes:
+    """A block's 32-byte digest, named for readability."""
+    return hashlib.sha256(name.encode()).digest()
+
 
 # A few documents sharing prefixes, so requests hit, branch and evict.
 DOCUMENTS = [
@@ -76,7 +83,7 @@ class CacheLifecycle(RuleBasedStateMachine):
         # (the worker orders the copy first); a block being written never may.
         self.reuse = reuse
         self.next_id = 0
-        self.requests: dict[int, list[str]] = {}  # active request -> its hashes
+        self.requests: dict[int, list[bytes]] = {}  # active request -> its hashes
         self.allocated: set[int] = set()
         self.outstanding: list[CacheSwapMetadata] = []  # emitted, no result yet
 
@@ -91,13 +98,17 @@ class CacheLifecycle(RuleBasedStateMachine):
     def arrive(self, doc: int, length: int, tail: bool, partial: int) -> None:
         rid = self.next_id
         self.next_id += 1
-        hashes = DOCUMENTS[doc][:length] + ([f"u{rid}"] if tail else [])
+        hashes = [H(n) for n in DOCUMENTS[doc][:length] + ([f"u{rid}"] if tail else [])]
         num_tokens = len(hashes) * BS + partial  # partial == 0: a block-aligned prompt
         hit = self.mgr.match(rid, hashes, num_tokens)
         self.hits[rid] = hit.num_hits
         # The prompt's last token is always computed.
         assert 0 <= hit.num_hits <= (num_tokens - 1) // BS
         assert hit.num_cached_tokens == hit.num_hits * BS < num_tokens
+        # The device hits are exactly the table the match made: cached, in order.
+        table = self.mgr.block_table(rid)
+        assert table.num_blocks == hit.num_device_hits == table.num_cached_blocks
+        assert set(table.slots) <= {Slot.CACHED}
         if partial == 0 and hit.num_hits == len(hashes) - 1:
             event("full hit capped")
         self.requests[rid] = hashes
@@ -118,7 +129,7 @@ class CacheLifecycle(RuleBasedStateMachine):
             return
         if rid in self.allocated:
             self.flush()  # the step ran: results come back before the commit
-            self.mgr.commit(rid, len(self.requests[rid]) * BS)
+            self.mgr.commit(rid, num_computed_tokens=len(self.requests[rid]) * BS)
         self.release_request(rid, abort=False)
 
     def _pick(self, pool: list[int], i: int) -> int:
@@ -136,13 +147,18 @@ class CacheLifecycle(RuleBasedStateMachine):
         pool = self.mgr.device_pool
         was_free = {b for b in range(pool.capacity) if not pool.is_allocated(b)}
         hashes = self.requests[rid]
-        # Blocks the request still needs beyond what match found (storage hits that
-        # landed since are the manager's to subtract).
-        alloc = self.mgr.allocate(rid, len(hashes) - self.hits[rid])
+        # The whole prompt; the manager brings in what it matched (storage hits that
+        # landed since included) and adds fresh blocks for the rest.
+        try:
+            alloc = self.mgr.allocate(rid, num_tokens=len(hashes) * BS)
+        except RuntimeError as e:  # asked again and again while nothing was taken
+            assert "never taken" in str(e) and self.mgr.busy
+            event("allocate refused: WAITs with nothing taken")
+            return
         matched = self.hits[rid]
         if not alloc:
             event(f"allocate: {alloc.status.value}")
-            assert alloc.new_blocks == []
+            assert alloc.num_new_blocks == 0
             assert self.mgr.block_table(rid) == before, "a failed allocate changed the table"
             busy = self.mgr.busy
             if alloc.status is AllocStatus.WAIT_FOR_TRANSFERS:
@@ -151,15 +167,20 @@ class CacheLifecycle(RuleBasedStateMachine):
                 assert len(self.requests) > 1
             return
         table = self.mgr.block_table(rid)
+        ids = table.block_ids
         cached = alloc.num_cached_tokens // BS  # device, host and storage hits
-        assert cached >= matched or self.mgr._requests[rid].rolled_back is not None
-        added, new, fresh = table[len(before) :], alloc.new_blocks, len(hashes) - cached
-        # New blocks in table order (host-hit destinations, then fresh ones); blocks
-        # already on the device below a host hit sit between them.
-        assert [b for b in added if b in set(new)] == new
-        assert added[len(added) - fresh :] == new[len(new) - fresh :]
-        assert len(table) == len(hashes) and table[: len(before)] == before
-        fresh = set(table) & was_free
+        assert cached == table.num_cached_blocks
+        assert cached >= matched or self.mgr._requests[rid].rolled_back
+        assert alloc.num_new_blocks == len(ids) - before.num_blocks
+        assert len(ids) == len(hashes) and ids[: before.num_blocks] == before.block_ids
+        # The cached prefix is CACHED or LOADING, the rest is the engine's to compute;
+        # a LOADING block is a destination of this step's swap-in.
+        assert all(s is not Slot.COMPUTE for s in table.slots[:cached])
+        assert all(s is Slot.COMPUTE for s in table.slots[cached:])
+        queued = set(self.mgr._h2d.device_ids)
+        assert all(ids[p] in queued for p in table.loading), "LOADING without a swap-in"
+        assert len(set(ids)) == len(ids), "one block at two positions"
+        fresh = set(ids) & was_free
         busy = self._outstanding_ids(CacheLevel.DEVICE)
         assert not fresh & busy, f"device blocks {fresh & busy} handed out while in flight"
         self.allocated.add(rid)
@@ -170,9 +191,18 @@ class CacheLifecycle(RuleBasedStateMachine):
         rid = self._pick(list(self.allocated), i)
         hashes = self.requests[rid]
         blocks = len(hashes) if full else max(1, len(hashes) // 2)
+        count = blocks * BS + (extra if blocks < len(hashes) else 0)
         try:
-            self.mgr.commit(rid, blocks * BS + (extra if blocks < len(hashes) else 0))
+            self.mgr.commit(rid, num_computed_tokens=count)
         except ValueError as e:  # its swap-in has no result yet: the engine waits
+            if "below" in str(e):  # fewer tokens than the cached prefix holds
+                assert count < self.mgr.block_table(rid).num_cached_tokens
+                event("commit below the cached prefix refused")
+                return
+            if "not taken yet" in str(e):  # its step has not run: nothing computed
+                assert self.reuse
+                event("commit before the step that hands its block over refused")
+                return
             assert "swap-in" in str(e)
             event("commit refused until the swap-in result")
 
@@ -184,10 +214,10 @@ class CacheLifecycle(RuleBasedStateMachine):
         hashes = self.requests[rid]
         if len(hashes) >= self.mgr.device_pool.capacity:
             return
-        new = f"g{rid}.{len(hashes)}"
+        new = H(f"g{rid}.{len(hashes)}")
         self.mgr.append_hashes(rid, [new])
         hashes.append(new)
-        if not self.mgr.allocate(rid, 1):
+        if not self.mgr.allocate(rid, num_tokens=len(hashes) * BS):
             event("grow deferred")
             self.mgr.abort(rid)  # preempted: it gives its blocks back
             del self.requests[rid]
@@ -213,22 +243,30 @@ class CacheLifecycle(RuleBasedStateMachine):
         active = sorted(self.requests)
         rid = data.draw(st.sampled_from(active)) if active else None
         outstanding = [m.transfer_id for m in self.outstanding]
+        sys_, a1, z = H("sys"), H("a1"), H("z")
         calls = [
-            ("match unhashable late", lambda: mgr.match(-1, ["sys", "a1", ["x"]], 13)),
-            ("match iterator", lambda: mgr.match(-1, iter(["sys", "a1"]), 9)),
-            ("match repeated hash", lambda: mgr.match(-1, ["sys", "a1", "sys"], 13)),
+            ("match unhashable late", lambda: mgr.match(-1, [sys_, a1, ["x"]], 13)),
+            ("match iterator", lambda: mgr.match(-1, iter([sys_, a1]), 9)),
+            ("match repeated hash", lambda: mgr.match(-1, [sys_, a1, sys_], 13)),
             ("match str", lambda: mgr.match(-1, "sys", 13)),
-            ("match too few tokens", lambda: mgr.match(-1, ["sys", "a1"], 7)),
-            ("match float tokens", lambda: mgr.match(-1, ["sys"], 5.0)),
+            ("match str hashes", lambda: mgr.match(-1, ["sys", "a1"], 9)),
+            ("match short digest", lambda: mgr.match(-1, [sys_[:16]], 5)),
+            ("match int hashes", lambda: mgr.match(-1, [hash("sys")], 5)),
+            ("match too few tokens", lambda: mgr.match(-1, [sys_, a1], 7)),
+            ("match float tokens", lambda: mgr.match(-1, [sys_], 5.0)),
             ("match bool tokens", lambda: mgr.match(-1, [], True)),
             ("match negative tokens", lambda: mgr.match(-1, [], -1)),
-            ("allocate unknown", lambda: mgr.allocate(-1, 1)),
+            ("allocate unknown", lambda: mgr.allocate(-1, num_tokens=1)),
             ("finish unknown", lambda: mgr.finish(-1)),
             ("abort unknown", lambda: mgr.abort(-1)),
-            ("commit unknown", lambda: mgr.commit(-1, 0)),
-            ("append unknown", lambda: mgr.append_hashes(-1, ["z"])),
+            ("commit unknown", lambda: mgr.commit(-1, num_computed_tokens=0)),
+            ("append unknown", lambda: mgr.append_hashes(-1, [z])),
             ("apply unknown id", lambda: mgr.apply_results([TransferResult(10**9, True)])),
             ("apply non-result", lambda: mgr.apply_results(["done"])),
+            (
+                "apply one rank of two",
+                lambda: mgr.apply_results([TransferResult(10**9, True, num_ranks=2)]),
+            ),
         ]
         if outstanding:
             tid = data.draw(st.sampled_from(outstanding))
@@ -241,24 +279,44 @@ class CacheLifecycle(RuleBasedStateMachine):
             ]
         if rid is not None:
             n = len(mgr._requests[rid].blocks)
+            held = self.requests[rid]
+            too_many = (mgr.device_pool.capacity + 1) * BS
             calls += [
                 ("match active", lambda: mgr.match(rid, [], 1)),
-                ("allocate float", lambda: mgr.allocate(rid, 1.5)),
-                ("allocate bool", lambda: mgr.allocate(rid, True)),
-                ("allocate negative", lambda: mgr.allocate(rid, -1)),
-                ("allocate too many", lambda: mgr.allocate(rid, mgr.device_pool.capacity + 1)),
-                ("commit float", lambda: mgr.commit(rid, 4.0)),
-                ("commit negative", lambda: mgr.commit(rid, -4)),
-                ("commit past the table", lambda: mgr.commit(rid, (n + 1) * BS)),
-                ("append unhashable", lambda: mgr.append_hashes(rid, ["ok", {}])),
-                ("append repeated", lambda: mgr.append_hashes(rid, ["z", "z"])),
+                ("allocate float", lambda: mgr.allocate(rid, num_tokens=1.5)),
+                ("allocate bool", lambda: mgr.allocate(rid, num_tokens=True)),
+                ("allocate negative", lambda: mgr.allocate(rid, num_tokens=-1)),
+                ("allocate a block count", lambda: mgr.allocate(rid, 1)),
+                ("allocate too many", lambda: mgr.allocate(rid, num_tokens=too_many)),
+                ("commit float", lambda: mgr.commit(rid, num_computed_tokens=4.0)),
+                ("commit negative", lambda: mgr.commit(rid, num_computed_tokens=-4)),
+                ("commit a block count", lambda: mgr.commit(rid, n)),
+                (
+                    "commit past the table",
+                    lambda: mgr.commit(rid, num_computed_tokens=(n + 1) * BS),
+                ),
+                ("append unhashable", lambda: mgr.append_hashes(rid, [H("ok"), {}])),
+                ("append repeated", lambda: mgr.append_hashes(rid, [z, z])),
                 ("append non-sequence", lambda: mgr.append_hashes(rid, 7)),
+                ("append str", lambda: mgr.append_hashes(rid, ["z"])),
             ]
+            if held:
+                calls.append(("append the held list", lambda: mgr.append_hashes(rid, held)))
+            pending = [q for q in self.lookups if mgr.storage_pending_lookup(q.lookup_id)]
+            if pending:
+                q = pending[0]
+                too_long = len(q.block_hashes) + 1
+                calls.append(
+                    (
+                        "lookup answer longer than its lookup",
+                        lambda: mgr.apply_results([LookupResult(q.lookup_id, too_long)]),
+                    )
+                )
         name, call = data.draw(st.sampled_from(calls))
         before = snapshot(mgr)
         try:
             call()
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RuntimeError):
             event(f"bad call refused: {name}")
         else:
             raise AssertionError(f"bad call accepted: {name}")
@@ -342,7 +400,9 @@ class CacheLifecycle(RuleBasedStateMachine):
                 rb.request_id in self.allocated
                 and not self.mgr._requests[rb.request_id].loading
             ):
-                self.mgr.commit(rb.request_id, len(self.requests[rb.request_id]) * BS)
+                self.mgr.commit(
+                    rb.request_id, num_computed_tokens=len(self.requests[rb.request_id]) * BS
+                )
 
     # -- checks ---------------------------------------------------------------
 

@@ -54,8 +54,8 @@ def test_a_finished_requests_unsent_lookup_is_never_sent() -> None:
 def test_write_to_storage_follows_the_storage_write_policy(policy: str, planned: int) -> None:
     mgr = make(write_policy=policy)
     mgr.match("r", keys("k", 3), prompt(3), lookup_storage=False)
-    mgr.allocate("r", 4)
-    mgr.commit("r", 3 * BS + 1)
+    mgr.allocate("r", num_tokens=4 * BS)
+    mgr.commit("r", num_computed_tokens=3 * BS + 1)
     assert mgr.write_to_storage("r") == planned
     if planned:
         backups = answer(mgr, None)  # device-only: copied to host first

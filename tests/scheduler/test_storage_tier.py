@@ -23,7 +23,7 @@ class Clock:
         return self.now
 
 
-def make(*, device=4, host=8, clock=None, **storage):
+def make(*, device=4, host=8, clock=None, tp_size=1, **storage):
     storage.setdefault("write_policy", "none")
     return Checked(
         CacheManager(
@@ -31,6 +31,7 @@ def make(*, device=4, host=8, clock=None, **storage):
                 block_size=BS,
                 num_device_blocks=device,
                 num_host_blocks=host,
+                tp_size=tp_size,
                 storage=StorageConfig(**storage),
             ),
             clock=clock or Clock(),
@@ -47,7 +48,10 @@ def answer(mgr, hits: int | list[int] | None, failed=()) -> tuple:
     like fastkv.tp does; None: not answered), every transfer successful except
     storage blocks `failed`."""
     tasks = mgr.take_swap_metadata()
-    per_rank = [0] if hits is None else hits if isinstance(hits, list) else [hits]
+    ranks = mgr.config.tp_size
+    per_rank = (
+        [0] * ranks if hits is None else hits if isinstance(hits, list) else [hits] * ranks
+    )
     ranks = RankResults(len(per_rank))
     results = []
     for rank, h in enumerate(per_rank):
@@ -78,17 +82,17 @@ def assert_no_leak(mgr) -> None:
 def admit(mgr, rid, hashes: list[str], hits: int = 0) -> None:
     """Match and allocate, the worker answering lookups with `hits` meanwhile."""
     mgr.match(rid, hashes, prompt(len(hashes)))
-    while not mgr.allocate(rid, len(hashes)):
+    while not mgr.allocate(rid, num_tokens=(len(hashes)) * BS):
         answer(mgr, hits)
 
 
 def to_storage(**kw):
     mgr = make(write_policy="write_through", **kw)
     admit(mgr, "setup", keys("a", 3))
-    mgr.commit("setup", 3 * BS)
+    mgr.commit("setup", num_computed_tokens=3 * BS)
     mgr.finish("setup")
     mgr.match("big", [], 1)
-    while not mgr.allocate("big", 4):
+    while not mgr.allocate("big", num_tokens=4 * BS):
         answer(mgr, 0)
     answer(mgr, 0)
     mgr.abort("big")
@@ -96,7 +100,7 @@ def to_storage(**kw):
     for i in range(3):
         admit(mgr, f"o{i}", keys(f"o{i}", 4))
         answer(mgr, 0)
-        mgr.commit(f"o{i}", 4 * BS)
+        mgr.commit(f"o{i}", num_computed_tokens=4 * BS)
         mgr.finish(f"o{i}")
         while mgr.num_queued_blocks or mgr.num_inflight_transfers:
             answer(mgr, 0)
@@ -112,17 +116,19 @@ def test_a_block_found_in_storage_is_loaded_into_host_then_swapped_in() -> None:
     tasks = mgr.take_swap_metadata()
     (lookup,) = tasks.lookups
     assert list(lookup.block_hashes) == keys("a", 3)
-    assert mgr.allocate("r", 3).status is AllocStatus.WAIT_FOR_TRANSFERS  # waits
+    assert (
+        mgr.allocate("r", num_tokens=3 * BS).status is AllocStatus.WAIT_FOR_TRANSFERS
+    )  # waits
     mgr.apply_results([LookupResult(lookup.lookup_id, 3)])
     load = mgr.take_swap_metadata().storage_load
     assert (load.src_level, load.dst_level) == (CacheLevel.STORAGE, CacheLevel.HOST)
     assert list(load.block_hashes) == keys("a", 3) and load.src_block_ids == []
     assert [node(mgr, k).state for k in keys("a", 3)] == [NodeState.LOADING_FROM_STORAGE] * 3
-    assert mgr.allocate("r", 3).status is AllocStatus.WAIT_FOR_TRANSFERS
+    assert mgr.allocate("r", num_tokens=3 * BS).status is AllocStatus.WAIT_FOR_TRANSFERS
     mgr.apply_results([TransferResult(load.transfer_id, True)])
-    while not (alloc := mgr.allocate("r", 3)):  # device room: evictions first
+    while not (alloc := mgr.allocate("r", num_tokens=3 * BS)):  # device room: evictions first
         answer(mgr, 0)
-    assert alloc.num_cached_tokens == 3 * BS and len(alloc.new_blocks) == 3
+    assert alloc.num_cached_tokens == 3 * BS and alloc.num_new_blocks == 3
     swap_in = answer(mgr, 0).swap_in
     assert list(swap_in.block_hashes) == keys("a", 3)
     assert mgr.get_stats().storage.hit_blocks == 3
@@ -131,15 +137,15 @@ def test_a_block_found_in_storage_is_loaded_into_host_then_swapped_in() -> None:
 
 
 def test_the_usable_prefix_is_the_minimum_over_ranks() -> None:
-    mgr = to_storage()
+    mgr = to_storage(tp_size=2)
     mgr.match("r", keys("a", 3), prompt(3))
     answer(mgr, [3, 2])  # rank 1 holds only two of the blocks
     load = mgr.take_swap_metadata().storage_load
     assert list(load.block_hashes) == keys("a", 2)
-    mgr.apply_results([TransferResult(load.transfer_id, True)])
-    while not (alloc := mgr.allocate("r", 3)):
+    mgr.apply_results([TransferResult(load.transfer_id, True, num_ranks=2)])
+    while not (alloc := mgr.allocate("r", num_tokens=3 * BS)):
         answer(mgr, 0)
-    assert alloc.num_cached_tokens == 2 * BS and len(alloc.new_blocks) == 3
+    assert alloc.num_cached_tokens == 2 * BS and alloc.num_new_blocks == 3
     mgr.abort("r")
     assert_no_leak(mgr)
 
@@ -149,7 +155,7 @@ def test_a_failed_load_on_one_rank_is_rolled_back_and_not_retried_for_a_while(
     failing_rank_block: int,
 ) -> None:
     clock = Clock()
-    mgr = to_storage(clock=clock, retry_after_s=30)
+    mgr = to_storage(clock=clock, retry_after_s=30, tp_size=2)
     mgr.match("r", keys("a", 3), prompt(3))
     answer(mgr, [3, 3])
     tasks = answer(mgr, [3, 3], failed=(failing_rank_block,))  # the load: one bad block
@@ -157,7 +163,7 @@ def test_a_failed_load_on_one_rank_is_rolled_back_and_not_retried_for_a_while(
     # From the bad block on the chain is gone; before it, it landed on host.
     states = [n.state if (n := node(mgr, k)) else None for k in keys("a", 3)]
     assert states == [NodeState.HOST] * failing_rank_block + [None] * (3 - failing_rank_block)
-    while not (alloc := mgr.allocate("r", 3)):
+    while not (alloc := mgr.allocate("r", num_tokens=3 * BS)):
         answer(mgr, 0)
     assert alloc.num_cached_tokens == failing_rank_block * BS
     mgr.abort("r")
@@ -205,7 +211,9 @@ def test_each_prefetch_policy_keeps_its_bound(policy: str) -> None:
     mgr.match("r", keys("a", 3), prompt(3))
     if policy == "best_effort":
         (lookup,) = answer(mgr, None).lookups  # its answer is slow to come
-        while not (alloc := mgr.allocate("r", 3)):  # waits for room, never for storage
+        while not (
+            alloc := mgr.allocate("r", num_tokens=3 * BS)
+        ):  # waits for room, never for storage
             assert answer(mgr, 0).lookups == ()
         assert alloc.num_cached_tokens == 0  # computes all three
         mgr.apply_results([LookupResult(lookup.lookup_id, 3)])  # too late: ignored
@@ -216,11 +224,13 @@ def test_each_prefetch_policy_keeps_its_bound(policy: str) -> None:
     answer(mgr, 3)
     slow = mgr.take_swap_metadata().storage_load  # never answered in time
     assert slow is not None
-    assert mgr.allocate("r", 3).status is AllocStatus.WAIT_FOR_TRANSFERS
+    assert mgr.allocate("r", num_tokens=3 * BS).status is AllocStatus.WAIT_FOR_TRANSFERS
     clock.now += 0.49
-    assert mgr.allocate("r", 3).status is AllocStatus.WAIT_FOR_TRANSFERS
+    assert mgr.allocate("r", num_tokens=3 * BS).status is AllocStatus.WAIT_FOR_TRANSFERS
     clock.now += 0.02
-    while not (alloc := mgr.allocate("r", 3)):  # evictions for room, not storage
+    while not (
+        alloc := mgr.allocate("r", num_tokens=3 * BS)
+    ):  # evictions for room, not storage
         answer(mgr, 0)
     assert alloc.num_cached_tokens == 0
     assert mgr.get_stats().storage.abandoned_loads == 3
@@ -251,10 +261,10 @@ def test_predicted_skips_loads_slower_than_recomputing() -> None:
 def test_a_failed_write_is_never_counted_as_stored() -> None:
     mgr = make(write_policy="write_through", device=4, host=8)
     admit(mgr, "r", keys("a", 2))
-    mgr.commit("r", 2 * BS)
+    mgr.commit("r", num_computed_tokens=2 * BS)
     mgr.finish("r")
     mgr.match("big", [], 1)
-    while not mgr.allocate("big", 4):
+    while not mgr.allocate("big", num_tokens=4 * BS):
         answer(mgr, 0)
     mgr.abort("big")
     store = None
@@ -278,7 +288,7 @@ def test_on_host_eviction_writes_a_block_and_frees_its_host_block_after() -> Non
     mgr = make(write_policy="on_host_eviction", device=2, host=2)
     for name in ("a", "b", "c", "d", "e", "f"):
         admit(mgr, name, [name])
-        mgr.commit(name, BS)
+        mgr.commit(name, num_computed_tokens=BS)
         mgr.finish(name)
         answer(mgr, 0)
     for _ in range(4):
@@ -296,7 +306,7 @@ def test_a_full_host_tier_alone_does_not_keep_the_manager_busy() -> None:
     mgr = make(write_policy="on_host_eviction", device=8, host=4)
     for name in ("a", "b", "c", "d", "e"):
         admit(mgr, name, keys(name, 2))
-        mgr.commit(name, 2 * BS)
+        mgr.commit(name, num_computed_tokens=2 * BS)
         mgr.finish(name)
         answer(mgr, 0)
     for _ in range(8):
@@ -307,7 +317,7 @@ def test_a_full_host_tier_alone_does_not_keep_the_manager_busy() -> None:
     assert not mgr.busy
     mgr.match("x", [], 1)
     for _ in range(8):
-        if mgr.allocate("x", 1):
+        if mgr.allocate("x", num_tokens=1 * BS):
             break
         assert mgr.busy, "WAIT_FOR_TRANSFERS only while transfers are in flight"
         answer(mgr, 0)
@@ -319,10 +329,10 @@ def test_a_full_host_tier_alone_does_not_keep_the_manager_busy() -> None:
 def test_after_hits_writes_a_block_once_it_is_hot() -> None:
     mgr = make(write_policy="after_hits", write_after_hits=2, device=2, host=4)
     admit(mgr, "r", ["hot"])
-    mgr.commit("r", BS)
+    mgr.commit("r", num_computed_tokens=BS)
     mgr.finish("r")
     mgr.match("big", [], 1)  # hot goes to host (write_back)
-    while not mgr.allocate("big", 2):
+    while not mgr.allocate("big", num_tokens=2 * BS):
         answer(mgr, 0)
     mgr.abort("big")
     answer(mgr, 0)
@@ -350,7 +360,7 @@ def test_a_match_counts_one_hit_when_both_hit_policies_read_it() -> None:
     )
     mgr = Checked(CacheManager(config, clock=Clock()))
     admit(mgr, "r", keys("a", 2))
-    mgr.commit("r", 2 * BS)
+    mgr.commit("r", num_computed_tokens=2 * BS)
     mgr.finish("r")
     mgr.match("h0", keys("a", 2), prompt(2))
     assert [node(mgr, k).hits for k in keys("a", 2)] == [1, 1]

@@ -67,11 +67,11 @@ def tiered_round_trip(
     def serve(rid: str, tokens: list[int]) -> tuple[int, int]:
         hashes = BlockHasher(BS, root).append(tokens)
         mgr.match(rid, hashes, len(tokens))
-        while not (alloc := mgr.allocate(rid, -(-len(tokens) // BS) - 0)):
+        while not mgr.allocate(rid, num_tokens=len(tokens)):
             step()
         step()  # swap-ins land before the model reads
-        table = mgr.block_table(rid)
-        cached = alloc.num_cached_tokens // BS
+        view = mgr.block_table(rid)
+        table, cached = view.block_ids, view.num_cached_blocks
         for pos in range(cached):
             assert kv(table[pos]) == written[hashes[pos]], f"{rid}: block {pos} differs"
         for pos in range(cached, len(table)):
@@ -80,7 +80,7 @@ def tiered_round_trip(
                 view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
             if pos < len(hashes):
                 written[hashes[pos]] = kv(table[pos])
-        mgr.commit(rid, len(tokens))
+        mgr.commit(rid, num_computed_tokens=len(tokens))
         mgr.finish(rid)
         while mgr.busy:  # backups, then their writes to storage
             step()

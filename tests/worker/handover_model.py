@@ -106,7 +106,7 @@ def run(
                 evict = dataclasses.replace(evict, reused_block_ids=())
         ctrl.submit_swap_tasks(evict, tasks.swap_in)  # no write_block_ids
         if rid is not None:
-            table = mgr.block_table(rid)
+            table = mgr.block_table(rid).block_ids
             # The model writes what it computes at once, before any layer's wait.
             for pos in range(first_new, len(table)):
                 for t in range(len(ctrl.caches)):
@@ -135,13 +135,12 @@ def run(
             tokens = prefix + suffix
             hashes = BlockHasher(BS, root).append(tokens)
             hit = mgr.match(rid, hashes, len(tokens))
-            need = -(-len(tokens) // BS) - hit.num_hits
-            while not (alloc := mgr.allocate(rid, need)):
+            while not (alloc := mgr.allocate(rid, num_tokens=len(tokens))):
                 assert alloc.status is AllocStatus.WAIT_FOR_TRANSFERS, alloc.status
                 step(None, [], 0)
                 assert mgr.apply_results(ctrl.wait_all(timeout=10)) == []
             step(rid, hashes, hit.num_hits)
-            mgr.commit(rid, len(tokens))
+            mgr.commit(rid, num_computed_tokens=len(tokens))
             mgr.finish(rid)
         assert mgr.apply_results(ctrl.wait_all(timeout=10)) == []
         mgr.check_invariants()

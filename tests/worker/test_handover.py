@@ -9,6 +9,7 @@ write-through backups never hold the model up.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 
@@ -84,10 +85,14 @@ def _manager(policy: str, reuse: bool) -> CacheManager:
     )
 
 
+def _digests(names: list[str]) -> list[bytes]:
+    return [hashlib.sha256(n.encode()).digest() for n in names]
+
+
 def _fill(mgr: CacheManager, rid: str, keys: list[str]) -> None:
-    mgr.match(rid, keys, 2 * len(keys))
-    assert mgr.allocate(rid, len(keys))
-    mgr.commit(rid, 2 * len(keys))
+    mgr.match(rid, _digests(keys), 2 * len(keys))
+    assert mgr.allocate(rid, num_tokens=2 * len(keys))
+    mgr.commit(rid, num_computed_tokens=2 * len(keys))
     mgr.finish(rid)
 
 
@@ -95,13 +100,13 @@ def _fill(mgr: CacheManager, rid: str, keys: list[str]) -> None:
 def test_the_cache_manager_lists_the_evicted_blocks_it_hands_over(reuse: bool) -> None:
     mgr = _manager("write_back", reuse)
     _fill(mgr, "a", ["a0", "a1", "a2", "a3"])
-    mgr.match("b", ["b0", "b1"], 4)
-    alloc = mgr.allocate("b", 2)  # evicts two of a's blocks
+    mgr.match("b", _digests(["b0", "b1"]), 4)
+    mgr.allocate("b", num_tokens=4)  # evicts two of a's blocks
     evict = mgr.take_swap_metadata().evict
     assert evict is not None and len(evict.src_block_ids) == 2
     if reuse:  # the blocks are b's already, while the copy still reads them
         assert sorted(evict.reused_block_ids) == sorted(evict.src_block_ids)
-        assert sorted(alloc.new_blocks) == sorted(evict.src_block_ids)
+        assert sorted(mgr.block_table("b").block_ids) == sorted(evict.src_block_ids)
     else:  # the blocks stay reserved until the copy's result
         assert list(evict.reused_block_ids) == []
 
