@@ -34,6 +34,7 @@ from enum import StrEnum
 
 from fastkv.config import CacheConfig, StorageWritePolicy, WritePolicy
 from fastkv.metadata import (
+    BlockHash,
     CacheLevel,
     CacheSwapMetadata,
     LookupResult,
@@ -53,7 +54,6 @@ from fastkv.scheduler.radix_tree import (
     STORING,
     SWAP_TO_DEVICE,
     SWAP_TO_HOST,
-    BlockHash,
     RadixTree,
     TreeNode,
 )

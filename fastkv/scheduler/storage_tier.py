@@ -28,12 +28,18 @@ and a block counts as stored only once its write succeeded.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastkv.config import PrefetchPolicy, StorageConfig, StorageWritePolicy
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, LookupResult, StorageLookup
+from fastkv.metadata import (
+    BlockHash,
+    CacheLevel,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageLookup,
+)
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
@@ -48,8 +54,6 @@ from fastkv.scheduler.radix_tree import (
 
 if TYPE_CHECKING:
     from fastkv.scheduler.cache_manager import CacheManager, _Request
-
-BlockHash = Hashable
 
 
 @dataclass(frozen=True, slots=True)
