@@ -8,12 +8,12 @@ from fastkv.scheduler.cache_manager import (
     Allocation,
     AllocStatus,
     CacheManager,
-    CacheStats,
     MatchResult,
     Rollback,
     SwapTasks,
 )
 from fastkv.scheduler.radix_tree import NodeState, RadixTree, TreeNode
+from fastkv.scheduler.stats import CacheStats, StorageTierStats
 
 __all__ = [
     "AllocStatus",
@@ -27,6 +27,7 @@ __all__ = [
     "PoolStats",
     "RadixTree",
     "Rollback",
+    "StorageTierStats",
     "SwapTasks",
     "TreeNode",
 ]

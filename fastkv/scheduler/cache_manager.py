@@ -41,7 +41,7 @@ from fastkv.metadata import (
     StorageLookup,
     TransferResult,
 )
-from fastkv.scheduler.block_pool import BlockPool, PoolStats
+from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
@@ -57,12 +57,8 @@ from fastkv.scheduler.radix_tree import (
     RadixTree,
     TreeNode,
 )
-from fastkv.scheduler.storage_tier import (
-    LoadTransfer,
-    StorageTier,
-    StorageTierStats,
-    StoreTransfer,
-)
+from fastkv.scheduler.stats import CacheStats, ManagerCounters
+from fastkv.scheduler.storage_tier import LoadTransfer, StorageTier, StoreTransfer
 
 RequestId = Hashable
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
@@ -157,71 +153,6 @@ class Rollback:
 
     request_id: RequestId
     block_indices: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """Counters since the manager was created, and the state now.
-
-    `lookup_tokens` counts the prompt tokens given to `match`; the hit counts are
-    blocks found (after the rule that a prompt's last token is computed).
-    `backups_without_room` counts blocks a write-through policy owed a host copy
-    when no host block was free; `backup_retries` counts owed copies made when
-    such a block (or one whose backup failed) was evicted instead.
-    """
-
-    block_size: int
-    lookup_blocks: int
-    lookup_tokens: int
-    device_hit_blocks: int
-    host_hit_blocks: int
-    device_to_host_blocks: int
-    host_to_device_blocks: int
-    device_to_host_transfers: int
-    host_to_device_transfers: int
-    backups: int
-    backups_without_room: int
-    backup_retries: int
-    device_evictions: int
-    host_evictions: int
-    failed_transfers: int
-    rollbacks: int
-    inflight_transfers: int
-    inflight_blocks: int
-    queued_blocks: int
-    active_requests: int
-    cached_nodes: int
-    device_pool: PoolStats
-    host_pool: PoolStats
-    storage: StorageTierStats | None = None
-
-    @property
-    def storage_hit_blocks(self) -> int:
-        return self.storage.hit_blocks if self.storage is not None else 0
-
-    @property
-    def storage_hit_tokens(self) -> int:
-        return self.storage_hit_blocks * self.block_size
-
-    @property
-    def device_hit_tokens(self) -> int:
-        return self.device_hit_blocks * self.block_size
-
-    @property
-    def host_hit_tokens(self) -> int:
-        return self.host_hit_blocks * self.block_size
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit blocks (every tier) per looked-up block."""
-        hits = self.device_hit_blocks + self.host_hit_blocks + self.storage_hit_blocks
-        return hits / self.lookup_blocks if self.lookup_blocks else 0.0
-
-    @property
-    def hit_token_rate(self) -> float:
-        """Prompt tokens served from the cache (every tier) per prompt token."""
-        hits = self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
-        return hits / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
 def _hash_list(block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
@@ -344,21 +275,7 @@ class CacheManager:
         # Queued for the next take_swap_metadata().
         self._d2h = _Transfer(True)
         self._h2d = _Transfer(False)
-        self._lookup_blocks = 0
-        self._lookup_tokens = 0
-        self._device_hits = 0
-        self._host_hits = 0
-        self._d2h_blocks = 0
-        self._h2d_blocks = 0
-        self._d2h_transfers = 0
-        self._h2d_transfers = 0
-        self._backups = 0
-        self._backups_without_room = 0
-        self._backup_retries = 0
-        self._device_evictions = 0
-        self._host_evictions = 0
-        self._failed_transfers = 0
-        self._rollbacks = 0
+        self._counters = ManagerCounters()
         self._listeners: list[TransferListener] = []
         self._storage = (
             StorageTier(self, config.storage, clock) if config.storage is not None else None
@@ -446,10 +363,10 @@ class CacheManager:
         looked_up = False
         if storage is not None and lookup_storage and not waiting and len(nodes) < limit:
             looked_up = storage.plan_lookup(req, len(nodes), limit)
-        self._lookup_blocks += len(hashes)
-        self._lookup_tokens += num_tokens
-        self._device_hits += len(nodes) - num_host
-        self._host_hits += num_host
+        self._counters.lookup_blocks += len(hashes)
+        self._counters.lookup_tokens += num_tokens
+        self._counters.device_hits += len(nodes) - num_host
+        self._counters.host_hits += num_host
         return MatchResult(len(nodes) - num_host, num_host, len(nodes) * bs, waiting, looked_up)
 
     def storage_pending(self, request_id: RequestId) -> bool:
@@ -504,9 +421,9 @@ class CacheManager:
             elif node.state == DEVICE and node.host_block < 0:
                 device_only.append(node)
         if device_only:
-            before = self._backups
+            before = self._counters.backups
             self._backup(device_only)
-            planned += self._backups - before
+            planned += self._counters.backups - before
         return planned
 
     def append_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
@@ -757,13 +674,13 @@ class CacheManager:
         if d2h.nodes:
             self._d2h = _Transfer(True)
             evict = self._emit(d2h, CacheLevel.DEVICE, CacheLevel.HOST)
-            self._d2h_transfers += 1
-            self._d2h_blocks += len(d2h.nodes)
+            self._counters.d2h_transfers += 1
+            self._counters.d2h_blocks += len(d2h.nodes)
         if h2d.nodes:
             self._h2d = _Transfer(False)
             swap_in = self._emit(h2d, CacheLevel.HOST, CacheLevel.DEVICE)
-            self._h2d_transfers += 1
-            self._h2d_blocks += len(h2d.nodes)
+            self._counters.h2d_transfers += 1
+            self._counters.h2d_blocks += len(h2d.nodes)
         storage = self._storage
         if storage is None:
             return SwapTasks(evict, swap_in)
@@ -820,7 +737,7 @@ class CacheManager:
             if self._listeners:
                 self._tell_listeners(transfer, now, result.success)
             if not result.success:
-                self._failed_transfers += 1
+                self._counters.failed_transfers += 1
             if isinstance(transfer, _Transfer):
                 if transfer.to_host:
                     self._finish_to_host(transfer, result.success)
@@ -839,7 +756,7 @@ class CacheManager:
                 self.host_pool.free(storage.finish_load(transfer, failed, everything))
             else:
                 self.host_pool.free(storage.finish_store(transfer, failed, everything))
-        self._rollbacks += sum(len(v) for v in rollbacks.values())
+        self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 
     def _tell_listeners(self, transfer: object, now: float, success: bool) -> None:
@@ -885,21 +802,21 @@ class CacheManager:
     def get_stats(self) -> CacheStats:
         return CacheStats(
             block_size=self.block_size,
-            lookup_blocks=self._lookup_blocks,
-            lookup_tokens=self._lookup_tokens,
-            device_hit_blocks=self._device_hits,
-            host_hit_blocks=self._host_hits,
-            device_to_host_blocks=self._d2h_blocks,
-            host_to_device_blocks=self._h2d_blocks,
-            device_to_host_transfers=self._d2h_transfers,
-            host_to_device_transfers=self._h2d_transfers,
-            backups=self._backups,
-            backups_without_room=self._backups_without_room,
-            backup_retries=self._backup_retries,
-            device_evictions=self._device_evictions,
-            host_evictions=self._host_evictions,
-            failed_transfers=self._failed_transfers,
-            rollbacks=self._rollbacks,
+            lookup_blocks=self._counters.lookup_blocks,
+            lookup_tokens=self._counters.lookup_tokens,
+            device_hit_blocks=self._counters.device_hits,
+            host_hit_blocks=self._counters.host_hits,
+            device_to_host_blocks=self._counters.d2h_blocks,
+            host_to_device_blocks=self._counters.h2d_blocks,
+            device_to_host_transfers=self._counters.d2h_transfers,
+            host_to_device_transfers=self._counters.h2d_transfers,
+            backups=self._counters.backups,
+            backups_without_room=self._counters.backups_without_room,
+            backup_retries=self._counters.backup_retries,
+            device_evictions=self._counters.device_evictions,
+            host_evictions=self._counters.host_evictions,
+            failed_transfers=self._counters.failed_transfers,
+            rollbacks=self._counters.rollbacks,
             inflight_transfers=len(self._transfers),
             # A snapshot of the values: a metrics thread may read while the loop runs.
             inflight_blocks=sum(len(t.nodes) for t in list(self._transfers.values())),
@@ -993,7 +910,7 @@ class CacheManager:
         """Queue device-to-host copies of `nodes` (root side first). Blocks that find
         no host room stay device-only; they get their copy if they are evicted."""
         host_ids = self._take_host_blocks(len(nodes))
-        self._backups_without_room += len(nodes) - len(host_ids)
+        self._counters.backups_without_room += len(nodes) - len(host_ids)
         if not host_ids:
             return
         d2h = self._d2h
@@ -1001,7 +918,7 @@ class CacheManager:
             self.tree.start_backup(node, host_block)
             d2h.nodes.append(node)
             d2h.device_ids.append(node.device_block)
-        self._backups += len(host_ids)
+        self._counters.backups += len(host_ids)
 
     def _evict_device(self, num_blocks: int) -> list[int]:
         """Start freeing `num_blocks` device blocks, least recently used leaves first;
@@ -1022,13 +939,14 @@ class CacheManager:
         tree = self.tree
         if not self.host_pool.capacity:  # every victim is a leaf to discard
             freed = tree.discard_device_leaves(deficit)
-            self._device_evictions += len(freed)
+            self._counters.device_evictions += len(freed)
             return freed
         policy = self._policy
         copy_all = policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
         threshold = self.config.selective_threshold
         reuse = self.config.reuse_evicted_blocks
         d2h = self._d2h
+        counters = self._counters
         freed = []
         while len(freed) < deficit:
             node = tree.pop_device_victim()
@@ -1041,13 +959,13 @@ class CacheManager:
                 if host:
                     d2h.nodes.append(node)
                     d2h.device_ids.append(node.device_block)
-                    self._backup_retries += owed and policy is not WritePolicy.WRITE_BACK
+                    counters.backup_retries += owed and policy is not WritePolicy.WRITE_BACK
                     if reuse:  # the block goes to the caller now; the worker copies first
                         d2h.reused.append(node.device_block)
                         freed.append(tree.release_to_host(node, host[0]))
                     else:  # freed when the copy's result arrives
                         tree.start_eviction(node, host[0])
-                        self._device_evictions += 1
+                        counters.device_evictions += 1
                         deficit -= 1
                 elif node.num_children and not reuse:  # no host room; children need it
                     tree.restore_device_victim(node)
@@ -1067,7 +985,7 @@ class CacheManager:
             else:
                 freed.append(node.device_block)
                 tree.remove(node)
-        self._device_evictions += len(freed)
+        self._counters.device_evictions += len(freed)
         return freed
 
     def _take_host_blocks(self, n: int) -> list[int]:
@@ -1088,7 +1006,7 @@ class CacheManager:
                     written += 1
                 else:
                     freed.append(block)
-            self._host_evictions += len(freed) + written
+            self._counters.host_evictions += len(freed) + written
             pool.free(freed)
         return pool.allocate(min(n, pool.num_free))
 

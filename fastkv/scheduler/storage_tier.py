@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastkv.config import PrefetchPolicy, StorageConfig, StorageWritePolicy
@@ -51,34 +50,10 @@ from fastkv.scheduler.radix_tree import (
     STORING,
     TreeNode,
 )
+from fastkv.scheduler.stats import StorageTierStats
 
 if TYPE_CHECKING:
     from fastkv.scheduler.cache_manager import CacheManager, _Request
-
-
-@dataclass(frozen=True, slots=True)
-class StorageTierStats:
-    """The storage tier as the scheduler saw it.
-
-    Attributes:
-        lookups, lookup_blocks: requests (and blocks) looked up in storage.
-        hit_blocks: blocks loaded from storage into host for a request.
-        load_failures: blocks whose load failed (on some rank); retried later.
-        skipped_loads: blocks found but not loaded (PREDICTED: recomputing was
-            cheaper).
-        abandoned_loads: blocks a request stopped waiting for (they still land).
-        writes, write_failures: blocks written to storage, and writes that failed
-            (a failed write never counts as stored).
-    """
-
-    lookups: int
-    lookup_blocks: int
-    hit_blocks: int
-    load_failures: int
-    skipped_loads: int
-    abandoned_loads: int
-    writes: int
-    write_failures: int
 
 
 class LoadTransfer:
