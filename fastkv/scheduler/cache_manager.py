@@ -57,10 +57,10 @@ from fastkv.scheduler.radix_tree import (
     RadixTree,
     TreeNode,
 )
+from fastkv.scheduler.request import RequestId, RequestState
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
 from fastkv.scheduler.storage_tier import LoadTransfer, StorageTier, StoreTransfer
 
-RequestId = Hashable
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
 LOADING = LOADING_FROM_STORAGE
 TransferListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
@@ -188,41 +188,6 @@ def _check_count(name: str, value: object) -> None:
         raise ValueError(f"{name}: {value} is negative; must be >= 0")
 
 
-class _Request:
-    __slots__ = (
-        "allocated",
-        "blocks",
-        "done",
-        "hashes",
-        "loading",
-        "lookup_id",
-        "nodes",
-        "num_matched",
-        "owns_matched_positions",
-        "request_id",
-        "rolled_back",
-        "storage_deadline",
-    )
-
-    def __init__(
-        self, request_id: RequestId, hashes: list[BlockHash], nodes: list[TreeNode]
-    ) -> None:
-        self.request_id = request_id
-        self.hashes = hashes  # block i's hash, as far as the request has full blocks
-        self.nodes = nodes  # locked path; position i holds block i's node
-        self.blocks: list[int] = []  # device block table
-        self.loading = 0  # blocks of its swap-in whose result has not arrived
-        self.rolled_back: list[int] = []  # positions whose swap-in failed
-        # Set once some position below len(nodes) holds a block its node does not
-        # own (a duplicate of a concurrently cached block, or a failed swap-in).
-        self.owns_matched_positions = False
-        self.done = False
-        self.num_matched = len(nodes)  # hits at match; storage hits come after
-        self.allocated = False
-        self.lookup_id = -1  # a storage lookup in flight
-        self.storage_deadline = 0.0  # when it stops waiting for storage
-
-
 class _Transfer:
     """Scheduler-side record of one emitted CacheSwapMetadata."""
 
@@ -243,7 +208,7 @@ class _Transfer:
         # Per node, its device block when planned (a released eviction's node no
         # longer holds it).
         self.device_ids: list[int] = []
-        self.requests: list[_Request] = []  # H2D: per node, the request loading it
+        self.requests: list[RequestState] = []  # H2D: per node, the request loading it
         self.positions: list[int] = []  # H2D: per node, its position in that request
         self.reused: list[int] = []  # D2H: device blocks handed on while being copied
 
@@ -269,7 +234,7 @@ class CacheManager:
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
         self._policy = WritePolicy(config.write_policy)
-        self._requests: dict[RequestId, _Request] = {}
+        self._requests: dict[RequestId, RequestState] = {}
         self._transfers: dict[int, _Transfer | LoadTransfer | StoreTransfer] = {}
         self._next_transfer_id = 0
         # Queued for the next take_swap_metadata().
@@ -278,7 +243,16 @@ class CacheManager:
         self._counters = ManagerCounters()
         self._listeners: list[TransferListener] = []
         self._storage = (
-            StorageTier(self, config.storage, clock) if config.storage is not None else None
+            StorageTier(
+                config.storage,
+                tree=self.tree,
+                host_pool=self.host_pool,
+                take_host_blocks=self._take_host_blocks,
+                block_size=self.block_size,
+                clock=clock,
+            )
+            if config.storage is not None
+            else None
         )
         self._clock = clock
         # The storage write policy's per-block hooks, only where they can act.
@@ -336,7 +310,7 @@ class CacheManager:
             )
         limit = (num_tokens - 1) // bs if num_tokens else 0
         nodes, num_host, waiting = self.tree.match_and_lock(hashes, limit)
-        req = _Request(request_id, hashes, nodes)
+        req = RequestState(request_id, hashes, nodes)
         self._requests[request_id] = req
         if not num_host:
             req.blocks = [n.device_block for n in nodes]
@@ -848,7 +822,7 @@ class CacheManager:
                     count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
         return count >= need
 
-    def _get(self, request_id: RequestId) -> _Request:
+    def _get(self, request_id: RequestId) -> RequestState:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not an active request")
@@ -868,7 +842,7 @@ class CacheManager:
         self.tree.unlock(nodes)
         self.device_pool.free(private)
 
-    def _plan_swap_in(self, req: _Request, pending: list[TreeNode], ids: list[int]) -> None:
+    def _plan_swap_in(self, req: RequestState, pending: list[TreeNode], ids: list[int]) -> None:
         h2d = self._h2d
         blocks = req.blocks
         i = 0
@@ -883,7 +857,7 @@ class CacheManager:
                 req.loading += 1
             blocks.append(node.device_block)
 
-    def _readopt(self, req: _Request, num_valid: int) -> None:
+    def _readopt(self, req: RequestState, num_valid: int) -> None:
         """The engine recomputed blocks whose swap-in failed: their nodes take the
         request's device blocks back if no one else cached them meanwhile."""
         keep = []
@@ -1136,9 +1110,9 @@ class CacheManager:
                     assert node.host_block not in host_owner, f"{node}: host block owned"
                     host_owner[node.host_block] = node
         if self._storage is not None:
-            self._storage.check(host_owner)
-            storing.update(n for n in self._storage._stores.nodes if n is not None)
-            loads = [*self._storage._loads.nodes]
+            queued = self._storage.check(host_owner)
+            storing.update(queued.storing)
+            loads = queued.loading
         else:
             loads = []
         for transfer in [*self._transfers.values(), self._d2h, self._h2d]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from fastkv.config import PrefetchPolicy, StorageConfig, StorageWritePolicy
 from fastkv.metadata import (
@@ -39,6 +39,7 @@ from fastkv.metadata import (
     LookupResult,
     StorageLookup,
 )
+from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
@@ -48,12 +49,11 @@ from fastkv.scheduler.radix_tree import (
     NOT_STORED,
     STORED,
     STORING,
+    RadixTree,
     TreeNode,
 )
+from fastkv.scheduler.request import RequestState
 from fastkv.scheduler.stats import StorageTierStats
-
-if TYPE_CHECKING:
-    from fastkv.scheduler.cache_manager import CacheManager, _Request
 
 
 class LoadTransfer:
@@ -65,7 +65,7 @@ class LoadTransfer:
     def __init__(self) -> None:
         self.emitted_at = 0.0
         self.nodes: list[TreeNode] = []
-        self.requests: list[_Request] = []
+        self.requests: list[RequestState] = []
         self.positions: list[int] = []
 
 
@@ -83,25 +83,52 @@ class StoreTransfer:
         self.free_after: list[bool] = []
 
 
+class QueuedNodes(NamedTuple):
+    """What `StorageTier.check` reports of its queued (not yet taken) transfers."""
+
+    storing: list[TreeNode]
+    """Nodes whose host copy a queued write pins (state STORING)."""
+    loading: list[TreeNode]
+    """Nodes a queued load moves into host."""
+
+
 class StorageTier:
     """Lookups, loads and writes of one CacheManager's storage tier.
 
+    It works on the manager's tree, host pool and per-request records, given to it
+    explicitly; it never sees the manager. Transfer ids come from the `emit`
+    callable passed to `take`.
+
     Args:
-        manager: the owner (its tree, host pool and transfer ids are shared).
         config: the storage settings.
+        tree: the manager's radix tree (loads insert nodes into it).
+        host_pool: the manager's host block pool (read for its fill level).
+        take_host_blocks: `take_host_blocks(n)`: up to n host blocks, evicting
+            least recently used host copies as the manager does.
+        block_size: tokens per block (to price recomputing a block).
         clock: monotonic seconds (injectable for tests and replays).
     """
 
     def __init__(
-        self, manager: CacheManager, config: StorageConfig, clock: Callable[[], float]
+        self,
+        config: StorageConfig,
+        *,
+        tree: RadixTree,
+        host_pool: BlockPool,
+        take_host_blocks: Callable[[int], list[int]],
+        block_size: int,
+        clock: Callable[[], float],
     ) -> None:
-        self.manager = manager
         self.config = config
+        self.tree = tree
+        self.host_pool = host_pool
+        self._take_host_blocks = take_host_blocks
+        self.block_size = block_size
         self.clock = clock
         self.write_policy = StorageWritePolicy(config.write_policy)
         self.prefetch = PrefetchPolicy(config.prefetch_policy)
         self._lookups: list[StorageLookup] = []
-        self._lookup_owner: dict[int, tuple[_Request, int]] = {}  # id -> (request, start)
+        self._lookup_owner: dict[int, tuple[RequestState, int]] = {}  # id -> (request, start)
         self._next_lookup_id = 0
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
@@ -118,7 +145,7 @@ class StorageTier:
 
     # -- lookups --------------------------------------------------------------
 
-    def plan_lookup(self, req: _Request, start: int, limit: int) -> bool:
+    def plan_lookup(self, req: RequestState, start: int, limit: int) -> bool:
         """Ask the workers about the request's blocks [start, limit); True if asked."""
         now = self.clock()
         keys = req.hashes[start:limit]
@@ -158,12 +185,12 @@ class StorageTier:
         if not self._worth_loading(len(keys)):
             self.skipped_loads += len(keys)
             return
-        tree = self.manager.tree
+        tree = self.tree
         for i, key in enumerate(keys):  # another request may have cached some since
             if tree.contains(key):
                 keys = keys[:i]
                 break
-        host = self.manager._take_host_blocks(len(keys))
+        host = self._take_host_blocks(len(keys))
         if not host:
             return
         keys = keys[: len(host)]
@@ -181,18 +208,18 @@ class StorageTier:
             return True
         c = self.config
         load_s = c.load_latency_s + num_blocks * c.block_bytes / self._read_bytes_per_s
-        compute_s = num_blocks * self.manager.block_size / c.recompute_tokens_per_s
+        compute_s = num_blocks * self.block_size / c.recompute_tokens_per_s
         return load_s < compute_s
 
     # -- the request's wait -------------------------------------------------------
 
-    def waits(self, req: _Request) -> bool:
+    def waits(self, req: RequestState) -> bool:
         """Does the request wait for storage (a lookup or its loads in flight)?"""
         if self.prefetch is PrefetchPolicy.BEST_EFFORT:
             return False
         return self.clock() < req.storage_deadline
 
-    def let_go(self, req: _Request, first_loading: int) -> None:
+    def let_go(self, req: RequestState, first_loading: int) -> None:
         """The request stops waiting: drop its lookup and the blocks still loading
         (they land and serve later requests)."""
         if req.lookup_id >= 0:
@@ -200,10 +227,10 @@ class StorageTier:
             req.lookup_id = -1
         if first_loading < len(req.nodes):
             self.abandoned_loads += len(req.nodes) - first_loading
-            self.manager.tree.unlock(req.nodes[first_loading:])
+            self.tree.unlock(req.nodes[first_loading:])
             del req.nodes[first_loading:]
 
-    def forget(self, req: _Request) -> None:
+    def forget(self, req: RequestState) -> None:
         """The request finished or aborted: its lookup is not sent if it has not
         been yet, and its answer is ignored if it has."""
         if req.lookup_id >= 0:
@@ -253,11 +280,11 @@ class StorageTier:
         frees their host blocks at once instead of after a write."""
         if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
             return
-        host = self.manager.host_pool
+        host = self.host_pool
         window = max(16, host.capacity // 32)
         if host.num_free >= window:
             return
-        for node in itertools.islice(self.manager.tree.host_lru, window):  # oldest first
+        for node in itertools.islice(self.tree.host_lru, window):  # oldest first
             if node.storage == NOT_STORED:
                 self._write(node, free_after=False)
 
@@ -327,7 +354,7 @@ class StorageTier:
         are not looked up again for `retry_after_s`. A block a request computed
         meanwhile (BACKUP_TO_HOST) keeps its device copy either way.
         """
-        tree = self.manager.tree
+        tree = self.tree
         first_bad: dict[int, int] = {}  # id(request) -> first failed position
         for i, (node, req, pos) in enumerate(
             zip(transfer.nodes, transfer.requests, transfer.positions, strict=True)
@@ -365,7 +392,7 @@ class StorageTier:
         self, transfer: StoreTransfer, failed: set[int], all_failed: bool
     ) -> list[int]:
         """Apply a write's result. Returns the host blocks to free."""
-        tree = self.manager.tree
+        tree = self.tree
         freed = []
         for i, (node, host, free) in enumerate(
             zip(transfer.nodes, transfer.host_ids, transfer.free_after, strict=True)
@@ -404,8 +431,14 @@ class StorageTier:
             self.write_failures,
         )
 
-    def check(self, host_owner: dict[int, object]) -> None:
-        """Assert the tier's queued state (part of CacheManager.check_invariants)."""
+    def check(self, host_owner: dict[int, object]) -> QueuedNodes:
+        """Assert the tier's queued state (part of CacheManager.check_invariants).
+
+        Claims in `host_owner` the host blocks its queued writes free when they end
+        (asserting no one else owns them), and returns the nodes its queued
+        transfers pin or move, for the caller's check that every such node in the
+        tree is accounted for.
+        """
         for lookup_id, (req, _) in self._lookup_owner.items():
             assert req.lookup_id == lookup_id, f"lookup {lookup_id} owner moved on"
         for node in self._loads.nodes:  # adopted by a recomputed block, or dropped
@@ -418,6 +451,9 @@ class StorageTier:
                 host_owner[host] = "a queued storage write"
             else:
                 assert node is not None and node.storage == STORING, node
+        return QueuedNodes(
+            [n for n in self._stores.nodes if n is not None], list(self._loads.nodes)
+        )
 
 
-__all__ = ["LoadTransfer", "StorageTier", "StorageTierStats", "StoreTransfer"]
+__all__ = ["LoadTransfer", "QueuedNodes", "StorageTier", "StorageTierStats", "StoreTransfer"]
