@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fastkv.config import CacheConfig, StorageWritePolicy, WritePolicy
+from fastkv.config import CacheConfig
 from fastkv.metadata import (
     BlockHash,
     CacheLevel,
@@ -43,6 +43,7 @@ from fastkv.metadata import (
 )
 from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.invariants import check_manager
+from fastkv.scheduler.policies import DeviceWritePolicyBase, device_write_policy
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
@@ -231,7 +232,7 @@ class CacheManager:
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
-        self._policy = WritePolicy(config.write_policy)
+        self._write_policy: DeviceWritePolicyBase = device_write_policy(config)
         self._requests: dict[RequestId, RequestState] = {}
         self._transfers: dict[int, _Transfer | LoadTransfer | StoreTransfer] = {}
         self._next_transfer_id = 0
@@ -255,11 +256,8 @@ class CacheManager:
         self._clock = clock
         # The storage write policy's per-block hooks, only where they can act.
         writes = self._storage.write_policy if self._storage is not None else None
-        self._write_on_host_copy = writes in (
-            StorageWritePolicy.WRITE_THROUGH,
-            StorageWritePolicy.AFTER_HITS,
-        )
-        self._write_on_host_eviction = writes is StorageWritePolicy.ON_HOST_EVICTION
+        self._write_on_host_copy = writes is not None and writes.writes_on_host_copy
+        self._write_on_host_eviction = writes is not None and writes.writes_on_host_eviction
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -318,12 +316,8 @@ class CacheManager:
                     break
                 req.blocks.append(node.device_block)
         storage = self._storage
-        selective = (
-            self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity > 0
-        )
-        after_hits = (
-            storage is not None and storage.write_policy is StorageWritePolicy.AFTER_HITS
-        )
+        selective = self._write_policy.counts_hits and self.host_pool.capacity > 0
+        after_hits = storage is not None and storage.write_policy.counts_hits
         if selective or after_hits:  # one count per match, whichever policies read it
             for node in nodes:
                 node.hits += 1
@@ -380,7 +374,7 @@ class CacheManager:
         """
         req = self._get(request_id)
         storage = self._storage
-        if storage is None or storage.write_policy is not StorageWritePolicy.WRITE_THROUGH:
+        if storage is None or not storage.write_policy.writes_requests:
             return 0
         planned = 0
         device_only = []
@@ -549,10 +543,10 @@ class CacheManager:
                 created = path[len(existing) :]
             if (
                 created
-                and self._policy is WritePolicy.WRITE_THROUGH
                 and self.host_pool.capacity
+                and (to_back_up := self._write_policy.new_blocks_to_back_up(created))
             ):
-                self._backup(created)
+                self._backup(to_back_up)
         if req.rolled_back:
             self._readopt(req, num_blocks)
 
@@ -869,12 +863,10 @@ class CacheManager:
         req.rolled_back = keep
 
     def _backup_hot(self, nodes: list[TreeNode]) -> None:
-        """write_through_selective: back up blocks that just reached the threshold
-        (their `hits` already counted by `match`)."""
-        threshold = self.config.selective_threshold
-        hot = [
-            n for n in nodes if n.hits >= threshold and n.state == DEVICE and n.host_block < 0
-        ]
+        """Back up the matched blocks the write policy picks (write_through_selective:
+        those that just reached the threshold, their `hits` already counted by
+        `match`)."""
+        hot = self._write_policy.matched_to_back_up(nodes)
         if hot:
             self._backup(hot)
 
@@ -913,9 +905,10 @@ class CacheManager:
             freed = tree.discard_device_leaves(deficit)
             self._counters.device_evictions += len(freed)
             return freed
-        policy = self._policy
-        copy_all = policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
-        threshold = self.config.selective_threshold
+        policy = self._write_policy
+        threshold = policy.evicted_copy_threshold
+        copy_all = threshold <= 0  # every block is owed a copy
+        retry = policy.backs_up_ahead  # an owed copy made now is a missed backup
         reuse = self.config.reuse_evicted_blocks
         d2h = self._d2h
         counters = self._counters
@@ -931,7 +924,7 @@ class CacheManager:
                 if host:
                     d2h.nodes.append(node)
                     d2h.device_ids.append(node.device_block)
-                    counters.backup_retries += owed and policy is not WritePolicy.WRITE_BACK
+                    counters.backup_retries += owed and retry
                     if reuse:  # the block goes to the caller now; the worker copies first
                         d2h.reused.append(node.device_block)
                         freed.append(tree.release_to_host(node, host[0]))

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
-from fastkv.config import PrefetchPolicy, StorageConfig, StorageWritePolicy
+from fastkv.config import StorageConfig
 from fastkv.metadata import (
     BlockHash,
     CacheLevel,
@@ -40,6 +40,12 @@ from fastkv.metadata import (
     StorageLookup,
 )
 from fastkv.scheduler.block_pool import BlockPool
+from fastkv.scheduler.policies import (
+    PrefetchPolicyBase,
+    StorageWritePolicyBase,
+    prefetch_policy,
+    storage_write_policy,
+)
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
@@ -125,15 +131,14 @@ class StorageTier:
         self._take_host_blocks = take_host_blocks
         self.block_size = block_size
         self.clock = clock
-        self.write_policy = StorageWritePolicy(config.write_policy)
-        self.prefetch = PrefetchPolicy(config.prefetch_policy)
+        self.write_policy: StorageWritePolicyBase = storage_write_policy(config)
+        self.prefetch_policy: PrefetchPolicyBase = prefetch_policy(config, block_size)
         self._lookups: list[StorageLookup] = []
         self._lookup_owner: dict[int, tuple[RequestState, int]] = {}  # id -> (request, start)
         self._next_lookup_id = 0
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
         self._retry_after: dict[BlockHash, float] = {}  # key -> when it may be tried again
-        self._read_bytes_per_s = config.read_bytes_per_s
         self.lookups = 0
         self.lookup_blocks = 0
         self.hit_blocks = 0
@@ -182,7 +187,7 @@ class StorageTier:
         if len(req.nodes) != start or result.num_hits <= 0:
             return
         keys = req.hashes[start : start + result.num_hits]
-        if not self._worth_loading(len(keys)):
+        if not self.prefetch_policy.worth_loading(len(keys)):
             self.skipped_loads += len(keys)
             return
         tree = self.tree
@@ -203,21 +208,11 @@ class StorageTier:
             loads.positions.append(len(req.nodes))
             req.nodes.append(node)
 
-    def _worth_loading(self, num_blocks: int) -> bool:
-        if self.prefetch is not PrefetchPolicy.PREDICTED:
-            return True
-        c = self.config
-        load_s = c.load_latency_s + num_blocks * c.block_bytes / self._read_bytes_per_s
-        compute_s = num_blocks * self.block_size / c.recompute_tokens_per_s
-        return load_s < compute_s
-
     # -- the request's wait -------------------------------------------------------
 
     def waits(self, req: RequestState) -> bool:
         """Does the request wait for storage (a lookup or its loads in flight)?"""
-        if self.prefetch is PrefetchPolicy.BEST_EFFORT:
-            return False
-        return self.clock() < req.storage_deadline
+        return self.prefetch_policy.waits(req.storage_deadline, self.clock)
 
     def let_go(self, req: RequestState, first_loading: int) -> None:
         """The request stops waiting: drop its lookup and the blocks still loading
@@ -245,19 +240,14 @@ class StorageTier:
         """The node's host copy just became valid (a copy to host, or a load)."""
         if node.storage != NOT_STORED:
             return
-        policy = self.write_policy
-        if policy is StorageWritePolicy.WRITE_THROUGH or (
-            policy is StorageWritePolicy.AFTER_HITS
-            and node.hits >= self.config.write_after_hits
-        ):
+        if self.write_policy.write_on_host_copy(node):
             self._write(node, free_after=False)
 
     def on_hit(self, node: TreeNode) -> None:
         """The node was matched once more (its `hits` already counted)."""
         if (
-            self.write_policy is StorageWritePolicy.AFTER_HITS
-            and node.storage == NOT_STORED
-            and node.hits >= self.config.write_after_hits
+            node.storage == NOT_STORED
+            and self.write_policy.write_on_hit(node)
             and node.host_block >= 0
             and node.state in (HOST, DEVICE)
         ):
@@ -267,7 +257,7 @@ class StorageTier:
         """The node's host copy is being evicted. True when the write policy keeps
         its host block for a write (freed when the write ends): the caller then
         detaches the copy but does not free the block."""
-        if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
+        if not self.write_policy.writes_on_host_eviction:
             return False
         if node.storage != NOT_STORED:
             return False
@@ -275,14 +265,12 @@ class StorageTier:
         return True
 
     def flush_ahead(self) -> None:
-        """ON_HOST_EVICTION: when the host tier is nearly full, start writing the
-        oldest host copies that are not stored yet, so that evicting them later
-        frees their host blocks at once instead of after a write."""
-        if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
-            return
-        host = self.host_pool
-        window = max(16, host.capacity // 32)
-        if host.num_free >= window:
+        """When the write policy says so (ON_HOST_EVICTION: the host tier is nearly
+        full), start writing the oldest host copies that are not stored yet, so
+        that evicting them later frees their host blocks at once instead of after
+        a write."""
+        window = self.write_policy.flush_window(self.host_pool)
+        if not window:
             return
         for node in itertools.islice(self.tree.host_lru, window):  # oldest first
             if node.storage == NOT_STORED:
@@ -414,10 +402,7 @@ class StorageTier:
 
     def note_load_time(self, transfer: LoadTransfer, seconds: float) -> None:
         """Refine the read-bandwidth estimate PREDICTED uses (EWMA)."""
-        nbytes = len(transfer.nodes) * self.config.block_bytes
-        if nbytes and seconds > 0:
-            rate = nbytes / seconds
-            self._read_bytes_per_s = 0.8 * self._read_bytes_per_s + 0.2 * rate
+        self.prefetch_policy.note_load(len(transfer.nodes) * self.config.block_bytes, seconds)
 
     def stats(self) -> StorageTierStats:
         return StorageTierStats(
