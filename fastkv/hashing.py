@@ -27,13 +27,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fastkv.config import MAX_BLOCK_SIZE, check_int
+from fastkv.metadata import BlockHash
 
 try:
     from fastkv._chain_hash import chain as _chain_native
 except ImportError:  # built by `make install`; the pure-Python path is equivalent
     _chain_native = None
 
-BlockHash = bytes
 ExtraKey = bytes | str | int | Sequence["ExtraKey"]
 Tokens = Sequence[int] | np.ndarray
 
@@ -42,7 +42,7 @@ DIGEST_BYTES = 32
 
 def namespace_root(namespace: str) -> BlockHash:
     """The parent digest of block 0 for every request in `namespace`."""
-    return hashlib.sha256(b"fastkv/namespace\0" + namespace.encode()).digest()
+    return BlockHash(hashlib.sha256(b"fastkv/namespace\0" + namespace.encode()).digest())
 
 
 def request_root(root: BlockHash, request_key: ExtraKey | None = None) -> BlockHash:
@@ -52,7 +52,7 @@ def request_root(root: BlockHash, request_key: ExtraKey | None = None) -> BlockH
     """
     if request_key is None:
         return root
-    return hashlib.sha256(root + b"\x01" + encode_extra_key(request_key)).digest()
+    return BlockHash(hashlib.sha256(root + b"\x01" + encode_extra_key(request_key)).digest())
 
 
 def encode_extra_key(key: ExtraKey) -> bytes:

@@ -10,9 +10,16 @@ them into int64 arrays once, which its copy ops need anyway.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""A block's chained hash (a 32-byte digest, see `fastkv.hashing`): the key of its
+radix-tree node and of its storage object. Defined here, the one module both halves
+import, and imported from here everywhere else. A NewType costs nothing at run
+time; code that builds hashes in bulk returns the digests as they are."""
 
 
 class CacheLevel(IntEnum):
@@ -63,7 +70,7 @@ class CacheSwapMetadata:
     dst_level: CacheLevel
     src_block_ids: Sequence[int]
     dst_block_ids: Sequence[int]
-    block_hashes: Sequence[Hashable] = ()
+    block_hashes: Sequence[BlockHash] = ()
     timeout_s: float = 0.0
     reused_block_ids: Sequence[int] = ()
 
@@ -159,7 +166,7 @@ class StorageLookup:
     """
 
     lookup_id: int
-    block_hashes: Sequence[Hashable]
+    block_hashes: Sequence[BlockHash]
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,13 @@ from fastkv.scheduler.cache_manager import (
     Allocation,
     AllocStatus,
     CacheManager,
-    CacheStats,
     MatchResult,
     Rollback,
     StalledTransfer,
     SwapTasks,
 )
 from fastkv.scheduler.radix_tree import NodeState, RadixTree, TreeNode
+from fastkv.scheduler.stats import CacheStats, StorageTierStats
 from fastkv.scheduler.table import BlockTable, Slot
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "Rollback",
     "Slot",
     "StalledTransfer",
+    "StorageTierStats",
     "SwapTasks",
     "TreeNode",
 ]

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fastkv.config import CacheConfig, StorageWritePolicy, WritePolicy, check_int
+from fastkv.config import CacheConfig, check_int
 from fastkv.hashing import (
     DIGEST_BYTES,
     BlockHasher,
@@ -43,40 +43,35 @@ from fastkv.hashing import (
     request_root,
 )
 from fastkv.metadata import (
+    BlockHash,
     CacheLevel,
     CacheSwapMetadata,
     LookupResult,
     StorageLookup,
     TransferResult,
 )
-from fastkv.scheduler.block_pool import BlockPool, PoolStats
+from fastkv.scheduler.block_pool import BlockPool
+from fastkv.scheduler.invariants import check_manager
+from fastkv.scheduler.policies import DeviceWritePolicyBase, device_write_policy
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
-    DROPPED,
     HOST,
     HOST_LANDING,
     LOADING_FROM_STORAGE,
     NOT_STORED,
     PENDING_HOST,
-    STORING,
     SWAP_TO_DEVICE,
-    SWAP_TO_HOST,
-    BlockHash,
     RadixTree,
     TreeNode,
 )
-from fastkv.scheduler.storage_tier import (
-    LoadTransfer,
-    StorageTier,
-    StorageTierStats,
-    StoreTransfer,
-)
+from fastkv.scheduler.request import RequestId, RequestState
+from fastkv.scheduler.stats import CacheStats, ManagerCounters
+from fastkv.scheduler.storage_tier import LoadTransfer, StorageTier, StoreTransfer
 from fastkv.scheduler.table import BlockTable, Slot
 
 log = logging.getLogger(__name__)
 
-RequestId = Hashable
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
 LOADING = LOADING_FROM_STORAGE
 TransferListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
@@ -196,72 +191,6 @@ class Rollback:
     block_indices: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """Counters since the manager was created, and the state now.
-
-    `lookup_tokens` counts the prompt tokens given to `match`; the hit counts are
-    blocks found (after the rule that a prompt's last token is computed).
-    `backups_without_room` counts blocks a write-through policy owed a host copy
-    when no host block was free; `backup_retries` counts owed copies made when
-    such a block (or one whose backup failed) was evicted instead.
-    """
-
-    block_size: int
-    lookup_blocks: int
-    lookup_tokens: int
-    device_hit_blocks: int
-    host_hit_blocks: int
-    device_to_host_blocks: int
-    host_to_device_blocks: int
-    device_to_host_transfers: int
-    host_to_device_transfers: int
-    backups: int
-    backups_without_room: int
-    backup_retries: int
-    device_evictions: int
-    host_evictions: int
-    failed_transfers: int
-    rollbacks: int
-    inflight_transfers: int
-    stalled_transfers: int
-    inflight_blocks: int
-    queued_blocks: int
-    active_requests: int
-    cached_nodes: int
-    device_pool: PoolStats
-    host_pool: PoolStats
-    storage: StorageTierStats | None = None
-
-    @property
-    def storage_hit_blocks(self) -> int:
-        return self.storage.hit_blocks if self.storage is not None else 0
-
-    @property
-    def storage_hit_tokens(self) -> int:
-        return self.storage_hit_blocks * self.block_size
-
-    @property
-    def device_hit_tokens(self) -> int:
-        return self.device_hit_blocks * self.block_size
-
-    @property
-    def host_hit_tokens(self) -> int:
-        return self.host_hit_blocks * self.block_size
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit blocks (every tier) per looked-up block."""
-        hits = self.device_hit_blocks + self.host_hit_blocks + self.storage_hit_blocks
-        return hits / self.lookup_blocks if self.lookup_blocks else 0.0
-
-    @property
-    def hit_token_rate(self) -> float:
-        """Prompt tokens served from the cache (every tier) per prompt token."""
-        hits = self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
-        return hits / self.lookup_tokens if self.lookup_tokens else 0.0
-
-
 def _hash_list(
     block_hashes: Sequence[BlockHash], name: str = "block_hashes"
 ) -> list[BlockHash]:
@@ -304,49 +233,6 @@ def _check_count(name: str, value: object) -> None:
         raise ValueError(f"{name}: {value} is negative; must be >= 0")
 
 
-class _Request:
-    __slots__ = (
-        "allocated",
-        "blocks",
-        "done",
-        "hash_set",
-        "hasher",
-        "hashes",
-        "loading",
-        "lookup_id",
-        "nodes",
-        "num_matched",
-        "owns_matched_positions",
-        "request_id",
-        "rolled_back",
-        "storage_deadline",
-        "wait_epoch",
-        "waits",
-    )
-
-    def __init__(
-        self, request_id: RequestId, hashes: list[BlockHash], nodes: list[TreeNode]
-    ) -> None:
-        self.request_id = request_id
-        self.hashes = hashes  # block i's hash, as far as the request has full blocks
-        self.hash_set: set[BlockHash] | None = None  # made at the first append_hashes
-        self.hasher: BlockHasher | None = None  # the manager hashes its tokens (add_request)
-        self.nodes = nodes  # locked path; position i holds block i's node
-        self.blocks: list[int] = []  # device block table
-        self.loading = 0  # blocks of its swap-in whose result has not arrived
-        self.rolled_back: list[int] = []  # positions whose swap-in failed
-        # Set once some position below len(nodes) holds a block its node does not
-        # own (a duplicate of a concurrently cached block, or a failed swap-in).
-        self.owns_matched_positions = False
-        self.done = False
-        self.num_matched = len(nodes)  # hits at match; storage hits come after
-        self.allocated = False
-        self.lookup_id = -1  # a storage lookup in flight
-        self.storage_deadline = 0.0  # when it stops waiting for storage
-        self.waits = 0  # WAIT_FOR_TRANSFERS answers in a row with nothing taken between
-        self.wait_epoch = -1  # the manager's take count at the last of them
-
-
 class _Transfer:
     """Scheduler-side record of one emitted CacheSwapMetadata."""
 
@@ -367,7 +253,7 @@ class _Transfer:
         # Per node, its device block when planned (a released eviction's node no
         # longer holds it).
         self.device_ids: list[int] = []
-        self.requests: list[_Request] = []  # H2D: per node, the request loading it
+        self.requests: list[RequestState] = []  # H2D: per node, the request loading it
         self.positions: list[int] = []  # H2D: per node, its position in that request
         self.reused: list[int] = []  # D2H: device blocks handed on while being copied
 
@@ -416,40 +302,32 @@ class CacheManager:
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
-        self._policy = WritePolicy(config.write_policy)
-        self._requests: dict[RequestId, _Request] = {}
+        self._write_policy: DeviceWritePolicyBase = device_write_policy(config)
+        self._requests: dict[RequestId, RequestState] = {}
         self._transfers: dict[int, _Transfer | LoadTransfer | StoreTransfer] = {}
         self._next_transfer_id = 0
         # Queued for the next take_swap_metadata().
         self._d2h = _Transfer(True)
         self._h2d = _Transfer(False)
-        self._lookup_blocks = 0
-        self._lookup_tokens = 0
-        self._device_hits = 0
-        self._host_hits = 0
-        self._d2h_blocks = 0
-        self._h2d_blocks = 0
-        self._d2h_transfers = 0
-        self._h2d_transfers = 0
-        self._backups = 0
-        self._backups_without_room = 0
-        self._backup_retries = 0
-        self._device_evictions = 0
-        self._host_evictions = 0
-        self._failed_transfers = 0
-        self._rollbacks = 0
+        self._counters = ManagerCounters()
         self._listeners: list[TransferListener] = []
         self._storage = (
-            StorageTier(self, config.storage, clock) if config.storage is not None else None
+            StorageTier(
+                config.storage,
+                tree=self.tree,
+                host_pool=self.host_pool,
+                take_host_blocks=self._take_host_blocks,
+                block_size=self.block_size,
+                clock=clock,
+            )
+            if config.storage is not None
+            else None
         )
         self._clock = clock
         # The storage write policy's per-block hooks, only where they can act.
         writes = self._storage.write_policy if self._storage is not None else None
-        self._write_on_host_copy = writes in (
-            StorageWritePolicy.WRITE_THROUGH,
-            StorageWritePolicy.AFTER_HITS,
-        )
-        self._write_on_host_eviction = writes is StorageWritePolicy.ON_HOST_EVICTION
+        self._write_on_host_copy = writes is not None and writes.writes_on_host_copy
+        self._write_on_host_eviction = writes is not None and writes.writes_on_host_eviction
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -535,7 +413,7 @@ class CacheManager:
             )
         limit = (num_tokens - 1) // bs if num_tokens else 0
         nodes, num_host, waiting = self.tree.match_and_lock(hashes, limit)
-        req = _Request(request_id, hashes, nodes)
+        req = RequestState(request_id, hashes, nodes)
         self._requests[request_id] = req
         if not num_host:
             req.blocks = [n.device_block for n in nodes]
@@ -545,12 +423,8 @@ class CacheManager:
                     break
                 req.blocks.append(node.device_block)
         storage = self._storage
-        selective = (
-            self._policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.host_pool.capacity > 0
-        )
-        after_hits = (
-            storage is not None and storage.write_policy is StorageWritePolicy.AFTER_HITS
-        )
+        selective = self._write_policy.counts_hits and self.host_pool.capacity > 0
+        after_hits = storage is not None and storage.write_policy.counts_hits
         if selective or after_hits:  # one count per match, whichever policies read it
             for node in nodes:
                 node.hits += 1
@@ -562,10 +436,11 @@ class CacheManager:
         looked_up = False
         if storage is not None and lookup_storage and not waiting and len(nodes) < limit:
             looked_up = storage.plan_lookup(req, len(nodes), limit)
-        self._lookup_blocks += len(hashes)
-        self._lookup_tokens += num_tokens
-        self._device_hits += len(nodes) - num_host
-        self._host_hits += num_host
+        counters = self._counters
+        counters.lookup_blocks += len(hashes)
+        counters.lookup_tokens += num_tokens
+        counters.device_hits += len(nodes) - num_host
+        counters.host_hits += num_host
         in_table = len(req.blocks)
         return MatchResult(in_table, len(nodes) - in_table, len(nodes) * bs, waiting, looked_up)
 
@@ -612,7 +487,7 @@ class CacheManager:
         """
         req = self._get(request_id)
         storage = self._storage
-        if storage is None or storage.write_policy is not StorageWritePolicy.WRITE_THROUGH:
+        if storage is None or not storage.write_policy.writes_requests:
             return 0
         planned = 0
         device_only = []
@@ -625,9 +500,9 @@ class CacheManager:
             elif node.state == DEVICE and node.host_block < 0:
                 device_only.append(node)
         if device_only:
-            before = self._backups
+            before = self._counters.backups
             self._backup(device_only)
-            planned += self._backups - before
+            planned += self._counters.backups - before
         return planned
 
     def append_tokens(
@@ -747,7 +622,7 @@ class CacheManager:
             self._d2h.nodes or self._h2d.nodes or (storage is not None and storage.has_queued)
         )
 
-    def _allocate(self, req: _Request, num_positions: int) -> Allocation:
+    def _allocate(self, req: RequestState, num_positions: int) -> Allocation:
         request_id = req.request_id
         nodes, blocks = req.nodes, req.blocks
         storage = self._storage
@@ -900,10 +775,10 @@ class CacheManager:
                 self.device_pool.free(freed)
             if (
                 created
-                and self._policy is WritePolicy.WRITE_THROUGH
                 and self.host_pool.capacity
+                and (to_back_up := self._write_policy.new_blocks_to_back_up(created))
             ):
-                self._backup(created)
+                self._backup(to_back_up)
         if req.rolled_back:
             self._readopt(req, num_blocks)
 
@@ -959,7 +834,7 @@ class CacheManager:
             self.block_size,
         )
 
-    def _num_cached(self, req: _Request) -> int:
+    def _num_cached(self, req: RequestState) -> int:
         """The leading positions of the request's table whose KV the cache provides."""
         cached = min(len(req.nodes), len(req.blocks))
         if req.rolled_back:
@@ -1037,13 +912,13 @@ class CacheManager:
         if d2h.nodes:
             self._d2h = _Transfer(True)
             evict = self._emit(d2h, CacheLevel.DEVICE, CacheLevel.HOST)
-            self._d2h_transfers += 1
-            self._d2h_blocks += len(d2h.nodes)
+            self._counters.d2h_transfers += 1
+            self._counters.d2h_blocks += len(d2h.nodes)
         if h2d.nodes:
             self._h2d = _Transfer(False)
             swap_in = self._emit(h2d, CacheLevel.HOST, CacheLevel.DEVICE)
-            self._h2d_transfers += 1
-            self._h2d_blocks += len(h2d.nodes)
+            self._counters.h2d_transfers += 1
+            self._counters.h2d_blocks += len(h2d.nodes)
         storage = self._storage
         if storage is None:
             return SwapTasks(evict, swap_in)
@@ -1137,7 +1012,7 @@ class CacheManager:
             if self._listeners:
                 self._tell_listeners(transfer, now, result.success)
             if not result.success:
-                self._failed_transfers += 1
+                self._counters.failed_transfers += 1
             if isinstance(transfer, _Transfer):
                 if transfer.to_host:
                     self._finish_to_host(transfer, result.success)
@@ -1156,7 +1031,7 @@ class CacheManager:
                 self.host_pool.free(storage.finish_load(transfer, failed, everything))
             else:
                 self.host_pool.free(storage.finish_store(transfer, failed, everything))
-        self._rollbacks += sum(len(v) for v in rollbacks.values())
+        self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 
     def _tell_listeners(self, transfer: object, now: float, success: bool) -> None:
@@ -1202,21 +1077,21 @@ class CacheManager:
     def get_stats(self) -> CacheStats:
         return CacheStats(
             block_size=self.block_size,
-            lookup_blocks=self._lookup_blocks,
-            lookup_tokens=self._lookup_tokens,
-            device_hit_blocks=self._device_hits,
-            host_hit_blocks=self._host_hits,
-            device_to_host_blocks=self._d2h_blocks,
-            host_to_device_blocks=self._h2d_blocks,
-            device_to_host_transfers=self._d2h_transfers,
-            host_to_device_transfers=self._h2d_transfers,
-            backups=self._backups,
-            backups_without_room=self._backups_without_room,
-            backup_retries=self._backup_retries,
-            device_evictions=self._device_evictions,
-            host_evictions=self._host_evictions,
-            failed_transfers=self._failed_transfers,
-            rollbacks=self._rollbacks,
+            lookup_blocks=self._counters.lookup_blocks,
+            lookup_tokens=self._counters.lookup_tokens,
+            device_hit_blocks=self._counters.device_hits,
+            host_hit_blocks=self._counters.host_hits,
+            device_to_host_blocks=self._counters.d2h_blocks,
+            host_to_device_blocks=self._counters.h2d_blocks,
+            device_to_host_transfers=self._counters.d2h_transfers,
+            host_to_device_transfers=self._counters.h2d_transfers,
+            backups=self._counters.backups,
+            backups_without_room=self._counters.backups_without_room,
+            backup_retries=self._counters.backup_retries,
+            device_evictions=self._counters.device_evictions,
+            host_evictions=self._counters.host_evictions,
+            failed_transfers=self._counters.failed_transfers,
+            rollbacks=self._counters.rollbacks,
             inflight_transfers=len(self._transfers),
             stalled_transfers=len(self.stalled_transfers()) if self._transfers else 0,
             # A snapshot of the values: a metrics thread may read while the loop runs.
@@ -1249,7 +1124,7 @@ class CacheManager:
                     count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
         return count >= need
 
-    def _get(self, request_id: RequestId) -> _Request:
+    def _get(self, request_id: RequestId) -> RequestState:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not an active request")
@@ -1269,7 +1144,7 @@ class CacheManager:
         self.tree.unlock(nodes)
         self.device_pool.free(private)
 
-    def _plan_swap_in(self, req: _Request, pending: list[TreeNode], ids: list[int]) -> None:
+    def _plan_swap_in(self, req: RequestState, pending: list[TreeNode], ids: list[int]) -> None:
         h2d = self._h2d
         blocks = req.blocks
         i = 0
@@ -1284,7 +1159,7 @@ class CacheManager:
                 req.loading += 1
             blocks.append(node.device_block)
 
-    def _readopt(self, req: _Request, num_valid: int) -> None:
+    def _readopt(self, req: RequestState, num_valid: int) -> None:
         """The engine recomputed blocks whose swap-in failed: their nodes take the
         request's device blocks back if no one else cached them meanwhile."""
         keep = []
@@ -1298,12 +1173,10 @@ class CacheManager:
         req.rolled_back = keep
 
     def _backup_hot(self, nodes: list[TreeNode]) -> None:
-        """write_through_selective: back up blocks that just reached the threshold
-        (their `hits` already counted by `match`)."""
-        threshold = self.config.selective_threshold
-        hot = [
-            n for n in nodes if n.hits >= threshold and n.state == DEVICE and n.host_block < 0
-        ]
+        """Back up the matched blocks the write policy picks (write_through_selective:
+        those that just reached the threshold, their `hits` already counted by
+        `match`)."""
+        hot = self._write_policy.matched_to_back_up(nodes)
         if hot:
             self._backup(hot)
 
@@ -1311,7 +1184,7 @@ class CacheManager:
         """Queue device-to-host copies of `nodes` (root side first). Blocks that find
         no host room stay device-only; they get their copy if they are evicted."""
         host_ids = self._take_host_blocks(len(nodes))
-        self._backups_without_room += len(nodes) - len(host_ids)
+        self._counters.backups_without_room += len(nodes) - len(host_ids)
         if not host_ids:
             return
         d2h = self._d2h
@@ -1319,7 +1192,7 @@ class CacheManager:
             self.tree.start_backup(node, host_block)
             d2h.nodes.append(node)
             d2h.device_ids.append(node.device_block)
-        self._backups += len(host_ids)
+        self._counters.backups += len(host_ids)
 
     def _evict_device(self, num_blocks: int) -> list[int]:
         """Start freeing `num_blocks` device blocks, least recently used leaves first;
@@ -1340,13 +1213,15 @@ class CacheManager:
         tree = self.tree
         if not self.host_pool.capacity:  # every victim is a leaf to discard
             freed = tree.discard_device_leaves(deficit)
-            self._device_evictions += len(freed)
+            self._counters.device_evictions += len(freed)
             return freed
-        policy = self._policy
-        copy_all = policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
-        threshold = self.config.selective_threshold
+        policy = self._write_policy
+        threshold = policy.evicted_copy_threshold
+        copy_all = threshold <= 0  # every block is owed a copy
+        retry = policy.backs_up_ahead  # an owed copy made now is a missed backup
         reuse = self.config.reuse_evicted_blocks
         d2h = self._d2h
+        counters = self._counters
         freed = []
         while len(freed) < deficit:
             node = tree.pop_device_victim()
@@ -1359,13 +1234,13 @@ class CacheManager:
                 if host:
                     d2h.nodes.append(node)
                     d2h.device_ids.append(node.device_block)
-                    self._backup_retries += owed and policy is not WritePolicy.WRITE_BACK
+                    counters.backup_retries += owed and retry
                     if reuse:  # the block goes to the caller now; the worker copies first
                         d2h.reused.append(node.device_block)
                         freed.append(tree.release_to_host(node, host[0]))
                     else:  # freed when the copy's result arrives
                         tree.start_eviction(node, host[0])
-                        self._device_evictions += 1
+                        counters.device_evictions += 1
                         deficit -= 1
                 elif node.num_children and not reuse:  # no host room; children need it
                     tree.restore_device_victim(node)
@@ -1385,7 +1260,7 @@ class CacheManager:
             else:
                 freed.append(node.device_block)
                 tree.remove(node)
-        self._device_evictions += len(freed)
+        self._counters.device_evictions += len(freed)
         return freed
 
     def _take_host_blocks(self, n: int) -> list[int]:
@@ -1406,7 +1281,7 @@ class CacheManager:
                     written += 1
                 else:
                     freed.append(block)
-            self._host_evictions += len(freed) + written
+            self._counters.host_evictions += len(freed) + written
             pool.free(freed)
         return pool.allocate(min(n, pool.num_free))
 
@@ -1488,108 +1363,7 @@ class CacheManager:
                 twice or leaked, a lock count that does not match the requests
                 holding the node, a request whose nodes are not its hashes' path, a
                 moving node in no transfer (or in two), an in-flight block back in
-                its pool, or a tree list invariant broken.
+                its pool, or a tree list invariant broken. The checks live in
+                `fastkv.scheduler.invariants`.
         """
-        self.tree.check()
-        expected_ref: dict[TreeNode, int] = {}
-        owner: dict[int, object] = {}
-        host_owner: dict[int, TreeNode] = {}
-
-        def own(block: int, who: object) -> None:
-            assert block not in owner, f"device block {block} owned by {owner[block]} and {who}"
-            owner[block] = who
-
-        for node in self.tree:
-            if node.device_block >= 0:
-                own(node.device_block, node)
-            if node.host_block >= 0:
-                assert node.host_block not in host_owner, f"host block {node.host_block} twice"
-                host_owner[node.host_block] = node
-        for req in self._requests.values():
-            parent = self.tree.root
-            for pos, node in enumerate(req.nodes):
-                expected_ref[node] = expected_ref.get(node, 0) + 1
-                assert node.parent is parent and node.key == req.hashes[pos], (
-                    f"request {req.request_id!r}: node {pos} is not its hash path"
-                )
-                parent = node
-            for pos, block in enumerate(req.blocks):
-                if pos >= len(req.nodes) or req.nodes[pos].device_block != block:
-                    own(block, req.request_id)
-        moving: set[TreeNode] = set()
-        storing: set[TreeNode] = set()
-        released = (PENDING_HOST, DROPPED)  # device block already handed on
-        for transfer in [*self._transfers.values(), self._d2h]:  # queued ones too
-            if isinstance(transfer, StoreTransfer):
-                for node, host, free in zip(
-                    transfer.nodes, transfer.host_ids, transfer.free_after, strict=True
-                ):
-                    if free or node is None or node.state == DROPPED:
-                        assert host not in host_owner, f"host block {host} owned twice"
-                        host_owner[host] = "a storage write"
-                    else:
-                        assert node.storage == STORING and node.host_block == host, node
-                        storing.add(node)
-                continue
-            for node in transfer.nodes:
-                if node.state == DROPPED:  # out of the tree; its host block is still its
-                    assert node.host_block not in host_owner, f"{node}: host block owned"
-                    host_owner[node.host_block] = node
-        if self._storage is not None:
-            self._storage.check(host_owner)
-            storing.update(n for n in self._storage._stores.nodes if n is not None)
-            loads = [*self._storage._loads.nodes]
-        else:
-            loads = []
-        for transfer in [*self._transfers.values(), self._d2h, self._h2d]:
-            if isinstance(transfer, StoreTransfer):
-                continue
-            if isinstance(transfer, LoadTransfer):
-                loads += transfer.nodes
-                continue
-            expected = (
-                (SWAP_TO_HOST, BACKUP_TO_HOST, *released)
-                if transfer.to_host
-                else (SWAP_TO_DEVICE,)
-            )
-            assert len(transfer.device_ids) == len(transfer.nodes)
-            for node, device_block in zip(transfer.nodes, transfer.device_ids, strict=True):
-                assert node.state in expected, f"{node} in a transfer but not moving"
-                assert node not in moving, f"{node} in two transfers"
-                moving.add(node)
-                assert self.host_pool.is_allocated(node.host_block), node
-                # A released eviction's block may be anyone's, or free, also after a
-                # request that recomputed the block handed the node its own copy.
-                if node.state in released or node.device_block != device_block:
-                    assert self.config.reuse_evicted_blocks, node
-                    assert node.state in (*released, BACKUP_TO_HOST), node
-                    continue
-                assert self.device_pool.is_allocated(device_block), node
-        for node in loads:
-            assert node.state in (LOADING, BACKUP_TO_HOST, DROPPED), node
-            assert node not in moving, f"{node} in two transfers"
-            moving.add(node)
-            assert self.host_pool.is_allocated(node.host_block), node
-        for node in self.tree:
-            if node.storage == STORING:
-                assert node in storing, f"{node} is pinned by no storage write"
-            if node.state in (
-                SWAP_TO_HOST,
-                BACKUP_TO_HOST,
-                SWAP_TO_DEVICE,
-                PENDING_HOST,
-                LOADING,
-            ):
-                assert node in moving, f"{node} is moving in no transfer"
-        for node in self.tree:
-            assert node.ref == expected_ref.get(node, 0), (
-                f"{node}: ref {node.ref}, holders {expected_ref.get(node, 0)}"
-            )
-        for pool, owned in ((self.device_pool, owner), (self.host_pool, host_owner)):
-            stats = pool.stats()
-            assert stats.free + stats.used == stats.capacity, stats
-            allocated = pool.allocated_ids()
-            assert set(owned) == allocated, (
-                f"{pool.name}: leaked {sorted(allocated - set(owned))[:8]}, "
-                f"owned but free {sorted(set(owned) - allocated)[:8]}"
-            )
+        check_manager(self)

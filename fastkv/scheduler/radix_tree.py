@@ -41,10 +41,11 @@ by `make install`) the pure-Python `TreeNode` and OrderedDicts below do the same
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 
-BlockHash = Hashable
+from fastkv.metadata import BlockHash
+
 _ABSENT = object()
 
 

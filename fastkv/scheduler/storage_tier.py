@@ -28,12 +28,24 @@ and a block counts as stored only once its write succeeded.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import NamedTuple
 
-from fastkv.config import PrefetchPolicy, StorageConfig, StorageWritePolicy
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, LookupResult, StorageLookup
+from fastkv.config import StorageConfig
+from fastkv.metadata import (
+    BlockHash,
+    CacheLevel,
+    CacheSwapMetadata,
+    LookupResult,
+    StorageLookup,
+)
+from fastkv.scheduler.block_pool import BlockPool
+from fastkv.scheduler.policies import (
+    PrefetchPolicyBase,
+    StorageWritePolicyBase,
+    prefetch_policy,
+    storage_write_policy,
+)
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
     DEVICE,
@@ -43,38 +55,11 @@ from fastkv.scheduler.radix_tree import (
     NOT_STORED,
     STORED,
     STORING,
+    RadixTree,
     TreeNode,
 )
-
-if TYPE_CHECKING:
-    from fastkv.scheduler.cache_manager import CacheManager, _Request
-
-BlockHash = Hashable
-
-
-@dataclass(frozen=True, slots=True)
-class StorageTierStats:
-    """The storage tier as the scheduler saw it.
-
-    Attributes:
-        lookups, lookup_blocks: requests (and blocks) looked up in storage.
-        hit_blocks: blocks loaded from storage into host for a request.
-        load_failures: blocks whose load failed (on some rank); retried later.
-        skipped_loads: blocks found but not loaded (PREDICTED: recomputing was
-            cheaper).
-        abandoned_loads: blocks a request stopped waiting for (they still land).
-        writes, write_failures: blocks written to storage, and writes that failed
-            (a failed write never counts as stored).
-    """
-
-    lookups: int
-    lookup_blocks: int
-    hit_blocks: int
-    load_failures: int
-    skipped_loads: int
-    abandoned_loads: int
-    writes: int
-    write_failures: int
+from fastkv.scheduler.request import RequestState
+from fastkv.scheduler.stats import StorageTierStats
 
 
 class LoadTransfer:
@@ -86,7 +71,7 @@ class LoadTransfer:
     def __init__(self) -> None:
         self.emitted_at = 0.0
         self.nodes: list[TreeNode] = []
-        self.requests: list[_Request] = []
+        self.requests: list[RequestState] = []
         self.positions: list[int] = []
 
 
@@ -104,31 +89,57 @@ class StoreTransfer:
         self.free_after: list[bool] = []
 
 
+class QueuedNodes(NamedTuple):
+    """What `StorageTier.check` reports of its queued (not yet taken) transfers."""
+
+    storing: list[TreeNode]
+    """Nodes whose host copy a queued write pins (state STORING)."""
+    loading: list[TreeNode]
+    """Nodes a queued load moves into host."""
+
+
 class StorageTier:
     """Lookups, loads and writes of one CacheManager's storage tier.
 
+    It works on the manager's tree, host pool and per-request records, given to it
+    explicitly; it never sees the manager. Transfer ids come from the `emit`
+    callable passed to `take`.
+
     Args:
-        manager: the owner (its tree, host pool and transfer ids are shared).
         config: the storage settings.
+        tree: the manager's radix tree (loads insert nodes into it).
+        host_pool: the manager's host block pool (read for its fill level).
+        take_host_blocks: `take_host_blocks(n)`: up to n host blocks, evicting
+            least recently used host copies as the manager does.
+        block_size: tokens per block (to price recomputing a block).
         clock: monotonic seconds (injectable for tests and replays).
     """
 
     def __init__(
-        self, manager: CacheManager, config: StorageConfig, clock: Callable[[], float]
+        self,
+        config: StorageConfig,
+        *,
+        tree: RadixTree,
+        host_pool: BlockPool,
+        take_host_blocks: Callable[[int], list[int]],
+        block_size: int,
+        clock: Callable[[], float],
     ) -> None:
-        self.manager = manager
         self.config = config
+        self.tree = tree
+        self.host_pool = host_pool
+        self._take_host_blocks = take_host_blocks
+        self.block_size = block_size
         self.clock = clock
-        self.write_policy = StorageWritePolicy(config.write_policy)
-        self.prefetch = PrefetchPolicy(config.prefetch_policy)
+        self.write_policy: StorageWritePolicyBase = storage_write_policy(config)
+        self.prefetch_policy: PrefetchPolicyBase = prefetch_policy(config, block_size)
         self._lookups: list[StorageLookup] = []
         # id -> (request, first position looked up, how many blocks were asked about)
-        self._lookup_owner: dict[int, tuple[_Request, int, int]] = {}
+        self._lookup_owner: dict[int, tuple[RequestState, int, int]] = {}
         self._next_lookup_id = 0
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
         self._retry_after: dict[BlockHash, float] = {}  # key -> when it may be tried again
-        self._read_bytes_per_s = config.read_bytes_per_s
         self.lookups = 0
         self.lookup_blocks = 0
         self.hit_blocks = 0
@@ -140,7 +151,7 @@ class StorageTier:
 
     # -- lookups --------------------------------------------------------------
 
-    def plan_lookup(self, req: _Request, start: int, limit: int) -> bool:
+    def plan_lookup(self, req: RequestState, start: int, limit: int) -> bool:
         """Ask the workers about the request's blocks [start, limit); True if asked."""
         now = self.clock()
         keys = req.hashes[start:limit]
@@ -194,15 +205,15 @@ class StorageTier:
         if len(req.nodes) != start or result.num_hits <= 0:
             return
         keys = req.hashes[start : start + result.num_hits]
-        if not self._worth_loading(len(keys)):
+        if not self.prefetch_policy.worth_loading(len(keys)):
             self.skipped_loads += len(keys)
             return
-        tree = self.manager.tree
+        tree = self.tree
         for i, key in enumerate(keys):  # another request may have cached some since
             if tree.contains(key):
                 keys = keys[:i]
                 break
-        host = self.manager._take_host_blocks(len(keys))
+        host = self._take_host_blocks(len(keys))
         if not host:
             return
         keys = keys[: len(host)]
@@ -215,23 +226,13 @@ class StorageTier:
             loads.positions.append(len(req.nodes))
             req.nodes.append(node)
 
-    def _worth_loading(self, num_blocks: int) -> bool:
-        if self.prefetch is not PrefetchPolicy.PREDICTED:
-            return True
-        c = self.config
-        load_s = c.load_latency_s + num_blocks * c.block_bytes / self._read_bytes_per_s
-        compute_s = num_blocks * self.manager.block_size / c.recompute_tokens_per_s
-        return load_s < compute_s
-
     # -- the request's wait -------------------------------------------------------
 
-    def waits(self, req: _Request) -> bool:
+    def waits(self, req: RequestState) -> bool:
         """Does the request wait for storage (a lookup or its loads in flight)?"""
-        if self.prefetch is PrefetchPolicy.BEST_EFFORT:
-            return False
-        return self.clock() < req.storage_deadline
+        return self.prefetch_policy.waits(req.storage_deadline, self.clock)
 
-    def let_go(self, req: _Request, first_loading: int) -> None:
+    def let_go(self, req: RequestState, first_loading: int) -> None:
         """The request stops waiting: drop its lookup and the blocks still loading
         (they land and serve later requests)."""
         if req.lookup_id >= 0:
@@ -239,10 +240,10 @@ class StorageTier:
             req.lookup_id = -1
         if first_loading < len(req.nodes):
             self.abandoned_loads += len(req.nodes) - first_loading
-            self.manager.tree.unlock(req.nodes[first_loading:])
+            self.tree.unlock(req.nodes[first_loading:])
             del req.nodes[first_loading:]
 
-    def forget(self, req: _Request) -> None:
+    def forget(self, req: RequestState) -> None:
         """The request finished or aborted: its lookup is not sent if it has not
         been yet, and its answer is ignored if it has."""
         if req.lookup_id >= 0:
@@ -257,19 +258,14 @@ class StorageTier:
         """The node's host copy just became valid (a copy to host, or a load)."""
         if node.storage != NOT_STORED:
             return
-        policy = self.write_policy
-        if policy is StorageWritePolicy.WRITE_THROUGH or (
-            policy is StorageWritePolicy.AFTER_HITS
-            and node.hits >= self.config.write_after_hits
-        ):
+        if self.write_policy.write_on_host_copy(node):
             self._write(node, free_after=False)
 
     def on_hit(self, node: TreeNode) -> None:
         """The node was matched once more (its `hits` already counted)."""
         if (
-            self.write_policy is StorageWritePolicy.AFTER_HITS
-            and node.storage == NOT_STORED
-            and node.hits >= self.config.write_after_hits
+            node.storage == NOT_STORED
+            and self.write_policy.write_on_hit(node)
             and node.host_block >= 0
             and node.state in (HOST, DEVICE)
         ):
@@ -279,7 +275,7 @@ class StorageTier:
         """The node's host copy is being evicted. True when the write policy keeps
         its host block for a write (freed when the write ends): the caller then
         detaches the copy but does not free the block."""
-        if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
+        if not self.write_policy.writes_on_host_eviction:
             return False
         if node.storage != NOT_STORED:
             return False
@@ -287,16 +283,14 @@ class StorageTier:
         return True
 
     def flush_ahead(self) -> None:
-        """ON_HOST_EVICTION: when the host tier is nearly full, start writing the
-        oldest host copies that are not stored yet, so that evicting them later
-        frees their host blocks at once instead of after a write."""
-        if self.write_policy is not StorageWritePolicy.ON_HOST_EVICTION:
+        """When the write policy says so (ON_HOST_EVICTION: the host tier is nearly
+        full), start writing the oldest host copies that are not stored yet, so
+        that evicting them later frees their host blocks at once instead of after
+        a write."""
+        window = self.write_policy.flush_window(self.host_pool)
+        if not window:
             return
-        host = self.manager.host_pool
-        window = max(16, host.capacity // 32)
-        if host.num_free >= window:
-            return
-        for node in itertools.islice(self.manager.tree.host_lru, window):  # oldest first
+        for node in itertools.islice(self.tree.host_lru, window):  # oldest first
             if node.storage == NOT_STORED:
                 self._write(node, free_after=False)
 
@@ -366,7 +360,7 @@ class StorageTier:
         are not looked up again for `retry_after_s`. A block a request computed
         meanwhile (BACKUP_TO_HOST) keeps its device copy either way.
         """
-        tree = self.manager.tree
+        tree = self.tree
         first_bad: dict[int, int] = {}  # id(request) -> first failed position
         for i, (node, req, pos) in enumerate(
             zip(transfer.nodes, transfer.requests, transfer.positions, strict=True)
@@ -404,7 +398,7 @@ class StorageTier:
         self, transfer: StoreTransfer, failed: set[int], all_failed: bool
     ) -> list[int]:
         """Apply a write's result. Returns the host blocks to free."""
-        tree = self.manager.tree
+        tree = self.tree
         freed = []
         for i, (node, host, free) in enumerate(
             zip(transfer.nodes, transfer.host_ids, transfer.free_after, strict=True)
@@ -426,10 +420,7 @@ class StorageTier:
 
     def note_load_time(self, transfer: LoadTransfer, seconds: float) -> None:
         """Refine the read-bandwidth estimate PREDICTED uses (EWMA)."""
-        nbytes = len(transfer.nodes) * self.config.block_bytes
-        if nbytes and seconds > 0:
-            rate = nbytes / seconds
-            self._read_bytes_per_s = 0.8 * self._read_bytes_per_s + 0.2 * rate
+        self.prefetch_policy.note_load(len(transfer.nodes) * self.config.block_bytes, seconds)
 
     def stats(self) -> StorageTierStats:
         return StorageTierStats(
@@ -443,8 +434,14 @@ class StorageTier:
             self.write_failures,
         )
 
-    def check(self, host_owner: dict[int, object]) -> None:
-        """Assert the tier's queued state (part of CacheManager.check_invariants)."""
+    def check(self, host_owner: dict[int, object]) -> QueuedNodes:
+        """Assert the tier's queued state (part of CacheManager.check_invariants).
+
+        Claims in `host_owner` the host blocks its queued writes free when they end
+        (asserting no one else owns them), and returns the nodes its queued
+        transfers pin or move, for the caller's check that every such node in the
+        tree is accounted for.
+        """
         for lookup_id, (req, _, _) in self._lookup_owner.items():
             assert req.lookup_id == lookup_id, f"lookup {lookup_id} owner moved on"
         for node in self._loads.nodes:  # adopted by a recomputed block, or dropped
@@ -459,6 +456,9 @@ class StorageTier:
                 host_owner[host] = "a queued storage write"
             else:
                 assert node is not None and node.storage == STORING, node
+        return QueuedNodes(
+            [n for n in self._stores.nodes if n is not None], list(self._loads.nodes)
+        )
 
 
-__all__ = ["LoadTransfer", "StorageTier", "StorageTierStats", "StoreTransfer"]
+__all__ = ["LoadTransfer", "QueuedNodes", "StorageTier", "StorageTierStats", "StoreTransfer"]
