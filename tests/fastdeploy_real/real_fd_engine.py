@@ -202,6 +202,17 @@ class Engine:
             assert other == tokens[0], f"rank {rank} sampled {other}, rank 0 {tokens[0]}"
         self._emit(tokens[0])
 
+    def step_until(self, done: Any, timeout: float = 30.0) -> None:
+        """Step until `done()` holds. Admission waits for FastDeploy's async
+        preprocessing on a thread pool, so the bound is wall-clock time: a loaded
+        machine needs more steps than an idle one."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not reached after {timeout} s of steps")
+            self.step()
+            time.sleep(0.002)
+
     def run(self, max_steps: int = 2000) -> None:
         """Step until every request added has finished (or was aborted)."""
         for _ in range(max_steps):

@@ -19,10 +19,7 @@ def test_match_result_keeps_its_counts_while_the_request_allocates(make_engine: 
     engine.add_request("a", shared + prompt(2, 5), max_tokens=4)
     engine.run()
     b = engine.add_request("b", shared + prompt(3, 6), max_tokens=12)
-    for _ in range(20):  # admitted once its (no-op) async preprocessing is done
-        engine.step()
-        if any(r is b for r in engine.rm.running):
-            break
+    engine.step_until(lambda: any(r is b for r in engine.rm.running))
     assert len(b.block_tables) > 3
     assert b.match_result.matched_device_nums == 3, b.match_result
     assert b.match_result.total_matched_blocks == 3

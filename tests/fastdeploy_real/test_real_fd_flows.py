@@ -189,8 +189,8 @@ def test_abort_one_request(make_engine: Any) -> None:
     engine = make_engine(num_gpu_blocks=24, max_num_seqs=3)
     for i in range(3):
         engine.add_request(f"k{i}", prompt(110 + i, 2 * BS + i), 30)
-    for _ in range(8):
-        engine.step()
+    k1 = engine.rm.requests["k1"]
+    engine.step_until(lambda: len(k1.output_token_ids) >= 2)  # decoding
     engine.rm.add_abort_req_ids(["k1"])
     engine.run()
     assert engine.log.abort_tasks == 1

@@ -48,8 +48,8 @@ def test_pause_aborts_and_reset_cache_forgets(make_engine: Any) -> None:
     prompts = [prompt(60 + i, 2 * BS + 3) for i in range(3)]
     for i, p in enumerate(prompts):
         engine.add_request(f"old{i}", p, 40)
-    for _ in range(6):
-        engine.step()
+    engine.step_until(lambda: bool(engine.rm.running))
+    engine.step()
     assert engine.rm.running, "the pause must find requests running"
     assert pause(engine) is True
     stats = engine.cache_manager.get_stats()
