@@ -81,13 +81,13 @@ SCALE_REQUEST_BLOCKS = 128
 
 def leaf_first_floor(trace: Sequence[TraceRequest], capacity: int) -> tuple[float, float]:
     """Returns (hit rate, us per block)."""
-    parent_of: dict[int, int | None] = {}
-    num_children: dict[int, int] = {}
-    lru: OrderedDict[int, None] = OrderedDict()
+    parent_of: dict[bytes, bytes | None] = {}
+    num_children: dict[bytes, int] = {}
+    lru: OrderedDict[bytes, None] = OrderedDict()
     blocks = hits = 0
     start = time.perf_counter()
     for request in trace:
-        ids = request.hash_ids
+        ids = request.block_hashes  # the 32-byte digests the manager takes too
         blocks += len(ids)
         n = 0
         for h in ids:
@@ -118,11 +118,11 @@ def leaf_first_floor(trace: Sequence[TraceRequest], capacity: int) -> tuple[floa
 
 def lru_floor(trace: Sequence[TraceRequest], capacity: int) -> tuple[float, float]:
     """Returns (hit rate, us per block)."""
-    lru: OrderedDict[int, None] = OrderedDict()
+    lru: OrderedDict[bytes, None] = OrderedDict()
     blocks = hits = 0
     start = time.perf_counter()
     for request in trace:
-        ids = request.hash_ids
+        ids = request.block_hashes
         blocks += len(ids)
         n = 0
         for h in ids:

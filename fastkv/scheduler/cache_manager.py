@@ -1,16 +1,17 @@
 """The scheduler's cache manager: prefix matching, allocation, eviction and swaps.
 
-The manager keeps each request's block hashes (given at `match`, extended with
-`append_hashes` as the request grows), so `commit` takes a count and cannot cache
-the wrong blocks. One engine step (it may touch many requests):
+The manager keeps each request's block hashes (given at `match`, or made from its
+tokens by `add_request`), so `commit` takes a count and cannot cache the wrong
+blocks. Counts are tokens. One engine step (it may touch many requests):
 
-    hit = mgr.match(rid, block_hashes, num_tokens)  # lock the cached prefix
-    alloc = mgr.allocate(rid, n_new)         # device blocks for host hits + new blocks
+    hit = mgr.add_request(rid, token_ids)    # or match(rid, hashes, num_tokens)
+    alloc = mgr.allocate(rid, num_tokens=n)  # the table holds the first n tokens
+    table = mgr.block_table(rid)             # per position: block, CACHED/LOADING/COMPUTE
     tasks = mgr.take_swap_metadata()         # D2H evictions/backups, H2D swap-ins
-    ... the worker runs the swaps, then the model writes the new blocks ...
+    ... the worker runs the swaps, then the model writes the COMPUTE positions ...
     rollbacks = mgr.apply_results(results)   # the TransferResults it reports, then
-    mgr.commit(rid, num_computed_tokens)     # the computed full blocks become cached
-    mgr.append_hashes(rid, new_hashes)       # blocks completed by decoded tokens
+    mgr.commit(rid, num_computed_tokens=m)   # the computed full blocks become cached
+    mgr.append_tokens(rid, new_tokens)       # or append_hashes(rid, new_hashes)
     mgr.finish(rid)  /  mgr.abort(rid)
 
 `allocate` says what to do when it cannot give blocks now (see `AllocStatus`): wait
