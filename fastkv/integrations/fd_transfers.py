@@ -250,17 +250,31 @@ def split_storage(meta: Any) -> tuple[Any, StorageWork]:
     )
 
 
+# An eviction's block the scheduler has already handed to a new owner
+# (`CacheSwapMetadata.reused_block_ids`) carries this suffix on its entry, so the
+# worker orders the model's writes after that block's read only, not after every
+# copy of the step (write-through backups never hold the model up).
+HANDED_OVER = ":h"
+
+
 def to_fastdeploy(meta: CacheSwapMetadata, swap_cls: type, levels: Any) -> Any:
-    """A fastkv transfer as FastDeploy metadata, every hash tagged with its id."""
+    """A fastkv transfer as FastDeploy metadata, every hash tagged with its id (and
+    handed-over blocks marked `HANDED_OVER`)."""
     src = levels.DEVICE if meta.src_level == CacheLevel.DEVICE else levels.HOST
     dst = levels.HOST if meta.dst_level == CacheLevel.HOST else levels.DEVICE
     hashes = meta.block_hashes or [""] * meta.num_blocks
+    entries = [tag(meta.transfer_id, h) for h in hashes]
+    if meta.reused_block_ids:
+        reused = set(meta.reused_block_ids)
+        for i, block in enumerate(meta.src_block_ids):
+            if block in reused:
+                entries[i] += HANDED_OVER
     return swap_cls(
         src_block_ids=list(meta.src_block_ids),
         dst_block_ids=list(meta.dst_block_ids),
         src_type=src,
         dst_type=dst,
-        hash_values=[tag(meta.transfer_id, h) for h in hashes],
+        hash_values=entries,
     )
 
 
@@ -285,11 +299,14 @@ class MergedTransfer:
     Attributes:
         src_block_ids, dst_block_ids: the merged id lists, as given.
         transfer_ids: the scheduler transfers in it, in order.
+        handed_over: the source blocks whose entries are marked `HANDED_OVER`
+            (distinct, in order).
     """
 
     src_block_ids: list[int]
     dst_block_ids: list[int]
     transfer_ids: tuple[int, ...]
+    handed_over: tuple[int, ...] = ()
 
 
 def parse_merged(meta: Any, src: str, dst: str) -> MergedTransfer | None:
@@ -321,7 +338,12 @@ def parse_merged(meta: Any, src: str, dst: str) -> MergedTransfer | None:
         )
     if not src_ids:
         return None
-    return MergedTransfer(src_ids, dst_ids, tuple(transfer_ids(meta)))
+    handed = {
+        src_ids[i]: None
+        for i, h in enumerate(hashes)
+        if isinstance(h, str) and h.endswith(HANDED_OVER)
+    }
+    return MergedTransfer(src_ids, dst_ids, tuple(transfer_ids(meta)), tuple(handed))
 
 
 def _ids(name: str, ids: Sequence[int]) -> list[int]:
@@ -336,6 +358,7 @@ def _ids(name: str, ids: Sequence[int]) -> list[int]:
 
 
 __all__ = [
+    "HANDED_OVER",
     "STORAGE_LOAD",
     "STORAGE_LOOKUP",
     "STORAGE_WRITE",

@@ -387,16 +387,14 @@ class FastDeployCacheController:
             self._submit_storage(work)
             fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
-            if fk_evict is not None:
+            if fk_evict is not None and evict is not None and evict.handed_over:
                 # FastDeploy allocates synchronously (reuse_evicted_blocks): a block
-                # being evicted may already be the allocating request's. Its merge
-                # keeps only ids and hashes, so every block of the step's eviction
-                # counts as handed over; the controller orders the model's writes
-                # after those reads (and after those of earlier evictions still
-                # running), whatever the runner does.
-                fk_evict = dataclasses.replace(
-                    fk_evict, reused_block_ids=list(dict.fromkeys(fk_evict.src_block_ids))
-                )
+                # being evicted may already be the allocating request's. The
+                # scheduler marks those entries (they survive BatchRequest's merge);
+                # the controller orders the model's writes after their reads (and
+                # after those of earlier evictions still running), whatever the
+                # runner does. Backups and other evictions never hold the model up.
+                fk_evict = dataclasses.replace(fk_evict, reused_block_ids=list(evict.handed_over))
             transfers = ctrl.transfers
             evict_new = fk_evict is not None and not transfers.is_inflight(fk_evict.transfer_id)
             try:

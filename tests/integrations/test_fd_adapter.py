@@ -31,8 +31,10 @@ from fd_standins import (
     install_fake_fastdeploy,
 )
 
+from fastkv import metadata as fk
 from fastkv.config import WritePolicy
 from fastkv.integrations import fastdeploy as fd
+from fastkv.integrations import fd_transfers as fdt
 from fastkv.integrations.fd_config import (
     CHANNEL_ENV,
     cache_config_from_fastdeploy,
@@ -536,10 +538,11 @@ def test_refused_mtp_layers_leave_the_main_cache_as_it_was(
 
 
 def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, paddle) -> None:
-    """The step's eviction goes to the controller as handed over (FastDeploy's
-    synchronous allocation gives an evicted block to the allocating request at
-    once), with no write_block_ids: the controller orders the model's writes after
-    its reads. On the CPU stand-in the submission returns once they are done."""
+    """The blocks the scheduler marked handed over (FastDeploy's synchronous
+    allocation gives an evicted block to the allocating request at once) go to the
+    controller as reused, with no write_block_ids: the controller orders the model's
+    writes after their reads. On the CPU stand-in the submission returns once they
+    are done."""
     worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
     try:
         worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
@@ -565,7 +568,7 @@ def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, p
         lvl = CacheLevel
         threading.Timer(0.2, gate.set).start()
         worker.submit_swap_tasks(
-            CacheSwapMetadata([5, 6], [2, 3], lvl.DEVICE, lvl.HOST, ["0:a", "0:b"]),
+            CacheSwapMetadata([5, 6], [2, 3], lvl.DEVICE, lvl.HOST, ["0:a:h", "0:b:h"]),
             CacheSwapMetadata([0], [7], lvl.HOST, lvl.DEVICE, ["1:a"]),
         )
         assert gate.is_set()  # returned only once the held eviction had read 5 and 6
@@ -579,6 +582,58 @@ def test_the_models_writes_wait_for_every_eviction_still_reading(channel: str, p
         assert ctrl.transfers.handed_over_blocks() == frozenset()  # retired
     finally:
         worker.free_cache()
+
+
+def test_backups_and_unmarked_evictions_never_hold_the_model_up(channel: str, paddle) -> None:
+    """Issue 13 item 4: a write-through backup (or an eviction whose block went to no
+    one yet) is not handed over: the submission returns while its copy still waits,
+    and only the marked block of a mixed eviction is ordered."""
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        worker.initialize_kv_cache(AttentionBackend(2, 4, BS), 8)
+        ctrl = worker.controller
+        gate, wrap = threading.Event(), ctrl.faults.wrap
+        ctrl.faults.wrap = lambda fn: lambda *a, **k: (gate.wait(10), wrap(fn)(*a, **k))[1]
+        seen, submit = [], ctrl.submit_swap_tasks
+
+        def spy(evict, swap_in, writes, compute=None):
+            seen.append(None if evict is None else list(evict.reused_block_ids))
+            return submit(evict, swap_in, writes, compute)
+
+        ctrl.submit_swap_tasks = spy
+        lvl = CacheLevel
+        worker.submit_swap_tasks(
+            CacheSwapMetadata([5, 6], [2, 3], lvl.DEVICE, lvl.HOST, ["0:a", "0:b"]), None
+        )
+        assert not gate.is_set()  # the backup still waits: the model was not held up
+        worker.submit_swap_tasks(
+            CacheSwapMetadata([1, 4], [0, 1], lvl.DEVICE, lvl.HOST, ["1:c", "1:d:h"]), None
+        )
+        assert seen == [[], [4]]
+        gate.set()
+        worker.finish_step(10, wait_evictions=True)
+    finally:
+        gate.set()
+        worker.free_cache()
+
+
+def test_the_scheduler_marks_exactly_the_handed_over_blocks() -> None:
+    meta = fdt.to_fastdeploy(
+        fk.CacheSwapMetadata(
+            3,
+            fk.CacheLevel.DEVICE,
+            fk.CacheLevel.HOST,
+            [7, 8, 9],
+            [0, 1, 2],
+            [b"\x01" * 32] * 3,
+            reused_block_ids=[8],
+        ),
+        fdt.FDCacheSwapMetadata,
+        fdt.FDCacheLevel,
+    )
+    assert [h.endswith(fdt.HANDED_OVER) for h in meta.hash_values] == [False, True, False]
+    merged = fdt.parse_merged(meta, "device", "host")
+    assert merged.handed_over == (8,) and merged.transfer_ids == (3,)
 
 
 def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(
