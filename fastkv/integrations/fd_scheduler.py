@@ -209,6 +209,9 @@ class FastDeployCacheManager:
         if not isinstance(reset_timeout_s, (int, float)) or reset_timeout_s < 0:
             raise ValueError(f"reset_timeout_s: must be >= 0, got {reset_timeout_s!r}")
         self.reset_timeout_s = float(reset_timeout_s)
+        # A reset_cache whose copies outlasted the wait: nothing hits until they
+        # land and no request is active, then the cache is forgotten (see reset_cache).
+        self._reset_pending = False
         self.fd_config = fd_config
         self.config: CacheConfig = fdc.cache_config_from_fastdeploy(fd_config)
         self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
@@ -331,6 +334,9 @@ class FastDeployCacheManager:
             return
         with self._lock:
             self._poll()
+            if self._reset_pending:  # the cache may hold blocks that are gone
+                request._match_result = FastDeployMatchResult()
+                return
             rid = request.request_id
             try:
                 if self.manager.is_active(rid):
@@ -683,9 +689,15 @@ class FastDeployCacheManager:
         prefetches still pending are given up with them (FastDeploy aborted their
         requests; loads in flight are waited for like any copy).
 
+        FastDeploy ignores the answer: when a copy outlasts the wait, the reset is
+        owed. Blocks stay reserved for the copies in flight (Invariant 1), no
+        request hits the cache from then on (its blocks may be gone: sleep frees
+        and re-creates the workers' tensors), and the cache is forgotten as soon
+        as those copies' results are in and no request is active.
+
         Returns:
-            True once reset; False, changing nothing, while a request is active or
-            a copy outlasts the wait (both logged).
+            True once reset; False while a request is active (nothing changes) or a
+            copy outlasts the wait (the reset is owed, as above; both logged).
         """
         deadline = time.monotonic() + self.reset_timeout_s
         with self._lock:
@@ -711,8 +723,11 @@ class FastDeployCacheManager:
                     self._rebuild(self.config)
                     return True
             if time.monotonic() >= deadline:
+                with self._lock:
+                    self._reset_pending = True
                 log.error(
-                    "reset_cache: %d copies still in flight after %.1f s; nothing reset",
+                    "reset_cache: %d copies still in flight after %.1f s; no block hits "
+                    "until they land and no request is active, then the cache is reset",
                     inflight,
                     self.reset_timeout_s,
                 )
@@ -764,7 +779,22 @@ class FastDeployCacheManager:
         combined = self.results.poll()
         if combined:
             self._apply(combined)
+        if self._reset_pending:
+            self._finish_owed_reset()
         return len(combined)
+
+    def _finish_owed_reset(self) -> None:
+        """The reset a timed-out `reset_cache` owes, once nothing is in flight and
+        no request is active."""
+        mgr = self.manager
+        if mgr.num_inflight_transfers or mgr.get_stats().active_requests:
+            return
+        self._reset_pending = False
+        for rid in list(self._prefetch):
+            self._end_prefetch(rid)
+        self._landed.clear()
+        self._rebuild(self.config)
+        log.warning("reset_cache: the copies landed; the owed reset is done")
 
     def _apply(self, results: list[TransferResult | LookupResult]) -> None:
         rollbacks: list[Rollback] = []

@@ -394,7 +394,9 @@ class FastDeployCacheController:
                 # the controller orders the model's writes after their reads (and
                 # after those of earlier evictions still running), whatever the
                 # runner does. Backups and other evictions never hold the model up.
-                fk_evict = dataclasses.replace(fk_evict, reused_block_ids=list(evict.handed_over))
+                fk_evict = dataclasses.replace(
+                    fk_evict, reused_block_ids=list(evict.handed_over)
+                )
             transfers = ctrl.transfers
             evict_new = fk_evict is not None and not transfers.is_inflight(fk_evict.transfer_id)
             try:

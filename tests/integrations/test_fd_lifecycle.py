@@ -128,17 +128,44 @@ def test_reset_at_pause_waits_for_copies_in_flight_and_drops_unsent_backups(
         cm.close()
 
 
-def test_reset_gives_up_when_a_copy_outlasts_the_wait(channel: str) -> None:
+def test_a_reset_whose_copy_outlasts_the_wait_is_owed_and_nothing_hits_meanwhile(
+    channel: str,
+) -> None:
+    """FastDeploy ignores reset_cache's answer, then sleep frees and re-creates the
+    workers' tensors: a cache left as it was would serve blocks that are gone. Until
+    the stuck copy lands no request hits (its blocks stay reserved); then, with no
+    request active, the owed reset forgets everything."""
     cm = fd.CacheManager(config(), channel_name=channel, reset_timeout_s=0.1)
+    sender = ResultsSender(channel, 0)
     try:
         cached(cm, list(range(100, 100 + 4 * BS + 1)), "b")
         big = request("big", list(range(200, 200 + 6 * BS)))
         cm.match_prefix(big)
         big.block_tables = big.match_result.device_block_ids
         big.block_tables.extend(cm.allocate_gpu_blocks(big, 6))
-        assert big.pop_cache_evict_metadata()  # dispatched, never answered
+        evict = big.pop_cache_evict_metadata()
+        assert evict  # dispatched, not answered yet
         cm.request_finish(big)
-        assert cm.reset_cache() is False  # the worker never answered
-        assert cm.get_stats()["cached_nodes"] > 0  # nothing changed
+        assert cm.reset_cache() is False  # the worker has not answered
+        assert cm.get_stats()["inflight_transfers"] == 1  # its blocks stay reserved
+        again = request("again", list(range(100, 100 + 4 * BS + 1)))
+        cm.match_prefix(again)  # cached before the reset, but maybe gone now
+        assert again.match_result.total_matched_blocks == 0
+        cm.request_finish(again)
+        (tid,) = transfer_ids(evict[0])
+        deadline = time.monotonic() + 5
+        while cm.get_stats()["cached_nodes"] and time.monotonic() < deadline:
+            sender.send([TransferResult(tid, True)])
+            cm.check_and_add_pending_backup()  # the scheduler loop polls
+            time.sleep(0.01)
+        stats = cm.get_stats()
+        assert stats["cached_nodes"] == 0 and stats["inflight_transfers"] == 0
+        assert cm.num_free_device_blocks == 8
+        cached(cm, list(range(100, 100 + 4 * BS + 1)), "after")  # caching again
+        hit = request("hit", list(range(100, 100 + 4 * BS + 1)))
+        cm.match_prefix(hit)
+        assert hit.match_result.total_matched_blocks == 4
+        cm.request_finish(hit)
     finally:
+        sender.close()
         cm.close()
