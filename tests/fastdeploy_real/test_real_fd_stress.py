@@ -113,6 +113,9 @@ def test_copy_failures_unmodified_runner(make_engine: Any, policy: str) -> None:
     random_load(engine, 7, requests=30)
     engine.check_clean()
     assert engine.log.swap_in_steps, engine.log
+    # Failed swap-ins happened and were copied again inside the layer's wait.
+    stats = [r.cache_controller.get_stats() for r in engine.runners]
+    assert sum(s["swap_in_retries"] for s in stats) > 0, stats
 
 
 @pytest.mark.parametrize("policy", POLICIES)
