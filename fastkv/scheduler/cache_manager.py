@@ -1357,14 +1357,9 @@ class CacheManager:
 
     def check_invariants(self) -> None:
         """Assert block accounting and locking (O(cached blocks); for tests and
-        debugging).
+        debugging): `fastkv.scheduler.invariants.check_manager` lists the checks.
 
         Raises:
-            AssertionError: free + used != capacity in a pool, a block id owned
-                twice or leaked, a lock count that does not match the requests
-                holding the node, a request whose nodes are not its hashes' path, a
-                moving node in no transfer (or in two), an in-flight block back in
-                its pool, or a tree list invariant broken. The checks live in
-                `fastkv.scheduler.invariants`.
+            AssertionError: an invariant broken.
         """
         check_manager(self)
