@@ -413,9 +413,9 @@ class FastDeployCacheManager:
                 allocation = mgr.allocate(
                     rid, num_tokens=(len(table) + num_blocks) * self.config.block_size
                 )
-            except ValueError as e:
+            except (ValueError, RuntimeError) as e:  # can never fit / never taken
                 self._counts["allocation_failures"] += 1
-                log.error("fastkv allocate(%r, %d) can never fit: %s", rid, num_blocks, e)
+                log.error("fastkv allocate(%r, %d) refused: %s", rid, num_blocks, e)
                 return []
             if not allocation:
                 self._counts["allocation_failures"] += 1
@@ -500,6 +500,8 @@ class FastDeployCacheManager:
             self._end_prefetch(request.request_id)
 
     def _start_prefetch(self, rid: Hashable, hashes: list[Any], tokens: int) -> bool:
+        if self._reset_pending:  # the cache may hold blocks that are gone
+            return False
         key = _PrefetchKey(rid)
         try:
             hit = self.manager.match(key, hashes, tokens)
@@ -706,25 +708,21 @@ class FastDeployCacheManager:
             if active:
                 log.warning("reset_cache: %d requests active; nothing reset", active)
                 return False
+            # Owed from here on: nothing hits, and `_poll` forgets the cache once
+            # nothing is in flight and no request is active (now, or later).
+            self._reset_pending = True
             for rid in list(self._prefetch):  # FastDeploy aborted their requests
                 self._end_prefetch(rid)
             self._landed.clear()
             self._fail_never_sent()
+            self._poll()
         while True:
             with self._lock:
                 self._poll()
-                inflight = self.manager.num_inflight_transfers
-                if not inflight:
-                    try:
-                        self._require_idle("reset_cache")
-                    except ValueError as e:  # a request came in meanwhile
-                        log.warning("%s", e)
-                        return False
-                    self._rebuild(self.config)
+                if not self._reset_pending:
                     return True
+                inflight = self.manager.num_inflight_transfers
             if time.monotonic() >= deadline:
-                with self._lock:
-                    self._reset_pending = True
                 log.error(
                     "reset_cache: %d copies still in flight after %.1f s; no block hits "
                     "until they land and no request is active, then the cache is reset",
@@ -784,17 +782,17 @@ class FastDeployCacheManager:
         return len(combined)
 
     def _finish_owed_reset(self) -> None:
-        """The reset a timed-out `reset_cache` owes, once nothing is in flight and
-        no request is active."""
+        """The reset `reset_cache` owes, once nothing is in flight and no request
+        (other than prefetch stand-ins, given up with it) is active."""
         mgr = self.manager
-        if mgr.num_inflight_transfers or mgr.get_stats().active_requests:
+        if mgr.num_inflight_transfers or mgr.get_stats().active_requests > len(self._prefetch):
             return
         self._reset_pending = False
         for rid in list(self._prefetch):
             self._end_prefetch(rid)
         self._landed.clear()
         self._rebuild(self.config)
-        log.warning("reset_cache: the copies landed; the owed reset is done")
+        log.info("reset_cache: the cache is reset")
 
     def _apply(self, results: list[TransferResult | LookupResult]) -> None:
         rollbacks: list[Rollback] = []

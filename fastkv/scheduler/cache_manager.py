@@ -299,6 +299,7 @@ class CacheManager:
         self.stall_after_s = float(stall_after_s)
         self._root = namespace_root(config.namespace_key())
         self._takes = 0  # take_swap_metadata calls so far
+        self._wait_on_untaken = False  # set by _allocate: its WAIT needs an untaken copy
         self._stalled: set[int] = set()  # transfer ids already reported stalled
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
@@ -596,32 +597,28 @@ class CacheManager:
                 (its table, the device blocks it has matched, its host hits and the
                 new blocks).
             RuntimeError: the request was answered WAIT_FOR_TRANSFERS twice in a row
-                while the transfers it waits for were never taken
-                (`take_swap_metadata` was not called since): they can never
-                complete. Nothing changes when it raises.
+                while the only transfers it could wait for were never taken
+                (`take_swap_metadata` was not called since, and nothing taken
+                before is in flight): they can never complete. Nothing changes
+                when it raises.
         """
         req = self._get(request_id)
         _check_count("num_tokens", num_tokens)
-        if req.waits >= 2 and req.wait_epoch == self._takes and self._has_untaken():
+        if req.waits >= 2 and req.wait_epoch == self._takes:
             raise RuntimeError(
                 f"allocate({request_id!r}): answered WAIT_FOR_TRANSFERS {req.waits} times "
                 "while the transfers it waits for were never taken; call "
                 "take_swap_metadata(), run what it returns on the worker(s) and "
                 "apply_results() their reports before allocating again"
             )
+        self._wait_on_untaken = False
         alloc = self._allocate(req, -(-num_tokens // self.block_size))
-        if alloc.status is AllocStatus.WAIT_FOR_TRANSFERS:
+        if self._wait_on_untaken:  # a WAIT only untaken transfers can end
             req.waits = req.waits + 1 if req.wait_epoch == self._takes else 1
             req.wait_epoch = self._takes
         else:
             req.waits = 0
         return alloc
-
-    def _has_untaken(self) -> bool:
-        storage = self._storage
-        return bool(
-            self._d2h.nodes or self._h2d.nodes or (storage is not None and storage.has_queued)
-        )
 
     def _allocate(self, req: RequestState, num_positions: int) -> Allocation:
         request_id = req.request_id
@@ -660,6 +657,10 @@ class CacheManager:
                 return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
             storage.let_go(req, keep)  # type: ignore[union-attr]
         if loading_elsewhere:  # a block it matched is still being loaded by another
+            queued = set(self._h2d.nodes)
+            self._wait_on_untaken = any(
+                n.state is SWAP_TO_DEVICE and n in queued for n in nodes[len(blocks) : keep]
+            )
             return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
         pending = nodes[len(blocks) :]
         before = len(blocks)
@@ -674,8 +675,11 @@ class CacheManager:
             freed = self._evict_device(need - pool.num_free)
             if need > pool.num_free + len(freed):
                 pool.free(freed)
-                status = AllocStatus.WAIT_FOR_TRANSFERS if self.busy else AllocStatus.NO_SPACE
-                return Allocation(status)
+                if not self.busy:
+                    return Allocation(AllocStatus.NO_SPACE)
+                # Only planned copies can free blocks when none taken is in flight.
+                self._wait_on_untaken = not self._transfers
+                return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
             pool.recycled(len(freed))
             ids = pool.allocate(need - len(freed))
             ids += freed

@@ -14,7 +14,10 @@ entry says which device block holds that KV and what the engine does with it:
 The leading CACHED/LOADING positions are what the cache provides (device hits, host
 hits being swapped in, blocks found in storage); the engine computes from
 `num_cached_tokens` on. After a failed swap-in its positions turn COMPUTE again
-(see `CacheManager.apply_results`'s rollbacks), so the cached prefix shrinks.
+(see `CacheManager.apply_results`'s rollbacks) and the cached prefix ends at the
+first of them; positions past it keep their slot. A CACHED one there holds valid KV
+that other requests may read: an engine that recomputes every position from
+`num_cached_tokens` on writes the same KV into it again.
 
 An engine never builds a table from hit counts and lists of new blocks: it asks the
 manager (`CacheManager.block_table`), which knows every position, including device

@@ -169,3 +169,42 @@ def test_a_reset_whose_copy_outlasts_the_wait_is_owed_and_nothing_hits_meanwhile
     finally:
         sender.close()
         cm.close()
+
+
+def test_a_request_admitted_while_reset_waits_gets_no_hit_and_the_reset_still_happens(
+    channel: str,
+) -> None:
+    """Found in review: the reset waits with the lock released; a match then hit the
+    cache about to be forgotten, and a request still active when the copy landed made
+    reset_cache give up with nothing owed. Now the reset is owed from its start."""
+    cm = fd.CacheManager(config(), channel_name=channel, reset_timeout_s=0.5)
+    sender = ResultsSender(channel, 0)
+    try:
+        prompt = list(range(100, 100 + 4 * BS + 1))
+        cached(cm, prompt, "b")
+        big = request("big", list(range(200, 200 + 6 * BS)))
+        cm.match_prefix(big)
+        big.block_tables = big.match_result.device_block_ids
+        big.block_tables.extend(cm.allocate_gpu_blocks(big, 6))
+        (evict,) = big.pop_cache_evict_metadata()
+        cm.request_finish(big)
+        answers: list[bool] = []
+        waiting = threading.Thread(target=lambda: answers.append(cm.reset_cache()))
+        waiting.start()
+        time.sleep(0.1)  # reset_cache is waiting for the eviction
+        late = request("late", prompt)
+        cm.match_prefix(late)
+        assert late.match_result.total_matched_blocks == 0
+        late.block_tables = late.match_result.device_block_ids
+        late.block_tables.extend(cm.allocate_gpu_blocks(late, 5))  # active meanwhile
+        (tid,) = transfer_ids(evict)
+        sender.send([TransferResult(tid, True)])
+        waiting.join(5)
+        assert answers == [False]  # a request was active: owed, not dropped
+        cm.request_finish(late)
+        cm.check_and_add_pending_backup()
+        stats = cm.get_stats()
+        assert stats["cached_nodes"] == 0 and stats["active_requests"] == 0
+    finally:
+        sender.close()
+        cm.close()

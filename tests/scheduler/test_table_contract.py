@@ -308,3 +308,32 @@ def test_storage_answers_of_every_length_keep_the_table_consistent() -> None:
         assert all(s is Slot.COMPUTE for s in table.slots[hits:])
         mgr.abort("r")
         assert_no_storage_leak(mgr)
+
+
+def test_waits_on_a_copy_already_taken_never_raise() -> None:
+    """Found in review: the rule must look at what the WAIT depends on, not at any
+    queued work. R2 waits for R1's swap-in, which was taken; an unrelated backup
+    queued since does not make R2's waits a protocol mistake."""
+    mgr = make("write_through", device=8, host=8)
+    serve(mgr, "setup", keys("a", 2))
+    mgr.match("filler", [], 1)
+    assert mgr.allocate("filler", num_tokens=8 * BS)  # a0, a1 leave the device
+    complete(mgr)
+    mgr.finish("filler")
+    complete(mgr)
+    mgr.match("r2", keys("a", 2), 2 * BS + 1)
+    mgr.match("r1", keys("a", 2), 2 * BS + 1)
+    assert mgr.allocate("r1", num_tokens=3 * BS)
+    swap_in = mgr.take_swap_metadata().swap_in  # taken: its result comes later
+    assert swap_in is not None
+    mgr.match("r3", [H("c")], BS + 1)
+    assert mgr.allocate("r3", num_tokens=2 * BS)
+    mgr.commit("r3", num_computed_tokens=BS)  # queues a backup nobody takes yet
+    assert mgr.num_queued_blocks
+    for _ in range(4):  # waits for r1's load, which is in flight
+        assert mgr.allocate("r2", num_tokens=3 * BS).status is AllocStatus.WAIT_FOR_TRANSFERS
+    mgr.apply_results([TransferResult(swap_in.transfer_id, True)])
+    assert mgr.allocate("r2", num_tokens=3 * BS)
+    for rid in ("r1", "r2", "r3"):
+        mgr.finish(rid)
+    assert_no_leak(mgr)
