@@ -256,18 +256,53 @@ __device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t n
   }
 }
 
+// A gather chunk: whole small blocks of several ids, every element's address found
+// through the plan's chunk_element, loads first as in copy_chunk.
+template <typename V>
+__device__ __forceinline__ void copy_gather(const ChunkCopy& c, const int64_t* device_ids,
+                                            const int64_t* host_ids, const int32_t* run_len) {
+  const int64_t n = c.nbytes / static_cast<int64_t>(sizeof(V));
+  for (int64_t base = threadIdx.x; base < n; base += int64_t{kThreads} * kUnroll) {
+    V r[kUnroll];
+    V* d[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = thread_element(base, u);
+      char* dst = nullptr;
+      const char* src = nullptr;
+      d[u] = nullptr;
+      if (k < n && chunk_element(c, k, device_ids, host_ids, run_len, &dst, &src)) {
+        r[u] = __ldcs(reinterpret_cast<const V*>(src));
+        d[u] = reinterpret_cast<V*>(dst);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (d[u] != nullptr) __stcs(d[u], r[u]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     swap_kernel(const DevSegment* __restrict__ segs, int32_t num_segs,
                 const int64_t* __restrict__ device_ids, const int64_t* __restrict__ host_ids,
                 const int32_t* __restrict__ run_len, int64_t count, int64_t num_chunks,
                 int64_t memcpy_min_bytes, int32_t h2d) {
-  for (int64_t g = blockIdx.x; g < num_chunks; g += gridDim.x) {
-    ChunkCopy c;
+  ChunkCopy c;
+  for (int64_t g = blockIdx.x; g < num_chunks; g = next_chunk(g, gridDim.x, c.next)) {
     if (!locate_chunk(segs, num_segs, count, g, device_ids, host_ids, run_len,
                       memcpy_min_bytes, h2d != 0, &c)) {
       continue;
     }
-    if (c.vec_bytes == 16) {
+    if (c.num_ids > 1) {
+      if (c.vec_bytes == 16) {
+        copy_gather<uint4>(c, device_ids, host_ids, run_len);
+      } else if (c.vec_bytes == 8) {
+        copy_gather<uint2>(c, device_ids, host_ids, run_len);
+      } else {
+        copy_gather<unsigned int>(c, device_ids, host_ids, run_len);
+      }
+    } else if (c.vec_bytes == 16) {
       copy_chunk<uint4>(c.dst, c.src, c.nbytes);
     } else if (c.vec_bytes == 8) {
       copy_chunk<uint2>(c.dst, c.src, c.nbytes);

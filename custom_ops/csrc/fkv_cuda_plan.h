@@ -4,11 +4,26 @@
 // against a plain copy, so CI catches mapping bugs without a GPU.
 //
 // A launch covers one group of segments (a layer, or a slice of a long segment
-// list) and `count` ids. Its work is a sequence of 16 KiB chunks: segment 0's
-// chunks for id 0, 1, ... then segment 1's, ...; CTA b takes chunks b, b + grid,
-// ... (grid-stride). Chunk g of segment s and id i covers bytes
-// [c * 16 KiB, min((c + 1) * 16 KiB, block_bytes)) of that id's block, where
-// g = count * chunk_prefix[s] + i * chunks_per_block[s] + c.
+// list) and `count` ids. Its work is a sequence of chunks of at most 16 KiB; CTA b
+// takes chunks b, b + grid, ... (grid-stride). Every segment owns
+// count * chunks_per_block[s] chunk numbers, so the numbering is linear in count
+// and the descriptors can be staged once per layout:
+//
+//   g = count * chunk_prefix[s] + local          (local < count * chunks_per_block[s])
+//
+//   large block (> 8 KiB): local = i * chunks_per_block + c
+//     -> bytes [c * 16 KiB, min((c + 1) * 16 KiB, block_bytes)) of id i's block
+//   small block (<= 8 KiB, ids_per_chunk = 16 KiB / block_bytes >= 2):
+//     -> local v < ceil(count / ids_per_chunk): whole blocks of ids
+//        [v * ids_per_chunk, min((v + 1) * ids_per_chunk, count)), a gather
+//     -> local v beyond that: empty; the CTA jumps past the segment's rest
+//
+//   segment:   K (16 KiB)        V (16 KiB)        K scales (32 B)  V scales (32 B)
+//   chunks:  | id0 id1 ... idN | id0 id1 ... idN | g0 . . . . . . | g0 . . . . . . |
+//                                                   ^ ids 0..N      ^ ids 0..N
+//
+// So a 4-byte fp8 scale block costs a 16 KiB gather's share of a round trip, not a
+// round trip of its own, and 4 KiB blocks keep a CTA's 16 KiB of loads in flight.
 #ifndef FASTKV_CUDA_PLAN_H_
 #define FASTKV_CUDA_PLAN_H_
 
@@ -43,11 +58,16 @@ struct DevSegment {
   int64_t chunks_per_block;
   int64_t chunk_prefix;      // chunks per id of the earlier segments of the group
   int32_t vec_bytes;         // 16, 8 or 4
-  int32_t reserved;
+  int32_t ids_per_chunk;     // >= 2: whole blocks of this many ids per chunk (a gather)
 };
 
 FKV_HD int64_t chunks_per_block(int64_t block_bytes) {
   return (block_bytes + kChunkBytes - 1) / kChunkBytes;
+}
+
+// Blocks of at most half a chunk share chunks; larger ones have chunks of their own.
+FKV_HD int32_t ids_per_chunk(int64_t block_bytes) {
+  return block_bytes <= kChunkBytes / 2 ? static_cast<int32_t>(kChunkBytes / block_bytes) : 1;
 }
 
 // The widest access every block start of both regions is aligned to.
@@ -69,17 +89,32 @@ FKV_HD int64_t launch_chunks(const DevSegment& last_segment, int64_t count) {
   return count * (last_segment.chunk_prefix + last_segment.chunks_per_block);
 }
 
-// One chunk's copy.
+// One chunk's copy: a piece of one block (num_ids == 1: nbytes from src to dst), or
+// whole blocks of ids first .. first + num_ids - 1 of `seg` (a gather; see
+// chunk_element).
 struct ChunkCopy {
   char* dst;
   const char* src;
   int64_t nbytes;
   int32_t vec_bytes;
+  int32_t num_ids;
+  int64_t first;
+  const DevSegment* seg;
+  int64_t min_run;  // gather: ids whose run reaches this are the copy engine's
+  int64_t next;     // the first chunk number after this one that may hold work
+  bool h2d;
 };
 
-// Locates chunk g (< launch_chunks) of a launch. Returns false when the chunk's
-// block belongs to a run the copy engine moves (run_len non-NULL and the id's run
-// reaches the segment's memcpy_min_run).
+// The chunk number a CTA of a grid-stride loop of `grid` CTAs takes after chunk g:
+// the first of its own numbers (g + k * grid) at or after c.next.
+FKV_HD int64_t next_chunk(int64_t g, int64_t grid, int64_t next) {
+  return g + (next - g + grid - 1) / grid * grid;
+}
+
+// Locates chunk g (< launch_chunks) of a launch. Returns false when the chunk holds
+// nothing to move: the rest of a small-block segment's numbers (c->next then skips
+// them), or a block of a run the copy engine moves (run_len non-NULL and the id's
+// run reaches the segment's memcpy_min_run).
 FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count, int64_t g,
                          const int64_t* device_ids, const int64_t* host_ids,
                          const int32_t* run_len, int64_t memcpy_min_bytes, bool h2d,
@@ -97,18 +132,57 @@ FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count
   }
   const DevSegment& seg = segs[lo];
   const int64_t local = g - seg.chunk_prefix * count;
-  const int64_t i = local / seg.chunks_per_block;
-  if (run_len != nullptr && run_len[i] >= memcpy_min_run(memcpy_min_bytes, seg.block_bytes)) {
+  const int64_t min_run = memcpy_min_run(memcpy_min_bytes, seg.block_bytes);
+  out->next = g + 1;
+  out->vec_bytes = seg.vec_bytes;
+  out->h2d = h2d;
+  if (seg.ids_per_chunk > 1) {
+    const int64_t first = local * seg.ids_per_chunk;
+    if (first >= count) {
+      out->next = (seg.chunk_prefix + seg.chunks_per_block) * count;
+      return false;
+    }
+    const int64_t n = count - first < seg.ids_per_chunk ? count - first : seg.ids_per_chunk;
+    if (n > 1) {
+      out->num_ids = static_cast<int32_t>(n);
+      out->first = first;
+      out->seg = &seg;
+      out->min_run = run_len != nullptr ? min_run : INT64_MAX;
+      out->nbytes = n * seg.block_bytes;
+      return true;
+    }
+  }
+  // One id: a piece of its block (the whole block when it is small).
+  const int64_t i = seg.ids_per_chunk > 1 ? count - 1 : local / seg.chunks_per_block;
+  if (run_len != nullptr && run_len[i] >= min_run) {
     return false;
   }
-  const int64_t off = (local - i * seg.chunks_per_block) * kChunkBytes;
+  const int64_t off = seg.ids_per_chunk > 1 ? 0 : (local - i * seg.chunks_per_block) * kChunkBytes;
   const int64_t rest = seg.block_bytes - off;
   char* dev = seg.device + device_ids[i] * seg.block_bytes + off;
   char* host = seg.host + host_ids[i] * seg.block_bytes + off;
   out->dst = h2d ? dev : host;
   out->src = h2d ? host : dev;
   out->nbytes = rest < kChunkBytes ? rest : kChunkBytes;
-  out->vec_bytes = seg.vec_bytes;
+  out->num_ids = 1;
+  return true;
+}
+
+// Element k (in vec_bytes units, k < c.nbytes / c.vec_bytes) of a gather chunk:
+// offset (k mod elements per block) of id c.first + k / (elements per block).
+// Returns false for an id whose run the copy engine moves.
+FKV_HD bool chunk_element(const ChunkCopy& c, int64_t k, const int64_t* device_ids,
+                          const int64_t* host_ids, const int32_t* run_len, char** dst,
+                          const char** src) {
+  const int64_t per_block = c.seg->block_bytes / c.vec_bytes;
+  const int64_t j = k / per_block;
+  const int64_t i = c.first + j;
+  if (run_len != nullptr && run_len[i] >= c.min_run) return false;
+  const int64_t off = (k - j * per_block) * c.vec_bytes;
+  char* dev = c.seg->device + device_ids[i] * c.seg->block_bytes + off;
+  char* host = c.seg->host + host_ids[i] * c.seg->block_bytes + off;
+  *dst = c.h2d ? dev : host;
+  *src = c.h2d ? host : dev;
   return true;
 }
 
@@ -138,7 +212,7 @@ inline DevSegment make_dev_segment(const PlanSegment& s) {
   d.chunk_prefix = 0;
   d.vec_bytes = vec_bytes_for(reinterpret_cast<uintptr_t>(s.device),
                               reinterpret_cast<uintptr_t>(s.host_kernel), s.block_bytes);
-  d.reserved = 0;
+  d.ids_per_chunk = ids_per_chunk(s.block_bytes);
   return d;
 }
 

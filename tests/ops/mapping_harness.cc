@@ -22,10 +22,24 @@ struct Totals {
   int64_t memcpy_bytes = 0;
   int64_t launches = 0;
   int64_t misaligned = 0;  // accesses not aligned to the chosen vector width
+  // The latency model: a CTA's loads of one unrolled step are in flight together,
+  // so its steps are its dependent round trips over PCIe. Summed over launches, the
+  // busiest CTA's steps and its chunk lookups (empty ones included).
+  int64_t critical_steps = 0;
+  int64_t critical_lookups = 0;
 };
 
-// One kernel launch, simulated: CTA b takes chunks b, b + grid, ...; thread t of a
-// chunk moves elements thread_element(base, u) for base = t, t + kThreads * kUnroll.
+void move(char* dst, const char* src, int v, Totals* t) {
+  if (reinterpret_cast<uintptr_t>(dst) % v || reinterpret_cast<uintptr_t>(src) % v) {
+    ++t->misaligned;
+  }
+  std::memcpy(dst, src, v);
+  t->kernel_bytes += v;
+}
+
+// One kernel launch, simulated: CTA b takes chunks b, then next_chunk(...), ...;
+// thread t of a chunk moves elements thread_element(base, u) for base = t,
+// t + kThreads * kUnroll, ...: whole pieces as copy_chunk, gathers as copy_gather.
 void simulate_launch(const DevSegment* segs, int32_t num_segs, const int64_t* dev_ids,
                      const int64_t* host_ids, const int32_t* run_len, int64_t count,
                      int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
@@ -33,32 +47,46 @@ void simulate_launch(const DevSegment* segs, int32_t num_segs, const int64_t* de
   if (chunks == 0) return;
   ++t->launches;
   const int32_t g_size = static_cast<int32_t>(std::min<int64_t>(grid, chunks));
+  int64_t most_steps = 0;
+  int64_t most_lookups = 0;
   for (int32_t b = 0; b < g_size; ++b) {
-    for (int64_t g = b; g < chunks; g += g_size) {
-      ChunkCopy c;
+    int64_t steps = 0;
+    int64_t lookups = 0;
+    ChunkCopy c;
+    for (int64_t g = b; g < chunks; g = next_chunk(g, g_size, c.next)) {
+      ++lookups;
       if (!locate_chunk(segs, num_segs, count, g, dev_ids, host_ids, run_len, memcpy_min, h2d,
                         &c)) {
         continue;
       }
       const int v = c.vec_bytes;
-      if (reinterpret_cast<uintptr_t>(c.dst) % v || reinterpret_cast<uintptr_t>(c.src) % v ||
-          c.nbytes % v) {
-        ++t->misaligned;
-      }
+      if (c.nbytes % v) ++t->misaligned;
       const int64_t n = c.nbytes / v;
+      const int64_t step = int64_t{kThreads} * kUnroll;
+      steps += (n + step - 1) / step;
       for (int tid = 0; tid < kThreads; ++tid) {
-        for (int64_t base = tid; base < n; base += int64_t{kThreads} * kUnroll) {
+        for (int64_t base = tid; base < n; base += step) {
           for (int u = 0; u < kUnroll; ++u) {
             const int64_t k = thread_element(base, u);
-            if (k < n) {
-              std::memcpy(c.dst + k * v, c.src + k * v, v);
-              t->kernel_bytes += v;
+            if (k >= n) continue;
+            if (c.num_ids == 1) {
+              move(c.dst + k * v, c.src + k * v, v, t);
+              continue;
+            }
+            char* dst = nullptr;
+            const char* src = nullptr;
+            if (chunk_element(c, k, dev_ids, host_ids, run_len, &dst, &src)) {
+              move(dst, src, v, t);
             }
           }
         }
       }
     }
+    most_steps = std::max(most_steps, steps);
+    most_lookups = std::max(most_lookups, lookups);
   }
+  t->critical_steps += most_steps;
+  t->critical_lookups += most_lookups;
 }
 
 // Blocks of one segment that go to the copy engine, counted the long way: checks
@@ -165,6 +193,8 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
   totals[1] = t.memcpy_bytes;
   totals[2] = t.launches;
   totals[3] = t.misaligned;
+  totals[4] = t.critical_steps;
+  totals[5] = t.critical_lookups;
   return 0;
 }
 
@@ -230,15 +260,19 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
   totals[1] = t.memcpy_bytes;
   totals[2] = t.launches;
   totals[3] = t.misaligned;
+  totals[4] = t.critical_steps;
+  totals[5] = t.critical_lookups;
   return 0;
 }
 
-// The addresses chunk g of a launch would touch, without touching them: lets the
-// test check 64-bit offsets (beyond 4 GiB) and vector widths on made-up base
-// addresses. `triples` holds (device base, kernel host base, block bytes) per segment.
-int sim_locate(const int64_t* triples, int32_t num_segs, int64_t count, int64_t g,
+// The addresses element k (in vector units) of chunk g of a launch would touch,
+// without touching them: lets the test check 64-bit offsets (beyond 4 GiB) and
+// vector widths on made-up base addresses. `triples` holds (device base, kernel
+// host base, block bytes) per segment. out: dst, src, chunk bytes, vector width,
+// ids in the chunk (0: an empty chunk, nothing else set).
+int sim_locate(const int64_t* triples, int32_t num_segs, int64_t count, int64_t g, int64_t k,
                const int64_t* device_ids, const int64_t* host_ids, int32_t h2d,
-               uint64_t* out /* dst, src, nbytes, vec */) {
+               uint64_t* out) {
   std::vector<DevSegment> copy(num_segs);
   for (int32_t s = 0; s < num_segs; ++s) {
     char* dev = reinterpret_cast<char*>(static_cast<uintptr_t>(triples[3 * s]));
@@ -248,11 +282,20 @@ int sim_locate(const int64_t* triples, int32_t num_segs, int64_t count, int64_t 
   set_chunk_prefixes(copy.data(), num_segs);
   if (g < 0 || g >= launch_chunks(copy[num_segs - 1], count)) return -1;
   ChunkCopy c;
-  locate_chunk(copy.data(), num_segs, count, g, device_ids, host_ids, nullptr, 0, h2d != 0, &c);
-  out[0] = reinterpret_cast<uintptr_t>(c.dst);
-  out[1] = reinterpret_cast<uintptr_t>(c.src);
+  out[4] = 0;
+  if (!locate_chunk(copy.data(), num_segs, count, g, device_ids, host_ids, nullptr, 0, h2d != 0,
+                    &c)) {
+    return 0;
+  }
+  if (k < 0 || k >= c.nbytes / c.vec_bytes) return -2;
+  char* dst = c.dst + k * c.vec_bytes;
+  const char* src = c.src + k * c.vec_bytes;
+  if (c.num_ids > 1) chunk_element(c, k, device_ids, host_ids, nullptr, &dst, &src);
+  out[0] = reinterpret_cast<uintptr_t>(dst);
+  out[1] = reinterpret_cast<uintptr_t>(src);
   out[2] = static_cast<uint64_t>(c.nbytes);
   out[3] = static_cast<uint64_t>(c.vec_bytes);
+  out[4] = static_cast<uint64_t>(c.num_ids);
   return 0;
 }
 

@@ -68,14 +68,21 @@ def harness(tmp_path_factory) -> ctypes.CDLL:
         i64,
         p,
     ]
-    lib.sim_locate.argtypes = [p, i32, i64, i64, p, p, i32, p]
+    lib.sim_locate.argtypes = [p, i32, i64, i64, i64, p, p, i32, p]
     return lib
 
 
 class Regions:
     """Device and host regions of random bytes with random base misalignment."""
 
-    def __init__(self, rng: np.random.Generator, block_sizes: list[int], ndev: int, nhost: int):
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        block_sizes: list[int],
+        ndev: int,
+        nhost: int,
+        aligned: bool = False,
+    ):
         self.block_sizes = block_sizes
         self.ndev, self.nhost = ndev, nhost
         self.dev: list[np.ndarray] = []
@@ -83,7 +90,8 @@ class Regions:
         self._keep: list[np.ndarray] = []
         for bb in block_sizes:
             for n, out in ((ndev, self.dev), (nhost, self.host)):
-                shift = int(rng.choice([0, 4, 8, 12]))  # bases 4-, 8- or 16-byte aligned
+                # Bases 4-, 8- or 16-byte aligned (16 where asked, as allocators give).
+                shift = 0 if aligned else int(rng.choice([0, 4, 8, 12]))
                 raw = np.empty(n * bb + 64, np.uint8)
                 off = (-raw.ctypes.data) % 16 + shift
                 view = raw[off : off + n * bb].reshape(n, bb)
@@ -169,7 +177,7 @@ def test_swap_cuda_plan_matches_a_plain_copy(harness, seed: int) -> None:
     slot_bytes = int(rng.choice([1000, 1024, 4096, 64 << 10]))
     max_group = int(rng.choice([0, 1, 3, 7]))
     expected = regions.expected(d, h, direction == H2D, range(nsegs))
-    totals = (ctypes.c_int64 * 4)()
+    totals = (ctypes.c_int64 * 6)()
     rc = harness.sim_swap_cuda(
         regions.segments(),
         nsegs,
@@ -187,7 +195,7 @@ def test_swap_cuda_plan_matches_a_plain_copy(harness, seed: int) -> None:
     )
     assert rc == 0, (rc, core._lib.fkv_last_error())
     regions.check(expected, f"seed {seed}")
-    kernel_bytes, memcpy_bytes, _, misaligned = list(totals)
+    kernel_bytes, memcpy_bytes, _, misaligned, _, _ = list(totals)
     # Every byte moved exactly once, by the kernel or by the copy engine.
     assert kernel_bytes + memcpy_bytes == d.size * sum(sizes)
     assert misaligned == 0
@@ -217,7 +225,7 @@ def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
     slot_bytes = int(rng.choice([256, 1000, 1024, 1500, 64 << 10]))
     selected = range(first * per_layer, (first + count) * per_layer)
     expected = regions.expected(d, h, direction == H2D, selected)
-    totals = (ctypes.c_int64 * 4)()
+    totals = (ctypes.c_int64 * 6)()
     rc = harness.sim_layout_swap(
         regions.segments(),
         nsegs,
@@ -241,23 +249,32 @@ def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
     assert totals[3] == 0
 
 
+def locate(harness, raw: np.ndarray, nseg: int, count: int, g: int, k: int, d, h, h2d: int):
+    """(dst, src, chunk bytes, vector width, ids in the chunk) of element k of chunk g."""
+    out = (ctypes.c_uint64 * 5)()
+    rc = harness.sim_locate(
+        raw.ctypes.data, nseg, count, g, k, d.ctypes.data, h.ctypes.data, h2d, out
+    )
+    assert rc == 0, rc
+    return tuple(out)
+
+
 def test_vector_width_follows_the_alignment_of_both_sides(harness) -> None:
     """16-byte accesses only where both bases and the block size allow them."""
     cases = [((0, 0, 4096), 16), ((8, 0, 4096), 8), ((0, 4, 4096), 4), ((0, 0, 4104), 8)]
+    ids = np.array([3], np.int64)
     for (dev_shift, host_shift, bb), vec in cases:
         seg = np.array([1 << 40 | dev_shift, 1 << 41 | host_shift, bb], np.int64)
-        ids = np.array([3], np.int64)
-        out = (ctypes.c_uint64 * 4)()
-        args = (seg.ctypes.data, 1, 1, 0, ids.ctypes.data, ids.ctypes.data, 0, out)
-        assert harness.sim_locate(*args) == 0
-        assert out[3] == vec, (dev_shift, host_shift, bb)
-        assert out[0] % vec == 0 and out[1] % vec == 0
+        dst, src, _, width, _ = locate(harness, seg, 1, 1, 0, 0, ids, ids, 0)
+        assert width == vec, (dev_shift, host_shift, bb)
+        assert dst % vec == 0 and src % vec == 0
 
 
 def test_offsets_beyond_4_gib_are_computed_in_64_bits(harness) -> None:
-    """Block ids times block sizes far past 2**32, for both sides and every chunk of
-    a multi-chunk block, on made-up base addresses (nothing is dereferenced)."""
-    bb = [40 * 1024 + 4, 8192, 4]  # three segments: multi-chunk, one chunk, tiny
+    """Block ids times block sizes far past 2**32, for both sides, every chunk of a
+    multi-chunk block and every block of a gather chunk, on made-up base addresses
+    (nothing is dereferenced)."""
+    bb = [40 * 1024 + 4, 8192, 4]  # three segments: multi-chunk, 2 ids/chunk, 4096 ids/chunk
     nseg = len(bb)
     raw = np.zeros(3 * nseg, np.int64)
     bases = [
@@ -268,28 +285,94 @@ def test_offsets_beyond_4_gib_are_computed_in_64_bits(harness) -> None:
     count = 3
     dev_ids = np.array([(1 << 21) + 5, 7, (1 << 22) - 1], np.int64)  # x 40 KiB: > 64 GiB
     host_ids = np.array([(1 << 23) + 1, (1 << 20) * 3, 11], np.int64)
-    chunks_per_block = [(b + 16383) // 16384 for b in bb]
-    out = (ctypes.c_uint64 * 4)()
-    g = 0
-    for s in range(nseg):
+
+    def expect(s: int, i: int, off: int, h2d: int) -> tuple[int, int]:
+        dev = bases[s][0] + int(dev_ids[i]) * bb[s] + off
+        host = bases[s][1] + int(host_ids[i]) * bb[s] + off
+        return (dev, host) if h2d else (host, dev)
+
+    for h2d in (0, 1):
+        # Segment 0: one 16 KiB piece of one block per chunk, elements consecutive.
         for i in range(count):
-            for c in range(chunks_per_block[s]):
-                for h2d in (0, 1):
-                    rc = harness.sim_locate(
-                        raw.ctypes.data,
-                        nseg,
-                        count,
-                        g,
-                        dev_ids.ctypes.data,
-                        host_ids.ctypes.data,
-                        h2d,
-                        out,
+            for c in range(3):
+                g = i * 3 + c
+                dst, src, nbytes, vec, ids = locate(
+                    harness, raw, nseg, count, g, 1, dev_ids, host_ids, h2d
+                )
+                assert ids == 1 and nbytes == min(16384, bb[0] - c * 16384)
+                assert (dst, src) == expect(0, i, c * 16384 + vec, h2d), (i, c, h2d)
+        # Segment 1: ids 0-1 in chunk 9, id 2 in chunk 10; chunk 11 is empty.
+        for g, first, n in ((9, 0, 2), (10, 2, 1)):
+            per_block = bb[1] // 16
+            for j in range(n):
+                for e in (0, per_block - 1):
+                    dst, src, nbytes, vec, ids = locate(
+                        harness, raw, nseg, count, g, j * per_block + e, dev_ids, host_ids, h2d
                     )
-                    assert rc == 0
-                    dev = bases[s][0] + int(dev_ids[i]) * bb[s] + c * 16384
-                    host = bases[s][1] + int(host_ids[i]) * bb[s] + c * 16384
-                    dst, src = (dev, host) if h2d else (host, dev)
-                    assert (out[0], out[1]) == (dst, src), (s, i, c, h2d)
-                    assert out[2] == min(16384, bb[s] - c * 16384)
-                g += 1
-    assert g == sum(count * c for c in chunks_per_block)
+                    assert (ids, nbytes, vec) == (n, n * bb[1], 16)
+                    assert (dst, src) == expect(1, first + j, e * 16, h2d), (g, j, e, h2d)
+        assert locate(harness, raw, nseg, count, 11, 0, dev_ids, host_ids, h2d)[4] == 0
+        # Segment 2: every id's 4-byte block in chunk 12, then two empty chunks.
+        for j in range(count):
+            dst, src, nbytes, vec, ids = locate(
+                harness, raw, nseg, count, 12, j, dev_ids, host_ids, h2d
+            )
+            assert (ids, nbytes, vec) == (3, 12, 4)
+            assert (dst, src) == expect(2, j, 0, h2d)
+        for g in (13, 14):
+            assert locate(harness, raw, nseg, count, g, 0, dev_ids, host_ids, h2d)[4] == 0
+
+
+def plan_steps(harness, sizes: list[int], n: int, grid: int = 16) -> tuple[int, int]:
+    """(the busiest CTA's dependent load steps, its chunk lookups) for one layer's
+    H2D load of n scattered ids through the layout launcher's plan."""
+    rng = np.random.default_rng(7)
+    regions = Regions(rng, sizes, n, n, aligned=True)
+    d = rng.permutation(n).astype(np.int64)
+    h = rng.permutation(n).astype(np.int64)
+    totals = (ctypes.c_int64 * 6)()
+    rc = harness.sim_layout_swap(
+        regions.segments(),
+        len(sizes),
+        len(sizes),
+        n,
+        n,
+        d.ctypes.data,
+        h.ctypes.data,
+        n,
+        H2D,
+        0,
+        1,
+        NEVER,
+        grid,
+        64 << 10,
+        totals,
+    )
+    assert rc == 0, (rc, core._lib.fkv_last_error())
+    regions.check(regions.expected(d, h, True, range(len(sizes))), "latency model")
+    return totals[4], totals[5]
+
+
+@pytest.mark.parametrize("scale_bytes", [4, 16, 32])
+def test_fp8_scale_blocks_add_little_to_a_loads_round_trips(harness, scale_bytes: int) -> None:
+    """P3: fp8 K and V blocks of 16 KiB with a 4- to 32-byte scale block each. A
+    CTA's unrolled loads are in flight together, so its steps are its round trips
+    over PCIe: with a chunk per scale block the busiest CTA made twice the trips of
+    KV alone (half the rate); sharing chunks keeps scales under 10% on top."""
+    n = 2000
+    kv, _ = plan_steps(harness, [16384, 16384], n)
+    with_scales, lookups = plan_steps(harness, [16384, 16384, scale_bytes, scale_bytes], n)
+    assert kv == 2 * n // 16  # one step per 16 KiB block, spread over 16 CTAs
+    assert with_scales <= 1.1 * kv, (with_scales, kv)
+    # The empty chunk numbers of the scale segments are jumped over, not walked.
+    assert lookups <= kv + 2 + 2, lookups
+
+
+def test_small_blocks_keep_a_ctas_loads_in_flight(harness) -> None:
+    """P4: the same bytes in 4 KiB or 8 KiB blocks take no more round trips than in
+    16 KiB blocks (a chunk per 4 KiB block left 3/4 of a CTA's loads unused)."""
+    total = 8 << 20  # 2,048 ids of 4 KiB: one staging slot, one launch
+    at16k, _ = plan_steps(harness, [16384], total // 16384)
+    for bb in (4096, 8192):
+        steps, _ = plan_steps(harness, [bb], total // bb)
+        assert steps <= at16k, (bb, steps, at16k)
