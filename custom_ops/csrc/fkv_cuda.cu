@@ -36,6 +36,7 @@
 
 #include "fkv_cuda_plan.h"
 #include "fkv_internal.h"
+#include "fkv_staging_ring.h"
 
 #ifndef FKV_CUDA_ARCH_LIST
 #define FKV_CUDA_ARCH_LIST "unknown (built without FKV_CUDA_ARCH_LIST)"
@@ -44,12 +45,6 @@
 namespace fkv {
 namespace {
 
-// 64 KiB holds about 4,000 block ids (plus run lengths); a larger transfer takes
-// several slots. One slot per transfer (not per layer), so 64 slots cover 64
-// queued transfers; the ring grows by that much when all are in use.
-constexpr size_t kSlotBytes = size_t{64} << 10;
-constexpr int kSlotsPerChunk = 64;
-constexpr int kMaxSlots = 1024;  // 64 MiB device + 64 MiB pinned at most
 constexpr int kMaxDevices = 64;
 
 // ---------------------------------------------------------------- tuning, env
@@ -314,43 +309,20 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---------------------------------------------------------- per-device state
 
-struct Slot {
-  char* device;
-  char* host;
-  cudaEvent_t event;
-  bool busy;  // claimed by a caller that has not recorded its event yet
-  bool used;  // its event was recorded at least once
-};
+using SlotRef = RingSlotRef<cudaEvent_t>;
+using Chunk = RingChunk<cudaEvent_t>;
 
-struct SlotRef {
-  size_t index;
-  char* device;
-  char* host;
-  cudaEvent_t event;
-};
-
+// The staging ring (fkv_staging_ring.h; its mutex also guards ready and kernel).
 struct DeviceState {
-  std::mutex mu;
+  Ring<cudaEvent_t> ring;
   bool ready = false;
-  bool growing = false;  // a thread is allocating a chunk outside mu
-  std::vector<Slot> slots;
-  size_t cursor = 0;
-  int64_t grows = 0;
   cudaFuncAttributes kernel{};
 };
 
 DeviceState g_devices[kMaxDevices];
 
-// One chunk of kSlotsPerChunk slots: device and pinned staging memory and an event
-// per slot.
-struct Chunk {
-  char* device = nullptr;
-  char* host = nullptr;
-  cudaEvent_t events[kSlotsPerChunk] = {};
-};
-
 // Allocates a chunk (device current); touches no DeviceState, so the caller need
-// not hold mu: a launch that grows the ring does not hold up the others.
+// not hold the ring's lock.
 int alloc_chunk(Chunk* c) {
   const size_t bytes = kSlotsPerChunk * kSlotBytes;
   FKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&c->device), bytes));
@@ -371,20 +343,12 @@ int alloc_chunk(Chunk* c) {
   return FKV_OK;
 }
 
-// Caller holds mu.
-void add_chunk_locked(DeviceState& st, const Chunk& c) {
-  for (int k = 0; k < kSlotsPerChunk; ++k) {
-    st.slots.push_back(
-        {c.device + k * kSlotBytes, c.host + k * kSlotBytes, c.events[k], false, false});
-  }
-  ++st.grows;
-}
-
-// Adds kSlotsPerChunk slots. Caller holds mu, with the device current (start-up).
+// Adds kSlotsPerChunk slots. Caller holds the ring's lock, with the device current
+// (start-up).
 int grow_locked(DeviceState& st) {
   Chunk c;
   const int rc = alloc_chunk(&c);
-  if (rc == FKV_OK) add_chunk_locked(st, c);
+  if (rc == FKV_OK) st.ring.add_chunk_locked(c);
   return rc;
 }
 
@@ -401,10 +365,10 @@ int device_name(int device, char* buf, size_t len) {
 // kernel's module, so neither happens at the first transfer.
 int init_device_locked(DeviceState& st, int device) {
   if (st.ready) return FKV_OK;
-  if (st.slots.empty()) {
+  if (st.ring.slots.empty()) {
     const int rc = grow_locked(st);
     if (rc != FKV_OK) return rc;
-    st.grows = 0;  // the initial chunk is not growth
+    st.ring.grows = 0;  // the initial chunk is not growth
   }
   const cudaError_t err = cudaFuncGetAttributes(&st.kernel, swap_kernel);
   if (err != cudaSuccess) {
@@ -423,7 +387,7 @@ int init_device_locked(DeviceState& st, int device) {
 
 int init_device(int device) {
   DeviceState& st = g_devices[device];
-  std::lock_guard<std::mutex> lock(st.mu);
+  std::lock_guard<std::mutex> lock(st.ring.mu);
   return init_device_locked(st, device);
 }
 
@@ -432,87 +396,41 @@ void sleep_us(int64_t us) {
   nanosleep(&ts, nullptr);
 }
 
-using Deadline = std::chrono::steady_clock::time_point;
-
 // The staging deadline of one transfer: every slot it claims shares it.
 Deadline staging_deadline() {
   return std::chrono::steady_clock::now() + std::chrono::milliseconds(g_staging_timeout_ms);
 }
 
-// Claims a slot whose previous launches have finished reading it. Grows the ring
-// when none is free, allocating outside the device's lock (one thread at a time;
-// the others poll meanwhile); when it cannot grow, polls until `deadline` and then
-// fails (FKV_ETIMEDOUT). Device current (caller's guard).
-int acquire_slot(int device, SlotRef* out, Deadline deadline) {
-  DeviceState& st = g_devices[device];
-  char growth_error[256] = "";
-  for (;;) {
-    bool grow = false;
-    {
-      std::lock_guard<std::mutex> lock(st.mu);
-      int rc = init_device_locked(st, device);
-      if (rc != FKV_OK) return rc;
-      const size_t n = st.slots.size();
-      for (size_t k = 0; k < n; ++k) {
-        const size_t idx = (st.cursor + k) % n;
-        Slot& s = st.slots[idx];
-        if (s.busy) continue;
-        if (s.used) {
-          const cudaError_t q = cudaEventQuery(s.event);
-          if (q == cudaErrorNotReady) {
-            cudaGetLastError();  // not an error; do not leave it for the caller
-            continue;
-          }
-          if (q != cudaSuccess) return cuda_error(q, "cudaEventQuery(staging slot)");
-        }
-        s.busy = true;
-        st.cursor = (idx + 1) % n;
-        *out = {idx, s.device, s.host, s.event};
-        return FKV_OK;
-      }
-      if (n < static_cast<size_t>(kMaxSlots) && growth_error[0] == '\0' && !st.growing) {
-        st.growing = true;
-        grow = true;
-      }
+// The ring's calls on CUDA, device current (the caller's guard).
+struct CudaRingOps {
+  int device;
+  DeviceState& st;
+  int ready_locked() { return init_device_locked(st, device); }
+  int query(cudaEvent_t event, bool* done) {
+    const cudaError_t q = cudaEventQuery(event);
+    *done = q == cudaSuccess;
+    if (q == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error; do not leave it for the caller
+      return FKV_OK;
     }
-    if (grow) {
-      Chunk c;
-      const int rc = alloc_chunk(&c);
-      std::lock_guard<std::mutex> lock(st.mu);
-      st.growing = false;
-      if (rc == FKV_OK) {
-        add_chunk_locked(st, c);
-        continue;
-      }
-      snprintf(growth_error, sizeof(growth_error), "; growing it failed: %s",
-               fkv_last_error());
-    }
-    if (std::chrono::steady_clock::now() >= deadline) {
-      std::lock_guard<std::mutex> lock(st.mu);
-      return set_error(FKV_ETIMEDOUT,
-                       "staging ring of device %d: all %zu slots are still read by queued "
-                       "launches after %" PRId64 " ms%s (is a stream blocked?); "
-                       "FASTKV_CUDA_STAGING_TIMEOUT_MS bounds each transfer's wait",
-                       device, st.slots.size(), g_staging_timeout_ms,
-                       growth_error[0] ? growth_error : " (at its size limit)");
-    }
-    sleep_us(50);
+    return q == cudaSuccess ? FKV_OK : cuda_error(q, "cudaEventQuery(staging slot)");
   }
+  int alloc_chunk(Chunk* c) { return fkv::alloc_chunk(c); }
+  Deadline now() { return std::chrono::steady_clock::now(); }
+  void pause() { sleep_us(50); }
+};
+
+int acquire_slot(int device, SlotRef* out, Deadline deadline) {
+  CudaRingOps ops{device, g_devices[device]};
+  return g_devices[device].ring.acquire(ops, deadline, device, g_staging_timeout_ms, out);
 }
 
 // Records the slot's event on `stream` (after the launches that read it) and
-// frees the claim. If the record fails the slot stays claimed for good: a queued
-// copy may still read it.
+// frees the claim (see Ring::release).
 void release_slot(int device, const SlotRef& ref, cudaStream_t stream) {
   const cudaError_t err = cudaEventRecord(ref.event, stream);
-  DeviceState& st = g_devices[device];
-  std::lock_guard<std::mutex> lock(st.mu);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return;
-  }
-  st.slots[ref.index].busy = false;
-  st.slots[ref.index].used = true;
+  if (err != cudaSuccess) cudaGetLastError();
+  g_devices[device].ring.release(ref, err == cudaSuccess);
 }
 
 // Fills a claimed slot's host mirror with one launch's staging data at the places
@@ -942,11 +860,11 @@ FKV_API int fkv_cuda_staging_stats(int device, int64_t* slots, int64_t* slot_byt
   if (device < 0 || device >= kMaxDevices) {
     return set_error(FKV_EINVAL, "device: %d out of range [0, %d)", device, kMaxDevices);
   }
-  DeviceState& st = g_devices[device];
-  std::lock_guard<std::mutex> lock(st.mu);
-  if (slots) *slots = static_cast<int64_t>(st.slots.size());
+  Ring<cudaEvent_t>& ring = g_devices[device].ring;
+  std::lock_guard<std::mutex> lock(ring.mu);
+  if (slots) *slots = static_cast<int64_t>(ring.slots.size());
   if (slot_bytes) *slot_bytes = static_cast<int64_t>(kSlotBytes);
-  if (grows) *grows = st.grows;
+  if (grows) *grows = ring.grows;
   return FKV_OK;
 }
 

@@ -12,42 +12,21 @@ so CI catches mapping bugs without a GPU.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fastkv.ops import core
 
-ROOT = Path(__file__).resolve().parents[2]
-CSRC = ROOT / "custom_ops" / "csrc"
-HARNESS = Path(__file__).resolve().with_name("mapping_harness.cc")
-CORE_SOURCES = [
-    "fkv_common.cc",
-    "fkv_pool.cc",
-    "fkv_cpu.cc",
-    "fkv_host_alloc.cc",
-    "fkv_layout.cc",
-    "fkv_cuda_stub.cc",
-]
+from .native_harness import build_harness
+
 NEVER = 2**63 - 1
 H2D, D2H = int(core.Direction.H2D), int(core.Direction.D2H)
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> ctypes.CDLL:
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        pytest.fail(f"no C++ compiler ({cxx}): the mapping check needs one (it is in CI)")
-    out = tmp_path_factory.mktemp("plan") / "libmapping_harness.so"
-    sources = [str(HARNESS), *(str(CSRC / s) for s in CORE_SOURCES)]
-    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", f"-I{CSRC}", *sources, "-o", str(out)]
-    proc = subprocess.run([*cmd, "-pthread"], capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
-    lib = ctypes.CDLL(str(out))
+    lib = build_harness(tmp_path_factory.mktemp("plan"), "mapping_harness.cc")
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     seg_ptr = ctypes.POINTER(core.Segment)
     lib.sim_swap_cuda.argtypes = [seg_ptr, i32, i64, i64, p, p, i64, i32, i64, i32, i64, i32, p]
