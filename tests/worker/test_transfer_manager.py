@@ -431,3 +431,42 @@ def test_a_failed_one_launch_eviction_is_reported_failed(tm: TransferManager) ->
     tm.submit_to_host(1, [4], [0], lambda layer, s: None, copy_all=broken)
     (result,) = tm.wait_all(timeout=5)
     assert not result.success and "DMA error" in result.error
+
+
+class _NoWalk(dict):
+    """A block's readers that refuse to be walked: any walk fails the test."""
+
+    def _walked(self, *args, **kwargs):
+        raise AssertionError("the readers of a block were walked")
+
+    __iter__ = values = items = keys = _walked  # type: ignore[assignment]
+
+
+def test_block_hazards_add_and_remove_never_walk_a_blocks_other_readers() -> None:
+    """P5: with 10,000 in-flight copies reading one block, adding and removing one
+    reader touches only that reader's entry (it used to scan a list of readers)."""
+    from fastkv.worker.transfer_manager import BlockHazards, _InFlight
+
+    class Pending(_InFlight):
+        __slots__ = ()
+
+        def finished(self, timeout: float | None = None) -> bool:
+            return False
+
+    hazards = BlockHazards()
+    copies = [Pending(tid, True, [7], [tid]) for tid in range(10_000)]
+    for c in copies:
+        hazards.add([7], [], c)
+    hazards._readers[7] = _NoWalk(hazards._readers[7])
+    extra = Pending(10_000, True, [7], [1])
+    hazards.add([7], [], extra)
+    hazards.remove([7], [], copies[1234])
+    hazards.remove([7], [], extra)
+    hazards.remove([7], [], copies[1234])  # twice: a no-op, not an error
+    assert len(hazards._readers[7]) == 9_999 and 1234 not in hazards._readers[7]
+    # A write still finds every remaining reader (that walk is the query's job).
+    hazards._readers[7] = dict(dict.items(hazards._readers[7]))
+    assert len(hazards.conflicts([], [7])) == 9_999
+    for c in copies:
+        hazards.remove([7], [], c)
+    assert len(hazards) == 0 and hazards.conflicts([], [7]) == []
