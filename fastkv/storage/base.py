@@ -288,6 +288,18 @@ class StorageBackend(ABC):
             One result per key; OK means stored.
         """
 
+    def busy_host_ranges(self) -> list[tuple[int, int]]:
+        """Host memory [start, end) that a call which already returned (it answered
+        TIMEOUT at its deadline) still reads or writes: not to be reused until it
+        leaves this list. Empty for a backend whose calls end when they return."""
+        return []
+
+    def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
+        """Waits until no call that already returned still touches the memory of
+        `blocks` (at most `timeout` s; None: as long as it takes). True when none
+        does."""
+        return True
+
     def stats(self) -> StorageStats:
         """A snapshot of the counters."""
         with self._lock:

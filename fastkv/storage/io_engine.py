@@ -18,10 +18,11 @@ host tier wait.
 Every request has a deadline. A request whose deadline passes is completed at the
 next `poll` with TIMEOUT for every key not done: chunks not started never run, and
 a chunk stuck in the backend (a hung disk, a dead master) keeps its host blocks in
-`busy_host_blocks()` until it returns, so no host block is reused while a storage
-read or write still touches it. A new request touching such a block fails those
-keys; one touching a block of a request still outstanding is refused (ValueError),
-as the scheduler never issues one.
+`busy_host_blocks()` until it returns and the backend no longer touches them (a
+Mooncake call it left behind at the deadline: `wait_host_quiet`), so no host block
+is reused while a storage read or write still touches it. A new request touching
+such a block fails those keys; one touching a block of a request still outstanding
+is refused (ValueError), as the scheduler never issues one.
 """
 
 from __future__ import annotations
@@ -449,8 +450,13 @@ class StorageIOEngine:
             return [], self.backend.exists(keys, req.deadline)
         blocks = req.blocks[start:stop]
         if req.kind == RequestKind.LOAD:
-            return self.backend.get_into(keys, blocks, req.deadline), None
-        return self.backend.put_from(keys, blocks, req.deadline), None
+            results = self.backend.get_into(keys, blocks, req.deadline)
+        else:
+            results = self.backend.put_from(keys, blocks, req.deadline)
+        # A call the backend left behind at its deadline may still touch these host
+        # blocks: they stay busy (and this thread with them) until it ends.
+        self.backend.wait_host_quiet(blocks, None)
+        return results, None
 
     def _touch(self, req: _Request, start: int, stop: int, delta: int) -> None:
         if req.kind == RequestKind.LOOKUP:

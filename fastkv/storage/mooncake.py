@@ -57,12 +57,19 @@ real calls only.
 
 Deadlines: a Mooncake call blocks (4.3 s measured against a dead master), so calls
 run on the backend's own threads and the caller waits until the deadline plus
-`deadline_margin_s` (50 ms): every `exists`, `put_from` and staged `get_into`
-returns by then, keys not done answering TIMEOUT; the call that overran keeps its
-arena (and thread) until Mooncake returns it. A zero-copy `get_into` cannot leave
-early, since Mooncake writes into the caller's host memory until its call ends: it
-returns when Mooncake does (use the I/O engine, which keeps such host blocks busy,
-or staged mode, for a hard bound).
+`deadline_margin_s` (50 ms): every `exists`, `put_from` and `get_into` returns by
+then, keys not done answering TIMEOUT; the call that overran keeps its arena (and
+thread) until Mooncake returns it. A zero-copy call left behind still reads (put)
+or writes (get) the caller's host memory until Mooncake returns: those ranges are
+in `busy_host_ranges()` until then, `wait_host_quiet` waits for them, and a new
+call whose blocks overlap them answers FAILED for those keys without touching
+them. The I/O engine waits for them before it frees its host blocks.
+
+Puts are read back: this Mooncake answers 0 for a put of a key that already holds
+an object (and keeps that object), so an object another client plants between a
+put's existence check and the put itself would pass for the block. With
+`verify_puts` (the default) a put counts as stored only once the object under its
+key is read back and verifies; one that does not is removed and answers FAILED.
 """
 
 from __future__ import annotations
@@ -179,7 +186,7 @@ class MooncakeBackend(StorageBackend):
             long a key whose read hit a failing storage node is not asked again.
         breaker_max_cooldown_s: the longest the cooldown grows while probes fail.
         deadline_margin_s: how long past its deadline a call may take (see the
-            module docstring for the one exception, zero-copy reads).
+            module docstring for the memory a call left behind still touches).
         max_batch: keys per Mooncake call (the deadline is checked between calls).
         max_concurrency: calls running at once (each holds max_batch header slots);
             further calls wait for a slot until their deadline.
@@ -194,6 +201,10 @@ class MooncakeBackend(StorageBackend):
             into one contiguous object first: over TCP, Mooncake's per-buffer cost
             made multi-buffer transfers 2-4x slower than contiguous ones here
             (tools/bench_storage.py); with RDMA, zero-copy is the natural choice.
+        verify_puts: read every object a put stored back and count it stored only
+            if it verifies (see the module docstring). False: one read fewer per
+            put, and an object planted in the window counts as stored (its reads
+            are still refused).
         store: an already set-up `MooncakeDistributedStore` to use instead.
 
     Raises:
@@ -221,6 +232,7 @@ class MooncakeBackend(StorageBackend):
         store: object | None = None,
         auth: StorageAuth | None = None,
         allow_unauthenticated: bool = False,
+        verify_puts: bool = True,
     ) -> None:
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
@@ -256,6 +268,8 @@ class MooncakeBackend(StorageBackend):
         ):
             if not isinstance(value, (int, float)) or not 0 <= value <= 600:
                 raise ValueError(f"{name}: must be in [0, 600] seconds, got {value!r}")
+        if not isinstance(verify_puts, bool):
+            raise ValueError(f"verify_puts: must be a bool, got {verify_puts!r}")
         if store is None and (not isinstance(master_address, str) or ":" not in master_address):
             raise ValueError(f"master_address: expected 'host:port', got {master_address!r}")
         object_bytes = HEADER_BYTES + layout.payload_bytes
@@ -269,6 +283,7 @@ class MooncakeBackend(StorageBackend):
         if staging_bytes:
             max_batch = min(max_batch, per_call // object_bytes)
         self.staged = staging_bytes > 0
+        self.verify_puts = verify_puts
         self.auth = auth
         self._ring = ring_of(auth)
         self.layout = layout
@@ -321,6 +336,11 @@ class MooncakeBackend(StorageBackend):
         self._free_arenas = list(range(max_concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
+        # Zero-copy calls left behind at their deadline: the [start, end) ranges of
+        # host memory each still touches, until Mooncake returns it.
+        self._busy: dict[int, list[tuple[int, int]]] = {}
+        self._busy_ids = 0
+        self._quiet = threading.Condition(self._lock)
         self._closed = False
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
@@ -381,17 +401,62 @@ class MooncakeBackend(StorageBackend):
         self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
         return codes
 
-    def _wait(self, fut: Future, deadline: float, release: Callable[[], None]) -> Any:
+    def _wait(
+        self,
+        fut: Future,
+        deadline: float,
+        release: Callable[[], None],
+        touched: Sequence[BlockSegments] = (),
+    ) -> Any:
         """The result of a pool call, or None when it is still running at the
         deadline plus the margin: then `release` (what the call holds: its arena or
-        slot) runs when it ends."""
+        slot) runs when it ends, and the host memory of `touched` stays in
+        busy_host_ranges() until then."""
         try:
             return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
         except FutureTimeout:
+            ranges = [(p, p + n) for segs in touched for p, n in segs]
             with self._lock:
                 self.overruns += 1
-            fut.add_done_callback(lambda _f: release())
+                self._busy_ids += 1
+                token = self._busy_ids
+                if ranges:
+                    self._busy[token] = ranges
+
+            def ended(_f: Future) -> None:
+                release()
+                with self._lock:
+                    self._busy.pop(token, None)
+                    self._quiet.notify_all()
+
+            fut.add_done_callback(ended)
             return None
+
+    def busy_host_ranges(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return sorted(r for ranges in self._busy.values() for r in ranges)
+
+    def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._busy and self._touching_busy(blocks):
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._quiet.wait(left)
+            return True
+
+    def _touching_busy(self, blocks: Sequence[BlockSegments]) -> list[int]:
+        """Indexes of blocks with a segment in a range a call left behind still
+        touches (caller holds the lock)."""
+        if not self._busy:
+            return []
+        ranges = [r for rs in self._busy.values() for r in rs]
+        return [
+            b
+            for b, segs in enumerate(blocks)
+            if any(p < hi and lo < p + n for p, n in segs for lo, hi in ranges)
+        ]
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -399,7 +464,7 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, blocks, deadline)
         self._check_registered(blocks)
         self._check_open()
-        results = self._batched(keys, blocks, deadline, self._get_part)
+        results = self._clear_of_busy(keys, blocks, deadline, self._get_part)
         self._count_gets(results)
         return results
 
@@ -409,9 +474,40 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, blocks, deadline)
         self._check_registered(blocks)
         self._check_open()
-        results = self._batched(keys, blocks, deadline, self._put_part)
+        results = self._clear_of_busy(keys, blocks, deadline, self._put_part)
         self._count_puts(results)
         return results
+
+    def _clear_of_busy(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        deadline: float,
+        run_part: Callable[..., tuple[list[KeyResult], str | None]],
+    ) -> list[KeyResult]:
+        """The batch, less the keys whose host memory a call left behind still
+        touches (those answer FAILED, untouched)."""
+        if self.staged:  # Mooncake never touches the caller's memory
+            return self._batched(keys, blocks, deadline, run_part)
+        with self._lock:
+            busy = self._touching_busy(blocks)
+        if not busy:
+            return self._batched(keys, blocks, deadline, run_part)
+        skip = set(busy)
+        live = [j for j in range(len(keys)) if j not in skip]
+        out = [
+            KeyResult(
+                KeyStatus.FAILED,
+                "host memory still touched by a Mooncake call that outlived its deadline "
+                "(busy_host_ranges)",
+            )
+        ] * len(keys)
+        got = self._batched(
+            [keys[j] for j in live], [blocks[j] for j in live], deadline, run_part
+        )
+        for j, r in zip(live, got, strict=True):
+            out[j] = r
+        return out
 
     def close(self) -> None:
         if self._closed:
@@ -434,12 +530,12 @@ class MooncakeBackend(StorageBackend):
         results: list[KeyResult] = [
             KeyResult(KeyStatus.TIMEOUT, "deadline passed before the call")
         ] * len(keys)
+        if not keys:
+            return results
         arena = self._take_arena(deadline)
         if arena is None:
             return results
-        # A zero-copy read writes into the caller's memory until Mooncake returns:
-        # it cannot be left behind at the deadline. Everything else can.
-        inline = run_part == self._get_part and not self.staged
+        is_get = run_part == self._get_part
         abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
@@ -453,19 +549,18 @@ class MooncakeBackend(StorageBackend):
                     break
                 stop = min(len(keys), start + self.max_batch)
                 args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline)
-                if inline:
-                    part = self._run_part(*args)
-                else:
-                    fut = self._pool.submit(self._run_part, *args)
-                    part = self._wait(fut, deadline, lambda a=arena: self._give_arena(a))
+                fut = self._pool.submit(self._run_part, *args)
+                touched = () if self.staged else blocks[start:stop]
+                part = self._wait(fut, deadline, lambda a=arena: self._give_arena(a), touched)
                 if part is None:
                     abandoned = True
-                    results[start:stop] = [
-                        KeyResult(
-                            KeyStatus.TIMEOUT,
-                            "deadline passed with the call still inside Mooncake",
+                    why = "deadline passed with the call still inside Mooncake"
+                    if touched:
+                        why += (
+                            f"; it {'writes' if is_get else 'reads'} these blocks' host "
+                            "memory until it returns (busy_host_ranges, wait_host_quiet)"
                         )
-                    ] * (stop - start)
+                    results[start:stop] = [KeyResult(KeyStatus.TIMEOUT, why)] * (stop - start)
                     break
                 results[start:stop] = part
         finally:
@@ -549,6 +644,7 @@ class MooncakeBackend(StorageBackend):
             header_view[:] = expected_header(key, self.layout, 0)
             _disk_io.seal_header(header_view, seg_array, self._ring)
             ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
+        written: list[int] = []
         for attempt in range(self.put_retries + 1):
             if not pending:
                 break
@@ -563,7 +659,9 @@ class MooncakeBackend(StorageBackend):
                 )
             retry = []
             for j, code in zip(pending, codes, strict=True):
-                if code == PUT_OK:
+                if code == PUT_OK and self.verify_puts:
+                    written.append(j)
+                elif code == PUT_OK:
                     results[j] = OK
                 elif code == OBJECT_EXISTS:  # appeared since is_exist: ours only if it verifies
                     results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
@@ -588,6 +686,11 @@ class MooncakeBackend(StorageBackend):
             results[j] = KeyResult(
                 KeyStatus.FAILED, "Mooncake pool full (-200) after every retry"
             )
+        # 0 also answers a put that met an object: stored only if what is there now
+        # is this block.
+        for j in written:
+            got, fatal = self._check_existing(keys[j], arena, deadline, fatal)
+            results[j] = OK if got is ALREADY_STORED else got
         return results, fatal  # type: ignore[return-value]
 
     def _check_existing(

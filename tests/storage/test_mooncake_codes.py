@@ -81,10 +81,10 @@ def test_no_size_is_asked_past_the_deadline() -> None:
     for key in keys:
         store.fail_get[key.text()] = TRANSFER_FAIL
     store.get_delay_s = 0.2
-    res = backend.get_into(
-        keys, [host.segments(b) for b in range(4, 6)], time.monotonic() + 0.1
-    )
-    assert statuses(res) == ["FAILED"] * 2
+    blocks = [host.segments(b) for b in range(4, 6)]
+    res = backend.get_into(keys, blocks, time.monotonic() + 0.1)
+    assert statuses(res) == ["TIMEOUT"] * 2  # answered at the deadline plus the margin
+    assert backend.wait_host_quiet(blocks, 5.0)  # the call left behind has ended: -800s
     assert store.get_size_calls == []
 
 
@@ -108,11 +108,12 @@ def test_staged_reads_never_ask_the_size(code: int) -> None:
     assert statuses(res) == ["MISS"] and "short object (1000 bytes)" in res[0].reason
 
 
-@pytest.mark.parametrize("call", ["put", "exists", "staged_get"])
+@pytest.mark.parametrize("call", ["put", "exists", "staged_get", "zero_copy_get"])
 def test_a_call_stuck_inside_mooncake_returns_by_its_deadline(call: str) -> None:
     """Issue 15 item 5: a Mooncake call blocked (4.3 s against a dead master); the
     backend answers by the deadline plus `deadline_margin_s` (TIMEOUT / not found),
-    keeps the stuck call's arena until it returns, and serves the next call."""
+    keeps the stuck call's arena until it returns, and serves the next call. A
+    zero-copy read too, though Mooncake writes the caller's memory until it ends."""
     backend, store, host = open_backend(staged=call == "staged_get")
     keys = make_keys(2)
     assert all(
@@ -139,3 +140,96 @@ def test_a_call_stuck_inside_mooncake_returns_by_its_deadline(call: str) -> None
         "OK"
     ]
     assert host.read(2) == host.read(0)
+
+
+def test_memory_a_read_left_behind_still_writes_is_fenced_until_it_ends() -> None:
+    """A zero-copy get that outlived its deadline still writes its destination: the
+    backend lists that memory, refuses new calls on it (FAILED, Mooncake not asked)
+    while serving the rest, and frees it when Mooncake returns."""
+    backend, store, host = open_backend()
+    keys = make_keys(2)
+    assert all(
+        r.ok for r in backend.put_from(keys, [host.segments(0)] * 2, deadline_after(SOON))
+    )
+    store.get_delay_s = 0.6
+    res = backend.get_into(keys[:1], [host.segments(1)], time.monotonic() + 0.1)
+    assert statuses(res) == ["TIMEOUT"] and "writes these blocks' host memory" in res[0].reason
+    assert backend.busy_host_ranges() == sorted((p, p + n) for p, n in host.segments(1))
+    store.get_delay_s = 0.0
+    res = backend.get_into(keys, [host.segments(1), host.segments(2)], deadline_after(SOON))
+    assert statuses(res) == ["FAILED", "OK"] and "outlived its deadline" in res[0].reason
+    (other,) = make_keys(1, 5)
+    res = backend.put_from([other], [host.segments(1)], deadline_after(SOON))
+    assert statuses(res) == ["FAILED"]
+    assert other.text() not in store.objects  # nothing reached Mooncake for it
+    assert not backend.wait_host_quiet([host.segments(1)], 0.01)
+    assert backend.wait_host_quiet([host.segments(2)], 0.0)  # untouched memory: at once
+    assert backend.wait_host_quiet([host.segments(1)], 5.0)
+    assert backend.busy_host_ranges() == []
+    res = backend.get_into(keys[:1], [host.segments(1)], deadline_after(SOON))
+    assert statuses(res) == ["OK"] and host.read(1) == host.read(0)
+
+
+def test_the_io_engine_keeps_a_left_behind_reads_host_block_busy() -> None:
+    """Through the I/O engine the request completes at its deadline, and its host
+    block stays busy until Mooncake's late write into it has ended."""
+    from fastkv.storage.io_engine import StorageIOEngine
+
+    backend, store, host = open_backend()
+    keys = make_keys(1)
+    assert backend.put_from(keys, [host.segments(0)], deadline_after(SOON))[0].ok
+    engine = StorageIOEngine(backend, num_threads=1)
+    try:
+        store.get_delay_s = 0.8
+        t0 = time.monotonic()
+        engine.submit_load(1, keys, [host.segments(4)], [4], t0 + 0.1)
+        (done,) = engine.wait_all(SOON)
+        assert time.monotonic() - t0 < 0.5
+        assert statuses(done.results) == ["TIMEOUT"]
+        assert engine.busy_host_blocks() == {4}
+        # Past the backend's own answer (deadline + margin): the call it left behind
+        # still writes block 4, and the engine still holds it.
+        time.sleep(max(0.0, t0 + 0.35 - time.monotonic()))
+        assert backend.busy_host_ranges() == sorted((p, p + n) for p, n in host.segments(4))
+        assert engine.busy_host_blocks() == {4}
+        store.get_delay_s = 0.0
+        end = time.monotonic() + SOON
+        while engine.busy_host_blocks() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert engine.busy_host_blocks() == frozenset() and backend.busy_host_ranges() == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("verify_puts", [True, False])
+def test_an_object_planted_between_the_existence_check_and_the_put(verify_puts: bool) -> None:
+    """Issue 15 item 2: another client stores its object under the key after the
+    put's is_exist and before its put; this Mooncake answers 0 and keeps that
+    object. With verify_puts the put reads it back: not stored, and removed."""
+    store = FakeMooncakeStore()
+    store.reput_code = 0  # as the Mooncake in the venv answers
+    backend = MooncakeBackend(LAYOUT, store=store, auth=TEST_AUTH, verify_puts=verify_puts)
+    host = HostMemory(LAYOUT, 4)
+    backend.register_host_memory(host.base, host.nbytes)
+    host.fill(0, seed=3)
+    (key,) = make_keys(1)
+    forged = bytes(OBJECT_BYTES)
+    honest_put = store._put
+
+    def racing_put(name: str, ptrs: list[int], sizes: list[int]) -> int:
+        store.objects.setdefault(name, forged)  # the other client wins the race
+        return honest_put(name, ptrs, sizes)
+
+    store._put = racing_put  # type: ignore[method-assign]
+    res = backend.put_from([key], [host.segments(0)], deadline_after(SOON))
+    store._put = honest_put  # type: ignore[method-assign]
+    if not verify_puts:  # the documented window: counted stored, its reads refused
+        assert statuses(res) == ["OK"]
+        got = backend.get_into([key], [host.segments(1)], deadline_after(SOON))
+        assert statuses(got) == ["MISS"] and "rejected" in got[0].reason
+        return
+    assert statuses(res) == ["FAILED"] and "not this block" in res[0].reason
+    assert key.text() not in store.objects and backend.forged_puts == 1
+    assert backend.put_from([key], [host.segments(0)], deadline_after(SOON))[0].ok
+    got = backend.get_into([key], [host.segments(1)], deadline_after(SOON))
+    assert statuses(got) == ["OK"] and host.read(1) == host.read(0)
