@@ -113,6 +113,8 @@ RPC_TIMEOUT = -901
 FATAL_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
 """Codes that mean the master failed: they open the breaker (every key needs it)."""
 _MAX_QUARANTINED = 65536
+VERIFY_AREA_BYTES = 16 << 20
+"""Per concurrent call, the most object bytes a put reads back in one Mooncake call."""
 
 
 class CircuitBreaker:
@@ -324,8 +326,10 @@ class MooncakeBackend(StorageBackend):
             self._staging = mmap.mmap(-1, max_concurrency * max_batch * object_bytes)
             self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
             self._register(self._staging_addr, len(self._staging))
-        # One object per concurrent call: where a put reads back an existing object.
-        self._verify = mmap.mmap(-1, max_concurrency * object_bytes)
+        # Where a put reads objects back (what it met, what it stored): per concurrent
+        # call, up to 16 MiB of objects (at least one), read in batches that size.
+        self._verify_slots = max(1, min(max_batch, VERIFY_AREA_BYTES // object_bytes))
+        self._verify = mmap.mmap(-1, max_concurrency * self._verify_slots * object_bytes)
         self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
         self._register(self._verify_addr, len(self._verify))
         self._payload_offsets = np.concatenate(
@@ -624,13 +628,11 @@ class MooncakeBackend(StorageBackend):
         if fatal_code is not None:
             failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
             return [failed] * len(keys), f"is_exist answered {fatal_code}"
-        fatal: str | None = None
         pending = []
+        met: list[int] = []  # keys holding an object: stored only if it is this block
         for j, code in enumerate(exist):
-            if code == 1:  # Mooncake would keep it: stored only if it is our block
-                results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
-            else:
-                pending.append(j)
+            (met if code == 1 else pending).append(j)
+        fatal = self._read_back(keys, met, results, arena, deadline, None)
         ptrs: dict[int, object] = {}
         for j in pending:
             key, segs = keys[j], blocks[j]
@@ -644,7 +646,8 @@ class MooncakeBackend(StorageBackend):
             header_view[:] = expected_header(key, self.layout, 0)
             _disk_io.seal_header(header_view, seg_array, self._ring)
             ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
-        written: list[int] = []
+        written: list[int] = []  # answered 0: stored, or met an object (see below)
+        appeared: list[int] = []  # answered -705: met an object since is_exist
         for attempt in range(self.put_retries + 1):
             if not pending:
                 break
@@ -663,8 +666,8 @@ class MooncakeBackend(StorageBackend):
                     written.append(j)
                 elif code == PUT_OK:
                     results[j] = OK
-                elif code == OBJECT_EXISTS:  # appeared since is_exist: ours only if it verifies
-                    results[j], fatal = self._check_existing(keys[j], arena, deadline, fatal)
+                elif code == OBJECT_EXISTS:
+                    appeared.append(j)
                 elif code == POOL_FULL:
                     retry.append(j)
                 else:
@@ -688,24 +691,54 @@ class MooncakeBackend(StorageBackend):
             )
         # 0 also answers a put that met an object: stored only if what is there now
         # is this block.
-        for j in written:
-            got, fatal = self._check_existing(keys[j], arena, deadline, fatal)
-            results[j] = OK if got is ALREADY_STORED else got
+        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
+        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
         return results, fatal  # type: ignore[return-value]
 
-    def _check_existing(
-        self, key: StorageKey, arena: int, deadline: float, fatal: str | None
+    def _read_back(
+        self,
+        keys: Sequence[StorageKey],
+        which: list[int],
+        results: list[KeyResult | None],
+        arena: int,
+        deadline: float,
+        fatal: str | None,
+        stored: KeyResult = ALREADY_STORED,
+    ) -> str | None:
+        """Reads the objects under keys[j] (j in `which`) back, a batch of verify
+        slots per Mooncake call, and sets results[j]: `stored` for an object that is
+        this block, else what _judge_existing says. Returns the fatal outcome."""
+        size = self._expected_bytes
+        for s in range(0, len(which), self._verify_slots):
+            part = which[s : s + self._verify_slots]
+            if time.monotonic() >= deadline:
+                late = KeyResult(
+                    KeyStatus.TIMEOUT, "deadline passed before the stored object was verified"
+                )
+                for j in which[s:]:
+                    results[j] = late
+                break
+            offsets = [(arena * self._verify_slots + i) * size for i in range(len(part))]
+            codes = self.store.batch_get_into(
+                [keys[j].text() for j in part],
+                [self._verify_addr + off for off in offsets],
+                [size] * len(part),
+            )
+            for j, off, code in zip(part, offsets, codes, strict=True):
+                got, fatal = self._judge_existing(keys[j], off, code, fatal)
+                results[j] = stored if got is ALREADY_STORED else got
+        return fatal
+
+    def _judge_existing(
+        self, key: StorageKey, offset: int, code: int, fatal: str | None
     ) -> tuple[KeyResult, str | None]:
-        """A put met an object under `key`: ALREADY_STORED if it is this block (its
-        header and tag verify), else FAILED; an object that does not verify is
-        removed (best effort) so a later put can store the real block."""
-        if time.monotonic() >= deadline:
-            return KeyResult(
-                KeyStatus.TIMEOUT, "deadline passed before the stored object was verified"
-            ), fatal
+        """What a read-back of the object under `key` (into the verify area at
+        `offset`, Mooncake answering `code`) means for a put: ALREADY_STORED if it
+        is this block (its header and tag verify), else FAILED; an object that does
+        not verify is removed (best effort) so a later put can store the real
+        block."""
         name = key.text()
-        addr = self._verify_addr + arena * self._expected_bytes
-        code = self.store.batch_get_into([name], [addr], [self._expected_bytes])[0]
+        addr = self._verify_addr + offset
         if code in FATAL_CODES:
             return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), (
                 f"get answered {code}"
@@ -718,9 +751,7 @@ class MooncakeBackend(StorageBackend):
             segs = np.stack(
                 [addr + self._payload_offsets, np.asarray(self.layout.segment_lengths)], axis=1
             ).astype(np.int64)
-            header = memoryview(self._verify)[
-                arena * self._expected_bytes : arena * self._expected_bytes + HEADER_BYTES
-            ]
+            header = memoryview(self._verify)[offset : offset + HEADER_BYTES]
             want = expected_header(key, self.layout, 0)
             status = _disk_io.verify_block(header, want, segs, self._ring)
             if status == _disk_io.ST_OK:

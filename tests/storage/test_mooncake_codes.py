@@ -233,3 +233,38 @@ def test_an_object_planted_between_the_existence_check_and_the_put(verify_puts: 
     assert backend.put_from([key], [host.segments(0)], deadline_after(SOON))[0].ok
     got = backend.get_into([key], [host.segments(1)], deadline_after(SOON))
     assert statuses(got) == ["OK"] and host.read(1) == host.read(0)
+
+
+def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) -> None:
+    """Read-backs go three objects per Mooncake call here; in one put of 8 keys, two
+    of which met an object planted in the window, each key gets its own answer."""
+    from fastkv.storage import mooncake
+
+    monkeypatch.setattr(mooncake, "VERIFY_AREA_BYTES", 3 * OBJECT_BYTES)
+    store = FakeMooncakeStore()
+    store.reput_code = 0
+    backend = MooncakeBackend(LAYOUT, store=store, auth=TEST_AUTH)
+    host = HostMemory(LAYOUT, 4)
+    backend.register_host_memory(host.base, host.nbytes)
+    host.fill(0, seed=5)
+    keys = make_keys(8)
+    planted = {keys[2].text(), keys[6].text()}
+    honest_put, reads = store._put, []
+    honest_get = store.batch_get_into
+
+    def racing_put(name: str, ptrs: list[int], sizes: list[int]) -> int:
+        if name in planted:
+            store.objects.setdefault(name, bytes(OBJECT_BYTES))
+        return honest_put(name, ptrs, sizes)
+
+    def counting_get(names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        reads.append(len(names))
+        return honest_get(names, ptrs, sizes)
+
+    store._put = racing_put  # type: ignore[method-assign]
+    store.batch_get_into = counting_get  # type: ignore[method-assign]
+    res = backend.put_from(keys, [host.segments(0)] * 8, deadline_after(SOON))
+    assert statuses(res) == ["OK", "OK", "FAILED", "OK", "OK", "OK", "FAILED", "OK"]
+    assert reads == [3, 3, 2] and backend.forged_puts == 2
+    got = backend.get_into(keys[:2], [host.segments(1), host.segments(2)], deadline_after(SOON))
+    assert statuses(got) == ["OK", "OK"] and host.read(1) == host.read(0)
