@@ -7,9 +7,14 @@ every --poll-ms, as a scheduler loop would. Latency is from just before `send` t
 The flood phase runs, for the same time, a process as uid 65534 (`setpriv --reuid
 65534 --regid 65534 --clear-groups`) that sends to every address it can name as fast
 as it can: the channel's socket path (connect and datagram) and the abstract name
-earlier versions listened on. Needs root (to switch users), like CI.
+earlier versions listened on. The control phase runs the same process, with the
+same calls, at addresses that do not exist: it takes the same CPU time from the
+scheduler and the worker but never reaches the channel, so flooded/control is the
+channel's own share of the slowdown (on a 2-core machine the flooder's CPU use
+alone moves the tail). Phases rotate idle, control, flooded for --rounds rounds and
+each phase's latencies are pooled. Needs root (to switch users), like CI.
 
-    .venv/bin/python tools/bench_results_channel.py --seconds 10
+    .venv/bin/python tools/bench_results_channel.py --seconds 10 [--rounds 3]
 """
 
 from __future__ import annotations
@@ -100,17 +105,23 @@ class _Counter(logging.Handler):
         self.lines += 1
 
 
-def run_phase(args: argparse.Namespace, directory: str, flood: bool) -> dict:
+def run_phase(args: argparse.Namespace, directory: str, phase: str) -> dict:
+    """One phase: "idle", "control" (the flooder at addresses that do not exist)
+    or "flooded" (the flooder at the channel's addresses)."""
     name = f"bench-{uuid.uuid4().hex[:10]}"
     receiver = ResultsReceiver(name, tp_size=1, directory=directory)
     counter = _Counter()
     logging.getLogger("fastkv.integrations.results_channel").addHandler(counter)
     flooder = None
     try:
-        if flood:
+        if phase != "idle":
+            path, abstract = receiver.path, "fastkv-results-" + name
+            if phase == "control":
+                path = os.path.join(directory, "absent", "results.sock")
+                abstract = f"fastkv-absent-{uuid.uuid4().hex}"
             flooder = subprocess.Popen(
-                [*_AS_NOBODY, _nobody_python(), "-c", FLOODER, receiver.path,
-                 "fastkv-results-" + name, str(args.seconds + 1)],
+                [*_AS_NOBODY, _nobody_python(), "-c", FLOODER, path, abstract,
+                 str(args.seconds + 1)],
                 stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             assert flooder.stdout is not None
@@ -149,17 +160,37 @@ def run_phase(args: argparse.Namespace, directory: str, flood: bool) -> dict:
         receiver.close()
         if flooder is not None and flooder.poll() is None:
             flooder.kill()
-    latencies.sort()
     return {
         "sent": count.value,
-        "received": len(latencies),
-        "median_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
-        "max_ms": latencies[-1] * 1e3,
+        "latencies": latencies,
         "longest_poll_ms": longest_poll * 1e3,
         "log_lines": counter.lines,
         "rejected": stats.rejected_datagrams + stats.rejected_connections,
         "flooder": flood_report,
+    }
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One phase's rounds together."""
+    latencies = sorted(x for r in runs for x in r["latencies"])
+    delivered: dict[str, int] = {}
+    for r in runs:
+        for kind, n in ((r["flooder"] or {}).get("delivered") or {}).items():
+            delivered[kind] = delivered.get(kind, 0) + n
+    return {
+        "sent": sum(r["sent"] for r in runs),
+        "received": len(latencies),
+        "median_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
+        "max_ms": latencies[-1] * 1e3,
+        "longest_poll_ms": max(r["longest_poll_ms"] for r in runs),
+        "log_lines": sum(r["log_lines"] for r in runs),
+        "rejected": sum(r["rejected"] for r in runs),
+        "flooder_tries": sum((r["flooder"] or {}).get("tries", 0) for r in runs),
+        "flooder_delivered": delivered,
+        "flooder_errors": sorted(
+            {e for r in runs for e in (r["flooder"] or {}).get("errors", [])}
+        ),
     }
 
 
@@ -168,29 +199,43 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="each phase")
     parser.add_argument("--interval-ms", type=float, default=10.0, help="between results")
     parser.add_argument("--poll-ms", type=float, default=1.0, help="scheduler loop period")
+    parser.add_argument("--rounds", type=int, default=1, help="idle/control/flooded cycles")
     args = parser.parse_args()
     if os.getuid() != 0:
         raise SystemExit("run as root: the flooder runs as uid 65534 through setpriv")
     base = tempfile.mkdtemp(prefix="fkv-bench-")
     os.chmod(base, 0o1777)  # as /tmp: the flooder may reach whatever the channel allows
+    phases = ("idle", "control", "flooded")
+    runs: dict[str, list[dict]] = {p: [] for p in phases}
     try:
         directory = os.path.join(base, "fastkv-run")
-        idle = run_phase(args, directory, flood=False)
-        flooded = run_phase(args, directory, flood=True)
+        for k in range(args.rounds):
+            for phase in phases:
+                print(f"round {k + 1}/{args.rounds}: {phase}", file=sys.stderr, flush=True)
+                runs[phase].append(run_phase(args, directory, phase))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    for label, r in (("idle", idle), ("flooded", flooded)):
+    result = {p: pooled(runs[p]) for p in phases}
+    for label, r in result.items():
         print(
             f"{label:8s} results {r['received']}/{r['sent']}  latency median "
             f"{r['median_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  "
             f"longest poll {r['longest_poll_ms']:.3f} ms  log lines {r['log_lines']}  "
             f"rejected {r['rejected']}"
         )
-    print(f"flooder (uid 65534): {json.dumps(flooded['flooder'])}")
-    print(
-        f"ratio flooded/idle: median {flooded['median_ms'] / idle['median_ms']:.2f}x  "
-        f"p99 {flooded['p99_ms'] / idle['p99_ms']:.2f}x  (target: within 2x)"
-    )
+    for label in ("control", "flooded"):
+        r = result[label]
+        print(
+            f"{label} flooder (uid 65534): tries {r['flooder_tries']}  delivered "
+            f"{json.dumps(r['flooder_delivered'])}  errors {r['flooder_errors']}"
+        )
+    idle, control, flooded = result["idle"], result["control"], result["flooded"]
+    for what, base_r in (("idle", idle), ("control", control)):
+        print(
+            f"ratio flooded/{what}: median {flooded['median_ms'] / base_r['median_ms']:.2f}x  "
+            f"p99 {flooded['p99_ms'] / base_r['p99_ms']:.2f}x"
+            + ("  (target: within 2x)" if what == "idle" else "  (the channel's own share)")
+        )
 
 
 if __name__ == "__main__":
