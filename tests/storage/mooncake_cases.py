@@ -250,10 +250,17 @@ def master_killed(cluster: Cluster, during: str) -> dict:
     time.sleep(0.5)
     ok_before = sum(r.success for r in results)
     cluster.kill_master()
+    killed_at = time.monotonic()
     time.sleep(2.5 * deadline_s)
     stop.set()
     streamer.join(30)
     after_kill = results[ok_before:]
+    # FASTKV_MASTER_OUTAGE_S (manual runs): keep the master down that long in all,
+    # calls failing meanwhile, to see the breaker close after a long outage.
+    outage_s = float(os.environ.get("FASTKV_MASTER_OUTAGE_S", "0"))
+    while time.monotonic() - killed_at < outage_s:
+        backend.put_from(make_keys(1, start=9000), [host.segments(0)], deadline_after(1))
+        time.sleep(0.2)
     breaker_tripped = backend.breaker.trips
     # a fresh master: old metadata is gone; the node re-registers, the breaker closes
     cluster.start_master()
