@@ -247,6 +247,22 @@ TARGETS = {
 }
 
 
+def interleaved_medians(
+    cases: dict[str, Callable[[], None]],
+    timed: Callable[[Callable[[], None]], float],
+    runs: int,
+) -> dict[str, float]:
+    """Median seconds per case: one warm-up each, then `runs` rounds of every case in
+    turn, so drift hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for fn in cases.values():
+        timed(fn)
+    for _ in range(runs):
+        for name, fn in cases.items():
+            times[name].append(timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
     import cupy as cp
 
@@ -298,13 +314,8 @@ def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
                     "memcpy_per_block": lambda d=direction: swap(d, 0),
                     "contiguous": lambda d=direction: memcpy_contiguous(d),
                 }
-                times: dict[str, list[float]] = {k: [] for k in cases}
-                for fn in cases.values():
-                    timed(fn)
-                for _ in range(runs):
-                    for name, fn in cases.items():
-                        times[name].append(timed(fn))
-                gbps = {k: total_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+                medians = interleaved_medians(cases, timed, runs)
+                gbps = {k: total_bytes / v / 1e9 for k, v in medians.items()}
                 for k, v in gbps.items():
                     out[f"gpu_{dname}_{k}_gbps_{tag}"] = round(v, 2)
                 out[f"gpu_{dname}_kernel_vs_contiguous_{tag}"] = round(
@@ -429,14 +440,9 @@ def fp8_scales(
             name: (lambda lay=lay: lay.swap(d, h, h2d, 0, layers, stream, events))
             for name, lay in layouts.items()
         }
-        times: dict[str, list[float]] = {k: [] for k in cases}
-        for fn in cases.values():
-            timed(fn)
-        for _ in range(runs):
-            for name, fn in cases.items():
-                times[name].append(timed(fn))
         kv_bytes = 2 * layers * n * bs
-        rate = {k: kv_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+        medians = interleaved_medians(cases, timed, runs)
+        rate = {k: kv_bytes / v / 1e9 for k, v in medians.items()}
         out["gpu_fp8_kv_alone_gbps"] = round(rate["kv"], 2)
         for sb in (4, 32):
             out[f"gpu_fp8_kv_with_{sb}b_scales_gbps"] = round(rate[f"scales_{sb}b"], 2)

@@ -4,7 +4,6 @@ error an unbuilt checkout gives."""
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 import sys
@@ -13,15 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CSRC = ROOT / "custom_ops" / "csrc"
-CORE_SOURCES = [
-    "fkv_common.cc",
-    "fkv_pool.cc",
-    "fkv_cpu.cc",
-    "fkv_host_alloc.cc",
-    "fkv_layout.cc",
-]
+from .native_harness import ROOT, build_harness
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
@@ -33,14 +24,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def stub_core(tmp_path_factory) -> ctypes.CDLL:
     """The core as a machine without nvcc builds it (same sources, CUDA stub)."""
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        pytest.skip(f"no C++ compiler ({cxx}) to build the no-CUDA core")
-    out = tmp_path_factory.mktemp("stub") / "libfastkv_core_stub.so"
-    sources = [str(CSRC / s) for s in [*CORE_SOURCES, "fkv_cuda_stub.cc"]]
-    cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", f"-I{CSRC}", *sources, "-o", str(out)]
-    subprocess.run([*cmd, "-pthread"], check=True, capture_output=True, text=True)
-    return ctypes.CDLL(str(out))
+    return build_harness(tmp_path_factory.mktemp("stub"), None)
 
 
 def test_core_without_cuda_says_so_and_still_copies(stub_core: ctypes.CDLL) -> None:
