@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--poll-ms", type=float, default=1.0, help="scheduler loop period")
     parser.add_argument("--rounds", type=int, default=1, help="idle/control/flooded cycles")
     args = parser.parse_args()
+    if args.rounds < 1 or args.seconds <= 0:
+        parser.error("--rounds must be >= 1 and --seconds > 0")
     if os.getuid() != 0:
         raise SystemExit("run as root: the flooder runs as uid 65534 through setpriv")
     base = tempfile.mkdtemp(prefix="fkv-bench-")

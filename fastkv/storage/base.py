@@ -290,14 +290,19 @@ class StorageBackend(ABC):
 
     def busy_host_ranges(self) -> list[tuple[int, int]]:
         """Host memory [start, end) that a call which already returned (it answered
-        TIMEOUT at its deadline) still reads or writes: not to be reused until it
+        TIMEOUT at its deadline) still writes: not to be read or reused until it
         leaves this list. Empty for a backend whose calls end when they return."""
         return []
 
     def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
-        """Waits until no call that already returned still touches the memory of
+        """Waits until no call that already returned still writes the memory of
         `blocks` (at most `timeout` s; None: as long as it takes). True when none
-        does."""
+        does.
+
+        Raises:
+            ValueError: bad blocks or timeout; nothing was waited for.
+        """
+        check_wait(blocks, timeout, self.layout)
         return True
 
     def stats(self) -> StorageStats:
@@ -384,6 +389,19 @@ def check_deadline(deadline: float) -> None:
         raise ValueError("deadline: is NaN")
 
 
+def check_wait(
+    blocks: Sequence[BlockSegments], timeout: float | None, layout: BlockLayout
+) -> None:
+    """wait_host_quiet's arguments: blocks of `layout`, and None or seconds >= 0."""
+    check_segments(blocks, layout)
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 <= timeout < math.inf
+    ):
+        raise ValueError(f"timeout: must be None or finite seconds >= 0, got {timeout!r}")
+
+
 def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None:
     """Raises ValueError naming the first block or segment that does not match
     `layout` (count, lengths) or has a null address."""
@@ -423,5 +441,6 @@ __all__ = [
     "check_deadline",
     "check_keys",
     "check_segments",
+    "check_wait",
     "deadline_after",
 ]

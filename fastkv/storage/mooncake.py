@@ -59,21 +59,34 @@ Deadlines: a Mooncake call blocks (4.3 s measured against a dead master), so cal
 run on the backend's own threads and the caller waits until the deadline plus
 `deadline_margin_s` (50 ms): every `exists`, `put_from` and `get_into` returns by
 then, keys not done answering TIMEOUT; the call that overran keeps its arena (and
-thread) until Mooncake returns it. A zero-copy call left behind still reads (put)
-or writes (get) the caller's host memory until Mooncake returns: those ranges are
-in `busy_host_ranges()` until then, `wait_host_quiet` waits for them, and a new
-call whose blocks overlap them answers FAILED for those keys without touching
-them. The I/O engine waits for them before it frees its host blocks.
+thread) until Mooncake returns it. What a call left behind may still do to the
+caller's memory:
+  - zero-copy get: Mooncake writes it until its call returns. Those ranges are in
+    `busy_host_ranges()` until then, `wait_host_quiet` waits for them, and a new
+    call whose blocks overlap them answers FAILED for those keys without touching
+    them; the I/O engine waits for them before it frees its host blocks.
+  - zero-copy put: Mooncake reads it until its call returns. Memory changed
+    meanwhile makes the stored object fail verification: never served.
+  - staged calls: only this backend's own copies touch it (gathering a put's
+    block, scattering a get's), each under the call's lock, and none starts once
+    the caller has been answered.
 
-Puts are read back: this Mooncake answers 0 for a put of a key that already holds
-an object (and keeps that object), so an object another client plants between a
-put's existence check and the put itself would pass for the block. With
-`verify_puts` (the default) a put counts as stored only once the object under its
-key is read back and verifies; one that does not is removed and answers FAILED.
+A put first asks which keys exist and reads those objects back: one that is not
+this block answers FAILED and is removed. This Mooncake answers 0 for a put of a
+key that already holds an object (and keeps that object), so an object another
+client plants between that existence check and the put passes for the block; it
+adds nothing to what any client can do anyway (replace or delete any object at
+any time: misses, never wrong KV, as reads verify). `verify_puts=True` closes it:
+every put is read back and counts as stored only if the object verifies. It is off
+by default because a read-back costs a get (17-45 % of put throughput measured
+over TCP loopback) and a get takes the master's read lease (10 s by default), so
+objects just written cannot be evicted for that long: on a pool smaller than
+write rate x lease, puts fail with -200.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 import time
@@ -97,8 +110,11 @@ from fastkv.storage.base import (
     StorageBackend,
     StorageKey,
     StorageStats,
+    check_wait,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
+
+log = logging.getLogger(__name__)
 
 PUT_OK = 0
 OBJECT_EXISTS = -705
@@ -115,6 +131,21 @@ FATAL_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
 _MAX_QUARANTINED = 65536
 VERIFY_AREA_BYTES = 16 << 20
 """Per concurrent call, the most object bytes a put reads back in one Mooncake call."""
+
+
+_LEFT_BEHIND = KeyResult(KeyStatus.TIMEOUT, "the caller was answered before this key was done")
+
+
+class _Call:
+    """One batch on the pool: `abandoned` once its caller has been answered
+    (TIMEOUT); the backend's own copies into or out of the caller's memory hold
+    `lock` and start only while it is False."""
+
+    __slots__ = ("abandoned", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
 
 
 class CircuitBreaker:
@@ -204,9 +235,9 @@ class MooncakeBackend(StorageBackend):
             made multi-buffer transfers 2-4x slower than contiguous ones here
             (tools/bench_storage.py); with RDMA, zero-copy is the natural choice.
         verify_puts: read every object a put stored back and count it stored only
-            if it verifies (see the module docstring). False: one read fewer per
-            put, and an object planted in the window counts as stored (its reads
-            are still refused).
+            if it verifies (see the module docstring for the window it closes and
+            its cost). False (default): an object planted in that window counts as
+            stored; its reads are refused.
         store: an already set-up `MooncakeDistributedStore` to use instead.
 
     Raises:
@@ -234,7 +265,7 @@ class MooncakeBackend(StorageBackend):
         store: object | None = None,
         auth: StorageAuth | None = None,
         allow_unauthenticated: bool = False,
-        verify_puts: bool = True,
+        verify_puts: bool = False,
     ) -> None:
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
@@ -340,10 +371,14 @@ class MooncakeBackend(StorageBackend):
         self._free_arenas = list(range(max_concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
-        # Zero-copy calls left behind at their deadline: the [start, end) ranges of
-        # host memory each still touches, until Mooncake returns it.
+        # Zero-copy gets left behind at their deadline: the [start, end) ranges of
+        # host memory each still writes, until Mooncake returns it; merged into
+        # sorted arrays for the overlap checks.
         self._busy: dict[int, list[tuple[int, int]]] = {}
         self._busy_ids = 0
+        self._busy_lo = np.zeros(0, dtype=np.int64)
+        self._busy_hi = np.zeros(0, dtype=np.int64)
+        self._in_flight = 0  # transfer and lookup calls on the pool
         self._quiet = threading.Condition(self._lock)
         self._closed = False
 
@@ -382,7 +417,7 @@ class MooncakeBackend(StorageBackend):
                 if time.monotonic() >= deadline or not self.breaker.allow():
                     break
                 names = [k.text() for k in keys[start : start + self.max_batch]]
-                fut = self._pool.submit(self._is_exist, names)
+                fut = self._submit(self._is_exist, names)
                 codes = self._wait(fut, deadline, self._lookup_slots.release)
                 if codes is None:  # still inside Mooncake: "not found"
                     abandoned = True
@@ -405,45 +440,81 @@ class MooncakeBackend(StorageBackend):
         self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
         return codes
 
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Runs fn on the pool, counted in flight until it ends (close waits)."""
+        with self._lock:
+            self._in_flight += 1
+        fut = self._pool.submit(fn, *args)
+
+        def ended(_f: Future) -> None:
+            with self._lock:
+                self._in_flight -= 1
+                self._quiet.notify_all()
+
+        fut.add_done_callback(ended)
+        return fut
+
     def _wait(
         self,
         fut: Future,
         deadline: float,
         release: Callable[[], None],
-        touched: Sequence[BlockSegments] = (),
+        call: _Call | None = None,
+        writes: Sequence[BlockSegments] = (),
     ) -> Any:
         """The result of a pool call, or None when it is still running at the
         deadline plus the margin: then `release` (what the call holds: its arena or
-        slot) runs when it ends, and the host memory of `touched` stays in
-        busy_host_ranges() until then."""
+        slot) runs when it ends, `call` is marked left behind (its own copies into
+        or out of the caller's memory stop), and the host memory of `writes` stays
+        in busy_host_ranges() until Mooncake returns."""
         try:
             return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
         except FutureTimeout:
-            ranges = [(p, p + n) for segs in touched for p, n in segs]
+            if call is not None:
+                with call.lock:  # waits out at most one block's copy
+                    call.abandoned = True
+            ranges = [(p, p + n) for segs in writes for p, n in segs]
             with self._lock:
                 self.overruns += 1
                 self._busy_ids += 1
                 token = self._busy_ids
                 if ranges:
                     self._busy[token] = ranges
+                    self._merge_busy()
 
             def ended(_f: Future) -> None:
-                release()
-                with self._lock:
-                    self._busy.pop(token, None)
-                    self._quiet.notify_all()
+                try:
+                    release()
+                finally:
+                    with self._lock:
+                        if self._busy.pop(token, None) is not None:
+                            self._merge_busy()
+                        self._quiet.notify_all()
 
             fut.add_done_callback(ended)
             return None
 
+    def _merge_busy(self) -> None:
+        """Rebuilds the sorted, disjoint busy intervals (caller holds the lock)."""
+        spans = sorted(r for ranges in self._busy.values() for r in ranges)
+        merged: list[list[int]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._busy_lo = np.array([m[0] for m in merged], dtype=np.int64)
+        self._busy_hi = np.array([m[1] for m in merged], dtype=np.int64)
+
     def busy_host_ranges(self) -> list[tuple[int, int]]:
         with self._lock:
-            return sorted(r for ranges in self._busy.values() for r in ranges)
+            return list(zip(self._busy_lo.tolist(), self._busy_hi.tolist(), strict=True))
 
     def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
+        check_wait(blocks, timeout, self.layout)
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._busy and self._touching_busy(blocks):
+            while self._touching_busy(blocks):
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -451,16 +522,17 @@ class MooncakeBackend(StorageBackend):
             return True
 
     def _touching_busy(self, blocks: Sequence[BlockSegments]) -> list[int]:
-        """Indexes of blocks with a segment in a range a call left behind still
-        touches (caller holds the lock)."""
-        if not self._busy:
+        """Indexes of blocks with a segment in memory a get left behind still
+        writes (caller holds the lock): one binary search per segment."""
+        if not len(self._busy_lo) or not len(blocks):
             return []
-        ranges = [r for rs in self._busy.values() for r in rs]
-        return [
-            b
-            for b, segs in enumerate(blocks)
-            if any(p < hi and lo < p + n for p, n in segs for lo, hi in ranges)
-        ]
+        segs = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1, 2)
+        starts, ends = segs[..., 0], segs[..., 0] + segs[..., 1]
+        # the last busy interval starting before a segment's end overlaps it iff
+        # it ends after the segment's start (the intervals are disjoint)
+        idx = np.searchsorted(self._busy_lo, ends, side="left") - 1
+        hit = (idx >= 0) & (self._busy_hi[np.maximum(idx, 0)] > starts)
+        return np.flatnonzero(hit.any(axis=1)).tolist()
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -489,10 +561,8 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
         run_part: Callable[..., tuple[list[KeyResult], str | None]],
     ) -> list[KeyResult]:
-        """The batch, less the keys whose host memory a call left behind still
-        touches (those answer FAILED, untouched)."""
-        if self.staged:  # Mooncake never touches the caller's memory
-            return self._batched(keys, blocks, deadline, run_part)
+        """The batch, less the keys whose host memory a get left behind still
+        writes (those answer FAILED, untouched)."""
         with self._lock:
             busy = self._touching_busy(blocks)
         if not busy:
@@ -502,7 +572,7 @@ class MooncakeBackend(StorageBackend):
         out = [
             KeyResult(
                 KeyStatus.FAILED,
-                "host memory still touched by a Mooncake call that outlived its deadline "
+                "host memory still written by a Mooncake get that outlived its deadline "
                 "(busy_host_ranges)",
             )
         ] * len(keys)
@@ -513,14 +583,34 @@ class MooncakeBackend(StorageBackend):
             out[j] = r
         return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def close(self, timeout: float = 10.0) -> bool:
+        """Refuse new calls, wait up to `timeout` s for the calls still inside
+        Mooncake (including those left behind at their deadline), then close the
+        store. False when some call is still inside after `timeout`: the store is
+        left open (closing it under a call is undefined) and that is logged."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout: must be seconds >= 0, got {timeout!r}")
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+            end = time.monotonic() + timeout
+            while self._in_flight and time.monotonic() < end:
+                self._quiet.wait(end - time.monotonic())
+            stuck = self._in_flight
         self._pool.shutdown(wait=False)
+        if stuck:
+            log.warning(
+                "MooncakeBackend.close: %d call(s) still inside Mooncake after %.1f s; "
+                "the store is left open until the process exits",
+                stuck,
+                timeout,
+            )
+            return False
         close = getattr(self.store, "close", None)
         if close is not None:
             close()
+        return True
 
     # -- batching -----------------------------------------------------------------
 
@@ -539,7 +629,8 @@ class MooncakeBackend(StorageBackend):
         arena = self._take_arena(deadline)
         if arena is None:
             return results
-        is_get = run_part == self._get_part
+        # A zero-copy get writes the caller's memory until Mooncake returns it.
+        writes_caller = run_part == self._get_part and not self.staged
         abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
@@ -552,17 +643,20 @@ class MooncakeBackend(StorageBackend):
                     results[start:] = [refused] * (len(keys) - start)
                     break
                 stop = min(len(keys), start + self.max_batch)
-                args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline)
-                fut = self._pool.submit(self._run_part, *args)
-                touched = () if self.staged else blocks[start:stop]
-                part = self._wait(fut, deadline, lambda a=arena: self._give_arena(a), touched)
+                call = _Call()
+                args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline, call)
+                fut = self._submit(self._run_part, *args)
+                writes = blocks[start:stop] if writes_caller else ()
+                part = self._wait(
+                    fut, deadline, lambda a=arena: self._give_arena(a), call, writes
+                )
                 if part is None:
                     abandoned = True
                     why = "deadline passed with the call still inside Mooncake"
-                    if touched:
+                    if writes:
                         why += (
-                            f"; it {'writes' if is_get else 'reads'} these blocks' host "
-                            "memory until it returns (busy_host_ranges, wait_host_quiet)"
+                            "; it writes these blocks' host memory until it returns "
+                            "(busy_host_ranges, wait_host_quiet)"
                         )
                     results[start:stop] = [KeyResult(KeyStatus.TIMEOUT, why)] * (stop - start)
                     break
@@ -579,10 +673,11 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
+        call: _Call,
     ) -> list[KeyResult]:
         """One batch of Mooncake calls; reports its outcome to the breaker."""
         try:
-            part, fatal = run_part(keys, blocks, arena, deadline)
+            part, fatal = run_part(keys, blocks, arena, deadline, call)
         except Exception as e:  # the binding raised: a failure, never a hang
             fatal = f"{type(e).__name__}: {e}"
             part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * len(keys)
@@ -620,6 +715,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
+        call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
         results: list[KeyResult | None] = [None] * len(keys)
         self._remove_condemned([k.text() for k in keys])
@@ -639,7 +735,12 @@ class MooncakeBackend(StorageBackend):
             seg_array = np.asarray(segs, dtype=np.int64)
             if self.staged:
                 header = bytearray(expected_header(key, self.layout, 0))
-                _disk_io.stage_block(self._object_addr(arena, j), header, seg_array, self._ring)
+                with call.lock:  # the caller's block, while the caller still waits
+                    if call.abandoned:
+                        return [_LEFT_BEHIND] * len(keys), fatal
+                    _disk_io.stage_block(
+                        self._object_addr(arena, j), header, seg_array, self._ring
+                    )
                 ptrs[j] = self._object_addr(arena, j)
                 continue
             header_view = self._header_view(arena, j)
@@ -796,6 +897,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
+        call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
         names = [k.text() for k in keys]
         held = self._quarantine_reasons(names)
@@ -831,7 +933,10 @@ class MooncakeBackend(StorageBackend):
             size = None
             if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
                 size = self.store.get_size(keys[j].text())
-            result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
+            with call.lock:  # staged: scatters into the caller's block
+                if call.abandoned:
+                    return [_LEFT_BEHIND] * len(keys), fatal
+                result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
             if outcome == "fatal":
                 fatal = f"get answered {code}"
                 ask_size = False

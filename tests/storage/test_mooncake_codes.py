@@ -243,7 +243,7 @@ def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) ->
     monkeypatch.setattr(mooncake, "VERIFY_AREA_BYTES", 3 * OBJECT_BYTES)
     store = FakeMooncakeStore()
     store.reput_code = 0
-    backend = MooncakeBackend(LAYOUT, store=store, auth=TEST_AUTH)
+    backend = MooncakeBackend(LAYOUT, store=store, auth=TEST_AUTH, verify_puts=True)
     host = HostMemory(LAYOUT, 4)
     backend.register_host_memory(host.base, host.nbytes)
     host.fill(0, seed=5)
@@ -268,3 +268,54 @@ def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) ->
     assert reads == [3, 3, 2] and backend.forged_puts == 2
     got = backend.get_into(keys[:2], [host.segments(1), host.segments(2)], deadline_after(SOON))
     assert statuses(got) == ["OK", "OK"] and host.read(1) == host.read(0)
+
+
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_a_staged_call_left_behind_never_touches_the_callers_block_again(call: str) -> None:
+    """Staged mode: only the backend's own copies touch the caller's block. Once
+    the caller is answered TIMEOUT it may reuse the block: a put left behind
+    stores nothing from it, a get left behind writes nothing into it."""
+    backend, store, host = open_backend(staged=True)
+    keys = make_keys(2)
+    assert backend.put_from(keys[:1], [host.segments(0)], deadline_after(SOON))[0].ok
+    if call == "put":
+        store.exist_delay_s = 0.5  # stuck before it gathers the block
+        res = backend.put_from(keys[1:], [host.segments(1)], time.monotonic() + 0.1)
+    else:
+        store.get_delay_s = 0.5  # stuck before it scatters into the block
+        res = backend.get_into(keys[:1], [host.segments(1)], time.monotonic() + 0.1)
+    assert statuses(res) == ["TIMEOUT"]
+    reused = host.fill(1, seed=99)  # the caller reuses its block at once
+    store.exist_delay_s = store.get_delay_s = 0.0
+    assert backend.close(5.0)  # waits for the call left behind to end
+    assert host.read(1) == reused
+    if call == "put":
+        assert keys[1].text() not in store.objects
+
+
+def test_close_waits_for_calls_left_behind_and_keeps_a_stuck_store_open() -> None:
+    backend, store, host = open_backend()
+    keys = make_keys(1)
+    assert backend.put_from(keys, [host.segments(0)], deadline_after(SOON))[0].ok
+    closed = []
+    store.close = lambda: closed.append(True)  # type: ignore[method-assign]
+    store.get_delay_s = 1.0
+    res = backend.get_into(keys, [host.segments(1)], time.monotonic() + 0.05)
+    assert statuses(res) == ["TIMEOUT"]
+    t0 = time.monotonic()
+    assert backend.close(0.2) is False  # still inside Mooncake: the store stays open
+    assert 0.15 < time.monotonic() - t0 < 0.6 and closed == []
+    with pytest.raises(RuntimeError):
+        backend.get_into(keys, [host.segments(2)], deadline_after(SOON))
+    # the host memory outlives the get left behind (it is freed with the test)
+    assert backend.wait_host_quiet([host.segments(1)], 5.0)
+
+
+def test_wait_host_quiet_checks_its_arguments() -> None:
+    backend, _, host = open_backend()
+    for bad in (-1, float("inf"), float("nan"), "1", True):
+        with pytest.raises(ValueError, match="timeout"):
+            backend.wait_host_quiet([host.segments(0)], bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="blocks"):
+        backend.wait_host_quiet([[(0, 1)]], 1.0)
+    assert backend.wait_host_quiet([host.segments(0)], 0.0)
