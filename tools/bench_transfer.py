@@ -416,25 +416,30 @@ def fp8_scales(
     d = rng.permutation(n).astype(np.int64)
     h = rng.permutation(n).astype(np.int64)
     dev = cp.zeros(2 * layers * n * bs, dtype=cp.uint8)
-    host = HostRegion(2 * layers * n * bs, pin=True, device=device)
-    region = n * bs
-    kv = [(dev.data.ptr + i * region, host.ptr + i * region, bs) for i in range(2 * layers)]
-    layouts = {"kv": core.Layout(kv, 2, n, n, device)}
-    scale_mem = []
-    for sb in (4, 32):
-        sdev = cp.zeros(2 * layers * n * sb, dtype=cp.uint8)
-        shost = HostRegion(2 * layers * n * sb, pin=True, device=device)
-        scale_mem.append((sdev, shost))
-        segs = []
-        for layer in range(layers):
-            segs += kv[2 * layer : 2 * layer + 2]
-            for k in range(2):
-                off = (2 * layer + k) * n * sb
-                segs.append((sdev.data.ptr + off, shost.ptr + off, sb))
-        layouts[f"scales_{sb}b"] = core.Layout(segs, 4, n, n, device)
+    pinned: list[HostRegion] = []
+    layouts: dict[str, core.Layout] = {}
     pool = CudaEventPool(device, prefill=layers)
-    events = (ctypes.c_void_p * layers)(*[pool.take() for _ in range(layers)])
+    taken = [pool.take() for _ in range(layers)]
+    events = (ctypes.c_void_p * layers)(*taken)
     try:
+        host = HostRegion(2 * layers * n * bs, pin=True, device=device)
+        pinned.append(host)
+        region = n * bs
+        kv = [(dev.data.ptr + i * region, host.ptr + i * region, bs) for i in range(2 * layers)]
+        layouts["kv"] = core.Layout(kv, 2, n, n, device)
+        scale_dev = []
+        for sb in (4, 32):
+            sdev = cp.zeros(2 * layers * n * sb, dtype=cp.uint8)
+            shost = HostRegion(2 * layers * n * sb, pin=True, device=device)
+            scale_dev.append(sdev)
+            pinned.append(shost)
+            segs = []
+            for layer in range(layers):
+                segs += kv[2 * layer : 2 * layer + 2]
+                for k in range(2):
+                    off = (2 * layer + k) * n * sb
+                    segs.append((sdev.data.ptr + off, shost.ptr + off, sb))
+            layouts[f"scales_{sb}b"] = core.Layout(segs, 4, n, n, device)
         h2d = core.Direction.H2D
         cases = {
             name: (lambda lay=lay: lay.swap(d, h, h2d, 0, layers, stream, events))
@@ -453,9 +458,11 @@ def fp8_scales(
         cp.cuda.Device(device).synchronize()
         for lay in layouts.values():
             lay.close()
-        host.free()
-        for _, shost in scale_mem:
-            shost.free()
+        for mem in pinned:
+            mem.free()
+        for handle in taken:
+            pool.give(handle)
+        pool.close()
 
 
 def report_targets(out: dict) -> None:

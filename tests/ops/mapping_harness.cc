@@ -288,9 +288,14 @@ int sim_locate(const int64_t* triples, int32_t num_segs, int64_t count, int64_t 
     return 0;
   }
   if (k < 0 || k >= c.nbytes / c.vec_bytes) return -2;
-  char* dst = c.dst + k * c.vec_bytes;
-  const char* src = c.src + k * c.vec_bytes;
-  if (c.num_ids > 1) chunk_element(c, k, device_ids, host_ids, nullptr, &dst, &src);
+  char* dst = nullptr;
+  const char* src = nullptr;
+  if (c.num_ids > 1) {
+    chunk_element(c, k, device_ids, host_ids, nullptr, &dst, &src);
+  } else {
+    dst = c.dst + k * c.vec_bytes;
+    src = c.src + k * c.vec_bytes;
+  }
   out[0] = reinterpret_cast<uintptr_t>(dst);
   out[1] = reinterpret_cast<uintptr_t>(src);
   out[2] = static_cast<uint64_t>(c.nbytes);
