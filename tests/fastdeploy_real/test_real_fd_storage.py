@@ -238,10 +238,22 @@ def test_random_load_with_storage_on_crowded_tiers(
             pending.append((f"st-{i}", body, rng.randrange(1, 2 * BS), rng.random() < 0.75))
         held: dict[str, Any] = {}
         steps = 0
+
+        def drain() -> None:
+            # The engine idles until the copies and writes it sent have landed, so
+            # what a prefetch looks up is on disk however slow the machine is
+            # (draining only every 20 steps left it to timing: under load, no
+            # lookup found anything in two CI runs).
+            deadline = time.monotonic() + DRAIN_S
+            while cm.get_stats()["inflight_transfers"] and time.monotonic() < deadline:
+                engine.idle(0.01)
+
         while pending or held or rm.requests or rm.waiting:
             if pending and rng.random() < 0.3:
                 rid, body, max_tokens, prefetch = pending.pop(0)
                 request = engine.held_request(rid, body, max_tokens)
+                if prefetch:
+                    drain()
                 if prefetch and cm.prefetch_storage(request):
                     held[rid] = request
                 else:
@@ -251,13 +263,7 @@ def test_random_load_with_storage_on_crowded_tiers(
             engine.step()
             steps += 1
             if steps % 20 == 0:
-                # Now and then the engine idles until the copies and writes it sent
-                # have landed: later prefetches then find blocks on disk however slow
-                # the machine is (a fixed 0.12 s idle left it to timing: under load,
-                # no lookup found anything in one CI run).
-                deadline = time.monotonic() + DRAIN_S
-                while cm.get_stats()["inflight_transfers"] and time.monotonic() < deadline:
-                    engine.idle(0.01)
+                drain()
             assert steps < 4000, f"not done: held {list(held)}, {cm.get_stats()}"
         engine.flush()
         assert spy.asked and spy.allocations
