@@ -18,8 +18,8 @@ host tier wait.
 Every request has a deadline. A request whose deadline passes is completed at the
 next `poll` with TIMEOUT for every key not done: chunks not started never run, and
 a chunk stuck in the backend (a hung disk, a dead master) keeps its host blocks in
-`busy_host_blocks()` until it returns and the backend no longer touches them (a
-Mooncake call it left behind at the deadline: `wait_host_quiet`), so no host block
+`busy_host_blocks()` until it returns and the backend no longer writes them (a
+Mooncake get it left behind at the deadline: `wait_host_quiet`), so no host block
 is reused while a storage read or write still touches it. A new request touching
 such a block fails those keys; one touching a block of a request still outstanding
 is refused (ValueError), as the scheduler never issues one.
@@ -449,13 +449,14 @@ class StorageIOEngine:
         if req.kind == RequestKind.LOOKUP:
             return [], self.backend.exists(keys, req.deadline)
         blocks = req.blocks[start:stop]
-        if req.kind == RequestKind.LOAD:
-            results = self.backend.get_into(keys, blocks, req.deadline)
-        else:
-            results = self.backend.put_from(keys, blocks, req.deadline)
-        # A call the backend left behind at its deadline may still touch these host
-        # blocks: they stay busy (and this thread with them) until it ends.
-        self.backend.wait_host_quiet(blocks, None)
+        if req.kind == RequestKind.STORE:
+            return self.backend.put_from(keys, blocks, req.deadline), None
+        results = self.backend.get_into(keys, blocks, req.deadline)
+        # A get the backend left behind at its deadline may still write these host
+        # blocks: they stay busy (and this thread with them) until it ends. Nothing
+        # to wait for (the usual case) costs one empty-list check.
+        if self.backend.busy_host_ranges():
+            self.backend.wait_host_quiet(blocks, None)
         return results, None
 
     def _touch(self, req: _Request, start: int, stop: int, delta: int) -> None:
