@@ -7,6 +7,7 @@ Importing this package imports neither paddle nor cupy.
 
 from fastkv.config import (
     CacheConfig,
+    ModelKVShape,
     PrefetchPolicy,
     StorageConfig,
     StorageWritePolicy,
@@ -25,6 +26,7 @@ __all__ = [
     "CacheLevel",
     "CacheSwapMetadata",
     "LookupResult",
+    "ModelKVShape",
     "PrefetchPolicy",
     "StorageConfig",
     "StorageLookup",

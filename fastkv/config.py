@@ -1,4 +1,11 @@
-"""One validated configuration object for the scheduler-side cache."""
+"""The one identity of a cache: `CacheConfig` (what the scheduler decides with) and
+`ModelKVShape` (what one rank's KV of the model looks like).
+
+Everything else that names a cache is derived from the two, never typed again:
+the scheduler's hash namespace (`CacheConfig.namespace_key`), the worker's tensor
+shapes (`fastkv.worker.KVCacheSpec.from_config`) and the storage namespace every
+stored block is keyed under (`fastkv.storage.StorageNamespace.of`).
+"""
 
 from __future__ import annotations
 
@@ -200,6 +207,41 @@ class CacheConfig:
             return self.namespace
         parts = ["fastkv/v1", self.model_id, self.kv_dtype, self.block_size]
         return json.dumps([*parts, self.tp_rank, self.tp_size])
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKVShape:
+    """The model's KV cache as one tensor-parallel rank holds it, per layer.
+
+    With `CacheConfig` (block size, block counts, dtype, namespace) it is all a
+    worker needs to shape its cache and all storage needs to key its blocks.
+
+    Args:
+        num_layers: model layers with a KV cache.
+        num_kv_heads: KV heads held by one rank (the model's heads / tp_size).
+        head_dim: the head dimension.
+        num_extra_layers: speculative-decoding layers whose KV moves with the
+            model's (MTP, draft layers); they follow the model layers.
+
+    Raises:
+        ValueError: a field is not an int in range; the message names it.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_extra_layers: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("num_layers", self.num_layers, 1, 1 << 16)
+        check_int("num_kv_heads", self.num_kv_heads, 1, 1 << 16)
+        check_int("head_dim", self.head_dim, 1, 1 << 16)
+        check_int("num_extra_layers", self.num_extra_layers, 0, 1 << 16)
+
+    @property
+    def total_layers(self) -> int:
+        """Layers with cache tensors: the model's, then the extra ones."""
+        return self.num_layers + self.num_extra_layers
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fastkv.config import MAX_BLOCK_SIZE, check_int
-from fastkv.metadata import BlockHash
+from fastkv.metadata import DIGEST_BYTES, BlockHash
 
 try:
     from fastkv._chain_hash import chain as _chain_native
@@ -36,8 +36,6 @@ except ImportError:  # built by `make install`; the pure-Python path is equivale
 
 ExtraKey = bytes | str | int | Sequence["ExtraKey"]
 Tokens = Sequence[int] | np.ndarray
-
-DIGEST_BYTES = 32
 
 
 def namespace_root(namespace: str) -> BlockHash:

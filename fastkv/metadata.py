@@ -10,10 +10,13 @@ them into int64 arrays once, which its copy ops need anyway.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NewType
+
+DIGEST_BYTES = 32
+"""Bytes of a block hash and of a storage namespace digest (SHA-256)."""
 
 BlockHash = NewType("BlockHash", bytes)
 """A block's chained hash (a 32-byte digest, see `fastkv.hashing`): the key of its
@@ -28,6 +31,13 @@ class CacheLevel(IntEnum):
     DEVICE = 0
     HOST = 1
     STORAGE = 2
+
+
+TransferListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
+"""`listener(src_level, dst_level, num_blocks, seconds, success)`: one transfer
+result, on either half: the scheduler calls it as it applies a result (`seconds`
+from `take_swap_metadata` to `apply_results`), the worker as it collects one
+(`seconds` from launch to collection). Metrics hang off it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from fastkv import CacheConfig, WritePolicy
+from fastkv import CacheConfig, ModelKVShape, WritePolicy
 
 INT_FIELDS = {
     # field: (lowest allowed, highest allowed)
@@ -163,3 +163,23 @@ def test_namespace_key_is_injective_for_separator_characters() -> None:
         key = CacheConfig(model_id=model_id, kv_dtype=kv_dtype).namespace_key()
         assert key not in seen, f"{(model_id, kv_dtype)} and {seen[key]} share {key!r}"
         seen[key] = (model_id, kv_dtype)
+
+
+def test_model_kv_shape_counts_extra_layers_after_the_model_layers() -> None:
+    shape = ModelKVShape(num_layers=28, num_kv_heads=4, head_dim=128, num_extra_layers=1)
+    assert shape.total_layers == 29
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_layers", 0, "num_layers: 0 is outside"),
+        ("num_kv_heads", True, "num_kv_heads: must be an int"),
+        ("head_dim", 2.0, "head_dim: must be an int"),
+        ("num_extra_layers", -1, "num_extra_layers: -1 is outside"),
+    ],
+)
+def test_model_kv_shape_names_the_bad_field(field: str, value: object, message: str) -> None:
+    fields = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64} | {field: value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelKVShape(**fields)  # type: ignore[arg-type]

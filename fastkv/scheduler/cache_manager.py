@@ -36,7 +36,6 @@ from enum import StrEnum
 
 from fastkv.config import CacheConfig, check_int
 from fastkv.hashing import (
-    DIGEST_BYTES,
     BlockHasher,
     ExtraKey,
     Tokens,
@@ -44,11 +43,13 @@ from fastkv.hashing import (
     request_root,
 )
 from fastkv.metadata import (
+    DIGEST_BYTES,
     BlockHash,
     CacheLevel,
     CacheSwapMetadata,
     LookupResult,
     StorageLookup,
+    TransferListener,
     TransferResult,
 )
 from fastkv.scheduler.block_pool import BlockPool
@@ -75,9 +76,6 @@ log = logging.getLogger(__name__)
 
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
 LOADING = LOADING_FROM_STORAGE
-TransferListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
-"""`listener(src_level, dst_level, num_blocks, seconds, success)`: one applied transfer
-result; `seconds` from `take_swap_metadata` to `apply_results`."""
 
 
 @dataclass(slots=True)

@@ -29,12 +29,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import IntEnum
 
+from fastkv.metadata import DIGEST_BYTES
+
 Segment = tuple[int, int]
 """(address, length in bytes) of one piece of a block in host memory."""
 
 BlockSegments = Sequence[Segment]
 
-DIGEST_BYTES = 32
 MAX_RANK = (1 << 16) - 1
 
 

@@ -38,6 +38,7 @@ from fastkv.metadata import (
     CacheSwapMetadata,
     LookupResult,
     StorageLookup,
+    TransferListener,
     TransferResult,
 )
 from fastkv.ops import core, paddle_ops
@@ -69,10 +70,6 @@ from fastkv.worker.transfer_manager import (
 
 paddle = paddle_ops.paddle
 log = logging.getLogger(__name__)
-
-ResultListener = Callable[[CacheLevel, CacheLevel, int, float, bool], None]
-"""`listener(src_level, dst_level, num_blocks, seconds, success)` for each transfer
-result the controller reports; `seconds` from launch to the result being collected."""
 
 KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
@@ -380,7 +377,7 @@ class CacheController:
         self._h2d = [0, 0, 0]
         self._failed = 0
         self._freed = False
-        self._listeners: list[ResultListener] = []
+        self._listeners: list[TransferListener] = []
         self._launched: dict[int, tuple[bool, int, float]] = {}  # id -> (to host, blocks, t)
 
     # -- tensors --------------------------------------------------------------
@@ -506,7 +503,7 @@ class CacheController:
         self.transfers.order_compute(compute)
         return self._counter
 
-    def add_result_listener(self, listener: ResultListener) -> None:
+    def add_result_listener(self, listener: TransferListener) -> None:
         """Call `listener` for every transfer result reported from now on (metrics)."""
         self._listeners.append(listener)
 
