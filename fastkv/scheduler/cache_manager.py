@@ -31,10 +31,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 
-from fastkv.config import CacheConfig, check_int
+from fastkv.config import CacheConfig
 from fastkv.hashing import (
     BlockHasher,
     ExtraKey,
@@ -43,14 +41,20 @@ from fastkv.hashing import (
     request_root,
 )
 from fastkv.metadata import (
-    DIGEST_BYTES,
     BlockHash,
     CacheLevel,
     CacheSwapMetadata,
     LookupResult,
-    StorageLookup,
     TransferListener,
     TransferResult,
+)
+from fastkv.scheduler.api import (
+    Allocation,
+    AllocStatus,
+    MatchResult,
+    Rollback,
+    StalledTransfer,
+    SwapTasks,
 )
 from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.invariants import check_manager
@@ -67,110 +71,15 @@ from fastkv.scheduler.radix_tree import (
     RadixTree,
     TreeNode,
 )
-from fastkv.scheduler.request import RequestId, RequestState
+from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
 from fastkv.scheduler.storage_tier import LoadTransfer, StorageTier, StoreTransfer
-from fastkv.scheduler.table import BlockTable, Slot
+from fastkv.scheduler.table import BlockTable
 
 log = logging.getLogger(__name__)
 
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
 LOADING = LOADING_FROM_STORAGE
-
-
-@dataclass(slots=True)
-class MatchResult:
-    """What `match` found for a request (counts for scheduling and metrics; the
-    request's blocks themselves are read from `CacheManager.block_table`).
-
-    Attributes:
-        num_device_hits: matched blocks already in the request's table: the leading
-            run of matched blocks that sit on the device.
-        num_host_hits: the other matched blocks, which `allocate` brings into the
-            table: host copies it swaps in, and device blocks matched below one.
-        num_cached_tokens: tokens the engine skips: the hits times the block size
-            (always fewer than the prompt: its last token is computed).
-        waiting_on_transfer: the match stopped at a block whose copy is in flight;
-            matching again after it lands finds more.
-        storage_lookup: the blocks past the hits are being looked up in the
-            storage tier; `allocate` reports what was found (and loaded).
-    """
-
-    num_device_hits: int
-    num_host_hits: int
-    num_cached_tokens: int
-    waiting_on_transfer: bool
-    storage_lookup: bool = False
-
-    @property
-    def num_hits(self) -> int:
-        return self.num_device_hits + self.num_host_hits
-
-
-class AllocStatus(StrEnum):
-    """The outcome of `allocate`, and what the caller does next."""
-
-    ALLOCATED = "allocated"
-    """The table covers the tokens asked for: read it with `block_table`."""
-    WAIT_FOR_TRANSFERS = "wait_for_transfers"
-    """The request fits once transfers already planned complete: evictions that
-    free device blocks, or a load of a block it matched. Send `take_swap_metadata()`
-    to the worker, apply the results it reports, then call `allocate` again."""
-    NO_SPACE = "no_space"
-    """Other active requests hold the blocks it needs: finish or preempt (abort) one
-    of them, or wait for one to finish, then call `allocate` again."""
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """What `allocate` did; true exactly when the table covers the tokens asked for.
-
-    It names no blocks: the table (`CacheManager.block_table`) is the only place an
-    engine reads them from, position by position.
-
-    Attributes:
-        status: see `AllocStatus`.
-        num_new_blocks: how many blocks this call added to the table (host-hit
-            destinations, matched device blocks brought in, fresh blocks).
-        num_cached_tokens: when ALLOCATED, the tokens whose KV the cache provides
-            (device, host and storage hits, the latter known only now): the engine
-            computes from there.
-    """
-
-    status: AllocStatus
-    num_new_blocks: int = 0
-    num_cached_tokens: int = 0
-
-    def __bool__(self) -> bool:
-        return self.status is AllocStatus.ALLOCATED
-
-
-@dataclass(frozen=True, slots=True)
-class SwapTasks:
-    """The transfers one step hands to the worker; either may be None."""
-
-    evict: CacheSwapMetadata | None
-    """Device to host: evictions (write_back) and backups (write-through policies)."""
-    swap_in: CacheSwapMetadata | None
-    """Host to device: host hits of the requests allocated since the last step."""
-    storage_load: CacheSwapMetadata | None = None
-    """Storage to host: blocks found in storage, prefetched into host blocks."""
-    storage_store: CacheSwapMetadata | None = None
-    """Host to storage: writes the storage write policy planned."""
-    lookups: tuple[StorageLookup, ...] = ()
-    """Storage lookups; answered with LookupResults in a later step."""
-
-
-@dataclass(frozen=True, slots=True)
-class StalledTransfer:
-    """A transfer taken but without a result for `CacheManager.stall_after_s`."""
-
-    transfer_id: int
-    direction: str
-    """"device->host", "host->device", "storage->host" or "host->storage"."""
-    num_blocks: int
-    age_s: float
-    """Seconds since `take_swap_metadata` handed it out."""
 
 
 def _direction(transfer: object) -> str:
@@ -179,57 +88,6 @@ def _direction(transfer: object) -> str:
     if isinstance(transfer, StoreTransfer):
         return "host->storage"
     return "device->host" if transfer.to_host else "host->device"  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True, slots=True)
-class Rollback:
-    """A failed swap-in: these block positions of the request hold garbage and the
-    engine must recompute their tokens before committing them."""
-
-    request_id: RequestId
-    block_indices: tuple[int, ...]
-
-
-def _hash_list(
-    block_hashes: Sequence[BlockHash], name: str = "block_hashes"
-) -> list[BlockHash]:
-    """A request's hashes as a new list, checked: distinct 32-byte digests (the
-    chained SHA-256 digests `fastkv.hashing` makes; FastDeploy's hex digests become
-    these with `bytes.fromhex`)."""
-    kind = type(block_hashes)
-    if (
-        kind is not list
-        and kind is not tuple
-        and (
-            issubclass(kind, (str, bytes, bytearray)) or not isinstance(block_hashes, Sequence)
-        )
-    ):
-        raise TypeError(f"{name}: expected a sequence of block hashes, got {kind.__name__}")
-    hashes = list(block_hashes)
-    if hashes and (
-        set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {DIGEST_BYTES}
-    ):
-        bad = next(
-            i for i, h in enumerate(hashes) if type(h) is not bytes or len(h) != DIGEST_BYTES
-        )
-        what = (
-            f"{len(hashes[bad])} bytes"
-            if type(hashes[bad]) is bytes
-            else type(hashes[bad]).__name__
-        )
-        raise TypeError(
-            f"{name}[{bad}]: expected a {DIGEST_BYTES}-byte digest (bytes), got {what}"
-        )
-    if len(set(hashes)) != len(hashes):
-        raise ValueError(f"{name}: a hash appears twice (chained hashes never repeat)")
-    return hashes
-
-
-def _check_count(name: str, value: object) -> None:
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
-    if value < 0:  # type: ignore[operator]
-        raise ValueError(f"{name}: {value} is negative; must be >= 0")
 
 
 class _Transfer:
@@ -403,8 +261,8 @@ class CacheManager:
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already active")
-        hashes = _hash_list(block_hashes)
-        _check_count("num_tokens", num_tokens)
+        hashes = checked_hashes(block_hashes)
+        check_count("num_tokens", num_tokens)
         bs = self.block_size
         if len(hashes) * bs > num_tokens:
             raise ValueError(
@@ -553,7 +411,7 @@ class CacheManager:
                 f"request_id: {request_id!r} was registered with its tokens (add_request); "
                 "the manager hashes it: add tokens with append_tokens"
             )
-        new = _hash_list(block_hashes)
+        new = checked_hashes(block_hashes)
         if not new:
             return
         held = req.hash_set
@@ -601,7 +459,7 @@ class CacheManager:
                 when it raises.
         """
         req = self._get(request_id)
-        _check_count("num_tokens", num_tokens)
+        check_count("num_tokens", num_tokens)
         if req.waits >= 2 and req.wait_epoch == self._takes:
             raise RuntimeError(
                 f"allocate({request_id!r}): answered WAIT_FOR_TRANSFERS {req.waits} times "
@@ -688,7 +546,7 @@ class CacheManager:
         blocks += ids[num_swap:]
         req.allocated = True
         return Allocation(
-            AllocStatus.ALLOCATED, len(blocks) - before, self._num_cached(req) * self.block_size
+            AllocStatus.ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
         )
 
     def commit(self, request_id: RequestId, *, num_computed_tokens: int) -> None:
@@ -712,7 +570,7 @@ class CacheManager:
                 changes when it raises.
         """
         req = self._get(request_id)
-        _check_count("num_computed_tokens", num_computed_tokens)
+        check_count("num_computed_tokens", num_computed_tokens)
         if req.loading:
             raise ValueError(
                 f"request_id: {request_id!r} has a swap-in without a result yet; "
@@ -720,7 +578,7 @@ class CacheManager:
             )
         nodes, blocks = req.nodes, req.blocks
         bs = self.block_size
-        cached = self._num_cached(req) * bs
+        cached = req.num_cached_blocks * bs
         if num_computed_tokens < cached:
             raise ValueError(
                 f"num_computed_tokens: {num_computed_tokens} is below the {cached} tokens "
@@ -812,37 +670,7 @@ class CacheManager:
         Raises:
             ValueError: unknown request, or `start` not an int in [0, table length].
         """
-        req = self._get(request_id)
-        blocks, nodes = req.blocks, req.nodes
-        end = len(blocks)
-        check_int("start", start, 0, end)
-        # Positions with a node hold cached KV, the rest are the engine's to compute;
-        # then the exceptions: blocks a swap-in is writing, positions rolled back.
-        with_node = max(start, min(len(nodes), end))
-        slots = [Slot.CACHED] * (with_node - start) + [Slot.COMPUTE] * (end - with_node)
-        if req.loading:
-            for pos in range(start, with_node):
-                node = nodes[pos]
-                if node.state is SWAP_TO_DEVICE and node.device_block == blocks[pos]:
-                    slots[pos - start] = Slot.LOADING
-        for pos in req.rolled_back:
-            if start <= pos < end:
-                slots[pos - start] = Slot.COMPUTE
-        return BlockTable(
-            start,
-            tuple(blocks[start:]),
-            tuple(slots),
-            end,
-            self._num_cached(req),
-            self.block_size,
-        )
-
-    def _num_cached(self, req: RequestState) -> int:
-        """The leading positions of the request's table whose KV the cache provides."""
-        cached = min(len(req.nodes), len(req.blocks))
-        if req.rolled_back:
-            cached = min(cached, *req.rolled_back)
-        return cached
+        return BlockTable.of(self._get(request_id), self.block_size, start)
 
     def num_blocks(self, request_id: RequestId) -> int:
         """The length of the request's block table (O(1))."""
@@ -887,7 +715,7 @@ class CacheManager:
         Raises:
             ValueError: `limit` is not an int >= 0.
         """
-        _check_count("limit", limit)
+        check_count("limit", limit)
         free = self.device_pool.num_free
         if free >= limit:
             return limit

@@ -1,11 +1,12 @@
-"""The per-request record both the cache manager and its storage tier work on."""
+"""The per-request record the manager's rooms work on, and the checks of what an
+engine passes in for a request (its hashes, its counts)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from fastkv.hashing import BlockHasher
-from fastkv.metadata import BlockHash
+from fastkv.metadata import DIGEST_BYTES, BlockHash
 from fastkv.scheduler.radix_tree import TreeNode
 
 RequestId = Hashable
@@ -61,5 +62,58 @@ class RequestState:
         self.waits = 0  # WAIT_FOR_TRANSFERS answers in a row with nothing taken between
         self.wait_epoch = -1  # the manager's take count at the last of them
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """The leading positions of the table whose KV the cache provides: those
+        with a node, up to the first whose swap-in failed."""
+        cached = min(len(self.nodes), len(self.blocks))
+        if self.rolled_back:
+            cached = min(cached, *self.rolled_back)
+        return cached
 
-__all__ = ["RequestId", "RequestState"]
+
+def checked_hashes(
+    block_hashes: Sequence[BlockHash], name: str = "block_hashes"
+) -> list[BlockHash]:
+    """A request's hashes as a new list, checked: distinct 32-byte digests (the
+    chained SHA-256 digests `fastkv.hashing` makes; FastDeploy's hex digests become
+    these with `bytes.fromhex`)."""
+    kind = type(block_hashes)
+    if (
+        kind is not list
+        and kind is not tuple
+        and (
+            issubclass(kind, (str, bytes, bytearray)) or not isinstance(block_hashes, Sequence)
+        )
+    ):
+        raise TypeError(f"{name}: expected a sequence of block hashes, got {kind.__name__}")
+    hashes = list(block_hashes)
+    if hashes and (
+        set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {DIGEST_BYTES}
+    ):
+        bad = next(
+            i for i, h in enumerate(hashes) if type(h) is not bytes or len(h) != DIGEST_BYTES
+        )
+        what = (
+            f"{len(hashes[bad])} bytes"
+            if type(hashes[bad]) is bytes
+            else type(hashes[bad]).__name__
+        )
+        raise TypeError(
+            f"{name}[{bad}]: expected a {DIGEST_BYTES}-byte digest (bytes), got {what}"
+        )
+    if len(set(hashes)) != len(hashes):
+        raise ValueError(f"{name}: a hash appears twice (chained hashes never repeat)")
+    return hashes
+
+
+def check_count(name: str, value: object) -> None:
+    """Raise ValueError (naming `name`) unless `value` is an int >= 0 (a count of
+    tokens or blocks; a bool is refused)."""
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+    if value < 0:  # type: ignore[operator]
+        raise ValueError(f"{name}: {value} is negative; must be >= 0")
+
+
+__all__ = ["RequestId", "RequestState", "check_count", "checked_hashes"]

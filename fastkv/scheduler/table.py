@@ -29,6 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from fastkv.config import check_int
+from fastkv.scheduler.radix_tree import SWAP_TO_DEVICE
+from fastkv.scheduler.request import RequestState
+
 
 class Slot(IntEnum):
     """What a table position's block holds, and what the engine does with it."""
@@ -80,6 +84,34 @@ class BlockTable:
 
     def __len__(self) -> int:
         return len(self.block_ids)
+
+    @classmethod
+    def of(cls, req: RequestState, block_size: int, start: int = 0) -> BlockTable:
+        """The table of request record `req` from position `start` on.
+
+        Positions with a node hold cached KV, the rest are the engine's to compute;
+        then the exceptions: blocks a swap-in is writing (LOADING), positions whose
+        swap-in failed (COMPUTE again). O(positions returned).
+
+        Raises:
+            ValueError: `start` is not an int in [0, table length].
+        """
+        blocks, nodes = req.blocks, req.nodes
+        end = len(blocks)
+        check_int("start", start, 0, end)
+        with_node = max(start, min(len(nodes), end))
+        slots = [Slot.CACHED] * (with_node - start) + [Slot.COMPUTE] * (end - with_node)
+        if req.loading:
+            for pos in range(start, with_node):
+                node = nodes[pos]
+                if node.state is SWAP_TO_DEVICE and node.device_block == blocks[pos]:
+                    slots[pos - start] = Slot.LOADING
+        for pos in req.rolled_back:
+            if start <= pos < end:
+                slots[pos - start] = Slot.COMPUTE
+        return cls(
+            start, tuple(blocks[start:]), tuple(slots), end, req.num_cached_blocks, block_size
+        )
 
 
 __all__ = ["BlockTable", "Slot"]
