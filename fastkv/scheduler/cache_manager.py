@@ -43,7 +43,6 @@ from fastkv.hashing import (
 from fastkv.metadata import (
     BlockHash,
     CacheLevel,
-    CacheSwapMetadata,
     LookupResult,
     TransferListener,
     TransferResult,
@@ -73,46 +72,14 @@ from fastkv.scheduler.radix_tree import (
 )
 from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
-from fastkv.scheduler.storage_tier import LoadTransfer, StorageTier, StoreTransfer
+from fastkv.scheduler.storage_tier import StorageTier
 from fastkv.scheduler.table import BlockTable
+from fastkv.scheduler.transfers import DeviceTransfer, LoadTransfer, TransferBook
 
 log = logging.getLogger(__name__)
 
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
 LOADING = LOADING_FROM_STORAGE
-
-
-def _direction(transfer: object) -> str:
-    if isinstance(transfer, LoadTransfer):
-        return "storage->host"
-    if isinstance(transfer, StoreTransfer):
-        return "host->storage"
-    return "device->host" if transfer.to_host else "host->device"  # type: ignore[attr-defined]
-
-
-class _Transfer:
-    """Scheduler-side record of one emitted CacheSwapMetadata."""
-
-    __slots__ = (
-        "device_ids",
-        "emitted_at",
-        "nodes",
-        "positions",
-        "requests",
-        "reused",
-        "to_host",
-    )
-
-    def __init__(self, to_host: bool) -> None:
-        self.to_host = to_host
-        self.emitted_at = 0.0
-        self.nodes: list[TreeNode] = []
-        # Per node, its device block when planned (a released eviction's node no
-        # longer holds it).
-        self.device_ids: list[int] = []
-        self.requests: list[RequestState] = []  # H2D: per node, the request loading it
-        self.positions: list[int] = []  # H2D: per node, its position in that request
-        self.reused: list[int] = []  # D2H: device blocks handed on while being copied
 
 
 class CacheManager:
@@ -154,21 +121,14 @@ class CacheManager:
         self.block_size = config.block_size
         self.stall_after_s = float(stall_after_s)
         self._root = namespace_root(config.namespace_key())
-        self._takes = 0  # take_swap_metadata calls so far
         self._wait_on_untaken = False  # set by _allocate: its WAIT needs an untaken copy
-        self._stalled: set[int] = set()  # transfer ids already reported stalled
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
         self._write_policy: DeviceWritePolicyBase = device_write_policy(config)
         self._requests: dict[RequestId, RequestState] = {}
-        self._transfers: dict[int, _Transfer | LoadTransfer | StoreTransfer] = {}
-        self._next_transfer_id = 0
-        # Queued for the next take_swap_metadata().
-        self._d2h = _Transfer(True)
-        self._h2d = _Transfer(False)
         self._counters = ManagerCounters()
-        self._listeners: list[TransferListener] = []
+        self.transfers = TransferBook(self._counters, clock, self.stall_after_s)
         self._storage = (
             StorageTier(
                 config.storage,
@@ -460,7 +420,7 @@ class CacheManager:
         """
         req = self._get(request_id)
         check_count("num_tokens", num_tokens)
-        if req.waits >= 2 and req.wait_epoch == self._takes:
+        if req.waits >= 2 and req.wait_epoch == self.transfers.num_takes:
             raise RuntimeError(
                 f"allocate({request_id!r}): answered WAIT_FOR_TRANSFERS {req.waits} times "
                 "while the transfers it waits for were never taken; call "
@@ -470,8 +430,8 @@ class CacheManager:
         self._wait_on_untaken = False
         alloc = self._allocate(req, -(-num_tokens // self.block_size))
         if self._wait_on_untaken:  # a WAIT only untaken transfers can end
-            req.waits = req.waits + 1 if req.wait_epoch == self._takes else 1
-            req.wait_epoch = self._takes
+            req.waits = req.waits + 1 if req.wait_epoch == self.transfers.num_takes else 1
+            req.wait_epoch = self.transfers.num_takes
         else:
             req.waits = 0
         return alloc
@@ -513,7 +473,7 @@ class CacheManager:
                 return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
             storage.let_go(req, keep)  # type: ignore[union-attr]
         if loading_elsewhere:  # a block it matched is still being loaded by another
-            queued = set(self._h2d.nodes)
+            queued = set(self.transfers.to_device.nodes)
             self._wait_on_untaken = any(
                 n.state is SWAP_TO_DEVICE and n in queued for n in nodes[len(blocks) : keep]
             )
@@ -534,7 +494,7 @@ class CacheManager:
                 if not self.busy:
                     return Allocation(AllocStatus.NO_SPACE)
                 # Only planned copies can free blocks when none taken is in flight.
-                self._wait_on_untaken = not self._transfers
+                self._wait_on_untaken = not self.transfers.num_inflight
                 return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
             pool.recycled(len(freed))
             ids = pool.allocate(need - len(freed))
@@ -598,7 +558,7 @@ class CacheManager:
                 "match with append_hashes"
             )
         start = len(nodes)
-        reused = self._d2h.reused
+        reused = self.transfers.to_host.reused
         if (
             reused
             and num_blocks > start
@@ -679,6 +639,20 @@ class CacheManager:
     def is_active(self, request_id: RequestId) -> bool:
         return request_id in self._requests
 
+    def active_request_ids(self) -> list[RequestId]:
+        """The active requests, oldest first."""
+        return list(self._requests)
+
+    def request_state(self, request_id: RequestId) -> RequestState:
+        """The manager's record of an active request, for inspection (tests,
+        debugging): its hashes, locked path, table and in-flight counts. The
+        manager's own object: read it, never change it.
+
+        Raises:
+            ValueError: unknown request.
+        """
+        return self._get(request_id)
+
     def num_hashes(self, request_id: RequestId) -> int:
         """How many of the request's block hashes the manager holds."""
         return len(self._get(request_id).hashes)
@@ -735,28 +709,14 @@ class CacheManager:
 
         Every block in them stays reserved until `apply_results` sees the result.
         """
-        self._takes += 1
-        if self._transfers:
-            self._note_stalls()
-        evict = swap_in = None
-        d2h, h2d = self._d2h, self._h2d
-        if d2h.nodes:
-            self._d2h = _Transfer(True)
-            evict = self._emit(d2h, CacheLevel.DEVICE, CacheLevel.HOST)
-            self._counters.d2h_transfers += 1
-            self._counters.d2h_blocks += len(d2h.nodes)
-        if h2d.nodes:
-            self._h2d = _Transfer(False)
-            swap_in = self._emit(h2d, CacheLevel.HOST, CacheLevel.DEVICE)
-            self._counters.h2d_transfers += 1
-            self._counters.h2d_blocks += len(h2d.nodes)
+        evict, swap_in = self.transfers.take()
         storage = self._storage
         if storage is None:
             return SwapTasks(evict, swap_in)
         storage.flush_ahead()
         if not storage.has_queued:
             return SwapTasks(evict, swap_in)
-        load, store, lookups = storage.take(self._register)
+        load, store, lookups = storage.take(self.transfers.register)
         return SwapTasks(evict, swap_in, load, store, lookups)
 
     def stalled_transfers(self) -> list[StalledTransfer]:
@@ -764,29 +724,7 @@ class CacheManager:
         applied for `stall_after_s` or more, oldest first: a worker that lost them,
         results never delivered, or a batch never applied. Their blocks stay
         reserved (Invariant 1) until a result comes."""
-        now = self._clock()
-        out = []
-        for tid, transfer in list(self._transfers.items()):  # id order: oldest first
-            age = now - transfer.emitted_at
-            if age < self.stall_after_s:
-                break
-            out.append(StalledTransfer(tid, _direction(transfer), len(transfer.nodes), age))
-        return out
-
-    def _note_stalls(self) -> None:
-        """Log each newly stalled transfer once (O(stalled + 1): ids are emitted in
-        order, so the first young one ends the scan)."""
-        for stalled in self.stalled_transfers():
-            if stalled.transfer_id not in self._stalled:
-                self._stalled.add(stalled.transfer_id)
-                log.warning(
-                    "fastkv: transfer %d (%s, %d blocks) taken %.1f s ago has no result "
-                    "yet; its blocks stay reserved until apply_results() gets one",
-                    stalled.transfer_id,
-                    stalled.direction,
-                    stalled.num_blocks,
-                    stalled.age_s,
-                )
+        return self.transfers.stalled()
 
     def apply_results(self, results: Iterable[TransferResult | LookupResult]) -> list[Rollback]:
         """Apply the worker's transfer reports and storage lookup answers, in any
@@ -826,25 +764,15 @@ class CacheManager:
                     )
                 self._storage.check_answer(result)
                 continue
-            if result.transfer_id not in self._transfers or result.transfer_id in seen:
-                raise ValueError(
-                    f"transfer_id: {result.transfer_id} is unknown or already applied"
-                )
-            seen.add(result.transfer_id)
+            self.transfers.check_unapplied(result.transfer_id, seen)
         rollbacks: dict[RequestId, list[int]] = {}
         now = self._clock()
         for result in results:
             if isinstance(result, LookupResult):
                 self._storage.apply_lookup(result)  # type: ignore[union-attr]
                 continue
-            transfer = self._transfers.pop(result.transfer_id)
-            if self._stalled:
-                self._stalled.discard(result.transfer_id)
-            if self._listeners:
-                self._tell_listeners(transfer, now, result.success)
-            if not result.success:
-                self._counters.failed_transfers += 1
-            if isinstance(transfer, _Transfer):
+            transfer = self.transfers.pop(result.transfer_id, result.success, now)
+            if isinstance(transfer, DeviceTransfer):
                 if transfer.to_host:
                     self._finish_to_host(transfer, result.success)
                 else:
@@ -865,32 +793,18 @@ class CacheManager:
         self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 
-    def _tell_listeners(self, transfer: object, now: float, success: bool) -> None:
-        if isinstance(transfer, _Transfer):
-            levels = (
-                (DEVICE_LEVEL, HOST_LEVEL) if transfer.to_host else (HOST_LEVEL, DEVICE_LEVEL)
-            )
-            num_blocks = len(transfer.nodes)
-        elif isinstance(transfer, LoadTransfer):
-            levels, num_blocks = (CacheLevel.STORAGE, HOST_LEVEL), len(transfer.nodes)
-        else:
-            assert isinstance(transfer, StoreTransfer)
-            levels, num_blocks = (HOST_LEVEL, CacheLevel.STORAGE), len(transfer.keys)
-        for listener in self._listeners:
-            listener(*levels, num_blocks, now - transfer.emitted_at, success)  # type: ignore[attr-defined]
-
     def add_transfer_listener(self, listener: TransferListener) -> None:
         """Call `listener` for every transfer result applied from now on (metrics)."""
-        self._listeners.append(listener)
+        self.transfers.add_listener(listener)
 
     @property
     def num_inflight_transfers(self) -> int:
-        return len(self._transfers)
+        return self.transfers.num_inflight
 
     @property
     def num_queued_blocks(self) -> int:
         """Blocks in transfers planned but not yet taken by `take_swap_metadata`."""
-        queued = len(self._d2h.nodes) + len(self._h2d.nodes)
+        queued = self.transfers.num_queued_blocks
         return queued + (self._storage.num_queued_blocks if self._storage else 0)
 
     @property
@@ -898,14 +812,12 @@ class CacheManager:
         """Transfers in flight or planned, or storage lookups not answered yet:
         WAIT_FOR_TRANSFERS is only ever returned while this holds."""
         storage = self._storage
-        return bool(
-            self._transfers
-            or self._d2h.nodes
-            or self._h2d.nodes
-            or (storage is not None and (storage.has_queued or storage.num_lookups_pending))
+        return self.transfers.busy or (
+            storage is not None and (storage.has_queued or storage.num_lookups_pending > 0)
         )
 
     def get_stats(self) -> CacheStats:
+        book = self.transfers
         return CacheStats(
             block_size=self.block_size,
             lookup_blocks=self._counters.lookup_blocks,
@@ -923,10 +835,9 @@ class CacheManager:
             host_evictions=self._counters.host_evictions,
             failed_transfers=self._counters.failed_transfers,
             rollbacks=self._counters.rollbacks,
-            inflight_transfers=len(self._transfers),
-            stalled_transfers=len(self.stalled_transfers()) if self._transfers else 0,
-            # A snapshot of the values: a metrics thread may read while the loop runs.
-            inflight_blocks=sum(len(t.nodes) for t in list(self._transfers.values())),
+            inflight_transfers=book.num_inflight,
+            stalled_transfers=len(book.stalled()) if book.num_inflight else 0,
+            inflight_blocks=book.num_inflight_blocks(),
             queued_blocks=self.num_queued_blocks,
             active_requests=len(self._requests),
             cached_nodes=self.tree.num_nodes,
@@ -949,10 +860,9 @@ class CacheManager:
         count = self.device_pool.num_free + tree.num_evicting + tree.num_unlocked_device
         if count >= need:
             return True
-        for transfer in (*self._transfers.values(), self._d2h, self._h2d):
-            if isinstance(transfer, _Transfer):
-                for node in transfer.nodes:
-                    count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
+        for transfer in self.transfers.device_copies():
+            for node in transfer.nodes:
+                count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
         return count >= need
 
     def _get(self, request_id: RequestId) -> RequestState:
@@ -976,7 +886,7 @@ class CacheManager:
         self.device_pool.free(private)
 
     def _plan_swap_in(self, req: RequestState, pending: list[TreeNode], ids: list[int]) -> None:
-        h2d = self._h2d
+        h2d = self.transfers.to_device
         blocks = req.blocks
         i = 0
         for node in pending:
@@ -1018,7 +928,7 @@ class CacheManager:
         self._counters.backups_without_room += len(nodes) - len(host_ids)
         if not host_ids:
             return
-        d2h = self._d2h
+        d2h = self.transfers.to_host
         for node, host_block in zip(nodes, host_ids, strict=False):
             self.tree.start_backup(node, host_block)
             d2h.nodes.append(node)
@@ -1051,7 +961,7 @@ class CacheManager:
         copy_all = threshold <= 0  # every block is owed a copy
         retry = policy.backs_up_ahead  # an owed copy made now is a missed backup
         reuse = self.config.reuse_evicted_blocks
-        d2h = self._d2h
+        d2h = self.transfers.to_host
         counters = self._counters
         freed = []
         while len(freed) < deficit:
@@ -1116,32 +1026,7 @@ class CacheManager:
             pool.free(freed)
         return pool.allocate(min(n, pool.num_free))
 
-    def _register(self, transfer: _Transfer | LoadTransfer | StoreTransfer) -> int:
-        """A new transfer id for `transfer`, in flight from now on."""
-        transfer_id = self._next_transfer_id
-        self._next_transfer_id += 1
-        self._transfers[transfer_id] = transfer
-        transfer.emitted_at = self._clock()
-        return transfer_id
-
-    def _emit(self, transfer: _Transfer, src: CacheLevel, dst: CacheLevel) -> CacheSwapMetadata:
-        transfer_id = self._register(transfer)
-        device_ids = transfer.device_ids
-        host_ids = [n.host_block for n in transfer.nodes]
-        keys = [n.key for n in transfer.nodes]
-        if transfer.to_host:
-            return CacheSwapMetadata(
-                transfer_id,
-                src,
-                dst,
-                device_ids,
-                host_ids,
-                keys,
-                reused_block_ids=transfer.reused,
-            )
-        return CacheSwapMetadata(transfer_id, src, dst, host_ids, device_ids, keys)
-
-    def _finish_to_host(self, transfer: _Transfer, success: bool) -> None:
+    def _finish_to_host(self, transfer: DeviceTransfer, success: bool) -> None:
         nodes = transfer.nodes
         if not success:
             # Failed evictions go back to the head of the device list; in reverse,
@@ -1165,7 +1050,7 @@ class CacheManager:
         self.host_pool.free(freed_host)
 
     def _finish_to_device(
-        self, transfer: _Transfer, success: bool, rollbacks: dict[RequestId, list[int]]
+        self, transfer: DeviceTransfer, success: bool, rollbacks: dict[RequestId, list[int]]
     ) -> None:
         freed: list[int] = []
         for node, req, pos in zip(

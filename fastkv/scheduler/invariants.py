@@ -24,7 +24,8 @@ from fastkv.scheduler.radix_tree import (
     TreeNode,
 )
 from fastkv.scheduler.request import RequestId, RequestState
-from fastkv.scheduler.storage_tier import LoadTransfer, StorageTier, StoreTransfer
+from fastkv.scheduler.storage_tier import StorageTier
+from fastkv.scheduler.transfers import LoadTransfer, StoreTransfer, TransferBook
 
 LOADING = LOADING_FROM_STORAGE
 
@@ -46,9 +47,7 @@ class CheckedManager(Protocol):
     device_pool: BlockPool
     host_pool: BlockPool
     _requests: Mapping[RequestId, RequestState]
-    _transfers: Mapping[int, DeviceTransferView | LoadTransfer | StoreTransfer]
-    _d2h: DeviceTransferView
-    _h2d: DeviceTransferView
+    transfers: TransferBook
     _storage: StorageTier | None
 
 
@@ -92,7 +91,10 @@ def check_manager(manager: CheckedManager) -> None:
     moving: set[TreeNode] = set()
     storing: set[TreeNode] = set()
     released = (PENDING_HOST, DROPPED)  # device block already handed on
-    for transfer in [*manager._transfers.values(), manager._d2h]:  # queued ones too
+    for transfer in [
+        *(t for _, t in manager.transfers.inflight()),
+        manager.transfers.to_host,
+    ]:  # queued ones too
         if isinstance(transfer, StoreTransfer):
             for node, host, free in zip(
                 transfer.nodes, transfer.host_ids, transfer.free_after, strict=True
@@ -114,7 +116,11 @@ def check_manager(manager: CheckedManager) -> None:
         loads = queued.loading
     else:
         loads = []
-    for transfer in [*manager._transfers.values(), manager._d2h, manager._h2d]:
+    for transfer in [
+        *(t for _, t in manager.transfers.inflight()),
+        manager.transfers.to_host,
+        manager.transfers.to_device,
+    ]:
         if isinstance(transfer, StoreTransfer):
             continue
         if isinstance(transfer, LoadTransfer):

@@ -60,33 +60,7 @@ from fastkv.scheduler.radix_tree import (
 )
 from fastkv.scheduler.request import RequestState
 from fastkv.scheduler.stats import StorageTierStats
-
-
-class LoadTransfer:
-    """A STORAGE -> HOST transfer: per node, the request that prefetched it and the
-    node's position in that request."""
-
-    __slots__ = ("emitted_at", "nodes", "positions", "requests")
-
-    def __init__(self) -> None:
-        self.emitted_at = 0.0
-        self.nodes: list[TreeNode] = []
-        self.requests: list[RequestState] = []
-        self.positions: list[int] = []
-
-
-class StoreTransfer:
-    """A HOST -> STORAGE transfer: per block, its node (None once it left the tree),
-    host block, key, and whether the host block is freed when the write ends."""
-
-    __slots__ = ("emitted_at", "free_after", "host_ids", "keys", "nodes")
-
-    def __init__(self) -> None:
-        self.emitted_at = 0.0
-        self.nodes: list[TreeNode | None] = []
-        self.host_ids: list[int] = []
-        self.keys: list[BlockHash] = []
-        self.free_after: list[bool] = []
+from fastkv.scheduler.transfers import LoadTransfer, StoreTransfer, Transfer
 
 
 class QueuedNodes(NamedTuple):
@@ -321,7 +295,7 @@ class StorageTier:
         return bool(self._lookups or self._loads.nodes or self._stores.keys)
 
     def take(
-        self, emit: Callable[[object], int]
+        self, emit: Callable[[Transfer], int]
     ) -> tuple[CacheSwapMetadata | None, CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
         """The lookups, the load and the write planned since the last step."""
         load = store = None
@@ -461,4 +435,4 @@ class StorageTier:
         )
 
 
-__all__ = ["LoadTransfer", "QueuedNodes", "StorageTier", "StorageTierStats", "StoreTransfer"]
+__all__ = ["QueuedNodes", "StorageTier"]

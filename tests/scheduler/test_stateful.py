@@ -170,14 +170,14 @@ class CacheLifecycle(RuleBasedStateMachine):
         ids = table.block_ids
         cached = alloc.num_cached_tokens // BS  # device, host and storage hits
         assert cached == table.num_cached_blocks
-        assert cached >= matched or self.mgr._requests[rid].rolled_back
+        assert cached >= matched or self.mgr.request_state(rid).rolled_back
         assert alloc.num_new_blocks == len(ids) - before.num_blocks
         assert len(ids) == len(hashes) and ids[: before.num_blocks] == before.block_ids
         # The cached prefix is CACHED or LOADING, the rest is the engine's to compute;
         # a LOADING block is a destination of this step's swap-in.
         assert all(s is not Slot.COMPUTE for s in table.slots[:cached])
         assert all(s is Slot.COMPUTE for s in table.slots[cached:])
-        queued = set(self.mgr._h2d.device_ids)
+        queued = set(self.mgr.transfers.to_device.device_ids)
         assert all(ids[p] in queued for p in table.loading), "LOADING without a swap-in"
         assert len(set(ids)) == len(ids), "one block at two positions"
         fresh = set(ids) & was_free
@@ -278,7 +278,7 @@ class CacheLifecycle(RuleBasedStateMachine):
                 ),
             ]
         if rid is not None:
-            n = len(mgr._requests[rid].blocks)
+            n = mgr.num_blocks(rid)
             held = self.requests[rid]
             too_many = (mgr.device_pool.capacity + 1) * BS
             calls += [
@@ -396,9 +396,8 @@ class CacheLifecycle(RuleBasedStateMachine):
             event("swap-in rolled back")
             assert rb.request_id in self.requests and rb.block_indices
             # The engine recomputes the rolled-back blocks, then commits them.
-            if (
-                rb.request_id in self.allocated
-                and not self.mgr._requests[rb.request_id].loading
+            if rb.request_id in self.allocated and not self.mgr.has_pending_swap_in(
+                rb.request_id
             ):
                 self.mgr.commit(
                     rb.request_id, num_computed_tokens=len(self.requests[rb.request_id]) * BS
@@ -496,15 +495,15 @@ def snapshot(mgr: CacheManager) -> tuple:
                 list(r.rolled_back),
                 r.owns_matched_positions,
             )
-            for rid, r in mgr._requests.items()
+            for rid, r in ((rid, mgr.request_state(rid)) for rid in mgr.active_request_ids())
         },
         {
             tid: (type(t).__name__, [n.key if n is not None else None for n in t.nodes])
-            for tid, t in mgr._transfers.items()
+            for tid, t in mgr.transfers.inflight()
         },
-        [n.key for n in mgr._d2h.nodes],
-        [n.key for n in mgr._h2d.nodes],
-        mgr._next_transfer_id,
+        [n.key for n in mgr.transfers.to_host.nodes],
+        [n.key for n in mgr.transfers.to_device.nodes],
+        mgr.transfers.next_transfer_id,
         mgr.get_stats(),
     )
 

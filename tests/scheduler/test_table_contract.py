@@ -255,7 +255,7 @@ def test_transfers_without_results_are_reported_as_stalled(
         1,
     )
     assert stalled.age_s == 31.0 and mgr.get_stats().stalled_transfers == 1
-    with caplog.at_level(logging.WARNING, logger="fastkv.scheduler.cache_manager"):
+    with caplog.at_level(logging.WARNING, logger="fastkv.scheduler.transfers"):
         mgr.take_swap_metadata()
         mgr.take_swap_metadata()  # logged once
     assert sum("has no result yet" in r.message for r in caplog.records) == 1
