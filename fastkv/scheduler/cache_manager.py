@@ -57,23 +57,18 @@ from fastkv.scheduler.api import (
 )
 from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.invariants import check_manager
-from fastkv.scheduler.policies import DeviceWritePolicyBase, device_write_policy
 from fastkv.scheduler.radix_tree import (
-    BACKUP_TO_HOST,
     DEVICE,
     HOST,
-    HOST_LANDING,
     LOADING_FROM_STORAGE,
     NOT_STORED,
-    PENDING_HOST,
     SWAP_TO_DEVICE,
     RadixTree,
-    TreeNode,
 )
 from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
-from fastkv.scheduler.storage_tier import StorageTier
 from fastkv.scheduler.table import BlockTable
+from fastkv.scheduler.tiers import CacheTiers
 from fastkv.scheduler.transfers import DeviceTransfer, LoadTransfer, TransferBook
 
 log = logging.getLogger(__name__)
@@ -125,27 +120,22 @@ class CacheManager:
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
-        self._write_policy: DeviceWritePolicyBase = device_write_policy(config)
         self._requests: dict[RequestId, RequestState] = {}
         self._counters = ManagerCounters()
         self.transfers = TransferBook(self._counters, clock, self.stall_after_s)
-        self._storage = (
-            StorageTier(
-                config.storage,
-                tree=self.tree,
-                host_pool=self.host_pool,
-                take_host_blocks=self._take_host_blocks,
-                block_size=self.block_size,
-                clock=clock,
-            )
-            if config.storage is not None
-            else None
+        self._tiers = CacheTiers(
+            config,
+            tree=self.tree,
+            device_pool=self.device_pool,
+            host_pool=self.host_pool,
+            book=self.transfers,
+            counters=self._counters,
+            clock=clock,
         )
+        self._storage = self._tiers.storage
+        self._has_host_tier = config.num_host_blocks > 0
+        self._counts_hits = self._tiers.counts_hits
         self._clock = clock
-        # The storage write policy's per-block hooks, only where they can act.
-        writes = self._storage.write_policy if self._storage is not None else None
-        self._write_on_host_copy = writes is not None and writes.writes_on_host_copy
-        self._write_on_host_eviction = writes is not None and writes.writes_on_host_eviction
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -240,17 +230,9 @@ class CacheManager:
                 if node.state == HOST:
                     break
                 req.blocks.append(node.device_block)
+        if self._counts_hits:
+            self._tiers.note_hits(nodes)
         storage = self._storage
-        selective = self._write_policy.counts_hits and self.host_pool.capacity > 0
-        after_hits = storage is not None and storage.write_policy.counts_hits
-        if selective or after_hits:  # one count per match, whichever policies read it
-            for node in nodes:
-                node.hits += 1
-        if selective:
-            self._backup_hot(nodes)
-        if after_hits:
-            for node in nodes:
-                storage.on_hit(node)  # type: ignore[union-attr]
         looked_up = False
         if storage is not None and lookup_storage and not waiting and len(nodes) < limit:
             looked_up = storage.plan_lookup(req, len(nodes), limit)
@@ -319,7 +301,7 @@ class CacheManager:
                 device_only.append(node)
         if device_only:
             before = self._counters.backups
-            self._backup(device_only)
+            self._tiers.backup(device_only)
             planned += self._counters.backups - before
         return planned
 
@@ -478,29 +460,19 @@ class CacheManager:
                 n.state is SWAP_TO_DEVICE and n in queued for n in nodes[len(blocks) : keep]
             )
             return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
+        if need <= pool.num_free:  # the common case inline
+            ids = pool.allocate(need) if need else []
+        else:
+            ids = self._tiers.take_device_blocks(need, self._is_busy)
+            if type(ids) is AllocStatus:
+                if ids is AllocStatus.WAIT_FOR_TRANSFERS:
+                    # Only planned copies can free blocks when none taken is in flight.
+                    self._wait_on_untaken = not self.transfers.num_inflight
+                return Allocation(ids)
         pending = nodes[len(blocks) :]
         before = len(blocks)
-        if not need:
-            ids: list[int] = []
-        elif need <= pool.num_free:
-            ids = pool.allocate(need)
-        else:
-            if not self._reclaimable(need):  # others hold the blocks: evict nothing
-                return Allocation(AllocStatus.NO_SPACE)
-            # Evicted blocks go straight to this request, not through the free list.
-            freed = self._evict_device(need - pool.num_free)
-            if need > pool.num_free + len(freed):
-                pool.free(freed)
-                if not self.busy:
-                    return Allocation(AllocStatus.NO_SPACE)
-                # Only planned copies can free blocks when none taken is in flight.
-                self._wait_on_untaken = not self.transfers.num_inflight
-                return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
-            pool.recycled(len(freed))
-            ids = pool.allocate(need - len(freed))
-            ids += freed
         if num_swap:
-            self._plan_swap_in(req, pending, ids)
+            self._tiers.plan_swap_in(req, pending, ids)
         elif pending:
             blocks.extend(n.device_block for n in pending)
         blocks += ids[num_swap:]
@@ -578,48 +550,32 @@ class CacheManager:
             )
             nodes.extend(path)
             created = path
-            if existing:
-                freed = []
-                for i in existing:
-                    node = path[i]
-                    if node.state == HOST or node.state in HOST_LANDING:  # adopt ours
-                        self.tree.attach_device(node, blocks[start + i], loading=False)
-                    elif node.state == DEVICE and node.ref == 1:
-                        # Cached on the device, and no one else holds it (a prompt's
-                        # last block, which a match never hits): ours replaces its
-                        # copy, so one position never holds two device blocks.
-                        freed.append(node.device_block)
-                        node.device_block = blocks[start + i]
-                    else:  # held by others, or its copy is moving: ours stays private
-                        req.owns_matched_positions = True
+            if existing:  # a leading run of the path, cached meanwhile by others
+                self._tiers.adopt_committed(req, path[: len(existing)], start)
                 created = path[len(existing) :]
-                self.device_pool.free(freed)
-            if (
-                created
-                and self.host_pool.capacity
-                and (to_back_up := self._write_policy.new_blocks_to_back_up(created))
-            ):
-                self._backup(to_back_up)
+            if created and self._has_host_tier:
+                self._tiers.back_up_new(created)
         if req.rolled_back:
-            self._readopt(req, num_blocks)
+            self._tiers.readopt(req, num_blocks)
 
     def finish(self, request_id: RequestId) -> None:
-        """Release a finished request: its committed blocks stay cached (evictable
-        once no request or transfer holds them), the rest return to the pool.
+        """Release a request, finished or not (`abort` is the same call): its
+        committed blocks stay cached (evictable once no request or transfer holds
+        them), the rest return to the pool. Swap-ins it started stay in flight and
+        resolve when their results arrive; its storage lookup is dropped.
 
         Raises:
             ValueError: unknown request.
         """
-        self._release(request_id)
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not an active request")
+        req.done = True
+        if self._storage is not None:
+            self._storage.forget(req)
+        self._tiers.release(req)
 
-    def abort(self, request_id: RequestId) -> None:
-        """Release a request that will not complete; same accounting as `finish`.
-        Swap-ins it started stay in flight and resolve when their results arrive.
-
-        Raises:
-            ValueError: unknown request.
-        """
-        self._release(request_id)
+    abort = finish
 
     def block_table(self, request_id: RequestId, start: int = 0) -> BlockTable:
         """The request's table from position `start` on: per position its device
@@ -690,10 +646,7 @@ class CacheManager:
             ValueError: `limit` is not an int >= 0.
         """
         check_count("limit", limit)
-        free = self.device_pool.num_free
-        if free >= limit:
-            return limit
-        return free + self.tree.count_device_victims(limit - free)
+        return self._tiers.num_obtainable_device_blocks(limit)
 
     @property
     def num_evictable_device_blocks(self) -> int:
@@ -774,9 +727,9 @@ class CacheManager:
             transfer = self.transfers.pop(result.transfer_id, result.success, now)
             if isinstance(transfer, DeviceTransfer):
                 if transfer.to_host:
-                    self._finish_to_host(transfer, result.success)
+                    self._tiers.finish_to_host(transfer, result.success)
                 else:
-                    self._finish_to_device(transfer, result.success, rollbacks)
+                    self._tiers.finish_to_device(transfer, result.success, rollbacks)
                 continue
             storage = self._storage
             assert storage is not None
@@ -804,8 +757,12 @@ class CacheManager:
     @property
     def num_queued_blocks(self) -> int:
         """Blocks in transfers planned but not yet taken by `take_swap_metadata`."""
-        queued = self.transfers.num_queued_blocks
+        book = self.transfers  # inline: an engine loop reads this every step
+        queued = len(book.to_host.nodes) + len(book.to_device.nodes)
         return queued + (self._storage.num_queued_blocks if self._storage else 0)
+
+    def _is_busy(self) -> bool:
+        return self.busy
 
     @property
     def busy(self) -> bool:
@@ -848,225 +805,11 @@ class CacheManager:
 
     # -- internals ------------------------------------------------------------
 
-    def _reclaimable(self, need: int) -> bool:
-        """Will `need` device blocks be free once the transfers in flight or queued
-        complete (and evictions run), if no request releases any?
-
-        Every device block no active request holds counts: free ones, those being
-        evicted, unlocked cached ones (leaves first), and those whose copy outlived
-        its request.
-        """
-        tree = self.tree
-        count = self.device_pool.num_free + tree.num_evicting + tree.num_unlocked_device
-        if count >= need:
-            return True
-        for transfer in self.transfers.device_copies():
-            for node in transfer.nodes:
-                count += not node.ref and node.state in (BACKUP_TO_HOST, SWAP_TO_DEVICE)
-        return count >= need
-
     def _get(self, request_id: RequestId) -> RequestState:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not an active request")
         return req
-
-    def _release(self, request_id: RequestId) -> None:
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            raise ValueError(f"request_id: {request_id!r} is not an active request")
-        req.done = True
-        if self._storage is not None:
-            self._storage.forget(req)
-        nodes, blocks = req.nodes, req.blocks
-        private = blocks[len(nodes) :]
-        if req.owns_matched_positions:
-            private += [b for n, b in zip(nodes, blocks, strict=False) if n.device_block != b]
-        self.tree.unlock(nodes)
-        self.device_pool.free(private)
-
-    def _plan_swap_in(self, req: RequestState, pending: list[TreeNode], ids: list[int]) -> None:
-        h2d = self.transfers.to_device
-        blocks = req.blocks
-        i = 0
-        for node in pending:
-            if node.state == HOST:
-                self.tree.attach_device(node, ids[i], loading=True)
-                i += 1
-                h2d.nodes.append(node)
-                h2d.device_ids.append(node.device_block)
-                h2d.requests.append(req)
-                h2d.positions.append(len(blocks))
-                req.loading += 1
-            blocks.append(node.device_block)
-
-    def _readopt(self, req: RequestState, num_valid: int) -> None:
-        """The engine recomputed blocks whose swap-in failed: their nodes take the
-        request's device blocks back if no one else cached them meanwhile."""
-        keep = []
-        for pos in req.rolled_back:
-            if pos >= num_valid:
-                keep.append(pos)
-                continue
-            node = req.nodes[pos]
-            if node.state == HOST:
-                self.tree.attach_device(node, req.blocks[pos], loading=False)
-        req.rolled_back = keep
-
-    def _backup_hot(self, nodes: list[TreeNode]) -> None:
-        """Back up the matched blocks the write policy picks (write_through_selective:
-        those that just reached the threshold, their `hits` already counted by
-        `match`)."""
-        hot = self._write_policy.matched_to_back_up(nodes)
-        if hot:
-            self._backup(hot)
-
-    def _backup(self, nodes: list[TreeNode]) -> None:
-        """Queue device-to-host copies of `nodes` (root side first). Blocks that find
-        no host room stay device-only; they get their copy if they are evicted."""
-        host_ids = self._take_host_blocks(len(nodes))
-        self._counters.backups_without_room += len(nodes) - len(host_ids)
-        if not host_ids:
-            return
-        d2h = self.transfers.to_host
-        for node, host_block in zip(nodes, host_ids, strict=False):
-            self.tree.start_backup(node, host_block)
-            d2h.nodes.append(node)
-            d2h.device_ids.append(node.device_block)
-        self._counters.backups += len(host_ids)
-
-    def _evict_device(self, num_blocks: int) -> list[int]:
-        """Start freeing `num_blocks` device blocks, least recently used leaves first;
-        return the blocks freed at once (the caller owns them: they are still marked
-        allocated in the pool). Blocks whose copy to host starts now are freed when
-        its result arrives.
-
-        A block with a host copy is dropped at once; one that must be kept is copied
-        to host and freed when the copy completes; any other is discarded. A block
-        must be kept when the policy owes it a host copy (every block under
-        write_back and write_through, a hot one under write_through_selective: a
-        write-through backup that found no room or failed is retried here, once)
-        or when its children live on host.
-        """
-        deficit = num_blocks - self.tree.num_evicting
-        if deficit <= 0:
-            return []
-        tree = self.tree
-        if not self.host_pool.capacity:  # every victim is a leaf to discard
-            freed = tree.discard_device_leaves(deficit)
-            self._counters.device_evictions += len(freed)
-            return freed
-        policy = self._write_policy
-        threshold = policy.evicted_copy_threshold
-        copy_all = threshold <= 0  # every block is owed a copy
-        retry = policy.backs_up_ahead  # an owed copy made now is a missed backup
-        reuse = self.config.reuse_evicted_blocks
-        d2h = self.transfers.to_host
-        counters = self._counters
-        freed = []
-        while len(freed) < deficit:
-            node = tree.pop_device_victim()
-            if node is None:
-                break
-            if node.host_block >= 0:  # backed up already: just drop the device copy
-                freed.append(tree.detach_device(node))
-            elif (owed := copy_all or node.hits >= threshold) or node.num_children:
-                host = self._take_host_blocks(1)
-                if host:
-                    d2h.nodes.append(node)
-                    d2h.device_ids.append(node.device_block)
-                    counters.backup_retries += owed and retry
-                    if reuse:  # the block goes to the caller now; the worker copies first
-                        d2h.reused.append(node.device_block)
-                        freed.append(tree.release_to_host(node, host[0]))
-                    else:  # freed when the copy's result arrives
-                        tree.start_eviction(node, host[0])
-                        counters.device_evictions += 1
-                        deficit -= 1
-                elif node.num_children and not reuse:  # no host room; children need it
-                    tree.restore_device_victim(node)
-                    break
-                elif node.num_children:
-                    # No host room, and its descendants live only on host (or are on
-                    # their way there): they lose their path and leave the tree
-                    # (their host blocks free now or when their copies land), so
-                    # this block can go like any other. Evicting stops at nothing
-                    # here, which keeps `num_obtainable_device_blocks` exact.
-                    self.host_pool.free(tree.drop_subtree(node))
-                    freed.append(node.device_block)
-                    tree.remove(node)
-                else:
-                    freed.append(node.device_block)
-                    tree.remove(node)
-            else:
-                freed.append(node.device_block)
-                tree.remove(node)
-        self._counters.device_evictions += len(freed)
-        return freed
-
-    def _take_host_blocks(self, n: int) -> list[int]:
-        """Up to `n` host blocks, evicting least recently used host copies."""
-        pool = self.host_pool
-        deficit = n - pool.num_free
-        if deficit > 0:
-            storage = self._storage
-            freed = []
-            written = 0  # evicted, their host block freed once written to storage
-            while len(freed) + written < deficit:
-                node = self.tree.pop_host_victim()
-                if node is None:
-                    break
-                keep = self._write_on_host_eviction and storage.on_host_eviction(node)  # type: ignore[union-attr]
-                block = self.tree.drop_host_copy(node)
-                if keep:
-                    written += 1
-                else:
-                    freed.append(block)
-            self._counters.host_evictions += len(freed) + written
-            pool.free(freed)
-        return pool.allocate(min(n, pool.num_free))
-
-    def _finish_to_host(self, transfer: DeviceTransfer, success: bool) -> None:
-        nodes = transfer.nodes
-        if not success:
-            # Failed evictions go back to the head of the device list; in reverse,
-            # so they keep their least-recently-used-first order there.
-            nodes = nodes[::-1]
-        freed_device: list[int] = []
-        freed_host: list[int] = []
-        storage = self._storage
-        write_on_copy = self._write_on_host_copy
-        for node in nodes:
-            if not success and node.state == PENDING_HOST:  # its block was reused: lost
-                freed_host += self.tree.drop_subtree(node)
-            device_block, host_block = self.tree.finish_copy_to_host(node, success)
-            if device_block >= 0:
-                freed_device.append(device_block)
-            if host_block >= 0:
-                freed_host.append(host_block)
-            elif success and write_on_copy and node.state in (HOST, DEVICE):
-                storage.on_host_copy(node)  # type: ignore[union-attr]  # maybe write it on
-        self.device_pool.free(freed_device)
-        self.host_pool.free(freed_host)
-
-    def _finish_to_device(
-        self, transfer: DeviceTransfer, success: bool, rollbacks: dict[RequestId, list[int]]
-    ) -> None:
-        freed: list[int] = []
-        for node, req, pos in zip(
-            transfer.nodes, transfer.requests, transfer.positions, strict=True
-        ):
-            req.loading -= 1
-            block = self.tree.finish_swap_in(node, success)
-            if block < 0:
-                continue
-            if req.done:
-                freed.append(block)
-            else:  # the request keeps the block in its table and recomputes it
-                req.owns_matched_positions = True
-                req.rolled_back.append(pos)
-                rollbacks.setdefault(req.request_id, []).append(pos)
-        self.device_pool.free(freed)
 
     # -- checking -------------------------------------------------------------
 
