@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 
@@ -11,11 +12,19 @@ class Progress:
     """Redraws at most every `interval` seconds, and only every `check_every`
     updates does it read the clock, so it stays off hot paths.
 
+    The estimate of the time left comes from the rate since the first clock reading
+    that saw units done, so start-up (spawning workers, importing paddle) does not
+    count as work; until a later reading has seen more units done, the bar shows no
+    estimate ("eta      -").
+
     Args:
         total: number of units expected.
         label: text before the bar.
         enabled: False turns every call into a no-op (e.g. for --json runs).
         stream: where to draw; stderr by default.
+        interval: least seconds between redraws.
+        check_every: updates between clock readings.
+        clock: seconds, monotonic; time.monotonic by default.
     """
 
     def __init__(
@@ -27,6 +36,7 @@ class Progress:
         stream: TextIO | None = None,
         interval: float = 0.2,
         check_every: int = 64,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total = max(total, 1)
         self.label = label
@@ -36,9 +46,11 @@ class Progress:
         self.check_every = check_every
         self.done = 0
         self.postfix = ""
-        self._start = time.monotonic()
+        self._clock = clock
+        self._start = clock()
         self._last_draw = 0.0
         self._since_check = 0
+        self._rate_from: tuple[float, int] | None = None  # (time, units done) then
 
     def update(self, n: int = 1, postfix: str | None = None) -> None:
         self.done += n
@@ -50,14 +62,16 @@ class Progress:
         if self._since_check < self.check_every and self.done < self.total:
             return
         self._since_check = 0
-        now = time.monotonic()
+        now = self._clock()
+        if self._rate_from is None and self.done > 0:
+            self._rate_from = (now, self.done)
         if now - self._last_draw >= self.interval or self.done >= self.total:
             self._last_draw = now
             self._draw(now)
 
     def close(self) -> None:
         if self.enabled:
-            self._draw(time.monotonic())
+            self._draw(self._clock())
             self.stream.write("\n")
             self.stream.flush()
 
@@ -66,11 +80,23 @@ class Progress:
         width = 30
         filled = int(frac * width)
         elapsed = now - self._start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
         bar = "#" * filled + "-" * (width - filled)
         self.stream.write(
             f"\r{self.label} [{bar}] {self.done}/{self.total} "
-            f"{elapsed:5.1f}s eta {eta:5.1f}s {self.postfix}"
+            f"{elapsed:5.1f}s eta {self._eta(now)} {self.postfix}"
         )
         self.stream.flush()
+
+    def _eta(self, now: float) -> str:
+        """Seconds left at the rate measured since `_rate_from`, or "     -" while
+        there is no such rate yet."""
+        left = self.total - self.done
+        if left <= 0:
+            return f"{0.0:5.1f}s"
+        if self._rate_from is None:
+            return "     -"
+        since, done_then = self._rate_from
+        if self.done <= done_then or now <= since:
+            return "     -"
+        rate = (self.done - done_then) / (now - since)
+        return f"{left / rate:5.1f}s"

@@ -457,7 +457,7 @@ int check_not_capturing(cudaStream_t stream) {
                      "cuda_stream: %p is capturing a CUDA graph; fastkv transfers stage block "
                      "ids from host memory at launch time, which a replay would not repeat. "
                      "Launch transfers outside the captured region and make the graph's "
-                     "stream wait for their events (see the README, 'CUDA graphs')",
+                     "stream wait for their events (see docs/gpu.md, 'CUDA graphs')",
                      static_cast<void*>(stream));
   }
   return FKV_OK;

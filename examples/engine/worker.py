@@ -26,6 +26,7 @@ import logging
 import socket
 import time
 import traceback
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -114,7 +115,11 @@ class Worker:
     def __init__(
         self, config: EngineConfig, rank: int = 0, group: RankGroup | None = None
     ) -> None:
-        import paddle
+        with warnings.catch_warnings():
+            # Importing paddle looks for ccache, which matters only when compiling
+            # extensions; this process compiles nothing. This is its first paddle import.
+            warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+            import paddle
 
         from examples.engine.model import TinyTransformer
         from fastkv.worker import CacheController, KVCacheSpec

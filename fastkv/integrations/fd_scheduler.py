@@ -1,7 +1,7 @@
 """FastDeploy's scheduler-side cache manager v1, on fastkv's CacheManager.
 
 `FastDeployCacheManager(fd_config)` has the method names and return values that
-FastDeploy's ResourceManagerV1 uses (see the README's FastDeploy section for the
+FastDeploy's ResourceManagerV1 uses (see docs/fastdeploy.md for the
 table). What it does differently, on purpose:
 
 - **Commits only KV that exists.** FastDeploy v1 inserts blocks into its tree when

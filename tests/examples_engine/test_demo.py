@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -214,3 +215,28 @@ def test_compare_rejects_nan_logits_and_runs_that_compared_nothing() -> None:
     assert cmp.compared == 0 and not cmp.identical_outputs
     assert "no request ran" in cmp.problems[0]
     assert not compare(nothing, same).identical_outputs  # rejected in one run only
+
+
+def test_the_demo_prints_no_ccache_warning() -> None:
+    """Paddle warns "No ccache found" when it is imported on a machine without ccache;
+    a newcomer's `make demo` compiles nothing, so its worker processes keep that one
+    warning quiet. No ccache on PATH, whatever the machine has."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PATH"] = str(Path(sys.executable).parent)
+    env["PYTHONWARNINGS"] = "always::UserWarning"  # inherited by the worker processes
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "demo.py"),
+            *("--conversations", "1", "--turns", "1", "--new-tokens", "2"),
+            *("--no-progress", "--plot", ""),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verdict: PASS" in proc.stdout
+    assert "No ccache found" not in proc.stderr

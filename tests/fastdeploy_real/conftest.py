@@ -2,7 +2,7 @@
 
 Runs in build/venv-fd with FastDeploy's snapshot on PYTHONPATH. The environment
 FastDeploy reads is set before anything imports it: the v1 cache manager on, its
-logs under a temporary directory. fastkv goes in as its README tells users:
+logs under a temporary directory. fastkv goes in as docs/fastdeploy.md tells users:
 `fastkv.integrations.fastdeploy.install()` before FastDeploy builds its cache
 classes.
 """
@@ -44,7 +44,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def channel(monkeypatch: pytest.MonkeyPatch) -> str:
     """A results-channel name of this test's own (the engine and its workers
-    share it through FASTKV_RESULTS_CHANNEL, as the README says)."""
+    share it through FASTKV_RESULTS_CHANNEL, as docs/fastdeploy.md says)."""
     name = f"fd-real-{os.getpid()}-{os.urandom(6).hex()}"
     monkeypatch.setenv(fkv_fd.CHANNEL_ENV, name)
     return name

@@ -110,7 +110,7 @@ class Engine:
         fd_config: from `real_fd_config.build_fd_config`.
         fail_rate: the controllers' injected copy-failure fraction.
         mtp_layers: MTP layers the runners' controllers also make caches for.
-        runner_change: the runners make the README's change for failed loads.
+        runner_change: the runners make docs/fastdeploy.md's change for failed loads.
     """
 
     def __init__(

@@ -96,7 +96,7 @@ class StandInRunner:
             arguments; one object serves here).
         local_rank: this worker's rank.
         mtp_layers: speculative (MTP) layers whose cache the controller also makes.
-        runner_change: make the one runner change fastkv's README asks for failed
+        runner_change: make the one runner change docs/fastdeploy.md asks for failed
             loads: a `SwapInFailedError` from `wait_for_layer` is caught, the step
             finishes for the other requests, and those whose block tables hold the
             failed blocks emit no token and lose their slot. Without it the runner

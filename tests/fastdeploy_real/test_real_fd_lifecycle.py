@@ -185,14 +185,14 @@ def test_second_resource_manager_on_the_same_port(
 
 
 def test_sitecustomize_route(tmp_path: Path, model_dir: Path) -> None:
-    """fastkv put in by a `sitecustomize.py` as the README says: a FastDeploy
+    """fastkv put in by a `sitecustomize.py` as docs/fastdeploy.md says: a FastDeploy
     process builds fastkv's classes, and a Python process that never imports
     FastDeploy does not pay for it (neither fastdeploy nor paddle imported)."""
     import fastdeploy
 
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(  # the README's sitecustomize.py
+    (site / "sitecustomize.py").write_text(  # docs/fastdeploy.md's sitecustomize.py
         "from fastkv.integrations.fd_hook import install_on_import\ninstall_on_import()\n"
     )
     fd_src = Path(fastdeploy.__file__).resolve().parents[1]

@@ -120,7 +120,7 @@ def test_copy_failures_unmodified_runner(make_engine: Any, policy: str) -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_copy_failures_with_the_readme_runner_change(make_engine: Any, policy: str) -> None:
-    """The same failures, with the runner change fastkv's README describes: the
+    """The same failures, with the runner change docs/fastdeploy.md describes: the
     requests reading a failed swap-in emit no token that step, the scheduler
     rewinds them, ResourceManagerV1 sends them a prefill again; all end right."""
     engine = make_engine(
