@@ -58,18 +58,17 @@ from fastkv.scheduler.api import (
 from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.invariants import check_manager
 from fastkv.scheduler.radix_tree import (
-    DEVICE,
     HOST,
     LOADING_FROM_STORAGE,
-    NOT_STORED,
     SWAP_TO_DEVICE,
     RadixTree,
 )
 from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
+from fastkv.scheduler.storage_tier import loaded_from_storage, storage_pending
 from fastkv.scheduler.table import BlockTable
 from fastkv.scheduler.tiers import CacheTiers
-from fastkv.scheduler.transfers import DeviceTransfer, LoadTransfer, TransferBook
+from fastkv.scheduler.transfers import DeviceTransfer, TransferBook
 
 log = logging.getLogger(__name__)
 
@@ -252,9 +251,7 @@ class CacheManager:
             ValueError: unknown request.
         """
         req = self._get(request_id)
-        if req.lookup_id >= 0:
-            return True
-        return any(n.state is LOADING for n in req.nodes[req.num_matched :])
+        return storage_pending(req)
 
     def storage_pending_lookup(self, lookup_id: int) -> bool:
         """Whether lookup `lookup_id` waits for its answer (its request still wants it)."""
@@ -268,8 +265,7 @@ class CacheManager:
         Raises:
             ValueError: unknown request.
         """
-        req = self._get(request_id)
-        return [n.key for n in req.nodes[req.num_matched :] if n.state is not LOADING]
+        return loaded_from_storage(self._get(request_id))
 
     def write_to_storage(self, request_id: RequestId) -> int:
         """Under the storage write policy WRITE_THROUGH, plan the writes of the
@@ -289,16 +285,7 @@ class CacheManager:
         storage = self._storage
         if storage is None or not storage.write_policy.writes_requests:
             return 0
-        planned = 0
-        device_only = []
-        for node in req.nodes:
-            if node.storage != NOT_STORED:
-                continue
-            if node.host_block >= 0 and node.state in (HOST, DEVICE):
-                storage.on_host_copy(node)
-                planned += 1
-            elif node.state == DEVICE and node.host_block < 0:
-                device_only.append(node)
+        planned, device_only = storage.plan_request_writes(req)
         if device_only:
             before = self._counters.backups
             self._tiers.backup(device_only)
@@ -698,9 +685,29 @@ class CacheManager:
                 without a storage tier. Nothing in the batch is applied when it raises.
         """
         results = list(results)
+        self._check_results(results)
+        rollbacks: dict[RequestId, list[int]] = {}
+        now = self._clock()
+        tiers, storage = self._tiers, self._storage
+        for result in results:
+            if isinstance(result, LookupResult):
+                storage.apply_lookup(result)  # type: ignore[union-attr]
+                continue
+            transfer = self.transfers.pop(result.transfer_id, result.success, now)
+            if type(transfer) is not DeviceTransfer:
+                storage.apply_result(transfer, result, now)  # type: ignore[union-attr]
+            elif transfer.to_host:
+                tiers.finish_to_host(transfer, result.success)
+            else:
+                tiers.finish_to_device(transfer, result.success, rollbacks)
+        self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
+        return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
+
+    def _check_results(self, results: list[TransferResult | LookupResult]) -> None:
+        """Raise unless every result of the batch can be applied (all or nothing)."""
         seen: set[int] = set()
         ranks = self.config.tp_size
-        for result in results:  # all or nothing: check the whole batch first
+        for result in results:
             if not isinstance(result, (TransferResult, LookupResult)):
                 raise TypeError(f"results: expected TransferResult, got {result!r:.80}")
             if result.num_ranks != ranks:
@@ -718,33 +725,6 @@ class CacheManager:
                 self._storage.check_answer(result)
                 continue
             self.transfers.check_unapplied(result.transfer_id, seen)
-        rollbacks: dict[RequestId, list[int]] = {}
-        now = self._clock()
-        for result in results:
-            if isinstance(result, LookupResult):
-                self._storage.apply_lookup(result)  # type: ignore[union-attr]
-                continue
-            transfer = self.transfers.pop(result.transfer_id, result.success, now)
-            if isinstance(transfer, DeviceTransfer):
-                if transfer.to_host:
-                    self._tiers.finish_to_host(transfer, result.success)
-                else:
-                    self._tiers.finish_to_device(transfer, result.success, rollbacks)
-                continue
-            storage = self._storage
-            assert storage is not None
-            failed, everything = (
-                set(result.failed_blocks),
-                not result.success and not (result.failed_blocks),
-            )
-            if isinstance(transfer, LoadTransfer):
-                if result.success:
-                    storage.note_load_time(transfer, now - transfer.emitted_at)
-                self.host_pool.free(storage.finish_load(transfer, failed, everything))
-            else:
-                self.host_pool.free(storage.finish_store(transfer, failed, everything))
-        self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
-        return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 
     def add_transfer_listener(self, listener: TransferListener) -> None:
         """Call `listener` for every transfer result applied from now on (metrics)."""

@@ -38,6 +38,7 @@ from fastkv.metadata import (
     CacheSwapMetadata,
     LookupResult,
     StorageLookup,
+    TransferResult,
 )
 from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.policies import (
@@ -277,6 +278,22 @@ class StorageTier:
         if not free_after:
             node.storage = STORING  # the host copy stays until the write ends
 
+    def plan_request_writes(self, req: RequestState) -> tuple[int, list[TreeNode]]:
+        """WRITE_THROUGH's writes of a request's cached blocks storage does not hold
+        yet: those with a valid host copy are queued now. Returns how many, and the
+        device-only blocks, which need a host copy first (written once it lands)."""
+        planned = 0
+        device_only = []
+        for node in req.nodes:
+            if node.storage != NOT_STORED:
+                continue
+            if node.host_block >= 0 and node.state in (HOST, DEVICE):
+                self.on_host_copy(node)
+                planned += 1
+            elif node.state == DEVICE and node.host_block < 0:
+                device_only.append(node)
+        return planned, device_only
+
     # -- per step -----------------------------------------------------------------
 
     @property
@@ -392,6 +409,22 @@ class StorageTier:
             tree.unpin_host(node)
         return freed
 
+    def apply_result(
+        self, transfer: LoadTransfer | StoreTransfer, result: TransferResult, now: float
+    ) -> None:
+        """A load's or a write's result, per block (`failed_blocks`; a failure that
+        names no block fails them all): see `finish_load` and `finish_store`. Frees
+        the host blocks they release."""
+        failed = set(result.failed_blocks)
+        everything = not result.success and not result.failed_blocks
+        if type(transfer) is LoadTransfer:
+            if result.success:
+                self.note_load_time(transfer, now - transfer.emitted_at)
+            freed = self.finish_load(transfer, failed, everything)
+        else:
+            freed = self.finish_store(transfer, failed, everything)
+        self.host_pool.free(freed)
+
     def note_load_time(self, transfer: LoadTransfer, seconds: float) -> None:
         """Refine the read-bandwidth estimate PREDICTED uses (EWMA)."""
         self.prefetch_policy.note_load(len(transfer.nodes) * self.config.block_bytes, seconds)
@@ -435,4 +468,18 @@ class StorageTier:
         )
 
 
-__all__ = ["QueuedNodes", "StorageTier"]
+def storage_pending(req: RequestState) -> bool:
+    """Whether the request's storage lookup is unanswered or blocks found for it
+    are still loading into host."""
+    if req.lookup_id >= 0:
+        return True
+    return any(n.state is LOADING_FROM_STORAGE for n in req.nodes[req.num_matched :])
+
+
+def loaded_from_storage(req: RequestState) -> list[BlockHash]:
+    """The hashes of the request's blocks past its match that sit in the cache now
+    (loads that failed are gone from its path)."""
+    return [n.key for n in req.nodes[req.num_matched :] if n.state is not LOADING_FROM_STORAGE]
+
+
+__all__ = ["QueuedNodes", "StorageTier", "loaded_from_storage", "storage_pending"]
