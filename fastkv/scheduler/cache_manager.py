@@ -800,4 +800,12 @@ class CacheManager:
         Raises:
             AssertionError: an invariant broken.
         """
-        check_manager(self)
+        check_manager(
+            tree=self.tree,
+            device_pool=self.device_pool,
+            host_pool=self.host_pool,
+            requests=self._requests.values(),
+            transfers=self.transfers,
+            storage=self._storage,
+            reuse_evicted_blocks=self.config.reuse_evicted_blocks,
+        )

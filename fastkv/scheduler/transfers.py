@@ -26,7 +26,17 @@ from fastkv.metadata import (
     TransferListener,
 )
 from fastkv.scheduler.api import StalledTransfer
-from fastkv.scheduler.radix_tree import TreeNode
+from fastkv.scheduler.block_pool import BlockPool
+from fastkv.scheduler.radix_tree import (
+    BACKUP_TO_HOST,
+    DROPPED,
+    LOADING_FROM_STORAGE,
+    PENDING_HOST,
+    STORING,
+    SWAP_TO_DEVICE,
+    SWAP_TO_HOST,
+    TreeNode,
+)
 from fastkv.scheduler.request import RequestState
 from fastkv.scheduler.stats import ManagerCounters
 
@@ -284,6 +294,41 @@ class TransferBook:
             out.append(StalledTransfer(tid, direction, transfer.num_blocks, age))
         return out
 
+    def check(
+        self,
+        host_owner: dict[int, object],
+        device_pool: BlockPool,
+        host_pool: BlockPool,
+        reuse_evicted_blocks: bool,
+    ) -> tuple[set[TreeNode], set[TreeNode]]:
+        """Assert the records in flight and queued (part of
+        `CacheManager.check_invariants`): every node a copy moves is in a moving
+        state, in one transfer only, with its blocks still allocated; claims in
+        `host_owner` the host blocks only a write or a copy still holds.
+
+        Returns:
+            The nodes a copy or load moves, and those whose host copy a write pins.
+        """
+        moving: set[TreeNode] = set()
+        storing: set[TreeNode] = set()
+        for transfer in [*self._inflight.values(), self.to_host, self.to_device]:
+            if type(transfer) is StoreTransfer:
+                storing.update(_check_store(transfer, host_owner))
+                continue
+            for node in transfer.nodes:
+                assert node not in moving, f"{node} in two transfers"
+                moving.add(node)
+                assert host_pool.is_allocated(node.host_block), node
+                if node.state == DROPPED:  # out of the tree; its host block is still its
+                    assert node.host_block not in host_owner, f"{node}: host block owned"
+                    host_owner[node.host_block] = node
+            if type(transfer) is LoadTransfer:
+                for node in transfer.nodes:
+                    assert node.state in (LOADING_FROM_STORAGE, BACKUP_TO_HOST, DROPPED), node
+            else:
+                _check_device_copy(transfer, device_pool, reuse_evicted_blocks)
+        return moving, storing
+
     def _note_stalls(self) -> None:
         """Log each newly stalled transfer once (O(stalled + 1): ids are handed out
         in order, so the first young one ends the scan)."""
@@ -298,6 +343,43 @@ class TransferBook:
                     stalled.num_blocks,
                     stalled.age_s,
                 )
+
+
+_RELEASED = (PENDING_HOST, DROPPED)  # an eviction whose device block was handed on
+
+
+def _check_store(transfer: StoreTransfer, host_owner: dict[int, object]) -> list[TreeNode]:
+    """A write's host blocks: its own when it frees them (or its node left the
+    tree), else pinned on a STORING node. Returns the pinned nodes."""
+    pinned = []
+    for node, host, free in zip(
+        transfer.nodes, transfer.host_ids, transfer.free_after, strict=True
+    ):
+        if free or node is None or node.state == DROPPED:
+            assert host not in host_owner, f"host block {host} owned twice"
+            host_owner[host] = "a storage write"
+        else:
+            assert node.storage == STORING and node.host_block == host, node
+            pinned.append(node)
+    return pinned
+
+
+def _check_device_copy(
+    transfer: DeviceTransfer, device_pool: BlockPool, reuse_evicted_blocks: bool
+) -> None:
+    expected = (
+        (SWAP_TO_HOST, BACKUP_TO_HOST, *_RELEASED) if transfer.to_host else (SWAP_TO_DEVICE,)
+    )
+    assert len(transfer.device_ids) == len(transfer.nodes)
+    for node, device_block in zip(transfer.nodes, transfer.device_ids, strict=True):
+        assert node.state in expected, f"{node} in a transfer but not moving"
+        # A released eviction's block may be anyone's, or free, also after a
+        # request that recomputed the block handed the node its own copy.
+        if node.state in _RELEASED or node.device_block != device_block:
+            assert reuse_evicted_blocks, node
+            assert node.state in (*_RELEASED, BACKUP_TO_HOST), node
+            continue
+        assert device_pool.is_allocated(device_block), node
 
 
 __all__ = [
