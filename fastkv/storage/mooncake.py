@@ -113,6 +113,7 @@ from fastkv.storage.base import (
     check_wait,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
+from fastkv.storage.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
@@ -146,61 +147,6 @@ class _Call:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.abandoned = False
-
-
-class CircuitBreaker:
-    """Closed: calls go through. Open: they fail fast. After the cooldown one probe
-    call goes through; its success closes the breaker, its failure reopens it with
-    twice the cooldown (at most `max_cooldown_s`, so recovery is never later than
-    that after the failure ends, plus the probe)."""
-
-    def __init__(self, cooldown_s: float, max_cooldown_s: float = 4.0) -> None:
-        self.base_cooldown_s = cooldown_s
-        self.max_cooldown_s = max(cooldown_s, max_cooldown_s)
-        self._cooldown_s = cooldown_s
-        self._lock = threading.Lock()
-        self._open_until: float | None = None
-        self._probing = False
-        self.reason = ""
-        self.trips = 0
-
-    @property
-    def cooldown_s(self) -> float:
-        """The current cooldown (doubles while probes fail)."""
-        with self._lock:
-            return self._cooldown_s
-
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self._open_until is not None
-
-    def allow(self) -> bool:
-        """May a call go to Mooncake now? (True for the one probe when half-open.)"""
-        with self._lock:
-            if self._open_until is None:
-                return True
-            if self._probing or time.monotonic() < self._open_until:
-                return False
-            self._probing = True
-            return True
-
-    def record(self, fatal: str | None) -> None:
-        """The outcome of an allowed call: None if it saw no fatal code."""
-        with self._lock:
-            was_probe = self._probing
-            self._probing = False
-            if fatal is None:
-                if was_probe or self._open_until is None:
-                    self._open_until = None
-                    self._cooldown_s = self.base_cooldown_s
-                return
-            if self._open_until is not None and was_probe:
-                self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
-            if self._open_until is None:
-                self.trips += 1
-            self._open_until = time.monotonic() + self._cooldown_s
-            self.reason = fatal
 
 
 class MooncakeBackend(StorageBackend):
@@ -1082,4 +1028,4 @@ def _setup_store(
     return store
 
 
-__all__ = ["CircuitBreaker", "MooncakeBackend"]
+__all__ = ["MooncakeBackend"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from fastkv.storage.mooncake import CircuitBreaker
+from fastkv.storage.circuit_breaker import CircuitBreaker
 
 
 def test_opens_on_a_fatal_call_and_fails_fast() -> None:
