@@ -8,12 +8,18 @@ passed), half-open (one probe goes through; every other call still fails fast).
 The probe's success closes the breaker and resets the cooldown; its failure
 reopens it with the cooldown doubled, up to `max_cooldown_s`. The breaker learns
 only from the outcomes its owner records: it never calls anything itself.
+
+A failure of one part of the service (a Mooncake storage node, holding some of
+the keys) must not stop the calls the rest still answers: `KeyQuarantine` holds
+back just the keys that met it, for a while, and the breaker stays closed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class CircuitBreaker:
@@ -71,4 +77,50 @@ class CircuitBreaker:
             self.reason = fatal
 
 
-__all__ = ["CircuitBreaker"]
+class KeyQuarantine:
+    """Keys not to ask for `hold_s` after a call for them met a failing part of the
+    service. At most `max_keys` are held; past that the oldest holds end early.
+
+    Args:
+        hold_s: how long a key is held back.
+        why: what happened to a held key, the start of the reason `reasons` gives.
+        max_keys: the most keys held at once.
+    """
+
+    def __init__(self, hold_s: float, why: str, max_keys: int = 65536) -> None:
+        self.hold_s = hold_s
+        self.why = why
+        self.max_keys = max_keys
+        self._lock = threading.Lock()
+        self._until: OrderedDict[str, float] = OrderedDict()  # name -> held until
+
+    def reasons(self, names: Sequence[str]) -> list[str | None]:
+        """Per name: why it is not to be asked now, or None (a hold that has
+        ended is forgotten)."""
+        now = time.monotonic()
+        out: list[str | None] = []
+        with self._lock:
+            for name in names:
+                until = self._until.get(name)
+                if until is not None and until <= now:
+                    del self._until[name]
+                    until = None
+                out.append(
+                    None
+                    if until is None
+                    else f"{self.why}; not asked again for {until - now:.1f} s"
+                )
+        return out
+
+    def hold(self, names: Sequence[str]) -> None:
+        """Holds these names back for `hold_s` from now."""
+        until = time.monotonic() + self.hold_s
+        with self._lock:
+            for name in names:
+                self._until[name] = until
+                self._until.move_to_end(name)
+            while len(self._until) > self.max_keys:
+                self._until.popitem(last=False)
+
+
+__all__ = ["CircuitBreaker", "KeyQuarantine"]

@@ -92,7 +92,6 @@ import logging
 import mmap
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -115,7 +114,7 @@ from fastkv.storage.base import (
     check_wait,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
-from fastkv.storage.circuit_breaker import CircuitBreaker
+from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
 from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
 
 log = logging.getLogger(__name__)
@@ -227,8 +226,12 @@ class MooncakeBackend(StorageBackend):
             float(options.breaker_cooldown_s), float(options.breaker_max_cooldown_s)
         )
         self.deadline_margin_s = float(options.deadline_margin_s)
-        self.quarantine_s = float(options.breaker_cooldown_s)
-        self._quarantined: OrderedDict[str, float] = OrderedDict()  # key text -> until
+        # keys whose last read hit a failing storage node (-800): not asked for a while
+        self._quarantine = KeyQuarantine(
+            float(options.breaker_cooldown_s),
+            "its storage node failed a read (-800) moments ago",
+            _MAX_QUARANTINED,
+        )
         # transfers hold an arena each, lookups a slot of their own: both bounded
         self._pool = ThreadPoolExecutor(2 * concurrency, thread_name_prefix="fastkv-mooncake")
         self._lookup_slots = threading.BoundedSemaphore(concurrency)
@@ -797,7 +800,7 @@ class MooncakeBackend(StorageBackend):
         call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
         names = [k.text() for k in keys]
-        held = self._quarantine_reasons(names)
+        held = self._quarantine.reasons(names)
         live = [j for j in range(len(keys)) if held[j] is None]
         codes = [0] * len(keys)
         if live and self.staged:
@@ -841,34 +844,10 @@ class MooncakeBackend(StorageBackend):
                 failing.append(names[j])
             corrupt += outcome == "corrupt"
             results.append(result)
-        until = time.monotonic() + self.quarantine_s
         with self._lock:
             self._stats.corrupt += corrupt
-            for name in failing:
-                self._quarantined[name] = until
-                self._quarantined.move_to_end(name)
-            while len(self._quarantined) > _MAX_QUARANTINED:
-                self._quarantined.popitem(last=False)
+        self._quarantine.hold(failing)
         return results, fatal
-
-    def _quarantine_reasons(self, names: list[str]) -> list[str | None]:
-        """Per key: why it is not asked now (its last read hit a failing storage
-        node less than `quarantine_s` ago), or None."""
-        now = time.monotonic()
-        out: list[str | None] = []
-        with self._lock:
-            for name in names:
-                until = self._quarantined.get(name)
-                if until is not None and until <= now:
-                    del self._quarantined[name]
-                    until = None
-                out.append(
-                    None
-                    if until is None
-                    else "its storage node failed a read (-800) moments ago; "
-                    f"not asked again for {until - now:.1f} s"
-                )
-        return out
 
     def _read_result(
         self,
