@@ -617,9 +617,15 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
         call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
+        """One batch of puts: keys that already hold an object are read back (stored
+        only if it is this block); the others are sealed (or staged) and put, those
+        the full pool refused retried; what the put met on the way, and with
+        verify_puts what it stored, is read back. Returns the results and the
+        fatal outcome (None if Mooncake's master answered every call)."""
         results: list[KeyResult | None] = [None] * len(keys)
-        self._remove_condemned([k.text() for k in keys])
-        exist = self.store.batch_is_exist([k.text() for k in keys])
+        names = [k.text() for k in keys]
+        self._remove_condemned(names)
+        exist = self.store.batch_is_exist(names)
         fatal_code = next((c for c in exist if c in FATAL_CODES), None)
         if fatal_code is not None:
             failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
@@ -629,6 +635,30 @@ class MooncakeBackend(StorageBackend):
         for j, code in enumerate(exist):
             (met if code == 1 else pending).append(j)
         fatal = self._read_back(keys, met, results, arena, deadline, None)
+        ptrs = self._put_buffers(keys, blocks, pending, arena, call)
+        if ptrs is None:  # the caller was answered before its blocks were staged
+            return [_LEFT_BEHIND] * len(keys), fatal
+        written, appeared, fatal = self._put_with_retries(
+            names, pending, ptrs, results, deadline, fatal
+        )
+        # 0 also answers a put that met an object: stored only if what is there now
+        # is this block.
+        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
+        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
+        return results, fatal  # type: ignore[return-value]
+
+    def _put_buffers(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        pending: list[int],
+        arena: int,
+        call: _Call,
+    ) -> dict[int, object] | None:
+        """What Mooncake puts for each key in `pending`: staged, the object gathered
+        (header, then segments) into the staging area; zero-copy, the header
+        sealed in the arena, then the block's own segments. None when `call` was
+        answered before every block was staged (its blocks are the caller's again)."""
         ptrs: dict[int, object] = {}
         for j in pending:
             key, segs = keys[j], blocks[j]
@@ -637,7 +667,7 @@ class MooncakeBackend(StorageBackend):
                 header = bytearray(expected_header(key, self.layout, 0))
                 with call.lock:  # the caller's block, while the caller still waits
                     if call.abandoned:
-                        return [_LEFT_BEHIND] * len(keys), fatal
+                        return None
                     _disk_io.stage_block(
                         self._object_addr(arena, j), header, seg_array, self._ring
                     )
@@ -647,39 +677,33 @@ class MooncakeBackend(StorageBackend):
             header_view[:] = expected_header(key, self.layout, 0)
             _disk_io.seal_header(header_view, seg_array, self._ring)
             ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
-        written: list[int] = []  # answered 0: stored, or met an object (see below)
+        return ptrs
+
+    def _put_with_retries(
+        self,
+        names: list[str],
+        pending: list[int],
+        ptrs: dict[int, object],
+        results: list[KeyResult | None],
+        deadline: float,
+        fatal: str | None,
+    ) -> tuple[list[int], list[int], str | None]:
+        """Puts the objects of `pending`, again for those answered -200 (pool full)
+        while retries are left and the pause ends before the deadline; sets
+        results[j] for every key its answer settles. Returns the keys to read back
+        (answered 0 under verify_puts; answered -705) and the fatal outcome."""
+        written: list[int] = []  # answered 0: stored, or met an object (see _put_part)
         appeared: list[int] = []  # answered -705: met an object since is_exist
         for attempt in range(self.options.put_retries + 1):
             if not pending:
                 break
-            names = [keys[j].text() for j in pending]
-            if self.staged:
-                codes = self.store.batch_put_from(
-                    names, [ptrs[j] for j in pending], [self._expected_bytes] * len(pending)
-                )
-            else:
-                codes = self.store.batch_put_from_multi_buffers(
-                    names, [ptrs[j] for j in pending], [self._lengths] * len(pending)
-                )
-            retry = []
-            for j, code in zip(pending, codes, strict=True):
-                if code == PUT_OK and self.verify_puts:
-                    written.append(j)
-                elif code == PUT_OK:
-                    results[j] = OK
-                elif code == OBJECT_EXISTS:
-                    appeared.append(j)
-                elif code == POOL_FULL:
-                    retry.append(j)
-                else:
-                    if code in FATAL_CODES:
-                        fatal = f"put answered {code}"
-                    results[j] = KeyResult(KeyStatus.FAILED, f"Mooncake put answered {code}")
-            pending = retry
-            if not pending:
-                break
+            codes = self._put_objects([names[j] for j in pending], [ptrs[j] for j in pending])
+            pending, fatal = self._sort_put_codes(
+                pending, codes, results, written, appeared, fatal
+            )
             if (
-                attempt == self.options.put_retries
+                not pending
+                or attempt == self.options.put_retries
                 or time.monotonic() + self.options.retry_backoff_s >= deadline
             ):
                 break
@@ -690,11 +714,43 @@ class MooncakeBackend(StorageBackend):
             results[j] = KeyResult(
                 KeyStatus.FAILED, "Mooncake pool full (-200) after every retry"
             )
-        # 0 also answers a put that met an object: stored only if what is there now
-        # is this block.
-        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
-        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
-        return results, fatal  # type: ignore[return-value]
+        return written, appeared, fatal
+
+    def _put_objects(self, names: list[str], ptrs: list[object]) -> list[int]:
+        """One Mooncake put call for these objects; its codes."""
+        if self.staged:
+            return self.store.batch_put_from(names, ptrs, [self._expected_bytes] * len(names))
+        return self.store.batch_put_from_multi_buffers(
+            names, ptrs, [self._lengths] * len(names)
+        )
+
+    def _sort_put_codes(
+        self,
+        pending: list[int],
+        codes: list[int],
+        results: list[KeyResult | None],
+        written: list[int],
+        appeared: list[int],
+        fatal: str | None,
+    ) -> tuple[list[int], str | None]:
+        """Files each key of a put call by its code: OK (results), to read back
+        (`written`, `appeared`) or FAILED (results); returns those to retry (-200)
+        and the fatal outcome."""
+        retry = []
+        for j, code in zip(pending, codes, strict=True):
+            if code == PUT_OK and self.verify_puts:
+                written.append(j)
+            elif code == PUT_OK:
+                results[j] = OK
+            elif code == OBJECT_EXISTS:
+                appeared.append(j)
+            elif code == POOL_FULL:
+                retry.append(j)
+            else:
+                if code in FATAL_CODES:
+                    fatal = f"put answered {code}"
+                results[j] = KeyResult(KeyStatus.FAILED, f"Mooncake put answered {code}")
+        return retry, fatal
 
     def _read_back(
         self,
@@ -799,23 +855,16 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
         call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
+        """One batch of gets: the keys not held back by the quarantine in one
+        Mooncake call, then each object verified (staged: scattered into the
+        caller's block as it is) and judged by _read_result. Returns the results
+        and the fatal outcome (None if Mooncake's master answered every call)."""
         names = [k.text() for k in keys]
         held = self._quarantine.reasons(names)
         live = [j for j in range(len(keys)) if held[j] is None]
         codes = [0] * len(keys)
-        if live and self.staged:
-            got = self.store.batch_get_into(
-                [names[j] for j in live],
-                [self._object_addr(arena, j) for j in live],
-                [self._expected_bytes] * len(live),
-            )
-        elif live:
-            got = self.store.batch_get_into_multi_buffers(
-                [names[j] for j in live],
-                [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
-                [self._lengths] * len(live),
-            )
-        for j, code in zip(live, got if live else [], strict=True):
+        got = self._get_objects(names, blocks, live, arena) if live else []
+        for j, code in zip(live, got, strict=True):
             codes[j] = code
         results: list[KeyResult] = []
         fatal: str | None = None
@@ -832,7 +881,7 @@ class MooncakeBackend(StorageBackend):
                 continue
             size = None
             if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
-                size = self.store.get_size(keys[j].text())
+                size = self.store.get_size(names[j])
             with call.lock:  # staged: scatters into the caller's block
                 if call.abandoned:
                     return [_LEFT_BEHIND] * len(keys), fatal
@@ -848,6 +897,28 @@ class MooncakeBackend(StorageBackend):
             self._stats.corrupt += corrupt
         self._quarantine.hold(failing)
         return results, fatal
+
+    def _get_objects(
+        self,
+        names: list[str],
+        blocks: Sequence[BlockSegments],
+        live: list[int],
+        arena: int,
+    ) -> list[int]:
+        """One Mooncake get call for the keys in `live` (staged: each object into
+        the staging area; zero-copy: its header into the arena, its segments into
+        the caller's block); their codes."""
+        if self.staged:
+            return self.store.batch_get_into(
+                [names[j] for j in live],
+                [self._object_addr(arena, j) for j in live],
+                [self._expected_bytes] * len(live),
+            )
+        return self.store.batch_get_into_multi_buffers(
+            [names[j] for j in live],
+            [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
+            [self._lengths] * len(live),
+        )
 
     def _read_result(
         self,
