@@ -265,6 +265,7 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
     from mooncake_cluster import Cluster
 
     from fastkv.storage.mooncake import MooncakeBackend
+    from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     logdir = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
@@ -276,18 +277,20 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
         segment_gb = -(-(2 * reps * n * (block_bytes + 8192) + (256 << 20)) // (1 << 30))
         cluster.start_node(segment=f"{segment_gb}GB")
         layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
-        backend = MooncakeBackend(
-            layout, cluster.master_address, max_batch=BATCH, auth=BENCH_AUTH
-        )
-        host = random_host(layout, n)
-        backend.register_host_memory(host.base, host.nbytes)
-        staged = MooncakeBackend(
-            layout,
+        options = MooncakeOptions(
+            connection=MooncakeConnection(cluster.master_address),
             max_batch=BATCH,
-            staging_bytes=4 * BATCH * (HEADER_BYTES + layout.payload_bytes),
-            store=backend.store,
             auth=BENCH_AUTH,
         )
+        backend = MooncakeBackend(layout, options)
+        host = random_host(layout, n)
+        backend.register_host_memory(host.base, host.nbytes)
+        staged_options = MooncakeOptions(
+            max_batch=BATCH,
+            staging_bytes=4 * BATCH * (HEADER_BYTES + layout.payload_bytes),
+            auth=BENCH_AUTH,
+        )
+        staged = MooncakeBackend(layout, staged_options, store=backend.store)
         contiguous = mmap.mmap(-1, n * block_bytes)
         arr = np.frombuffer(contiguous, dtype=np.uint8)
         arr[:] = 7

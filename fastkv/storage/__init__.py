@@ -1,5 +1,6 @@
 """The storage tier behind host memory: one backend interface (`base`), a local-disk
-backend (`local_disk`, the embedded default), Mooncake Store (`mooncake`) and the
+backend (`local_disk`, the embedded default), Mooncake Store (`mooncake`, built
+from `mooncake_options`, failing fast through `circuit_breaker`) and the
 worker-side I/O engine (`io_engine`)."""
 
 from fastkv.storage.base import (

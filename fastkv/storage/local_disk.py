@@ -13,13 +13,15 @@ every file is opened relative to it with O_NOFOLLOW (a symlink is refused, never
 followed; a file with another owner or a second hard link is refused too);
 temporary and probe files are created with O_EXCL under unpredictable names.
 
-Why slots in one file rather than a file per block (measured on the development
-VM, STORAGE.md): writing a new file + rename per block ran at 0.15 / 0.5 / 0.8 GB/s
-for 256 KiB / 2 MiB / 8 MiB blocks against 0.87 / 1.3 / 1.3-1.6 GB/s overwriting a
-slot; `unlink` on eviction cost 0.3-3 ms, a slot costs nothing to evict (the index
-forgets it; its next write overwrites it); a cold scan of 100k files took 2.7 s
-with `stat`, 22 s reading headers. `tools/bench_storage.py` measures this layout
-against raw O_DIRECT I/O of the same blocks.
+Why slots in one file rather than a file per block (measured once, when this
+layout was chosen, on the 2-core development VM and its virtual disk; the
+file-per-block variant is not in the repository): writing a new file + rename per
+block ran at 0.15 / 0.5 / 0.8 GB/s for 256 KiB / 2 MiB / 8 MiB blocks against
+0.87 / 1.3 / 1.3-1.6 GB/s overwriting a slot; `unlink` on eviction cost 0.3-3 ms,
+a slot costs nothing to evict (the index forgets it; its next write overwrites
+it); a cold scan of 100k files took 2.7 s with `stat`, 22 s reading headers.
+`tools/bench_storage.py` measures this layout against raw O_DIRECT I/O of the same
+blocks. docs/storage.md has both sets of figures ("Why slots in one file").
 
 A slot: [128-byte header | small segments packed | pad to 4 KiB][large segments].
 Large segments (a multiple of 4096 bytes: K and V of a layer) move zero-copy between

@@ -6,6 +6,8 @@ the block's segments in order, gathered zero-copy from the host cache by
 `batch_put_from_multi_buffers` and scattered back by `batch_get_into_multi_buffers`
 (both need the memory registered: `register_host_memory` once for the whole host
 cache; the headers live in a small registered arena of the backend's own).
+The settings named below (`put_retries`, `verify_puts`, ...) are fields of the
+`MooncakeOptions` a backend is built from (fastkv.storage.mooncake_options).
 
 Authentication: any client that reaches the master can put any key, and keys are
 predictable (the namespace digest hashes public fields; block hashes chain from a
@@ -90,7 +92,6 @@ import logging
 import mmap
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -113,6 +114,8 @@ from fastkv.storage.base import (
     check_wait,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
+from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
+from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
 
 log = logging.getLogger(__name__)
 
@@ -148,227 +151,101 @@ class _Call:
         self.abandoned = False
 
 
-class CircuitBreaker:
-    """Closed: calls go through. Open: they fail fast. After the cooldown one probe
-    call goes through; its success closes the breaker, its failure reopens it with
-    twice the cooldown (at most `max_cooldown_s`, so recovery is never later than
-    that after the failure ends, plus the probe)."""
-
-    def __init__(self, cooldown_s: float, max_cooldown_s: float = 4.0) -> None:
-        self.base_cooldown_s = cooldown_s
-        self.max_cooldown_s = max(cooldown_s, max_cooldown_s)
-        self._cooldown_s = cooldown_s
-        self._lock = threading.Lock()
-        self._open_until: float | None = None
-        self._probing = False
-        self.reason = ""
-        self.trips = 0
-
-    @property
-    def cooldown_s(self) -> float:
-        """The current cooldown (doubles while probes fail)."""
-        with self._lock:
-            return self._cooldown_s
-
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self._open_until is not None
-
-    def allow(self) -> bool:
-        """May a call go to Mooncake now? (True for the one probe when half-open.)"""
-        with self._lock:
-            if self._open_until is None:
-                return True
-            if self._probing or time.monotonic() < self._open_until:
-                return False
-            self._probing = True
-            return True
-
-    def record(self, fatal: str | None) -> None:
-        """The outcome of an allowed call: None if it saw no fatal code."""
-        with self._lock:
-            was_probe = self._probing
-            self._probing = False
-            if fatal is None:
-                if was_probe or self._open_until is None:
-                    self._open_until = None
-                    self._cooldown_s = self.base_cooldown_s
-                return
-            if self._open_until is not None and was_probe:
-                self._cooldown_s = min(self._cooldown_s * 2, self.max_cooldown_s)
-            if self._open_until is None:
-                self.trips += 1
-            self._open_until = time.monotonic() + self._cooldown_s
-            self.reason = fatal
-
-
 class MooncakeBackend(StorageBackend):
     """Blocks in Mooncake Store.
 
     Args:
         layout: the segment lengths of every block.
-        master_address: "host:port" of mooncake_master.
-        local_hostname: this client's address as the other nodes reach it.
-        protocol, device_name, metadata_server: Mooncake transfer settings.
-        segment_bytes: memory this process contributes to the pool (0: a pure
-            client; the blocks then live on storage-node processes).
-        put_retries: how often a put answered -200 (pool full) is retried.
-        retry_backoff_s: pause before each retry.
-        breaker_cooldown_s: how long the breaker stays open before a probe, and how
-            long a key whose read hit a failing storage node is not asked again.
-        breaker_max_cooldown_s: the longest the cooldown grows while probes fail.
-        deadline_margin_s: how long past its deadline a call may take (see the
-            module docstring for the memory a call left behind still touches).
-        max_batch: keys per Mooncake call (the deadline is checked between calls).
-        max_concurrency: calls running at once (each holds max_batch header slots);
-            further calls wait for a slot until their deadline.
-        auth: the key ring that tags every object put and verifies every object
-            read. None: `FASTKV_STORAGE_KEY_FILE` when set.
-        allow_unauthenticated: without a ring the backend refuses to start unless
-            this is True; then objects carry a CRC only, and any client of the
-            Mooncake cluster can make this backend serve KV it forged.
-        staging_bytes: 0 (default) moves blocks zero-copy, one Mooncake buffer per
-            segment. Above 0, a registered staging area of this size (split among
-            `max_concurrency` calls, at least one object each) gathers each block
-            into one contiguous object first: over TCP, Mooncake's per-buffer cost
-            made multi-buffer transfers 2-4x slower than contiguous ones here
-            (tools/bench_storage.py); with RDMA, zero-copy is the natural choice.
-        verify_puts: read every object a put stored back and count it stored only
-            if it verifies (see the module docstring for the window it closes and
-            its cost). False (default): an object planted in that window counts as
-            stored; its reads are refused.
-        store: an already set-up `MooncakeDistributedStore` to use instead.
+        options: connection, failure handling, transfer and trust settings
+            (`MooncakeOptions`, whose docstring explains each default: zero-copy
+            or staged transfers, `verify_puts`, unauthenticated mode).
+        store: an already set-up `MooncakeDistributedStore` to use instead of
+            setting one up from `options.connection` (which is then not read).
+
+    Attributes:
+        options: what it was built from.
+        auth: the key ring in use (`options.auth`, else the environment's), or None.
+        staged: blocks go through the staging area (`options.staging_bytes` > 0).
+        max_batch: keys per Mooncake call: `options.max_batch`, or fewer when a
+            call's share of the staging area holds fewer objects.
+        verify_puts: starts as `options.verify_puts`; may be changed between calls.
+        breaker: the circuit breaker every call goes through.
+        forged_puts, pool_full_retries, overruns: counters (see their comments).
 
     Raises:
-        ValueError: a bad argument.
+        ValueError: a bad argument: no key ring (neither `options.auth` nor
+            `FASTKV_STORAGE_KEY_FILE`) without `options.allow_unauthenticated`; a
+            staging area that holds less than one object per concurrent call;
+            neither `options.connection` nor `store`.
         RuntimeError: Mooncake is not installed or its setup failed.
     """
 
     def __init__(
-        self,
-        layout: BlockLayout,
-        master_address: str = "",
-        local_hostname: str = "127.0.0.1",
-        protocol: str = "tcp",
-        device_name: str = "",
-        metadata_server: str = "P2PHANDSHAKE",
-        segment_bytes: int = 0,
-        put_retries: int = 5,
-        retry_backoff_s: float = 0.01,
-        breaker_cooldown_s: float = 2.0,
-        breaker_max_cooldown_s: float = 4.0,
-        deadline_margin_s: float = 0.05,
-        max_batch: int = 64,
-        max_concurrency: int = 4,
-        staging_bytes: int = 0,
-        store: object | None = None,
-        auth: StorageAuth | None = None,
-        allow_unauthenticated: bool = False,
-        verify_puts: bool = False,
+        self, layout: BlockLayout, options: MooncakeOptions, store: object | None = None
     ) -> None:
         if not isinstance(layout, BlockLayout):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
-        if auth is not None and not isinstance(auth, StorageAuth):
-            raise ValueError(f"auth: must be a StorageAuth or None, got {type(auth).__name__}")
-        if auth is None:
-            auth = StorageAuth.from_environment()
-        if auth is None and allow_unauthenticated is not True:
+        if not isinstance(options, MooncakeOptions):
+            raise ValueError(
+                f"options: must be a MooncakeOptions, got {type(options).__name__}"
+            )
+        auth = options.auth if options.auth is not None else StorageAuth.from_environment()
+        if auth is None and not options.allow_unauthenticated:
             raise ValueError(
                 "auth: Mooncake Store lets every client that reaches its master write any "
                 "key, so blocks must be authenticated: give a StorageAuth (or set "
                 "FASTKV_STORAGE_KEY_FILE), or allow_unauthenticated=True to accept "
                 "blocks any client could have forged"
             )
-        for name, value, low, high in (
-            ("segment_bytes", segment_bytes, 0, 1 << 50),
-            ("put_retries", put_retries, 0, 1000),
-            ("max_batch", max_batch, 1, 4096),
-            ("max_concurrency", max_concurrency, 1, 256),
-            ("staging_bytes", staging_bytes, 0, 1 << 40),
-        ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not low <= value <= high
-            ):
-                raise ValueError(f"{name}: must be an int in [{low}, {high}], got {value!r}")
-        for name, value in (
-            ("retry_backoff_s", retry_backoff_s),
-            ("breaker_cooldown_s", breaker_cooldown_s),
-            ("breaker_max_cooldown_s", breaker_max_cooldown_s),
-            ("deadline_margin_s", deadline_margin_s),
-        ):
-            if not isinstance(value, (int, float)) or not 0 <= value <= 600:
-                raise ValueError(f"{name}: must be in [0, 600] seconds, got {value!r}")
-        if not isinstance(verify_puts, bool):
-            raise ValueError(f"verify_puts: must be a bool, got {verify_puts!r}")
-        if store is None and (not isinstance(master_address, str) or ":" not in master_address):
-            raise ValueError(f"master_address: expected 'host:port', got {master_address!r}")
         object_bytes = HEADER_BYTES + layout.payload_bytes
-        per_call = staging_bytes // max_concurrency
+        concurrency, staging_bytes = options.max_concurrency, options.staging_bytes
+        per_call = staging_bytes // concurrency
         if staging_bytes and per_call < object_bytes:
             raise ValueError(
                 f"staging_bytes: {staging_bytes} holds less than one {object_bytes}-byte "
-                f"object per concurrent call ({max_concurrency}); give at least "
-                f"{max_concurrency * object_bytes}"
+                f"object per concurrent call ({concurrency}); give at least "
+                f"{concurrency * object_bytes}"
             )
-        if staging_bytes:
-            max_batch = min(max_batch, per_call // object_bytes)
-        self.staged = staging_bytes > 0
-        self.verify_puts = verify_puts
+        if store is None:
+            if options.connection is None:
+                raise ValueError(
+                    "connection: None, and no store was given: give a MooncakeConnection "
+                    "(master_address 'host:port') or a store already set up"
+                )
+            store = _setup_store(options.connection)  # after every check: it connects
+        self.layout = layout
+        self.options = options
         self.auth = auth
         self._ring = ring_of(auth)
-        self.layout = layout
-        self.put_retries = put_retries
-        self.retry_backoff_s = float(retry_backoff_s)
-        self.max_batch = max_batch
-        self.breaker = CircuitBreaker(float(breaker_cooldown_s), float(breaker_max_cooldown_s))
-        self.quarantine_s = float(breaker_cooldown_s)
-        self.deadline_margin_s = float(deadline_margin_s)
-        self._quarantined: OrderedDict[str, float] = OrderedDict()  # key text -> until
-        # transfers hold an arena each, lookups a slot of their own: both bounded
-        self._pool = ThreadPoolExecutor(
-            2 * max_concurrency, thread_name_prefix="fastkv-mooncake"
+        self.staged = staging_bytes > 0
+        self.verify_puts = options.verify_puts
+        self.max_batch = options.max_batch
+        if self.staged:
+            self.max_batch = min(self.max_batch, per_call // object_bytes)
+        self.breaker = CircuitBreaker(
+            float(options.breaker_cooldown_s), float(options.breaker_max_cooldown_s)
         )
-        self._lookup_slots = threading.BoundedSemaphore(max_concurrency)
+        self.deadline_margin_s = float(options.deadline_margin_s)
+        # keys whose last read hit a failing storage node (-800): not asked for a while
+        self._quarantine = KeyQuarantine(
+            float(options.breaker_cooldown_s),
+            "its storage node failed a read (-800) moments ago",
+            _MAX_QUARANTINED,
+        )
+        # transfers hold an arena each, lookups a slot of their own: both bounded
+        self._pool = ThreadPoolExecutor(2 * concurrency, thread_name_prefix="fastkv-mooncake")
+        self._lookup_slots = threading.BoundedSemaphore(concurrency)
         self.overruns = 0  # calls still inside Mooncake past deadline + margin
         self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
-        if store is None:
-            store = _setup_store(
-                local_hostname,
-                metadata_server,
-                segment_bytes,
-                protocol,
-                device_name,
-                master_address,
-            )
         self.store = store
         self._lock = threading.Lock()
         self._stats = StorageStats()
         self._regions: list[tuple[int, int]] = []
-        # Header slots: one arena, registered once, split among concurrent calls.
-        self._arena = mmap.mmap(-1, max(4096, max_concurrency * max_batch * HEADER_BYTES))
-        self._arena_addr = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data
-        self._register(self._arena_addr, len(self._arena))
-        self._staging: mmap.mmap | None = None
-        if self.staged:
-            self._staging = mmap.mmap(-1, max_concurrency * max_batch * object_bytes)
-            self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
-            self._register(self._staging_addr, len(self._staging))
-        # Where a put reads objects back (what it met, what it stored): per concurrent
-        # call, up to 16 MiB of objects (at least one), read in batches that size.
-        self._verify_slots = max(1, min(max_batch, VERIFY_AREA_BYTES // object_bytes))
-        self._verify = mmap.mmap(-1, max_concurrency * self._verify_slots * object_bytes)
-        self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
-        self._register(self._verify_addr, len(self._verify))
-        self._payload_offsets = np.concatenate(
-            [[HEADER_BYTES], HEADER_BYTES + np.cumsum(layout.segment_lengths)[:-1]]
-        ).astype(np.int64)
+        self._map_areas(concurrency)
         self.forged_puts = 0
         self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
-        self._free_arenas = list(range(max_concurrency))
+        self._free_arenas = list(range(concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
         # Zero-copy gets left behind at their deadline: the [start, end) ranges of
@@ -381,6 +258,29 @@ class MooncakeBackend(StorageBackend):
         self._in_flight = 0  # transfer and lookup calls on the pool
         self._quiet = threading.Condition(self._lock)
         self._closed = False
+
+    def _map_areas(self, concurrency: int) -> None:
+        """Maps and registers the backend's own memory, one share per concurrent
+        call: header slots, the staging area (staged mode) and the verify area."""
+        object_bytes = self._expected_bytes
+        # Header slots: one arena, registered once, split among concurrent calls.
+        self._arena = mmap.mmap(-1, max(4096, concurrency * self.max_batch * HEADER_BYTES))
+        self._arena_addr = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data
+        self._register(self._arena_addr, len(self._arena))
+        self._staging: mmap.mmap | None = None
+        if self.staged:
+            self._staging = mmap.mmap(-1, concurrency * self.max_batch * object_bytes)
+            self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
+            self._register(self._staging_addr, len(self._staging))
+        # Where a put reads objects back (what it met, what it stored): per concurrent
+        # call, up to 16 MiB of objects (at least one), read in batches that size.
+        self._verify_slots = max(1, min(self.max_batch, VERIFY_AREA_BYTES // object_bytes))
+        self._verify = mmap.mmap(-1, concurrency * self._verify_slots * object_bytes)
+        self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
+        self._register(self._verify_addr, len(self._verify))
+        self._payload_offsets = np.concatenate(
+            [[HEADER_BYTES], HEADER_BYTES + np.cumsum(self.layout.segment_lengths)[:-1]]
+        ).astype(np.int64)
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Register host memory (the whole host cache, once) for zero-copy transfers
@@ -717,9 +617,15 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
         call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
+        """One batch of puts: keys that already hold an object are read back (stored
+        only if it is this block); the others are sealed (or staged) and put, those
+        the full pool refused retried; what the put met on the way, and with
+        verify_puts what it stored, is read back. Returns the results and the
+        fatal outcome (None if Mooncake's master answered every call)."""
         results: list[KeyResult | None] = [None] * len(keys)
-        self._remove_condemned([k.text() for k in keys])
-        exist = self.store.batch_is_exist([k.text() for k in keys])
+        names = [k.text() for k in keys]
+        self._remove_condemned(names)
+        exist = self.store.batch_is_exist(names)
         fatal_code = next((c for c in exist if c in FATAL_CODES), None)
         if fatal_code is not None:
             failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
@@ -729,6 +635,30 @@ class MooncakeBackend(StorageBackend):
         for j, code in enumerate(exist):
             (met if code == 1 else pending).append(j)
         fatal = self._read_back(keys, met, results, arena, deadline, None)
+        ptrs = self._put_buffers(keys, blocks, pending, arena, call)
+        if ptrs is None:  # the caller was answered before its blocks were staged
+            return [_LEFT_BEHIND] * len(keys), fatal
+        written, appeared, fatal = self._put_with_retries(
+            names, pending, ptrs, results, deadline, fatal
+        )
+        # 0 also answers a put that met an object: stored only if what is there now
+        # is this block.
+        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
+        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
+        return results, fatal  # type: ignore[return-value]
+
+    def _put_buffers(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        pending: list[int],
+        arena: int,
+        call: _Call,
+    ) -> dict[int, object] | None:
+        """What Mooncake puts for each key in `pending`: staged, the object gathered
+        (header, then segments) into the staging area; zero-copy, the header
+        sealed in the arena, then the block's own segments. None when `call` was
+        answered before every block was staged (its blocks are the caller's again)."""
         ptrs: dict[int, object] = {}
         for j in pending:
             key, segs = keys[j], blocks[j]
@@ -737,7 +667,7 @@ class MooncakeBackend(StorageBackend):
                 header = bytearray(expected_header(key, self.layout, 0))
                 with call.lock:  # the caller's block, while the caller still waits
                     if call.abandoned:
-                        return [_LEFT_BEHIND] * len(keys), fatal
+                        return None
                     _disk_io.stage_block(
                         self._object_addr(arena, j), header, seg_array, self._ring
                     )
@@ -747,54 +677,80 @@ class MooncakeBackend(StorageBackend):
             header_view[:] = expected_header(key, self.layout, 0)
             _disk_io.seal_header(header_view, seg_array, self._ring)
             ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
-        written: list[int] = []  # answered 0: stored, or met an object (see below)
+        return ptrs
+
+    def _put_with_retries(
+        self,
+        names: list[str],
+        pending: list[int],
+        ptrs: dict[int, object],
+        results: list[KeyResult | None],
+        deadline: float,
+        fatal: str | None,
+    ) -> tuple[list[int], list[int], str | None]:
+        """Puts the objects of `pending`, again for those answered -200 (pool full)
+        while retries are left and the pause ends before the deadline; sets
+        results[j] for every key its answer settles. Returns the keys to read back
+        (answered 0 under verify_puts; answered -705) and the fatal outcome."""
+        written: list[int] = []  # answered 0: stored, or met an object (see _put_part)
         appeared: list[int] = []  # answered -705: met an object since is_exist
-        for attempt in range(self.put_retries + 1):
+        for attempt in range(self.options.put_retries + 1):
             if not pending:
                 break
-            names = [keys[j].text() for j in pending]
-            if self.staged:
-                codes = self.store.batch_put_from(
-                    names, [ptrs[j] for j in pending], [self._expected_bytes] * len(pending)
-                )
-            else:
-                codes = self.store.batch_put_from_multi_buffers(
-                    names, [ptrs[j] for j in pending], [self._lengths] * len(pending)
-                )
-            retry = []
-            for j, code in zip(pending, codes, strict=True):
-                if code == PUT_OK and self.verify_puts:
-                    written.append(j)
-                elif code == PUT_OK:
-                    results[j] = OK
-                elif code == OBJECT_EXISTS:
-                    appeared.append(j)
-                elif code == POOL_FULL:
-                    retry.append(j)
-                else:
-                    if code in FATAL_CODES:
-                        fatal = f"put answered {code}"
-                    results[j] = KeyResult(KeyStatus.FAILED, f"Mooncake put answered {code}")
-            pending = retry
-            if not pending:
-                break
+            codes = self._put_objects([names[j] for j in pending], [ptrs[j] for j in pending])
+            pending, fatal = self._sort_put_codes(
+                pending, codes, results, written, appeared, fatal
+            )
             if (
-                attempt == self.put_retries
-                or time.monotonic() + self.retry_backoff_s >= deadline
+                not pending
+                or attempt == self.options.put_retries
+                or time.monotonic() + self.options.retry_backoff_s >= deadline
             ):
                 break
             with self._lock:
                 self.pool_full_retries += len(pending)
-            time.sleep(self.retry_backoff_s)
+            time.sleep(self.options.retry_backoff_s)
         for j in pending:
             results[j] = KeyResult(
                 KeyStatus.FAILED, "Mooncake pool full (-200) after every retry"
             )
-        # 0 also answers a put that met an object: stored only if what is there now
-        # is this block.
-        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
-        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
-        return results, fatal  # type: ignore[return-value]
+        return written, appeared, fatal
+
+    def _put_objects(self, names: list[str], ptrs: list[object]) -> list[int]:
+        """One Mooncake put call for these objects; its codes."""
+        if self.staged:
+            return self.store.batch_put_from(names, ptrs, [self._expected_bytes] * len(names))
+        return self.store.batch_put_from_multi_buffers(
+            names, ptrs, [self._lengths] * len(names)
+        )
+
+    def _sort_put_codes(
+        self,
+        pending: list[int],
+        codes: list[int],
+        results: list[KeyResult | None],
+        written: list[int],
+        appeared: list[int],
+        fatal: str | None,
+    ) -> tuple[list[int], str | None]:
+        """Files each key of a put call by its code: OK (results), to read back
+        (`written`, `appeared`) or FAILED (results); returns those to retry (-200)
+        and the fatal outcome."""
+        retry = []
+        for j, code in zip(pending, codes, strict=True):
+            if code == PUT_OK and self.verify_puts:
+                written.append(j)
+            elif code == PUT_OK:
+                results[j] = OK
+            elif code == OBJECT_EXISTS:
+                appeared.append(j)
+            elif code == POOL_FULL:
+                retry.append(j)
+            else:
+                if code in FATAL_CODES:
+                    fatal = f"put answered {code}"
+                results[j] = KeyResult(KeyStatus.FAILED, f"Mooncake put answered {code}")
+        return retry, fatal
 
     def _read_back(
         self,
@@ -899,23 +855,16 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
         call: _Call,
     ) -> tuple[list[KeyResult], str | None]:
+        """One batch of gets: the keys not held back by the quarantine in one
+        Mooncake call, then each object verified (staged: scattered into the
+        caller's block as it is) and judged by _read_result. Returns the results
+        and the fatal outcome (None if Mooncake's master answered every call)."""
         names = [k.text() for k in keys]
-        held = self._quarantine_reasons(names)
+        held = self._quarantine.reasons(names)
         live = [j for j in range(len(keys)) if held[j] is None]
         codes = [0] * len(keys)
-        if live and self.staged:
-            got = self.store.batch_get_into(
-                [names[j] for j in live],
-                [self._object_addr(arena, j) for j in live],
-                [self._expected_bytes] * len(live),
-            )
-        elif live:
-            got = self.store.batch_get_into_multi_buffers(
-                [names[j] for j in live],
-                [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
-                [self._lengths] * len(live),
-            )
-        for j, code in zip(live, got if live else [], strict=True):
+        got = self._get_objects(names, blocks, live, arena) if live else []
+        for j, code in zip(live, got, strict=True):
             codes[j] = code
         results: list[KeyResult] = []
         fatal: str | None = None
@@ -932,7 +881,7 @@ class MooncakeBackend(StorageBackend):
                 continue
             size = None
             if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
-                size = self.store.get_size(keys[j].text())
+                size = self.store.get_size(names[j])
             with call.lock:  # staged: scatters into the caller's block
                 if call.abandoned:
                     return [_LEFT_BEHIND] * len(keys), fatal
@@ -944,34 +893,32 @@ class MooncakeBackend(StorageBackend):
                 failing.append(names[j])
             corrupt += outcome == "corrupt"
             results.append(result)
-        until = time.monotonic() + self.quarantine_s
         with self._lock:
             self._stats.corrupt += corrupt
-            for name in failing:
-                self._quarantined[name] = until
-                self._quarantined.move_to_end(name)
-            while len(self._quarantined) > _MAX_QUARANTINED:
-                self._quarantined.popitem(last=False)
+        self._quarantine.hold(failing)
         return results, fatal
 
-    def _quarantine_reasons(self, names: list[str]) -> list[str | None]:
-        """Per key: why it is not asked now (its last read hit a failing storage
-        node less than `quarantine_s` ago), or None."""
-        now = time.monotonic()
-        out: list[str | None] = []
-        with self._lock:
-            for name in names:
-                until = self._quarantined.get(name)
-                if until is not None and until <= now:
-                    del self._quarantined[name]
-                    until = None
-                out.append(
-                    None
-                    if until is None
-                    else "its storage node failed a read (-800) moments ago; "
-                    f"not asked again for {until - now:.1f} s"
-                )
-        return out
+    def _get_objects(
+        self,
+        names: list[str],
+        blocks: Sequence[BlockSegments],
+        live: list[int],
+        arena: int,
+    ) -> list[int]:
+        """One Mooncake get call for the keys in `live` (staged: each object into
+        the staging area; zero-copy: its header into the arena, its segments into
+        the caller's block); their codes."""
+        if self.staged:
+            return self.store.batch_get_into(
+                [names[j] for j in live],
+                [self._object_addr(arena, j) for j in live],
+                [self._expected_bytes] * len(live),
+            )
+        return self.store.batch_get_into_multi_buffers(
+            [names[j] for j in live],
+            [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
+            [self._lengths] * len(live),
+        )
 
     def _read_result(
         self,
@@ -1059,14 +1006,7 @@ def _describe(status: int) -> str:
     }.get(status, f"status {status}")
 
 
-def _setup_store(
-    local_hostname: str,
-    metadata_server: str,
-    segment_bytes: int,
-    protocol: str,
-    device_name: str,
-    master_address: str,
-) -> object:
+def _setup_store(connection: MooncakeConnection) -> object:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -1075,11 +1015,19 @@ def _setup_store(
         ) from e
     store = MooncakeDistributedStore()
     rc = store.setup(
-        local_hostname, metadata_server, segment_bytes, 0, protocol, device_name, master_address
+        connection.local_hostname,
+        connection.metadata_server,
+        connection.segment_bytes,
+        0,
+        connection.protocol,
+        connection.device_name,
+        connection.master_address,
     )
     if rc != 0:
-        raise RuntimeError(f"Mooncake setup with master {master_address} answered {rc}")
+        raise RuntimeError(
+            f"Mooncake setup with master {connection.master_address} answered {rc}"
+        )
     return store
 
 
-__all__ = ["CircuitBreaker", "MooncakeBackend"]
+__all__ = ["MooncakeBackend"]

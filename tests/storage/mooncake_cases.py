@@ -37,6 +37,7 @@ from fastkv.storage import KeyStatus, _disk_io, deadline_after  # noqa: E402
 from fastkv.storage.block_header import HEADER_BYTES, expected_header  # noqa: E402
 from fastkv.storage.io_engine import StorageIOEngine  # noqa: E402
 from fastkv.storage.mooncake import MooncakeBackend  # noqa: E402
+from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions  # noqa: E402
 
 LAYOUT = LAYOUTS["fp8"]  # 196,800 bytes: K/V of 3 layers and their 32-byte scales
 
@@ -45,9 +46,10 @@ def names(results) -> list[str]:
     return [r.status.name for r in results]
 
 
-def backend_for(cluster: Cluster, **kw) -> MooncakeBackend:
+def backend_for(cluster: Cluster, segment_bytes: int = 0, **kw) -> MooncakeBackend:
     kw.setdefault("auth", TEST_AUTH)
-    return MooncakeBackend(LAYOUT, cluster.master_address, **kw)
+    connection = MooncakeConnection(cluster.master_address, segment_bytes=segment_bytes)
+    return MooncakeBackend(LAYOUT, MooncakeOptions(connection=connection, **kw))
 
 
 STAGING = 4 * 2 * (HEADER_BYTES + LAYOUT.payload_bytes)  # 2 objects per concurrent call
@@ -345,15 +347,17 @@ from storage_helpers import LAYOUTS, HostMemory, make_keys
 from fastkv.storage import deadline_after
 from fastkv.storage.auth import StorageAuth
 from fastkv.storage.mooncake import MooncakeBackend
-master = sys.argv[3]
+from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
+connection = MooncakeConnection(sys.argv[3])
 host = HostMemory(LAYOUTS["fp8"], 1)
 host.array[:] = 0xAA
 keys = make_keys(4)  # the victim's keys: namespace and hashes are predictable
 out = []
 for keys_, auth in ((keys[0:1] + keys[3:4], None), (keys[1:2], StorageAuth([b"x" * 32]))):
-    be = MooncakeBackend(
-        LAYOUTS["fp8"], master, auth=auth, allow_unauthenticated=auth is None
+    options = MooncakeOptions(
+        connection=connection, auth=auth, allow_unauthenticated=auth is None
     )
+    be = MooncakeBackend(LAYOUTS["fp8"], options)
     be.register_host_memory(host.base, host.nbytes)
     res = be.put_from(keys_, [host.segments(0)] * len(keys_), deadline_after(10))
     out += [r.status.name for r in res]
@@ -483,7 +487,11 @@ def tiered(cluster: Cluster) -> dict:
     for dtype, extra in (("bfloat16", 0), ("fp8", 1)):
         out[f"{dtype}+{extra}"] = tiered_round_trip(
             lambda layout: MooncakeBackend(
-                layout, cluster.master_address, segment_bytes=0, auth=TEST_AUTH
+                layout,
+                MooncakeOptions(
+                    connection=MooncakeConnection(cluster.master_address, segment_bytes=0),
+                    auth=TEST_AUTH,
+                ),
             ),
             dtype,
             extra,

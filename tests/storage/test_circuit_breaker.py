@@ -1,11 +1,11 @@
-"""The Mooncake backend's circuit breaker on its own (the real-Mooncake behaviour is
-in test_mooncake.py)."""
+"""The Mooncake backend's circuit breaker and key quarantine on their own (the
+real-Mooncake behaviour is in test_mooncake.py)."""
 
 from __future__ import annotations
 
 import time
 
-from fastkv.storage.mooncake import CircuitBreaker
+from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
 
 
 def test_opens_on_a_fatal_call_and_fails_fast() -> None:
@@ -66,3 +66,21 @@ def test_a_failed_probe_reopens_with_a_longer_cooldown() -> None:
     assert breaker.allow()
     breaker.record(None)
     assert not breaker.is_open and breaker.cooldown_s == 0.05
+
+
+def test_a_quarantine_holds_back_only_its_keys_for_a_while() -> None:
+    quarantine = KeyQuarantine(0.05, "its node failed")
+    quarantine.hold(["a", "b"])
+    held = quarantine.reasons(["a", "c", "b"])
+    assert held[1] is None and held[0] == held[2]
+    assert held[0] is not None and held[0].startswith("its node failed; not asked again for ")
+    time.sleep(0.06)
+    assert quarantine.reasons(["a", "b"]) == [None, None]
+
+
+def test_a_full_quarantine_ends_the_oldest_holds_first() -> None:
+    quarantine = KeyQuarantine(60, "failed", max_keys=2)
+    quarantine.hold(["a", "b"])
+    quarantine.hold(["a"])  # held again: now the most recent
+    quarantine.hold(["c"])
+    assert [r is not None for r in quarantine.reasons(["a", "b", "c"])] == [True, False, True]

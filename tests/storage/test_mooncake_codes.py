@@ -11,6 +11,7 @@ from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
 from fastkv.storage.mooncake import RPC_FAIL, TRANSFER_FAIL, MooncakeBackend
+from fastkv.storage.mooncake_options import MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
 OBJECT_BYTES = 128 + LAYOUT.payload_bytes
@@ -19,13 +20,12 @@ SOON = 30.0
 
 def open_backend(staged: bool = False) -> tuple[MooncakeBackend, FakeMooncakeStore, HostMemory]:
     store = FakeMooncakeStore()
-    backend = MooncakeBackend(
-        LAYOUT,
-        store=store,
+    options = MooncakeOptions(
         staging_bytes=4 * 8 * OBJECT_BYTES if staged else 0,
         breaker_cooldown_s=0.05,
         auth=TEST_AUTH,
     )
+    backend = MooncakeBackend(LAYOUT, options, store=store)
     host = HostMemory(LAYOUT, 8)
     backend.register_host_memory(host.base, host.nbytes)
     host.fill(0, seed=0)
@@ -208,7 +208,8 @@ def test_an_object_planted_between_the_existence_check_and_the_put(verify_puts: 
     object. With verify_puts the put reads it back: not stored, and removed."""
     store = FakeMooncakeStore()
     store.reput_code = 0  # as the Mooncake in the venv answers
-    backend = MooncakeBackend(LAYOUT, store=store, auth=TEST_AUTH, verify_puts=verify_puts)
+    options = MooncakeOptions(auth=TEST_AUTH, verify_puts=verify_puts)
+    backend = MooncakeBackend(LAYOUT, options, store=store)
     host = HostMemory(LAYOUT, 4)
     backend.register_host_memory(host.base, host.nbytes)
     host.fill(0, seed=3)
@@ -243,7 +244,8 @@ def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) ->
     monkeypatch.setattr(mooncake, "VERIFY_AREA_BYTES", 3 * OBJECT_BYTES)
     store = FakeMooncakeStore()
     store.reput_code = 0
-    backend = MooncakeBackend(LAYOUT, store=store, auth=TEST_AUTH, verify_puts=True)
+    options = MooncakeOptions(auth=TEST_AUTH, verify_puts=True)
+    backend = MooncakeBackend(LAYOUT, options, store=store)
     host = HostMemory(LAYOUT, 4)
     backend.register_host_memory(host.base, host.nbytes)
     host.fill(0, seed=5)

@@ -15,6 +15,7 @@ from fastkv.storage import KeyResult, KeyStatus, StorageStats, deadline_after
 from fastkv.storage.base import ALREADY_STORED
 from fastkv.storage.local_disk import LocalDiskBackend
 from fastkv.storage.mooncake import MooncakeBackend
+from fastkv.storage.mooncake_options import MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
 SOON = 30.0
@@ -78,12 +79,10 @@ def test_local_disk_counts_every_key_asked(tmp_path: Path) -> None:
 def test_mooncake_counts_every_key_asked(staged: bool) -> None:
     store = FakeMooncakeStore()
     object_bytes = 128 + LAYOUT.payload_bytes
-    backend = MooncakeBackend(
-        LAYOUT,
-        store=store,
-        staging_bytes=4 * 4 * object_bytes if staged else 0,
-        auth=TEST_AUTH,
+    options = MooncakeOptions(
+        staging_bytes=4 * 4 * object_bytes if staged else 0, auth=TEST_AUTH
     )
+    backend = MooncakeBackend(LAYOUT, options, store=store)
     host = HostMemory(LAYOUT, 4)
     backend.register_host_memory(host.base, host.nbytes)
     host.fill(0, seed=0)
