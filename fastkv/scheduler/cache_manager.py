@@ -62,10 +62,11 @@ from fastkv.scheduler.radix_tree import (
     LOADING_FROM_STORAGE,
     SWAP_TO_DEVICE,
     RadixTree,
+    TreeNode,
 )
 from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
-from fastkv.scheduler.storage_tier import loaded_from_storage, storage_pending
+from fastkv.scheduler.storage_tier import first_loading, loaded_from_storage, storage_pending
 from fastkv.scheduler.table import BlockTable
 from fastkv.scheduler.tiers import CacheTiers
 from fastkv.scheduler.transfers import DeviceTransfer, TransferBook
@@ -74,6 +75,22 @@ log = logging.getLogger(__name__)
 
 DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
 LOADING = LOADING_FROM_STORAGE
+
+
+def _count_matched(nodes: list[TreeNode], start: int, end: int) -> tuple[int, int, bool]:
+    """Of the matched nodes [start, end) not in the table yet: how many are host
+    copies to swap in, how many are on the device (below a host hit, or loaded by
+    another request meanwhile), and whether one of those is still being loaded."""
+    num_swap = num_below = 0
+    loading = False
+    for i in range(start, end):
+        state = nodes[i].state
+        if state == HOST:
+            num_swap += 1
+        else:
+            num_below += 1
+            loading |= state == SWAP_TO_DEVICE
+    return num_swap, num_below, loading
 
 
 class CacheManager:
@@ -406,67 +423,60 @@ class CacheManager:
         return alloc
 
     def _allocate(self, req: RequestState, num_positions: int) -> Allocation:
-        request_id = req.request_id
         nodes, blocks = req.nodes, req.blocks
         storage = self._storage
         # Blocks still loading from storage for this request: it waits for them, or
         # lets go of them (and computes them) when it stops waiting.
-        keep = len(nodes)
-        if storage is not None:
-            keep = next(
-                (i for i in range(len(blocks), len(nodes)) if nodes[i].state is LOADING),
-                len(nodes),
-            )
-        storage_busy = keep < len(nodes) or req.lookup_id >= 0
+        keep = len(nodes) if storage is None else first_loading(req)
         num_new = max(0, num_positions - max(keep, len(blocks)))
-        num_swap = 0
-        num_held = len(blocks)
+        num_swap = num_below = 0
         loading_elsewhere = False
-        for i in range(len(blocks), keep):
-            state = nodes[i].state
-            if state == HOST:
-                num_swap += 1
-            else:  # on the device below a host hit, or loaded by another meanwhile
-                num_held += 1
-                loading_elsewhere |= state == SWAP_TO_DEVICE
+        if keep > len(blocks):  # matched blocks not in the table yet
+            num_swap, num_below, loading_elsewhere = _count_matched(nodes, len(blocks), keep)
         need = num_swap + num_new
         pool = self.device_pool
-        if num_held + need > pool.capacity:
+        if len(blocks) + num_below + need > pool.capacity:
             raise ValueError(
-                f"num_tokens: request {request_id!r} would hold {num_held + need} "
-                f"device blocks ({num_held} held, {num_swap} host hits to load, "
+                f"num_tokens: request {req.request_id!r} would hold "
+                f"{len(blocks) + num_below + need} device blocks "
+                f"({len(blocks) + num_below} held, {num_swap} host hits to load, "
                 f"{num_new} new), more than the {pool.capacity} device blocks"
             )
-        if storage_busy:
+        if keep < len(nodes) or req.lookup_id >= 0:
             if storage.waits(req):  # type: ignore[union-attr]
                 return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
             storage.let_go(req, keep)  # type: ignore[union-attr]
         if loading_elsewhere:  # a block it matched is still being loaded by another
-            queued = set(self.transfers.to_device.nodes)
-            self._wait_on_untaken = any(
-                n.state is SWAP_TO_DEVICE and n in queued for n in nodes[len(blocks) : keep]
-            )
-            return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
+            return self._wait_for_swap_in(nodes[len(blocks) : keep])
         if need <= pool.num_free:  # the common case inline
-            ids = pool.allocate(need) if need else []
+            ids = pool.allocate(need)
         else:
             ids = self._tiers.take_device_blocks(need, self._is_busy)
             if type(ids) is AllocStatus:
-                if ids is AllocStatus.WAIT_FOR_TRANSFERS:
-                    # Only planned copies can free blocks when none taken is in flight.
-                    self._wait_on_untaken = not self.transfers.num_inflight
-                return Allocation(ids)
-        pending = nodes[len(blocks) :]
+                return self._cannot_allocate(ids)
         before = len(blocks)
         if num_swap:
-            self._tiers.plan_swap_in(req, pending, ids)
-        elif pending:
-            blocks.extend(n.device_block for n in pending)
+            self._tiers.plan_swap_in(req, nodes[before:], ids)
+        elif keep > before:
+            blocks.extend(n.device_block for n in nodes[before:])
         blocks += ids[num_swap:]
         req.allocated = True
         return Allocation(
             AllocStatus.ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
         )
+
+    def _cannot_allocate(self, status: AllocStatus) -> Allocation:
+        if status is AllocStatus.WAIT_FOR_TRANSFERS:
+            # Only planned copies can free blocks when none taken is in flight.
+            self._wait_on_untaken = not self.transfers.num_inflight
+        return Allocation(status)
+
+    def _wait_for_swap_in(self, matched: list[TreeNode]) -> Allocation:
+        """A block the request matched is being swapped in by another request: it
+        waits; only for an untaken copy if that swap-in is still queued."""
+        queued = set(self.transfers.to_device.nodes)
+        self._wait_on_untaken = any(n.state is SWAP_TO_DEVICE and n in queued for n in matched)
+        return Allocation(AllocStatus.WAIT_FOR_TRANSFERS)
 
     def commit(self, request_id: RequestId, *, num_computed_tokens: int) -> None:
         """Record that the request's first `num_computed_tokens` token positions hold

@@ -720,28 +720,7 @@ class RadixTree:
             if node.device_block >= 0 and node.state != SWAP_TO_HOST:
                 device_children[parent] = device_children.get(parent, 0) + 1
             evicting += node.state == SWAP_TO_HOST
-            assert node.ref >= 0, node
-            in_device = node in self.device_lru or node in self._device_parked
-            in_host = (
-                node in self.host_lru or node in self._host_parked or node in self._host_storing
-            )
-            listed = node.ref == 0
-            assert in_device == (listed and node.state == DEVICE), f"device list: {node}"
-            assert in_host == (
-                listed
-                and (node.state == HOST or (node.state == DEVICE and node.host_block >= 0))
-            ), f"host list: {node}"
-            assert node.state != DROPPED, node
-            if node.state in (HOST, *HOST_LANDING):
-                assert node.device_block < 0 and node.host_block >= 0, node
-            else:
-                assert node.device_block >= 0, node
-            if node.state == PENDING_HOST:
-                assert node.ref == 0, f"{node} is locked but its copy has not landed"
-            if node.state in (SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST):
-                assert node.host_block >= 0, node
-            if node.state == SWAP_TO_HOST:
-                assert node.ref == 0, f"{node} is locked but still being evicted"
+            self._check_node(node)
         assert evicting == self.num_evicting, (evicting, self.num_evicting)
         for node in self._index.values():
             assert node.num_children == children.get(node, 0), f"child count of {node}"
@@ -756,3 +735,28 @@ class RadixTree:
         for node in self._host_storing:
             assert node.storage == STORING and node not in self.host_lru, node
             assert node not in self._host_parked, node
+
+    def _check_node(self, node: TreeNode) -> None:
+        """Assert one node's lists, lock and block fields agree with its state."""
+        assert node.ref >= 0, node
+        in_device = node in self.device_lru or node in self._device_parked
+        in_host = (
+            node in self.host_lru or node in self._host_parked or node in self._host_storing
+        )
+        listed = node.ref == 0
+        state = node.state
+        assert in_device == (listed and state == DEVICE), f"device list: {node}"
+        assert in_host == (
+            listed and (state == HOST or (state == DEVICE and node.host_block >= 0))
+        ), f"host list: {node}"
+        assert state != DROPPED, node
+        if state in (HOST, *HOST_LANDING):
+            assert node.device_block < 0 and node.host_block >= 0, node
+        else:
+            assert node.device_block >= 0, node
+        if state == PENDING_HOST:
+            assert node.ref == 0, f"{node} is locked but its copy has not landed"
+        if state in (SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST):
+            assert node.host_block >= 0, node
+        if state == SWAP_TO_HOST:
+            assert node.ref == 0, f"{node} is locked but still being evicted"

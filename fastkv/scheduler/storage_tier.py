@@ -476,10 +476,30 @@ def storage_pending(req: RequestState) -> bool:
     return any(n.state is LOADING_FROM_STORAGE for n in req.nodes[req.num_matched :])
 
 
+def first_loading(req: RequestState) -> int:
+    """The first position past the request's table whose block is still loading
+    from storage (the path's length if none)."""
+    nodes = req.nodes
+    return next(
+        (
+            i
+            for i in range(len(req.blocks), len(nodes))
+            if nodes[i].state is LOADING_FROM_STORAGE
+        ),
+        len(nodes),
+    )
+
+
 def loaded_from_storage(req: RequestState) -> list[BlockHash]:
     """The hashes of the request's blocks past its match that sit in the cache now
     (loads that failed are gone from its path)."""
     return [n.key for n in req.nodes[req.num_matched :] if n.state is not LOADING_FROM_STORAGE]
 
 
-__all__ = ["QueuedNodes", "StorageTier", "loaded_from_storage", "storage_pending"]
+__all__ = [
+    "QueuedNodes",
+    "StorageTier",
+    "first_loading",
+    "loaded_from_storage",
+    "storage_pending",
+]
