@@ -61,8 +61,10 @@ static PyTypeObject TreeNodeType;
 static PyTypeObject LRUListType;
 static PyTypeObject LRUIterType;
 
-/* The NodeState members, indexed by value (set once by radix_tree.py). */
+/* The NodeState and StorageState members, indexed by value (set once by
+ * radix_tree.py): the fields return the members themselves, never bare ints. */
 static PyObject *states[NUM_STATES];
+static PyObject *storage_states[NUM_STORAGE];
 
 #define TreeNode_Check(op) Py_IS_TYPE((op), &TreeNodeType)
 
@@ -117,35 +119,36 @@ INT_FIELD(ref, 0, INT32_MAX)
 INT_FIELD(num_children, 0, INT32_MAX)
 INT_FIELD(num_device_children, 0, INT32_MAX)
 INT_FIELD(hits, 0, INT64_MAX)
-INT_FIELD(storage, 0, NUM_STORAGE - 1)
+/* An enum-valued uint8 field: reads give the member of `table` (a bare int only
+ * before the members are installed), writes take a member or an int in range. */
+#define ENUM_FIELD(field, table, n)                                                 \
+    static PyObject *node_get_##field(TreeNodeObject *self, void *closure)         \
+    {                                                                               \
+        PyObject *m = (table)[self->field];                                         \
+        if (m == NULL) {                                                            \
+            return PyLong_FromLong(self->field);                                    \
+        }                                                                           \
+        Py_INCREF(m);                                                               \
+        return m;                                                                   \
+    }                                                                               \
+    static int node_set_##field(TreeNodeObject *self, PyObject *value, void *closure) \
+    {                                                                               \
+        for (int i = 0; i < (n); i++) { /* the common case: a member itself */     \
+            if (value == (table)[i]) {                                              \
+                self->field = (uint8_t)i;                                           \
+                return 0;                                                           \
+            }                                                                       \
+        }                                                                           \
+        long long v;                                                                \
+        if (as_bounded(value, #field, 0, (n) - 1, &v) < 0) {                        \
+            return -1;                                                              \
+        }                                                                           \
+        self->field = (uint8_t)v;                                                   \
+        return 0;                                                                   \
+    }
 
-static PyObject *
-node_get_state(TreeNodeObject *self, void *closure)
-{
-    PyObject *s = states[self->state];
-    if (s == NULL) {
-        return PyLong_FromLong(self->state);
-    }
-    Py_INCREF(s);
-    return s;
-}
-
-static int
-node_set_state(TreeNodeObject *self, PyObject *value, void *closure)
-{
-    for (int i = 0; i < NUM_STATES; i++) { /* the common case: a member itself */
-        if (value == states[i]) {
-            self->state = (uint8_t)i;
-            return 0;
-        }
-    }
-    long long v;
-    if (as_bounded(value, "state", 0, NUM_STATES - 1, &v) < 0) {
-        return -1;
-    }
-    self->state = (uint8_t)v;
-    return 0;
-}
+ENUM_FIELD(state, states, NUM_STATES)
+ENUM_FIELD(storage, storage_states, NUM_STORAGE)
 
 /* -- TreeNode --------------------------------------------------------------- */
 
@@ -281,7 +284,7 @@ static PyGetSetDef node_getset[] = {
     GETSET(num_children, "Children in the tree (>= 0, int32)."),
     GETSET(num_device_children, "Children that keep a device block (>= 0, int32)."),
     GETSET(hits, "Matches so far (>= 0, int64)."),
-    GETSET(storage, "Where the block stands with the storage tier (0, 1 or 2)."),
+    GETSET(storage, "The StorageState member: where the block stands with the storage tier."),
     {NULL},
 };
 
@@ -1412,30 +1415,46 @@ done:
 
 /* -- module ------------------------------------------------------------------ */
 
+/* Installs `members` (a tuple of n ints equal to their positions: an IntEnum's
+ * members in order) as `table`; `what` names the call and the enum in errors. */
 static PyObject *
-set_states(PyObject *module, PyObject *members)
+install_members(PyObject *members, PyObject **table, Py_ssize_t n, const char *what,
+                const char *enum_name)
 {
-    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != NUM_STATES) {
-        PyErr_Format(PyExc_ValueError, "set_states: needs a tuple of the %d NodeState members",
-                     NUM_STATES);
+    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: needs a tuple of the %zd %s members", what, n,
+                     enum_name);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < NUM_STATES; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *m = PyTuple_GET_ITEM(members, i);
         long v = PyLong_Check(m) ? PyLong_AsLong(m) : -1;
         if (v != i) {
             PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "set_states: member %zd is %R, not an int equal to %zd",
-                         i, m, i);
+            PyErr_Format(PyExc_ValueError, "%s: member %zd is %R, not an int equal to %zd",
+                         what, i, m, i);
             return NULL;
         }
     }
-    for (Py_ssize_t i = 0; i < NUM_STATES; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *m = PyTuple_GET_ITEM(members, i);
         Py_INCREF(m);
-        Py_XSETREF(states[i], m);
+        Py_XSETREF(table[i], m);
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+set_states(PyObject *module, PyObject *members)
+{
+    return install_members(members, states, NUM_STATES, "set_states", "NodeState");
+}
+
+static PyObject *
+set_storage_states(PyObject *module, PyObject *members)
+{
+    return install_members(members, storage_states, NUM_STORAGE, "set_storage_states",
+                           "StorageState");
 }
 
 static PyMethodDef module_methods[] = {
@@ -1448,6 +1467,9 @@ static PyMethodDef module_methods[] = {
      "key, each the parent of the next, entered in index; returns them."},
     {"set_states", set_states, METH_O,
      "set_states(members): the NodeState members, by value, that TreeNode.state returns."},
+    {"set_storage_states", set_storage_states, METH_O,
+     "set_storage_states(members): the StorageState members, by value, that "
+     "TreeNode.storage returns."},
     {NULL},
 };
 

@@ -76,14 +76,30 @@ class NodeState(IntEnum):
     nothing may read it until the load lands (then it is HOST)."""
 
 
-DEVICE, HOST, SWAP_TO_HOST, SWAP_TO_DEVICE, BACKUP_TO_HOST, PENDING_HOST, DROPPED = list(
-    NodeState
-)[:7]
+class StorageState(IntEnum):
+    """Where a node's block stands with the storage tier (`TreeNode.storage`)."""
+
+    NOT_STORED = 0
+    """Storage does not hold it (or nobody knows: a failed write counts as this)."""
+    STORING = 1
+    """A write reads its host copy: the copy stays pinned until the write ends."""
+    STORED = 2
+    """A write succeeded, or it was loaded from storage."""
+
+
+# Module-level names for the hot paths (a global read, not an attribute lookup).
+DEVICE = NodeState.DEVICE
+HOST = NodeState.HOST
+SWAP_TO_HOST = NodeState.SWAP_TO_HOST
+SWAP_TO_DEVICE = NodeState.SWAP_TO_DEVICE
+BACKUP_TO_HOST = NodeState.BACKUP_TO_HOST
+PENDING_HOST = NodeState.PENDING_HOST
+DROPPED = NodeState.DROPPED
 LOADING_FROM_STORAGE = NodeState.LOADING_FROM_STORAGE
 HOST_LANDING = (PENDING_HOST, LOADING_FROM_STORAGE)  # host copy in flight, no device copy
-
-# TreeNode.storage: where the block stands with the storage tier.
-NOT_STORED, STORING, STORED = 0, 1, 2
+NOT_STORED = StorageState.NOT_STORED
+STORING = StorageState.STORING
+STORED = StorageState.STORED
 
 
 class _PyTreeNode:
@@ -155,6 +171,7 @@ try:
     from fastkv.scheduler import _tree_node
 
     _tree_node.set_states(tuple(NodeState))
+    _tree_node.set_storage_states(tuple(StorageState))
     TreeNode = _tree_node.TreeNode
     _new_lru = _tree_node.LRUList
     _new_index = _tree_node.NodeIndex

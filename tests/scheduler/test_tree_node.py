@@ -123,6 +123,28 @@ def test_state_returns_the_enum_member() -> None:
     assert node.state is NodeState.LOADING_FROM_STORAGE
 
 
+def test_storage_returns_the_enum_member() -> None:
+    node = rt.TreeNode(b"k", None, 3)
+    assert node.storage is rt.StorageState.NOT_STORED
+    for storage in rt.StorageState:
+        node.storage = storage
+        assert node.storage is storage
+        node.storage = int(storage)  # a plain int names the same member
+        assert node.storage is storage
+    with pytest.raises(OverflowError, match=r"TreeNode\.storage: 3 is out of range \[0, 2\]"):
+        node.storage = 3
+    assert node.storage is rt.StorageState.STORED
+
+
+def test_enum_members_are_installed_only_whole_and_in_order() -> None:
+    native = _native()
+    with pytest.raises(ValueError, match="needs a tuple of the 3 StorageState members"):
+        native.set_storage_states((0, 1))
+    with pytest.raises(ValueError, match="member 1 is 2, not an int equal to 1"):
+        native.set_storage_states((0, 2, 1))
+    assert rt.TreeNode(b"k", None, 3).storage is rt.StorageState.NOT_STORED  # unchanged
+
+
 def test_key_and_parent_are_read_only_and_checked() -> None:
     node = rt.TreeNode(b"k", None, 3)
     with pytest.raises(AttributeError):
