@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fastkv.integrations import results_channel as rc
-from fastkv.integrations.results_channel import (
+import fastkv.channel as rc
+from fastkv.channel import (
     MAX_ERROR_CHARS,
     ResultsReceiver,
     ResultsSender,

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fastkv.integrations.results_channel import ResultsReceiver, ResultsSender
+from fastkv.channel import ResultsReceiver, ResultsSender
 from fastkv.metadata import TransferResult
 
 pytestmark = pytest.mark.skipif(
@@ -312,14 +312,14 @@ def test_root_beside_the_engine_without_the_secret_cannot_forge_results(
             time.sleep(0.002)
         assert got == [] and receiver.stats().results == 0
         assert receiver.stats().rejected_datagrams == 20
-        lines = [r for r in caplog.records if r.name.endswith("results_channel")]
+        lines = [r for r in caplog.records if r.name.startswith("fastkv.channel")]
         assert 1 <= len(lines) <= 6  # rate-limited: 5, then a suppressed count later
     finally:
         receiver.close()
 
 
 def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> None:
-    from fastkv.integrations import results_channel as rc
+    import fastkv.channel as rc
 
     receiver = ResultsReceiver(channel, tp_size=1)
     try:
