@@ -319,7 +319,8 @@ def test_root_beside_the_engine_without_the_secret_cannot_forge_results(
 
 
 def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> None:
-    import fastkv.channel as rc
+    from fastkv.channel.frames import connection_key, seal
+    from fastkv.channel.private_dir import load_secret, open_private_dir, read_epoch
 
     receiver = ResultsReceiver(channel, tp_size=1)
     try:
@@ -337,9 +338,9 @@ def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> Non
         raw.send(deep)
         raw.close()
         assert receiver.poll() == []
-        dir_fd = rc.open_private_dir(rundir)
+        dir_fd = open_private_dir(rundir)
         try:
-            secret, epoch = rc.load_secret(dir_fd, channel), rc.read_epoch(dir_fd, channel)
+            secret, epoch = load_secret(dir_fd, channel), read_epoch(dir_fd, channel)
         finally:
             os.close(dir_fd)
         assert epoch is not None
@@ -350,10 +351,10 @@ def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> Non
         ]
         for payload in payloads:  # authentic (the secret's holder) but malformed
             nonce = os.urandom(16)
-            key = rc.connection_key(secret, epoch, nonce)
+            key = connection_key(secret, epoch, nonce)
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             peer.connect(os.path.join(rundir, f"{channel}.sock"))
-            peer.send(rc.seal(key, nonce, 0, payload))
+            peer.send(seal(key, nonce, 0, payload))
             peer.close()
             assert receiver.poll() == []
         assert receiver.stats().rejected_datagrams == len(payloads) + 1
