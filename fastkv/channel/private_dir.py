@@ -24,6 +24,8 @@ import secrets
 import stat
 import tempfile
 
+from fastkv import private_files
+
 RUNTIME_DIR_ENV = "FASTKV_RUNTIME_DIR"
 SECRET_ENV = "FASTKV_RESULTS_SECRET"
 MIN_SECRET_BYTES = 16
@@ -120,26 +122,10 @@ def open_private_dir(path: str) -> int:
         raise _refuse(path, f"its parent is owned by uid {pst.st_uid}")
     if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
         raise _refuse(path, "its parent is writable by others and not sticky")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _refuse(path, "it is a symbolic link or not a directory") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != uid:
-            raise _refuse(path, f"it is owned by uid {st.st_uid}, not {uid}")
-        if st.st_mode & 0o077:
-            raise _refuse(path, f"mode {stat.S_IMODE(st.st_mode):#o} lets others in")
-        if st.st_mode & 0o700 != 0o700:  # made under a strict umask
-            os.fchmod(fd, 0o700)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return private_files.open_dir(path, uid=uid)
+    except private_files.NotPrivate as e:
+        raise _refuse(path, str(e)) from None
 
 
 def socket_address(dir_fd: int, filename: str) -> str:
@@ -148,21 +134,22 @@ def socket_address(dir_fd: int, filename: str) -> str:
     return f"/proc/self/fd/{dir_fd}/{filename}"
 
 
-def check_private_file(fd: int, what: str) -> os.stat_result:
-    """The stat of `fd` if it is a regular file of this uid that no one else can
-    reach.
+def open_private_file(dir_fd: int, filename: str, flags: int, what: str) -> int:
+    """Open `filename` in the directory `dir_fd` (never through a symlink; O_CREAT
+    makes it 0600) and check it is a regular file of this uid no one else can reach.
 
     Raises:
-        PermissionError: it is not; the message names `what`, its owner and mode.
+        PermissionError: it is not; the message names `what` and says why.
+        OSError: as `os.open` (FileNotFoundError without O_CREAT).
     """
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    try:
+        return private_files.open_file(filename, flags, dir_fd=dir_fd, uid=os.getuid())
+    except private_files.NotPrivate as e:
         raise PermissionError(
             errno.EACCES,
-            f"results channel {what}: must be a regular file of uid {os.getuid()} with "
-            f"mode 0600, found uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):#o}",
-        )
-    return st
+            f"results channel {what}: {e}; it must be a regular file of uid "
+            f"{os.getuid()} with mode 0600",
+        ) from None
 
 
 def env_secret() -> bytes | None:
@@ -196,44 +183,50 @@ def load_secret(dir_fd: int, name: str, *, create: bool = False) -> bytes:
     if env is not None:
         return env
     key_name = f"{name}.key"
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    what = f"key file {key_name!r}"
     try:
-        fd = os.open(key_name, flags, dir_fd=dir_fd)
+        fd = open_private_file(dir_fd, key_name, os.O_RDONLY, what)
     except FileNotFoundError:
         if not create:
             raise
-        tmp = f".{key_name}.{os.getpid()}.{secrets.token_hex(8)}"
-        wfd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-        try:
-            os.fchmod(wfd, 0o600)
-            os.write(wfd, secrets.token_bytes(KEY_FILE_BYTES))
-            os.close(wfd)
-            wfd = -1
-            # a receiver killed mid-way may have left one: then that one stands
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, key_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        finally:
-            if wfd >= 0:
-                os.close(wfd)
-            os.unlink(tmp, dir_fd=dir_fd)
-        fd = os.open(key_name, flags, dir_fd=dir_fd)
+        _make_key_file(dir_fd, key_name)
+        fd = open_private_file(dir_fd, key_name, os.O_RDONLY, what)
     try:
-        st = check_private_file(fd, f"key file {key_name!r}")
+        size = os.fstat(fd).st_size
         data = os.read(fd, KEY_FILE_BYTES + 1)
     finally:
         os.close(fd)
-    if st.st_size != KEY_FILE_BYTES or len(data) != KEY_FILE_BYTES:
+    if size != KEY_FILE_BYTES or len(data) != KEY_FILE_BYTES:
         raise PermissionError(
             errno.EACCES,
             f"results channel key file {key_name!r}: {len(data)} bytes, expected "
             f"{KEY_FILE_BYTES}; delete it (both ends make a new one)",
         )
     return data
+
+
+def _make_key_file(dir_fd: int, key_name: str) -> None:
+    """Make `key_name`: KEY_FILE_BYTES random bytes, 0600, written under a fresh name
+    no one can have planted and linked into place only when complete. One a
+    receiver killed mid-way left there stands."""
+    tmp = f".{key_name}.{os.getpid()}.{secrets.token_hex(8)}"
+    wfd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
+    try:
+        os.fchmod(wfd, 0o600)
+        os.write(wfd, secrets.token_bytes(KEY_FILE_BYTES))
+        os.close(wfd)
+        wfd = -1
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, key_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        if wfd >= 0:
+            os.close(wfd)
+        os.unlink(tmp, dir_fd=dir_fd)
 
 
 def read_epoch(dir_fd: int, name: str) -> bytes | None:
@@ -244,11 +237,10 @@ def read_epoch(dir_fd: int, name: str) -> bytes | None:
         PermissionError: the lock file is not this user's private regular file.
     """
     try:
-        fd = os.open(f"{name}.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = open_private_file(dir_fd, f"{name}.lock", os.O_RDONLY, f"lock file {name}.lock")
     except FileNotFoundError:
         return None
     try:
-        check_private_file(fd, f"lock file {name}.lock")
         fields = os.read(fd, 128).split()
     finally:
         os.close(fd)
@@ -267,10 +259,10 @@ __all__ = [
     "RUNTIME_DIR_ENV",
     "SECRET_ENV",
     "check_name",
-    "check_private_file",
     "env_secret",
     "load_secret",
     "open_private_dir",
+    "open_private_file",
     "read_epoch",
     "runtime_dir",
     "socket_address",

@@ -33,9 +33,9 @@ from fastkv.channel.frames import MAX_FRAME_BYTES, connection_key, frame_nonce, 
 from fastkv.channel.private_dir import (
     EPOCH_BYTES,
     check_name,
-    check_private_file,
     load_secret,
     open_private_dir,
+    open_private_file,
     runtime_dir,
     socket_address,
 )
@@ -150,14 +150,11 @@ class ResultsReceiver:
 
     def _lock_once(self) -> int:
         filename = f"{self.name}.lock"
-        fd = os.open(
-            filename,
-            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=self._dir_fd,
+        fd = open_private_file(
+            self._dir_fd, filename, os.O_RDWR | os.O_CREAT, f"lock file {filename}"
         )
         try:
-            st = check_private_file(fd, f"lock file {filename}")
+            st = os.fstat(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
