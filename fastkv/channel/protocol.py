@@ -101,6 +101,28 @@ def decode(data: bytes) -> tuple[int, list[Result]]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"datagram: expected bytes, got {type(data).__name__}")
     data = bytes(data)
+    rank, count = _read_head(data)
+    offset = _PAYLOAD_HEAD.size
+    results: list[Result] = []
+    result: Result
+    for i in range(count):
+        if offset + 1 > len(data):
+            raise ValueError(f"datagram: results[{i}] cut short")
+        kind = data[offset]
+        if kind == _KIND_TRANSFER:
+            result, offset = _read_transfer(data, offset, i)
+        elif kind == _KIND_LOOKUP:
+            result, offset = _read_lookup(data, offset, i)
+        else:
+            raise ValueError(f"datagram: results[{i}] kind {kind}, expected 0 or 1")
+        results.append(result)
+    if offset != len(data):
+        raise ValueError(f"datagram: {len(data) - offset} bytes after the last result")
+    return rank, results
+
+
+def _read_head(data: bytes) -> tuple[int, int]:
+    """(rank, count) of a payload, its size, version and count checked."""
     if not _PAYLOAD_HEAD.size <= len(data) <= MAX_PAYLOAD_BYTES:
         raise ValueError(
             f"datagram: {len(data)} bytes, must be in "
@@ -111,50 +133,44 @@ def decode(data: bytes) -> tuple[int, list[Result]]:
         raise ValueError(f"datagram: version {version}, this end speaks {WIRE_VERSION}")
     if count > RESULTS_PER_DATAGRAM:
         raise ValueError(f"datagram: {count} results, at most {RESULTS_PER_DATAGRAM}")
-    offset = _PAYLOAD_HEAD.size
-    results: list[Result] = []
-    for i in range(count):
-        if offset + 1 > len(data):
-            raise ValueError(f"datagram: results[{i}] cut short")
-        kind = data[offset]
-        if kind == _KIND_LOOKUP:
-            if offset + _LOOKUP_ROW.size > len(data):
-                raise ValueError(f"datagram: results[{i}] cut short")
-            _, lookup_id, hits = _LOOKUP_ROW.unpack_from(data, offset)
-            offset += _LOOKUP_ROW.size
-            if lookup_id < 0:
-                raise ValueError(f"datagram: results[{i}] lookup id {lookup_id} < 0")
-            results.append(LookupResult(lookup_id, hits))
-            continue
-        if kind != _KIND_TRANSFER:
-            raise ValueError(f"datagram: results[{i}] kind {kind}, expected 0 or 1")
-        if offset + _ROW.size > len(data):
-            raise ValueError(f"datagram: results[{i}] cut short")
-        _, transfer_id, success, length, num_failed = _ROW.unpack_from(data, offset)
-        offset += _ROW.size
-        if success > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
-            raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short error)")
-        if num_failed > MAX_FAILED_BLOCKS or (success and num_failed):
-            raise ValueError(
-                f"datagram: results[{i}] names {num_failed} failed blocks "
-                f"(at most {MAX_FAILED_BLOCKS}, none on a success)"
-            )
-        end = offset + length + num_failed * _FAILED.size
-        if end > len(data):
-            raise ValueError(f"datagram: results[{i}] error or failed blocks cut short")
-        try:
-            error = data[offset : offset + length].decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"datagram: results[{i}] error is not UTF-8") from None
-        offset += length
-        failed = tuple(
-            _FAILED.unpack_from(data, offset + k * _FAILED.size)[0] for k in range(num_failed)
+    return rank, count
+
+
+def _read_lookup(data: bytes, offset: int, i: int) -> tuple[LookupResult, int]:
+    """Row `i`, a LookupResult, at `offset`; and the offset after it."""
+    if offset + _LOOKUP_ROW.size > len(data):
+        raise ValueError(f"datagram: results[{i}] cut short")
+    _, lookup_id, hits = _LOOKUP_ROW.unpack_from(data, offset)
+    if lookup_id < 0:
+        raise ValueError(f"datagram: results[{i}] lookup id {lookup_id} < 0")
+    return LookupResult(lookup_id, hits), offset + _LOOKUP_ROW.size
+
+
+def _read_transfer(data: bytes, offset: int, i: int) -> tuple[TransferResult, int]:
+    """Row `i`, a TransferResult, at `offset`; and the offset after it."""
+    if offset + _ROW.size > len(data):
+        raise ValueError(f"datagram: results[{i}] cut short")
+    _, transfer_id, success, length, num_failed = _ROW.unpack_from(data, offset)
+    offset += _ROW.size
+    if success > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
+        raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short error)")
+    if num_failed > MAX_FAILED_BLOCKS or (success and num_failed):
+        raise ValueError(
+            f"datagram: results[{i}] names {num_failed} failed blocks "
+            f"(at most {MAX_FAILED_BLOCKS}, none on a success)"
         )
-        offset = end
-        results.append(TransferResult(transfer_id, bool(success), error, failed))
-    if offset != len(data):
-        raise ValueError(f"datagram: {len(data) - offset} bytes after the last result")
-    return rank, results
+    end = offset + length + num_failed * _FAILED.size
+    if end > len(data):
+        raise ValueError(f"datagram: results[{i}] error or failed blocks cut short")
+    try:
+        error = data[offset : offset + length].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"datagram: results[{i}] error is not UTF-8") from None
+    offset += length
+    failed = tuple(
+        _FAILED.unpack_from(data, offset + k * _FAILED.size)[0] for k in range(num_failed)
+    )
+    return TransferResult(transfer_id, bool(success), error, failed), end
 
 
 __all__ = [

@@ -276,20 +276,7 @@ class ResultsReceiver:
                 return
             self._datagrams += 1
             try:
-                if not conn.key:  # the connection's first message names its nonce
-                    nonce = frame_nonce(frame)
-                    if nonce in self._nonces_seen:
-                        raise ValueError("message: a connection nonce used before (replay)")
-                    conn.nonce, conn.key = (
-                        nonce,
-                        connection_key(self._secret, self._epoch, nonce),
-                    )
-                seq, payload = unseal(conn.key, frame)
-                if seq != conn.next_seq:
-                    raise ValueError(f"message: sequence {seq}, expected {conn.next_seq}")
-                rank, results = decode(payload)
-                if conn.rank is not None and rank != conn.rank:
-                    raise ValueError(f"message: rank {rank} on rank {conn.rank}'s connection")
+                rank, results = self._open(conn, frame)
             except ValueError as e:
                 self._bad_datagrams += 1
                 self._log(
@@ -297,21 +284,45 @@ class ResultsReceiver:
                 )
                 self._drop(conn)
                 return
-            if conn.next_seq == 0:
-                self._nonces_seen.add(conn.nonce)
-            conn.next_seq += 1
-            conn.rank = rank
-            for result in results:  # one at a time: a bad one spoils no other
-                try:
-                    combined = self._ranks.add(rank, [result])
-                except ValueError as e:
-                    self._bad_results += 1
-                    self._log(
-                        "result", "results channel %r: dropped a result: %s", self.name, e
-                    )
-                    continue
-                self._results += 1
-                done += combined
+            self._combine(rank, results, done)
+
+    def _open(self, conn: _Conn, frame: bytes) -> tuple[int, list[Result]]:
+        """The (rank, results) of the next message on `conn`: it must unseal under
+        the connection's key, carry the next sequence number and the rank the
+        connection spoke for before. `conn` moves on to the next message only when
+        every check passed.
+
+        Raises:
+            ValueError: a check failed (the connection is to be closed).
+        """
+        if not conn.key:  # the connection's first message names its nonce
+            nonce = frame_nonce(frame)
+            if nonce in self._nonces_seen:
+                raise ValueError("message: a connection nonce used before (replay)")
+            conn.nonce, conn.key = nonce, connection_key(self._secret, self._epoch, nonce)
+        seq, payload = unseal(conn.key, frame)
+        if seq != conn.next_seq:
+            raise ValueError(f"message: sequence {seq}, expected {conn.next_seq}")
+        rank, results = decode(payload)
+        if conn.rank is not None and rank != conn.rank:
+            raise ValueError(f"message: rank {rank} on rank {conn.rank}'s connection")
+        if conn.next_seq == 0:
+            self._nonces_seen.add(conn.nonce)
+        conn.next_seq += 1
+        conn.rank = rank
+        return rank, results
+
+    def _combine(self, rank: int, results: list[Result], done: list[Result]) -> None:
+        """Add one rank's results; append to `done` those every rank has reported."""
+        for result in results:  # one at a time: a bad one spoils no other
+            try:
+                combined = self._ranks.add(rank, [result])
+            except ValueError as e:
+                self._bad_results += 1
+                self._log("result", "results channel %r: dropped a result: %s", self.name, e)
+                continue
+            self._results += 1
+            done += combined
 
     def _drop(self, conn: _Conn) -> None:
         conn.sock.close()
