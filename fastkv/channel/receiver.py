@@ -46,6 +46,7 @@ from fastkv.tp import RankResults
 log = logging.getLogger(__name__)
 
 MESSAGES_PER_POLL = 256
+"""Messages `poll()` reads from one connection; the rest wait for the next poll."""
 
 
 @dataclass(frozen=True, slots=True)
