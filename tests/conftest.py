@@ -9,6 +9,8 @@ not collected at all: its modules would fail at import.
 from __future__ import annotations
 
 import importlib.util
+import os
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -33,3 +35,9 @@ def use_python_radix_tree() -> Callable[[pytest.MonkeyPatch], None]:
             monkeypatch.setattr(rt, name, None)
 
     return use
+
+
+@pytest.fixture
+def channel() -> str:
+    """A results-channel name no other test (or test run) uses."""
+    return f"test-{os.getpid()}-{uuid.uuid4().hex[:12]}"

@@ -32,7 +32,7 @@ import tempfile
 import time
 import uuid
 
-from fastkv.integrations.results_channel import ResultsReceiver, ResultsSender
+from fastkv.channel import ResultsReceiver, ResultsSender
 from fastkv.metadata import TransferResult
 
 FLOODER = r"""
@@ -111,7 +111,7 @@ def run_phase(args: argparse.Namespace, directory: str, phase: str) -> dict:
     name = f"bench-{uuid.uuid4().hex[:10]}"
     receiver = ResultsReceiver(name, tp_size=1, directory=directory)
     counter = _Counter()
-    logging.getLogger("fastkv.integrations.results_channel").addHandler(counter)
+    logging.getLogger("fastkv.channel").addHandler(counter)
     flooder = None
     try:
         if phase != "idle":
@@ -156,7 +156,7 @@ def run_phase(args: argparse.Namespace, directory: str, phase: str) -> dict:
             flood_report = json.loads(flooder.stdout.read().strip().splitlines()[-1])
         stats = receiver.stats()
     finally:
-        logging.getLogger("fastkv.integrations.results_channel").removeHandler(counter)
+        logging.getLogger("fastkv.channel").removeHandler(counter)
         receiver.close()
         if flooder is not None and flooder.poll() is None:
             flooder.kill()

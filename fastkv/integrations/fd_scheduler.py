@@ -42,6 +42,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from fastkv.channel import ResultsReceiver
 from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_metrics import FastDeployMetrics
@@ -52,7 +53,6 @@ from fastkv.integrations.fd_transfers import (
     to_fastdeploy,
     transfer_ids,
 )
-from fastkv.integrations.results_channel import ResultsReceiver
 from fastkv.metadata import LookupResult, TransferResult
 from fastkv.scheduler import CacheManager, Rollback
 

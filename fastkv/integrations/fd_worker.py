@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fastkv.channel import ResultsSender
 from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
@@ -47,7 +48,6 @@ from fastkv.integrations.fd_transfers import (
     parse_merged,
     split_storage,
 )
-from fastkv.integrations.results_channel import ResultsSender
 from fastkv.metadata import (
     CacheLevel,
     CacheSwapMetadata,

@@ -26,14 +26,13 @@ so a reader finds the right key without trying them all.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import os
-import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from fastkv import private_files
 from fastkv.storage import _disk_io
 
 ENV_KEY_FILE = "FASTKV_STORAGE_KEY_FILE"
@@ -114,49 +113,18 @@ class StorageAuth:
         """
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # the last component is a symlink
-                raise ValueError(
-                    f"key file: {path} is a symbolic link; give the file"
-                ) from None
-            raise
+            fd = private_files.open_file(path, os.O_RDONLY)
+        except private_files.NotPrivate as e:
+            raise ValueError(
+                f"key file: {path}: {e}; give a regular file only this user can read "
+                "or change (chmod 600)"
+            ) from None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"key file: {path} is not a regular file")
-            if st.st_uid != os.geteuid():
-                raise ValueError(
-                    f"key file: {path} is owned by uid {st.st_uid}, not this process's "
-                    f"uid {os.geteuid()}"
-                )
-            if st.st_mode & 0o077:
-                raise ValueError(
-                    f"key file: {path} has mode {stat.S_IMODE(st.st_mode):#o}; others may "
-                    "read or change it: chmod 600"
-                )
             with os.fdopen(fd, "r", closefd=False) as f:
                 text = f.read(1 << 20)
         finally:
             os.close(fd)
-        secrets: list[bytes] = []
-        for n, line in enumerate(text.splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            try:
-                secret = bytes.fromhex(line)
-            except ValueError:
-                raise ValueError(f"key file: {path} line {n} is not hex") from None
-            if len(secret) < MIN_SECRET_BYTES:
-                raise ValueError(
-                    f"key file: {path} line {n} holds {len(secret)} bytes, "
-                    f"at least {MIN_SECRET_BYTES} needed"
-                )
-            secrets.append(secret)
-        if not secrets:
-            raise ValueError(f"key file: {path} holds no secret")
-        return cls(secrets)
+        return cls(_parse_key_file(path, text))
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> StorageAuth | None:
@@ -175,6 +143,33 @@ NO_AUTH_RING = b""
 
 def ring_of(auth: StorageAuth | None) -> bytes:
     return NO_AUTH_RING if auth is None else auth.ring
+
+
+def _parse_key_file(path: Path, text: str) -> list[bytes]:
+    """The secrets of a key file's `text`, in order (see the module docstring).
+
+    Raises:
+        ValueError: a line is not hex or too short, or there is no secret (the
+            message names the file and line).
+    """
+    secrets: list[bytes] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            secret = bytes.fromhex(line)
+        except ValueError:
+            raise ValueError(f"key file: {path} line {n} is not hex") from None
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"key file: {path} line {n} holds {len(secret)} bytes, "
+                f"at least {MIN_SECRET_BYTES} needed"
+            )
+        secrets.append(secret)
+    if not secrets:
+        raise ValueError(f"key file: {path} holds no secret")
+    return secrets
 
 
 def _key_id(secret: bytes) -> int:

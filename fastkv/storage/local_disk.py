@@ -10,8 +10,9 @@ The directory is private: it must be owned by the process's effective uid and
 writable by no one else (otherwise it is refused), is made 0700 and every file in
 it 0600 whatever the umask. It is opened once with O_DIRECTORY | O_NOFOLLOW and
 every file is opened relative to it with O_NOFOLLOW (a symlink is refused, never
-followed; a file with another owner or a second hard link is refused too);
-temporary and probe files are created with O_EXCL under unpredictable names.
+followed; a file with another owner or a second hard link is refused too; these
+checks are fastkv.private_files'); temporary and probe files are created with
+O_EXCL under unpredictable names.
 
 Why slots in one file rather than a file per block (measured once, when this
 layout was chosen, on the 2-core development VM and its virtual disk; the
@@ -54,7 +55,6 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -65,6 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastkv import private_files
 from fastkv.storage import _disk_io
 from fastkv.storage.auth import StorageAuth, ring_of
 from fastkv.storage.base import (
@@ -92,7 +93,6 @@ _SCAN_CHUNK = 4096
 _GROW_RETRY_S = 1.0
 _SCAN_THREADS = 8
 _CLOSE_TIMEOUT_S = 30.0
-_DIR_MODE = 0o700
 _FILE_MODE = 0o600
 
 
@@ -838,35 +838,13 @@ def _open_private_directory(directory: Path) -> int:
         OSError: it cannot be created or opened.
     """
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, _DIR_MODE)
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            what = "a symbolic link" if os.path.islink(directory) else "not a directory"
-            raise StorageDirectoryUnsafe(
-                f"directory: {directory} is {what}; give the real path of a directory"
-            ) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise StorageDirectoryUnsafe(
-                f"directory: {directory} is owned by uid {st.st_uid}, not this process's "
-                f"uid {os.geteuid()}; the cache directory must be private"
-            )
-        if st.st_mode & 0o022:
-            raise StorageDirectoryUnsafe(
-                f"directory: {directory} has mode {stat.S_IMODE(st.st_mode):#o}: others can "
-                "add or replace files in it; use a private directory (0700)"
-            )
-        if stat.S_IMODE(st.st_mode) != _DIR_MODE:
-            os.fchmod(fd, _DIR_MODE)  # others may have been able to read KV: no more
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return private_files.open_dir(directory, forbidden=0o022)
+    except private_files.NotPrivate as e:
+        raise StorageDirectoryUnsafe(
+            f"directory: {directory}: {e}; the cache directory must be private: give "
+            "the real path of a directory of this user's that no one else can write"
+        ) from None
 
 
 def _open_file(
@@ -880,32 +858,14 @@ def _open_file(
             second hard link.
         OSError: as os.open (FileNotFoundError without O_CREAT).
     """
-    flags |= os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    if direct:
+        flags |= os.O_DIRECT
     try:
-        fd = os.open(name, flags, _FILE_MODE, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise StorageDirectoryUnsafe(
-                f"directory: {directory / name} is a symbolic link; fastkv follows none"
-            ) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        problem = ""
-        if not stat.S_ISREG(st.st_mode):
-            problem = "is not a regular file"
-        elif st.st_uid != os.geteuid():
-            problem = f"is owned by uid {st.st_uid}, not {os.geteuid()}"
-        elif st.st_nlink != 1:
-            problem = f"has {st.st_nlink} hard links (it is also elsewhere)"
-        if problem:
-            raise StorageDirectoryUnsafe(f"directory: {directory / name} {problem}")
-        if stat.S_IMODE(st.st_mode) != _FILE_MODE:
-            os.fchmod(fd, _FILE_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return private_files.open_file(
+            name, flags, dir_fd=dir_fd, forbidden=0, single_link=True, set_mode=_FILE_MODE
+        )
+    except private_files.NotPrivate as e:
+        raise StorageDirectoryUnsafe(f"directory: {directory / name}: {e}") from None
 
 
 def _lock_directory(dir_fd: int, directory: Path) -> int:

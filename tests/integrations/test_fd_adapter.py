@@ -32,6 +32,7 @@ from fd_standins import (
 )
 
 from fastkv import metadata as fk
+from fastkv.channel import ResultsReceiver, ResultsSender
 from fastkv.config import WritePolicy
 from fastkv.integrations import fastdeploy as fd
 from fastkv.integrations import fd_transfers as fdt
@@ -40,7 +41,6 @@ from fastkv.integrations.fd_config import (
     cache_config_from_fastdeploy,
     results_channel_name,
 )
-from fastkv.integrations.results_channel import ResultsReceiver, ResultsSender
 from fastkv.metadata import TransferResult
 
 BS = 4

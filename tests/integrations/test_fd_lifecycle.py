@@ -11,9 +11,9 @@ import time
 import pytest
 from fd_standins import FDCacheConfig, FDConfig, ModelConfig, Request, get_request_block_hasher
 
+from fastkv.channel import ResultsSender
 from fastkv.integrations import fastdeploy as fd
 from fastkv.integrations.fd_transfers import transfer_ids
-from fastkv.integrations.results_channel import ResultsSender
 from fastkv.metadata import TransferResult
 
 BS = 4

@@ -23,6 +23,7 @@ from fd_standins import (
     get_request_block_hasher,
 )
 
+from fastkv.channel import ResultsSender
 from fastkv.config import PrefetchPolicy, StorageWritePolicy
 from fastkv.integrations import fastdeploy as fd
 from fastkv.integrations import fd_config as fdc
@@ -34,7 +35,6 @@ from fastkv.integrations.fd_transfers import (
     to_fastdeploy,
     transfer_ids,
 )
-from fastkv.integrations.results_channel import ResultsSender
 from fastkv.metadata import CacheLevel as FK
 from fastkv.metadata import CacheSwapMetadata as FKMeta
 from fastkv.metadata import LookupResult, StorageLookup, TransferResult
@@ -238,7 +238,7 @@ def test_the_worker_writes_looks_up_and_loads_through_its_disk(
     entries in the step's eviction metadata are written, looked up and loaded, and
     the results come back with the scheduler's ids; the bytes come back."""
     pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
-    from fastkv.integrations.results_channel import ResultsReceiver
+    from fastkv.channel import ResultsReceiver
 
     monkeypatch.setenv(fdc.STORAGE_DIR_ENV, str(tmp_path / "kv"))
     receiver = ResultsReceiver(channel, 1)

@@ -10,8 +10,8 @@ import time
 import pytest
 from fd_standins import AttentionBackend, CacheLevel, CacheSwapMetadata, FDCacheConfig, FDConfig
 
+from fastkv.channel import ResultsReceiver
 from fastkv.integrations import fastdeploy as fd
-from fastkv.integrations.results_channel import ResultsReceiver
 from fastkv.worker.faults import InjectedCopyError
 
 paddle = pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")

@@ -10,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fastkv.integrations import results_channel as rc
-from fastkv.integrations.results_channel import (
-    MAX_FAILED_BLOCKS,
-    ResultsReceiver,
-    ResultsSender,
-    decode,
-    encode,
-)
+import fastkv.channel as rc
+from fastkv.channel import ResultsReceiver, ResultsSender, frames, protocol
+from fastkv.channel.protocol import MAX_FAILED_BLOCKS, decode, encode
 from fastkv.metadata import LookupResult, TransferResult
 
 WAIT_S = 10.0
@@ -71,7 +66,7 @@ def _row(kind: int, tid: int, success: int, nerr: int, nfailed: int) -> bytes:
     ],
 )
 def test_decode_rejects_hostile_rows(body: bytes) -> None:
-    payload = struct.pack("!BIH", rc.WIRE_VERSION, 0, 1) + body
+    payload = struct.pack("!BIH", protocol.WIRE_VERSION, 0, 1) + body
     with pytest.raises(ValueError, match="datagram"):
         decode(payload)
 
@@ -82,7 +77,7 @@ def test_the_largest_payload_fits_one_frame() -> None:
         for i in range(rc.RESULTS_PER_DATAGRAM)
     ]
     (payload,) = encode(0, worst)
-    assert len(rc.seal(b"k" * 32, b"n" * 16, 0, payload)) <= rc.MAX_FRAME_BYTES
+    assert len(frames.seal(b"k" * 32, b"n" * 16, 0, payload)) <= frames.MAX_FRAME_BYTES
     assert decode(payload)[1] == [
         TransferResult(r.transfer_id, False, "é" * rc.MAX_ERROR_CHARS, r.failed_blocks)
         for r in worst

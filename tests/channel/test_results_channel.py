@@ -18,14 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from fastkv.integrations import results_channel as rc
-from fastkv.integrations.results_channel import (
-    MAX_ERROR_CHARS,
-    ResultsReceiver,
-    ResultsSender,
-    decode,
-    encode,
-)
+import fastkv.channel as rc
+from fastkv.channel import MAX_ERROR_CHARS, ResultsReceiver, ResultsSender, frames, private_dir
+from fastkv.channel.protocol import decode, encode
+from fastkv.channel.receiver import MESSAGES_PER_POLL
 from fastkv.metadata import TransferResult
 
 WAIT_S = 10.0
@@ -66,21 +62,21 @@ class RawPeer:
     """A hand-driven connection that knows the secret (what a worker would send)."""
 
     def __init__(self, directory: str, name: str, nonce: bytes | None = None) -> None:
-        dir_fd = rc.open_private_dir(directory)
+        dir_fd = private_dir.open_private_dir(directory)
         try:
-            secret = rc.load_secret(dir_fd, name)
-            epoch = rc.read_epoch(dir_fd, name)
+            secret = private_dir.load_secret(dir_fd, name)
+            epoch = private_dir.read_epoch(dir_fd, name)
         finally:
             os.close(dir_fd)
         assert epoch is not None
         self.nonce = nonce if nonce is not None else os.urandom(16)
-        self.key = rc.connection_key(secret, epoch, self.nonce)
+        self.key = frames.connection_key(secret, epoch, self.nonce)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(os.path.join(directory, f"{name}.sock"))
         self.seq = 0
 
     def frame(self, payload: bytes, seq: int | None = None) -> bytes:
-        return rc.seal(self.key, self.nonce, self.seq if seq is None else seq, payload)
+        return frames.seal(self.key, self.nonce, self.seq if seq is None else seq, payload)
 
     def send(self, payload: bytes) -> bytes:
         frame = self.frame(payload)
@@ -165,7 +161,7 @@ def test_the_private_directory_and_its_files_are_the_users_alone(
         for suffix in ("key", "lock"):
             st = os.lstat(os.path.join(rundir, f"{channel}.{suffix}"))
             assert (st.st_uid, st.st_mode & 0o077) == (os.getuid(), 0)
-        assert len(Path(rundir, f"{channel}.key").read_bytes()) == rc.KEY_FILE_BYTES
+        assert len(Path(rundir, f"{channel}.key").read_bytes()) == private_dir.KEY_FILE_BYTES
         assert receiver.path == os.path.join(rundir, f"{channel}.sock")
     finally:
         receiver.close()
@@ -291,12 +287,12 @@ def test_one_poll_reads_a_bounded_number_of_messages_per_connection(
     try:
         if os.getuid() == 0:  # room for every message before the receiver reads
             peer.sock.setsockopt(socket.SOL_SOCKET, 32, 8 << 20)  # SO_SNDBUFFORCE
-        count = rc.MESSAGES_PER_POLL + 44
+        count = MESSAGES_PER_POLL + 44
         peer.sock.settimeout(WAIT_S)
         for t in range(count):
             peer.send(encode(0, [TransferResult(t, True)])[0])
         first = receiver.poll()
-        assert len(first) == rc.MESSAGES_PER_POLL  # the rest waits in the kernel
+        assert len(first) == MESSAGES_PER_POLL  # the rest waits in the kernel
         rest = drain(receiver, count)
         assert [r.transfer_id for r in first + rest] == list(range(count))
     finally:
@@ -507,8 +503,8 @@ def test_wire_format_round_trips_and_rejects_what_it_is_not() -> None:
         with pytest.raises(ValueError, match="datagram"):
             decode(bad)
     key = os.urandom(32)
-    frame = rc.seal(key, b"n" * 16, 4, payload)
-    assert rc.unseal(key, frame) == (4, payload)
+    frame = frames.seal(key, b"n" * 16, 4, payload)
+    assert frames.unseal(key, frame) == (4, payload)
     for bad in (frame[:-1] + bytes([frame[-1] ^ 1]), frame[:10], b"x" * (1 << 17)):
         with pytest.raises(ValueError, match="message"):
-            rc.unseal(key, bad)
+            frames.unseal(key, bad)

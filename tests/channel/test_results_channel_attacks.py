@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fastkv.integrations.results_channel import ResultsReceiver, ResultsSender
+from fastkv.channel import ResultsReceiver, ResultsSender
 from fastkv.metadata import TransferResult
 
 pytestmark = pytest.mark.skipif(
@@ -312,14 +312,15 @@ def test_root_beside_the_engine_without_the_secret_cannot_forge_results(
             time.sleep(0.002)
         assert got == [] and receiver.stats().results == 0
         assert receiver.stats().rejected_datagrams == 20
-        lines = [r for r in caplog.records if r.name.endswith("results_channel")]
+        lines = [r for r in caplog.records if r.name.startswith("fastkv.channel")]
         assert 1 <= len(lines) <= 6  # rate-limited: 5, then a suppressed count later
     finally:
         receiver.close()
 
 
 def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> None:
-    from fastkv.integrations import results_channel as rc
+    from fastkv.channel.frames import connection_key, seal
+    from fastkv.channel.private_dir import load_secret, open_private_dir, read_epoch
 
     receiver = ResultsReceiver(channel, tp_size=1)
     try:
@@ -337,9 +338,9 @@ def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> Non
         raw.send(deep)
         raw.close()
         assert receiver.poll() == []
-        dir_fd = rc.open_private_dir(rundir)
+        dir_fd = open_private_dir(rundir)
         try:
-            secret, epoch = rc.load_secret(dir_fd, channel), rc.read_epoch(dir_fd, channel)
+            secret, epoch = load_secret(dir_fd, channel), read_epoch(dir_fd, channel)
         finally:
             os.close(dir_fd)
         assert epoch is not None
@@ -350,10 +351,10 @@ def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> Non
         ]
         for payload in payloads:  # authentic (the secret's holder) but malformed
             nonce = os.urandom(16)
-            key = rc.connection_key(secret, epoch, nonce)
+            key = connection_key(secret, epoch, nonce)
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             peer.connect(os.path.join(rundir, f"{channel}.sock"))
-            peer.send(rc.seal(key, nonce, 0, payload))
+            peer.send(seal(key, nonce, 0, payload))
             peer.close()
             assert receiver.poll() == []
         assert receiver.stats().rejected_datagrams == len(payloads) + 1

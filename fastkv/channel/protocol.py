@@ -1,0 +1,187 @@
+"""What a results message carries, and how: the payload format and its limits.
+
+A payload is one rank's batch of results in a fixed binary layout (no nesting, no
+recursion): a head (version, rank, count) and at most RESULTS_PER_DATAGRAM rows.
+
+- A TransferResult row: its id, success, error (cut to MAX_ERROR_CHARS characters)
+  and the positions of a storage transfer's failed blocks (at most
+  MAX_FAILED_BLOCKS; more go as "every block failed").
+- A storage LookupResult row: the lookup id and the leading blocks a rank's storage
+  holds (at most MAX_LOOKUP_HITS).
+
+`decode` checks every length against its bound before it reads it, so its work is
+bounded by the payload's size (at most MAX_PAYLOAD_BYTES). Payloads travel sealed
+(`fastkv.channel.frames`).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+from fastkv.config import check_int
+from fastkv.metadata import LookupResult, TransferResult
+
+Result = TransferResult | LookupResult
+
+WIRE_VERSION = 3
+RESULTS_PER_DATAGRAM = 32
+MAX_ERROR_CHARS = 300
+MAX_ERROR_BYTES = 4 * MAX_ERROR_CHARS  # UTF-8
+MAX_FAILED_BLOCKS = 64  # per storage result; more are sent as "every block failed"
+MAX_LOOKUP_HITS = (1 << 32) - 1
+_PAYLOAD_HEAD = struct.Struct("!BIH")  # version, rank, count
+_KIND_TRANSFER = 0
+_KIND_LOOKUP = 1
+_ROW = struct.Struct("!BqBHH")  # kind, id, success, error bytes, failed positions
+_FAILED = struct.Struct("!I")  # one failed block position
+_LOOKUP_ROW = struct.Struct("!BqI")  # kind, lookup_id, num_hits
+MAX_PAYLOAD_BYTES = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (
+    _ROW.size + MAX_ERROR_BYTES + MAX_FAILED_BLOCKS * _FAILED.size
+)
+
+
+def encode(rank: int, results: Iterable[Result]) -> list[bytes]:
+    """The payloads carrying one rank's results, RESULTS_PER_DATAGRAM per payload.
+
+    A TransferResult row carries its id, success, error (cut to MAX_ERROR_CHARS
+    characters) and the positions of its failed blocks (storage transfers); one
+    naming more than MAX_FAILED_BLOCKS failed positions goes as "every block
+    failed" (no positions, success False): the scheduler then drops the whole
+    transfer, never keeps a bad block. A LookupResult row carries the lookup id and
+    the leading blocks found (at most MAX_LOOKUP_HITS).
+
+    Raises:
+        ValueError: an id, position or hit count outside what the format holds.
+        TypeError: an entry is neither a TransferResult nor a LookupResult.
+    """
+    rows = list(results)
+    for i, r in enumerate(rows):
+        if isinstance(r, LookupResult):
+            check_int(f"results[{i}].lookup_id", r.lookup_id, 0, (1 << 63) - 1)
+            check_int(f"results[{i}].num_hits", r.num_hits, 0, MAX_LOOKUP_HITS)
+        elif isinstance(r, TransferResult):
+            check_int(f"results[{i}].transfer_id", r.transfer_id, 0, (1 << 63) - 1)
+            for j, pos in enumerate(r.failed_blocks):
+                check_int(f"results[{i}].failed_blocks[{j}]", pos, 0, (1 << 32) - 1)
+        else:
+            raise TypeError(
+                f"results[{i}]: expected TransferResult or LookupResult, got {r!r:.80}"
+            )
+    out = []
+    for i in range(0, len(rows), RESULTS_PER_DATAGRAM):
+        chunk = rows[i : i + RESULTS_PER_DATAGRAM]
+        parts = [_PAYLOAD_HEAD.pack(WIRE_VERSION, rank, len(chunk))]
+        for r in chunk:
+            if isinstance(r, LookupResult):
+                parts.append(_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.num_hits))
+                continue
+            error = r.error[:MAX_ERROR_CHARS].encode("utf-8", "replace")
+            failed = tuple(r.failed_blocks)
+            if len(failed) > MAX_FAILED_BLOCKS:
+                failed = ()  # with success False: every block failed
+            success = r.success and not r.failed_blocks
+            parts.append(
+                _ROW.pack(_KIND_TRANSFER, r.transfer_id, int(success), len(error), len(failed))
+            )
+            parts.append(error)
+            parts.extend(_FAILED.pack(p) for p in failed)
+        out.append(b"".join(parts))
+    return out
+
+
+def decode(data: bytes) -> tuple[int, list[Result]]:
+    """One payload back into (rank, results). Work is bounded by the payload's size
+    (at most RESULTS_PER_DATAGRAM rows, flat layout, every length checked against
+    its bound before it is read).
+
+    Raises:
+        ValueError: not a payload of this format (the message says what is wrong).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"datagram: expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    rank, count = _read_head(data)
+    offset = _PAYLOAD_HEAD.size
+    results: list[Result] = []
+    result: Result
+    for i in range(count):
+        if offset + 1 > len(data):
+            raise ValueError(f"datagram: results[{i}] cut short")
+        kind = data[offset]
+        if kind == _KIND_TRANSFER:
+            result, offset = _read_transfer(data, offset, i)
+        elif kind == _KIND_LOOKUP:
+            result, offset = _read_lookup(data, offset, i)
+        else:
+            raise ValueError(f"datagram: results[{i}] kind {kind}, expected 0 or 1")
+        results.append(result)
+    if offset != len(data):
+        raise ValueError(f"datagram: {len(data) - offset} bytes after the last result")
+    return rank, results
+
+
+def _read_head(data: bytes) -> tuple[int, int]:
+    """(rank, count) of a payload, its size, version and count checked."""
+    if not _PAYLOAD_HEAD.size <= len(data) <= MAX_PAYLOAD_BYTES:
+        raise ValueError(
+            f"datagram: {len(data)} bytes, must be in "
+            f"[{_PAYLOAD_HEAD.size}, {MAX_PAYLOAD_BYTES}]"
+        )
+    version, rank, count = _PAYLOAD_HEAD.unpack_from(data)
+    if version != WIRE_VERSION:
+        raise ValueError(f"datagram: version {version}, this end speaks {WIRE_VERSION}")
+    if count > RESULTS_PER_DATAGRAM:
+        raise ValueError(f"datagram: {count} results, at most {RESULTS_PER_DATAGRAM}")
+    return rank, count
+
+
+def _read_lookup(data: bytes, offset: int, i: int) -> tuple[LookupResult, int]:
+    """Row `i`, a LookupResult, at `offset`; and the offset after it."""
+    if offset + _LOOKUP_ROW.size > len(data):
+        raise ValueError(f"datagram: results[{i}] cut short")
+    _, lookup_id, hits = _LOOKUP_ROW.unpack_from(data, offset)
+    if lookup_id < 0:
+        raise ValueError(f"datagram: results[{i}] lookup id {lookup_id} < 0")
+    return LookupResult(lookup_id, hits), offset + _LOOKUP_ROW.size
+
+
+def _read_transfer(data: bytes, offset: int, i: int) -> tuple[TransferResult, int]:
+    """Row `i`, a TransferResult, at `offset`; and the offset after it."""
+    if offset + _ROW.size > len(data):
+        raise ValueError(f"datagram: results[{i}] cut short")
+    _, transfer_id, success, length, num_failed = _ROW.unpack_from(data, offset)
+    offset += _ROW.size
+    if success > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
+        raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short error)")
+    if num_failed > MAX_FAILED_BLOCKS or (success and num_failed):
+        raise ValueError(
+            f"datagram: results[{i}] names {num_failed} failed blocks "
+            f"(at most {MAX_FAILED_BLOCKS}, none on a success)"
+        )
+    end = offset + length + num_failed * _FAILED.size
+    if end > len(data):
+        raise ValueError(f"datagram: results[{i}] error or failed blocks cut short")
+    try:
+        error = data[offset : offset + length].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"datagram: results[{i}] error is not UTF-8") from None
+    offset += length
+    failed = tuple(
+        _FAILED.unpack_from(data, offset + k * _FAILED.size)[0] for k in range(num_failed)
+    )
+    return TransferResult(transfer_id, bool(success), error, failed), end
+
+
+__all__ = [
+    "MAX_ERROR_BYTES",
+    "MAX_ERROR_CHARS",
+    "MAX_FAILED_BLOCKS",
+    "MAX_LOOKUP_HITS",
+    "MAX_PAYLOAD_BYTES",
+    "RESULTS_PER_DATAGRAM",
+    "WIRE_VERSION",
+    "Result",
+    "decode",
+    "encode",
+]
