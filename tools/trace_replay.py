@@ -24,7 +24,7 @@ import numpy as np
 
 from fastkv.config import CacheConfig
 from fastkv.metadata import CacheSwapMetadata, LookupResult, TransferResult
-from fastkv.scheduler.cache_manager import AllocStatus, CacheManager, CacheStats
+from fastkv.scheduler import AllocStatus, CacheManager, CacheStats
 
 TRACE_BLOCK_SIZE = 512
 

@@ -175,7 +175,7 @@ class _FreeBlocks(Sequence[int]):
         return iter(self._snapshot())
 
     def _snapshot(self) -> list[int]:
-        return self._manager.device_pool.free_ids()
+        return self._manager.free_device_block_ids()
 
 
 class FastDeployCacheManager:
@@ -279,7 +279,7 @@ class FastDeployCacheManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self.manager.host_pool.num_free
+        return self.manager.num_free_host_blocks
 
     @property
     def storage_scheduler(self) -> None:

@@ -622,6 +622,20 @@ class CacheManager:
     def num_free_device_blocks(self) -> int:
         return self.device_pool.num_free
 
+    def free_device_block_ids(self) -> list[int]:
+        """The free device block ids, the next to be allocated last (a copy,
+        O(free blocks))."""
+        return self.device_pool.free_ids()
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free
+
+    def is_inflight(self, transfer_id: int) -> bool:
+        """Whether transfer `transfer_id` was taken by `take_swap_metadata` and its
+        result is not applied yet (its blocks are still reserved)."""
+        return self.transfers.is_inflight(transfer_id)
+
     def num_obtainable_device_blocks(self, limit: int) -> int:
         """How many device blocks an allocation could get right now, at most
         `limit`: the free ones, then the cached blocks no request holds that

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastkv.scheduler import BlockPool, OutOfBlocksError
+from fastkv.scheduler.block_pool import BlockPool, OutOfBlocksError
 
 
 def snapshot(pool: BlockPool) -> tuple:

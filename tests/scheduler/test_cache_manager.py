@@ -16,11 +16,10 @@ from fastkv.scheduler import (
     Allocation,
     AllocStatus,
     CacheManager,
-    NodeState,
     Rollback,
     SwapTasks,
-    TreeNode,
 )
+from fastkv.scheduler.radix_tree import NodeState, TreeNode
 
 BS = 4
 POLICIES = ["write_back", "write_through", "write_through_selective"]
@@ -1385,3 +1384,22 @@ def test_a_recomputed_block_rescues_a_reused_eviction() -> None:
     assert node(mgr, "a1") is None  # a1 had no other copy
     mgr.finish("r")
     assert_no_leak(mgr)
+
+
+def test_pool_and_transfer_queries_answer_without_reaching_inside() -> None:
+    mgr = make("write_back", device=4, host=4)
+    assert mgr.free_device_block_ids() == [3, 2, 1, 0]  # the next allocated comes last
+    assert mgr.num_free_host_blocks == 4
+    mgr.match("a", keys("a", 3), 3 * BS + 1)
+    assert mgr.allocate("a", num_tokens=3 * BS + 1)
+    mgr.commit("a", num_computed_tokens=3 * BS)
+    mgr.finish("a")
+    assert mgr.free_device_block_ids() == [3]  # the uncommitted tail came back
+    mgr.match("b", keys("b", 2), 2 * BS + 1)
+    assert grow(mgr, "b", 2).status is AllocStatus.WAIT_FOR_TRANSFERS  # evictions planned
+    evict = mgr.take_swap_metadata().evict
+    assert evict is not None and mgr.is_inflight(evict.transfer_id)
+    assert mgr.num_free_host_blocks == 4 - evict.num_blocks
+    mgr.apply_results([TransferResult(evict.transfer_id, True)])
+    assert not mgr.is_inflight(evict.transfer_id)
+    assert not mgr.is_inflight(10**6)

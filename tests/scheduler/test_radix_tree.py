@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastkv.scheduler import NodeState, RadixTree, TreeNode
+from fastkv.scheduler.radix_tree import NodeState, RadixTree, TreeNode
 
 
 def cache(tree: RadixTree, keys: list[str], blocks: list[int], parent=None) -> list[TreeNode]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from fastkv import CacheConfig, CacheLevel, LookupResult, StorageConfig, TransferResult
-from fastkv.scheduler import AllocStatus, CacheManager, NodeState
+from fastkv.scheduler import AllocStatus, CacheManager
+from fastkv.scheduler.radix_tree import NodeState
 from fastkv.tp import RankResults
 from tests.scheduler.test_cache_manager import BS, Checked, keys, node
 from tests.scheduler.test_cache_manager import assert_no_leak as _assert_no_leak

@@ -11,7 +11,8 @@ import pytest
 
 from fastkv import CacheConfig, LookupResult, TransferResult
 from fastkv.hashing import BlockHasher, namespace_root
-from fastkv.scheduler import AllocStatus, CacheManager, NodeState, Slot
+from fastkv.scheduler import AllocStatus, CacheManager, Slot
+from fastkv.scheduler.radix_tree import NodeState
 from tests.scheduler.test_cache_manager import (
     BS,
     Checked,

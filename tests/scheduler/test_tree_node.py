@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from fastkv import CacheConfig, WritePolicy
-from fastkv.scheduler import NodeState, RadixTree
 from fastkv.scheduler import radix_tree as rt
+from fastkv.scheduler.radix_tree import NodeState, RadixTree
 from tools.trace_replay import replay, synthetic_trace
 
 HAVE_NATIVE = importlib.util.find_spec("fastkv.scheduler._tree_node") is not None
