@@ -34,6 +34,17 @@ class _Partial:
         self.failed: set[int] = set()
         self.hits: int | None = None
 
+    def add(self, rank: int, r: Result) -> None:
+        """Fold one rank's result in: the fewest hits, every failed block, the
+        first error."""
+        self.ranks.add(rank)
+        if isinstance(r, LookupResult):
+            self.hits = r.num_hits if self.hits is None else min(self.hits, r.num_hits)
+            return
+        self.failed.update(r.failed_blocks)
+        if not r.success and self.error is None:
+            self.error = f"rank {rank}: {r.error}"
+
 
 class RankResults:
     """Collects per-rank results until every rank has reported.
@@ -76,6 +87,26 @@ class RankResults:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
             raise ValueError(f"rank: must be an int in [0, {self.tp_size}), got {rank!r}")
         results = list(results)
+        self._check_batch(rank, results)
+        done: list[Result] = []
+        for r in results:
+            key = _key(r)
+            if key in self._given_up:
+                self.late_dropped += 1
+                continue
+            partial = self._partial.get(key)
+            if partial is None:
+                partial = self._partial[key] = _Partial()
+                if len(self._partial) > self.max_pending:
+                    done.append(self._give_up_oldest())
+            partial.add(rank, r)
+            if len(partial.ranks) == self.tp_size:
+                del self._partial[key]
+                done.append(_combined(r, partial))
+        return done
+
+    def _check_batch(self, rank: int, results: list[Result]) -> None:
+        """Raise unless every entry is a result this rank has not reported yet."""
         seen: set[tuple[type, int]] = set()
         for r in results:
             if not isinstance(r, (TransferResult, LookupResult)):
@@ -88,30 +119,6 @@ class RankResults:
                 what = "transfer" if isinstance(r, TransferResult) else "lookup"
                 raise ValueError(f"transfer_id: rank {rank} reported {what} {key[1]} twice")
             seen.add(key)
-        done: list[Result] = []
-        for r in results:
-            key = _key(r)
-            if key in self._given_up:
-                self.late_dropped += 1
-                continue
-            partial = self._partial.get(key)
-            if partial is None:
-                partial = self._partial[key] = _Partial()
-                if len(self._partial) > self.max_pending:
-                    done.append(self._give_up_oldest())
-            partial.ranks.add(rank)
-            if isinstance(r, LookupResult):
-                partial.hits = (
-                    r.num_hits if partial.hits is None else min(partial.hits, r.num_hits)
-                )
-            else:
-                partial.failed.update(r.failed_blocks)
-                if not r.success and partial.error is None:
-                    partial.error = f"rank {rank}: {r.error}"
-            if len(partial.ranks) == self.tp_size:
-                del self._partial[key]
-                done.append(_combined(r, partial))
-        return done
 
     def _give_up_oldest(self) -> Result:
         (kind, id_), partial = self._partial.popitem(last=False)
