@@ -94,7 +94,21 @@ def _count_matched(nodes: list[TreeNode], start: int, end: int) -> tuple[int, in
 
 
 class CacheManager:
-    """Owns the device and host block pools and the radix tree of one cache.
+    """One cache as an engine's scheduler sees it: the request lifecycle, over the
+    rooms that hold the state.
+
+        CacheManager        validates each call, then delegates; a request's record
+          │                 (RequestState) goes to the room that acts on it
+          ├ tree            RadixTree: cached blocks, locks, eviction order
+          ├ device_pool     BlockPool: device block ids
+          ├ host_pool       BlockPool: host block ids
+          ├ transfers       TransferBook: ids, queued and in-flight copies, stalls
+          └ _tiers          CacheTiers: eviction, backups, what a result frees
+              └ storage     StorageTier: lookups, loads, writes behind host memory
+
+    `tree`, the pools and `transfers` are public for inspection (tests, tools,
+    metrics); an engine reads tables and counts through the methods. Every method
+    leaves everything as it was when it raises.
 
     Not thread-safe: call it from the scheduler loop only.
 
