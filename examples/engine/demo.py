@@ -389,6 +389,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def report(
+    s: dict[str, Any], cached: RunResult, baseline: RunResult, cmp: Comparison, ok: bool
+) -> None:
+    """The human-readable ending: the table, what went wrong (if anything), the verdict."""
+    print(table(s, cached))
+    if s.get("plot"):
+        print(f"{'plot':<25}  {s['plot']}")
+    if "metrics_url" in s:
+        print(f"{'metrics':<25}  {s['metrics_url']}")
+    for problem in cached.checksum_mismatches[:10]:
+        print(f"  checksum: {problem}")
+    for problem in (cached.rank_mismatches + baseline.rank_mismatches)[:10]:
+        print(f"  ranks: {problem}")
+    for problem in cmp.problems[:10]:
+        print(f"  {problem}")
+    print(
+        f"\nverdict: {'PASS' if ok else 'FAIL'} - "
+        + ("outputs identical to full recomputation" if ok else "outputs differ"),
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config: EngineConfig = args.config
@@ -425,22 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(s), flush=True)
         else:
-            print(table(s, cached))
-            if s.get("plot"):
-                print(f"{'plot':<25}  {s['plot']}")
-            if server is not None:
-                print(f"{'metrics':<25}  {url}")
-            for problem in cached.checksum_mismatches[:10]:
-                print(f"  checksum: {problem}")
-            for problem in (cached.rank_mismatches + baseline.rank_mismatches)[:10]:
-                print(f"  ranks: {problem}")
-            for problem in cmp.problems[:10]:
-                print(f"  {problem}")
-            print(
-                f"\nverdict: {'PASS' if ok else 'FAIL'} - "
-                + ("outputs identical to full recomputation" if ok else "outputs differ"),
-                flush=True,
-            )
+            report(s, cached, baseline, cmp, ok)
         if server is not None and args.metrics_linger:
             print(
                 f"serving {url} for {args.metrics_linger:g} s more", file=sys.stderr, flush=True

@@ -471,16 +471,9 @@ class EngineScheduler:
                 timeout=min(0.5, deadline - now),
             )
             for rank in sorted(pending):
-                try:
-                    message = conns[rank].recv() if conns[rank].poll() else None
-                except (EOFError, OSError):
-                    message = None
+                message = self._poll_rank(rank, conns[rank])
                 if message is None:
-                    if self.procs[rank].is_alive():
-                        continue
-                    message = WorkerFailed(
-                        f"the worker process exited (code {self.procs[rank].exitcode})"
-                    )
+                    continue
                 pending.discard(rank)
                 if isinstance(message, WorkerFailed):
                     failures[rank] = message.error
@@ -494,6 +487,19 @@ class EngineScheduler:
         if pending:
             raise TimeoutError(f"no answer from rank(s) {sorted(pending)} in {timeout:.0f} s")
         return [answers[r] for r in range(len(conns))]
+
+    def _poll_rank(self, rank: int, conn: Connection) -> object | None:
+        """The rank's message if one is there; a WorkerFailed if its process exited
+        without one; None while it is alive and silent."""
+        try:
+            message = conn.recv() if conn.poll() else None
+        except (EOFError, OSError):
+            message = None
+        if message is None and not self.procs[rank].is_alive():
+            message = WorkerFailed(
+                f"the worker process exited (code {self.procs[rank].exitcode})"
+            )
+        return message
 
 
 def _disagreements(outputs: Sequence[StepOutput]) -> list[str]:
