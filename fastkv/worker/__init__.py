@@ -13,12 +13,16 @@ from fastkv.worker.stats import ControllerStats
 
 __all__ = ["CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"]
 
-_LAZY = {"CacheController", "CacheShape", "KVCacheSpec", "MemoryPlan"}
+_SHAPES = {"CacheShape", "KVCacheSpec", "MemoryPlan"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name == "CacheController":
         from fastkv.worker import cache_controller
 
-        return getattr(cache_controller, name)
+        return cache_controller.CacheController
+    if name in _SHAPES:
+        from fastkv.worker import cache_shape
+
+        return getattr(cache_shape, name)
     raise AttributeError(f"module 'fastkv.worker' has no attribute {name!r}")

@@ -1,0 +1,283 @@
+"""What a worker's KV cache is, however it was made: its shapes and dtype
+(`KVCacheSpec`, `CacheShape`), the memory it takes (`MemoryPlan`), and the checks an
+engine's own cache tensors pass before a controller adopts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastkv.config import CacheConfig
+from fastkv.ops import core, paddle_ops
+
+paddle = paddle_ops.paddle
+
+KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+_HOST_REGION_ALIGN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shapes of one worker's KV cache.
+
+    Raises:
+        ValueError: a field is out of range (the message names it).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    dtype: str = "bfloat16"
+    num_extra_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("num_layers", 1),
+            ("num_kv_heads", 1),
+            ("head_dim", 1),
+            ("block_size", 1),
+            ("num_device_blocks", 1),
+            ("num_host_blocks", 0),
+            ("num_extra_layers", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(KV_DTYPES)}")
+
+    @property
+    def total_layers(self) -> int:
+        return self.num_layers + self.num_extra_layers
+
+    @property
+    def tensors_per_layer(self) -> int:
+        return 4 if self.dtype == "fp8" else 2
+
+    def shape(self) -> CacheShape:
+        return CacheShape(
+            self.total_layers,
+            self.tensors_per_layer,
+            self.num_device_blocks,
+            self.num_host_blocks,
+            self.block_size,
+            self.dtype,
+        )
+
+    def block_bytes(self) -> list[int]:
+        """Bytes of one block of each cache tensor, in `caches` order."""
+        kv = self.num_kv_heads * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
+        per_layer = [kv, kv] + ([4 * self.num_kv_heads] * 2 if self.dtype == "fp8" else [])
+        return per_layer * self.total_layers
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """What the controller needs to know of its cache, however it was made.
+
+    Attributes:
+        num_layers: layers with cache tensors (model layers, then extra layers).
+        tensors_per_layer: cache tensors per layer (K, V; plus scales for fp8; one
+            latent tensor for MLA).
+        num_device_blocks: block ids the scheduler hands out (every tensor has at
+            least this many blocks).
+        num_host_blocks: blocks of the host tier.
+        block_size: tokens per block.
+        dtype: the KV dtype name (CacheConfig.kv_dtype's vocabulary).
+    """
+
+    num_layers: int
+    tensors_per_layer: int
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    dtype: str
+
+    def check_against(self, config: CacheConfig) -> None:
+        """The one shape contract between the halves: the scheduler's CacheConfig
+        and the worker's cache agree on block size, block counts and dtype.
+
+        Raises:
+            ValueError: they disagree; the message names the field and both values.
+        """
+        for name, mine, theirs in (
+            ("block_size", self.block_size, config.block_size),
+            ("num_device_blocks", self.num_device_blocks, config.num_device_blocks),
+            ("num_host_blocks", self.num_host_blocks, config.num_host_blocks),
+            ("kv_dtype", self.dtype, config.kv_dtype),
+        ):
+            if mine != theirs:
+                raise ValueError(
+                    f"{name}: the worker's cache has {mine!r}, the scheduler's CacheConfig "
+                    f"{theirs!r}; build both from one configuration"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """The memory a controller takes, stated (and checked) before it takes it.
+
+    Attributes:
+        device_bytes: KV tensors (already allocated by the engine when adopted).
+        host_bytes: the host tier, one allocation.
+        allocates_device: whether the controller allocates the device tensors.
+    """
+
+    device_bytes: int
+    host_bytes: int
+    allocates_device: bool
+
+    def describe(self) -> str:
+        made = "to allocate" if self.allocates_device else "adopted"
+        return (
+            f"device KV {self.device_bytes / 2**30:.2f} GiB ({made}), host tier "
+            f"{self.host_bytes / 2**30:.2f} GiB"
+        )
+
+
+def _host_tier_bytes(block_bytes: list[int], num_host_blocks: int) -> int:
+    return sum(_align(num_host_blocks * b) for b in block_bytes)
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _check_memory(plan: MemoryPlan, gpu_index: int | None) -> None:
+    """Refuses a plan that cannot fit before anything is allocated."""
+    needed = plan.host_bytes + (
+        plan.device_bytes if plan.allocates_device and gpu_index is None else 0
+    )
+    available = _available_host_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"num_host_blocks: the cache needs {needed / 2**30:.2f} GiB of host memory "
+            f"({plan.describe()}), {available / 2**30:.2f} GiB is available; lower "
+            "num_host_blocks (or num_device_blocks on the CPU)"
+        )
+    if gpu_index is not None and plan.allocates_device:
+        cuda = paddle.device.cuda
+        total = cuda.get_device_properties(gpu_index).total_memory
+        free = total - cuda.memory_reserved(gpu_index)
+        if plan.device_bytes > free:
+            raise ValueError(
+                f"num_device_blocks: the KV tensors need {plan.device_bytes / 2**30:.2f} GiB "
+                f"on gpu:{gpu_index}, {free / 2**30:.2f} GiB is free for Paddle there"
+            )
+
+
+def _adopted_shape(
+    caches: list[paddle.Tensor],
+    config: CacheConfig,
+    tensors_per_layer: int,
+    num_extra_layers: int,
+    block_axis: int,
+) -> tuple[CacheShape, list[int], str]:
+    """Validates an engine's cache tensors against the scheduler's config."""
+    for name, value, low in (
+        ("tensors_per_layer", tensors_per_layer, 1),
+        ("num_extra_layers", num_extra_layers, 0),
+        ("block_axis", block_axis, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+    if not caches or len(caches) % tensors_per_layer:
+        raise ValueError(
+            f"caches: {len(caches)} tensors is not a positive multiple of "
+            f"tensors_per_layer={tensors_per_layer}"
+        )
+    num_layers = len(caches) // tensors_per_layer
+    if num_extra_layers >= num_layers:
+        raise ValueError(
+            f"num_extra_layers: {num_extra_layers} leaves no model layer of {num_layers}"
+        )
+    if config.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    kv_dtype = KV_DTYPES[config.kv_dtype]
+    first_extra = (num_layers - num_extra_layers) * tensors_per_layer
+    places = set()
+    block_bytes = []
+    for i, t in enumerate(caches):
+        if not isinstance(t, paddle.Tensor):
+            raise ValueError(f"caches[{i}]: expected a paddle.Tensor, got {type(t).__name__}")
+        shape = list(t.shape)
+        if len(shape) < 2 or not t.is_contiguous():
+            raise ValueError(
+                f"caches[{i}]: must be a contiguous tensor of >= 2 dims, got shape {shape}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
+        places.add(_place_name(t))
+        blocks = shape[0]
+        if blocks < config.num_device_blocks or (
+            i < first_extra and blocks != config.num_device_blocks
+        ):
+            want = "exactly" if i < first_extra else "at least"
+            raise ValueError(
+                f"caches[{i}]: {blocks} blocks, the scheduler hands out "
+                f"{config.num_device_blocks} (num_device_blocks): need {want} that many"
+            )
+        if len(shape) > block_axis and shape[block_axis] != config.block_size:
+            raise ValueError(
+                f"caches[{i}]: axis {block_axis} is {shape[block_axis]} tokens, the "
+                f"scheduler's block_size is {config.block_size}"
+            )
+        role = i % tensors_per_layer
+        is_kv = role == 0 or (role == 1 and tensors_per_layer in (2, 4))
+        dtype = str(t.dtype).removeprefix("paddle.")
+        if is_kv and dtype != kv_dtype:
+            raise ValueError(
+                f"caches[{i}]: dtype {dtype}, the scheduler's kv_dtype {config.kv_dtype!r} "
+                f"stores {kv_dtype}"
+            )
+        nbytes = _block_bytes(t)
+        if nbytes % core.MIN_ACCESS_BYTES:
+            raise ValueError(
+                f"caches[{i}]: a block is {nbytes} bytes, not a multiple of "
+                f"{core.MIN_ACCESS_BYTES} (the copy kernels' narrowest access)"
+            )
+        block_bytes.append(nbytes)
+    if len(places) != 1:
+        raise ValueError(f"caches: tensors on several places {sorted(places)}; need one")
+    shape = CacheShape(
+        num_layers,
+        tensors_per_layer,
+        config.num_device_blocks,
+        config.num_host_blocks,
+        config.block_size,
+        config.kv_dtype,
+    )
+    return shape, block_bytes, places.pop()
+
+
+def _place_name(tensor: paddle.Tensor) -> str:
+    place = tensor.place
+    if place.is_cpu_place():
+        return "cpu"
+    if place.is_gpu_place():
+        return f"gpu:{place.gpu_device_id()}"
+    raise ValueError(f"caches: tensor on {place}, which is neither the CPU nor a GPU")
+
+
+def _block_bytes(tensor: paddle.Tensor) -> int:
+    return int(np.prod(tensor.shape[1:])) * tensor.element_size()
+
+
+def _align(n: int) -> int:
+    return (n + _HOST_REGION_ALIGN - 1) // _HOST_REGION_ALIGN * _HOST_REGION_ALIGN
+
+
+__all__ = ["KV_DTYPES", "CacheShape", "KVCacheSpec", "MemoryPlan"]
