@@ -54,11 +54,10 @@ from fastkv.worker.cache_shape import (
     CacheShape,
     KVCacheSpec,
     MemoryPlan,
-    _adopted_shape,
-    _align,
-    _block_bytes,
-    _check_memory,
-    _host_tier_bytes,
+    adopted_shape,
+    check_memory,
+    host_region_bytes,
+    tensor_block_bytes,
 )
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
@@ -129,10 +128,8 @@ class CacheController:
         if config is not None:
             shape.check_against(config)
         block_bytes = spec.block_bytes()
-        plan = MemoryPlan(
-            sum(block_bytes) * spec.num_device_blocks,
-            _host_tier_bytes(block_bytes, spec.num_host_blocks),
-            allocates_device=True,
+        plan = MemoryPlan.of(
+            block_bytes, spec.num_device_blocks, spec.num_host_blocks, allocates_device=True
         )
         self.spec: KVCacheSpec | None = spec
         self._start(
@@ -193,12 +190,13 @@ class CacheController:
                 a host tier larger than the memory available; nothing is allocated.
         """
         caches = list(caches)
-        shape, block_bytes, device = _adopted_shape(
+        shape, block_bytes, device = adopted_shape(
             caches, config, tensors_per_layer, num_extra_layers, block_axis
         )
-        plan = MemoryPlan(
-            sum(block_bytes) * config.num_device_blocks,
-            _host_tier_bytes(block_bytes, config.num_host_blocks),
+        plan = MemoryPlan.of(
+            block_bytes,
+            config.num_device_blocks,
+            config.num_host_blocks,
             allocates_device=False,
         )
         self = cls.__new__(cls)
@@ -226,7 +224,7 @@ class CacheController:
         self.device = device
         gpu_index = _parse_device(device)
         self.gpu_index = gpu_index
-        _check_memory(plan, gpu_index)
+        check_memory(plan, gpu_index)
         self.memory = plan
         log.info("fastkv cache on %s: %s", device, plan.describe())
         self._layout: core.Layout | None = None
@@ -236,7 +234,7 @@ class CacheController:
         if gpu_index is not None:
             _init_cuda(device, gpu_index)
         self.caches = make_caches()
-        self.block_bytes = [_block_bytes(t) for t in self.caches]
+        self.block_bytes = [tensor_block_bytes(t) for t in self.caches]
         # The ops see every tensor with exactly the block ids the scheduler hands out
         # (extra layers may hold more): a leading slice is a contiguous view.
         n = shape.num_device_blocks
@@ -710,7 +708,7 @@ class CacheController:
         return caches
 
     def _allocate_host(self, gpu_index: int | None, numa_node: int | None) -> None:
-        sizes = [_align(self.shape.num_host_blocks * b) for b in self.block_bytes]
+        sizes = host_region_bytes(self.block_bytes, self.shape.num_host_blocks)
         self._host_bytes = sum(sizes)
         self.numa_node = host_numa_node(gpu_index) if numa_node is None else numa_node
         self._host_pinned = gpu_index is not None

@@ -5,11 +5,12 @@ engine's own cache tensors pass before a controller adopts them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, check_int
 from fastkv.ops import core, paddle_ops
 
 paddle = paddle_ops.paddle
@@ -133,6 +134,22 @@ class MemoryPlan:
     host_bytes: int
     allocates_device: bool
 
+    @classmethod
+    def of(
+        cls,
+        block_bytes: Sequence[int],
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        allocates_device: bool,
+    ) -> MemoryPlan:
+        """The plan of a cache whose tensors have blocks of `block_bytes` each."""
+        return cls(
+            sum(block_bytes) * num_device_blocks,
+            sum(host_region_bytes(block_bytes, num_host_blocks)),
+            allocates_device,
+        )
+
     def describe(self) -> str:
         made = "to allocate" if self.allocates_device else "adopted"
         return (
@@ -141,8 +158,10 @@ class MemoryPlan:
         )
 
 
-def _host_tier_bytes(block_bytes: list[int], num_host_blocks: int) -> int:
-    return sum(_align(num_host_blocks * b) for b in block_bytes)
+def host_region_bytes(block_bytes: Sequence[int], num_host_blocks: int) -> list[int]:
+    """Bytes of each cache tensor's host region (aligned, so each region starts on
+    a page of the one host allocation)."""
+    return [_align(num_host_blocks * b) for b in block_bytes]
 
 
 def _available_host_bytes() -> int | None:
@@ -157,8 +176,13 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def _check_memory(plan: MemoryPlan, gpu_index: int | None) -> None:
-    """Refuses a plan that cannot fit before anything is allocated."""
+def check_memory(plan: MemoryPlan, gpu_index: int | None) -> None:
+    """Refuses a plan that cannot fit before anything is allocated.
+
+    Raises:
+        ValueError: more host memory than is available, or more device memory than
+            Paddle has free on the GPU; the message names the block count to lower.
+    """
     needed = plan.host_bytes + (
         plan.device_bytes if plan.allocates_device and gpu_index is None else 0
     )
@@ -180,76 +204,35 @@ def _check_memory(plan: MemoryPlan, gpu_index: int | None) -> None:
             )
 
 
-def _adopted_shape(
+def adopted_shape(
     caches: list[paddle.Tensor],
     config: CacheConfig,
     tensors_per_layer: int,
     num_extra_layers: int,
     block_axis: int,
 ) -> tuple[CacheShape, list[int], str]:
-    """Validates an engine's cache tensors against the scheduler's config."""
-    for name, value, low in (
-        ("tensors_per_layer", tensors_per_layer, 1),
-        ("num_extra_layers", num_extra_layers, 0),
-        ("block_axis", block_axis, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
-    if not caches or len(caches) % tensors_per_layer:
-        raise ValueError(
-            f"caches: {len(caches)} tensors is not a positive multiple of "
-            f"tensors_per_layer={tensors_per_layer}"
-        )
-    num_layers = len(caches) // tensors_per_layer
-    if num_extra_layers >= num_layers:
-        raise ValueError(
-            f"num_extra_layers: {num_extra_layers} leaves no model layer of {num_layers}"
-        )
-    if config.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    kv_dtype = KV_DTYPES[config.kv_dtype]
+    """Validates an engine's cache tensors against the scheduler's config.
+
+    Returns:
+        (the cache's shape, bytes of one block of each tensor, the place name of
+        them all: "cpu" or "gpu:N").
+
+    Raises:
+        ValueError: the first problem found, naming the tensor and the bound (see
+            `CacheController.adopt`); nothing is changed.
+    """
+    num_layers = _adopted_layers(
+        caches, config, tensors_per_layer, num_extra_layers, block_axis
+    )
     first_extra = (num_layers - num_extra_layers) * tensors_per_layer
     places = set()
     block_bytes = []
     for i, t in enumerate(caches):
-        if not isinstance(t, paddle.Tensor):
-            raise ValueError(f"caches[{i}]: expected a paddle.Tensor, got {type(t).__name__}")
-        shape = list(t.shape)
-        if len(shape) < 2 or not t.is_contiguous():
-            raise ValueError(
-                f"caches[{i}]: must be a contiguous tensor of >= 2 dims, got shape {shape}"
-                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
-            )
-        places.add(_place_name(t))
-        blocks = shape[0]
-        if blocks < config.num_device_blocks or (
-            i < first_extra and blocks != config.num_device_blocks
-        ):
-            want = "exactly" if i < first_extra else "at least"
-            raise ValueError(
-                f"caches[{i}]: {blocks} blocks, the scheduler hands out "
-                f"{config.num_device_blocks} (num_device_blocks): need {want} that many"
-            )
-        if len(shape) > block_axis and shape[block_axis] != config.block_size:
-            raise ValueError(
-                f"caches[{i}]: axis {block_axis} is {shape[block_axis]} tokens, the "
-                f"scheduler's block_size is {config.block_size}"
-            )
-        role = i % tensors_per_layer
-        is_kv = role == 0 or (role == 1 and tensors_per_layer in (2, 4))
-        dtype = str(t.dtype).removeprefix("paddle.")
-        if is_kv and dtype != kv_dtype:
-            raise ValueError(
-                f"caches[{i}]: dtype {dtype}, the scheduler's kv_dtype {config.kv_dtype!r} "
-                f"stores {kv_dtype}"
-            )
-        nbytes = _block_bytes(t)
-        if nbytes % core.MIN_ACCESS_BYTES:
-            raise ValueError(
-                f"caches[{i}]: a block is {nbytes} bytes, not a multiple of "
-                f"{core.MIN_ACCESS_BYTES} (the copy kernels' narrowest access)"
-            )
-        block_bytes.append(nbytes)
+        places.add(_checked_place(i, t))
+        _check_blocks(i, list(t.shape), config, i < first_extra, block_axis)
+        if _holds_kv(i % tensors_per_layer, tensors_per_layer):
+            _check_kv_dtype(i, t, config)
+        block_bytes.append(_checked_block_bytes(i, t))
     if len(places) != 1:
         raise ValueError(f"caches: tensors on several places {sorted(places)}; need one")
     shape = CacheShape(
@@ -263,6 +246,97 @@ def _adopted_shape(
     return shape, block_bytes, places.pop()
 
 
+def _adopted_layers(
+    caches: list[paddle.Tensor],
+    config: CacheConfig,
+    tensors_per_layer: int,
+    num_extra_layers: int,
+    block_axis: int,
+) -> int:
+    """The number of layers `caches` holds, once the counts and the config's dtype
+    are checked."""
+    for name, value, low in (
+        ("tensors_per_layer", tensors_per_layer, 1),
+        ("num_extra_layers", num_extra_layers, 0),
+        ("block_axis", block_axis, 1),
+    ):
+        check_int(name, value, low)
+    if not caches or len(caches) % tensors_per_layer:
+        raise ValueError(
+            f"caches: {len(caches)} tensors is not a positive multiple of "
+            f"tensors_per_layer={tensors_per_layer}"
+        )
+    num_layers = len(caches) // tensors_per_layer
+    if num_extra_layers >= num_layers:
+        raise ValueError(
+            f"num_extra_layers: {num_extra_layers} leaves no model layer of {num_layers}"
+        )
+    if config.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    return num_layers
+
+
+def _checked_place(i: int, tensor: object) -> str:
+    """The place name of `caches[i]`, once it is a contiguous tensor of >= 2 dims."""
+    if not isinstance(tensor, paddle.Tensor):
+        raise ValueError(f"caches[{i}]: expected a paddle.Tensor, got {type(tensor).__name__}")
+    shape = list(tensor.shape)
+    if len(shape) < 2 or not tensor.is_contiguous():
+        raise ValueError(
+            f"caches[{i}]: must be a contiguous tensor of >= 2 dims, got shape {shape}"
+            f"{'' if tensor.is_contiguous() else ' (not contiguous)'}"
+        )
+    return _place_name(tensor)
+
+
+def _check_blocks(
+    i: int, shape: list[int], config: CacheConfig, model_layer: bool, block_axis: int
+) -> None:
+    """A model layer's tensor has exactly the scheduler's block count, an extra
+    layer's at least as many; the block axis (where there is one) holds
+    `block_size` tokens."""
+    blocks = shape[0]
+    if blocks < config.num_device_blocks or (
+        model_layer and blocks != config.num_device_blocks
+    ):
+        want = "exactly" if model_layer else "at least"
+        raise ValueError(
+            f"caches[{i}]: {blocks} blocks, the scheduler hands out "
+            f"{config.num_device_blocks} (num_device_blocks): need {want} that many"
+        )
+    if len(shape) > block_axis and shape[block_axis] != config.block_size:
+        raise ValueError(
+            f"caches[{i}]: axis {block_axis} is {shape[block_axis]} tokens, the "
+            f"scheduler's block_size is {config.block_size}"
+        )
+
+
+def _holds_kv(role: int, tensors_per_layer: int) -> bool:
+    """Whether a layer's tensor number `role` is K or V (or MLA's latent), not a
+    scale: K and V come first where a layer has 2 or 4 tensors."""
+    return role == 0 or (role == 1 and tensors_per_layer in (2, 4))
+
+
+def _check_kv_dtype(i: int, tensor: paddle.Tensor, config: CacheConfig) -> None:
+    kv_dtype = KV_DTYPES[config.kv_dtype]
+    dtype = str(tensor.dtype).removeprefix("paddle.")
+    if dtype != kv_dtype:
+        raise ValueError(
+            f"caches[{i}]: dtype {dtype}, the scheduler's kv_dtype {config.kv_dtype!r} "
+            f"stores {kv_dtype}"
+        )
+
+
+def _checked_block_bytes(i: int, tensor: paddle.Tensor) -> int:
+    nbytes = tensor_block_bytes(tensor)
+    if nbytes % core.MIN_ACCESS_BYTES:
+        raise ValueError(
+            f"caches[{i}]: a block is {nbytes} bytes, not a multiple of "
+            f"{core.MIN_ACCESS_BYTES} (the copy kernels' narrowest access)"
+        )
+    return nbytes
+
+
 def _place_name(tensor: paddle.Tensor) -> str:
     place = tensor.place
     if place.is_cpu_place():
@@ -272,7 +346,8 @@ def _place_name(tensor: paddle.Tensor) -> str:
     raise ValueError(f"caches: tensor on {place}, which is neither the CPU nor a GPU")
 
 
-def _block_bytes(tensor: paddle.Tensor) -> int:
+def tensor_block_bytes(tensor: paddle.Tensor) -> int:
+    """Bytes of one block (one `[b, ...]` slice) of a cache tensor."""
     return int(np.prod(tensor.shape[1:])) * tensor.element_size()
 
 
