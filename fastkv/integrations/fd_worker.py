@@ -628,6 +628,7 @@ class FastDeployCacheController:
         and the per-rank head shape, so a different cache never hits."""
         if self._storage_dir is None:
             return None, b""
+        from fastkv.config import ModelKVShape
         from fastkv.storage import BlockLayout, StorageNamespace
         from fastkv.storage.local_disk import LocalDiskBackend
 
@@ -639,18 +640,12 @@ class FastDeployCacheController:
                 per_block *= d
             lengths.append(per_block * int(t.element_size()))
         shape = [int(d) for d in caches[0].shape]
-        model = getattr(getattr(self.fd_config, "model_config", None), "model", None)
-        namespace = StorageNamespace(
-            config.namespace_key(),
-            str(model) if model else "fastdeploy",
-            config.kv_dtype,
-            config.block_size,
-            self.tp_size,
-            len(caches) // per_layer - num_extra,
-            shape[1],
-            shape[-1],
-            num_extra_layers=num_extra,
-        ).digest()
+        # config.model_id is FastDeploy's model path (or "fastdeploy"), its tp_size
+        # FastDeploy's: the digest stays the one this adapter always keyed under.
+        model_kv = ModelKVShape(
+            len(caches) // per_layer - num_extra, shape[1], shape[-1], num_extra
+        )
+        namespace = StorageNamespace.of(config, model_kv).digest()
         backend = LocalDiskBackend(
             self._storage_dir,
             BlockLayout(tuple(lengths)),

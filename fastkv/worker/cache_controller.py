@@ -100,8 +100,9 @@ class CacheController:
         storage: the storage tier's backend (`fastkv.storage`), or None; its block
             layout must be this cache's (`storage_layout()`). The controller runs
             storage transfers and lookups on an I/O engine of its own.
-        storage_namespace: `StorageNamespace(...).digest()` of this cache (every
-            field that changes a block's bytes); required with `storage`.
+        storage_namespace: `StorageNamespace.of(config, model_kv).digest()` of
+            this cache (every field that changes a block's bytes); required with
+            `storage`.
         tp_rank: this worker's rank: part of every storage key.
 
     Raises:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastkv.config import CacheConfig, check_int
+from fastkv.config import CacheConfig, ModelKVShape, check_int
 from fastkv.ops import core, paddle_ops
 
 paddle = paddle_ops.paddle
@@ -22,7 +22,8 @@ _HOST_REGION_ALIGN = 4096
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """Shapes of one worker's KV cache.
+    """Shapes of one worker's KV cache (`from_config` derives it from the cache's
+    identity, `CacheConfig` and `ModelKVShape`).
 
     Raises:
         ValueError: a field is out of range (the message names it).
@@ -52,6 +53,36 @@ class KVCacheSpec:
                 raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(KV_DTYPES)}")
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, model_kv: ModelKVShape) -> KVCacheSpec:
+        """The spec of the cache `config` (block size, block counts, KV dtype) and
+        `model_kv` (layers, KV heads of this rank, head size, extra layers) name.
+
+        Raises:
+            ValueError: `config` is not a CacheConfig, `model_kv` not a ModelKVShape,
+                or `config.kv_dtype` is not a dtype the worker stores.
+        """
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        if not isinstance(model_kv, ModelKVShape):
+            raise ValueError(
+                f"model_kv: expected a ModelKVShape, got {type(model_kv).__name__}"
+            )
+        if config.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}"
+            )
+        return cls(
+            num_layers=model_kv.num_layers,
+            num_kv_heads=model_kv.num_kv_heads,
+            head_dim=model_kv.head_dim,
+            block_size=config.block_size,
+            num_device_blocks=config.num_device_blocks,
+            num_host_blocks=config.num_host_blocks,
+            dtype=config.kv_dtype,
+            num_extra_layers=model_kv.num_extra_layers,
+        )
 
     @property
     def total_layers(self) -> int:
