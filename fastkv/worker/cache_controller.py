@@ -61,7 +61,7 @@ from fastkv.worker.cache_shape import (
 )
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
-from fastkv.worker.stats import ControllerStats
+from fastkv.worker.stats import ControllerStats, CopyCounters, StorageCounters
 from fastkv.worker.streams import (
     CopyLayer,
     CopyLayers,
@@ -257,8 +257,8 @@ class CacheController:
             self._input, self._output, self._compute, shape.num_layers
         )
         self._counter = self.transfers.guard_writes(())
-        self._d2h = [0, 0, 0]  # transfers, blocks, bytes
-        self._h2d = [0, 0, 0]
+        self._d2h = CopyCounters()
+        self._h2d = CopyCounters()
         self._failed = 0
         self._freed = False
         self._listeners: list[TransferListener] = []
@@ -473,7 +473,10 @@ class CacheController:
         engine.submit_all(submissions)  # all or nothing: a clash starts none of them
         for meta, host, _ in checked:
             self._storage_host[2 * meta.transfer_id] = host
-            self._storage_blocks[meta.dst_level == CacheLevel.HOST] += len(host)
+            if meta.dst_level == CacheLevel.HOST:
+                self._storage_counts.blocks_read += len(host)
+            else:
+                self._storage_counts.blocks_written += len(host)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
@@ -516,20 +519,20 @@ class CacheController:
 
     def get_stats(self) -> ControllerStats:
         return ControllerStats(
-            device_to_host_transfers=self._d2h[0],
-            host_to_device_transfers=self._h2d[0],
-            device_to_host_blocks=self._d2h[1],
-            host_to_device_blocks=self._h2d[1],
-            device_to_host_bytes=self._d2h[2],
-            host_to_device_bytes=self._h2d[2],
-            failed_transfers=self._failed,
+            device_to_host_transfers=self._d2h.transfers,
+            host_to_device_transfers=self._h2d.transfers,
+            device_to_host_blocks=self._d2h.blocks,
+            host_to_device_blocks=self._h2d.blocks,
+            device_to_host_bytes=self._d2h.nbytes,
+            host_to_device_bytes=self._h2d.nbytes,
+            failed_transfers=self._failed + self._storage_counts.failed_transfers,
             inflight_transfers=self.transfers.num_inflight,
             ordering_waits=self.transfers.ordering_waits,
             device_cache_bytes=sum(self.block_bytes) * self.shape.num_device_blocks,
             host_cache_bytes=self._host_bytes,
             numa_node=self.numa_node,
-            storage_blocks_read=self._storage_blocks[1],
-            storage_blocks_written=self._storage_blocks[0],
+            storage_blocks_read=self._storage_counts.blocks_read,
+            storage_blocks_written=self._storage_counts.blocks_written,
         )
 
     def reset_cache(
@@ -819,7 +822,7 @@ class CacheController:
             list(reused),
             copy_all,
         )
-        self._account(self._d2h, device.size)
+        self._d2h.add(device.size, sum(self.block_bytes))
         self._launched[transfer_id] = (True, device.size, time.monotonic())
 
     def _submit_to_device(
@@ -840,7 +843,7 @@ class CacheController:
             compute,
             None if copy_layers is None else self.faults.wrap(copy_layers),
         )
-        self._account(self._h2d, device.size)
+        self._h2d.add(device.size, sum(self.block_bytes))
         self._launched[transfer_id] = (False, device.size, time.monotonic())
         return counter
 
@@ -907,18 +910,13 @@ class CacheController:
 
         return copy_one, None
 
-    def _account(self, counters: list[int], num_blocks: int) -> None:
-        counters[0] += 1
-        counters[1] += num_blocks
-        counters[2] += num_blocks * sum(self.block_bytes)
-
     def _attach_storage(
         self, storage: StorageBackend | None, namespace: bytes, tp_rank: int
     ) -> None:
         self._storage: StorageIOEngine | None = None
         self._storage_host: dict[int, list[int]] = {}  # engine request id -> host blocks
         self._held: list[StorageCompletion] = []  # done, but I/O still touches blocks
-        self._storage_blocks = [0, 0]  # written, read
+        self._storage_counts = StorageCounters()
         self._tp_rank = tp_rank
         self._namespace = namespace
         if storage is None:
@@ -981,7 +979,7 @@ class CacheController:
                     f"{len(failed)} of {len(c.results)} blocks: {first.status.name} "
                     f"{first.reason}"
                 )
-            self._failed += bool(failed)
+            self._storage_counts.failed_transfers += bool(failed)
             out.append(TransferResult(c.request_id // 2, not failed, error, failed))
         return out
 
