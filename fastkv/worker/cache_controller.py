@@ -42,13 +42,7 @@ from fastkv.metadata import (
 )
 from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
-from fastkv.storage.base import BlockLayout, StorageBackend, StorageKey
-from fastkv.storage.io_engine import (
-    RequestKind,
-    StorageCompletion,
-    StorageIOEngine,
-    Submission,
-)
+from fastkv.storage.base import BlockLayout, StorageBackend
 from fastkv.worker.cache_shape import (
     KV_DTYPES,
     CacheShape,
@@ -62,6 +56,7 @@ from fastkv.worker.cache_shape import (
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
 from fastkv.worker.stats import ControllerStats, CopyCounters, StorageCounters
+from fastkv.worker.storage_bridge import HostTier, StorageBridge
 from fastkv.worker.streams import (
     CopyLayer,
     CopyLayers,
@@ -79,8 +74,6 @@ from fastkv.worker.transfer_manager import (
 
 paddle = paddle_ops.paddle
 log = logging.getLogger(__name__)
-
-_STORAGE_TIMEOUT_S = 30.0  # a storage transfer's deadline when the metadata gives none
 
 
 class CacheController:
@@ -424,59 +417,11 @@ class CacheController:
                 touch; nothing is started.
         """
         self._check_live()
-        engine = self._storage
-        if engine is None:
+        if self._storage is None:
             if load is None and store is None and not lookups:
                 return
             raise ValueError("storage: this controller has no storage tier")
-        checked = []
-        for meta, src, dst in (
-            (load, CacheLevel.STORAGE, CacheLevel.HOST),
-            (store, CacheLevel.HOST, CacheLevel.STORAGE),
-        ):
-            if meta is None:
-                continue
-            if (meta.src_level, meta.dst_level) != (src, dst):
-                raise ValueError(
-                    f"transfer {meta.transfer_id}: expected {src.name}->{dst.name}, got "
-                    f"{meta.src_level.name}->{meta.dst_level.name}"
-                )
-            host = list(meta.dst_block_ids if src == CacheLevel.STORAGE else meta.src_block_ids)
-            limit = self.shape.num_host_blocks
-            bad = next((h for h in host if not 0 <= h < limit), None)
-            if bad is not None:
-                raise ValueError(
-                    f"transfer {meta.transfer_id}: host ids contain {bad}, outside [0, {limit})"
-                )
-            checked.append((meta, host, self._storage_keys(meta.block_hashes)))
-        submissions = [
-            Submission(
-                RequestKind.LOOKUP,
-                2 * q.lookup_id + 1,
-                self._storage_keys(q.block_hashes),
-                self._deadline(0.0),
-            )
-            for q in lookups
-        ]
-        for meta, host, keys in checked:
-            kind = RequestKind.LOAD if meta.dst_level == CacheLevel.HOST else RequestKind.STORE
-            submissions.append(
-                Submission(
-                    kind,
-                    2 * meta.transfer_id,
-                    keys,
-                    self._deadline(meta.timeout_s),
-                    [self._host_segments(h) for h in host],
-                    host,
-                )
-            )
-        engine.submit_all(submissions)  # all or nothing: a clash starts none of them
-        for meta, host, _ in checked:
-            self._storage_host[2 * meta.transfer_id] = host
-            if meta.dst_level == CacheLevel.HOST:
-                self._storage_counts.blocks_read += len(host)
-            else:
-                self._storage_counts.blocks_written += len(host)
+        self._storage.submit(load, store, lookups)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
@@ -492,9 +437,10 @@ class CacheController:
     def poll_results(self) -> list[TransferResult | LookupResult]:
         """Results of the copies, storage transfers and lookups finished since the
         last call (non-blocking)."""
-        results = self._count_failures(self.transfers.poll())
+        results: list[TransferResult | LookupResult] = []
+        results += self._count_failures(self.transfers.poll())
         if self._storage is not None:
-            return results + self._storage_results(self._storage.poll())
+            results += self._storage.poll()
         return results
 
     def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult | LookupResult]:
@@ -505,14 +451,10 @@ class CacheController:
             TransferTimeoutError: a copy is still running after `timeout` seconds.
         """
         end = time.monotonic() + timeout
-        results = self._count_failures(self.transfers.wait_all(timeout))
-        if self._storage is None:
-            return results
-        done = self._storage.wait_all(max(0.0, end - time.monotonic()))
-        results += self._storage_results(done)
-        while self._held and time.monotonic() < end:  # I/O still touching host blocks
-            time.sleep(0.005)
-            results += self._storage_results([])
+        results: list[TransferResult | LookupResult] = []
+        results += self._count_failures(self.transfers.wait_all(timeout))
+        if self._storage is not None:
+            results += self._storage.wait_all(max(0.0, end - time.monotonic()))
         return results
 
     # -- lifecycle ------------------------------------------------------------
@@ -577,11 +519,11 @@ class CacheController:
             return []
         end = time.monotonic() + timeout
         results: list[TransferResult | LookupResult] = list(self.wait_all(timeout))
-        engine = getattr(self, "_storage", None)
+        bridge = self._storage
         stuck: frozenset[int] = frozenset()
-        if engine is not None:
-            results += self._storage_results(engine.close(timeout))
-            stuck = engine.busy_host_blocks()
+        if bridge is not None:
+            results += bridge.close(timeout)
+            stuck = bridge.busy_host_blocks()
             self._storage = None
         self._release_gpu(max(1.0, end - time.monotonic()))
         if stuck:
@@ -913,75 +855,19 @@ class CacheController:
     def _attach_storage(
         self, storage: StorageBackend | None, namespace: bytes, tp_rank: int
     ) -> None:
-        self._storage: StorageIOEngine | None = None
-        self._storage_host: dict[int, list[int]] = {}  # engine request id -> host blocks
-        self._held: list[StorageCompletion] = []  # done, but I/O still touches blocks
+        self._storage: StorageBridge | None = None
         self._storage_counts = StorageCounters()
-        self._tp_rank = tp_rank
-        self._namespace = namespace
         if storage is None:
             return
+        host = HostTier(
+            tuple(self.host_ptrs), tuple(self.block_bytes), self.shape.num_host_blocks
+        )
         try:
-            if storage.layout != self.storage_layout():
-                raise ValueError(
-                    f"storage: the backend's block layout {storage.layout.segment_lengths} "
-                    f"is not this cache's {tuple(self.block_bytes)}"
-                )
-            StorageKey(namespace, bytes(32), tp_rank)  # validates both
-            self._storage = StorageIOEngine(storage)
+            self._storage = StorageBridge.open(storage, host, namespace, tp_rank)
         except BaseException:
             self.free_cache()
             raise
-
-    def _storage_keys(self, hashes: Sequence[object]) -> list[StorageKey]:
-        keys = []
-        for i, h in enumerate(hashes):
-            if not isinstance(h, bytes) or len(h) != 32:
-                raise ValueError(f"block_hashes[{i}]: a storage key needs a 32-byte block hash")
-            keys.append(StorageKey(self._namespace, h, self._tp_rank))
-        return keys
-
-    def _host_segments(self, host_block: int) -> list[tuple[int, int]]:
-        return [
-            (p + host_block * b, b)
-            for p, b in zip(self.host_ptrs, self.block_bytes, strict=True)
-        ]
-
-    @staticmethod
-    def _deadline(timeout_s: float) -> float:
-        return time.monotonic() + (timeout_s or _STORAGE_TIMEOUT_S)
-
-    def _storage_results(
-        self, completions: list[StorageCompletion]
-    ) -> list[TransferResult | LookupResult]:
-        """Completions as results; held back while I/O still touches their blocks."""
-        engine = self._storage
-        assert engine is not None
-        pending = self._held + completions
-        self._held = []
-        busy = engine.busy_host_blocks() if pending else frozenset()
-        out: list[TransferResult | LookupResult] = []
-        for c in pending:
-            if c.kind is RequestKind.LOOKUP:
-                hits = next((i for i, hit in enumerate(c.hits) if not hit), len(c.hits))
-                out.append(LookupResult(c.request_id // 2, hits))
-                continue
-            host = self._storage_host.get(c.request_id, [])
-            if busy and not busy.isdisjoint(host):
-                self._held.append(c)
-                continue
-            del self._storage_host[c.request_id]
-            failed = tuple(i for i, r in enumerate(c.results) if not r.ok)
-            error = ""
-            if failed:
-                first = c.results[failed[0]]
-                error = (
-                    f"{len(failed)} of {len(c.results)} blocks: {first.status.name} "
-                    f"{first.reason}"
-                )
-            self._storage_counts.failed_transfers += bool(failed)
-            out.append(TransferResult(c.request_id // 2, not failed, error, failed))
-        return out
+        self._storage_counts = self._storage.counts  # kept after free_cache
 
     def _count_failures(self, results: list[TransferResult]) -> list[TransferResult]:
         self._failed += sum(not r.success for r in results)
