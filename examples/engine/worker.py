@@ -156,7 +156,7 @@ class Worker:
                 self.storage.close()
             raise
         self.timings: list[TransferTiming] = []  # since the last StepOutput
-        self.ctrl.add_result_listener(self._on_result)
+        self.ctrl.add_transfer_listener(self._on_result)
         self.model = TinyTransformer(m, self.device, tp_rank=rank, tp_size=config.tp_size)
         self.kv = [
             (self.ctrl.key_caches[i], self.ctrl.value_caches[i]) for i in range(m.num_layers)

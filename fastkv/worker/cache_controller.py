@@ -380,8 +380,17 @@ class CacheController:
         self.transfers.order_compute(compute)
         return self._counter
 
-    def add_result_listener(self, listener: TransferListener) -> None:
-        """Call `listener` for every transfer result reported from now on (metrics)."""
+    def add_transfer_listener(self, listener: TransferListener) -> None:
+        """Call `listener` for every copy result collected from now on (metrics):
+        `listener(src_level, dst_level, num_blocks, seconds since launch, success)`,
+        as the scheduler's `CacheManager.add_transfer_listener` does for results it
+        applies.
+
+        Raises:
+            ValueError: `listener` is not callable.
+        """
+        if not callable(listener):
+            raise ValueError(f"listener: expected a callable, got {listener!r}")
         self._listeners.append(listener)
 
     @property

@@ -472,11 +472,11 @@ def test_fault_injection_fails_copies_before_they_touch_memory() -> None:
         CacheController(spec, fail_rate=1.5)
 
 
-def test_result_listeners_hear_each_transfer_with_its_direction_and_size() -> None:
+def test_transfer_listeners_hear_each_transfer_with_its_direction_and_size() -> None:
     spec = KVCacheSpec(2, 1, 4, 4, num_device_blocks=4, num_host_blocks=4, dtype="float32")
     heard = []
     with CacheController(spec) as ctrl:
-        ctrl.add_result_listener(lambda *event: heard.append(event))
+        ctrl.add_transfer_listener(lambda *event: heard.append(event))
         started = time.monotonic()
         ctrl.submit_swap_tasks(
             CacheSwapMetadata(0, CacheLevel.DEVICE, CacheLevel.HOST, [0, 1], [2, 3]),
