@@ -345,6 +345,8 @@ class FastDeployCacheController:
 
     @property
     def transfer_manager(self) -> Any:
+        """FastDeploy's name for what orders the copies: the controller's
+        TransferManager (read-only)."""
         return self._require().transfers
 
     # -- per step ---------------------------------------------------------------
@@ -397,15 +399,14 @@ class FastDeployCacheController:
                 fk_evict = dataclasses.replace(
                     fk_evict, reused_block_ids=list(evict.handed_over)
                 )
-            transfers = ctrl.transfers
-            evict_new = fk_evict is not None and not transfers.is_inflight(fk_evict.transfer_id)
+            evict_new = fk_evict is not None and not ctrl.is_inflight(fk_evict.transfer_id)
             try:
                 counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, (), compute_stream)
             except Exception as e:  # fail what did not start, never lose a result
                 # A launch error after the eviction started (a CUDA error on the
                 # load): the eviction still reads and writes its blocks, so its own
                 # result must come, not a failure that frees its host blocks now.
-                if evict_new and transfers.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
+                if evict_new and ctrl.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
                     self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
                     evict = None
                 return self._refuse_step(evict, swap, f"{type(e).__name__}: {e}")

@@ -90,6 +90,8 @@ class CacheController:
             stream on this controller's GPU, looked up at every step.
         fail_rate: fault injection: this fraction of copy calls fail before they
             touch memory (see `fastkv.worker.faults`); 0 in production.
+        config: the scheduler's CacheConfig, checked against `spec`
+            (`CacheShape.check_against`); None: not checked.
         storage: the storage tier's backend (`fastkv.storage`), or None; its block
             layout must be this cache's (`storage_layout()`). The controller runs
             storage transfers and lookups on an I/O engine of its own.
@@ -97,6 +99,10 @@ class CacheController:
             this cache (every field that changes a block's bytes); required with
             `storage`.
         tp_rank: this worker's rank: part of every storage key.
+
+    Attributes:
+        transfers: the TransferManager ordering this controller's copies, to read
+            (tests, an engine adapter that exposes it); never submit to it directly.
 
     Raises:
         ValueError: bad device string, or a GPU ordinal the core does not see.
@@ -392,6 +398,12 @@ class CacheController:
         if not callable(listener):
             raise ValueError(f"listener: expected a callable, got {listener!r}")
         self._listeners.append(listener)
+
+    def is_inflight(self, transfer_id: int) -> bool:
+        """Whether the device/host copy `transfer_id` was launched and its result is
+        not yet collected (`poll_results`, `wait_all`): it still reads or writes its
+        blocks, or its result waits to be reported."""
+        return self.transfers.is_inflight(transfer_id)
 
     @property
     def host_memory(self) -> tuple[int, int]:

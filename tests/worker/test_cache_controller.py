@@ -160,10 +160,12 @@ def test_a_transfer_id_still_in_flight_is_refused() -> None:
         release = threading.Event()
         gate.launch(lambda _: release.wait(5), pytest.fail)  # hold the output stream
         ctrl.submit_swap_tasks(d2h(3, [1], [1]), None)
+        assert ctrl.is_inflight(3) and not ctrl.is_inflight(4)
         with pytest.raises(ValueError, match="transfer_id: 3"):
             ctrl.submit_swap_tasks(None, h2d(3, [2], [2]))
         release.set()
         assert [r.transfer_id for r in ctrl.wait_all(5)] == [3]
+        assert not ctrl.is_inflight(3)
 
 
 def test_a_failed_load_is_reported_and_raises_at_its_layer(monkeypatch) -> None:
