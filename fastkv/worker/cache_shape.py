@@ -182,11 +182,25 @@ class MemoryPlan:
         )
 
     def describe(self) -> str:
-        made = "to allocate" if self.allocates_device else "adopted"
-        return (
-            f"device KV {self.device_bytes / 2**30:.2f} GiB ({made}), host tier "
-            f"{self.host_bytes / 2**30:.2f} GiB"
+        """One line for the log, e.g. "device KV 4.50 MiB (allocated by fastkv now),
+        host tier 48.02 MiB": sizes in the largest binary unit under which they are
+        at least 1; the KV tensors are allocated by the controller now, or the
+        engine's own tensors, adopted as they are (nothing new on the device)."""
+        made = (
+            "allocated by fastkv now"
+            if self.allocates_device
+            else "the engine's own, adopted: nothing new allocated"
         )
+        host = f"host tier {_size(self.host_bytes)}" if self.host_bytes else "no host tier"
+        return f"device KV {_size(self.device_bytes)} ({made}), {host}"
+
+
+def _size(nbytes: int) -> str:
+    """`nbytes` in B, KiB, MiB or GiB: the largest unit it is at least 1 of."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def host_region_bytes(block_bytes: Sequence[int], num_host_blocks: int) -> list[int]:
