@@ -1,12 +1,10 @@
 """The worker's cache controller: owns the KV tensors and the host cache, and runs
 the scheduler's swap metadata on them.
 
-Layout. Per layer (model layers, then extra speculative-decoding layers) the cache
-holds K and V tensors `[num_device_blocks, num_kv_heads, block_size, head_dim]`;
-with `dtype="fp8"` they are uint8 and each has a float32 scale tensor
-`[num_device_blocks, num_kv_heads]` that moves with its block. The flat list
-`caches` is layer-major: K0, V0, (K0 scale, V0 scale), K1, ... The host cache is
-one allocation per tier, pinned and bound to the GPU's NUMA node on a CUDA machine,
+Layout. The flat list `caches` is layer-major (model layers, then extra layers),
+each layer's tensors together: K0, V0, (K0 scale, V0 scale), K1, ... (see
+`KVCacheSpec` for the tensors a controller makes). The host cache is one allocation
+per tier, pinned and bound to the GPU's NUMA node on a CUDA machine,
 carved into one region per cache tensor: host block b of tensor i sits at
 `host_ptrs[i] + b * block_bytes[i]`, so the blocks of one layer are contiguous and
 consecutive ids coalesce into one copy.
@@ -44,7 +42,6 @@ from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
 from fastkv.storage.base import BlockLayout, StorageBackend
 from fastkv.worker.cache_shape import (
-    KV_DTYPES,
     CacheShape,
     KVCacheSpec,
     MemoryPlan,
@@ -53,6 +50,7 @@ from fastkv.worker.cache_shape import (
     host_region_bytes,
     tensor_block_bytes,
 )
+from fastkv.worker.device import init_cuda, paddle_stream_handle, parse_device
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
 from fastkv.worker.stats import ControllerStats, CopyCounters, StorageCounters
@@ -136,7 +134,7 @@ class CacheController:
             shape,
             plan,
             device,
-            lambda: self._make_device_caches(spec),
+            lambda: spec.make_tensors(device if device != "gpu" else "gpu:0"),
             num_threads,
             numa_node,
             streams,
@@ -222,7 +220,7 @@ class CacheController:
         self.shape = shape
         self.num_threads = num_threads
         self.device = device
-        gpu_index = _parse_device(device)
+        gpu_index = parse_device(device)
         self.gpu_index = gpu_index
         check_memory(plan, gpu_index)
         self.memory = plan
@@ -232,7 +230,7 @@ class CacheController:
         self._fixed_compute: Stream | None = None
         self._external: dict[int, CudaStream] = {}
         if gpu_index is not None:
-            _init_cuda(device, gpu_index)
+            init_cuda(device, gpu_index)
         self.caches = make_caches()
         self.block_bytes = [tensor_block_bytes(t) for t in self.caches]
         # The ops see every tensor with exactly the block ids the scheduler hands out
@@ -612,7 +610,7 @@ class CacheController:
         # are fire-and-forget: lowest, so they yield to everything else.
         self._input = CudaStream.new(gpu_index, self._pool, priority=1)
         self._output = CudaStream.new(gpu_index, self._pool, priority=-1)
-        self._compute = self._external_stream(_paddle_stream_handle(gpu_index))
+        self._compute = self._external_stream(paddle_stream_handle(gpu_index))
 
     def _external_stream(self, handle: int) -> CudaStream:
         stream = self._external.get(handle)
@@ -628,7 +626,7 @@ class CacheController:
             compute = self._fixed_compute
             if compute is None:
                 assert self.gpu_index is not None
-                compute = self._external_stream(_paddle_stream_handle(self.gpu_index))
+                compute = self._external_stream(paddle_stream_handle(self.gpu_index))
         elif isinstance(compute_stream, int):
             if self.gpu_index is None:
                 raise ValueError(
@@ -659,20 +657,6 @@ class CacheController:
             self.shape.num_host_blocks,
             gpu_index,
         )
-
-    def _make_device_caches(self, s: KVCacheSpec) -> list[paddle.Tensor]:
-        place = self.device if self.device != "gpu" else "gpu:0"
-        kv_shape = [s.num_device_blocks, s.num_kv_heads, s.block_size, s.head_dim]
-        scale_shape = [s.num_device_blocks, s.num_kv_heads]
-        dtype = KV_DTYPES[s.dtype]
-        caches = []
-        for _ in range(s.total_layers):
-            caches.append(paddle.zeros(kv_shape, dtype=dtype, device=place))
-            caches.append(paddle.zeros(kv_shape, dtype=dtype, device=place))
-            if s.dtype == "fp8":
-                caches.append(paddle.zeros(scale_shape, dtype="float32", device=place))
-                caches.append(paddle.zeros(scale_shape, dtype="float32", device=place))
-        return caches
 
     def _allocate_host(self, gpu_index: int | None, numa_node: int | None) -> None:
         sizes = host_region_bytes(self.block_bytes, self.shape.num_host_blocks)
@@ -908,41 +892,6 @@ class CacheController:
 
 def _no_op() -> None:
     pass
-
-
-def _parse_device(device: str) -> int | None:
-    """None for the CPU, else the CUDA ordinal."""
-    if device == "cpu":
-        return None
-    name, _, index = device.partition(":")
-    if name != "gpu" or (index and not index.isdigit()):
-        raise ValueError(f"device: expected 'cpu', 'gpu' or 'gpu:N', got {device!r}")
-    if not paddle.is_compiled_with_cuda():
-        raise RuntimeError(
-            f"device {device!r}: this Paddle build has no CUDA (install paddlepaddle-gpu); "
-            f"{core.cuda_info().describe()}"
-        )
-    return int(index or 0)
-
-
-def _init_cuda(device: str, gpu_index: int) -> None:
-    """Checks the core can use the GPU and initialises its CUDA path now (staging
-    ring, kernel module), so problems surface here and not at the first swap."""
-    info = core.cuda_info()
-    if info.device_count == 0:
-        raise RuntimeError(f"device {device!r}: no usable CUDA device. {info.describe()}")
-    if gpu_index >= info.device_count:
-        raise ValueError(
-            f"device: {device!r} out of range: the core sees {info.device_count} device(s)"
-        )
-    core.cuda_init(gpu_index)
-
-
-def _paddle_stream_handle(gpu_index: int) -> int:
-    """cudaStream_t of Paddle's current stream on `gpu_index` (where the model's
-    kernels run), whatever device the calling thread has current."""
-    stream = paddle.device.cuda.current_stream(gpu_index)
-    return int(stream.cuda_stream)
 
 
 __all__ = ["CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"]

@@ -25,6 +25,11 @@ class KVCacheSpec:
     """Shapes of one worker's KV cache (`from_config` derives it from the cache's
     identity, `CacheConfig` and `ModelKVShape`).
 
+    Per layer (model layers, then extra speculative-decoding layers) the cache holds
+    K and V tensors `[num_device_blocks, num_kv_heads, block_size, head_dim]`; with
+    `dtype="fp8"` they are uint8 and each has a float32 scale tensor
+    `[num_device_blocks, num_kv_heads]` that moves with its block.
+
     Raises:
         ValueError: a field is out of range (the message names it).
     """
@@ -101,6 +106,21 @@ class KVCacheSpec:
             self.block_size,
             self.dtype,
         )
+
+    def make_tensors(self, place: str) -> list[paddle.Tensor]:
+        """Zeroed cache tensors on `place` ("cpu", "gpu:N"), layer-major: K, V (and
+        for fp8 the K and V scales) of each layer."""
+        kv_shape = [self.num_device_blocks, self.num_kv_heads, self.block_size, self.head_dim]
+        scale_shape = [self.num_device_blocks, self.num_kv_heads]
+        dtype = KV_DTYPES[self.dtype]
+        caches = []
+        for _ in range(self.total_layers):
+            caches.append(paddle.zeros(kv_shape, dtype=dtype, device=place))
+            caches.append(paddle.zeros(kv_shape, dtype=dtype, device=place))
+            if self.dtype == "fp8":
+                caches.append(paddle.zeros(scale_shape, dtype="float32", device=place))
+                caches.append(paddle.zeros(scale_shape, dtype="float32", device=place))
+        return caches
 
     def block_bytes(self) -> list[int]:
         """Bytes of one block of each cache tensor, in `caches` order."""
