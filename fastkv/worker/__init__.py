@@ -1,8 +1,9 @@
 """Worker side of fastkv: owns the KV tensors and the host cache and moves blocks.
 
-`CacheController` and `KVCacheSpec` need Paddle and the built ops; they load on
-first use, so `fastkv.worker.numa`, `.streams` and `.transfer_manager` import
-without them.
+`CacheController` (`.cache_controller`) and `KVCacheSpec`, `CacheShape`,
+`MemoryPlan` (`.cache_shape`) need Paddle and the built ops; they load on first use,
+so `fastkv.worker.numa`, `.streams`, `.transfer_manager`, `.storage_bridge` and
+`.stats` import without them.
 """
 
 from __future__ import annotations
