@@ -894,4 +894,4 @@ def _no_op() -> None:
     pass
 
 
-__all__ = ["CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"]
+__all__ = ["CacheController"]
