@@ -8,25 +8,18 @@ cached block read is checked against the bytes written when it was computed.
 
 import numpy as np
 
-from fastkv import CacheConfig
+from fastkv import CacheConfig, ModelKVShape
 from fastkv.hashing import BlockHasher, namespace_root
 from fastkv.scheduler import AllocStatus, CacheManager, Slot
 from fastkv.worker import CacheController, KVCacheSpec
 
 BS = 4  # tokens per block
-config = CacheConfig(block_size=BS, num_device_blocks=6, num_host_blocks=16, model_id="demo")
-mgr = CacheManager(config)
-ctrl = CacheController(
-    KVCacheSpec(
-        num_layers=2,
-        num_kv_heads=1,
-        head_dim=8,
-        block_size=BS,
-        num_device_blocks=6,
-        num_host_blocks=16,
-        dtype="float32",
-    )
+config = CacheConfig(
+    block_size=BS, num_device_blocks=6, num_host_blocks=16, model_id="demo", kv_dtype="float32"
 )
+model_kv = ModelKVShape(num_layers=2, num_kv_heads=1, head_dim=8)  # one rank's KV per layer
+mgr = CacheManager(config)
+ctrl = CacheController(KVCacheSpec.from_config(config, model_kv), config=config)
 root = namespace_root(config.namespace_key())
 rng = np.random.default_rng(0)
 written: dict[bytes, bytes] = {}  # block hash -> the KV bytes computed for it

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, ModelKVShape
 from fastkv.metadata import CacheSwapMetadata, LookupResult, TransferResult
 from fastkv.scheduler import AllocStatus, CacheManager, CacheStats
 
@@ -216,10 +216,13 @@ class DiskStorage:
             directory, BlockLayout((self.PAYLOAD,)), capacity_blocks=capacity
         )
         self.backend.wait_recovered(600.0)
-        namespace = StorageNamespace(
-            "trace-replay", "trace", "bfloat16", TRACE_BLOCK_SIZE, 1, 1, 1, 1
+        # The identity of a stand-in cache, as an engine would state its own: a
+        # one-layer, one-head model whose blocks are the payload above.
+        cache = CacheConfig(
+            block_size=TRACE_BLOCK_SIZE, model_id="trace", namespace="trace-replay"
         )
-        self._namespace = namespace.digest()
+        model_kv = ModelKVShape(num_layers=1, num_kv_heads=1, head_dim=1)
+        self._namespace = StorageNamespace.of(cache, model_kv).digest()
         self._host = np.zeros((max(1, num_host_blocks), self.PAYLOAD), dtype=np.uint8)
 
     def _keys(self, keys: Sequence[bytes]) -> list[object]:

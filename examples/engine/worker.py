@@ -47,6 +47,7 @@ from examples.engine.protocol import (
     WorkerStats,
 )
 from examples.engine.rank_group import RankGroup
+from fastkv.config import CacheConfig, ModelKVShape
 from fastkv.metadata import CacheLevel
 from fastkv.worker.stats import ControllerStats
 
@@ -122,6 +123,7 @@ class Worker:
             import paddle
 
         from examples.engine.model import TinyTransformer
+        from fastkv.storage import StorageNamespace
         from fastkv.worker import CacheController, KVCacheSpec
 
         self.config = config
@@ -141,15 +143,9 @@ class Worker:
         self.rank = rank
         self.group = group
         m = config.model
-        spec = KVCacheSpec(
-            num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads // config.tp_size,
-            head_dim=m.head_dim,
-            block_size=config.block_size,
-            num_device_blocks=config.num_device_blocks,
-            num_host_blocks=config.num_host_blocks,
-            dtype=config.kv_dtype,
-        )
+        cache = _cache_identity(config, rank)
+        model_kv = ModelKVShape(m.num_layers, m.num_kv_heads // config.tp_size, m.head_dim)
+        spec = KVCacheSpec.from_config(cache, model_kv)
         self.storage = _storage_backend(config, spec, rank)
         try:
             self.ctrl = CacheController(
@@ -157,7 +153,7 @@ class Worker:
                 device=self.device,
                 fail_rate=config.rank_fail_rate(rank),
                 storage=self.storage,
-                storage_namespace=_storage_namespace(config, spec),
+                storage_namespace=StorageNamespace.of(cache, model_kv).digest(),
                 tp_rank=rank,
             )
         except BaseException:
@@ -165,7 +161,7 @@ class Worker:
                 self.storage.close()
             raise
         self.timings: list[TransferTiming] = []  # since the last StepOutput
-        self.ctrl.add_result_listener(self._on_result)
+        self.ctrl.add_transfer_listener(self._on_result)
         self.model = TinyTransformer(m, self.device, tp_rank=rank, tp_size=config.tp_size)
         self.kv = [
             (self.ctrl.key_caches[i], self.ctrl.value_caches[i]) for i in range(m.num_layers)
@@ -443,18 +439,18 @@ def _storage_backend(config: EngineConfig, spec: object, rank: int) -> object | 
     return LocalDiskBackend(directory, layout, capacity_blocks=config.storage_blocks)
 
 
-def _storage_namespace(config: EngineConfig, spec: object) -> bytes:
-    """Everything that changes a block's bytes, so another model or layout never hits."""
-    from fastkv.storage import StorageNamespace
-
-    m = config.model
-    return StorageNamespace(
-        f"fastkv-engine-demo/seed{m.seed}",
-        "tiny-transformer",
-        config.kv_dtype,
-        config.block_size,
-        config.tp_size,
-        m.num_layers,
-        spec.num_kv_heads,  # type: ignore[attr-defined]
-        m.head_dim,
-    ).digest()
+def _cache_identity(config: EngineConfig, rank: int) -> CacheConfig:
+    """The cache as this rank's worker names it: the engine's pools and dtype, and
+    a namespace of the weights (their seed: other weights, other bytes), so that a
+    storage directory kept across runs never serves another model's blocks. Its
+    storage namespace is the one this demo has always keyed its blocks under."""
+    return CacheConfig(
+        block_size=config.block_size,
+        num_device_blocks=config.num_device_blocks,
+        num_host_blocks=config.num_host_blocks,
+        kv_dtype=config.kv_dtype,
+        model_id="tiny-transformer",
+        tp_rank=rank,
+        tp_size=config.tp_size,
+        namespace=f"fastkv-engine-demo/seed{config.model.seed}",
+    )

@@ -345,6 +345,8 @@ class FastDeployCacheController:
 
     @property
     def transfer_manager(self) -> Any:
+        """FastDeploy's name for what orders the copies: the controller's
+        TransferManager (read-only)."""
         return self._require().transfers
 
     # -- per step ---------------------------------------------------------------
@@ -397,15 +399,14 @@ class FastDeployCacheController:
                 fk_evict = dataclasses.replace(
                     fk_evict, reused_block_ids=list(evict.handed_over)
                 )
-            transfers = ctrl.transfers
-            evict_new = fk_evict is not None and not transfers.is_inflight(fk_evict.transfer_id)
+            evict_new = fk_evict is not None and not ctrl.is_inflight(fk_evict.transfer_id)
             try:
                 counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, (), compute_stream)
             except Exception as e:  # fail what did not start, never lose a result
                 # A launch error after the eviction started (a CUDA error on the
                 # load): the eviction still reads and writes its blocks, so its own
                 # result must come, not a failure that frees its host blocks now.
-                if evict_new and transfers.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
+                if evict_new and ctrl.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
                     self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
                     evict = None
                 return self._refuse_step(evict, swap, f"{type(e).__name__}: {e}")
@@ -628,6 +629,7 @@ class FastDeployCacheController:
         and the per-rank head shape, so a different cache never hits."""
         if self._storage_dir is None:
             return None, b""
+        from fastkv.config import ModelKVShape
         from fastkv.storage import BlockLayout, StorageNamespace
         from fastkv.storage.local_disk import LocalDiskBackend
 
@@ -639,18 +641,12 @@ class FastDeployCacheController:
                 per_block *= d
             lengths.append(per_block * int(t.element_size()))
         shape = [int(d) for d in caches[0].shape]
-        model = getattr(getattr(self.fd_config, "model_config", None), "model", None)
-        namespace = StorageNamespace(
-            config.namespace_key(),
-            str(model) if model else "fastdeploy",
-            config.kv_dtype,
-            config.block_size,
-            self.tp_size,
-            len(caches) // per_layer - num_extra,
-            shape[1],
-            shape[-1],
-            num_extra_layers=num_extra,
-        ).digest()
+        # config.model_id is FastDeploy's model path (or "fastdeploy"), its tp_size
+        # FastDeploy's: the digest stays the one this adapter always keyed under.
+        model_kv = ModelKVShape(
+            len(caches) // per_layer - num_extra, shape[1], shape[-1], num_extra
+        )
+        namespace = StorageNamespace.of(config, model_kv).digest()
         backend = LocalDiskBackend(
             self._storage_dir,
             BlockLayout(tuple(lengths)),

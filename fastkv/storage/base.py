@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import IntEnum
 
+from fastkv.config import CacheConfig, ModelKVShape
 from fastkv.metadata import DIGEST_BYTES
 
 Segment = tuple[int, int]
@@ -42,7 +43,8 @@ MAX_RANK = (1 << 16) - 1
 @dataclass(frozen=True, slots=True)
 class StorageNamespace:
     """Everything that changes a block's bytes; its digest roots every storage key,
-    so two caches that differ in any field never share a hit.
+    so two caches that differ in any field never share a hit. Build it with
+    `StorageNamespace.of(config, model_kv)` from the cache's identity.
 
     Attributes:
         cache_namespace: the scheduler's namespace string (CacheConfig.namespace_key()).
@@ -93,6 +95,35 @@ class StorageNamespace:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
+
+    @classmethod
+    def of(cls, config: CacheConfig, model_kv: ModelKVShape) -> StorageNamespace:
+        """The namespace of the cache `config` and `model_kv` name: the scheduler's
+        namespace key, model id, KV dtype, block size and TP size from `config`;
+        layers, KV heads per rank, head size and extra layers from `model_kv`.
+        `revision`, `scale_format` and `layout_version` keep their defaults.
+
+        Raises:
+            ValueError: `config` is not a CacheConfig or `model_kv` not a
+                ModelKVShape.
+        """
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        if not isinstance(model_kv, ModelKVShape):
+            raise ValueError(
+                f"model_kv: expected a ModelKVShape, got {type(model_kv).__name__}"
+            )
+        return cls(
+            cache_namespace=config.namespace_key(),
+            model_id=config.model_id,
+            kv_dtype=config.kv_dtype,
+            block_size=config.block_size,
+            tp_size=config.tp_size,
+            num_layers=model_kv.num_layers,
+            num_kv_heads=model_kv.num_kv_heads,
+            head_dim=model_kv.head_dim,
+            num_extra_layers=model_kv.num_extra_layers,
+        )
 
     def digest(self) -> bytes:
         """32 bytes: SHA-256 of the fields as canonical JSON (sorted keys)."""

@@ -1,12 +1,10 @@
 """The worker's cache controller: owns the KV tensors and the host cache, and runs
 the scheduler's swap metadata on them.
 
-Layout. Per layer (model layers, then extra speculative-decoding layers) the cache
-holds K and V tensors `[num_device_blocks, num_kv_heads, block_size, head_dim]`;
-with `dtype="fp8"` they are uint8 and each has a float32 scale tensor
-`[num_device_blocks, num_kv_heads]` that moves with its block. The flat list
-`caches` is layer-major: K0, V0, (K0 scale, V0 scale), K1, ... The host cache is
-one allocation per tier, pinned and bound to the GPU's NUMA node on a CUDA machine,
+Layout. The flat list `caches` is layer-major (model layers, then extra layers),
+each layer's tensors together: K0, V0, (K0 scale, V0 scale), K1, ... (see
+`KVCacheSpec` for the tensors a controller makes). The host cache is one allocation
+per tier, pinned and bound to the GPU's NUMA node on a CUDA machine,
 carved into one region per cache tensor: host block b of tensor i sits at
 `host_ptrs[i] + b * block_bytes[i]`, so the blocks of one layer are contiguous and
 consecutive ids coalesce into one copy.
@@ -28,7 +26,6 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,16 +40,21 @@ from fastkv.metadata import (
 )
 from fastkv.ops import core, paddle_ops
 from fastkv.ops.core import CudaCaptureError, Direction
-from fastkv.storage.base import BlockLayout, StorageBackend, StorageKey
-from fastkv.storage.io_engine import (
-    RequestKind,
-    StorageCompletion,
-    StorageIOEngine,
-    Submission,
+from fastkv.storage.base import BlockLayout, StorageBackend
+from fastkv.worker.cache_shape import (
+    CacheShape,
+    KVCacheSpec,
+    MemoryPlan,
+    adopted_shape,
+    check_memory,
+    host_region_bytes,
+    tensor_block_bytes,
 )
+from fastkv.worker.device import init_cuda, paddle_stream_handle, parse_device
 from fastkv.worker.faults import FaultInjector
 from fastkv.worker.numa import host_numa_node
-from fastkv.worker.stats import ControllerStats
+from fastkv.worker.stats import ControllerStats, CopyCounters, StorageCounters
+from fastkv.worker.storage_bridge import HostTier, StorageBridge
 from fastkv.worker.streams import (
     CopyLayer,
     CopyLayers,
@@ -71,133 +73,6 @@ from fastkv.worker.transfer_manager import (
 paddle = paddle_ops.paddle
 log = logging.getLogger(__name__)
 
-KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
-_HOST_REGION_ALIGN = 4096
-_STORAGE_TIMEOUT_S = 30.0  # a storage transfer's deadline when the metadata gives none
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    """Shapes of one worker's KV cache.
-
-    Raises:
-        ValueError: a field is out of range (the message names it).
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    num_device_blocks: int
-    num_host_blocks: int
-    dtype: str = "bfloat16"
-    num_extra_layers: int = 0
-
-    def __post_init__(self) -> None:
-        for name, low in (
-            ("num_layers", 1),
-            ("num_kv_heads", 1),
-            ("head_dim", 1),
-            ("block_size", 1),
-            ("num_device_blocks", 1),
-            ("num_host_blocks", 0),
-            ("num_extra_layers", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
-        if self.dtype not in KV_DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(KV_DTYPES)}")
-
-    @property
-    def total_layers(self) -> int:
-        return self.num_layers + self.num_extra_layers
-
-    @property
-    def tensors_per_layer(self) -> int:
-        return 4 if self.dtype == "fp8" else 2
-
-    def shape(self) -> CacheShape:
-        return CacheShape(
-            self.total_layers,
-            self.tensors_per_layer,
-            self.num_device_blocks,
-            self.num_host_blocks,
-            self.block_size,
-            self.dtype,
-        )
-
-    def block_bytes(self) -> list[int]:
-        """Bytes of one block of each cache tensor, in `caches` order."""
-        kv = self.num_kv_heads * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
-        per_layer = [kv, kv] + ([4 * self.num_kv_heads] * 2 if self.dtype == "fp8" else [])
-        return per_layer * self.total_layers
-
-
-@dataclass(frozen=True, slots=True)
-class CacheShape:
-    """What the controller needs to know of its cache, however it was made.
-
-    Attributes:
-        num_layers: layers with cache tensors (model layers, then extra layers).
-        tensors_per_layer: cache tensors per layer (K, V; plus scales for fp8; one
-            latent tensor for MLA).
-        num_device_blocks: block ids the scheduler hands out (every tensor has at
-            least this many blocks).
-        num_host_blocks: blocks of the host tier.
-        block_size: tokens per block.
-        dtype: the KV dtype name (CacheConfig.kv_dtype's vocabulary).
-    """
-
-    num_layers: int
-    tensors_per_layer: int
-    num_device_blocks: int
-    num_host_blocks: int
-    block_size: int
-    dtype: str
-
-    def check_against(self, config: CacheConfig) -> None:
-        """The one shape contract between the halves: the scheduler's CacheConfig
-        and the worker's cache agree on block size, block counts and dtype.
-
-        Raises:
-            ValueError: they disagree; the message names the field and both values.
-        """
-        for name, mine, theirs in (
-            ("block_size", self.block_size, config.block_size),
-            ("num_device_blocks", self.num_device_blocks, config.num_device_blocks),
-            ("num_host_blocks", self.num_host_blocks, config.num_host_blocks),
-            ("kv_dtype", self.dtype, config.kv_dtype),
-        ):
-            if mine != theirs:
-                raise ValueError(
-                    f"{name}: the worker's cache has {mine!r}, the scheduler's CacheConfig "
-                    f"{theirs!r}; build both from one configuration"
-                )
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryPlan:
-    """The memory a controller takes, stated (and checked) before it takes it.
-
-    Attributes:
-        device_bytes: KV tensors (already allocated by the engine when adopted).
-        host_bytes: the host tier, one allocation.
-        allocates_device: whether the controller allocates the device tensors.
-    """
-
-    device_bytes: int
-    host_bytes: int
-    allocates_device: bool
-
-    def describe(self) -> str:
-        made = "to allocate" if self.allocates_device else "adopted"
-        return (
-            f"device KV {self.device_bytes / 2**30:.2f} GiB ({made}), host tier "
-            f"{self.host_bytes / 2**30:.2f} GiB"
-        )
-
 
 class CacheController:
     """Creates the KV cache tensors and the host cache, and executes swaps.
@@ -213,12 +88,19 @@ class CacheController:
             stream on this controller's GPU, looked up at every step.
         fail_rate: fault injection: this fraction of copy calls fail before they
             touch memory (see `fastkv.worker.faults`); 0 in production.
+        config: the scheduler's CacheConfig, checked against `spec`
+            (`CacheShape.check_against`); None: not checked.
         storage: the storage tier's backend (`fastkv.storage`), or None; its block
             layout must be this cache's (`storage_layout()`). The controller runs
             storage transfers and lookups on an I/O engine of its own.
-        storage_namespace: `StorageNamespace(...).digest()` of this cache (every
-            field that changes a block's bytes); required with `storage`.
+        storage_namespace: `StorageNamespace.of(config, model_kv).digest()` of
+            this cache (every field that changes a block's bytes); required with
+            `storage`.
         tp_rank: this worker's rank: part of every storage key.
+
+    Attributes:
+        transfers: the TransferManager ordering this controller's copies, to read
+            (tests, an engine adapter that exposes it); never submit to it directly.
 
     Raises:
         ValueError: bad device string, or a GPU ordinal the core does not see.
@@ -244,17 +126,15 @@ class CacheController:
         if config is not None:
             shape.check_against(config)
         block_bytes = spec.block_bytes()
-        plan = MemoryPlan(
-            sum(block_bytes) * spec.num_device_blocks,
-            _host_tier_bytes(block_bytes, spec.num_host_blocks),
-            allocates_device=True,
+        plan = MemoryPlan.of(
+            block_bytes, spec.num_device_blocks, spec.num_host_blocks, allocates_device=True
         )
         self.spec: KVCacheSpec | None = spec
         self._start(
             shape,
             plan,
             device,
-            lambda: self._make_device_caches(spec),
+            lambda: spec.make_tensors(device if device != "gpu" else "gpu:0"),
             num_threads,
             numa_node,
             streams,
@@ -308,12 +188,13 @@ class CacheController:
                 a host tier larger than the memory available; nothing is allocated.
         """
         caches = list(caches)
-        shape, block_bytes, device = _adopted_shape(
+        shape, block_bytes, device = adopted_shape(
             caches, config, tensors_per_layer, num_extra_layers, block_axis
         )
-        plan = MemoryPlan(
-            sum(block_bytes) * config.num_device_blocks,
-            _host_tier_bytes(block_bytes, config.num_host_blocks),
+        plan = MemoryPlan.of(
+            block_bytes,
+            config.num_device_blocks,
+            config.num_host_blocks,
             allocates_device=False,
         )
         self = cls.__new__(cls)
@@ -339,9 +220,9 @@ class CacheController:
         self.shape = shape
         self.num_threads = num_threads
         self.device = device
-        gpu_index = _parse_device(device)
+        gpu_index = parse_device(device)
         self.gpu_index = gpu_index
-        _check_memory(plan, gpu_index)
+        check_memory(plan, gpu_index)
         self.memory = plan
         log.info("fastkv cache on %s: %s", device, plan.describe())
         self._layout: core.Layout | None = None
@@ -349,9 +230,9 @@ class CacheController:
         self._fixed_compute: Stream | None = None
         self._external: dict[int, CudaStream] = {}
         if gpu_index is not None:
-            _init_cuda(device, gpu_index)
+            init_cuda(device, gpu_index)
         self.caches = make_caches()
-        self.block_bytes = [_block_bytes(t) for t in self.caches]
+        self.block_bytes = [tensor_block_bytes(t) for t in self.caches]
         # The ops see every tensor with exactly the block ids the scheduler hands out
         # (extra layers may hold more): a leading slice is a contiguous view.
         n = shape.num_device_blocks
@@ -373,8 +254,8 @@ class CacheController:
             self._input, self._output, self._compute, shape.num_layers
         )
         self._counter = self.transfers.guard_writes(())
-        self._d2h = [0, 0, 0]  # transfers, blocks, bytes
-        self._h2d = [0, 0, 0]
+        self._d2h = CopyCounters()
+        self._h2d = CopyCounters()
         self._failed = 0
         self._freed = False
         self._listeners: list[TransferListener] = []
@@ -503,9 +384,24 @@ class CacheController:
         self.transfers.order_compute(compute)
         return self._counter
 
-    def add_result_listener(self, listener: TransferListener) -> None:
-        """Call `listener` for every transfer result reported from now on (metrics)."""
+    def add_transfer_listener(self, listener: TransferListener) -> None:
+        """Call `listener` for every copy result collected from now on (metrics):
+        `listener(src_level, dst_level, num_blocks, seconds since launch, success)`,
+        as the scheduler's `CacheManager.add_transfer_listener` does for results it
+        applies.
+
+        Raises:
+            ValueError: `listener` is not callable.
+        """
+        if not callable(listener):
+            raise ValueError(f"listener: expected a callable, got {listener!r}")
         self._listeners.append(listener)
+
+    def is_inflight(self, transfer_id: int) -> bool:
+        """Whether the device/host copy `transfer_id` was launched and its result is
+        not yet collected (`poll_results`, `wait_all`): it still reads or writes its
+        blocks, or its result waits to be reported."""
+        return self.transfers.is_inflight(transfer_id)
 
     @property
     def host_memory(self) -> tuple[int, int]:
@@ -540,56 +436,11 @@ class CacheController:
                 touch; nothing is started.
         """
         self._check_live()
-        engine = self._storage
-        if engine is None:
+        if self._storage is None:
             if load is None and store is None and not lookups:
                 return
             raise ValueError("storage: this controller has no storage tier")
-        checked = []
-        for meta, src, dst in (
-            (load, CacheLevel.STORAGE, CacheLevel.HOST),
-            (store, CacheLevel.HOST, CacheLevel.STORAGE),
-        ):
-            if meta is None:
-                continue
-            if (meta.src_level, meta.dst_level) != (src, dst):
-                raise ValueError(
-                    f"transfer {meta.transfer_id}: expected {src.name}->{dst.name}, got "
-                    f"{meta.src_level.name}->{meta.dst_level.name}"
-                )
-            host = list(meta.dst_block_ids if src == CacheLevel.STORAGE else meta.src_block_ids)
-            limit = self.shape.num_host_blocks
-            bad = next((h for h in host if not 0 <= h < limit), None)
-            if bad is not None:
-                raise ValueError(
-                    f"transfer {meta.transfer_id}: host ids contain {bad}, outside [0, {limit})"
-                )
-            checked.append((meta, host, self._storage_keys(meta.block_hashes)))
-        submissions = [
-            Submission(
-                RequestKind.LOOKUP,
-                2 * q.lookup_id + 1,
-                self._storage_keys(q.block_hashes),
-                self._deadline(0.0),
-            )
-            for q in lookups
-        ]
-        for meta, host, keys in checked:
-            kind = RequestKind.LOAD if meta.dst_level == CacheLevel.HOST else RequestKind.STORE
-            submissions.append(
-                Submission(
-                    kind,
-                    2 * meta.transfer_id,
-                    keys,
-                    self._deadline(meta.timeout_s),
-                    [self._host_segments(h) for h in host],
-                    host,
-                )
-            )
-        engine.submit_all(submissions)  # all or nothing: a clash starts none of them
-        for meta, host, _ in checked:
-            self._storage_host[2 * meta.transfer_id] = host
-            self._storage_blocks[meta.dst_level == CacheLevel.HOST] += len(host)
+        self._storage.submit(load, store, lookups)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`LayerDoneCounter.wait_for_layer` on the latest step's counter (on a GPU
@@ -605,9 +456,10 @@ class CacheController:
     def poll_results(self) -> list[TransferResult | LookupResult]:
         """Results of the copies, storage transfers and lookups finished since the
         last call (non-blocking)."""
-        results = self._count_failures(self.transfers.poll())
+        results: list[TransferResult | LookupResult] = []
+        results += self._count_failures(self.transfers.poll())
         if self._storage is not None:
-            return results + self._storage_results(self._storage.poll())
+            results += self._storage.poll()
         return results
 
     def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> list[TransferResult | LookupResult]:
@@ -618,34 +470,30 @@ class CacheController:
             TransferTimeoutError: a copy is still running after `timeout` seconds.
         """
         end = time.monotonic() + timeout
-        results = self._count_failures(self.transfers.wait_all(timeout))
-        if self._storage is None:
-            return results
-        done = self._storage.wait_all(max(0.0, end - time.monotonic()))
-        results += self._storage_results(done)
-        while self._held and time.monotonic() < end:  # I/O still touching host blocks
-            time.sleep(0.005)
-            results += self._storage_results([])
+        results: list[TransferResult | LookupResult] = []
+        results += self._count_failures(self.transfers.wait_all(timeout))
+        if self._storage is not None:
+            results += self._storage.wait_all(max(0.0, end - time.monotonic()))
         return results
 
     # -- lifecycle ------------------------------------------------------------
 
     def get_stats(self) -> ControllerStats:
         return ControllerStats(
-            device_to_host_transfers=self._d2h[0],
-            host_to_device_transfers=self._h2d[0],
-            device_to_host_blocks=self._d2h[1],
-            host_to_device_blocks=self._h2d[1],
-            device_to_host_bytes=self._d2h[2],
-            host_to_device_bytes=self._h2d[2],
-            failed_transfers=self._failed,
+            device_to_host_transfers=self._d2h.transfers,
+            host_to_device_transfers=self._h2d.transfers,
+            device_to_host_blocks=self._d2h.blocks,
+            host_to_device_blocks=self._h2d.blocks,
+            device_to_host_bytes=self._d2h.nbytes,
+            host_to_device_bytes=self._h2d.nbytes,
+            failed_transfers=self._failed + self._storage_counts.failed_transfers,
             inflight_transfers=self.transfers.num_inflight,
             ordering_waits=self.transfers.ordering_waits,
             device_cache_bytes=sum(self.block_bytes) * self.shape.num_device_blocks,
             host_cache_bytes=self._host_bytes,
             numa_node=self.numa_node,
-            storage_blocks_read=self._storage_blocks[1],
-            storage_blocks_written=self._storage_blocks[0],
+            storage_blocks_read=self._storage_counts.blocks_read,
+            storage_blocks_written=self._storage_counts.blocks_written,
         )
 
     def reset_cache(
@@ -690,11 +538,11 @@ class CacheController:
             return []
         end = time.monotonic() + timeout
         results: list[TransferResult | LookupResult] = list(self.wait_all(timeout))
-        engine = getattr(self, "_storage", None)
+        bridge = self._storage
         stuck: frozenset[int] = frozenset()
-        if engine is not None:
-            results += self._storage_results(engine.close(timeout))
-            stuck = engine.busy_host_blocks()
+        if bridge is not None:
+            results += bridge.close(timeout)
+            stuck = bridge.busy_host_blocks()
             self._storage = None
         self._release_gpu(max(1.0, end - time.monotonic()))
         if stuck:
@@ -762,7 +610,7 @@ class CacheController:
         # are fire-and-forget: lowest, so they yield to everything else.
         self._input = CudaStream.new(gpu_index, self._pool, priority=1)
         self._output = CudaStream.new(gpu_index, self._pool, priority=-1)
-        self._compute = self._external_stream(_paddle_stream_handle(gpu_index))
+        self._compute = self._external_stream(paddle_stream_handle(gpu_index))
 
     def _external_stream(self, handle: int) -> CudaStream:
         stream = self._external.get(handle)
@@ -778,7 +626,7 @@ class CacheController:
             compute = self._fixed_compute
             if compute is None:
                 assert self.gpu_index is not None
-                compute = self._external_stream(_paddle_stream_handle(self.gpu_index))
+                compute = self._external_stream(paddle_stream_handle(self.gpu_index))
         elif isinstance(compute_stream, int):
             if self.gpu_index is None:
                 raise ValueError(
@@ -810,22 +658,8 @@ class CacheController:
             gpu_index,
         )
 
-    def _make_device_caches(self, s: KVCacheSpec) -> list[paddle.Tensor]:
-        place = self.device if self.device != "gpu" else "gpu:0"
-        kv_shape = [s.num_device_blocks, s.num_kv_heads, s.block_size, s.head_dim]
-        scale_shape = [s.num_device_blocks, s.num_kv_heads]
-        dtype = KV_DTYPES[s.dtype]
-        caches = []
-        for _ in range(s.total_layers):
-            caches.append(paddle.zeros(kv_shape, dtype=dtype, device=place))
-            caches.append(paddle.zeros(kv_shape, dtype=dtype, device=place))
-            if s.dtype == "fp8":
-                caches.append(paddle.zeros(scale_shape, dtype="float32", device=place))
-                caches.append(paddle.zeros(scale_shape, dtype="float32", device=place))
-        return caches
-
     def _allocate_host(self, gpu_index: int | None, numa_node: int | None) -> None:
-        sizes = [_align(self.shape.num_host_blocks * b) for b in self.block_bytes]
+        sizes = host_region_bytes(self.block_bytes, self.shape.num_host_blocks)
         self._host_bytes = sum(sizes)
         self.numa_node = host_numa_node(gpu_index) if numa_node is None else numa_node
         self._host_pinned = gpu_index is not None
@@ -935,7 +769,7 @@ class CacheController:
             list(reused),
             copy_all,
         )
-        self._account(self._d2h, device.size)
+        self._d2h.add(device.size, sum(self.block_bytes))
         self._launched[transfer_id] = (True, device.size, time.monotonic())
 
     def _submit_to_device(
@@ -956,7 +790,7 @@ class CacheController:
             compute,
             None if copy_layers is None else self.faults.wrap(copy_layers),
         )
-        self._account(self._h2d, device.size)
+        self._h2d.add(device.size, sum(self.block_bytes))
         self._launched[transfer_id] = (False, device.size, time.monotonic())
         return counter
 
@@ -1023,83 +857,22 @@ class CacheController:
 
         return copy_one, None
 
-    def _account(self, counters: list[int], num_blocks: int) -> None:
-        counters[0] += 1
-        counters[1] += num_blocks
-        counters[2] += num_blocks * sum(self.block_bytes)
-
     def _attach_storage(
         self, storage: StorageBackend | None, namespace: bytes, tp_rank: int
     ) -> None:
-        self._storage: StorageIOEngine | None = None
-        self._storage_host: dict[int, list[int]] = {}  # engine request id -> host blocks
-        self._held: list[StorageCompletion] = []  # done, but I/O still touches blocks
-        self._storage_blocks = [0, 0]  # written, read
-        self._tp_rank = tp_rank
-        self._namespace = namespace
+        self._storage: StorageBridge | None = None
+        self._storage_counts = StorageCounters()
         if storage is None:
             return
+        host = HostTier(
+            tuple(self.host_ptrs), tuple(self.block_bytes), self.shape.num_host_blocks
+        )
         try:
-            if storage.layout != self.storage_layout():
-                raise ValueError(
-                    f"storage: the backend's block layout {storage.layout.segment_lengths} "
-                    f"is not this cache's {tuple(self.block_bytes)}"
-                )
-            StorageKey(namespace, bytes(32), tp_rank)  # validates both
-            self._storage = StorageIOEngine(storage)
+            self._storage = StorageBridge.open(storage, host, namespace, tp_rank)
         except BaseException:
             self.free_cache()
             raise
-
-    def _storage_keys(self, hashes: Sequence[object]) -> list[StorageKey]:
-        keys = []
-        for i, h in enumerate(hashes):
-            if not isinstance(h, bytes) or len(h) != 32:
-                raise ValueError(f"block_hashes[{i}]: a storage key needs a 32-byte block hash")
-            keys.append(StorageKey(self._namespace, h, self._tp_rank))
-        return keys
-
-    def _host_segments(self, host_block: int) -> list[tuple[int, int]]:
-        return [
-            (p + host_block * b, b)
-            for p, b in zip(self.host_ptrs, self.block_bytes, strict=True)
-        ]
-
-    @staticmethod
-    def _deadline(timeout_s: float) -> float:
-        return time.monotonic() + (timeout_s or _STORAGE_TIMEOUT_S)
-
-    def _storage_results(
-        self, completions: list[StorageCompletion]
-    ) -> list[TransferResult | LookupResult]:
-        """Completions as results; held back while I/O still touches their blocks."""
-        engine = self._storage
-        assert engine is not None
-        pending = self._held + completions
-        self._held = []
-        busy = engine.busy_host_blocks() if pending else frozenset()
-        out: list[TransferResult | LookupResult] = []
-        for c in pending:
-            if c.kind is RequestKind.LOOKUP:
-                hits = next((i for i, hit in enumerate(c.hits) if not hit), len(c.hits))
-                out.append(LookupResult(c.request_id // 2, hits))
-                continue
-            host = self._storage_host.get(c.request_id, [])
-            if busy and not busy.isdisjoint(host):
-                self._held.append(c)
-                continue
-            del self._storage_host[c.request_id]
-            failed = tuple(i for i, r in enumerate(c.results) if not r.ok)
-            error = ""
-            if failed:
-                first = c.results[failed[0]]
-                error = (
-                    f"{len(failed)} of {len(c.results)} blocks: {first.status.name} "
-                    f"{first.reason}"
-                )
-            self._failed += bool(failed)
-            out.append(TransferResult(c.request_id // 2, not failed, error, failed))
-        return out
+        self._storage_counts = self._storage.counts  # kept after free_cache
 
     def _count_failures(self, results: list[TransferResult]) -> list[TransferResult]:
         self._failed += sum(not r.success for r in results)
@@ -1121,178 +894,4 @@ def _no_op() -> None:
     pass
 
 
-def _parse_device(device: str) -> int | None:
-    """None for the CPU, else the CUDA ordinal."""
-    if device == "cpu":
-        return None
-    name, _, index = device.partition(":")
-    if name != "gpu" or (index and not index.isdigit()):
-        raise ValueError(f"device: expected 'cpu', 'gpu' or 'gpu:N', got {device!r}")
-    if not paddle.is_compiled_with_cuda():
-        raise RuntimeError(
-            f"device {device!r}: this Paddle build has no CUDA (install paddlepaddle-gpu); "
-            f"{core.cuda_info().describe()}"
-        )
-    return int(index or 0)
-
-
-def _init_cuda(device: str, gpu_index: int) -> None:
-    """Checks the core can use the GPU and initialises its CUDA path now (staging
-    ring, kernel module), so problems surface here and not at the first swap."""
-    info = core.cuda_info()
-    if info.device_count == 0:
-        raise RuntimeError(f"device {device!r}: no usable CUDA device. {info.describe()}")
-    if gpu_index >= info.device_count:
-        raise ValueError(
-            f"device: {device!r} out of range: the core sees {info.device_count} device(s)"
-        )
-    core.cuda_init(gpu_index)
-
-
-def _paddle_stream_handle(gpu_index: int) -> int:
-    """cudaStream_t of Paddle's current stream on `gpu_index` (where the model's
-    kernels run), whatever device the calling thread has current."""
-    stream = paddle.device.cuda.current_stream(gpu_index)
-    return int(stream.cuda_stream)
-
-
-def _host_tier_bytes(block_bytes: list[int], num_host_blocks: int) -> int:
-    return sum(_align(num_host_blocks * b) for b in block_bytes)
-
-
-def _available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _check_memory(plan: MemoryPlan, gpu_index: int | None) -> None:
-    """Refuses a plan that cannot fit before anything is allocated."""
-    needed = plan.host_bytes + (
-        plan.device_bytes if plan.allocates_device and gpu_index is None else 0
-    )
-    available = _available_host_bytes()
-    if available is not None and needed > available:
-        raise ValueError(
-            f"num_host_blocks: the cache needs {needed / 2**30:.2f} GiB of host memory "
-            f"({plan.describe()}), {available / 2**30:.2f} GiB is available; lower "
-            "num_host_blocks (or num_device_blocks on the CPU)"
-        )
-    if gpu_index is not None and plan.allocates_device:
-        cuda = paddle.device.cuda
-        total = cuda.get_device_properties(gpu_index).total_memory
-        free = total - cuda.memory_reserved(gpu_index)
-        if plan.device_bytes > free:
-            raise ValueError(
-                f"num_device_blocks: the KV tensors need {plan.device_bytes / 2**30:.2f} GiB "
-                f"on gpu:{gpu_index}, {free / 2**30:.2f} GiB is free for Paddle there"
-            )
-
-
-def _adopted_shape(
-    caches: list[paddle.Tensor],
-    config: CacheConfig,
-    tensors_per_layer: int,
-    num_extra_layers: int,
-    block_axis: int,
-) -> tuple[CacheShape, list[int], str]:
-    """Validates an engine's cache tensors against the scheduler's config."""
-    for name, value, low in (
-        ("tensors_per_layer", tensors_per_layer, 1),
-        ("num_extra_layers", num_extra_layers, 0),
-        ("block_axis", block_axis, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
-    if not caches or len(caches) % tensors_per_layer:
-        raise ValueError(
-            f"caches: {len(caches)} tensors is not a positive multiple of "
-            f"tensors_per_layer={tensors_per_layer}"
-        )
-    num_layers = len(caches) // tensors_per_layer
-    if num_extra_layers >= num_layers:
-        raise ValueError(
-            f"num_extra_layers: {num_extra_layers} leaves no model layer of {num_layers}"
-        )
-    if config.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    kv_dtype = KV_DTYPES[config.kv_dtype]
-    first_extra = (num_layers - num_extra_layers) * tensors_per_layer
-    places = set()
-    block_bytes = []
-    for i, t in enumerate(caches):
-        if not isinstance(t, paddle.Tensor):
-            raise ValueError(f"caches[{i}]: expected a paddle.Tensor, got {type(t).__name__}")
-        shape = list(t.shape)
-        if len(shape) < 2 or not t.is_contiguous():
-            raise ValueError(
-                f"caches[{i}]: must be a contiguous tensor of >= 2 dims, got shape {shape}"
-                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
-            )
-        places.add(_place_name(t))
-        blocks = shape[0]
-        if blocks < config.num_device_blocks or (
-            i < first_extra and blocks != config.num_device_blocks
-        ):
-            want = "exactly" if i < first_extra else "at least"
-            raise ValueError(
-                f"caches[{i}]: {blocks} blocks, the scheduler hands out "
-                f"{config.num_device_blocks} (num_device_blocks): need {want} that many"
-            )
-        if len(shape) > block_axis and shape[block_axis] != config.block_size:
-            raise ValueError(
-                f"caches[{i}]: axis {block_axis} is {shape[block_axis]} tokens, the "
-                f"scheduler's block_size is {config.block_size}"
-            )
-        role = i % tensors_per_layer
-        is_kv = role == 0 or (role == 1 and tensors_per_layer in (2, 4))
-        dtype = str(t.dtype).removeprefix("paddle.")
-        if is_kv and dtype != kv_dtype:
-            raise ValueError(
-                f"caches[{i}]: dtype {dtype}, the scheduler's kv_dtype {config.kv_dtype!r} "
-                f"stores {kv_dtype}"
-            )
-        nbytes = _block_bytes(t)
-        if nbytes % core.MIN_ACCESS_BYTES:
-            raise ValueError(
-                f"caches[{i}]: a block is {nbytes} bytes, not a multiple of "
-                f"{core.MIN_ACCESS_BYTES} (the copy kernels' narrowest access)"
-            )
-        block_bytes.append(nbytes)
-    if len(places) != 1:
-        raise ValueError(f"caches: tensors on several places {sorted(places)}; need one")
-    shape = CacheShape(
-        num_layers,
-        tensors_per_layer,
-        config.num_device_blocks,
-        config.num_host_blocks,
-        config.block_size,
-        config.kv_dtype,
-    )
-    return shape, block_bytes, places.pop()
-
-
-def _place_name(tensor: paddle.Tensor) -> str:
-    place = tensor.place
-    if place.is_cpu_place():
-        return "cpu"
-    if place.is_gpu_place():
-        return f"gpu:{place.gpu_device_id()}"
-    raise ValueError(f"caches: tensor on {place}, which is neither the CPU nor a GPU")
-
-
-def _block_bytes(tensor: paddle.Tensor) -> int:
-    return int(np.prod(tensor.shape[1:])) * tensor.element_size()
-
-
-def _align(n: int) -> int:
-    return (n + _HOST_REGION_ALIGN - 1) // _HOST_REGION_ALIGN * _HOST_REGION_ALIGN
-
-
-__all__ = ["CacheController", "CacheShape", "ControllerStats", "KVCacheSpec", "MemoryPlan"]
+__all__ = ["CacheController"]

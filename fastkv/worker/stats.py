@@ -31,4 +31,29 @@ class ControllerStats:
     storage_blocks_written: int = 0
 
 
-__all__ = ["ControllerStats"]
+@dataclass(slots=True)
+class CopyCounters:
+    """What the copies of one direction launched, counted as they launch."""
+
+    transfers: int = 0
+    blocks: int = 0
+    nbytes: int = 0
+
+    def add(self, num_blocks: int, block_bytes: int) -> None:
+        """Count one transfer of `num_blocks` blocks of `block_bytes` bytes each."""
+        self.transfers += 1
+        self.blocks += num_blocks
+        self.nbytes += num_blocks * block_bytes
+
+
+@dataclass(slots=True)
+class StorageCounters:
+    """Blocks moved to and from the storage tier (counted as submitted), and the
+    storage transfers reported failed."""
+
+    blocks_written: int = 0
+    blocks_read: int = 0
+    failed_transfers: int = 0
+
+
+__all__ = ["ControllerStats", "CopyCounters", "StorageCounters"]

@@ -3,12 +3,14 @@ block layouts shaped like real KV blocks."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 from collections.abc import Sequence
 
 import numpy as np
 
+from fastkv import CacheConfig, ModelKVShape
 from fastkv.storage import BlockLayout, StorageKey, StorageNamespace
 from fastkv.storage.auth import StorageAuth
 
@@ -75,18 +77,10 @@ def _align(n: int) -> int:
 
 
 def make_namespace(**changes: object) -> StorageNamespace:
-    fields: dict[str, object] = {
-        "cache_namespace": "test-ns",
-        "model_id": "tiny-llama",
-        "kv_dtype": "bfloat16",
-        "block_size": 16,
-        "tp_size": 1,
-        "num_layers": 4,
-        "num_kv_heads": 2,
-        "head_dim": 64,
-    }
-    fields.update(changes)
-    return StorageNamespace(**fields)  # type: ignore[arg-type]
+    """The tests' namespace (a small model's cache), with `changes` to its fields."""
+    config = CacheConfig(block_size=16, model_id="tiny-llama", namespace="test-ns")
+    model_kv = ModelKVShape(num_layers=4, num_kv_heads=2, head_dim=64)
+    return dataclasses.replace(StorageNamespace.of(config, model_kv), **changes)  # type: ignore[arg-type]
 
 
 NAMESPACE = make_namespace().digest()

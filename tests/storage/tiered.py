@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fastkv import CacheConfig, StorageConfig
+from fastkv import CacheConfig, ModelKVShape, StorageConfig
 from fastkv.hashing import BlockHasher, namespace_root
 from fastkv.scheduler import CacheManager
 from fastkv.storage import BlockLayout, StorageBackend, StorageNamespace
@@ -22,29 +22,22 @@ BS = 4
 def tiered_round_trip(
     make_backend: Callable[[BlockLayout], StorageBackend], dtype: str, extra_layers: int
 ) -> dict[str, object]:
-    spec = KVCacheSpec(
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=BS,
-        num_device_blocks=4,
-        num_host_blocks=4,
-        dtype=dtype,
-        num_extra_layers=extra_layers,
-    )
     config = CacheConfig(
         block_size=BS,
         num_device_blocks=4,
         num_host_blocks=4,
         kv_dtype=dtype,
+        model_id="tiered",
         write_policy="write_back",
         storage=StorageConfig(write_policy="write_through", timeout_s=30),
     )
+    model_kv = ModelKVShape(
+        num_layers=2, num_kv_heads=2, head_dim=16, num_extra_layers=extra_layers
+    )
+    spec = KVCacheSpec.from_config(config, model_kv)
     layout = BlockLayout(tuple(spec.block_bytes()))
     backend = make_backend(layout)
-    namespace = StorageNamespace(
-        config.namespace_key(), "tiered", dtype, BS, 1, 2, 2, 16, num_extra_layers=extra_layers
-    ).digest()
+    namespace = StorageNamespace.of(config, model_kv).digest()
     ctrl = CacheController(spec, config=config, storage=backend, storage_namespace=namespace)
     register = getattr(backend, "register_host_memory", None)
     if register is not None:  # Mooncake: the whole host tier, once

@@ -14,7 +14,7 @@ import pytest
 paddle = pytest.importorskip("paddle", reason="the CacheController needs paddle")
 
 from fastkv import CacheConfig, CacheLevel, CacheSwapMetadata  # noqa: E402
-from fastkv.worker import CacheController, KVCacheSpec  # noqa: E402
+from fastkv.worker import CacheController, KVCacheSpec, MemoryPlan  # noqa: E402
 
 N, BS, HOST = 6, 4, 8  # device blocks the scheduler hands out, tokens per block
 
@@ -141,7 +141,13 @@ def test_the_memory_a_controller_takes_is_stated_and_checked_first() -> None:
         per_block = sum(spec.block_bytes())
         assert per_block == sum(ctrl.block_bytes) == 4 * (2 * BS * 8 * 2)
         assert ctrl.memory.device_bytes == per_block * N and ctrl.memory.allocates_device
-        assert "GiB" in ctrl.memory.describe()
+        assert ctrl.memory.describe() == (
+            "device KV 3.00 KiB (allocated by fastkv now), host tier 16.00 KiB"
+        )
+    assert "GiB" in MemoryPlan(3 * 2**30, 0, allocates_device=False).describe()
+    assert MemoryPlan(3 * 2**30, 0, allocates_device=False).describe() == (
+        "device KV 3.00 GiB (the engine's own, adopted: nothing new allocated), no host tier"
+    )
     huge = KVCacheSpec(2, 64, 128, 64, num_device_blocks=2**20, num_host_blocks=0)
     with pytest.raises(ValueError, match="GiB of host memory"):
         CacheController(huge)  # refused before a byte is allocated

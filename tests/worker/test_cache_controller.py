@@ -160,10 +160,12 @@ def test_a_transfer_id_still_in_flight_is_refused() -> None:
         release = threading.Event()
         gate.launch(lambda _: release.wait(5), pytest.fail)  # hold the output stream
         ctrl.submit_swap_tasks(d2h(3, [1], [1]), None)
+        assert ctrl.is_inflight(3) and not ctrl.is_inflight(4)
         with pytest.raises(ValueError, match="transfer_id: 3"):
             ctrl.submit_swap_tasks(None, h2d(3, [2], [2]))
         release.set()
         assert [r.transfer_id for r in ctrl.wait_all(5)] == [3]
+        assert not ctrl.is_inflight(3)
 
 
 def test_a_failed_load_is_reported_and_raises_at_its_layer(monkeypatch) -> None:
@@ -472,11 +474,11 @@ def test_fault_injection_fails_copies_before_they_touch_memory() -> None:
         CacheController(spec, fail_rate=1.5)
 
 
-def test_result_listeners_hear_each_transfer_with_its_direction_and_size() -> None:
+def test_transfer_listeners_hear_each_transfer_with_its_direction_and_size() -> None:
     spec = KVCacheSpec(2, 1, 4, 4, num_device_blocks=4, num_host_blocks=4, dtype="float32")
     heard = []
     with CacheController(spec) as ctrl:
-        ctrl.add_result_listener(lambda *event: heard.append(event))
+        ctrl.add_transfer_listener(lambda *event: heard.append(event))
         started = time.monotonic()
         ctrl.submit_swap_tasks(
             CacheSwapMetadata(0, CacheLevel.DEVICE, CacheLevel.HOST, [0, 1], [2, 3]),
