@@ -62,7 +62,7 @@ static PyTypeObject LRUListType;
 static PyTypeObject LRUIterType;
 
 /* The NodeState and StorageState members, indexed by value (set once by
- * radix_tree.py): the fields return the members themselves, never bare ints. */
+ * radix_tree.py on import): from then on the fields return the members. */
 static PyObject *states[NUM_STATES];
 static PyObject *storage_states[NUM_STORAGE];
 
@@ -133,7 +133,7 @@ INT_FIELD(hits, 0, INT64_MAX)
     }                                                                               \
     static int node_set_##field(TreeNodeObject *self, PyObject *value, void *closure) \
     {                                                                               \
-        for (int i = 0; i < (n); i++) { /* the common case: a member itself */     \
+        for (int i = 0; value != NULL && i < (n); i++) { /* a member itself */      \
             if (value == (table)[i]) {                                              \
                 self->field = (uint8_t)i;                                           \
                 return 0;                                                           \

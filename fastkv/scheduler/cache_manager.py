@@ -28,7 +28,6 @@ is on no eviction list, so nothing evicts it before the result.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -42,7 +41,6 @@ from fastkv.hashing import (
 )
 from fastkv.metadata import (
     BlockHash,
-    CacheLevel,
     LookupResult,
     TransferListener,
     TransferResult,
@@ -59,22 +57,20 @@ from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.invariants import check_manager
 from fastkv.scheduler.radix_tree import (
     HOST,
-    LOADING_FROM_STORAGE,
     SWAP_TO_DEVICE,
     RadixTree,
     TreeNode,
 )
 from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
-from fastkv.scheduler.storage_tier import first_loading, loaded_from_storage, storage_pending
+from fastkv.scheduler.storage_tier import (
+    first_loading,
+    has_pending_storage,
+    loaded_from_storage,
+)
 from fastkv.scheduler.table import BlockTable
 from fastkv.scheduler.tiers import CacheTiers
 from fastkv.scheduler.transfers import DeviceTransfer, TransferBook
-
-log = logging.getLogger(__name__)
-
-DEVICE_LEVEL, HOST_LEVEL = CacheLevel.DEVICE, CacheLevel.HOST
-LOADING = LOADING_FROM_STORAGE
 
 
 def _count_matched(nodes: list[TreeNode], start: int, end: int) -> tuple[int, int, bool]:
@@ -93,6 +89,16 @@ def _count_matched(nodes: list[TreeNode], start: int, end: int) -> tuple[int, in
     return num_swap, num_below, loading
 
 
+def _stall_seconds(value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"stall_after_s: must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 class CacheManager:
     """One cache as an engine's scheduler sees it: the request lifecycle, over the
     rooms that hold the state.
@@ -103,12 +109,13 @@ class CacheManager:
           ├ device_pool     BlockPool: device block ids
           ├ host_pool       BlockPool: host block ids
           ├ transfers       TransferBook: ids, queued and in-flight copies, stalls
-          └ _tiers          CacheTiers: eviction, backups, what a result frees
-              └ storage     StorageTier: lookups, loads, writes behind host memory
+          ├ _tiers          CacheTiers: eviction, backups, what a result frees
+          └ _storage        StorageTier (the tiers' third, behind host memory):
+                            lookups, loads, writes; the manager hands it requests
 
     `tree`, the pools and `transfers` are public for inspection (tests, tools,
     metrics); an engine reads tables and counts through the methods. Every method
-    leaves everything as it was when it raises.
+    validates its whole input before it changes anything.
 
     Not thread-safe: call it from the scheduler loop only.
 
@@ -134,17 +141,9 @@ class CacheManager:
         *,
         stall_after_s: float = 60.0,
     ) -> None:
-        if (
-            isinstance(stall_after_s, bool)
-            or not isinstance(stall_after_s, (int, float))
-            or not 0 < stall_after_s < float("inf")
-        ):
-            raise ValueError(
-                f"stall_after_s: must be a number of seconds > 0, got {stall_after_s!r}"
-            )
+        _stall_seconds(stall_after_s)
         self.config = config
         self.block_size = config.block_size
-        self.stall_after_s = float(stall_after_s)
         self._root = namespace_root(config.namespace_key())
         self._wait_on_untaken = False  # set by _allocate: its WAIT needs an untaken copy
         self.device_pool = BlockPool(config.num_device_blocks, "device")
@@ -152,7 +151,7 @@ class CacheManager:
         self.tree = RadixTree()
         self._requests: dict[RequestId, RequestState] = {}
         self._counters = ManagerCounters()
-        self.transfers = TransferBook(self._counters, clock, self.stall_after_s)
+        self.transfers = TransferBook(self._counters, clock, float(stall_after_s))
         self._tiers = CacheTiers(
             config,
             tree=self.tree,
@@ -282,7 +281,7 @@ class CacheManager:
             ValueError: unknown request.
         """
         req = self._get(request_id)
-        return storage_pending(req)
+        return has_pending_storage(req)
 
     def storage_pending_lookup(self, lookup_id: int) -> bool:
         """Whether lookup `lookup_id` waits for its answer (its request still wants it)."""
@@ -586,7 +585,22 @@ class CacheManager:
             self._storage.forget(req)
         self._tiers.release(req)
 
-    abort = finish
+    def abort(self, request_id: RequestId) -> None:
+        """Release a request that will not complete: the same call as `finish`.
+
+        Raises:
+            ValueError: unknown request.
+        """
+        self.finish(request_id)
+
+    @property
+    def stall_after_s(self) -> float:
+        """Seconds without a result after which a taken transfer counts as stalled."""
+        return self.transfers.stall_after_s
+
+    @stall_after_s.setter
+    def stall_after_s(self, seconds: float) -> None:
+        self.transfers.stall_after_s = _stall_seconds(seconds)
 
     def block_table(self, request_id: RequestId, start: int = 0) -> BlockTable:
         """The request's table from position `start` on: per position its device

@@ -1,11 +1,11 @@
 """Whole-manager consistency checks (tests and debugging; O(cached blocks)).
 
 `CacheManager.check_invariants()` hands `check_manager` its rooms; each room checks
-what it owns (`RadixTree.check`, `TransferBook.check`, `StorageTier.check`), and
+its own records (`RadixTree.check`, `TransferBook.check`, `StorageTier.check`), and
 this module checks what only the whole can: that every allocated block has exactly
 one owner (a node, a request's private position, a copy or write still using it),
 that every lock is held by a request whose path it is, and that every node in a
-moving state is moved by some transfer.
+moving state is moved by exactly one transfer (queued storage loads included).
 """
 
 from __future__ import annotations

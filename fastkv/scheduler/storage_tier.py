@@ -468,7 +468,7 @@ class StorageTier:
         )
 
 
-def storage_pending(req: RequestState) -> bool:
+def has_pending_storage(req: RequestState) -> bool:
     """Whether the request's storage lookup is unanswered or blocks found for it
     are still loading into host."""
     if req.lookup_id >= 0:
@@ -500,6 +500,6 @@ __all__ = [
     "QueuedNodes",
     "StorageTier",
     "first_loading",
+    "has_pending_storage",
     "loaded_from_storage",
-    "storage_pending",
 ]

@@ -54,7 +54,7 @@ class CacheTiers:
         tree: the radix tree of cached blocks.
         device_pool, host_pool: the tiers' block pools.
         book: where planned copies queue.
-        counters: the manager's counters (backups, evictions, rollbacks).
+        counters: the manager's counters (backups, evictions).
         clock: monotonic seconds (the storage tier's waits and retries).
     """
 

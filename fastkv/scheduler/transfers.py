@@ -227,12 +227,12 @@ class TransferBook:
         transfer = self._inflight.pop(transfer_id)
         if self._stalled:
             self._stalled.discard(transfer_id)
-        if not success:
-            self._counters.failed_transfers += 1
         if self._listeners:
             seconds = now - transfer.emitted_at
             for listener in self._listeners:
                 listener(*transfer.levels, transfer.num_blocks, seconds, success)
+        if not success:
+            self._counters.failed_transfers += 1
         return transfer
 
     def add_listener(self, listener: TransferListener) -> None:
@@ -258,11 +258,6 @@ class TransferBook:
         """Blocks of every transfer in flight (a snapshot: a metrics thread may read
         while the scheduler loop runs)."""
         return sum(t.num_blocks for t in list(self._inflight.values()))
-
-    @property
-    def num_queued_blocks(self) -> int:
-        """Blocks of the device copies queued for the next `take`."""
-        return len(self.to_host.nodes) + len(self.to_device.nodes)
 
     @property
     def busy(self) -> bool:

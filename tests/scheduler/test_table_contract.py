@@ -268,6 +268,28 @@ def test_transfers_without_results_are_reported_as_stalled(
         CacheManager(CacheConfig(), stall_after_s=0)
 
 
+def test_stall_after_s_can_be_changed_on_a_running_manager() -> None:
+    now = [0.0]
+    mgr = CacheManager(
+        CacheConfig(block_size=BS, num_device_blocks=2, num_host_blocks=4),
+        clock=lambda: now[0],
+        stall_after_s=30,
+    )
+    for k in ("c0", "c1"):
+        serve(Checked(mgr), k, [k])  # names its blocks by string
+    mgr.match("r", [], 1)
+    assert not mgr.allocate("r", num_tokens=BS)
+    mgr.take_swap_metadata()
+    now[0] = 10.0
+    assert mgr.stalled_transfers() == []
+    mgr.stall_after_s = 5
+    assert mgr.stall_after_s == 5.0 and len(mgr.stalled_transfers()) == 1
+    for bad in (0, -1.0, float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="stall_after_s"):
+            mgr.stall_after_s = bad  # type: ignore[assignment]
+    assert mgr.stall_after_s == 5.0  # unchanged
+
+
 def test_a_block_handed_over_by_an_untaken_eviction_cannot_be_committed() -> None:
     """Found by the stateful machine (1,500 examples): with reuse_evicted_blocks, a
     request committed a block handed to it by an eviction not taken yet, so an
