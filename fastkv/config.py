@@ -244,6 +244,15 @@ class ModelKVShape:
         return self.num_layers + self.num_extra_layers
 
 
+def check_identity(config: object, model_kv: object) -> None:
+    """Raise ValueError unless `config` is a CacheConfig and `model_kv` a
+    ModelKVShape: the two halves every derived description of a cache is built from."""
+    if not isinstance(config, CacheConfig):
+        raise ValueError(f"config: expected a CacheConfig, got {type(config).__name__}")
+    if not isinstance(model_kv, ModelKVShape):
+        raise ValueError(f"model_kv: expected a ModelKVShape, got {type(model_kv).__name__}")
+
+
 def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     """Raise ValueError (naming `name`) unless `value` is an int, not a bool, in
     [low, high]; no upper bound when `high` is None."""

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import IntEnum
 
-from fastkv.config import CacheConfig, ModelKVShape
+from fastkv.config import CacheConfig, ModelKVShape, check_identity
 from fastkv.metadata import DIGEST_BYTES
 
 Segment = tuple[int, int]
@@ -107,12 +107,7 @@ class StorageNamespace:
             ValueError: `config` is not a CacheConfig or `model_kv` not a
                 ModelKVShape.
         """
-        if not isinstance(config, CacheConfig):
-            raise ValueError(f"config: expected a CacheConfig, got {type(config).__name__}")
-        if not isinstance(model_kv, ModelKVShape):
-            raise ValueError(
-                f"model_kv: expected a ModelKVShape, got {type(model_kv).__name__}"
-            )
+        check_identity(config, model_kv)
         return cls(
             cache_namespace=config.namespace_key(),
             model_id=config.model_id,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastkv.config import CacheConfig, ModelKVShape, check_int
+from fastkv.config import CacheConfig, ModelKVShape, check_identity, check_int
 from fastkv.ops import core, paddle_ops
 
 paddle = paddle_ops.paddle
@@ -68,12 +68,7 @@ class KVCacheSpec:
             ValueError: `config` is not a CacheConfig, `model_kv` not a ModelKVShape,
                 or `config.kv_dtype` is not a dtype the worker stores.
         """
-        if not isinstance(config, CacheConfig):
-            raise ValueError(f"config: expected a CacheConfig, got {type(config).__name__}")
-        if not isinstance(model_kv, ModelKVShape):
-            raise ValueError(
-                f"model_kv: expected a ModelKVShape, got {type(model_kv).__name__}"
-            )
+        check_identity(config, model_kv)
         if config.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype: {config.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}"
