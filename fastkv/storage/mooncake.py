@@ -25,28 +25,8 @@ then remembered and removed by the next put of it once the lease has run out). A
 What remains: an object planted between the existence check and the put (when
 Mooncake answers 0) makes that put count as stored; its reads still refuse it.
 
-Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
-
-    put   0, -705 (exists)      stored (an existing key keeps its old value); -705
-                                answers ALREADY_STORED once the stored object
-                                verifies (above)
-          -200 (pool full)      retried with a short backoff, at most `put_retries`
-                                times and never past the deadline; then FAILED
-    get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
-          0 < n < size          short object -> MISS (corrupt)
-          -600                  object larger than the block -> MISS (corrupt)
-          -704                  not stored -> MISS
-          -800 (transfer fail)  also what a short object gives with multi-buffer reads:
-                                `get_size` tells them apart -> MISS or FAILED
-                                (zero-copy reads only, while the deadline allows,
-                                until a fatal code in the same call)
-    any   -800 (transfer fail)  FAILED; for a get, the key is not asked again for
-                                `breaker_cooldown_s` (its storage node is failing;
-                                the others are not: measured, a dead node fails only
-                                the keys it holds, in the same call as healthy ones)
-          -900, -901            FAILED, and the circuit breaker opens (the master's
-                                RPC failed: every key depends on it)
-          anything else         FAILED with the code
+Return codes: what each means to this backend is tabled in
+fastkv.storage.mooncake_codes.
 
 Failures stay local to what failed: a dead storage node fails its own keys (a
 quarantine per key), only a failing master (or a binding that raises) opens the
@@ -115,22 +95,22 @@ from fastkv.storage.base import (
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
+from fastkv.storage.mooncake_codes import (
+    BUFFER_TOO_SMALL,
+    FATAL_CODES,
+    LEASE_HELD,
+    OBJECT_EXISTS,
+    OBJECT_NOT_FOUND,
+    POOL_FULL,
+    PUT_OK,
+    TRANSFER_FAIL,
+    describe_status,
+)
 from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
 
 log = logging.getLogger(__name__)
 
-PUT_OK = 0
-OBJECT_EXISTS = -705
-POOL_FULL = -200
-BUFFER_TOO_SMALL = -600
-OBJECT_NOT_FOUND = -704
-LEASE_HELD = -706
 _MAX_CONDEMNED = 4096
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-FATAL_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
-"""Codes that mean the master failed: they open the breaker (every key needs it)."""
 _MAX_QUARANTINED = 65536
 VERIFY_AREA_BYTES = 16 << 20
 """Per concurrent call, the most object bytes a put reads back in one Mooncake call."""
@@ -813,7 +793,7 @@ class MooncakeBackend(StorageBackend):
             status = _disk_io.verify_block(header, want, segs, self._ring)
             if status == _disk_io.ST_OK:
                 return ALREADY_STORED, fatal
-            why = _describe(status)
+            why = describe_status(status)
         elif code < 0 and code != BUFFER_TOO_SMALL:
             return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
         else:
@@ -945,7 +925,7 @@ class MooncakeBackend(StorageBackend):
                 )
             if status == _disk_io.ST_OK:
                 return OK, ""
-            return KeyResult(KeyStatus.MISS, f"rejected: {_describe(status)}"), "corrupt"
+            return KeyResult(KeyStatus.MISS, f"rejected: {describe_status(status)}"), "corrupt"
         if 0 <= code < self._expected_bytes:
             return KeyResult(
                 KeyStatus.MISS, f"rejected: short object ({code} bytes)"
@@ -994,16 +974,6 @@ class MooncakeBackend(StorageBackend):
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"
             )
-
-
-def _describe(status: int) -> str:
-    return {
-        _disk_io.ST_BAD_HEADER: "header mismatch",
-        _disk_io.ST_BAD_CHECKSUM: "checksum mismatch",
-        _disk_io.ST_BAD_MAC: "authentication tag does not verify (forged or altered)",
-        _disk_io.ST_UNKNOWN_KEY: "signed by a key this backend does not hold",
-        _disk_io.ST_UNAUTHENTICATED: "not authenticated, and this backend requires it",
-    }.get(status, f"status {status}")
 
 
 def _setup_store(connection: MooncakeConnection) -> object:

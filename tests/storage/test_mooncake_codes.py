@@ -10,7 +10,8 @@ from fake_mooncake import FakeMooncakeStore
 from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
-from fastkv.storage.mooncake import RPC_FAIL, TRANSFER_FAIL, MooncakeBackend
+from fastkv.storage.mooncake import MooncakeBackend
+from fastkv.storage.mooncake_codes import RPC_FAIL, TRANSFER_FAIL
 from fastkv.storage.mooncake_options import MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
