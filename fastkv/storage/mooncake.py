@@ -94,6 +94,7 @@ from fastkv.storage.base import (
     check_wait,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
+from fastkv.storage.busy_ranges import BusyHostRanges
 from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
 from fastkv.storage.mooncake_codes import (
     BUFFER_TOO_SMALL,
@@ -228,13 +229,8 @@ class MooncakeBackend(StorageBackend):
         self._free_arenas = list(range(concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
-        # Zero-copy gets left behind at their deadline: the [start, end) ranges of
-        # host memory each still writes, until Mooncake returns it; merged into
-        # sorted arrays for the overlap checks.
-        self._busy: dict[int, list[tuple[int, int]]] = {}
-        self._busy_ids = 0
-        self._busy_lo = np.zeros(0, dtype=np.int64)
-        self._busy_hi = np.zeros(0, dtype=np.int64)
+        # the host memory zero-copy gets left behind at their deadline still write
+        self._busy = BusyHostRanges()
         self._in_flight = 0  # transfer and lookup calls on the pool
         self._quiet = threading.Condition(self._lock)
         self._closed = False
@@ -353,66 +349,25 @@ class MooncakeBackend(StorageBackend):
             if call is not None:
                 with call.lock:  # waits out at most one block's copy
                     call.abandoned = True
-            ranges = [(p, p + n) for segs in writes for p, n in segs]
             with self._lock:
                 self.overruns += 1
-                self._busy_ids += 1
-                token = self._busy_ids
-                if ranges:
-                    self._busy[token] = ranges
-                    self._merge_busy()
+            token = self._busy.add(writes)
 
             def ended(_f: Future) -> None:
                 try:
                     release()
                 finally:
-                    with self._lock:
-                        if self._busy.pop(token, None) is not None:
-                            self._merge_busy()
-                        self._quiet.notify_all()
+                    self._busy.release(token)
 
             fut.add_done_callback(ended)
             return None
 
-    def _merge_busy(self) -> None:
-        """Rebuilds the sorted, disjoint busy intervals (caller holds the lock)."""
-        spans = sorted(r for ranges in self._busy.values() for r in ranges)
-        merged: list[list[int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self._busy_lo = np.array([m[0] for m in merged], dtype=np.int64)
-        self._busy_hi = np.array([m[1] for m in merged], dtype=np.int64)
-
     def busy_host_ranges(self) -> list[tuple[int, int]]:
-        with self._lock:
-            return list(zip(self._busy_lo.tolist(), self._busy_hi.tolist(), strict=True))
+        return self._busy.ranges()
 
     def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
         check_wait(blocks, timeout, self.layout)
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._touching_busy(blocks):
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._quiet.wait(left)
-            return True
-
-    def _touching_busy(self, blocks: Sequence[BlockSegments]) -> list[int]:
-        """Indexes of blocks with a segment in memory a get left behind still
-        writes (caller holds the lock): one binary search per segment."""
-        if not len(self._busy_lo) or not len(blocks):
-            return []
-        segs = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1, 2)
-        starts, ends = segs[..., 0], segs[..., 0] + segs[..., 1]
-        # the last busy interval starting before a segment's end overlaps it iff
-        # it ends after the segment's start (the intervals are disjoint)
-        idx = np.searchsorted(self._busy_lo, ends, side="left") - 1
-        hit = (idx >= 0) & (self._busy_hi[np.maximum(idx, 0)] > starts)
-        return np.flatnonzero(hit.any(axis=1)).tolist()
+        return self._busy.wait_quiet(blocks, timeout)
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -443,8 +398,7 @@ class MooncakeBackend(StorageBackend):
     ) -> list[KeyResult]:
         """The batch, less the keys whose host memory a get left behind still
         writes (those answer FAILED, untouched)."""
-        with self._lock:
-            busy = self._touching_busy(blocks)
+        busy = self._busy.touching(blocks)
         if not busy:
             return self._batched(keys, blocks, deadline, run_part)
         skip = set(busy)
