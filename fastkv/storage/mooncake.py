@@ -73,9 +73,6 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
 import numpy as np
 
@@ -96,6 +93,7 @@ from fastkv.storage.base import (
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.busy_ranges import BusyHostRanges
 from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
+from fastkv.storage.deadline_pool import LEFT_BEHIND, Call, DeadlinePool
 from fastkv.storage.mooncake_codes import (
     BUFFER_TOO_SMALL,
     FATAL_CODES,
@@ -115,21 +113,6 @@ _MAX_CONDEMNED = 4096
 _MAX_QUARANTINED = 65536
 VERIFY_AREA_BYTES = 16 << 20
 """Per concurrent call, the most object bytes a put reads back in one Mooncake call."""
-
-
-_LEFT_BEHIND = KeyResult(KeyStatus.TIMEOUT, "the caller was answered before this key was done")
-
-
-class _Call:
-    """One batch on the pool: `abandoned` once its caller has been answered
-    (TIMEOUT); the backend's own copies into or out of the caller's memory hold
-    `lock` and start only while it is False."""
-
-    __slots__ = ("abandoned", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
 
 
 class MooncakeBackend(StorageBackend):
@@ -206,7 +189,6 @@ class MooncakeBackend(StorageBackend):
         self.breaker = CircuitBreaker(
             float(options.breaker_cooldown_s), float(options.breaker_max_cooldown_s)
         )
-        self.deadline_margin_s = float(options.deadline_margin_s)
         # keys whose last read hit a failing storage node (-800): not asked for a while
         self._quarantine = KeyQuarantine(
             float(options.breaker_cooldown_s),
@@ -214,9 +196,13 @@ class MooncakeBackend(StorageBackend):
             _MAX_QUARANTINED,
         )
         # transfers hold an arena each, lookups a slot of their own: both bounded
-        self._pool = ThreadPoolExecutor(2 * concurrency, thread_name_prefix="fastkv-mooncake")
+        self._calls = DeadlinePool(
+            2 * concurrency,
+            float(options.deadline_margin_s),
+            BusyHostRanges(),  # what zero-copy gets left behind still write
+            "fastkv-mooncake",
+        )
         self._lookup_slots = threading.BoundedSemaphore(concurrency)
-        self.overruns = 0  # calls still inside Mooncake past deadline + margin
         self._expected_bytes = object_bytes
         self._lengths = [HEADER_BYTES, *layout.segment_lengths]
         self.store = store
@@ -229,10 +215,6 @@ class MooncakeBackend(StorageBackend):
         self._free_arenas = list(range(concurrency))
         self.pool_full_retries = 0
         self._arena_ready = threading.Condition(self._lock)
-        # the host memory zero-copy gets left behind at their deadline still write
-        self._busy = BusyHostRanges()
-        self._in_flight = 0  # transfer and lookup calls on the pool
-        self._quiet = threading.Condition(self._lock)
         self._closed = False
 
     def _map_areas(self, concurrency: int) -> None:
@@ -257,6 +239,16 @@ class MooncakeBackend(StorageBackend):
         self._payload_offsets = np.concatenate(
             [[HEADER_BYTES], HEADER_BYTES + np.cumsum(self.layout.segment_lengths)[:-1]]
         ).astype(np.int64)
+
+    @property
+    def deadline_margin_s(self) -> float:
+        """How long past its deadline a call may take (`options.deadline_margin_s`)."""
+        return self._calls.margin_s
+
+    @property
+    def overruns(self) -> int:
+        """Calls still inside Mooncake past their deadline plus the margin."""
+        return self._calls.overruns
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Register host memory (the whole host cache, once) for zero-copy transfers
@@ -293,8 +285,8 @@ class MooncakeBackend(StorageBackend):
                 if time.monotonic() >= deadline or not self.breaker.allow():
                     break
                 names = [k.text() for k in keys[start : start + self.max_batch]]
-                fut = self._submit(self._is_exist, names)
-                codes = self._wait(fut, deadline, self._lookup_slots.release)
+                fut = self._calls.submit(self._is_exist, names)
+                codes = self._calls.wait(fut, deadline, self._lookup_slots.release)
                 if codes is None:  # still inside Mooncake: "not found"
                     abandoned = True
                     break
@@ -316,58 +308,12 @@ class MooncakeBackend(StorageBackend):
         self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
         return codes
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Runs fn on the pool, counted in flight until it ends (close waits)."""
-        with self._lock:
-            self._in_flight += 1
-        fut = self._pool.submit(fn, *args)
-
-        def ended(_f: Future) -> None:
-            with self._lock:
-                self._in_flight -= 1
-                self._quiet.notify_all()
-
-        fut.add_done_callback(ended)
-        return fut
-
-    def _wait(
-        self,
-        fut: Future,
-        deadline: float,
-        release: Callable[[], None],
-        call: _Call | None = None,
-        writes: Sequence[BlockSegments] = (),
-    ) -> Any:
-        """The result of a pool call, or None when it is still running at the
-        deadline plus the margin: then `release` (what the call holds: its arena or
-        slot) runs when it ends, `call` is marked left behind (its own copies into
-        or out of the caller's memory stop), and the host memory of `writes` stays
-        in busy_host_ranges() until Mooncake returns."""
-        try:
-            return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
-        except FutureTimeout:
-            if call is not None:
-                with call.lock:  # waits out at most one block's copy
-                    call.abandoned = True
-            with self._lock:
-                self.overruns += 1
-            token = self._busy.add(writes)
-
-            def ended(_f: Future) -> None:
-                try:
-                    release()
-                finally:
-                    self._busy.release(token)
-
-            fut.add_done_callback(ended)
-            return None
-
     def busy_host_ranges(self) -> list[tuple[int, int]]:
-        return self._busy.ranges()
+        return self._calls.busy.ranges()
 
     def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
         check_wait(blocks, timeout, self.layout)
-        return self._busy.wait_quiet(blocks, timeout)
+        return self._calls.busy.wait_quiet(blocks, timeout)
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -398,7 +344,7 @@ class MooncakeBackend(StorageBackend):
     ) -> list[KeyResult]:
         """The batch, less the keys whose host memory a get left behind still
         writes (those answer FAILED, untouched)."""
-        busy = self._busy.touching(blocks)
+        busy = self._calls.busy.touching(blocks)
         if not busy:
             return self._batched(keys, blocks, deadline, run_part)
         skip = set(busy)
@@ -428,11 +374,8 @@ class MooncakeBackend(StorageBackend):
             if self._closed:
                 return True
             self._closed = True
-            end = time.monotonic() + timeout
-            while self._in_flight and time.monotonic() < end:
-                self._quiet.wait(end - time.monotonic())
-            stuck = self._in_flight
-        self._pool.shutdown(wait=False)
+        stuck = self._calls.drain(timeout)
+        self._calls.shutdown()
         if stuck:
             log.warning(
                 "MooncakeBackend.close: %d call(s) still inside Mooncake after %.1f s; "
@@ -477,11 +420,11 @@ class MooncakeBackend(StorageBackend):
                     results[start:] = [refused] * (len(keys) - start)
                     break
                 stop = min(len(keys), start + self.max_batch)
-                call = _Call()
+                call = Call()
                 args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline, call)
-                fut = self._submit(self._run_part, *args)
+                fut = self._calls.submit(self._run_part, *args)
                 writes = blocks[start:stop] if writes_caller else ()
-                part = self._wait(
+                part = self._calls.wait(
                     fut, deadline, lambda a=arena: self._give_arena(a), call, writes
                 )
                 if part is None:
@@ -507,7 +450,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
-        call: _Call,
+        call: Call,
     ) -> list[KeyResult]:
         """One batch of Mooncake calls; reports its outcome to the breaker."""
         try:
@@ -549,7 +492,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
-        call: _Call,
+        call: Call,
     ) -> tuple[list[KeyResult], str | None]:
         """One batch of puts: keys that already hold an object are read back (stored
         only if it is this block); the others are sealed (or staged) and put, those
@@ -571,7 +514,7 @@ class MooncakeBackend(StorageBackend):
         fatal = self._read_back(keys, met, results, arena, deadline, None)
         ptrs = self._put_buffers(keys, blocks, pending, arena, call)
         if ptrs is None:  # the caller was answered before its blocks were staged
-            return [_LEFT_BEHIND] * len(keys), fatal
+            return [LEFT_BEHIND] * len(keys), fatal
         written, appeared, fatal = self._put_with_retries(
             names, pending, ptrs, results, deadline, fatal
         )
@@ -587,7 +530,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         pending: list[int],
         arena: int,
-        call: _Call,
+        call: Call,
     ) -> dict[int, object] | None:
         """What Mooncake puts for each key in `pending`: staged, the object gathered
         (header, then segments) into the staging area; zero-copy, the header
@@ -787,7 +730,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
-        call: _Call,
+        call: Call,
     ) -> tuple[list[KeyResult], str | None]:
         """One batch of gets: the keys not held back by the quarantine in one
         Mooncake call, then each object verified (staged: scattered into the
@@ -818,7 +761,7 @@ class MooncakeBackend(StorageBackend):
                 size = self.store.get_size(names[j])
             with call.lock:  # staged: scatters into the caller's block
                 if call.abandoned:
-                    return [_LEFT_BEHIND] * len(keys), fatal
+                    return [LEFT_BEHIND] * len(keys), fatal
                 result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
             if outcome == "fatal":
                 fatal = f"get answered {code}"
