@@ -69,7 +69,6 @@ write rate x lease, puts fail with -200.
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -105,14 +104,13 @@ from fastkv.storage.mooncake_codes import (
     TRANSFER_FAIL,
     describe_status,
 )
+from fastkv.storage.mooncake_memory import MooncakeMemory
 from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
 
 log = logging.getLogger(__name__)
 
 _MAX_CONDEMNED = 4096
 _MAX_QUARANTINED = 65536
-VERIFY_AREA_BYTES = 16 << 20
-"""Per concurrent call, the most object bytes a put reads back in one Mooncake call."""
 
 
 class MooncakeBackend(StorageBackend):
@@ -208,37 +206,11 @@ class MooncakeBackend(StorageBackend):
         self.store = store
         self._lock = threading.Lock()
         self._stats = StorageStats()
-        self._regions: list[tuple[int, int]] = []
-        self._map_areas(concurrency)
+        self._memory = MooncakeMemory(store, layout, concurrency, self.max_batch, self.staged)
         self.forged_puts = 0
         self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
-        self._free_arenas = list(range(concurrency))
         self.pool_full_retries = 0
-        self._arena_ready = threading.Condition(self._lock)
         self._closed = False
-
-    def _map_areas(self, concurrency: int) -> None:
-        """Maps and registers the backend's own memory, one share per concurrent
-        call: header slots, the staging area (staged mode) and the verify area."""
-        object_bytes = self._expected_bytes
-        # Header slots: one arena, registered once, split among concurrent calls.
-        self._arena = mmap.mmap(-1, max(4096, concurrency * self.max_batch * HEADER_BYTES))
-        self._arena_addr = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data
-        self._register(self._arena_addr, len(self._arena))
-        self._staging: mmap.mmap | None = None
-        if self.staged:
-            self._staging = mmap.mmap(-1, concurrency * self.max_batch * object_bytes)
-            self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
-            self._register(self._staging_addr, len(self._staging))
-        # Where a put reads objects back (what it met, what it stored): per concurrent
-        # call, up to 16 MiB of objects (at least one), read in batches that size.
-        self._verify_slots = max(1, min(self.max_batch, VERIFY_AREA_BYTES // object_bytes))
-        self._verify = mmap.mmap(-1, concurrency * self._verify_slots * object_bytes)
-        self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
-        self._register(self._verify_addr, len(self._verify))
-        self._payload_offsets = np.concatenate(
-            [[HEADER_BYTES], HEADER_BYTES + np.cumsum(self.layout.segment_lengths)[:-1]]
-        ).astype(np.int64)
 
     @property
     def deadline_margin_s(self) -> float:
@@ -258,17 +230,7 @@ class MooncakeBackend(StorageBackend):
             ValueError: a bad address or size, or overlap with a registered range.
             RuntimeError: Mooncake refused the registration.
         """
-        if isinstance(address, bool) or not isinstance(address, int) or address <= 0:
-            raise ValueError(f"address: must be a positive int, got {address!r}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
-        with self._lock:
-            for start, length in self._regions:
-                if address < start + length and start < address + nbytes:
-                    raise ValueError(
-                        f"address: [{address:#x}, +{nbytes}) overlaps a registered range"
-                    )
-        self._register(address, nbytes)
+        self._memory.register_host(address, nbytes)
 
     # -- the interface ----------------------------------------------------------
 
@@ -319,7 +281,7 @@ class MooncakeBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         self._check_batch(keys, blocks, deadline)
-        self._check_registered(blocks)
+        self._memory.check_inside(blocks)
         self._check_open()
         results = self._clear_of_busy(keys, blocks, deadline, self._get_part)
         self._count_gets(results)
@@ -329,7 +291,7 @@ class MooncakeBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         self._check_batch(keys, blocks, deadline)
-        self._check_registered(blocks)
+        self._memory.check_inside(blocks)
         self._check_open()
         results = self._clear_of_busy(keys, blocks, deadline, self._put_part)
         self._count_puts(results)
@@ -403,7 +365,7 @@ class MooncakeBackend(StorageBackend):
         ] * len(keys)
         if not keys:
             return results
-        arena = self._take_arena(deadline)
+        arena = self._memory.take(deadline)
         if arena is None:
             return results
         # A zero-copy get writes the caller's memory until Mooncake returns it.
@@ -425,7 +387,7 @@ class MooncakeBackend(StorageBackend):
                 fut = self._calls.submit(self._run_part, *args)
                 writes = blocks[start:stop] if writes_caller else ()
                 part = self._calls.wait(
-                    fut, deadline, lambda a=arena: self._give_arena(a), call, writes
+                    fut, deadline, lambda a=arena: self._memory.give(a), call, writes
                 )
                 if part is None:
                     abandoned = True
@@ -440,7 +402,7 @@ class MooncakeBackend(StorageBackend):
                 results[start:stop] = part
         finally:
             if not abandoned:
-                self._give_arena(arena)
+                self._memory.give(arena)
         return results
 
     def _run_part(
@@ -460,31 +422,6 @@ class MooncakeBackend(StorageBackend):
             part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * len(keys)
         self.breaker.record(fatal)
         return part
-
-    def _take_arena(self, deadline: float) -> int | None:
-        with self._arena_ready:
-            while not self._free_arenas:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._arena_ready.wait(left)
-            return self._free_arenas.pop()
-
-    def _give_arena(self, arena: int) -> None:
-        with self._arena_ready:
-            self._free_arenas.append(arena)
-            self._arena_ready.notify()
-
-    def _header_addr(self, arena: int, j: int) -> int:
-        return self._arena_addr + (arena * self.max_batch + j) * HEADER_BYTES
-
-    def _object_addr(self, arena: int, j: int) -> int:
-        """Staged mode: where object j of a call holding `arena` is assembled."""
-        return self._staging_addr + (arena * self.max_batch + j) * self._expected_bytes
-
-    def _header_view(self, arena: int, j: int) -> memoryview:
-        off = (arena * self.max_batch + j) * HEADER_BYTES
-        return memoryview(self._arena)[off : off + HEADER_BYTES]
 
     def _put_part(
         self,
@@ -546,14 +483,14 @@ class MooncakeBackend(StorageBackend):
                     if call.abandoned:
                         return None
                     _disk_io.stage_block(
-                        self._object_addr(arena, j), header, seg_array, self._ring
+                        self._memory.object_addr(arena, j), header, seg_array, self._ring
                     )
-                ptrs[j] = self._object_addr(arena, j)
+                ptrs[j] = self._memory.object_addr(arena, j)
                 continue
-            header_view = self._header_view(arena, j)
+            header_view = self._memory.header_view(arena, j)
             header_view[:] = expected_header(key, self.layout, 0)
             _disk_io.seal_header(header_view, seg_array, self._ring)
-            ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
+            ptrs[j] = [self._memory.header_addr(arena, j), *(p for p, _ in segs)]
         return ptrs
 
     def _put_with_retries(
@@ -643,8 +580,8 @@ class MooncakeBackend(StorageBackend):
         slots per Mooncake call, and sets results[j]: `stored` for an object that is
         this block, else what _judge_existing says. Returns the fatal outcome."""
         size = self._expected_bytes
-        for s in range(0, len(which), self._verify_slots):
-            part = which[s : s + self._verify_slots]
+        for s in range(0, len(which), self._memory.verify_slots):
+            part = which[s : s + self._memory.verify_slots]
             if time.monotonic() >= deadline:
                 late = KeyResult(
                     KeyStatus.TIMEOUT, "deadline passed before the stored object was verified"
@@ -652,10 +589,10 @@ class MooncakeBackend(StorageBackend):
                 for j in which[s:]:
                     results[j] = late
                 break
-            offsets = [(arena * self._verify_slots + i) * size for i in range(len(part))]
+            offsets = [self._memory.verify_offset(arena, i) for i in range(len(part))]
             codes = self.store.batch_get_into(
                 [keys[j].text() for j in part],
-                [self._verify_addr + off for off in offsets],
+                [self._memory.verify_addr + off for off in offsets],
                 [size] * len(part),
             )
             for j, off, code in zip(part, offsets, codes, strict=True):
@@ -672,7 +609,7 @@ class MooncakeBackend(StorageBackend):
         not verify is removed (best effort) so a later put can store the real
         block."""
         name = key.text()
-        addr = self._verify_addr + offset
+        addr = self._memory.verify_addr + offset
         if code in FATAL_CODES:
             return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), (
                 f"get answered {code}"
@@ -683,9 +620,10 @@ class MooncakeBackend(StorageBackend):
             ), fatal
         if code == self._expected_bytes:
             segs = np.stack(
-                [addr + self._payload_offsets, np.asarray(self.layout.segment_lengths)], axis=1
+                [addr + self._memory.payload_offsets, np.asarray(self.layout.segment_lengths)],
+                axis=1,
             ).astype(np.int64)
-            header = memoryview(self._verify)[offset : offset + HEADER_BYTES]
+            header = self._memory.verify_header(offset)
             want = expected_header(key, self.layout, 0)
             status = _disk_io.verify_block(header, want, segs, self._ring)
             if status == _disk_io.ST_OK:
@@ -788,12 +726,12 @@ class MooncakeBackend(StorageBackend):
         if self.staged:
             return self.store.batch_get_into(
                 [names[j] for j in live],
-                [self._object_addr(arena, j) for j in live],
+                [self._memory.object_addr(arena, j) for j in live],
                 [self._expected_bytes] * len(live),
             )
         return self.store.batch_get_into_multi_buffers(
             [names[j] for j in live],
-            [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
+            [[self._memory.header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
             [self._lengths] * len(live),
         )
 
@@ -814,11 +752,11 @@ class MooncakeBackend(StorageBackend):
             seg_array = np.asarray(segs, dtype=np.int64)
             if self.staged:
                 status = _disk_io.unstage_block(
-                    self._object_addr(arena, j), want, seg_array, self._ring
+                    self._memory.object_addr(arena, j), want, seg_array, self._ring
                 )
             else:
                 status = _disk_io.verify_block(
-                    self._header_view(arena, j), want, seg_array, self._ring
+                    self._memory.header_view(arena, j), want, seg_array, self._ring
                 )
             if status == _disk_io.ST_OK:
                 return OK, ""
@@ -840,37 +778,6 @@ class MooncakeBackend(StorageBackend):
             )
         kind = "fatal" if code in FATAL_CODES else "node" if code == TRANSFER_FAIL else ""
         return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), kind
-
-    # -- helpers ------------------------------------------------------------------
-
-    def _register(self, address: int, nbytes: int) -> None:
-        rc = self.store.register_buffer(address, nbytes)
-        if rc != 0:
-            raise RuntimeError(
-                f"Mooncake register_buffer({address:#x}, {nbytes}) answered {rc}"
-            )
-        with self._lock:
-            self._regions.append((address, nbytes))
-
-    def _check_registered(self, blocks: Sequence[BlockSegments]) -> None:
-        if self.staged:  # Mooncake touches only the staging area
-            return
-        with self._lock:
-            regions = sorted(self._regions)
-        starts = np.array([s for s, _ in regions], dtype=np.int64)
-        ends = np.array([s + n for s, n in regions], dtype=np.int64)
-        segs = np.asarray(blocks, dtype=np.int64).reshape(-1, 2)
-        if not len(segs):
-            return
-        idx = np.searchsorted(starts, segs[:, 0], side="right") - 1
-        inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
-        if not inside.all():
-            bad = int(np.argmin(inside))
-            nseg = self.layout.num_segments
-            raise ValueError(
-                f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
-                "register_host_memory"
-            )
 
 
 def _setup_store(connection: MooncakeConnection) -> object:
