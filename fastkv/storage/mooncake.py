@@ -91,7 +91,7 @@ from fastkv.storage.base import (
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.busy_ranges import BusyHostRanges
-from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
+from fastkv.storage.circuit_breaker import CircuitBreaker
 from fastkv.storage.deadline_pool import LEFT_BEHIND, Call, DeadlinePool
 from fastkv.storage.mooncake_codes import (
     BUFFER_TOO_SMALL,
@@ -101,16 +101,15 @@ from fastkv.storage.mooncake_codes import (
     OBJECT_NOT_FOUND,
     POOL_FULL,
     PUT_OK,
-    TRANSFER_FAIL,
     describe_status,
 )
+from fastkv.storage.mooncake_get import MooncakeGets
 from fastkv.storage.mooncake_memory import MooncakeMemory
 from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
 
 log = logging.getLogger(__name__)
 
 _MAX_CONDEMNED = 4096
-_MAX_QUARANTINED = 65536
 
 
 class MooncakeBackend(StorageBackend):
@@ -187,12 +186,6 @@ class MooncakeBackend(StorageBackend):
         self.breaker = CircuitBreaker(
             float(options.breaker_cooldown_s), float(options.breaker_max_cooldown_s)
         )
-        # keys whose last read hit a failing storage node (-800): not asked for a while
-        self._quarantine = KeyQuarantine(
-            float(options.breaker_cooldown_s),
-            "its storage node failed a read (-800) moments ago",
-            _MAX_QUARANTINED,
-        )
         # transfers hold an arena each, lookups a slot of their own: both bounded
         self._calls = DeadlinePool(
             2 * concurrency,
@@ -207,6 +200,14 @@ class MooncakeBackend(StorageBackend):
         self._lock = threading.Lock()
         self._stats = StorageStats()
         self._memory = MooncakeMemory(store, layout, concurrency, self.max_batch, self.staged)
+        self._gets = MooncakeGets(
+            store,
+            layout,
+            self._ring,
+            self._memory,
+            float(options.breaker_cooldown_s),
+            self._count_corrupt,
+        )
         self.forged_puts = 0
         self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
         self.pool_full_retries = 0
@@ -283,7 +284,9 @@ class MooncakeBackend(StorageBackend):
         self._check_batch(keys, blocks, deadline)
         self._memory.check_inside(blocks)
         self._check_open()
-        results = self._clear_of_busy(keys, blocks, deadline, self._get_part)
+        results = self._clear_of_busy(
+            keys, blocks, deadline, self._gets.part, self._gets.writes_host
+        )
         self._count_gets(results)
         return results
 
@@ -303,12 +306,13 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         deadline: float,
         run_part: Callable[..., tuple[list[KeyResult], str | None]],
+        writes_host: bool = False,
     ) -> list[KeyResult]:
         """The batch, less the keys whose host memory a get left behind still
         writes (those answer FAILED, untouched)."""
         busy = self._calls.busy.touching(blocks)
         if not busy:
-            return self._batched(keys, blocks, deadline, run_part)
+            return self._batched(keys, blocks, deadline, run_part, writes_host)
         skip = set(busy)
         live = [j for j in range(len(keys)) if j not in skip]
         out = [
@@ -319,7 +323,7 @@ class MooncakeBackend(StorageBackend):
             )
         ] * len(keys)
         got = self._batched(
-            [keys[j] for j in live], [blocks[j] for j in live], deadline, run_part
+            [keys[j] for j in live], [blocks[j] for j in live], deadline, run_part, writes_host
         )
         for j, r in zip(live, got, strict=True):
             out[j] = r
@@ -359,7 +363,11 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         deadline: float,
         run_part: Callable[..., tuple[list[KeyResult], str | None]],
+        writes_host: bool,
     ) -> list[KeyResult]:
+        """Runs `run_part` on the pool for each batch of up to max_batch keys,
+        holding one arena, while the deadline and the breaker allow. `writes_host`:
+        Mooncake writes the caller's blocks (a zero-copy get) until it returns."""
         results: list[KeyResult] = [
             KeyResult(KeyStatus.TIMEOUT, "deadline passed before the call")
         ] * len(keys)
@@ -368,8 +376,6 @@ class MooncakeBackend(StorageBackend):
         arena = self._memory.take(deadline)
         if arena is None:
             return results
-        # A zero-copy get writes the caller's memory until Mooncake returns it.
-        writes_caller = run_part == self._get_part and not self.staged
         abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
@@ -385,7 +391,7 @@ class MooncakeBackend(StorageBackend):
                 call = Call()
                 args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline, call)
                 fut = self._calls.submit(self._run_part, *args)
-                writes = blocks[start:stop] if writes_caller else ()
+                writes = blocks[start:stop] if writes_host else ()
                 part = self._calls.wait(
                     fut, deadline, lambda a=arena: self._memory.give(a), call, writes
                 )
@@ -404,6 +410,10 @@ class MooncakeBackend(StorageBackend):
             if not abandoned:
                 self._memory.give(arena)
         return results
+
+    def _count_corrupt(self, n: int) -> None:
+        with self._lock:
+            self._stats.corrupt += n
 
     def _run_part(
         self,
@@ -661,123 +671,6 @@ class MooncakeBackend(StorageBackend):
             if code != LEASE_HELD:
                 with self._lock:
                     self._condemned.pop(name, None)
-
-    def _get_part(
-        self,
-        keys: Sequence[StorageKey],
-        blocks: Sequence[BlockSegments],
-        arena: int,
-        deadline: float,
-        call: Call,
-    ) -> tuple[list[KeyResult], str | None]:
-        """One batch of gets: the keys not held back by the quarantine in one
-        Mooncake call, then each object verified (staged: scattered into the
-        caller's block as it is) and judged by _read_result. Returns the results
-        and the fatal outcome (None if Mooncake's master answered every call)."""
-        names = [k.text() for k in keys]
-        held = self._quarantine.reasons(names)
-        live = [j for j in range(len(keys)) if held[j] is None]
-        codes = [0] * len(keys)
-        got = self._get_objects(names, blocks, live, arena) if live else []
-        for j, code in zip(live, got, strict=True):
-            codes[j] = code
-        results: list[KeyResult] = []
-        fatal: str | None = None
-        corrupt = 0
-        failing: list[str] = []
-        # A short object also fails a multi-buffer read with -800 (a single-buffer
-        # read answers its size): ask its size, one key at a time, but only while
-        # the deadline allows and until a fatal code shows the store is failing.
-        ask_size = not self.staged
-        for j, code in enumerate(codes):
-            reason = held[j]
-            if reason is not None:
-                results.append(KeyResult(KeyStatus.FAILED, reason))
-                continue
-            size = None
-            if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
-                size = self.store.get_size(names[j])
-            with call.lock:  # staged: scatters into the caller's block
-                if call.abandoned:
-                    return [LEFT_BEHIND] * len(keys), fatal
-                result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
-            if outcome == "fatal":
-                fatal = f"get answered {code}"
-                ask_size = False
-            elif outcome == "node":
-                failing.append(names[j])
-            corrupt += outcome == "corrupt"
-            results.append(result)
-        with self._lock:
-            self._stats.corrupt += corrupt
-        self._quarantine.hold(failing)
-        return results, fatal
-
-    def _get_objects(
-        self,
-        names: list[str],
-        blocks: Sequence[BlockSegments],
-        live: list[int],
-        arena: int,
-    ) -> list[int]:
-        """One Mooncake get call for the keys in `live` (staged: each object into
-        the staging area; zero-copy: its header into the arena, its segments into
-        the caller's block); their codes."""
-        if self.staged:
-            return self.store.batch_get_into(
-                [names[j] for j in live],
-                [self._memory.object_addr(arena, j) for j in live],
-                [self._expected_bytes] * len(live),
-            )
-        return self.store.batch_get_into_multi_buffers(
-            [names[j] for j in live],
-            [[self._memory.header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
-            [self._lengths] * len(live),
-        )
-
-    def _read_result(
-        self,
-        key: StorageKey,
-        segs: BlockSegments,
-        arena: int,
-        j: int,
-        code: int,
-        size: int | None,
-    ) -> tuple[KeyResult, str]:
-        """The result of one get and its kind: "", "corrupt" (counted), "node" (the
-        storage node holding it failed: quarantined) or "fatal" (the master failed:
-        opens the breaker). `size`: what get_size answered for a -800, if asked."""
-        if code == self._expected_bytes:
-            want = expected_header(key, self.layout, 0)
-            seg_array = np.asarray(segs, dtype=np.int64)
-            if self.staged:
-                status = _disk_io.unstage_block(
-                    self._memory.object_addr(arena, j), want, seg_array, self._ring
-                )
-            else:
-                status = _disk_io.verify_block(
-                    self._memory.header_view(arena, j), want, seg_array, self._ring
-                )
-            if status == _disk_io.ST_OK:
-                return OK, ""
-            return KeyResult(KeyStatus.MISS, f"rejected: {describe_status(status)}"), "corrupt"
-        if 0 <= code < self._expected_bytes:
-            return KeyResult(
-                KeyStatus.MISS, f"rejected: short object ({code} bytes)"
-            ), "corrupt"
-        if code > self._expected_bytes or code == BUFFER_TOO_SMALL:
-            return KeyResult(
-                KeyStatus.MISS, "rejected: object larger than the block"
-            ), "corrupt"
-        if code == OBJECT_NOT_FOUND:
-            return KeyResult(KeyStatus.MISS, "not stored"), ""
-        if code == TRANSFER_FAIL and size is not None and 0 <= size != self._expected_bytes:
-            return (
-                KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
-                "corrupt",
-            )
-        kind = "fatal" if code in FATAL_CODES else "node" if code == TRANSFER_FAIL else ""
-        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), kind
 
 
 def _setup_store(connection: MooncakeConnection) -> object:

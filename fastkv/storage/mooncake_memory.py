@@ -133,7 +133,7 @@ class MooncakeMemory:
         return area
 
     def _register(self, address: int, nbytes: int) -> None:
-        rc = self._store.register_buffer(address, nbytes)  # type: ignore[attr-defined]
+        rc = self._store.register_buffer(address, nbytes)
         if rc != 0:
             raise RuntimeError(
                 f"Mooncake register_buffer({address:#x}, {nbytes}) answered {rc}"
