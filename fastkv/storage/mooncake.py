@@ -161,12 +161,10 @@ class MooncakeBackend(StorageBackend):
         self.breaker = CircuitBreaker(
             float(options.breaker_cooldown_s), float(options.breaker_max_cooldown_s)
         )
+        self._busy = BusyHostRanges()  # what zero-copy gets left behind still write
         # transfers hold an arena each, lookups a slot of their own: both bounded
         self._calls = DeadlinePool(
-            2 * concurrency,
-            float(options.deadline_margin_s),
-            BusyHostRanges(),  # what zero-copy gets left behind still write
-            "fastkv-mooncake",
+            2 * concurrency, float(options.deadline_margin_s), self._busy, "fastkv-mooncake"
         )
         self._lookup_slots = threading.BoundedSemaphore(concurrency)
         self.store = store
@@ -265,11 +263,11 @@ class MooncakeBackend(StorageBackend):
         return codes
 
     def busy_host_ranges(self) -> list[tuple[int, int]]:
-        return self._calls.busy.ranges()
+        return self._busy.ranges()
 
     def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
         check_wait(blocks, timeout, self.layout)
-        return self._calls.busy.wait_quiet(blocks, timeout)
+        return self._busy.wait_quiet(blocks, timeout)
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -300,7 +298,7 @@ class MooncakeBackend(StorageBackend):
     ) -> list[KeyResult]:
         """The batch, less the keys whose host memory a get left behind still
         writes (those answer FAILED, untouched)."""
-        busy = self._calls.busy.touching(blocks)
+        busy = self._busy.touching(blocks)
         if not busy:
             return self._batched(keys, blocks, deadline, path)
         skip = set(busy)

@@ -50,7 +50,7 @@ class MooncakeMemory:
 
     Attributes:
         object_bytes: the size of one stored object (header + payload).
-        staged, max_batch: as given.
+        layout, staged, max_batch: as given.
         verify_slots: objects a put reads back per Mooncake call.
         payload_offsets: where each segment starts in an object.
 
