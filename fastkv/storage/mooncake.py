@@ -5,48 +5,32 @@ Object bytes: the 128-byte block header (fastkv.storage.block_header) followed b
 the block's segments in order, gathered zero-copy from the host cache by
 `batch_put_from_multi_buffers` and scattered back by `batch_get_into_multi_buffers`
 (both need the memory registered: `register_host_memory` once for the whole host
-cache; the headers live in a small registered arena of the backend's own).
-The settings named below (`put_retries`, `verify_puts`, ...) are fields of the
-`MooncakeOptions` a backend is built from (fastkv.storage.mooncake_options).
+cache; the headers live in a small registered arena of the backend's own), or
+with `staging_bytes` assembled in a staging area of its own. The settings named
+below (`put_retries`, `verify_puts`, ...) are fields of the `MooncakeOptions` a
+backend is built from (fastkv.storage.mooncake_options).
+
+`MooncakeBackend` validates each call, answers it by its deadline and splits it
+into Mooncake calls of at most `max_batch` keys, each run by one of its rooms:
+
+    mooncake_memory   registered memory: the host cache, and the header, staging
+                      and verify areas, an arena per concurrent call
+    mooncake_put      one batch of puts; objects already under its keys
+    mooncake_get      one batch of gets; verification; the per-key quarantine
+    mooncake_codes    what each Mooncake return code means
+    deadline_pool     the threads Mooncake calls run on; deadline plus margin
+    busy_ranges       host memory a zero-copy get left behind still writes
+    circuit_breaker   the breaker and the per-key quarantine
 
 Authentication: any client that reaches the master can put any key, and keys are
 predictable (the namespace digest hashes public fields; block hashes chain from a
 public root). Every object therefore carries a tag (HMAC-SHA256 under the
 deployment's key ring, fastkv.storage.auth) that a get verifies before anything is
 served; a backend without a ring must be asked for explicitly
-(`allow_unauthenticated=True`) and then accepts whatever any client stored.
-Mooncake keeps the old value when a key is put again (answering 0 or -705), so a
-put first asks which keys exist and reads those back: one that verifies is
-ALREADY_STORED, one that does not (forged, or another deployment's) answers
-FAILED, never stored, and is removed so a later put can store the real block
-(Mooncake refuses a remove during the read lease it just granted, -706: the key is
-then remembered and removed by the next put of it once the lease has run out). A
--705 from the put itself (a key that appeared in between) is checked the same way.
-What remains: an object planted between the existence check and the put (when
-Mooncake answers 0) makes that put count as stored; its reads still refuse it.
-
-Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
-
-    put   0, -705 (exists)      stored (an existing key keeps its old value); -705
-                                answers ALREADY_STORED once the stored object
-                                verifies (above)
-          -200 (pool full)      retried with a short backoff, at most `put_retries`
-                                times and never past the deadline; then FAILED
-    get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
-          0 < n < size          short object -> MISS (corrupt)
-          -600                  object larger than the block -> MISS (corrupt)
-          -704                  not stored -> MISS
-          -800 (transfer fail)  also what a short object gives with multi-buffer reads:
-                                `get_size` tells them apart -> MISS or FAILED
-                                (zero-copy reads only, while the deadline allows,
-                                until a fatal code in the same call)
-    any   -800 (transfer fail)  FAILED; for a get, the key is not asked again for
-                                `breaker_cooldown_s` (its storage node is failing;
-                                the others are not: measured, a dead node fails only
-                                the keys it holds, in the same call as healthy ones)
-          -900, -901            FAILED, and the circuit breaker opens (the master's
-                                RPC failed: every key depends on it)
-          anything else         FAILED with the code
+(`allow_unauthenticated=True`) and then accepts whatever any client stored. What
+a put does about an object already under its key (one that is not its block is
+removed), the window that remains and `verify_puts`, which closes it at a cost:
+fastkv.storage.mooncake_put.
 
 Failures stay local to what failed: a dead storage node fails its own keys (a
 quarantine per key), only a failing master (or a binding that raises) opens the
@@ -57,53 +41,30 @@ the breaker closes at most that long, plus the probe call, after the master is
 back). `health_check()` answered 0 with the master dead, so the breaker learns from
 real calls only.
 
-Deadlines: a Mooncake call blocks (4.3 s measured against a dead master), so calls
-run on the backend's own threads and the caller waits until the deadline plus
-`deadline_margin_s` (50 ms): every `exists`, `put_from` and `get_into` returns by
-then, keys not done answering TIMEOUT; the call that overran keeps its arena (and
+Deadlines: every `exists`, `put_from` and `get_into` returns by its deadline plus
+`deadline_margin_s` (50 ms), keys not done answering TIMEOUT, however long Mooncake
+blocks (fastkv.storage.deadline_pool); the call that overran keeps its arena (and
 thread) until Mooncake returns it. What a call left behind may still do to the
 caller's memory:
   - zero-copy get: Mooncake writes it until its call returns. Those ranges are in
     `busy_host_ranges()` until then, `wait_host_quiet` waits for them, and a new
     call whose blocks overlap them answers FAILED for those keys without touching
-    them; the I/O engine waits for them before it frees its host blocks.
-  - zero-copy put: Mooncake reads it until its call returns. Memory changed
+    them (fastkv.storage.busy_ranges).
+  - zero-copy put: Mooncake reads it until its call returns; memory changed
     meanwhile makes the stored object fail verification: never served.
-  - staged calls: only this backend's own copies touch it (gathering a put's
-    block, scattering a get's), each under the call's lock, and none starts once
-    the caller has been answered.
-
-A put first asks which keys exist and reads those objects back: one that is not
-this block answers FAILED and is removed. This Mooncake answers 0 for a put of a
-key that already holds an object (and keeps that object), so an object another
-client plants between that existence check and the put passes for the block; it
-adds nothing to what any client can do anyway (replace or delete any object at
-any time: misses, never wrong KV, as reads verify). `verify_puts=True` closes it:
-every put is read back and counts as stored only if the object verifies. It is off
-by default because a read-back costs a get (17-45 % of put throughput measured
-over TCP loopback) and a get takes the master's read lease (10 s by default), so
-objects just written cannot be evicted for that long: on a pool smaller than
-write rate x lease, puts fail with -200.
+  - staged calls: only this backend's own copies touch it, and none starts once
+    the caller has been answered (deadline_pool's `Call`).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
-import numpy as np
-
-from fastkv.storage import _disk_io
 from fastkv.storage.auth import StorageAuth, ring_of
 from fastkv.storage.base import (
-    ALREADY_STORED,
-    OK,
     BlockLayout,
     BlockSegments,
     KeyResult,
@@ -113,42 +74,17 @@ from fastkv.storage.base import (
     StorageStats,
     check_wait,
 )
-from fastkv.storage.block_header import HEADER_BYTES, expected_header
-from fastkv.storage.circuit_breaker import CircuitBreaker, KeyQuarantine
+from fastkv.storage.block_header import HEADER_BYTES
+from fastkv.storage.busy_ranges import BusyHostRanges
+from fastkv.storage.circuit_breaker import CircuitBreaker
+from fastkv.storage.deadline_pool import Call, DeadlinePool
+from fastkv.storage.mooncake_codes import FATAL_CODES
+from fastkv.storage.mooncake_get import MooncakeGets
+from fastkv.storage.mooncake_memory import MooncakeMemory
 from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
+from fastkv.storage.mooncake_put import MooncakePuts
 
 log = logging.getLogger(__name__)
-
-PUT_OK = 0
-OBJECT_EXISTS = -705
-POOL_FULL = -200
-BUFFER_TOO_SMALL = -600
-OBJECT_NOT_FOUND = -704
-LEASE_HELD = -706
-_MAX_CONDEMNED = 4096
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-FATAL_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
-"""Codes that mean the master failed: they open the breaker (every key needs it)."""
-_MAX_QUARANTINED = 65536
-VERIFY_AREA_BYTES = 16 << 20
-"""Per concurrent call, the most object bytes a put reads back in one Mooncake call."""
-
-
-_LEFT_BEHIND = KeyResult(KeyStatus.TIMEOUT, "the caller was answered before this key was done")
-
-
-class _Call:
-    """One batch on the pool: `abandoned` once its caller has been answered
-    (TIMEOUT); the backend's own copies into or out of the caller's memory hold
-    `lock` and start only while it is False."""
-
-    __slots__ = ("abandoned", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
 
 
 class MooncakeBackend(StorageBackend):
@@ -168,9 +104,10 @@ class MooncakeBackend(StorageBackend):
         staged: blocks go through the staging area (`options.staging_bytes` > 0).
         max_batch: keys per Mooncake call: `options.max_batch`, or fewer when a
             call's share of the staging area holds fewer objects.
-        verify_puts: starts as `options.verify_puts`; may be changed between calls.
+        store: the Mooncake store in use.
         breaker: the circuit breaker every call goes through.
-        forged_puts, pool_full_retries, overruns: counters (see their comments).
+        verify_puts, deadline_margin_s: see the properties.
+        forged_puts, pool_full_retries, overruns: counters (see the properties).
 
     Raises:
         ValueError: a bad argument: no key ring (neither `options.auth` nor
@@ -218,69 +155,64 @@ class MooncakeBackend(StorageBackend):
         self.auth = auth
         self._ring = ring_of(auth)
         self.staged = staging_bytes > 0
-        self.verify_puts = options.verify_puts
         self.max_batch = options.max_batch
         if self.staged:
             self.max_batch = min(self.max_batch, per_call // object_bytes)
         self.breaker = CircuitBreaker(
             float(options.breaker_cooldown_s), float(options.breaker_max_cooldown_s)
         )
-        self.deadline_margin_s = float(options.deadline_margin_s)
-        # keys whose last read hit a failing storage node (-800): not asked for a while
-        self._quarantine = KeyQuarantine(
-            float(options.breaker_cooldown_s),
-            "its storage node failed a read (-800) moments ago",
-            _MAX_QUARANTINED,
-        )
+        self._busy = BusyHostRanges()  # what zero-copy gets left behind still write
         # transfers hold an arena each, lookups a slot of their own: both bounded
-        self._pool = ThreadPoolExecutor(2 * concurrency, thread_name_prefix="fastkv-mooncake")
+        self._calls = DeadlinePool(
+            2 * concurrency, float(options.deadline_margin_s), self._busy, "fastkv-mooncake"
+        )
         self._lookup_slots = threading.BoundedSemaphore(concurrency)
-        self.overruns = 0  # calls still inside Mooncake past deadline + margin
-        self._expected_bytes = object_bytes
-        self._lengths = [HEADER_BYTES, *layout.segment_lengths]
         self.store = store
         self._lock = threading.Lock()
         self._stats = StorageStats()
-        self._regions: list[tuple[int, int]] = []
-        self._map_areas(concurrency)
-        self.forged_puts = 0
-        self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
-        self._free_arenas = list(range(concurrency))
-        self.pool_full_retries = 0
-        self._arena_ready = threading.Condition(self._lock)
-        # Zero-copy gets left behind at their deadline: the [start, end) ranges of
-        # host memory each still writes, until Mooncake returns it; merged into
-        # sorted arrays for the overlap checks.
-        self._busy: dict[int, list[tuple[int, int]]] = {}
-        self._busy_ids = 0
-        self._busy_lo = np.zeros(0, dtype=np.int64)
-        self._busy_hi = np.zeros(0, dtype=np.int64)
-        self._in_flight = 0  # transfer and lookup calls on the pool
-        self._quiet = threading.Condition(self._lock)
+        self._memory = MooncakeMemory(store, layout, concurrency, self.max_batch, self.staged)
+        self._gets = MooncakeGets(
+            store,
+            layout,
+            self._ring,
+            self._memory,
+            float(options.breaker_cooldown_s),
+            self._count_corrupt,
+        )
+        self._puts = MooncakePuts(store, layout, self._ring, self._memory, options)
         self._closed = False
 
-    def _map_areas(self, concurrency: int) -> None:
-        """Maps and registers the backend's own memory, one share per concurrent
-        call: header slots, the staging area (staged mode) and the verify area."""
-        object_bytes = self._expected_bytes
-        # Header slots: one arena, registered once, split among concurrent calls.
-        self._arena = mmap.mmap(-1, max(4096, concurrency * self.max_batch * HEADER_BYTES))
-        self._arena_addr = np.frombuffer(self._arena, dtype=np.uint8).ctypes.data
-        self._register(self._arena_addr, len(self._arena))
-        self._staging: mmap.mmap | None = None
-        if self.staged:
-            self._staging = mmap.mmap(-1, concurrency * self.max_batch * object_bytes)
-            self._staging_addr = np.frombuffer(self._staging, dtype=np.uint8).ctypes.data
-            self._register(self._staging_addr, len(self._staging))
-        # Where a put reads objects back (what it met, what it stored): per concurrent
-        # call, up to 16 MiB of objects (at least one), read in batches that size.
-        self._verify_slots = max(1, min(self.max_batch, VERIFY_AREA_BYTES // object_bytes))
-        self._verify = mmap.mmap(-1, concurrency * self._verify_slots * object_bytes)
-        self._verify_addr = np.frombuffer(self._verify, dtype=np.uint8).ctypes.data
-        self._register(self._verify_addr, len(self._verify))
-        self._payload_offsets = np.concatenate(
-            [[HEADER_BYTES], HEADER_BYTES + np.cumsum(self.layout.segment_lengths)[:-1]]
-        ).astype(np.int64)
+    @property
+    def deadline_margin_s(self) -> float:
+        """How long past its deadline a call may take (`options.deadline_margin_s`)."""
+        return self._calls.margin_s
+
+    @property
+    def verify_puts(self) -> bool:
+        """Whether every put is read back and counts as stored only if the object
+        verifies (starts as `options.verify_puts`; may be changed between calls)."""
+        return self._puts.verify_puts
+
+    @verify_puts.setter
+    def verify_puts(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"verify_puts: must be a bool, got {value!r}")
+        self._puts.verify_puts = value
+
+    @property
+    def forged_puts(self) -> int:
+        """Objects a put found under its key that were not its block (removed)."""
+        return self._puts.forged_puts
+
+    @property
+    def pool_full_retries(self) -> int:
+        """Keys put again after Mooncake answered -200 (pool full)."""
+        return self._puts.pool_full_retries
+
+    @property
+    def overruns(self) -> int:
+        """Calls still inside Mooncake past their deadline plus the margin."""
+        return self._calls.overruns
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Register host memory (the whole host cache, once) for zero-copy transfers
@@ -290,17 +222,7 @@ class MooncakeBackend(StorageBackend):
             ValueError: a bad address or size, or overlap with a registered range.
             RuntimeError: Mooncake refused the registration.
         """
-        if isinstance(address, bool) or not isinstance(address, int) or address <= 0:
-            raise ValueError(f"address: must be a positive int, got {address!r}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
-        with self._lock:
-            for start, length in self._regions:
-                if address < start + length and start < address + nbytes:
-                    raise ValueError(
-                        f"address: [{address:#x}, +{nbytes}) overlaps a registered range"
-                    )
-        self._register(address, nbytes)
+        self._memory.register_host(address, nbytes)
 
     # -- the interface ----------------------------------------------------------
 
@@ -317,8 +239,8 @@ class MooncakeBackend(StorageBackend):
                 if time.monotonic() >= deadline or not self.breaker.allow():
                     break
                 names = [k.text() for k in keys[start : start + self.max_batch]]
-                fut = self._submit(self._is_exist, names)
-                codes = self._wait(fut, deadline, self._lookup_slots.release)
+                fut = self._calls.submit(self._is_exist, names)
+                codes = self._calls.wait(fut, deadline, self._lookup_slots.release)
                 if codes is None:  # still inside Mooncake: "not found"
                     abandoned = True
                     break
@@ -340,107 +262,20 @@ class MooncakeBackend(StorageBackend):
         self.breaker.record(None if fatal is None else f"is_exist answered {fatal}")
         return codes
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Runs fn on the pool, counted in flight until it ends (close waits)."""
-        with self._lock:
-            self._in_flight += 1
-        fut = self._pool.submit(fn, *args)
-
-        def ended(_f: Future) -> None:
-            with self._lock:
-                self._in_flight -= 1
-                self._quiet.notify_all()
-
-        fut.add_done_callback(ended)
-        return fut
-
-    def _wait(
-        self,
-        fut: Future,
-        deadline: float,
-        release: Callable[[], None],
-        call: _Call | None = None,
-        writes: Sequence[BlockSegments] = (),
-    ) -> Any:
-        """The result of a pool call, or None when it is still running at the
-        deadline plus the margin: then `release` (what the call holds: its arena or
-        slot) runs when it ends, `call` is marked left behind (its own copies into
-        or out of the caller's memory stop), and the host memory of `writes` stays
-        in busy_host_ranges() until Mooncake returns."""
-        try:
-            return fut.result(max(0.0, deadline - time.monotonic()) + self.deadline_margin_s)
-        except FutureTimeout:
-            if call is not None:
-                with call.lock:  # waits out at most one block's copy
-                    call.abandoned = True
-            ranges = [(p, p + n) for segs in writes for p, n in segs]
-            with self._lock:
-                self.overruns += 1
-                self._busy_ids += 1
-                token = self._busy_ids
-                if ranges:
-                    self._busy[token] = ranges
-                    self._merge_busy()
-
-            def ended(_f: Future) -> None:
-                try:
-                    release()
-                finally:
-                    with self._lock:
-                        if self._busy.pop(token, None) is not None:
-                            self._merge_busy()
-                        self._quiet.notify_all()
-
-            fut.add_done_callback(ended)
-            return None
-
-    def _merge_busy(self) -> None:
-        """Rebuilds the sorted, disjoint busy intervals (caller holds the lock)."""
-        spans = sorted(r for ranges in self._busy.values() for r in ranges)
-        merged: list[list[int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self._busy_lo = np.array([m[0] for m in merged], dtype=np.int64)
-        self._busy_hi = np.array([m[1] for m in merged], dtype=np.int64)
-
     def busy_host_ranges(self) -> list[tuple[int, int]]:
-        with self._lock:
-            return list(zip(self._busy_lo.tolist(), self._busy_hi.tolist(), strict=True))
+        return self._busy.ranges()
 
     def wait_host_quiet(self, blocks: Sequence[BlockSegments], timeout: float | None) -> bool:
         check_wait(blocks, timeout, self.layout)
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._touching_busy(blocks):
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._quiet.wait(left)
-            return True
-
-    def _touching_busy(self, blocks: Sequence[BlockSegments]) -> list[int]:
-        """Indexes of blocks with a segment in memory a get left behind still
-        writes (caller holds the lock): one binary search per segment."""
-        if not len(self._busy_lo) or not len(blocks):
-            return []
-        segs = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1, 2)
-        starts, ends = segs[..., 0], segs[..., 0] + segs[..., 1]
-        # the last busy interval starting before a segment's end overlaps it iff
-        # it ends after the segment's start (the intervals are disjoint)
-        idx = np.searchsorted(self._busy_lo, ends, side="left") - 1
-        hit = (idx >= 0) & (self._busy_hi[np.maximum(idx, 0)] > starts)
-        return np.flatnonzero(hit.any(axis=1)).tolist()
+        return self._busy.wait_quiet(blocks, timeout)
 
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         self._check_batch(keys, blocks, deadline)
-        self._check_registered(blocks)
+        self._memory.check_inside(blocks)
         self._check_open()
-        results = self._clear_of_busy(keys, blocks, deadline, self._get_part)
+        results = self._clear_of_busy(keys, blocks, deadline, self._gets)
         self._count_gets(results)
         return results
 
@@ -448,9 +283,9 @@ class MooncakeBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         self._check_batch(keys, blocks, deadline)
-        self._check_registered(blocks)
+        self._memory.check_inside(blocks)
         self._check_open()
-        results = self._clear_of_busy(keys, blocks, deadline, self._put_part)
+        results = self._clear_of_busy(keys, blocks, deadline, self._puts)
         self._count_puts(results)
         return results
 
@@ -459,14 +294,13 @@ class MooncakeBackend(StorageBackend):
         keys: Sequence[StorageKey],
         blocks: Sequence[BlockSegments],
         deadline: float,
-        run_part: Callable[..., tuple[list[KeyResult], str | None]],
+        path: MooncakeGets | MooncakePuts,
     ) -> list[KeyResult]:
         """The batch, less the keys whose host memory a get left behind still
         writes (those answer FAILED, untouched)."""
-        with self._lock:
-            busy = self._touching_busy(blocks)
+        busy = self._busy.touching(blocks)
         if not busy:
-            return self._batched(keys, blocks, deadline, run_part)
+            return self._batched(keys, blocks, deadline, path)
         skip = set(busy)
         live = [j for j in range(len(keys)) if j not in skip]
         out = [
@@ -476,9 +310,7 @@ class MooncakeBackend(StorageBackend):
                 "(busy_host_ranges)",
             )
         ] * len(keys)
-        got = self._batched(
-            [keys[j] for j in live], [blocks[j] for j in live], deadline, run_part
-        )
+        got = self._batched([keys[j] for j in live], [blocks[j] for j in live], deadline, path)
         for j, r in zip(live, got, strict=True):
             out[j] = r
         return out
@@ -494,11 +326,8 @@ class MooncakeBackend(StorageBackend):
             if self._closed:
                 return True
             self._closed = True
-            end = time.monotonic() + timeout
-            while self._in_flight and time.monotonic() < end:
-                self._quiet.wait(end - time.monotonic())
-            stuck = self._in_flight
-        self._pool.shutdown(wait=False)
+        stuck = self._calls.drain(timeout)
+        self._calls.shutdown()
         if stuck:
             log.warning(
                 "MooncakeBackend.close: %d call(s) still inside Mooncake after %.1f s; "
@@ -519,18 +348,18 @@ class MooncakeBackend(StorageBackend):
         keys: Sequence[StorageKey],
         blocks: Sequence[BlockSegments],
         deadline: float,
-        run_part: Callable[..., tuple[list[KeyResult], str | None]],
+        path: MooncakeGets | MooncakePuts,
     ) -> list[KeyResult]:
+        """Runs `path.part` on the pool for each batch of up to max_batch keys,
+        holding one arena, while the deadline and the breaker allow."""
         results: list[KeyResult] = [
             KeyResult(KeyStatus.TIMEOUT, "deadline passed before the call")
         ] * len(keys)
         if not keys:
             return results
-        arena = self._take_arena(deadline)
+        arena = self._memory.take(deadline)
         if arena is None:
             return results
-        # A zero-copy get writes the caller's memory until Mooncake returns it.
-        writes_caller = run_part == self._get_part and not self.staged
         abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
@@ -543,12 +372,12 @@ class MooncakeBackend(StorageBackend):
                     results[start:] = [refused] * (len(keys) - start)
                     break
                 stop = min(len(keys), start + self.max_batch)
-                call = _Call()
-                args = (run_part, keys[start:stop], blocks[start:stop], arena, deadline, call)
-                fut = self._submit(self._run_part, *args)
-                writes = blocks[start:stop] if writes_caller else ()
-                part = self._wait(
-                    fut, deadline, lambda a=arena: self._give_arena(a), call, writes
+                call = Call()
+                args = (path.part, keys[start:stop], blocks[start:stop], arena, deadline, call)
+                fut = self._calls.submit(self._run_part, *args)
+                writes = blocks[start:stop] if path.writes_host else ()
+                part = self._calls.wait(
+                    fut, deadline, lambda a=arena: self._memory.give(a), call, writes
                 )
                 if part is None:
                     abandoned = True
@@ -563,8 +392,12 @@ class MooncakeBackend(StorageBackend):
                 results[start:stop] = part
         finally:
             if not abandoned:
-                self._give_arena(arena)
+                self._memory.give(arena)
         return results
+
+    def _count_corrupt(self, n: int) -> None:
+        with self._lock:
+            self._stats.corrupt += n
 
     def _run_part(
         self,
@@ -573,7 +406,7 @@ class MooncakeBackend(StorageBackend):
         blocks: Sequence[BlockSegments],
         arena: int,
         deadline: float,
-        call: _Call,
+        call: Call,
     ) -> list[KeyResult]:
         """One batch of Mooncake calls; reports its outcome to the breaker."""
         try:
@@ -583,427 +416,6 @@ class MooncakeBackend(StorageBackend):
             part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * len(keys)
         self.breaker.record(fatal)
         return part
-
-    def _take_arena(self, deadline: float) -> int | None:
-        with self._arena_ready:
-            while not self._free_arenas:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._arena_ready.wait(left)
-            return self._free_arenas.pop()
-
-    def _give_arena(self, arena: int) -> None:
-        with self._arena_ready:
-            self._free_arenas.append(arena)
-            self._arena_ready.notify()
-
-    def _header_addr(self, arena: int, j: int) -> int:
-        return self._arena_addr + (arena * self.max_batch + j) * HEADER_BYTES
-
-    def _object_addr(self, arena: int, j: int) -> int:
-        """Staged mode: where object j of a call holding `arena` is assembled."""
-        return self._staging_addr + (arena * self.max_batch + j) * self._expected_bytes
-
-    def _header_view(self, arena: int, j: int) -> memoryview:
-        off = (arena * self.max_batch + j) * HEADER_BYTES
-        return memoryview(self._arena)[off : off + HEADER_BYTES]
-
-    def _put_part(
-        self,
-        keys: Sequence[StorageKey],
-        blocks: Sequence[BlockSegments],
-        arena: int,
-        deadline: float,
-        call: _Call,
-    ) -> tuple[list[KeyResult], str | None]:
-        """One batch of puts: keys that already hold an object are read back (stored
-        only if it is this block); the others are sealed (or staged) and put, those
-        the full pool refused retried; what the put met on the way, and with
-        verify_puts what it stored, is read back. Returns the results and the
-        fatal outcome (None if Mooncake's master answered every call)."""
-        results: list[KeyResult | None] = [None] * len(keys)
-        names = [k.text() for k in keys]
-        self._remove_condemned(names)
-        exist = self.store.batch_is_exist(names)
-        fatal_code = next((c for c in exist if c in FATAL_CODES), None)
-        if fatal_code is not None:
-            failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
-            return [failed] * len(keys), f"is_exist answered {fatal_code}"
-        pending = []
-        met: list[int] = []  # keys holding an object: stored only if it is this block
-        for j, code in enumerate(exist):
-            (met if code == 1 else pending).append(j)
-        fatal = self._read_back(keys, met, results, arena, deadline, None)
-        ptrs = self._put_buffers(keys, blocks, pending, arena, call)
-        if ptrs is None:  # the caller was answered before its blocks were staged
-            return [_LEFT_BEHIND] * len(keys), fatal
-        written, appeared, fatal = self._put_with_retries(
-            names, pending, ptrs, results, deadline, fatal
-        )
-        # 0 also answers a put that met an object: stored only if what is there now
-        # is this block.
-        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
-        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
-        return results, fatal  # type: ignore[return-value]
-
-    def _put_buffers(
-        self,
-        keys: Sequence[StorageKey],
-        blocks: Sequence[BlockSegments],
-        pending: list[int],
-        arena: int,
-        call: _Call,
-    ) -> dict[int, object] | None:
-        """What Mooncake puts for each key in `pending`: staged, the object gathered
-        (header, then segments) into the staging area; zero-copy, the header
-        sealed in the arena, then the block's own segments. None when `call` was
-        answered before every block was staged (its blocks are the caller's again)."""
-        ptrs: dict[int, object] = {}
-        for j in pending:
-            key, segs = keys[j], blocks[j]
-            seg_array = np.asarray(segs, dtype=np.int64)
-            if self.staged:
-                header = bytearray(expected_header(key, self.layout, 0))
-                with call.lock:  # the caller's block, while the caller still waits
-                    if call.abandoned:
-                        return None
-                    _disk_io.stage_block(
-                        self._object_addr(arena, j), header, seg_array, self._ring
-                    )
-                ptrs[j] = self._object_addr(arena, j)
-                continue
-            header_view = self._header_view(arena, j)
-            header_view[:] = expected_header(key, self.layout, 0)
-            _disk_io.seal_header(header_view, seg_array, self._ring)
-            ptrs[j] = [self._header_addr(arena, j), *(p for p, _ in segs)]
-        return ptrs
-
-    def _put_with_retries(
-        self,
-        names: list[str],
-        pending: list[int],
-        ptrs: dict[int, object],
-        results: list[KeyResult | None],
-        deadline: float,
-        fatal: str | None,
-    ) -> tuple[list[int], list[int], str | None]:
-        """Puts the objects of `pending`, again for those answered -200 (pool full)
-        while retries are left and the pause ends before the deadline; sets
-        results[j] for every key its answer settles. Returns the keys to read back
-        (answered 0 under verify_puts; answered -705) and the fatal outcome."""
-        written: list[int] = []  # answered 0: stored, or met an object (see _put_part)
-        appeared: list[int] = []  # answered -705: met an object since is_exist
-        for attempt in range(self.options.put_retries + 1):
-            if not pending:
-                break
-            codes = self._put_objects([names[j] for j in pending], [ptrs[j] for j in pending])
-            pending, fatal = self._sort_put_codes(
-                pending, codes, results, written, appeared, fatal
-            )
-            if (
-                not pending
-                or attempt == self.options.put_retries
-                or time.monotonic() + self.options.retry_backoff_s >= deadline
-            ):
-                break
-            with self._lock:
-                self.pool_full_retries += len(pending)
-            time.sleep(self.options.retry_backoff_s)
-        for j in pending:
-            results[j] = KeyResult(
-                KeyStatus.FAILED, "Mooncake pool full (-200) after every retry"
-            )
-        return written, appeared, fatal
-
-    def _put_objects(self, names: list[str], ptrs: list[object]) -> list[int]:
-        """One Mooncake put call for these objects; its codes."""
-        if self.staged:
-            return self.store.batch_put_from(names, ptrs, [self._expected_bytes] * len(names))
-        return self.store.batch_put_from_multi_buffers(
-            names, ptrs, [self._lengths] * len(names)
-        )
-
-    def _sort_put_codes(
-        self,
-        pending: list[int],
-        codes: list[int],
-        results: list[KeyResult | None],
-        written: list[int],
-        appeared: list[int],
-        fatal: str | None,
-    ) -> tuple[list[int], str | None]:
-        """Files each key of a put call by its code: OK (results), to read back
-        (`written`, `appeared`) or FAILED (results); returns those to retry (-200)
-        and the fatal outcome."""
-        retry = []
-        for j, code in zip(pending, codes, strict=True):
-            if code == PUT_OK and self.verify_puts:
-                written.append(j)
-            elif code == PUT_OK:
-                results[j] = OK
-            elif code == OBJECT_EXISTS:
-                appeared.append(j)
-            elif code == POOL_FULL:
-                retry.append(j)
-            else:
-                if code in FATAL_CODES:
-                    fatal = f"put answered {code}"
-                results[j] = KeyResult(KeyStatus.FAILED, f"Mooncake put answered {code}")
-        return retry, fatal
-
-    def _read_back(
-        self,
-        keys: Sequence[StorageKey],
-        which: list[int],
-        results: list[KeyResult | None],
-        arena: int,
-        deadline: float,
-        fatal: str | None,
-        stored: KeyResult = ALREADY_STORED,
-    ) -> str | None:
-        """Reads the objects under keys[j] (j in `which`) back, a batch of verify
-        slots per Mooncake call, and sets results[j]: `stored` for an object that is
-        this block, else what _judge_existing says. Returns the fatal outcome."""
-        size = self._expected_bytes
-        for s in range(0, len(which), self._verify_slots):
-            part = which[s : s + self._verify_slots]
-            if time.monotonic() >= deadline:
-                late = KeyResult(
-                    KeyStatus.TIMEOUT, "deadline passed before the stored object was verified"
-                )
-                for j in which[s:]:
-                    results[j] = late
-                break
-            offsets = [(arena * self._verify_slots + i) * size for i in range(len(part))]
-            codes = self.store.batch_get_into(
-                [keys[j].text() for j in part],
-                [self._verify_addr + off for off in offsets],
-                [size] * len(part),
-            )
-            for j, off, code in zip(part, offsets, codes, strict=True):
-                got, fatal = self._judge_existing(keys[j], off, code, fatal)
-                results[j] = stored if got is ALREADY_STORED else got
-        return fatal
-
-    def _judge_existing(
-        self, key: StorageKey, offset: int, code: int, fatal: str | None
-    ) -> tuple[KeyResult, str | None]:
-        """What a read-back of the object under `key` (into the verify area at
-        `offset`, Mooncake answering `code`) means for a put: ALREADY_STORED if it
-        is this block (its header and tag verify), else FAILED; an object that does
-        not verify is removed (best effort) so a later put can store the real
-        block."""
-        name = key.text()
-        addr = self._verify_addr + offset
-        if code in FATAL_CODES:
-            return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), (
-                f"get answered {code}"
-            )
-        if code == OBJECT_NOT_FOUND:
-            return KeyResult(
-                KeyStatus.FAILED, "the existing object vanished before it was verified"
-            ), fatal
-        if code == self._expected_bytes:
-            segs = np.stack(
-                [addr + self._payload_offsets, np.asarray(self.layout.segment_lengths)], axis=1
-            ).astype(np.int64)
-            header = memoryview(self._verify)[offset : offset + HEADER_BYTES]
-            want = expected_header(key, self.layout, 0)
-            status = _disk_io.verify_block(header, want, segs, self._ring)
-            if status == _disk_io.ST_OK:
-                return ALREADY_STORED, fatal
-            why = _describe(status)
-        elif code < 0 and code != BUFFER_TOO_SMALL:
-            return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
-        else:
-            why = "wrong size"
-        removed = self.store.remove(name)
-        with self._lock:
-            self.forged_puts += 1
-            if removed == LEASE_HELD:
-                self._condemned[name] = None
-                while len(self._condemned) > _MAX_CONDEMNED:
-                    del self._condemned[next(iter(self._condemned))]
-        if removed == 0:
-            done = "removed it"
-        elif removed == LEASE_HELD:
-            done = "it is removed by a later put once Mooncake's read lease ends"
-        else:
-            done = f"remove answered {removed}"
-        return KeyResult(
-            KeyStatus.FAILED,
-            f"Mooncake holds an object under this key that is not this block ({why}): "
-            f"not stored; {done}",
-        ), fatal
-
-    def _remove_condemned(self, names: list[str]) -> None:
-        """Remove objects found not to verify whose removal the read lease refused."""
-        with self._lock:
-            due = [n for n in names if n in self._condemned]
-        for name in due:
-            code = self.store.remove(name)
-            if code != LEASE_HELD:
-                with self._lock:
-                    self._condemned.pop(name, None)
-
-    def _get_part(
-        self,
-        keys: Sequence[StorageKey],
-        blocks: Sequence[BlockSegments],
-        arena: int,
-        deadline: float,
-        call: _Call,
-    ) -> tuple[list[KeyResult], str | None]:
-        """One batch of gets: the keys not held back by the quarantine in one
-        Mooncake call, then each object verified (staged: scattered into the
-        caller's block as it is) and judged by _read_result. Returns the results
-        and the fatal outcome (None if Mooncake's master answered every call)."""
-        names = [k.text() for k in keys]
-        held = self._quarantine.reasons(names)
-        live = [j for j in range(len(keys)) if held[j] is None]
-        codes = [0] * len(keys)
-        got = self._get_objects(names, blocks, live, arena) if live else []
-        for j, code in zip(live, got, strict=True):
-            codes[j] = code
-        results: list[KeyResult] = []
-        fatal: str | None = None
-        corrupt = 0
-        failing: list[str] = []
-        # A short object also fails a multi-buffer read with -800 (a single-buffer
-        # read answers its size): ask its size, one key at a time, but only while
-        # the deadline allows and until a fatal code shows the store is failing.
-        ask_size = not self.staged
-        for j, code in enumerate(codes):
-            reason = held[j]
-            if reason is not None:
-                results.append(KeyResult(KeyStatus.FAILED, reason))
-                continue
-            size = None
-            if code == TRANSFER_FAIL and ask_size and time.monotonic() < deadline:
-                size = self.store.get_size(names[j])
-            with call.lock:  # staged: scatters into the caller's block
-                if call.abandoned:
-                    return [_LEFT_BEHIND] * len(keys), fatal
-                result, outcome = self._read_result(keys[j], blocks[j], arena, j, code, size)
-            if outcome == "fatal":
-                fatal = f"get answered {code}"
-                ask_size = False
-            elif outcome == "node":
-                failing.append(names[j])
-            corrupt += outcome == "corrupt"
-            results.append(result)
-        with self._lock:
-            self._stats.corrupt += corrupt
-        self._quarantine.hold(failing)
-        return results, fatal
-
-    def _get_objects(
-        self,
-        names: list[str],
-        blocks: Sequence[BlockSegments],
-        live: list[int],
-        arena: int,
-    ) -> list[int]:
-        """One Mooncake get call for the keys in `live` (staged: each object into
-        the staging area; zero-copy: its header into the arena, its segments into
-        the caller's block); their codes."""
-        if self.staged:
-            return self.store.batch_get_into(
-                [names[j] for j in live],
-                [self._object_addr(arena, j) for j in live],
-                [self._expected_bytes] * len(live),
-            )
-        return self.store.batch_get_into_multi_buffers(
-            [names[j] for j in live],
-            [[self._header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
-            [self._lengths] * len(live),
-        )
-
-    def _read_result(
-        self,
-        key: StorageKey,
-        segs: BlockSegments,
-        arena: int,
-        j: int,
-        code: int,
-        size: int | None,
-    ) -> tuple[KeyResult, str]:
-        """The result of one get and its kind: "", "corrupt" (counted), "node" (the
-        storage node holding it failed: quarantined) or "fatal" (the master failed:
-        opens the breaker). `size`: what get_size answered for a -800, if asked."""
-        if code == self._expected_bytes:
-            want = expected_header(key, self.layout, 0)
-            seg_array = np.asarray(segs, dtype=np.int64)
-            if self.staged:
-                status = _disk_io.unstage_block(
-                    self._object_addr(arena, j), want, seg_array, self._ring
-                )
-            else:
-                status = _disk_io.verify_block(
-                    self._header_view(arena, j), want, seg_array, self._ring
-                )
-            if status == _disk_io.ST_OK:
-                return OK, ""
-            return KeyResult(KeyStatus.MISS, f"rejected: {_describe(status)}"), "corrupt"
-        if 0 <= code < self._expected_bytes:
-            return KeyResult(
-                KeyStatus.MISS, f"rejected: short object ({code} bytes)"
-            ), "corrupt"
-        if code > self._expected_bytes or code == BUFFER_TOO_SMALL:
-            return KeyResult(
-                KeyStatus.MISS, "rejected: object larger than the block"
-            ), "corrupt"
-        if code == OBJECT_NOT_FOUND:
-            return KeyResult(KeyStatus.MISS, "not stored"), ""
-        if code == TRANSFER_FAIL and size is not None and 0 <= size != self._expected_bytes:
-            return (
-                KeyResult(KeyStatus.MISS, f"rejected: short object ({size} bytes)"),
-                "corrupt",
-            )
-        kind = "fatal" if code in FATAL_CODES else "node" if code == TRANSFER_FAIL else ""
-        return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), kind
-
-    # -- helpers ------------------------------------------------------------------
-
-    def _register(self, address: int, nbytes: int) -> None:
-        rc = self.store.register_buffer(address, nbytes)
-        if rc != 0:
-            raise RuntimeError(
-                f"Mooncake register_buffer({address:#x}, {nbytes}) answered {rc}"
-            )
-        with self._lock:
-            self._regions.append((address, nbytes))
-
-    def _check_registered(self, blocks: Sequence[BlockSegments]) -> None:
-        if self.staged:  # Mooncake touches only the staging area
-            return
-        with self._lock:
-            regions = sorted(self._regions)
-        starts = np.array([s for s, _ in regions], dtype=np.int64)
-        ends = np.array([s + n for s, n in regions], dtype=np.int64)
-        segs = np.asarray(blocks, dtype=np.int64).reshape(-1, 2)
-        if not len(segs):
-            return
-        idx = np.searchsorted(starts, segs[:, 0], side="right") - 1
-        inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
-        if not inside.all():
-            bad = int(np.argmin(inside))
-            nseg = self.layout.num_segments
-            raise ValueError(
-                f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
-                "register_host_memory"
-            )
-
-
-def _describe(status: int) -> str:
-    return {
-        _disk_io.ST_BAD_HEADER: "header mismatch",
-        _disk_io.ST_BAD_CHECKSUM: "checksum mismatch",
-        _disk_io.ST_BAD_MAC: "authentication tag does not verify (forged or altered)",
-        _disk_io.ST_UNKNOWN_KEY: "signed by a key this backend does not hold",
-        _disk_io.ST_UNAUTHENTICATED: "not authenticated, and this backend requires it",
-    }.get(status, f"status {status}")
 
 
 def _setup_store(connection: MooncakeConnection) -> object:

@@ -10,7 +10,8 @@ from fake_mooncake import FakeMooncakeStore
 from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
-from fastkv.storage.mooncake import RPC_FAIL, TRANSFER_FAIL, MooncakeBackend
+from fastkv.storage.mooncake import MooncakeBackend
+from fastkv.storage.mooncake_codes import RPC_FAIL, TRANSFER_FAIL
 from fastkv.storage.mooncake_options import MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
@@ -239,9 +240,9 @@ def test_an_object_planted_between_the_existence_check_and_the_put(verify_puts: 
 def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) -> None:
     """Read-backs go three objects per Mooncake call here; in one put of 8 keys, two
     of which met an object planted in the window, each key gets its own answer."""
-    from fastkv.storage import mooncake
+    from fastkv.storage import mooncake_memory
 
-    monkeypatch.setattr(mooncake, "VERIFY_AREA_BYTES", 3 * OBJECT_BYTES)
+    monkeypatch.setattr(mooncake_memory, "VERIFY_AREA_BYTES", 3 * OBJECT_BYTES)
     store = FakeMooncakeStore()
     store.reput_code = 0
     options = MooncakeOptions(auth=TEST_AUTH, verify_puts=True)
