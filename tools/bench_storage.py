@@ -265,7 +265,7 @@ def bench_mooncake_inside(block_bytes: int, total: int, reps: int) -> list[dict]
     from mooncake_cluster import Cluster
 
     from fastkv.storage.mooncake import MooncakeBackend
-    from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
+    from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     logdir = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))

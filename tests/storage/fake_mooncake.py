@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import time
 
-from fastkv.storage.mooncake_codes import (
+from fastkv.storage.mooncake.codes import (
     BUFFER_TOO_SMALL,
     OBJECT_EXISTS,
     OBJECT_NOT_FOUND,

@@ -37,7 +37,7 @@ from fastkv.storage import KeyStatus, _disk_io, deadline_after  # noqa: E402
 from fastkv.storage.block_header import HEADER_BYTES, expected_header  # noqa: E402
 from fastkv.storage.io_engine import StorageIOEngine  # noqa: E402
 from fastkv.storage.mooncake import MooncakeBackend  # noqa: E402
-from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions  # noqa: E402
+from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions  # noqa: E402
 
 LAYOUT = LAYOUTS["fp8"]  # 196,800 bytes: K/V of 3 layers and their 32-byte scales
 
@@ -347,7 +347,7 @@ from storage_helpers import LAYOUTS, HostMemory, make_keys
 from fastkv.storage import deadline_after
 from fastkv.storage.auth import StorageAuth
 from fastkv.storage.mooncake import MooncakeBackend
-from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
+from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions
 connection = MooncakeConnection(sys.argv[3])
 host = HostMemory(LAYOUTS["fp8"], 1)
 host.array[:] = 0xAA

@@ -11,8 +11,8 @@ from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
 from fastkv.storage.mooncake import MooncakeBackend
-from fastkv.storage.mooncake_codes import RPC_FAIL, TRANSFER_FAIL
-from fastkv.storage.mooncake_options import MooncakeOptions
+from fastkv.storage.mooncake.codes import RPC_FAIL, TRANSFER_FAIL
+from fastkv.storage.mooncake.options import MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
 OBJECT_BYTES = 128 + LAYOUT.payload_bytes
@@ -240,7 +240,7 @@ def test_an_object_planted_between_the_existence_check_and_the_put(verify_puts: 
 def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) -> None:
     """Read-backs go three objects per Mooncake call here; in one put of 8 keys, two
     of which met an object planted in the window, each key gets its own answer."""
-    from fastkv.storage import mooncake_memory
+    from fastkv.storage.mooncake import memory as mooncake_memory
 
     monkeypatch.setattr(mooncake_memory, "VERIFY_AREA_BYTES", 3 * OBJECT_BYTES)
     store = FakeMooncakeStore()

@@ -12,7 +12,7 @@ from storage_helpers import LAYOUTS, TEST_AUTH
 from fastkv.storage.auth import ENV_KEY_FILE
 from fastkv.storage.block_header import HEADER_BYTES
 from fastkv.storage.mooncake import MooncakeBackend
-from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
+from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
 OBJECT_BYTES = HEADER_BYTES + LAYOUT.payload_bytes

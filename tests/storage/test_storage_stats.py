@@ -15,7 +15,7 @@ from fastkv.storage import KeyResult, KeyStatus, StorageStats, deadline_after
 from fastkv.storage.base import ALREADY_STORED
 from fastkv.storage.local_disk import LocalDiskBackend
 from fastkv.storage.mooncake import MooncakeBackend
-from fastkv.storage.mooncake_options import MooncakeOptions
+from fastkv.storage.mooncake.options import MooncakeOptions
 
 LAYOUT = LAYOUTS["fp8"]
 SOON = 30.0

@@ -8,19 +8,19 @@ the block's segments in order, gathered zero-copy from the host cache by
 cache; the headers live in a small registered arena of the backend's own), or
 with `staging_bytes` assembled in a staging area of its own. The settings named
 below (`put_retries`, `verify_puts`, ...) are fields of the `MooncakeOptions` a
-backend is built from (fastkv.storage.mooncake_options).
+backend is built from (fastkv.storage.mooncake.options).
 
 `MooncakeBackend` validates each call, answers it by its deadline and splits it
 into Mooncake calls of at most `max_batch` keys, each run by one of its rooms:
 
-    mooncake_memory   registered memory: the host cache, and the header, staging
-                      and verify areas, an arena per concurrent call
-    mooncake_put      one batch of puts; objects already under its keys
-    mooncake_get      one batch of gets; verification; the per-key quarantine
-    mooncake_codes    what each Mooncake return code means
-    deadline_pool     the threads Mooncake calls run on; deadline plus margin
-    busy_ranges       host memory a zero-copy get left behind still writes
-    circuit_breaker   the breaker and the per-key quarantine
+    mooncake/memory.py  registered memory: the host cache, and the header, staging
+                        and verify areas, an arena per concurrent call
+    mooncake/put.py     one batch of puts; objects already under its keys
+    mooncake/get.py     one batch of gets; verification; the per-key quarantine
+    mooncake/codes.py   what each Mooncake return code means
+    deadline_pool.py    the threads Mooncake calls run on; deadline plus margin
+    busy_ranges.py      host memory a zero-copy get left behind still writes
+    circuit_breaker.py  the breaker and the per-key quarantine
 
 Authentication: any client that reaches the master can put any key, and keys are
 predictable (the namespace digest hashes public fields; block hashes chain from a
@@ -30,7 +30,7 @@ served; a backend without a ring must be asked for explicitly
 (`allow_unauthenticated=True`) and then accepts whatever any client stored. What
 a put does about an object already under its key (one that is not its block is
 removed), the window that remains and `verify_puts`, which closes it at a cost:
-fastkv.storage.mooncake_put.
+fastkv.storage.mooncake.put.
 
 Failures stay local to what failed: a dead storage node fails its own keys (a
 quarantine per key), only a failing master (or a binding that raises) opens the
@@ -78,11 +78,11 @@ from fastkv.storage.block_header import HEADER_BYTES
 from fastkv.storage.busy_ranges import BusyHostRanges
 from fastkv.storage.circuit_breaker import CircuitBreaker
 from fastkv.storage.deadline_pool import Call, DeadlinePool
-from fastkv.storage.mooncake_codes import FATAL_CODES
-from fastkv.storage.mooncake_get import MooncakeGets
-from fastkv.storage.mooncake_memory import MooncakeMemory
-from fastkv.storage.mooncake_options import MooncakeConnection, MooncakeOptions
-from fastkv.storage.mooncake_put import MooncakePuts
+from fastkv.storage.mooncake.codes import FATAL_CODES
+from fastkv.storage.mooncake.get import MooncakeGets
+from fastkv.storage.mooncake.memory import MooncakeMemory
+from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions
+from fastkv.storage.mooncake.put import MooncakePuts
 
 log = logging.getLogger(__name__)
 

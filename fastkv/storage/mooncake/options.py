@@ -100,7 +100,7 @@ class MooncakeOptions:
             this is True; then objects carry a CRC only, and any client of the
             Mooncake cluster can make this backend serve KV it forged.
         verify_puts: read every object a put stored back and count it stored only
-            if it verifies (see fastkv.storage.mooncake_put's docstring for the
+            if it verifies (see fastkv.storage.mooncake.put's docstring for the
             window it closes and its cost). False (default): an object planted in that
             window counts as stored; its reads are refused.
 

@@ -9,7 +9,7 @@ deadline keeps it in the backend's busy host ranges (`writes_host`). Staged, eac
 object lands in the call's staging slot and is verified as it is scattered into
 the caller's block, under the call's lock and only while the caller still waits.
 
-What a code means is tabled in fastkv.storage.mooncake_codes. Two need more than
+What a code means is tabled in fastkv.storage.mooncake.codes. Two need more than
 the code: a short object also fails a multi-buffer read with -800 (a single-buffer
 read answers its size), so a -800 asks the object's size (`get_size`), one key at
 a time, while the deadline allows and until a fatal code shows the store failing;
@@ -30,14 +30,14 @@ from fastkv.storage.base import OK, BlockLayout, BlockSegments, KeyResult, KeySt
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.circuit_breaker import KeyQuarantine
 from fastkv.storage.deadline_pool import LEFT_BEHIND, Call
-from fastkv.storage.mooncake_codes import (
+from fastkv.storage.mooncake.codes import (
     BUFFER_TOO_SMALL,
     FATAL_CODES,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
     describe_status,
 )
-from fastkv.storage.mooncake_memory import MooncakeMemory
+from fastkv.storage.mooncake.memory import MooncakeMemory
 
 _MAX_QUARANTINED = 65536
 

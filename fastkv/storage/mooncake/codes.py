@@ -5,7 +5,7 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
 
     put   0, -705 (exists)      stored (an existing key keeps its old value); -705
                                 answers ALREADY_STORED once the stored object
-                                verifies (fastkv.storage.mooncake_put)
+                                verifies (fastkv.storage.mooncake.put)
           -200 (pool full)      retried with a short backoff, at most `put_retries`
                                 times and never past the deadline; then FAILED
     get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)
@@ -18,7 +18,7 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
                                 until a fatal code in the same call)
   remove  -706 (lease held)     refused during the read lease a get just took: the
                                 key is removed by a later put of it
-                                (fastkv.storage.mooncake_put)
+                                (fastkv.storage.mooncake.put)
     any   -800 (transfer fail)  FAILED; for a get, the key is not asked again for
                                 `breaker_cooldown_s` (its storage node is failing;
                                 the others are not: measured, a dead node fails only

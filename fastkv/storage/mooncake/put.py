@@ -54,7 +54,7 @@ from fastkv.storage.base import (
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.deadline_pool import LEFT_BEHIND, Call
-from fastkv.storage.mooncake_codes import (
+from fastkv.storage.mooncake.codes import (
     BUFFER_TOO_SMALL,
     FATAL_CODES,
     LEASE_HELD,
@@ -64,8 +64,8 @@ from fastkv.storage.mooncake_codes import (
     PUT_OK,
     describe_status,
 )
-from fastkv.storage.mooncake_memory import MooncakeMemory
-from fastkv.storage.mooncake_options import MooncakeOptions
+from fastkv.storage.mooncake.memory import MooncakeMemory
+from fastkv.storage.mooncake.options import MooncakeOptions
 
 _MAX_CONDEMNED = 4096
 
