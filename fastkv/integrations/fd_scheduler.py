@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -53,88 +53,18 @@ from fastkv.integrations.fd_transfers import (
     to_fastdeploy,
     transfer_ids,
 )
+from fastkv.integrations.fd_views import (
+    FastDeployMatchResult,
+    FreeBlockList,
+    fd_digests,
+    prompt_digests,
+)
 from fastkv.metadata import LookupResult, TransferResult
 from fastkv.scheduler import CacheManager, Rollback
 
 log = logging.getLogger(__name__)
 
 _LISTS = ("cache_swap_metadata", "cache_evict_metadata")
-
-
-def fd_digests(hashes: list[Any]) -> list[bytes]:
-    """FastDeploy's block hashes (SHA-256 hex digests, `Request.prompt_hashes`) as
-    the 32-byte digests fastkv's manager takes; their hex is the text fastkv tags
-    transfers and names storage keys with, so both spell a block the same way.
-
-    Raises:
-        ValueError: an entry is not a 64-digit hex digest (or a 32-byte digest).
-    """
-    out = []
-    for i, h in enumerate(hashes):
-        if type(h) is bytes and len(h) == 32:
-            out.append(h)
-            continue
-        try:
-            digest = bytes.fromhex(h)
-        except (TypeError, ValueError):
-            digest = b""
-        if len(digest) != 32:
-            raise ValueError(
-                f"prompt_hashes[{i}]: {h!r:.80} is not a SHA-256 hex digest (64 hex digits)"
-            )
-        out.append(digest)
-    return out
-
-
-class FastDeployMatchResult:
-    """What `match_prefix` leaves on `request._match_result`, with the attributes
-    FastDeploy's ResourceManagerV1 reads. Fixed at the match: ResourceManagerV1
-    makes `device_block_ids` the request's `block_tables` and extends that list as
-    the request allocates, so each read of it returns a new list.
-
-    Attributes:
-        device_block_ids: the device hits, in order (the request's first blocks).
-        matched_device_nums: how many (its length at the match).
-        matched_host_nums: host hits; the first ids `allocate_gpu_blocks` returns
-            are their swap-in destinations.
-        matched_storage_nums: storage hits (loaded to host, then swapped in like
-            host hits).
-        uncached_block_ids: kept for FastDeploy's shape; always empty.
-    """
-
-    __slots__ = ("_device", "matched_host_nums", "matched_storage_nums")
-
-    def __init__(
-        self,
-        device_block_ids: Sequence[int] = (),
-        matched_host_nums: int = 0,
-        matched_storage_nums: int = 0,
-    ) -> None:
-        self._device = tuple(device_block_ids)
-        self.matched_host_nums = matched_host_nums
-        self.matched_storage_nums = matched_storage_nums
-
-    @property
-    def device_block_ids(self) -> list[int]:
-        return list(self._device)
-
-    @property
-    def uncached_block_ids(self) -> list[int]:
-        return []
-
-    @property
-    def matched_device_nums(self) -> int:
-        return len(self._device)
-
-    @property
-    def total_matched_blocks(self) -> int:
-        return self.matched_device_nums + self.matched_host_nums + self.matched_storage_nums
-
-    def __repr__(self) -> str:
-        return (
-            f"FastDeployMatchResult(device={list(self._device)}, "
-            f"host={self.matched_host_nums}, storage={self.matched_storage_nums})"
-        )
 
 
 class _PrefetchKey(tuple):
@@ -156,26 +86,6 @@ class _Tracked:
         self.request = request
         self.outputs_at_admission = len(request.output_token_ids)
         self.commit_limit: int | None = None
-
-
-class _FreeBlocks(Sequence[int]):
-    """`gpu_free_block_list`: its length is O(1) (all ResourceManagerV1 reads); the
-    ids are read only when indexed or iterated."""
-
-    def __init__(self, manager: CacheManager) -> None:
-        self._manager = manager
-
-    def __len__(self) -> int:
-        return self._manager.num_free_device_blocks
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._snapshot()[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._snapshot())
-
-    def _snapshot(self) -> list[int]:
-        return self._manager.free_device_block_ids()
 
 
 class FastDeployCacheManager:
@@ -266,7 +176,7 @@ class FastDeployCacheManager:
     @property
     def gpu_free_block_list(self) -> Sequence[int]:
         """The free device block ids (tree-held blocks count as used, as in v1)."""
-        return _FreeBlocks(self.manager)
+        return FreeBlockList(self.manager)
 
     @property
     def available_gpu_resource(self) -> float:
@@ -346,7 +256,7 @@ class FastDeployCacheManager:
                             f"{len(request.block_tables)} blocks; request_finish first"
                         )
                     self._release(request, finished=False)
-                tokens, hashes = self._prompt(request)
+                tokens, hashes = prompt_digests(request, self.config.block_size)
                 prefetched = rid in self._prefetch
                 self._end_prefetch(rid)
                 hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
@@ -460,7 +370,7 @@ class FastDeployCacheManager:
                 return True
             if self.manager.is_active(rid):
                 return False
-            tokens, hashes = self._prompt(request)
+            tokens, hashes = prompt_digests(request, self.config.block_size)
             return self._start_prefetch(rid, hashes, tokens)
 
     def drain_pending_prefetches(self) -> list[Hashable]:
@@ -526,12 +436,6 @@ class FastDeployCacheManager:
         while len(landed) > 2 * self.config.num_host_blocks:
             landed.popitem(last=False)
         self.manager.finish(key)
-
-    def _prompt(self, request: Any) -> tuple[int, list[bytes]]:
-        tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        return tokens, fd_digests(
-            list(request.prompt_hashes)[: tokens // self.config.block_size]
-        )
 
     # -- lifecycle --------------------------------------------------------------
 
