@@ -54,6 +54,7 @@ from fastkv.integrations.fd_transfers import (
     transfer_ids,
 )
 from fastkv.integrations.fd_views import (
+    AdapterCounters,
     FastDeployMatchResult,
     FreeBlockList,
     fd_digests,
@@ -130,23 +131,7 @@ class FastDeployCacheManager:
         self.manager = CacheManager(self.config)
         self._swap_cls, self._levels = fastdeploy_metadata_types()
         self._tracked: dict[Hashable, _Tracked] = {}
-        self._counts = dict.fromkeys(
-            (
-                "results_applied",
-                "results_unknown",
-                "rollback_blocks",
-                "rewound_tokens",
-                "undispatched_transfers",
-                "allocation_failures",
-                "match_failures",
-                "commit_errors",
-                "table_mismatches",
-                "uncovered_computes",
-                "prefetches",
-                "storage_hit_blocks",
-            ),
-            0,
-        )
+        self._counters = AdapterCounters()
         # Storage prefetches: request id -> the key of the stand-in request that
         # holds the prefetch in fastkv's manager. Blocks a prefetch brought from
         # storage, not yet hit since (a hit on one counts as a storage hit, once);
@@ -261,7 +246,7 @@ class FastDeployCacheManager:
                 self._end_prefetch(rid)
                 hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
             except (ValueError, TypeError) as e:
-                self._counts["match_failures"] += 1
+                self._counters.match_failures += 1
                 log.error("fastkv match_prefix(%r) failed: %s", rid, e)
                 request._match_result = FastDeployMatchResult()
                 return
@@ -274,7 +259,7 @@ class FastDeployCacheManager:
                 for h in hashes[len(table) : hit.num_hits]:
                     if self._landed.pop(h, 1) is None:
                         from_storage += 1
-            self._counts["storage_hit_blocks"] += from_storage
+            self._counters.storage_hit_blocks += from_storage
             request._match_result = FastDeployMatchResult(
                 table, hit.num_host_hits - from_storage, from_storage
             )
@@ -309,7 +294,7 @@ class FastDeployCacheManager:
             table = list(mgr.block_table(rid).block_ids)
             theirs = list(request.block_tables or ())
             if theirs != table:
-                self._counts["table_mismatches"] += 1
+                self._counters.table_mismatches += 1
                 log.error(
                     "fastkv allocate(%r): request.block_tables (%d blocks) is not the table "
                     "fastkv gave it (%d blocks); refusing",
@@ -324,11 +309,11 @@ class FastDeployCacheManager:
                     rid, num_tokens=(len(table) + num_blocks) * self.config.block_size
                 )
             except (ValueError, RuntimeError) as e:  # can never fit / never taken
-                self._counts["allocation_failures"] += 1
+                self._counters.allocation_failures += 1
                 log.error("fastkv allocate(%r, %d) refused: %s", rid, num_blocks, e)
                 return []
             if not allocation:
-                self._counts["allocation_failures"] += 1
+                self._counters.allocation_failures += 1
                 log.warning(
                     "fastkv allocate(%r, %d): %s (free %d, evictable %d)",
                     rid,
@@ -421,7 +406,7 @@ class FastDeployCacheManager:
         if not hit.storage_lookup:
             self.manager.finish(key)
             return False
-        self._counts["prefetches"] += 1
+        self._counters.prefetches += 1
         self._prefetch[rid] = key
         return True
 
@@ -655,7 +640,7 @@ class FastDeployCacheManager:
                 results_channel=self.results.name,
                 results_waiting_for_ranks=len(self.results.missing()),
                 pending_prefetches=len(self._prefetch),
-                **self._counts,
+                **self._counters.as_dict(),
             )
             return stats
 
@@ -704,22 +689,22 @@ class FastDeployCacheManager:
             try:
                 rollbacks += self.manager.apply_results([result])
             except ValueError as e:
-                self._counts["results_unknown"] += 1
+                self._counters.results_unknown += 1
                 log.error("fastkv: dropped a worker result: %s", e)
                 continue
-            self._counts["results_applied"] += 1
+            self._counters.results_applied += 1
             if isinstance(result, TransferResult) and not result.success:
                 log.warning("fastkv transfer %d failed: %s", result.transfer_id, result.error)
         bs = self.config.block_size
         for rollback in rollbacks:
-            self._counts["rollback_blocks"] += len(rollback.block_indices)
+            self._counters.rollback_blocks += len(rollback.block_indices)
             tracked = self._tracked.get(rollback.request_id)
             if tracked is None:
                 continue
             request = tracked.request
             first = min(rollback.block_indices) * bs
             if request.num_computed_tokens > first:
-                self._counts["rewound_tokens"] += request.num_computed_tokens - first
+                self._counters.rewound_tokens += request.num_computed_tokens - first
                 request.num_computed_tokens = first
             log.warning(
                 "fastkv: request %r recomputes from token %d (its swap-in failed)",
@@ -777,7 +762,7 @@ class FastDeployCacheManager:
             return
         if tracked.commit_limit is None or held < tracked.commit_limit:
             if tracked.commit_limit is None:
-                self._counts["uncovered_computes"] += 1
+                self._counters.uncovered_computes += 1
             log.error(
                 "fastkv: request %r is scheduled up to token %d but holds %d blocks; "
                 "its blocks from %d on are never cached",
@@ -811,7 +796,7 @@ class FastDeployCacheManager:
             if num_blocks > mgr.num_committed_blocks(rid):
                 mgr.commit(rid, num_computed_tokens=num_blocks * bs)
         except (ValueError, TypeError) as e:
-            self._counts["commit_errors"] += 1
+            self._counters.commit_errors += 1
             log.error("fastkv commit(%r) failed: %s", rid, e)
 
     def _release(self, request: Any, *, finished: bool) -> None:
@@ -839,7 +824,7 @@ class FastDeployCacheManager:
             if getattr(request, attr, None):
                 setattr(request, attr, [])
         if ids or lookups:
-            self._counts["undispatched_transfers"] += len(ids) + len(lookups)
+            self._counters.undispatched_transfers += len(ids) + len(lookups)
             error = "never dispatched: the request ended first"
             self._apply(
                 [TransferResult(t, False, error) for t in ids]
@@ -856,7 +841,7 @@ class FastDeployCacheManager:
             if m is not None
         ]
         if ids or tasks.lookups:
-            self._counts["undispatched_transfers"] += len(ids) + len(tasks.lookups)
+            self._counters.undispatched_transfers += len(ids) + len(tasks.lookups)
             self._apply(
                 [TransferResult(t, False, "never dispatched: reset") for t in ids]
                 + [LookupResult(q.lookup_id, 0) for q in tasks.lookups]
@@ -893,7 +878,7 @@ class FastDeployCacheManager:
                 "free_gpu_block_num": free,
                 "prefix_gpu_cache_token_num": s.device_hit_tokens,
                 "prefix_cpu_cache_token_num": s.host_hit_tokens,
-                "prefix_ssd_cache_token_num": self._counts["storage_hit_blocks"]
+                "prefix_ssd_cache_token_num": self._counters.storage_hit_blocks
                 * self.config.block_size,
             }
 

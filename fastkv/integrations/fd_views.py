@@ -4,6 +4,7 @@ FastDeploy's requests.
 - `FastDeployMatchResult`: the object `match_prefix` leaves on
   `request._match_result`, with the attributes ResourceManagerV1 reads.
 - `FreeBlockList`: `gpu_free_block_list`, a sequence whose length costs O(1).
+- `AdapterCounters`: what the adapter counts, in `get_stats`.
 - `fd_digests` and `prompt_digests`: a request's `prompt_hashes` (SHA-256 hex
   digests) as the 32-byte digests fastkv's manager takes.
 
@@ -13,7 +14,9 @@ manager's public queries.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastkv.scheduler import CacheManager
@@ -106,6 +109,46 @@ class FastDeployMatchResult:
         )
 
 
+@dataclass(slots=True)
+class AdapterCounters:
+    """What the cache manager adapter counted since it was built (kept across
+    `update_cache_config` and `reset_cache`); `get_stats` reports every field.
+
+    Attributes:
+        results_applied: worker results applied to the manager.
+        results_unknown: worker results the manager refused (dropped, logged).
+        rollback_blocks: blocks of failed swap-ins rolled back.
+        rewound_tokens: tokens requests recompute after a failed swap-in.
+        undispatched_transfers: transfers and lookups failed here because no
+            worker ever got them.
+        allocation_failures: allocations refused or not possible now.
+        match_failures: matches refused (bad input, a request holding blocks).
+        commit_errors: commits refused (bad hashes or counts).
+        table_mismatches: allocations refused because the request's
+            `block_tables` was not the table fastkv gave it.
+        uncovered_computes: requests scheduled past the blocks they hold.
+        prefetches: storage prefetches started.
+        storage_hit_blocks: blocks a prefetch brought from storage, hit since.
+    """
+
+    results_applied: int = 0
+    results_unknown: int = 0
+    rollback_blocks: int = 0
+    rewound_tokens: int = 0
+    undispatched_transfers: int = 0
+    allocation_failures: int = 0
+    match_failures: int = 0
+    commit_errors: int = 0
+    table_mismatches: int = 0
+    uncovered_computes: int = 0
+    prefetches: int = 0
+    storage_hit_blocks: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Every counter by name, in declaration order."""
+        return dataclasses.asdict(self)
+
+
 class FreeBlockList(Sequence[int]):
     """`gpu_free_block_list`: its length is O(1) (all ResourceManagerV1 reads); the
     ids are read only when indexed or iterated."""
@@ -126,4 +169,10 @@ class FreeBlockList(Sequence[int]):
         return self._manager.free_device_block_ids()
 
 
-__all__ = ["FastDeployMatchResult", "FreeBlockList", "fd_digests", "prompt_digests"]
+__all__ = [
+    "AdapterCounters",
+    "FastDeployMatchResult",
+    "FreeBlockList",
+    "fd_digests",
+    "prompt_digests",
+]
