@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry
 from fastkv.channel import ResultsReceiver
 from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
+from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_transfers import (
     fastdeploy_metadata_types,
@@ -57,7 +58,6 @@ from fastkv.integrations.fd_views import (
     AdapterCounters,
     FastDeployMatchResult,
     FreeBlockList,
-    fd_digests,
     prompt_digests,
 )
 from fastkv.metadata import LookupResult, TransferResult
@@ -74,19 +74,6 @@ class _PrefetchKey(tuple):
 
     def __new__(cls, request_id: Hashable) -> _PrefetchKey:
         return super().__new__(cls, ("fastkv-prefetch", request_id))
-
-
-class _Tracked:
-    """A request the adapter knows: the FastDeploy object, its output count at
-    admission (only tokens sampled after it prove this admission's KV), and how many
-    of its blocks may ever be committed (fewer once it computed past its table)."""
-
-    __slots__ = ("commit_limit", "outputs_at_admission", "request")
-
-    def __init__(self, request: Any) -> None:
-        self.request = request
-        self.outputs_at_admission = len(request.output_token_ids)
-        self.commit_limit: int | None = None
 
 
 class FastDeployCacheManager:
@@ -128,10 +115,9 @@ class FastDeployCacheManager:
         self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
         self.tp_size = fdc.tensor_parallel_size(fd_config)
         self._lock = threading.RLock()
-        self.manager = CacheManager(self.config)
         self._swap_cls, self._levels = fastdeploy_metadata_types()
-        self._tracked: dict[Hashable, _Tracked] = {}
         self._counters = AdapterCounters()
+        self._build_rooms(self.config)
         # Storage prefetches: request id -> the key of the stand-in request that
         # holds the prefetch in fastkv's manager. Blocks a prefetch brought from
         # storage, not yet hit since (a hit on one counts as a storage hit, once);
@@ -250,7 +236,7 @@ class FastDeployCacheManager:
                 log.error("fastkv match_prefix(%r) failed: %s", rid, e)
                 request._match_result = FastDeployMatchResult()
                 return
-            self._tracked[rid] = _Tracked(request)
+            self._book.track(request)
             # The table the match made: its device hits. Every other matched block
             # (host copies, device blocks below one) comes with allocate.
             table = self.manager.block_table(rid).block_ids
@@ -286,9 +272,9 @@ class FastDeployCacheManager:
             mgr = self.manager
             if not mgr.is_active(rid):  # prefix caching off: never matched
                 mgr.match(rid, [], 0)
-                self._tracked[rid] = _Tracked(request)
-            elif rid not in self._tracked:
-                self._tracked[rid] = _Tracked(request)
+                self._book.track(request)
+            elif rid not in self._book:
+                self._book.track(request)
             if num_blocks <= 0:
                 return []
             table = list(mgr.block_table(rid).block_ids)
@@ -462,9 +448,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             rid = request.request_id
-            tracked = self._tracked.get(rid)
-            if tracked is not None:
-                self._commit(tracked)
+            self._book.commit(rid)
             if self.config.storage is not None and self.manager.is_active(rid):
                 self.manager.write_to_storage(rid)
 
@@ -491,9 +475,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             rid = task.request_id
-            tracked = self._tracked.get(rid)
-            if tracked is not None:
-                self._commit(tracked)
+            self._book.commit(rid)
             if self.manager.is_active(rid):
                 task.num_cached_blocks = self.manager.num_committed_blocks(rid)
 
@@ -516,9 +498,7 @@ class FastDeployCacheManager:
         commits and leave with the next step), update the metrics."""
         with self._lock:
             self._poll()
-            for tracked in list(self._tracked.values()):
-                self._check_coverage(tracked)
-                self._commit(tracked)
+            self._book.commit_proven()
             self.metrics.update()
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
@@ -636,7 +616,7 @@ class FastDeployCacheManager:
                 num_free_host_blocks=s.host_pool.free,
                 num_evictable_device_blocks=self.manager.num_evictable_device_blocks,
                 hit_token_rate=s.hit_token_rate,
-                tracked_requests=len(self._tracked),
+                tracked_requests=len(self._book),
                 results_channel=self.results.name,
                 results_waiting_for_ranks=len(self.results.missing()),
                 pending_prefetches=len(self._prefetch),
@@ -698,10 +678,9 @@ class FastDeployCacheManager:
         bs = self.config.block_size
         for rollback in rollbacks:
             self._counters.rollback_blocks += len(rollback.block_indices)
-            tracked = self._tracked.get(rollback.request_id)
-            if tracked is None:
+            request = self._book.request_of(rollback.request_id)
+            if request is None:
                 continue
-            request = tracked.request
             first = min(rollback.block_indices) * bs
             if request.num_computed_tokens > first:
                 self._counters.rewound_tokens += request.num_computed_tokens - first
@@ -746,68 +725,9 @@ class FastDeployCacheManager:
                 setattr(request, attr, lst)
             lst.append(meta)
 
-    def _check_coverage(self, tracked: _Tracked) -> None:
-        """Once a schedule is done, every position a request has been scheduled to
-        compute (`num_computed_tokens`) must lie in a block of its table. One that
-        does not was computed into no block (an allocation the engine did not
-        check): from the first such block on, nothing of this admission is ever
-        committed, whatever blocks it holds later."""
-        request = tracked.request
-        rid = request.request_id
-        if not self.manager.is_active(rid):
-            return
-        held = self.manager.num_blocks(rid)
-        computed = getattr(request, "num_computed_tokens", 0) or 0
-        if computed <= held * self.config.block_size:
-            return
-        if tracked.commit_limit is None or held < tracked.commit_limit:
-            if tracked.commit_limit is None:
-                self._counters.uncovered_computes += 1
-            log.error(
-                "fastkv: request %r is scheduled up to token %d but holds %d blocks; "
-                "its blocks from %d on are never cached",
-                rid,
-                computed,
-                held,
-                held,
-            )
-            tracked.commit_limit = held
-
-    def _commit(self, tracked: _Tracked) -> None:
-        """Commit the KV a token sampled since admission proves computed."""
-        request = tracked.request
-        rid = request.request_id
-        mgr = self.manager
-        outputs = len(request.output_token_ids)
-        if outputs <= tracked.outputs_at_admission or not self.enable_prefix_caching:
-            return
-        if not mgr.is_active(rid) or mgr.has_pending_swap_in(rid):
-            return  # committed once its swap-in's result is in
-        bs = self.config.block_size
-        try:
-            hashes = request.prompt_hashes
-            known = mgr.num_hashes(rid)
-            if len(hashes) > known:
-                mgr.append_hashes(rid, fd_digests(hashes[known:]))
-            computed = len(request.prompt_token_ids) + outputs - 1
-            num_blocks = min(computed // bs, len(hashes), mgr.num_blocks(rid))
-            if tracked.commit_limit is not None:
-                num_blocks = min(num_blocks, tracked.commit_limit)
-            if num_blocks > mgr.num_committed_blocks(rid):
-                mgr.commit(rid, num_computed_tokens=num_blocks * bs)
-        except (ValueError, TypeError) as e:
-            self._counters.commit_errors += 1
-            log.error("fastkv commit(%r) failed: %s", rid, e)
-
     def _release(self, request: Any, *, finished: bool) -> None:
-        rid = request.request_id
         self._fail_undispatched(request)
-        tracked = self._tracked.pop(rid, None)
-        if not self.manager.is_active(rid):
-            return
-        if finished and tracked is not None:
-            self._commit(tracked)
-        self.manager.finish(rid)
+        self._book.release(request.request_id, finished=finished)
 
     def _fail_undispatched(self, request: Any) -> None:
         ids: list[int] = []
@@ -855,10 +775,19 @@ class FastDeployCacheManager:
                 f"active, {s.queued_blocks} blocks queued; only an idle cache can change"
             )
 
-    def _rebuild(self, config: CacheConfig) -> None:
+    def _build_rooms(self, config: CacheConfig) -> None:
+        """A new manager for `config`, and the rooms that work on it (empty)."""
         self.config = config
         self.manager = CacheManager(config)
-        self._tracked.clear()
+        self._book = CommitBook(
+            self.manager,
+            block_size=config.block_size,
+            prefix_caching=self.enable_prefix_caching,
+            counters=self._counters,
+        )
+
+    def _rebuild(self, config: CacheConfig) -> None:
+        self._build_rooms(config)
         self._prefetch.clear()
         self._landed.clear()
         self.metrics.rebase()
