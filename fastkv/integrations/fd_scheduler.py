@@ -36,7 +36,6 @@ import atexit
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -47,6 +46,7 @@ from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_metrics import FastDeployMetrics
+from fastkv.integrations.fd_prefetch import StoragePrefetches
 from fastkv.integrations.fd_transfers import (
     fastdeploy_metadata_types,
     storage_ids,
@@ -66,14 +66,6 @@ from fastkv.scheduler import CacheManager, Rollback
 log = logging.getLogger(__name__)
 
 _LISTS = ("cache_swap_metadata", "cache_evict_metadata")
-
-
-class _PrefetchKey(tuple):
-    """The id of the stand-in request that holds a storage prefetch in fastkv's
-    manager: distinct from every FastDeploy request id."""
-
-    def __new__(cls, request_id: Hashable) -> _PrefetchKey:
-        return super().__new__(cls, ("fastkv-prefetch", request_id))
 
 
 class FastDeployCacheManager:
@@ -118,12 +110,6 @@ class FastDeployCacheManager:
         self._swap_cls, self._levels = fastdeploy_metadata_types()
         self._counters = AdapterCounters()
         self._build_rooms(self.config)
-        # Storage prefetches: request id -> the key of the stand-in request that
-        # holds the prefetch in fastkv's manager. Blocks a prefetch brought from
-        # storage, not yet hit since (a hit on one counts as a storage hit, once);
-        # bounded, oldest forgotten first.
-        self._prefetch: dict[Hashable, _PrefetchKey] = {}
-        self._landed: OrderedDict[Hashable, None] = OrderedDict()
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = _bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
@@ -228,8 +214,7 @@ class FastDeployCacheManager:
                         )
                     self._release(request, finished=False)
                 tokens, hashes = prompt_digests(request, self.config.block_size)
-                prefetched = rid in self._prefetch
-                self._end_prefetch(rid)
+                prefetched = self._prefetches.end(rid)
                 hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
             except (ValueError, TypeError) as e:
                 self._counters.match_failures += 1
@@ -240,17 +225,12 @@ class FastDeployCacheManager:
             # The table the match made: its device hits. Every other matched block
             # (host copies, device blocks below one) comes with allocate.
             table = self.manager.block_table(rid).block_ids
-            from_storage = 0
-            if self._landed:
-                for h in hashes[len(table) : hit.num_hits]:
-                    if self._landed.pop(h, 1) is None:
-                        from_storage += 1
-            self._counters.storage_hit_blocks += from_storage
+            from_storage = self._prefetches.take_storage_hits(hashes[len(table) : hit.num_hits])
             request._match_result = FastDeployMatchResult(
                 table, hit.num_host_hits - from_storage, from_storage
             )
             if not skip_storage and not prefetched and hit.num_hits < len(hashes):
-                self._start_prefetch(rid, hashes, tokens)
+                self._prefetches.start(rid, hashes, tokens)
 
     def allocate_device_blocks(self, request: Any, num_blocks: int) -> list[int]:
         """Add `num_blocks` device blocks to the request (FastDeploy counts its host
@@ -336,13 +316,7 @@ class FastDeployCacheManager:
             return False
         with self._lock:
             self._poll()
-            rid = request.request_id
-            if rid in self._prefetch:
-                return True
-            if self.manager.is_active(rid):
-                return False
-            tokens, hashes = prompt_digests(request, self.config.block_size)
-            return self._start_prefetch(rid, hashes, tokens)
+            return self._prefetches.prefetch(request, reset_owed=self._reset_pending)
 
     def drain_pending_prefetches(self) -> list[Hashable]:
         """Apply the workers' results and end every prefetch whose lookup was
@@ -351,14 +325,7 @@ class FastDeployCacheManager:
         unlocked, until the request's `match_prefix`."""
         with self._lock:
             self._poll()
-            done = [
-                rid
-                for rid, key in self._prefetch.items()
-                if not self.manager.storage_pending(key)
-            ]
-            for rid in done:
-                self._end_prefetch(rid)
-            return done
+            return self._prefetches.drain()
 
     def update_storage_blocks_to_host(self, *_: Any, **__: Any) -> int:
         """Make the blocks loaded from storage host blocks. fastkv does this as the
@@ -378,35 +345,7 @@ class FastDeployCacheManager:
         matches."""
         with self._lock:
             self._poll()
-            self._end_prefetch(request.request_id)
-
-    def _start_prefetch(self, rid: Hashable, hashes: list[Any], tokens: int) -> bool:
-        if self._reset_pending:  # the cache may hold blocks that are gone
-            return False
-        key = _PrefetchKey(rid)
-        try:
-            hit = self.manager.match(key, hashes, tokens)
-        except (ValueError, TypeError) as e:
-            log.error("fastkv prefetch_storage(%r) failed: %s", rid, e)
-            return False
-        if not hit.storage_lookup:
-            self.manager.finish(key)
-            return False
-        self._counters.prefetches += 1
-        self._prefetch[rid] = key
-        return True
-
-    def _end_prefetch(self, rid: Hashable) -> None:
-        key = self._prefetch.pop(rid, None)
-        if key is None:
-            return
-        landed = self._landed
-        for h in self.manager.storage_loaded(key):
-            landed[h] = None
-            landed.move_to_end(h)
-        while len(landed) > 2 * self.config.num_host_blocks:
-            landed.popitem(last=False)
-        self.manager.finish(key)
+            self._prefetches.end(request.request_id)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -417,7 +356,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             self._release(request, finished=True)
-            self._end_prefetch(request.request_id)
+            self._prefetches.end(request.request_id)
             self.metrics.update()
 
     def recycle_gpu_blocks(self, block_ids: Sequence[int], request_id: Any = None) -> None:
@@ -573,16 +512,14 @@ class FastDeployCacheManager:
         deadline = time.monotonic() + self.reset_timeout_s
         with self._lock:
             self._poll()
-            active = self.manager.get_stats().active_requests - len(self._prefetch)
+            active = self.manager.get_stats().active_requests - len(self._prefetches)
             if active:
                 log.warning("reset_cache: %d requests active; nothing reset", active)
                 return False
             # Owed from here on: nothing hits, and `_poll` forgets the cache once
             # nothing is in flight and no request is active (now, or later).
             self._reset_pending = True
-            for rid in list(self._prefetch):  # FastDeploy aborted their requests
-                self._end_prefetch(rid)
-            self._landed.clear()
+            self._prefetches.give_up_all()  # FastDeploy aborted their requests
             self._fail_never_sent()
             self._poll()
         while True:
@@ -619,7 +556,7 @@ class FastDeployCacheManager:
                 tracked_requests=len(self._book),
                 results_channel=self.results.name,
                 results_waiting_for_ranks=len(self.results.missing()),
-                pending_prefetches=len(self._prefetch),
+                pending_prefetches=len(self._prefetches),
                 **self._counters.as_dict(),
             )
             return stats
@@ -654,12 +591,12 @@ class FastDeployCacheManager:
         """The reset `reset_cache` owes, once nothing is in flight and no request
         (other than prefetch stand-ins, given up with it) is active."""
         mgr = self.manager
-        if mgr.num_inflight_transfers or mgr.get_stats().active_requests > len(self._prefetch):
+        if mgr.num_inflight_transfers or mgr.get_stats().active_requests > len(
+            self._prefetches
+        ):
             return
         self._reset_pending = False
-        for rid in list(self._prefetch):
-            self._end_prefetch(rid)
-        self._landed.clear()
+        self._prefetches.give_up_all()
         self._rebuild(self.config)
         log.info("reset_cache: the cache is reset")
 
@@ -785,11 +722,15 @@ class FastDeployCacheManager:
             prefix_caching=self.enable_prefix_caching,
             counters=self._counters,
         )
+        self._prefetches = StoragePrefetches(
+            self.manager,
+            block_size=config.block_size,
+            num_host_blocks=config.num_host_blocks,
+            counters=self._counters,
+        )
 
     def _rebuild(self, config: CacheConfig) -> None:
         self._build_rooms(config)
-        self._prefetch.clear()
-        self._landed.clear()
         self.metrics.rebase()
 
     def _figures(self) -> dict[str, float]:
