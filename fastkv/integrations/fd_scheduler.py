@@ -32,7 +32,6 @@ from another thread).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -41,31 +40,22 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fastkv.channel import ResultsReceiver
 from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_prefetch import StoragePrefetches
-from fastkv.integrations.fd_transfers import (
-    fastdeploy_metadata_types,
-    storage_ids,
-    storage_to_fastdeploy,
-    to_fastdeploy,
-    transfer_ids,
-)
+from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
+from fastkv.integrations.fd_transfers import fastdeploy_metadata_types
 from fastkv.integrations.fd_views import (
     AdapterCounters,
     FastDeployMatchResult,
     FreeBlockList,
     prompt_digests,
 )
-from fastkv.metadata import LookupResult, TransferResult
-from fastkv.scheduler import CacheManager, Rollback
+from fastkv.scheduler import CacheManager
 
 log = logging.getLogger(__name__)
-
-_LISTS = ("cache_swap_metadata", "cache_evict_metadata")
 
 
 class FastDeployCacheManager:
@@ -107,11 +97,11 @@ class FastDeployCacheManager:
         self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
         self.tp_size = fdc.tensor_parallel_size(fd_config)
         self._lock = threading.RLock()
-        self._swap_cls, self._levels = fastdeploy_metadata_types()
+        self._metadata_types = fastdeploy_metadata_types()
         self._counters = AdapterCounters()
         self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.results = _bind_channel(name, self.tp_size)
+        self.results = bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
@@ -289,7 +279,7 @@ class FastDeployCacheManager:
                     mgr.num_evictable_device_blocks,
                 )
                 return []
-            self._attach_swaps(request)
+            self._relay.attach(request)
             # What FastDeploy appends to its table: the manager's positions past it.
             return list(mgr.block_table(rid, len(table)).block_ids)
 
@@ -447,13 +437,7 @@ class FastDeployCacheManager:
         step has no batch but prefetches in flight sends it anyway."""
         with self._lock:
             self._poll()
-            tasks = self.manager.take_swap_metadata()
-            if tasks.swap_in is not None:  # allocations take their own swap-ins: never here
-                # Taken with the evictions: fail it (its blocks return), keep those.
-                log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
-                error = "planned outside allocate_device_blocks: never dispatched"
-                self._apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
-            return self._evict_with_storage(tasks)
+            return self._relay.take_backups()
 
     def get_pending_backup_count(self) -> int:
         return self.manager.num_queued_blocks
@@ -520,7 +504,7 @@ class FastDeployCacheManager:
             # nothing is in flight and no request is active (now, or later).
             self._reset_pending = True
             self._prefetches.give_up_all()  # FastDeploy aborted their requests
-            self._fail_never_sent()
+            self._relay.fail_never_sent()
             self._poll()
         while True:
             with self._lock:
@@ -565,11 +549,8 @@ class FastDeployCacheManager:
         """Release the results channel's name now (idempotent). FastDeploy's
         teardown calls nothing on a v1 cache manager, so a manager that is dropped
         without this keeps the name until the next manager of this process takes
-        it over (see `_bind_channel`) or the process exits."""
-        with _CHANNELS_LOCK:
-            if _CHANNELS.get(self.results.name) is self.results:
-                del _CHANNELS[self.results.name]
-            self.results.close()
+        it over (see `fd_results.bind_channel`) or the process exits."""
+        release_channel(self.results)
 
     def __enter__(self) -> FastDeployCacheManager:
         return self
@@ -582,7 +563,7 @@ class FastDeployCacheManager:
     def _poll(self) -> int:
         combined = self.results.poll()
         if combined:
-            self._apply(combined)
+            self._relay.apply(combined)
         if self._reset_pending:
             self._finish_owed_reset()
         return len(combined)
@@ -600,109 +581,9 @@ class FastDeployCacheManager:
         self._rebuild(self.config)
         log.info("reset_cache: the cache is reset")
 
-    def _apply(self, results: list[TransferResult | LookupResult]) -> None:
-        rollbacks: list[Rollback] = []
-        for result in results:  # one at a time: an unknown id spoils no other
-            try:
-                rollbacks += self.manager.apply_results([result])
-            except ValueError as e:
-                self._counters.results_unknown += 1
-                log.error("fastkv: dropped a worker result: %s", e)
-                continue
-            self._counters.results_applied += 1
-            if isinstance(result, TransferResult) and not result.success:
-                log.warning("fastkv transfer %d failed: %s", result.transfer_id, result.error)
-        bs = self.config.block_size
-        for rollback in rollbacks:
-            self._counters.rollback_blocks += len(rollback.block_indices)
-            request = self._book.request_of(rollback.request_id)
-            if request is None:
-                continue
-            first = min(rollback.block_indices) * bs
-            if request.num_computed_tokens > first:
-                self._counters.rewound_tokens += request.num_computed_tokens - first
-                request.num_computed_tokens = first
-            log.warning(
-                "fastkv: request %r recomputes from token %d (its swap-in failed)",
-                rollback.request_id,
-                first,
-            )
-
-    def _evict_with_storage(self, tasks: Any) -> Any | None:
-        evict = (
-            None
-            if tasks.evict is None
-            else to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
-        )
-        return storage_to_fastdeploy(
-            tasks.storage_load,
-            tasks.storage_store,
-            tasks.lookups,
-            self._swap_cls,
-            self._levels,
-            evict,
-        )
-
-    def _attach_swaps(self, request: Any) -> None:
-        tasks = self.manager.take_swap_metadata()
-        swap_in = (
-            None
-            if tasks.swap_in is None
-            else to_fastdeploy(tasks.swap_in, self._swap_cls, self._levels)
-        )
-        for attr, meta in (
-            ("cache_evict_metadata", self._evict_with_storage(tasks)),
-            ("cache_swap_metadata", swap_in),
-        ):
-            if meta is None:
-                continue
-            lst = getattr(request, attr, None)
-            if lst is None:
-                lst = []
-                setattr(request, attr, lst)
-            lst.append(meta)
-
     def _release(self, request: Any, *, finished: bool) -> None:
-        self._fail_undispatched(request)
+        self._relay.fail_undispatched(request)
         self._book.release(request.request_id, finished=finished)
-
-    def _fail_undispatched(self, request: Any) -> None:
-        ids: list[int] = []
-        lookups: list[int] = []
-        for attr in _LISTS:
-            for meta in getattr(request, attr, None) or ():
-                stored, looked = storage_ids(meta)
-                ids += stored
-                lookups += looked
-                try:
-                    ids += transfer_ids(meta)
-                except ValueError as e:  # not ours: nothing of fastkv's to undo
-                    log.error("fastkv: request %r: %s", request.request_id, e)
-            if getattr(request, attr, None):
-                setattr(request, attr, [])
-        if ids or lookups:
-            self._counters.undispatched_transfers += len(ids) + len(lookups)
-            error = "never dispatched: the request ended first"
-            self._apply(
-                [TransferResult(t, False, error) for t in ids]
-                + [LookupResult(q, 0) for q in lookups]
-            )
-
-    def _fail_never_sent(self) -> None:
-        """Fail the transfers planned but never sent to a worker (no request is left
-        to carry them)."""
-        tasks = self.manager.take_swap_metadata()
-        ids = [
-            m.transfer_id
-            for m in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
-            if m is not None
-        ]
-        if ids or tasks.lookups:
-            self._counters.undispatched_transfers += len(ids) + len(tasks.lookups)
-            self._apply(
-                [TransferResult(t, False, "never dispatched: reset") for t in ids]
-                + [LookupResult(q.lookup_id, 0) for q in tasks.lookups]
-            )
 
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
@@ -728,6 +609,15 @@ class FastDeployCacheManager:
             num_host_blocks=config.num_host_blocks,
             counters=self._counters,
         )
+        swap_cls, levels = self._metadata_types
+        self._relay = TransferRelay(
+            self.manager,
+            swap_cls=swap_cls,
+            levels=levels,
+            block_size=config.block_size,
+            counters=self._counters,
+            request_of=self._book.request_of,
+        )
 
     def _rebuild(self, config: CacheConfig) -> None:
         self._build_rooms(config)
@@ -751,39 +641,6 @@ class FastDeployCacheManager:
                 "prefix_ssd_cache_token_num": self._counters.storage_hit_blocks
                 * self.config.block_size,
             }
-
-
-# The receiver each channel name of this process is bound by (a cache manager's).
-_CHANNELS: dict[str, ResultsReceiver] = {}
-_CHANNELS_LOCK = threading.Lock()
-
-
-def _bind_channel(name: str, tp_size: int) -> ResultsReceiver:
-    """Bind the results channel `name` for a new cache manager. A receiver an
-    earlier manager of this process still holds on that name is closed first: only
-    one manager per deployment receives its workers' results, and FastDeploy builds
-    a new one (a new ResourceManagerV1) without closing the old. The earlier manager
-    then receives nothing (logged)."""
-    with _CHANNELS_LOCK:
-        earlier = _CHANNELS.pop(name, None)
-        if earlier is not None and not earlier.closed:
-            log.warning(
-                "fastkv: results channel %r: a new cache manager takes it over from an "
-                "earlier one in this process, which receives no results from now on",
-                name,
-            )
-            earlier.close()
-        receiver = ResultsReceiver(name, tp_size)
-        _CHANNELS[name] = receiver
-        return receiver
-
-
-@atexit.register
-def _close_channels() -> None:
-    with _CHANNELS_LOCK:
-        for receiver in _CHANNELS.values():
-            receiver.close()
-        _CHANNELS.clear()
 
 
 def _check_blocks(num_blocks: object) -> None:
