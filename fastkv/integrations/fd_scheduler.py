@@ -572,9 +572,9 @@ class FastDeployCacheManager:
         """The reset `reset_cache` owes, once nothing is in flight and no request
         (other than prefetch stand-ins, given up with it) is active."""
         mgr = self.manager
-        if mgr.num_inflight_transfers or mgr.get_stats().active_requests > len(
-            self._prefetches
-        ):
+        if mgr.num_inflight_transfers:
+            return
+        if mgr.get_stats().active_requests > len(self._prefetches):
             return
         self._reset_pending = False
         self._prefetches.give_up_all()
