@@ -42,6 +42,7 @@ from fastkv.channel import ResultsSender
 from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
+from fastkv.integrations.fd_routes import ResultRoutes
 from fastkv.integrations.fd_transfers import (
     MergedTransfer,
     StorageWork,
@@ -237,27 +238,26 @@ class FastDeployCacheController:
         self.block_axis = block_axis
         self.report_interval_s = float(report_interval_s)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.sender = ResultsSender(name, self.rank)
+        self._routes = ResultRoutes(ResultsSender(name, self.rank))
         self.controller: Any = None  # fastkv CacheController, once caches exist
         self.cache_kvs_map: dict[str, Any] = {}
         self._caches: list[Any] = []
         self._tensors_per_layer = 0
         self._num_gpu_blocks = 0
-        self._next_id = 0
-        self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
-        self._lookup_ids: dict[int, int] = {}  # local lookup -> the scheduler's
         self._storage_dir = fdc.storage_directory(fd_config, self.rank)
         self._storage_backend: Any = None  # fastkv LocalDiskBackend, with the cache
         self.swap_layer_done_counter: StepLayerCounter | None = None
-        # Swap-ins whose failure waits for the runner's wait to retry them: local
-        # transfer id -> the failure, once reported.
-        self._held: dict[int, TransferResult | None] = {}
-        self._recovered: set[int] = set()  # retried fine before their result came
         self._retries = 0
         self._recoveries = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
+
+    @property
+    def sender(self) -> ResultsSender:
+        """This rank's results sender (a new one once a cache is made again after
+        `free_cache` closed it)."""
+        return self._routes.sender
 
     # -- caches -----------------------------------------------------------------
 
@@ -317,7 +317,9 @@ class FastDeployCacheController:
                     f"model's {self._tensors_per_layer}"
                 )
             main = self._caches
-            self._forward(ctrl.free_cache())  # the host tier is re-sized for the extra layers
+            self._routes.forward(
+                ctrl.free_cache()
+            )  # the host tier is re-sized for the extra layers
             self.controller = None
             try:
                 self._adopt([*main, *made.tensors], made.per_layer, num_mtp_layers)
@@ -380,15 +382,15 @@ class FastDeployCacheController:
             evict_metadata, work = split_storage(evict_metadata)
             evict = parse_merged(evict_metadata, "device", "host")
             swap = parse_merged(swap_in_metadata, "host", "device")
-            self._settle_held()
+            self._routes.settle_held()
             if self.controller is None:
                 self._fail_storage(work, "the KV cache is not initialized")
                 return self._refuse_step(evict, swap, "the KV cache is not initialized")
             ctrl = self.controller
             self._report()
             self._submit_storage(work)
-            fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
-            fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
+            fk_evict = self._routes.local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
+            fk_swap = self._routes.local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
             if fk_evict is not None and evict is not None and evict.handed_over:
                 # FastDeploy allocates synchronously (reuse_evicted_blocks): a block
                 # being evicted may already be the allocating request's. The
@@ -407,16 +409,16 @@ class FastDeployCacheController:
                 # load): the eviction still reads and writes its blocks, so its own
                 # result must come, not a failure that frees its host blocks now.
                 if evict_new and ctrl.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
-                    self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
+                    self._routes.expect(fk_evict.transfer_id, evict.transfer_ids)  # type: ignore[union-attr]
                     evict = None
                 return self._refuse_step(evict, swap, f"{type(e).__name__}: {e}")
             if fk_evict is not None:
-                self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
+                self._routes.expect(fk_evict.transfer_id, evict.transfer_ids)  # type: ignore[union-attr]
             if fk_swap is None:
                 self.swap_layer_done_counter = None
                 return None
-            self._groups[fk_swap.transfer_id] = swap.transfer_ids  # type: ignore[union-attr]
-            self._held[fk_swap.transfer_id] = None  # a failure waits for the retry
+            self._routes.expect(fk_swap.transfer_id, swap.transfer_ids)  # type: ignore[union-attr]
+            self._routes.hold(fk_swap.transfer_id)  # a failure waits for the retry
             self.swap_layer_done_counter = StepLayerCounter(
                 self,
                 counter,
@@ -434,7 +436,7 @@ class FastDeployCacheController:
         raises at every wait."""
         error = f"not launched: {why}"
         log.error("fastkv rank %d: step %s", self.rank, error)
-        self.sender.send(
+        self._routes.send(
             TransferResult(t, False, error)
             for m in (evict, swap)
             if m is not None
@@ -480,7 +482,9 @@ class FastDeployCacheController:
                 failed = e.device_block_ids
         with self._lock:
             ctrl = self._require()
-            self._forward(ctrl.wait_all(timeout) if wait_evictions else ctrl.poll_results())
+            self._routes.forward(
+                ctrl.wait_all(timeout) if wait_evictions else ctrl.poll_results()
+            )
         return failed
 
     def report_results(self) -> int:
@@ -499,7 +503,7 @@ class FastDeployCacheController:
         Returns True, also before the cache exists (as FastDeploy's)."""
         with self._lock:
             if self.controller is not None:
-                self._forward(self.controller.reset_cache())
+                self._routes.forward(self.controller.reset_cache())
             self.swap_layer_done_counter = None
             return True
 
@@ -515,12 +519,12 @@ class FastDeployCacheController:
         with self._lock:
             ctrl, self.controller = self.controller, None
             if ctrl is not None:
-                self._forward(ctrl.free_cache())  # it drops the adopted tensors
+                self._routes.forward(ctrl.free_cache())  # it drops the adopted tensors
             if self._storage_backend is not None:
                 self._storage_backend.close()
                 self._storage_backend = None
-            self._settle_held()
-            self._recovered.clear()
+            self._routes.settle_held()
+            self._routes.forget_recoveries()
             self.cache_kvs_map.clear()
             self._caches = []
             self.swap_layer_done_counter = None
@@ -555,7 +559,7 @@ class FastDeployCacheController:
                 results_sent=sent.sent,
                 results_pending=sent.pending,
                 results_dropped=sent.dropped,
-                transfers_without_result=len(self._groups) + len(self._lookup_ids),
+                transfers_without_result=self._routes.num_waiting,
                 swap_in_retries=self._retries,
                 swap_ins_recovered=self._recoveries,
             )
@@ -610,8 +614,7 @@ class FastDeployCacheController:
             raise
         self._storage_backend = backend
         self._caches = caches
-        if self.sender.closed:  # a cache made again after free_cache
-            self.sender = ResultsSender(self.sender.name, self.rank)
+        self._routes.reopen_sender()  # a cache made again after free_cache
         self._tensors_per_layer = per_layer
         if self.report_interval_s and self._reporter is None:
             self._stop.clear()
@@ -654,42 +657,10 @@ class FastDeployCacheController:
         )
         return backend, namespace
 
-    def _local(
-        self, merged: MergedTransfer | None, src: CacheLevel, dst: CacheLevel
-    ) -> CacheSwapMetadata | None:
-        if merged is None:
-            return None
-        transfer_id = self._next_id
-        self._next_id += 1
-        return CacheSwapMetadata(
-            transfer_id, src, dst, merged.src_block_ids, merged.dst_block_ids
-        )
-
     def _report(self) -> int:
         if self.controller is None:
             return self.sender.flush()
-        return self._forward(self.controller.poll_results())
-
-    def _forward(self, results: Sequence[TransferResult | LookupResult]) -> int:
-        out: list[TransferResult | LookupResult] = []
-        for r in results:
-            if isinstance(r, LookupResult):
-                qid = self._lookup_ids.pop(r.lookup_id, None)
-                if qid is not None:
-                    out.append(LookupResult(qid, r.num_hits))
-                continue
-            tid = r.transfer_id
-            if tid in self._held:
-                if tid in self._recovered:  # a retry loaded every layer after all
-                    self._recovered.discard(tid)
-                    r = TransferResult(tid, True)
-                elif not r.success:  # kept until the runner's wait retries it
-                    self._held[tid] = r
-                    continue
-                del self._held[tid]
-            ids = self._groups.pop(tid, ())
-            out += [TransferResult(t, r.success, r.error, r.failed_blocks) for t in ids]
-        return self.sender.send(out)
+        return self._routes.forward(self.controller.poll_results())
 
     def _submit_storage(self, work: StorageWork) -> None:
         """Start the step's storage lookups, loads and writes (never waits); each
@@ -702,13 +673,11 @@ class FastDeployCacheController:
         lookup_ids: dict[int, int] = {}
         try:
             for qid, texts in work.lookups.items():
-                local = self._next_id
-                self._next_id += 1
+                local = self._routes.new_id()
                 lookups.append(StorageLookup(local, [_key(t) for t in texts]))
                 lookup_ids[local] = qid
             for tid, pairs in (*work.loads.items(), *work.writes.items()):
-                local = self._next_id
-                self._next_id += 1
+                local = self._routes.new_id()
                 hosts = [h for h, _ in pairs]
                 keys = [_key(t) for _, t in pairs]
                 if tid in work.loads:
@@ -736,21 +705,21 @@ class FastDeployCacheController:
                     stores[i] if i < len(stores) else None,
                 ):
                     if meta is not None:
-                        self._groups[meta.transfer_id] = ids.pop(meta.transfer_id)
+                        self._routes.expect(meta.transfer_id, ids.pop(meta.transfer_id))
                 if i == 0:
-                    self._lookup_ids.update(lookup_ids)
+                    self._routes.expect_lookups(lookup_ids)
                     lookup_ids = {}
         except (ValueError, TypeError) as e:  # refused: what did not start fails
             log.error("fastkv rank %d: storage work not started: %s", self.rank, e)
             error = f"not started: {type(e).__name__}: {e}"
-            self.sender.send(
+            self._routes.send(
                 [TransferResult(t, False, error) for group in ids.values() for t in group]
                 + [LookupResult(q, 0) for q in lookup_ids.values()]
             )
 
     def _fail_storage(self, work: StorageWork, why: str) -> None:
         if work:
-            self.sender.send(
+            self._routes.send(
                 [TransferResult(t, False, why) for t in (*work.loads, *work.writes)]
                 + [LookupResult(q, 0) for q in work.lookups]
             )
@@ -773,13 +742,12 @@ class FastDeployCacheController:
                 for attempt in range(self.swap_in_retries):
                     self._retries += 1
                     again = CacheSwapMetadata(
-                        self._next_id,
+                        self._routes.new_id(),
                         CacheLevel.HOST,
                         CacheLevel.DEVICE,
                         local.src_block_ids,
                         local.dst_block_ids,
                     )
-                    self._next_id += 1
                     try:
                         ctrl.submit_swap_tasks(None, again).wait_all(timeout)
                     except (TransferFailedError, ValueError) as e:
@@ -795,7 +763,7 @@ class FastDeployCacheController:
                     break
             counter.recovered = ok
             if local is not None:
-                self._resolve(local.transfer_id, ok)
+                self._routes.resolve(local.transfer_id, ok)
             if ok:
                 self._recoveries += 1
                 log.warning(
@@ -804,27 +772,6 @@ class FastDeployCacheController:
                     len(counter.device_block_ids),
                 )
             return ok
-
-    def _settle_held(self) -> None:
-        """The step of a held-back swap-in is over and nothing retried it (the
-        runner never waited on it): its failure goes on to the scheduler."""
-        for tid in list(self._held):
-            if tid not in self._recovered:
-                self._resolve(tid, False)
-
-    def _resolve(self, tid: int, recovered: bool) -> None:
-        """Let a held-back swap-in result go: as a success if a retry loaded it."""
-        if tid not in self._held:
-            return
-        held = self._held[tid]
-        if held is None:  # its result has not come yet: convert it when it does
-            if recovered:
-                self._recovered.add(tid)
-            else:
-                del self._held[tid]
-            return
-        del self._held[tid]
-        self._forward([TransferResult(tid, True) if recovered else held])
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.report_interval_s):
