@@ -32,7 +32,6 @@ a prefill task from there.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -45,15 +44,13 @@ from fastkv.integrations.fd_backend import LayerTensors, make_layers
 from fastkv.integrations.fd_routes import ResultRoutes
 from fastkv.integrations.fd_transfers import (
     MergedTransfer,
-    StorageWork,
     parse_merged,
     split_storage,
 )
+from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, submit_storage
 from fastkv.metadata import (
     CacheLevel,
     CacheSwapMetadata,
-    LookupResult,
-    StorageLookup,
     TransferResult,
 )
 from fastkv.worker.transfer_manager import (
@@ -384,11 +381,11 @@ class FastDeployCacheController:
             swap = parse_merged(swap_in_metadata, "host", "device")
             self._routes.settle_held()
             if self.controller is None:
-                self._fail_storage(work, "the KV cache is not initialized")
+                fail_storage(self._routes, work, "the KV cache is not initialized")
                 return self._refuse_step(evict, swap, "the KV cache is not initialized")
             ctrl = self.controller
             self._report()
-            self._submit_storage(work)
+            submit_storage(ctrl, self._routes, work, self.rank)
             fk_evict = self._routes.local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
             fk_swap = self._routes.local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
             if fk_evict is not None and evict is not None and evict.handed_over:
@@ -595,7 +592,9 @@ class FastDeployCacheController:
             num_device_blocks=self._num_gpu_blocks,
             kv_dtype=_kv_dtype_of_tensor(caches[0]),
         )
-        backend, namespace = self._open_storage(caches, config, per_layer, num_extra)
+        backend, namespace = open_storage(
+            self._storage_dir, caches, config, per_layer, num_extra
+        )
         try:
             self.controller = CacheController.adopt(
                 caches,
@@ -623,106 +622,10 @@ class FastDeployCacheController:
             )
             self._reporter.start()
 
-    def _open_storage(
-        self, caches: list[Any], config: Any, per_layer: int, num_extra: int
-    ) -> tuple[Any, bytes]:
-        """The local disk backend of this rank, or (None, b"") without a storage
-        tier. Its layout is one segment per cache tensor (a host block's bytes);
-        its namespace digest covers the model, dtype, block size, TP size, layers
-        and the per-rank head shape, so a different cache never hits."""
-        if self._storage_dir is None:
-            return None, b""
-        from fastkv.config import ModelKVShape
-        from fastkv.storage import BlockLayout, StorageNamespace
-        from fastkv.storage.local_disk import LocalDiskBackend
-
-        lengths = []
-        for t in caches:
-            shape = [int(d) for d in t.shape]
-            per_block = 1
-            for d in shape[1:]:
-                per_block *= d
-            lengths.append(per_block * int(t.element_size()))
-        shape = [int(d) for d in caches[0].shape]
-        # config.model_id is FastDeploy's model path (or "fastdeploy"), its tp_size
-        # FastDeploy's: the digest stays the one this adapter always keyed under.
-        model_kv = ModelKVShape(
-            len(caches) // per_layer - num_extra, shape[1], shape[-1], num_extra
-        )
-        namespace = StorageNamespace.of(config, model_kv).digest()
-        backend = LocalDiskBackend(
-            self._storage_dir,
-            BlockLayout(tuple(lengths)),
-            capacity_blocks=fdc.storage_capacity_blocks(config.num_host_blocks),
-        )
-        return backend, namespace
-
     def _report(self) -> int:
         if self.controller is None:
             return self.sender.flush()
         return self._routes.forward(self.controller.poll_results())
-
-    def _submit_storage(self, work: StorageWork) -> None:
-        """Start the step's storage lookups, loads and writes (never waits); each
-        keeps its scheduler id for its result. Refused work is reported failed."""
-        if not work:
-            return
-        ctrl = self.controller
-        lookups, loads, stores = [], [], []
-        ids: dict[int, tuple[int, ...]] = {}
-        lookup_ids: dict[int, int] = {}
-        try:
-            for qid, texts in work.lookups.items():
-                local = self._routes.new_id()
-                lookups.append(StorageLookup(local, [_key(t) for t in texts]))
-                lookup_ids[local] = qid
-            for tid, pairs in (*work.loads.items(), *work.writes.items()):
-                local = self._routes.new_id()
-                hosts = [h for h, _ in pairs]
-                keys = [_key(t) for _, t in pairs]
-                if tid in work.loads:
-                    loads.append(
-                        CacheSwapMetadata(
-                            local, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys
-                        )
-                    )
-                else:
-                    stores.append(
-                        CacheSwapMetadata(
-                            local, CacheLevel.HOST, CacheLevel.STORAGE, hosts, [], keys
-                        )
-                    )
-                ids[local] = (tid,)
-            # One load and one write per call (the controller's shape).
-            for i in range(max(len(loads), len(stores), 1)):
-                ctrl.submit_storage_tasks(
-                    loads[i] if i < len(loads) else None,
-                    stores[i] if i < len(stores) else None,
-                    lookups if i == 0 else (),
-                )
-                for meta in (
-                    loads[i] if i < len(loads) else None,
-                    stores[i] if i < len(stores) else None,
-                ):
-                    if meta is not None:
-                        self._routes.expect(meta.transfer_id, ids.pop(meta.transfer_id))
-                if i == 0:
-                    self._routes.expect_lookups(lookup_ids)
-                    lookup_ids = {}
-        except (ValueError, TypeError) as e:  # refused: what did not start fails
-            log.error("fastkv rank %d: storage work not started: %s", self.rank, e)
-            error = f"not started: {type(e).__name__}: {e}"
-            self._routes.send(
-                [TransferResult(t, False, error) for group in ids.values() for t in group]
-                + [LookupResult(q, 0) for q in lookup_ids.values()]
-            )
-
-    def _fail_storage(self, work: StorageWork, why: str) -> None:
-        if work:
-            self._routes.send(
-                [TransferResult(t, False, why) for t in (*work.loads, *work.writes)]
-                + [LookupResult(q, 0) for q in work.lookups]
-            )
 
     def _recover(self, counter: StepLayerCounter, timeout: float) -> bool:
         """A step's swap-in failed: copy it again, every layer, at most
@@ -779,13 +682,6 @@ class FastDeployCacheController:
                 self.report_results()
             except Exception:  # never let the reporter die silently mid-run
                 log.exception("fastkv rank %d: reporting results failed", self.rank)
-
-
-def _key(text: str) -> bytes:
-    """A block's storage key: SHA-256 of the scheduler's hash text (FastDeploy's
-    block hashes are hex strings; every rank derives the same key, its rank is
-    part of the storage key)."""
-    return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 def _kv_dtype_of_tensor(tensor: Any) -> str:
