@@ -31,10 +31,8 @@ a prefill task from there.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastkv.channel import ResultsSender
@@ -42,143 +40,18 @@ from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
 from fastkv.integrations.fd_routes import ResultRoutes
-from fastkv.integrations.fd_transfers import (
-    MergedTransfer,
-    parse_merged,
-    split_storage,
+from fastkv.integrations.fd_step import (
+    StepHooks,
+    StepLauncher,
+    StepLayerCounter,
+    SwapInFailedError,
+    SwapInRetry,
 )
+from fastkv.integrations.fd_transfers import parse_merged, split_storage
 from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, submit_storage
-from fastkv.metadata import (
-    CacheLevel,
-    CacheSwapMetadata,
-    TransferResult,
-)
-from fastkv.worker.transfer_manager import (
-    DEFAULT_TIMEOUT,
-    LayerDoneCounter,
-    TransferFailedError,
-)
+from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
 
 log = logging.getLogger(__name__)
-
-
-class SwapInFailedError(TransferFailedError):
-    """The step's swap-in failed: `device_block_ids` hold garbage, and the requests
-    reading them must not emit this step's tokens (the scheduler recomputes them).
-
-    Attributes:
-        device_block_ids: the swap-in's destination blocks (all of the step's).
-        transfer_ids: the scheduler transfers it carried.
-    """
-
-    def __init__(
-        self,
-        transfer_id: int,
-        error: str,
-        device_block_ids: Iterable[int],
-        transfer_ids: Iterable[int],
-    ) -> None:
-        super().__init__(transfer_id, error)
-        self.device_block_ids = frozenset(device_block_ids)
-        self.transfer_ids = tuple(transfer_ids)
-
-
-class StepLayerCounter:
-    """One step's swap-in, per layer: FastDeploy's LayerDoneCounter interface over
-    fastkv's (which also carries the step's write ordering).
-
-    Attributes:
-        device_block_ids: the swap-in's destination blocks.
-        transfer_ids: the scheduler transfers it carries.
-    """
-
-    def __init__(
-        self,
-        owner: FastDeployCacheController,
-        inner: LayerDoneCounter | None,
-        num_layers: int,
-        device_block_ids: Sequence[int],
-        transfer_ids: Sequence[int],
-        launch_error: str | None = None,
-        local: CacheSwapMetadata | None = None,
-    ) -> None:
-        self._owner = owner
-        self._inner = inner
-        self.num_layers = num_layers
-        self.device_block_ids = frozenset(device_block_ids)
-        self.transfer_ids = tuple(transfer_ids)
-        self._launch_error = launch_error
-        self.local = local  # the fastkv transfer it waits on (None: never launched)
-        self.recovered: bool | None = None  # None until a failure was retried
-
-    @property
-    def failed(self) -> bool:
-        """The swap-in failed (as far as known now) and no retry recovered it."""
-        if self.recovered:
-            return False
-        return self._launch_error is not None or bool(self._inner and self._inner.failed)
-
-    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Wait until layer `layer` is loaded and the step's writes may start (on a
-        GPU, a device-side wait of the compute stream).
-
-        Raises:
-            SwapInFailedError: the swap-in failed at or before this layer.
-            TransferTimeoutError: a host wait ran past `timeout`.
-            IndexError: no such layer.
-        """
-        self._check_layer(layer)
-        if self._launch_error is not None:
-            raise self._error(self._launch_error)
-        assert self._inner is not None
-        if not self.recovered:
-            try:
-                self._inner.wait_for_layer(layer, timeout)
-            except TransferFailedError as e:
-                if not self._owner._recover(self, timeout):
-                    self._owner.report_results()
-                    raise self._error(e.error) from e
-        if layer == self.num_layers - 1:
-            self._owner.report_results()
-
-    def stream_wait_for_layer(self, layer: int) -> None:
-        """Make the compute stream wait for layer `layer` without blocking the host
-        (failures surface in `finish_step`)."""
-        self._check_layer(layer)
-        if self._inner is not None:
-            self._inner.stream_wait_for_layer(layer)
-
-    def is_layer_done(self, layer: int) -> bool:
-        self._check_layer(layer)
-        return self._inner is None or self._inner.is_layer_done(layer)
-
-    def is_all_done(self) -> bool:
-        return self.is_layer_done(self.num_layers - 1) if self.num_layers else True
-
-    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Host-wait every layer (a failure is known when this returns).
-
-        Raises:
-            SwapInFailedError, TransferTimeoutError: as for `wait_for_layer`.
-        """
-        if self._launch_error is not None:
-            raise self._error(self._launch_error)
-        assert self._inner is not None
-        if self.recovered:
-            return
-        try:
-            self._inner.wait_all(timeout)
-        except TransferFailedError as e:
-            if not self._owner._recover(self, timeout):
-                raise self._error(e.error) from e
-
-    def _error(self, error: str) -> SwapInFailedError:
-        tid = self._inner.transfer_id if self._inner is not None else -1
-        return SwapInFailedError(tid, error, self.device_block_ids, self.transfer_ids)
-
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer: {layer} outside [0, {self.num_layers})")
 
 
 class FastDeployCacheController:
@@ -236,6 +109,11 @@ class FastDeployCacheController:
         self.report_interval_s = float(report_interval_s)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self._routes = ResultRoutes(ResultsSender(name, self.rank))
+        hooks = StepHooks(recover=self._recover, report=self.report_results)
+        self._launcher = StepLauncher(
+            self._routes, hooks, num_layers=num_layers, rank=self.rank
+        )
+        self._retry = SwapInRetry(self._routes, rank=self.rank)
         self.controller: Any = None  # fastkv CacheController, once caches exist
         self.cache_kvs_map: dict[str, Any] = {}
         self._caches: list[Any] = []
@@ -244,8 +122,6 @@ class FastDeployCacheController:
         self._storage_dir = fdc.storage_directory(fd_config, self.rank)
         self._storage_backend: Any = None  # fastkv LocalDiskBackend, with the cache
         self.swap_layer_done_counter: StepLayerCounter | None = None
-        self._retries = 0
-        self._recoveries = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
@@ -382,70 +258,13 @@ class FastDeployCacheController:
             self._routes.settle_held()
             if self.controller is None:
                 fail_storage(self._routes, work, "the KV cache is not initialized")
-                return self._refuse_step(evict, swap, "the KV cache is not initialized")
-            ctrl = self.controller
-            self._report()
-            submit_storage(ctrl, self._routes, work, self.rank)
-            fk_evict = self._routes.local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
-            fk_swap = self._routes.local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
-            if fk_evict is not None and evict is not None and evict.handed_over:
-                # FastDeploy allocates synchronously (reuse_evicted_blocks): a block
-                # being evicted may already be the allocating request's. The
-                # scheduler marks those entries (they survive BatchRequest's merge);
-                # the controller orders the model's writes after their reads (and
-                # after those of earlier evictions still running), whatever the
-                # runner does. Backups and other evictions never hold the model up.
-                fk_evict = dataclasses.replace(
-                    fk_evict, reused_block_ids=list(evict.handed_over)
-                )
-            evict_new = fk_evict is not None and not ctrl.is_inflight(fk_evict.transfer_id)
-            try:
-                counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, (), compute_stream)
-            except Exception as e:  # fail what did not start, never lose a result
-                # A launch error after the eviction started (a CUDA error on the
-                # load): the eviction still reads and writes its blocks, so its own
-                # result must come, not a failure that frees its host blocks now.
-                if evict_new and ctrl.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
-                    self._routes.expect(fk_evict.transfer_id, evict.transfer_ids)  # type: ignore[union-attr]
-                    evict = None
-                return self._refuse_step(evict, swap, f"{type(e).__name__}: {e}")
-            if fk_evict is not None:
-                self._routes.expect(fk_evict.transfer_id, evict.transfer_ids)  # type: ignore[union-attr]
-            if fk_swap is None:
-                self.swap_layer_done_counter = None
-                return None
-            self._routes.expect(fk_swap.transfer_id, swap.transfer_ids)  # type: ignore[union-attr]
-            self._routes.hold(fk_swap.transfer_id)  # a failure waits for the retry
-            self.swap_layer_done_counter = StepLayerCounter(
-                self,
-                counter,
-                ctrl.shape.num_layers,
-                swap.dst_block_ids,
-                swap.transfer_ids,
-                local=fk_swap,
-            )
-            return self.swap_layer_done_counter
-
-    def _refuse_step(
-        self, evict: MergedTransfer | None, swap: MergedTransfer | None, why: str
-    ) -> StepLayerCounter | None:
-        """Report a step that cannot launch at all as failed; its swap-in's counter
-        raises at every wait."""
-        error = f"not launched: {why}"
-        log.error("fastkv rank %d: step %s", self.rank, error)
-        self._routes.send(
-            TransferResult(t, False, error)
-            for m in (evict, swap)
-            if m is not None
-            for t in m.transfer_ids
-        )
-        self.swap_layer_done_counter = None
-        if swap is None:
-            return None
-        self.swap_layer_done_counter = StepLayerCounter(
-            self, None, self._num_layers, swap.dst_block_ids, swap.transfer_ids, error
-        )
-        return self.swap_layer_done_counter
+                counter = self._launcher.refuse(evict, swap, "the KV cache is not initialized")
+            else:
+                self._report()
+                submit_storage(self.controller, self._routes, work, self.rank)
+                counter = self._launcher.launch(self.controller, evict, swap, compute_stream)
+            self.swap_layer_done_counter = counter
+            return counter
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`swap_layer_done_counter.wait_for_layer`, when the step has a swap-in."""
@@ -557,8 +376,8 @@ class FastDeployCacheController:
                 results_pending=sent.pending,
                 results_dropped=sent.dropped,
                 transfers_without_result=self._routes.num_waiting,
-                swap_in_retries=self._retries,
-                swap_ins_recovered=self._recoveries,
+                swap_in_retries=self._retry.attempts,
+                swap_ins_recovered=self._retry.recoveries,
             )
             return stats
 
@@ -628,53 +447,11 @@ class FastDeployCacheController:
         return self._routes.forward(self.controller.poll_results())
 
     def _recover(self, counter: StepLayerCounter, timeout: float) -> bool:
-        """A step's swap-in failed: copy it again, every layer, at most
-        `swap_in_retries` times, before the runner's wait returns. On success the
-        scheduler hears that the transfer succeeded (its failure was held back);
-        otherwise the failure goes on.
-
-        Returns:
-            Whether the blocks are loaded now.
-        """
+        """A step's swap-in failed: retry it (see `SwapInRetry.recover`)."""
         with self._lock:
-            if counter.recovered is not None:
-                return counter.recovered
-            local, ctrl = counter.local, self.controller
-            ok = False
-            if local is not None and ctrl is not None:
-                for attempt in range(self.swap_in_retries):
-                    self._retries += 1
-                    again = CacheSwapMetadata(
-                        self._routes.new_id(),
-                        CacheLevel.HOST,
-                        CacheLevel.DEVICE,
-                        local.src_block_ids,
-                        local.dst_block_ids,
-                    )
-                    try:
-                        ctrl.submit_swap_tasks(None, again).wait_all(timeout)
-                    except (TransferFailedError, ValueError) as e:
-                        log.warning(
-                            "fastkv rank %d: swap-in retry %d of %d failed: %s",
-                            self.rank,
-                            attempt + 1,
-                            self.swap_in_retries,
-                            e,
-                        )
-                        continue
-                    ok = True
-                    break
-            counter.recovered = ok
-            if local is not None:
-                self._routes.resolve(local.transfer_id, ok)
-            if ok:
-                self._recoveries += 1
-                log.warning(
-                    "fastkv rank %d: a failed swap-in of %d blocks was loaded again",
-                    self.rank,
-                    len(counter.device_block_ids),
-                )
-            return ok
+            return self._retry.recover(
+                counter, self.controller, timeout, retries=self.swap_in_retries
+            )
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.report_interval_s):
