@@ -59,7 +59,21 @@ log = logging.getLogger(__name__)
 
 
 class FastDeployCacheManager:
-    """Drop-in for `fastdeploy.cache_manager.v1.CacheManager`.
+    """Drop-in for `fastdeploy.cache_manager.v1.CacheManager`: FastDeploy's calls,
+    each validated, polled and locked here, then handed to the room that acts.
+
+        FastDeployCacheManager
+          ├ manager       fastkv's CacheManager (rebuilt with the rooms below by
+          │               update_cache_config and an owed reset)
+          ├ _book         CommitBook (fd_commits): tracked requests, proven commits
+          ├ _relay        TransferRelay (fd_results): copies out on FastDeploy's
+          │               metadata, worker results in, never-sent copies failed
+          ├ _prefetches   StoragePrefetches (fd_prefetch): the storage-prefetch API
+          ├ results       the results channel's receiver (fd_results.bind_channel)
+          └ metrics       FastDeployMetrics (fd_metrics)
+
+    What ResourceManagerV1 reads back (`FastDeployMatchResult`, the free-block
+    list) is in `fd_views`.
 
     Args:
         fd_config: FastDeploy's FDConfig (see `fd_config` for the fields read).

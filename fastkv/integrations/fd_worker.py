@@ -55,7 +55,17 @@ log = logging.getLogger(__name__)
 
 
 class FastDeployCacheController:
-    """Drop-in for `fastdeploy.cache_manager.v1.CacheController`.
+    """Drop-in for `fastdeploy.cache_manager.v1.CacheController`: the runner's
+    calls, locked here; the cache's tensors and lifecycle here, the rest in rooms.
+
+        FastDeployCacheController
+          ├ controller    fastkv's CacheController, once the cache exists
+          ├ _launcher     StepLauncher (fd_step): a step's launch or refusal, the
+          │               StepLayerCounter the runner waits on
+          ├ _retry        SwapInRetry (fd_step): a failed swap-in copied again
+          ├ _routes       ResultRoutes (fd_routes): local ids -> scheduler ids,
+          │               held-back failures, the results sender
+          └ storage       fd_worker_storage: the rank's disk backend, storage work
 
     Args:
         fd_config: FastDeploy's FDConfig (see `fd_config` for the fields read).
