@@ -32,154 +32,48 @@ from another thread).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fastkv.channel import ResultsReceiver
 from fastkv.config import CacheConfig, check_int
 from fastkv.integrations import fd_config as fdc
+from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_metrics import FastDeployMetrics
-from fastkv.integrations.fd_transfers import (
-    fastdeploy_metadata_types,
-    storage_ids,
-    storage_to_fastdeploy,
-    to_fastdeploy,
-    transfer_ids,
+from fastkv.integrations.fd_prefetch import StoragePrefetches
+from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
+from fastkv.integrations.fd_transfers import fastdeploy_metadata_types
+from fastkv.integrations.fd_views import (
+    AdapterCounters,
+    FastDeployMatchResult,
+    FreeBlockList,
+    prompt_digests,
 )
-from fastkv.metadata import LookupResult, TransferResult
-from fastkv.scheduler import CacheManager, Rollback
+from fastkv.scheduler import CacheManager
 
 log = logging.getLogger(__name__)
 
-_LISTS = ("cache_swap_metadata", "cache_evict_metadata")
-
-
-def fd_digests(hashes: list[Any]) -> list[bytes]:
-    """FastDeploy's block hashes (SHA-256 hex digests, `Request.prompt_hashes`) as
-    the 32-byte digests fastkv's manager takes; their hex is the text fastkv tags
-    transfers and names storage keys with, so both spell a block the same way.
-
-    Raises:
-        ValueError: an entry is not a 64-digit hex digest (or a 32-byte digest).
-    """
-    out = []
-    for i, h in enumerate(hashes):
-        if type(h) is bytes and len(h) == 32:
-            out.append(h)
-            continue
-        try:
-            digest = bytes.fromhex(h)
-        except (TypeError, ValueError):
-            digest = b""
-        if len(digest) != 32:
-            raise ValueError(
-                f"prompt_hashes[{i}]: {h!r:.80} is not a SHA-256 hex digest (64 hex digits)"
-            )
-        out.append(digest)
-    return out
-
-
-class FastDeployMatchResult:
-    """What `match_prefix` leaves on `request._match_result`, with the attributes
-    FastDeploy's ResourceManagerV1 reads. Fixed at the match: ResourceManagerV1
-    makes `device_block_ids` the request's `block_tables` and extends that list as
-    the request allocates, so each read of it returns a new list.
-
-    Attributes:
-        device_block_ids: the device hits, in order (the request's first blocks).
-        matched_device_nums: how many (its length at the match).
-        matched_host_nums: host hits; the first ids `allocate_gpu_blocks` returns
-            are their swap-in destinations.
-        matched_storage_nums: storage hits (loaded to host, then swapped in like
-            host hits).
-        uncached_block_ids: kept for FastDeploy's shape; always empty.
-    """
-
-    __slots__ = ("_device", "matched_host_nums", "matched_storage_nums")
-
-    def __init__(
-        self,
-        device_block_ids: Sequence[int] = (),
-        matched_host_nums: int = 0,
-        matched_storage_nums: int = 0,
-    ) -> None:
-        self._device = tuple(device_block_ids)
-        self.matched_host_nums = matched_host_nums
-        self.matched_storage_nums = matched_storage_nums
-
-    @property
-    def device_block_ids(self) -> list[int]:
-        return list(self._device)
-
-    @property
-    def uncached_block_ids(self) -> list[int]:
-        return []
-
-    @property
-    def matched_device_nums(self) -> int:
-        return len(self._device)
-
-    @property
-    def total_matched_blocks(self) -> int:
-        return self.matched_device_nums + self.matched_host_nums + self.matched_storage_nums
-
-    def __repr__(self) -> str:
-        return (
-            f"FastDeployMatchResult(device={list(self._device)}, "
-            f"host={self.matched_host_nums}, storage={self.matched_storage_nums})"
-        )
-
-
-class _PrefetchKey(tuple):
-    """The id of the stand-in request that holds a storage prefetch in fastkv's
-    manager: distinct from every FastDeploy request id."""
-
-    def __new__(cls, request_id: Hashable) -> _PrefetchKey:
-        return super().__new__(cls, ("fastkv-prefetch", request_id))
-
-
-class _Tracked:
-    """A request the adapter knows: the FastDeploy object, its output count at
-    admission (only tokens sampled after it prove this admission's KV), and how many
-    of its blocks may ever be committed (fewer once it computed past its table)."""
-
-    __slots__ = ("commit_limit", "outputs_at_admission", "request")
-
-    def __init__(self, request: Any) -> None:
-        self.request = request
-        self.outputs_at_admission = len(request.output_token_ids)
-        self.commit_limit: int | None = None
-
-
-class _FreeBlocks(Sequence[int]):
-    """`gpu_free_block_list`: its length is O(1) (all ResourceManagerV1 reads); the
-    ids are read only when indexed or iterated."""
-
-    def __init__(self, manager: CacheManager) -> None:
-        self._manager = manager
-
-    def __len__(self) -> int:
-        return self._manager.num_free_device_blocks
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._snapshot()[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._snapshot())
-
-    def _snapshot(self) -> list[int]:
-        return self._manager.free_device_block_ids()
-
 
 class FastDeployCacheManager:
-    """Drop-in for `fastdeploy.cache_manager.v1.CacheManager`.
+    """Drop-in for `fastdeploy.cache_manager.v1.CacheManager`: FastDeploy's calls,
+    each validated, polled and locked here, then handed to the room that acts.
+
+        FastDeployCacheManager
+          ├ manager       fastkv's CacheManager (rebuilt with the rooms below by
+          │               update_cache_config and an owed reset)
+          ├ _book         CommitBook (fd_commits): tracked requests, proven commits
+          ├ _relay        TransferRelay (fd_results): copies out on FastDeploy's
+          │               metadata, worker results in, never-sent copies failed
+          ├ _prefetches   StoragePrefetches (fd_prefetch): the storage-prefetch API
+          ├ results       the results channel's receiver (fd_results.bind_channel)
+          └ metrics       FastDeployMetrics (fd_metrics)
+
+    What ResourceManagerV1 reads back (`FastDeployMatchResult`, the free-block
+    list) is in `fd_views`.
 
     Args:
         fd_config: FastDeploy's FDConfig (see `fd_config` for the fields read).
@@ -217,34 +111,11 @@ class FastDeployCacheManager:
         self.enable_prefix_caching = fdc.prefix_caching_enabled(fd_config)
         self.tp_size = fdc.tensor_parallel_size(fd_config)
         self._lock = threading.RLock()
-        self.manager = CacheManager(self.config)
-        self._swap_cls, self._levels = fastdeploy_metadata_types()
-        self._tracked: dict[Hashable, _Tracked] = {}
-        self._counts = dict.fromkeys(
-            (
-                "results_applied",
-                "results_unknown",
-                "rollback_blocks",
-                "rewound_tokens",
-                "undispatched_transfers",
-                "allocation_failures",
-                "match_failures",
-                "commit_errors",
-                "table_mismatches",
-                "uncovered_computes",
-                "prefetches",
-                "storage_hit_blocks",
-            ),
-            0,
-        )
-        # Storage prefetches: request id -> the key of the stand-in request that
-        # holds the prefetch in fastkv's manager. Blocks a prefetch brought from
-        # storage, not yet hit since (a hit on one counts as a storage hit, once);
-        # bounded, oldest forgotten first.
-        self._prefetch: dict[Hashable, _PrefetchKey] = {}
-        self._landed: OrderedDict[Hashable, None] = OrderedDict()
+        self._metadata_types = fastdeploy_metadata_types()
+        self._counters = AdapterCounters()
+        self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.results = _bind_channel(name, self.tp_size)
+        self.results = bind_channel(name, self.tp_size)
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
@@ -266,7 +137,7 @@ class FastDeployCacheManager:
     @property
     def gpu_free_block_list(self) -> Sequence[int]:
         """The free device block ids (tree-held blocks count as used, as in v1)."""
-        return _FreeBlocks(self.manager)
+        return FreeBlockList(self.manager)
 
     @property
     def available_gpu_resource(self) -> float:
@@ -346,30 +217,24 @@ class FastDeployCacheManager:
                             f"{len(request.block_tables)} blocks; request_finish first"
                         )
                     self._release(request, finished=False)
-                tokens, hashes = self._prompt(request)
-                prefetched = rid in self._prefetch
-                self._end_prefetch(rid)
+                tokens, hashes = prompt_digests(request, self.config.block_size)
+                prefetched = self._prefetches.end(rid)
                 hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
             except (ValueError, TypeError) as e:
-                self._counts["match_failures"] += 1
+                self._counters.match_failures += 1
                 log.error("fastkv match_prefix(%r) failed: %s", rid, e)
                 request._match_result = FastDeployMatchResult()
                 return
-            self._tracked[rid] = _Tracked(request)
+            self._book.track(request)
             # The table the match made: its device hits. Every other matched block
             # (host copies, device blocks below one) comes with allocate.
             table = self.manager.block_table(rid).block_ids
-            from_storage = 0
-            if self._landed:
-                for h in hashes[len(table) : hit.num_hits]:
-                    if self._landed.pop(h, 1) is None:
-                        from_storage += 1
-            self._counts["storage_hit_blocks"] += from_storage
+            from_storage = self._prefetches.take_storage_hits(hashes[len(table) : hit.num_hits])
             request._match_result = FastDeployMatchResult(
                 table, hit.num_host_hits - from_storage, from_storage
             )
             if not skip_storage and not prefetched and hit.num_hits < len(hashes):
-                self._start_prefetch(rid, hashes, tokens)
+                self._prefetches.start(rid, hashes, tokens)
 
     def allocate_device_blocks(self, request: Any, num_blocks: int) -> list[int]:
         """Add `num_blocks` device blocks to the request (FastDeploy counts its host
@@ -391,15 +256,15 @@ class FastDeployCacheManager:
             mgr = self.manager
             if not mgr.is_active(rid):  # prefix caching off: never matched
                 mgr.match(rid, [], 0)
-                self._tracked[rid] = _Tracked(request)
-            elif rid not in self._tracked:
-                self._tracked[rid] = _Tracked(request)
+                self._book.track(request)
+            elif rid not in self._book:
+                self._book.track(request)
             if num_blocks <= 0:
                 return []
             table = list(mgr.block_table(rid).block_ids)
             theirs = list(request.block_tables or ())
             if theirs != table:
-                self._counts["table_mismatches"] += 1
+                self._counters.table_mismatches += 1
                 log.error(
                     "fastkv allocate(%r): request.block_tables (%d blocks) is not the table "
                     "fastkv gave it (%d blocks); refusing",
@@ -414,11 +279,11 @@ class FastDeployCacheManager:
                     rid, num_tokens=(len(table) + num_blocks) * self.config.block_size
                 )
             except (ValueError, RuntimeError) as e:  # can never fit / never taken
-                self._counts["allocation_failures"] += 1
+                self._counters.allocation_failures += 1
                 log.error("fastkv allocate(%r, %d) refused: %s", rid, num_blocks, e)
                 return []
             if not allocation:
-                self._counts["allocation_failures"] += 1
+                self._counters.allocation_failures += 1
                 log.warning(
                     "fastkv allocate(%r, %d): %s (free %d, evictable %d)",
                     rid,
@@ -428,7 +293,7 @@ class FastDeployCacheManager:
                     mgr.num_evictable_device_blocks,
                 )
                 return []
-            self._attach_swaps(request)
+            self._relay.attach(request)
             # What FastDeploy appends to its table: the manager's positions past it.
             return list(mgr.block_table(rid, len(table)).block_ids)
 
@@ -455,13 +320,7 @@ class FastDeployCacheManager:
             return False
         with self._lock:
             self._poll()
-            rid = request.request_id
-            if rid in self._prefetch:
-                return True
-            if self.manager.is_active(rid):
-                return False
-            tokens, hashes = self._prompt(request)
-            return self._start_prefetch(rid, hashes, tokens)
+            return self._prefetches.prefetch(request, reset_owed=self._reset_pending)
 
     def drain_pending_prefetches(self) -> list[Hashable]:
         """Apply the workers' results and end every prefetch whose lookup was
@@ -470,14 +329,7 @@ class FastDeployCacheManager:
         unlocked, until the request's `match_prefix`."""
         with self._lock:
             self._poll()
-            done = [
-                rid
-                for rid, key in self._prefetch.items()
-                if not self.manager.storage_pending(key)
-            ]
-            for rid in done:
-                self._end_prefetch(rid)
-            return done
+            return self._prefetches.drain()
 
     def update_storage_blocks_to_host(self, *_: Any, **__: Any) -> int:
         """Make the blocks loaded from storage host blocks. fastkv does this as the
@@ -497,41 +349,7 @@ class FastDeployCacheManager:
         matches."""
         with self._lock:
             self._poll()
-            self._end_prefetch(request.request_id)
-
-    def _start_prefetch(self, rid: Hashable, hashes: list[Any], tokens: int) -> bool:
-        if self._reset_pending:  # the cache may hold blocks that are gone
-            return False
-        key = _PrefetchKey(rid)
-        try:
-            hit = self.manager.match(key, hashes, tokens)
-        except (ValueError, TypeError) as e:
-            log.error("fastkv prefetch_storage(%r) failed: %s", rid, e)
-            return False
-        if not hit.storage_lookup:
-            self.manager.finish(key)
-            return False
-        self._counts["prefetches"] += 1
-        self._prefetch[rid] = key
-        return True
-
-    def _end_prefetch(self, rid: Hashable) -> None:
-        key = self._prefetch.pop(rid, None)
-        if key is None:
-            return
-        landed = self._landed
-        for h in self.manager.storage_loaded(key):
-            landed[h] = None
-            landed.move_to_end(h)
-        while len(landed) > 2 * self.config.num_host_blocks:
-            landed.popitem(last=False)
-        self.manager.finish(key)
-
-    def _prompt(self, request: Any) -> tuple[int, list[bytes]]:
-        tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        return tokens, fd_digests(
-            list(request.prompt_hashes)[: tokens // self.config.block_size]
-        )
+            self._prefetches.end(request.request_id)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -542,7 +360,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             self._release(request, finished=True)
-            self._end_prefetch(request.request_id)
+            self._prefetches.end(request.request_id)
             self.metrics.update()
 
     def recycle_gpu_blocks(self, block_ids: Sequence[int], request_id: Any = None) -> None:
@@ -573,9 +391,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             rid = request.request_id
-            tracked = self._tracked.get(rid)
-            if tracked is not None:
-                self._commit(tracked)
+            self._book.commit(rid)
             if self.config.storage is not None and self.manager.is_active(rid):
                 self.manager.write_to_storage(rid)
 
@@ -602,9 +418,7 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             rid = task.request_id
-            tracked = self._tracked.get(rid)
-            if tracked is not None:
-                self._commit(tracked)
+            self._book.commit(rid)
             if self.manager.is_active(rid):
                 task.num_cached_blocks = self.manager.num_committed_blocks(rid)
 
@@ -627,9 +441,7 @@ class FastDeployCacheManager:
         commits and leave with the next step), update the metrics."""
         with self._lock:
             self._poll()
-            for tracked in list(self._tracked.values()):
-                self._check_coverage(tracked)
-                self._commit(tracked)
+            self._book.commit_proven()
             self.metrics.update()
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
@@ -639,13 +451,7 @@ class FastDeployCacheManager:
         step has no batch but prefetches in flight sends it anyway."""
         with self._lock:
             self._poll()
-            tasks = self.manager.take_swap_metadata()
-            if tasks.swap_in is not None:  # allocations take their own swap-ins: never here
-                # Taken with the evictions: fail it (its blocks return), keep those.
-                log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
-                error = "planned outside allocate_device_blocks: never dispatched"
-                self._apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
-            return self._evict_with_storage(tasks)
+            return self._relay.take_backups()
 
     def get_pending_backup_count(self) -> int:
         return self.manager.num_queued_blocks
@@ -704,17 +510,15 @@ class FastDeployCacheManager:
         deadline = time.monotonic() + self.reset_timeout_s
         with self._lock:
             self._poll()
-            active = self.manager.get_stats().active_requests - len(self._prefetch)
+            active = self.manager.get_stats().active_requests - len(self._prefetches)
             if active:
                 log.warning("reset_cache: %d requests active; nothing reset", active)
                 return False
             # Owed from here on: nothing hits, and `_poll` forgets the cache once
             # nothing is in flight and no request is active (now, or later).
             self._reset_pending = True
-            for rid in list(self._prefetch):  # FastDeploy aborted their requests
-                self._end_prefetch(rid)
-            self._landed.clear()
-            self._fail_never_sent()
+            self._prefetches.give_up_all()  # FastDeploy aborted their requests
+            self._relay.fail_never_sent()
             self._poll()
         while True:
             with self._lock:
@@ -747,11 +551,11 @@ class FastDeployCacheManager:
                 num_free_host_blocks=s.host_pool.free,
                 num_evictable_device_blocks=self.manager.num_evictable_device_blocks,
                 hit_token_rate=s.hit_token_rate,
-                tracked_requests=len(self._tracked),
+                tracked_requests=len(self._book),
                 results_channel=self.results.name,
                 results_waiting_for_ranks=len(self.results.missing()),
-                pending_prefetches=len(self._prefetch),
-                **self._counts,
+                pending_prefetches=len(self._prefetches),
+                **self._counters.as_dict(),
             )
             return stats
 
@@ -759,11 +563,8 @@ class FastDeployCacheManager:
         """Release the results channel's name now (idempotent). FastDeploy's
         teardown calls nothing on a v1 cache manager, so a manager that is dropped
         without this keeps the name until the next manager of this process takes
-        it over (see `_bind_channel`) or the process exits."""
-        with _CHANNELS_LOCK:
-            if _CHANNELS.get(self.results.name) is self.results:
-                del _CHANNELS[self.results.name]
-            self.results.close()
+        it over (see `fd_results.bind_channel`) or the process exits."""
+        release_channel(self.results)
 
     def __enter__(self) -> FastDeployCacheManager:
         return self
@@ -776,7 +577,7 @@ class FastDeployCacheManager:
     def _poll(self) -> int:
         combined = self.results.poll()
         if combined:
-            self._apply(combined)
+            self._relay.apply(combined)
         if self._reset_pending:
             self._finish_owed_reset()
         return len(combined)
@@ -785,178 +586,18 @@ class FastDeployCacheManager:
         """The reset `reset_cache` owes, once nothing is in flight and no request
         (other than prefetch stand-ins, given up with it) is active."""
         mgr = self.manager
-        if mgr.num_inflight_transfers or mgr.get_stats().active_requests > len(self._prefetch):
+        if mgr.num_inflight_transfers:
+            return
+        if mgr.get_stats().active_requests > len(self._prefetches):
             return
         self._reset_pending = False
-        for rid in list(self._prefetch):
-            self._end_prefetch(rid)
-        self._landed.clear()
+        self._prefetches.give_up_all()
         self._rebuild(self.config)
         log.info("reset_cache: the cache is reset")
 
-    def _apply(self, results: list[TransferResult | LookupResult]) -> None:
-        rollbacks: list[Rollback] = []
-        for result in results:  # one at a time: an unknown id spoils no other
-            try:
-                rollbacks += self.manager.apply_results([result])
-            except ValueError as e:
-                self._counts["results_unknown"] += 1
-                log.error("fastkv: dropped a worker result: %s", e)
-                continue
-            self._counts["results_applied"] += 1
-            if isinstance(result, TransferResult) and not result.success:
-                log.warning("fastkv transfer %d failed: %s", result.transfer_id, result.error)
-        bs = self.config.block_size
-        for rollback in rollbacks:
-            self._counts["rollback_blocks"] += len(rollback.block_indices)
-            tracked = self._tracked.get(rollback.request_id)
-            if tracked is None:
-                continue
-            request = tracked.request
-            first = min(rollback.block_indices) * bs
-            if request.num_computed_tokens > first:
-                self._counts["rewound_tokens"] += request.num_computed_tokens - first
-                request.num_computed_tokens = first
-            log.warning(
-                "fastkv: request %r recomputes from token %d (its swap-in failed)",
-                rollback.request_id,
-                first,
-            )
-
-    def _evict_with_storage(self, tasks: Any) -> Any | None:
-        evict = (
-            None
-            if tasks.evict is None
-            else to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
-        )
-        return storage_to_fastdeploy(
-            tasks.storage_load,
-            tasks.storage_store,
-            tasks.lookups,
-            self._swap_cls,
-            self._levels,
-            evict,
-        )
-
-    def _attach_swaps(self, request: Any) -> None:
-        tasks = self.manager.take_swap_metadata()
-        swap_in = (
-            None
-            if tasks.swap_in is None
-            else to_fastdeploy(tasks.swap_in, self._swap_cls, self._levels)
-        )
-        for attr, meta in (
-            ("cache_evict_metadata", self._evict_with_storage(tasks)),
-            ("cache_swap_metadata", swap_in),
-        ):
-            if meta is None:
-                continue
-            lst = getattr(request, attr, None)
-            if lst is None:
-                lst = []
-                setattr(request, attr, lst)
-            lst.append(meta)
-
-    def _check_coverage(self, tracked: _Tracked) -> None:
-        """Once a schedule is done, every position a request has been scheduled to
-        compute (`num_computed_tokens`) must lie in a block of its table. One that
-        does not was computed into no block (an allocation the engine did not
-        check): from the first such block on, nothing of this admission is ever
-        committed, whatever blocks it holds later."""
-        request = tracked.request
-        rid = request.request_id
-        if not self.manager.is_active(rid):
-            return
-        held = self.manager.num_blocks(rid)
-        computed = getattr(request, "num_computed_tokens", 0) or 0
-        if computed <= held * self.config.block_size:
-            return
-        if tracked.commit_limit is None or held < tracked.commit_limit:
-            if tracked.commit_limit is None:
-                self._counts["uncovered_computes"] += 1
-            log.error(
-                "fastkv: request %r is scheduled up to token %d but holds %d blocks; "
-                "its blocks from %d on are never cached",
-                rid,
-                computed,
-                held,
-                held,
-            )
-            tracked.commit_limit = held
-
-    def _commit(self, tracked: _Tracked) -> None:
-        """Commit the KV a token sampled since admission proves computed."""
-        request = tracked.request
-        rid = request.request_id
-        mgr = self.manager
-        outputs = len(request.output_token_ids)
-        if outputs <= tracked.outputs_at_admission or not self.enable_prefix_caching:
-            return
-        if not mgr.is_active(rid) or mgr.has_pending_swap_in(rid):
-            return  # committed once its swap-in's result is in
-        bs = self.config.block_size
-        try:
-            hashes = request.prompt_hashes
-            known = mgr.num_hashes(rid)
-            if len(hashes) > known:
-                mgr.append_hashes(rid, fd_digests(hashes[known:]))
-            computed = len(request.prompt_token_ids) + outputs - 1
-            num_blocks = min(computed // bs, len(hashes), mgr.num_blocks(rid))
-            if tracked.commit_limit is not None:
-                num_blocks = min(num_blocks, tracked.commit_limit)
-            if num_blocks > mgr.num_committed_blocks(rid):
-                mgr.commit(rid, num_computed_tokens=num_blocks * bs)
-        except (ValueError, TypeError) as e:
-            self._counts["commit_errors"] += 1
-            log.error("fastkv commit(%r) failed: %s", rid, e)
-
     def _release(self, request: Any, *, finished: bool) -> None:
-        rid = request.request_id
-        self._fail_undispatched(request)
-        tracked = self._tracked.pop(rid, None)
-        if not self.manager.is_active(rid):
-            return
-        if finished and tracked is not None:
-            self._commit(tracked)
-        self.manager.finish(rid)
-
-    def _fail_undispatched(self, request: Any) -> None:
-        ids: list[int] = []
-        lookups: list[int] = []
-        for attr in _LISTS:
-            for meta in getattr(request, attr, None) or ():
-                stored, looked = storage_ids(meta)
-                ids += stored
-                lookups += looked
-                try:
-                    ids += transfer_ids(meta)
-                except ValueError as e:  # not ours: nothing of fastkv's to undo
-                    log.error("fastkv: request %r: %s", request.request_id, e)
-            if getattr(request, attr, None):
-                setattr(request, attr, [])
-        if ids or lookups:
-            self._counts["undispatched_transfers"] += len(ids) + len(lookups)
-            error = "never dispatched: the request ended first"
-            self._apply(
-                [TransferResult(t, False, error) for t in ids]
-                + [LookupResult(q, 0) for q in lookups]
-            )
-
-    def _fail_never_sent(self) -> None:
-        """Fail the transfers planned but never sent to a worker (no request is left
-        to carry them)."""
-        tasks = self.manager.take_swap_metadata()
-        ids = [
-            m.transfer_id
-            for m in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
-            if m is not None
-        ]
-        if ids or tasks.lookups:
-            self._counts["undispatched_transfers"] += len(ids) + len(tasks.lookups)
-            self._apply(
-                [TransferResult(t, False, "never dispatched: reset") for t in ids]
-                + [LookupResult(q.lookup_id, 0) for q in tasks.lookups]
-            )
+        self._relay.fail_undispatched(request)
+        self._book.release(request.request_id, finished=finished)
 
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
@@ -966,12 +607,34 @@ class FastDeployCacheManager:
                 f"active, {s.queued_blocks} blocks queued; only an idle cache can change"
             )
 
-    def _rebuild(self, config: CacheConfig) -> None:
+    def _build_rooms(self, config: CacheConfig) -> None:
+        """A new manager for `config`, and the rooms that work on it (empty)."""
         self.config = config
         self.manager = CacheManager(config)
-        self._tracked.clear()
-        self._prefetch.clear()
-        self._landed.clear()
+        self._book = CommitBook(
+            self.manager,
+            block_size=config.block_size,
+            prefix_caching=self.enable_prefix_caching,
+            counters=self._counters,
+        )
+        self._prefetches = StoragePrefetches(
+            self.manager,
+            block_size=config.block_size,
+            num_host_blocks=config.num_host_blocks,
+            counters=self._counters,
+        )
+        swap_cls, levels = self._metadata_types
+        self._relay = TransferRelay(
+            self.manager,
+            swap_cls=swap_cls,
+            levels=levels,
+            block_size=config.block_size,
+            counters=self._counters,
+            request_of=self._book.request_of,
+        )
+
+    def _rebuild(self, config: CacheConfig) -> None:
+        self._build_rooms(config)
         self.metrics.rebase()
 
     def _figures(self) -> dict[str, float]:
@@ -989,42 +652,9 @@ class FastDeployCacheManager:
                 "free_gpu_block_num": free,
                 "prefix_gpu_cache_token_num": s.device_hit_tokens,
                 "prefix_cpu_cache_token_num": s.host_hit_tokens,
-                "prefix_ssd_cache_token_num": self._counts["storage_hit_blocks"]
+                "prefix_ssd_cache_token_num": self._counters.storage_hit_blocks
                 * self.config.block_size,
             }
-
-
-# The receiver each channel name of this process is bound by (a cache manager's).
-_CHANNELS: dict[str, ResultsReceiver] = {}
-_CHANNELS_LOCK = threading.Lock()
-
-
-def _bind_channel(name: str, tp_size: int) -> ResultsReceiver:
-    """Bind the results channel `name` for a new cache manager. A receiver an
-    earlier manager of this process still holds on that name is closed first: only
-    one manager per deployment receives its workers' results, and FastDeploy builds
-    a new one (a new ResourceManagerV1) without closing the old. The earlier manager
-    then receives nothing (logged)."""
-    with _CHANNELS_LOCK:
-        earlier = _CHANNELS.pop(name, None)
-        if earlier is not None and not earlier.closed:
-            log.warning(
-                "fastkv: results channel %r: a new cache manager takes it over from an "
-                "earlier one in this process, which receives no results from now on",
-                name,
-            )
-            earlier.close()
-        receiver = ResultsReceiver(name, tp_size)
-        _CHANNELS[name] = receiver
-        return receiver
-
-
-@atexit.register
-def _close_channels() -> None:
-    with _CHANNELS_LOCK:
-        for receiver in _CHANNELS.values():
-            receiver.close()
-        _CHANNELS.clear()
 
 
 def _check_blocks(num_blocks: object) -> None:

@@ -31,160 +31,41 @@ a prefill task from there.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastkv.channel import ResultsSender
 from fastkv.config import check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
-from fastkv.integrations.fd_transfers import (
-    MergedTransfer,
-    StorageWork,
-    parse_merged,
-    split_storage,
+from fastkv.integrations.fd_routes import ResultRoutes
+from fastkv.integrations.fd_step import (
+    StepHooks,
+    StepLauncher,
+    StepLayerCounter,
+    SwapInFailedError,
+    SwapInRetry,
 )
-from fastkv.metadata import (
-    CacheLevel,
-    CacheSwapMetadata,
-    LookupResult,
-    StorageLookup,
-    TransferResult,
-)
-from fastkv.worker.transfer_manager import (
-    DEFAULT_TIMEOUT,
-    LayerDoneCounter,
-    TransferFailedError,
-)
+from fastkv.integrations.fd_transfers import parse_merged, split_storage
+from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, submit_storage
+from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
 
-class SwapInFailedError(TransferFailedError):
-    """The step's swap-in failed: `device_block_ids` hold garbage, and the requests
-    reading them must not emit this step's tokens (the scheduler recomputes them).
-
-    Attributes:
-        device_block_ids: the swap-in's destination blocks (all of the step's).
-        transfer_ids: the scheduler transfers it carried.
-    """
-
-    def __init__(
-        self,
-        transfer_id: int,
-        error: str,
-        device_block_ids: Iterable[int],
-        transfer_ids: Iterable[int],
-    ) -> None:
-        super().__init__(transfer_id, error)
-        self.device_block_ids = frozenset(device_block_ids)
-        self.transfer_ids = tuple(transfer_ids)
-
-
-class StepLayerCounter:
-    """One step's swap-in, per layer: FastDeploy's LayerDoneCounter interface over
-    fastkv's (which also carries the step's write ordering).
-
-    Attributes:
-        device_block_ids: the swap-in's destination blocks.
-        transfer_ids: the scheduler transfers it carries.
-    """
-
-    def __init__(
-        self,
-        owner: FastDeployCacheController,
-        inner: LayerDoneCounter | None,
-        num_layers: int,
-        device_block_ids: Sequence[int],
-        transfer_ids: Sequence[int],
-        launch_error: str | None = None,
-        local: CacheSwapMetadata | None = None,
-    ) -> None:
-        self._owner = owner
-        self._inner = inner
-        self.num_layers = num_layers
-        self.device_block_ids = frozenset(device_block_ids)
-        self.transfer_ids = tuple(transfer_ids)
-        self._launch_error = launch_error
-        self.local = local  # the fastkv transfer it waits on (None: never launched)
-        self.recovered: bool | None = None  # None until a failure was retried
-
-    @property
-    def failed(self) -> bool:
-        """The swap-in failed (as far as known now) and no retry recovered it."""
-        if self.recovered:
-            return False
-        return self._launch_error is not None or bool(self._inner and self._inner.failed)
-
-    def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Wait until layer `layer` is loaded and the step's writes may start (on a
-        GPU, a device-side wait of the compute stream).
-
-        Raises:
-            SwapInFailedError: the swap-in failed at or before this layer.
-            TransferTimeoutError: a host wait ran past `timeout`.
-            IndexError: no such layer.
-        """
-        self._check_layer(layer)
-        if self._launch_error is not None:
-            raise self._error(self._launch_error)
-        assert self._inner is not None
-        if not self.recovered:
-            try:
-                self._inner.wait_for_layer(layer, timeout)
-            except TransferFailedError as e:
-                if not self._owner._recover(self, timeout):
-                    self._owner.report_results()
-                    raise self._error(e.error) from e
-        if layer == self.num_layers - 1:
-            self._owner.report_results()
-
-    def stream_wait_for_layer(self, layer: int) -> None:
-        """Make the compute stream wait for layer `layer` without blocking the host
-        (failures surface in `finish_step`)."""
-        self._check_layer(layer)
-        if self._inner is not None:
-            self._inner.stream_wait_for_layer(layer)
-
-    def is_layer_done(self, layer: int) -> bool:
-        self._check_layer(layer)
-        return self._inner is None or self._inner.is_layer_done(layer)
-
-    def is_all_done(self) -> bool:
-        return self.is_layer_done(self.num_layers - 1) if self.num_layers else True
-
-    def wait_all(self, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Host-wait every layer (a failure is known when this returns).
-
-        Raises:
-            SwapInFailedError, TransferTimeoutError: as for `wait_for_layer`.
-        """
-        if self._launch_error is not None:
-            raise self._error(self._launch_error)
-        assert self._inner is not None
-        if self.recovered:
-            return
-        try:
-            self._inner.wait_all(timeout)
-        except TransferFailedError as e:
-            if not self._owner._recover(self, timeout):
-                raise self._error(e.error) from e
-
-    def _error(self, error: str) -> SwapInFailedError:
-        tid = self._inner.transfer_id if self._inner is not None else -1
-        return SwapInFailedError(tid, error, self.device_block_ids, self.transfer_ids)
-
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer: {layer} outside [0, {self.num_layers})")
-
-
 class FastDeployCacheController:
-    """Drop-in for `fastdeploy.cache_manager.v1.CacheController`.
+    """Drop-in for `fastdeploy.cache_manager.v1.CacheController`: the runner's
+    calls, locked here; the cache's tensors and lifecycle here, the rest in rooms.
+
+        FastDeployCacheController
+          ├ controller    fastkv's CacheController, once the cache exists
+          ├ _launcher     StepLauncher (fd_step): a step's launch or refusal, the
+          │               StepLayerCounter the runner waits on
+          ├ _retry        SwapInRetry (fd_step): a failed swap-in copied again
+          ├ _routes       ResultRoutes (fd_routes): local ids -> scheduler ids,
+          │               held-back failures, the results sender
+          └ storage       fd_worker_storage: the rank's disk backend, storage work
 
     Args:
         fd_config: FastDeploy's FDConfig (see `fd_config` for the fields read).
@@ -237,27 +118,29 @@ class FastDeployCacheController:
         self.block_axis = block_axis
         self.report_interval_s = float(report_interval_s)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.sender = ResultsSender(name, self.rank)
+        self._routes = ResultRoutes(ResultsSender(name, self.rank))
+        hooks = StepHooks(recover=self._recover, report=self.report_results)
+        self._launcher = StepLauncher(
+            self._routes, hooks, num_layers=num_layers, rank=self.rank
+        )
+        self._retry = SwapInRetry(self._routes, rank=self.rank)
         self.controller: Any = None  # fastkv CacheController, once caches exist
         self.cache_kvs_map: dict[str, Any] = {}
         self._caches: list[Any] = []
         self._tensors_per_layer = 0
         self._num_gpu_blocks = 0
-        self._next_id = 0
-        self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
-        self._lookup_ids: dict[int, int] = {}  # local lookup -> the scheduler's
         self._storage_dir = fdc.storage_directory(fd_config, self.rank)
         self._storage_backend: Any = None  # fastkv LocalDiskBackend, with the cache
         self.swap_layer_done_counter: StepLayerCounter | None = None
-        # Swap-ins whose failure waits for the runner's wait to retry them: local
-        # transfer id -> the failure, once reported.
-        self._held: dict[int, TransferResult | None] = {}
-        self._recovered: set[int] = set()  # retried fine before their result came
-        self._retries = 0
-        self._recoveries = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
+
+    @property
+    def sender(self) -> ResultsSender:
+        """This rank's results sender (a new one once a cache is made again after
+        `free_cache` closed it)."""
+        return self._routes.sender
 
     # -- caches -----------------------------------------------------------------
 
@@ -317,7 +200,9 @@ class FastDeployCacheController:
                     f"model's {self._tensors_per_layer}"
                 )
             main = self._caches
-            self._forward(ctrl.free_cache())  # the host tier is re-sized for the extra layers
+            self._routes.forward(
+                ctrl.free_cache()
+            )  # the host tier is re-sized for the extra layers
             self.controller = None
             try:
                 self._adopt([*main, *made.tensors], made.per_layer, num_mtp_layers)
@@ -380,73 +265,16 @@ class FastDeployCacheController:
             evict_metadata, work = split_storage(evict_metadata)
             evict = parse_merged(evict_metadata, "device", "host")
             swap = parse_merged(swap_in_metadata, "host", "device")
-            self._settle_held()
+            self._routes.settle_held()
             if self.controller is None:
-                self._fail_storage(work, "the KV cache is not initialized")
-                return self._refuse_step(evict, swap, "the KV cache is not initialized")
-            ctrl = self.controller
-            self._report()
-            self._submit_storage(work)
-            fk_evict = self._local(evict, CacheLevel.DEVICE, CacheLevel.HOST)
-            fk_swap = self._local(swap, CacheLevel.HOST, CacheLevel.DEVICE)
-            if fk_evict is not None and evict is not None and evict.handed_over:
-                # FastDeploy allocates synchronously (reuse_evicted_blocks): a block
-                # being evicted may already be the allocating request's. The
-                # scheduler marks those entries (they survive BatchRequest's merge);
-                # the controller orders the model's writes after their reads (and
-                # after those of earlier evictions still running), whatever the
-                # runner does. Backups and other evictions never hold the model up.
-                fk_evict = dataclasses.replace(
-                    fk_evict, reused_block_ids=list(evict.handed_over)
-                )
-            evict_new = fk_evict is not None and not ctrl.is_inflight(fk_evict.transfer_id)
-            try:
-                counter = ctrl.submit_swap_tasks(fk_evict, fk_swap, (), compute_stream)
-            except Exception as e:  # fail what did not start, never lose a result
-                # A launch error after the eviction started (a CUDA error on the
-                # load): the eviction still reads and writes its blocks, so its own
-                # result must come, not a failure that frees its host blocks now.
-                if evict_new and ctrl.is_inflight(fk_evict.transfer_id):  # type: ignore[union-attr]
-                    self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
-                    evict = None
-                return self._refuse_step(evict, swap, f"{type(e).__name__}: {e}")
-            if fk_evict is not None:
-                self._groups[fk_evict.transfer_id] = evict.transfer_ids  # type: ignore[union-attr]
-            if fk_swap is None:
-                self.swap_layer_done_counter = None
-                return None
-            self._groups[fk_swap.transfer_id] = swap.transfer_ids  # type: ignore[union-attr]
-            self._held[fk_swap.transfer_id] = None  # a failure waits for the retry
-            self.swap_layer_done_counter = StepLayerCounter(
-                self,
-                counter,
-                ctrl.shape.num_layers,
-                swap.dst_block_ids,
-                swap.transfer_ids,
-                local=fk_swap,
-            )
-            return self.swap_layer_done_counter
-
-    def _refuse_step(
-        self, evict: MergedTransfer | None, swap: MergedTransfer | None, why: str
-    ) -> StepLayerCounter | None:
-        """Report a step that cannot launch at all as failed; its swap-in's counter
-        raises at every wait."""
-        error = f"not launched: {why}"
-        log.error("fastkv rank %d: step %s", self.rank, error)
-        self.sender.send(
-            TransferResult(t, False, error)
-            for m in (evict, swap)
-            if m is not None
-            for t in m.transfer_ids
-        )
-        self.swap_layer_done_counter = None
-        if swap is None:
-            return None
-        self.swap_layer_done_counter = StepLayerCounter(
-            self, None, self._num_layers, swap.dst_block_ids, swap.transfer_ids, error
-        )
-        return self.swap_layer_done_counter
+                fail_storage(self._routes, work, "the KV cache is not initialized")
+                counter = self._launcher.refuse(evict, swap, "the KV cache is not initialized")
+            else:
+                self._report()
+                submit_storage(self.controller, self._routes, work, self.rank)
+                counter = self._launcher.launch(self.controller, evict, swap, compute_stream)
+            self.swap_layer_done_counter = counter
+            return counter
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`swap_layer_done_counter.wait_for_layer`, when the step has a swap-in."""
@@ -480,7 +308,9 @@ class FastDeployCacheController:
                 failed = e.device_block_ids
         with self._lock:
             ctrl = self._require()
-            self._forward(ctrl.wait_all(timeout) if wait_evictions else ctrl.poll_results())
+            self._routes.forward(
+                ctrl.wait_all(timeout) if wait_evictions else ctrl.poll_results()
+            )
         return failed
 
     def report_results(self) -> int:
@@ -499,7 +329,7 @@ class FastDeployCacheController:
         Returns True, also before the cache exists (as FastDeploy's)."""
         with self._lock:
             if self.controller is not None:
-                self._forward(self.controller.reset_cache())
+                self._routes.forward(self.controller.reset_cache())
             self.swap_layer_done_counter = None
             return True
 
@@ -515,12 +345,12 @@ class FastDeployCacheController:
         with self._lock:
             ctrl, self.controller = self.controller, None
             if ctrl is not None:
-                self._forward(ctrl.free_cache())  # it drops the adopted tensors
+                self._routes.forward(ctrl.free_cache())  # it drops the adopted tensors
             if self._storage_backend is not None:
                 self._storage_backend.close()
                 self._storage_backend = None
-            self._settle_held()
-            self._recovered.clear()
+            self._routes.settle_held()
+            self._routes.forget_recoveries()
             self.cache_kvs_map.clear()
             self._caches = []
             self.swap_layer_done_counter = None
@@ -555,9 +385,9 @@ class FastDeployCacheController:
                 results_sent=sent.sent,
                 results_pending=sent.pending,
                 results_dropped=sent.dropped,
-                transfers_without_result=len(self._groups) + len(self._lookup_ids),
-                swap_in_retries=self._retries,
-                swap_ins_recovered=self._recoveries,
+                transfers_without_result=self._routes.num_waiting,
+                swap_in_retries=self._retry.attempts,
+                swap_ins_recovered=self._retry.recoveries,
             )
             return stats
 
@@ -591,7 +421,9 @@ class FastDeployCacheController:
             num_device_blocks=self._num_gpu_blocks,
             kv_dtype=_kv_dtype_of_tensor(caches[0]),
         )
-        backend, namespace = self._open_storage(caches, config, per_layer, num_extra)
+        backend, namespace = open_storage(
+            self._storage_dir, caches, config, per_layer, num_extra
+        )
         try:
             self.controller = CacheController.adopt(
                 caches,
@@ -610,8 +442,7 @@ class FastDeployCacheController:
             raise
         self._storage_backend = backend
         self._caches = caches
-        if self.sender.closed:  # a cache made again after free_cache
-            self.sender = ResultsSender(self.sender.name, self.rank)
+        self._routes.reopen_sender()  # a cache made again after free_cache
         self._tensors_per_layer = per_layer
         if self.report_interval_s and self._reporter is None:
             self._stop.clear()
@@ -620,211 +451,17 @@ class FastDeployCacheController:
             )
             self._reporter.start()
 
-    def _open_storage(
-        self, caches: list[Any], config: Any, per_layer: int, num_extra: int
-    ) -> tuple[Any, bytes]:
-        """The local disk backend of this rank, or (None, b"") without a storage
-        tier. Its layout is one segment per cache tensor (a host block's bytes);
-        its namespace digest covers the model, dtype, block size, TP size, layers
-        and the per-rank head shape, so a different cache never hits."""
-        if self._storage_dir is None:
-            return None, b""
-        from fastkv.config import ModelKVShape
-        from fastkv.storage import BlockLayout, StorageNamespace
-        from fastkv.storage.local_disk import LocalDiskBackend
-
-        lengths = []
-        for t in caches:
-            shape = [int(d) for d in t.shape]
-            per_block = 1
-            for d in shape[1:]:
-                per_block *= d
-            lengths.append(per_block * int(t.element_size()))
-        shape = [int(d) for d in caches[0].shape]
-        # config.model_id is FastDeploy's model path (or "fastdeploy"), its tp_size
-        # FastDeploy's: the digest stays the one this adapter always keyed under.
-        model_kv = ModelKVShape(
-            len(caches) // per_layer - num_extra, shape[1], shape[-1], num_extra
-        )
-        namespace = StorageNamespace.of(config, model_kv).digest()
-        backend = LocalDiskBackend(
-            self._storage_dir,
-            BlockLayout(tuple(lengths)),
-            capacity_blocks=fdc.storage_capacity_blocks(config.num_host_blocks),
-        )
-        return backend, namespace
-
-    def _local(
-        self, merged: MergedTransfer | None, src: CacheLevel, dst: CacheLevel
-    ) -> CacheSwapMetadata | None:
-        if merged is None:
-            return None
-        transfer_id = self._next_id
-        self._next_id += 1
-        return CacheSwapMetadata(
-            transfer_id, src, dst, merged.src_block_ids, merged.dst_block_ids
-        )
-
     def _report(self) -> int:
         if self.controller is None:
             return self.sender.flush()
-        return self._forward(self.controller.poll_results())
-
-    def _forward(self, results: Sequence[TransferResult | LookupResult]) -> int:
-        out: list[TransferResult | LookupResult] = []
-        for r in results:
-            if isinstance(r, LookupResult):
-                qid = self._lookup_ids.pop(r.lookup_id, None)
-                if qid is not None:
-                    out.append(LookupResult(qid, r.num_hits))
-                continue
-            tid = r.transfer_id
-            if tid in self._held:
-                if tid in self._recovered:  # a retry loaded every layer after all
-                    self._recovered.discard(tid)
-                    r = TransferResult(tid, True)
-                elif not r.success:  # kept until the runner's wait retries it
-                    self._held[tid] = r
-                    continue
-                del self._held[tid]
-            ids = self._groups.pop(tid, ())
-            out += [TransferResult(t, r.success, r.error, r.failed_blocks) for t in ids]
-        return self.sender.send(out)
-
-    def _submit_storage(self, work: StorageWork) -> None:
-        """Start the step's storage lookups, loads and writes (never waits); each
-        keeps its scheduler id for its result. Refused work is reported failed."""
-        if not work:
-            return
-        ctrl = self.controller
-        lookups, loads, stores = [], [], []
-        ids: dict[int, tuple[int, ...]] = {}
-        lookup_ids: dict[int, int] = {}
-        try:
-            for qid, texts in work.lookups.items():
-                local = self._next_id
-                self._next_id += 1
-                lookups.append(StorageLookup(local, [_key(t) for t in texts]))
-                lookup_ids[local] = qid
-            for tid, pairs in (*work.loads.items(), *work.writes.items()):
-                local = self._next_id
-                self._next_id += 1
-                hosts = [h for h, _ in pairs]
-                keys = [_key(t) for _, t in pairs]
-                if tid in work.loads:
-                    loads.append(
-                        CacheSwapMetadata(
-                            local, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys
-                        )
-                    )
-                else:
-                    stores.append(
-                        CacheSwapMetadata(
-                            local, CacheLevel.HOST, CacheLevel.STORAGE, hosts, [], keys
-                        )
-                    )
-                ids[local] = (tid,)
-            # One load and one write per call (the controller's shape).
-            for i in range(max(len(loads), len(stores), 1)):
-                ctrl.submit_storage_tasks(
-                    loads[i] if i < len(loads) else None,
-                    stores[i] if i < len(stores) else None,
-                    lookups if i == 0 else (),
-                )
-                for meta in (
-                    loads[i] if i < len(loads) else None,
-                    stores[i] if i < len(stores) else None,
-                ):
-                    if meta is not None:
-                        self._groups[meta.transfer_id] = ids.pop(meta.transfer_id)
-                if i == 0:
-                    self._lookup_ids.update(lookup_ids)
-                    lookup_ids = {}
-        except (ValueError, TypeError) as e:  # refused: what did not start fails
-            log.error("fastkv rank %d: storage work not started: %s", self.rank, e)
-            error = f"not started: {type(e).__name__}: {e}"
-            self.sender.send(
-                [TransferResult(t, False, error) for group in ids.values() for t in group]
-                + [LookupResult(q, 0) for q in lookup_ids.values()]
-            )
-
-    def _fail_storage(self, work: StorageWork, why: str) -> None:
-        if work:
-            self.sender.send(
-                [TransferResult(t, False, why) for t in (*work.loads, *work.writes)]
-                + [LookupResult(q, 0) for q in work.lookups]
-            )
+        return self._routes.forward(self.controller.poll_results())
 
     def _recover(self, counter: StepLayerCounter, timeout: float) -> bool:
-        """A step's swap-in failed: copy it again, every layer, at most
-        `swap_in_retries` times, before the runner's wait returns. On success the
-        scheduler hears that the transfer succeeded (its failure was held back);
-        otherwise the failure goes on.
-
-        Returns:
-            Whether the blocks are loaded now.
-        """
+        """A step's swap-in failed: retry it (see `SwapInRetry.recover`)."""
         with self._lock:
-            if counter.recovered is not None:
-                return counter.recovered
-            local, ctrl = counter.local, self.controller
-            ok = False
-            if local is not None and ctrl is not None:
-                for attempt in range(self.swap_in_retries):
-                    self._retries += 1
-                    again = CacheSwapMetadata(
-                        self._next_id,
-                        CacheLevel.HOST,
-                        CacheLevel.DEVICE,
-                        local.src_block_ids,
-                        local.dst_block_ids,
-                    )
-                    self._next_id += 1
-                    try:
-                        ctrl.submit_swap_tasks(None, again).wait_all(timeout)
-                    except (TransferFailedError, ValueError) as e:
-                        log.warning(
-                            "fastkv rank %d: swap-in retry %d of %d failed: %s",
-                            self.rank,
-                            attempt + 1,
-                            self.swap_in_retries,
-                            e,
-                        )
-                        continue
-                    ok = True
-                    break
-            counter.recovered = ok
-            if local is not None:
-                self._resolve(local.transfer_id, ok)
-            if ok:
-                self._recoveries += 1
-                log.warning(
-                    "fastkv rank %d: a failed swap-in of %d blocks was loaded again",
-                    self.rank,
-                    len(counter.device_block_ids),
-                )
-            return ok
-
-    def _settle_held(self) -> None:
-        """The step of a held-back swap-in is over and nothing retried it (the
-        runner never waited on it): its failure goes on to the scheduler."""
-        for tid in list(self._held):
-            if tid not in self._recovered:
-                self._resolve(tid, False)
-
-    def _resolve(self, tid: int, recovered: bool) -> None:
-        """Let a held-back swap-in result go: as a success if a retry loaded it."""
-        if tid not in self._held:
-            return
-        held = self._held[tid]
-        if held is None:  # its result has not come yet: convert it when it does
-            if recovered:
-                self._recovered.add(tid)
-            else:
-                del self._held[tid]
-            return
-        del self._held[tid]
-        self._forward([TransferResult(tid, True) if recovered else held])
+            return self._retry.recover(
+                counter, self.controller, timeout, retries=self.swap_in_retries
+            )
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self.report_interval_s):
@@ -832,13 +469,6 @@ class FastDeployCacheController:
                 self.report_results()
             except Exception:  # never let the reporter die silently mid-run
                 log.exception("fastkv rank %d: reporting results failed", self.rank)
-
-
-def _key(text: str) -> bytes:
-    """A block's storage key: SHA-256 of the scheduler's hash text (FastDeploy's
-    block hashes are hex strings; every rank derives the same key, its rank is
-    part of the storage key)."""
-    return hashlib.sha256(text.encode("utf-8")).digest()
 
 
 def _kv_dtype_of_tensor(tensor: Any) -> str:

@@ -19,8 +19,8 @@ pytest.importorskip("paddle", reason="the workers' CacheController needs paddle"
 from fd_engine import Engine, make_engine, prompt
 from fd_standins import Request, install_fake_fastdeploy
 
-from fastkv.integrations.fd_scheduler import fd_digests
 from fastkv.integrations.fd_transfers import transfer_ids
+from fastkv.integrations.fd_views import fd_digests
 from fastkv.metadata import TransferResult
 from fastkv.worker.faults import FaultInjector
 

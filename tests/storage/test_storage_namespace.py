@@ -13,7 +13,7 @@ FASTDEPLOY = CacheConfig(
     block_size=64, num_device_blocks=100, model_id="/models/llama", tp_size=2
 )
 CASES = {
-    # fd_worker: FastDeploy's model path is the config's model_id (fd_config).
+    # fd_worker_storage: FastDeploy's model path is the config's model_id (fd_config).
     "fastdeploy": (
         FASTDEPLOY,
         ModelKVShape(num_layers=32, num_kv_heads=4, head_dim=128, num_extra_layers=1),

@@ -1,0 +1,252 @@
+"""The scheduler's side of every fastkv transfer's round trip through FastDeploy.
+
+- **Out.** The copies fastkv's manager plans leave on FastDeploy's requests: an
+  allocation's swap-ins and evictions in the request's `cache_swap_metadata` /
+  `cache_evict_metadata`, the backups and storage work as the batch's eviction
+  metadata (`fd_transfers` tells how their ids survive BatchRequest's merge).
+- **Back.** Each rank's worker reports results over the results channel; the cache
+  manager binds one receiver per channel name in this process (`bind_channel`)
+  and hands what it polls to `TransferRelay.apply`, one result at a time. A failed
+  swap-in rewinds its requests' `num_computed_tokens` to the first failed block.
+- **Never sent.** Metadata still on a request when it ends, and copies planned but
+  never sent when the cache resets, are failed here: no worker saw them.
+
+Not thread-safe: the cache manager adapter calls `TransferRelay` under its lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from fastkv.channel import ResultsReceiver
+from fastkv.integrations.fd_transfers import (
+    storage_ids,
+    storage_to_fastdeploy,
+    to_fastdeploy,
+    transfer_ids,
+)
+from fastkv.integrations.fd_views import AdapterCounters
+from fastkv.metadata import LookupResult, TransferResult
+from fastkv.scheduler import CacheManager, Rollback, SwapTasks
+
+log = logging.getLogger(__name__)
+
+_LISTS = ("cache_swap_metadata", "cache_evict_metadata")
+
+RequestOf = Callable[[Hashable], Any | None]
+"""The FastDeploy request the adapter tracks under an id, or None."""
+
+
+class TransferRelay:
+    """Carries fastkv's planned copies to FastDeploy's metadata and the workers'
+    results back into fastkv's manager.
+
+    Args:
+        manager: fastkv's cache manager.
+        swap_cls, levels: FastDeploy's `CacheSwapMetadata` and `CacheLevel` (or
+            their stand-ins, see `fd_transfers.fastdeploy_metadata_types`).
+        block_size: tokens per block.
+        counters: where results applied, unknown and rolled back, and
+            transfers never dispatched, are counted.
+        request_of: the tracked FastDeploy request of an id (rewound when its
+            swap-in failed).
+    """
+
+    __slots__ = ("_block_size", "_counters", "_levels", "_manager", "_request_of", "_swap_cls")
+
+    def __init__(
+        self,
+        manager: CacheManager,
+        *,
+        swap_cls: type,
+        levels: Any,
+        block_size: int,
+        counters: AdapterCounters,
+        request_of: RequestOf,
+    ) -> None:
+        self._manager = manager
+        self._swap_cls = swap_cls
+        self._levels = levels
+        self._block_size = block_size
+        self._counters = counters
+        self._request_of = request_of
+
+    # -- out ------------------------------------------------------------------
+
+    def attach(self, request: Any) -> None:
+        """Append the copies planned so far (an allocation's) to the request's
+        `cache_evict_metadata` and `cache_swap_metadata`, for BatchRequest to
+        carry to the workers."""
+        tasks = self._manager.take_swap_metadata()
+        swap_in = (
+            None
+            if tasks.swap_in is None
+            else to_fastdeploy(tasks.swap_in, self._swap_cls, self._levels)
+        )
+        for attr, meta in (
+            ("cache_evict_metadata", self._evict_with_storage(tasks)),
+            ("cache_swap_metadata", swap_in),
+        ):
+            if meta is None:
+                continue
+            lst = getattr(request, attr, None)
+            if lst is None:
+                lst = []
+                setattr(request, attr, lst)
+            lst.append(meta)
+
+    def take_backups(self) -> Any | None:
+        """The backups and storage work planned so far, as one FastDeploy eviction
+        metadata for the batch being sent, or None. A swap-in planned outside an
+        allocation (never expected) is failed here; the evictions are kept."""
+        tasks = self._manager.take_swap_metadata()
+        if tasks.swap_in is not None:  # allocations take their own swap-ins: never here
+            # Taken with the evictions: fail it (its blocks return), keep those.
+            log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
+            error = "planned outside allocate_device_blocks: never dispatched"
+            self.apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
+        return self._evict_with_storage(tasks)
+
+    def _evict_with_storage(self, tasks: SwapTasks) -> Any | None:
+        evict = (
+            None
+            if tasks.evict is None
+            else to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
+        )
+        return storage_to_fastdeploy(
+            tasks.storage_load,
+            tasks.storage_store,
+            tasks.lookups,
+            self._swap_cls,
+            self._levels,
+            evict,
+        )
+
+    # -- back -----------------------------------------------------------------
+
+    def apply(self, results: Sequence[TransferResult | LookupResult]) -> None:
+        """Apply the results one at a time (one the manager refuses is dropped,
+        logged and counted, and spoils no other), then rewind the requests whose
+        swap-in failed to the first failed block."""
+        rollbacks: list[Rollback] = []
+        for result in results:  # one at a time: an unknown id spoils no other
+            try:
+                rollbacks += self._manager.apply_results([result])
+            except ValueError as e:
+                self._counters.results_unknown += 1
+                log.error("fastkv: dropped a worker result: %s", e)
+                continue
+            self._counters.results_applied += 1
+            if isinstance(result, TransferResult) and not result.success:
+                log.warning("fastkv transfer %d failed: %s", result.transfer_id, result.error)
+        for rollback in rollbacks:
+            self._rewind(rollback)
+
+    def _rewind(self, rollback: Rollback) -> None:
+        self._counters.rollback_blocks += len(rollback.block_indices)
+        request = self._request_of(rollback.request_id)
+        if request is None:
+            return
+        first = min(rollback.block_indices) * self._block_size
+        if request.num_computed_tokens > first:
+            self._counters.rewound_tokens += request.num_computed_tokens - first
+            request.num_computed_tokens = first
+        log.warning(
+            "fastkv: request %r recomputes from token %d (its swap-in failed)",
+            rollback.request_id,
+            first,
+        )
+
+    # -- never sent -------------------------------------------------------------
+
+    def fail_undispatched(self, request: Any) -> None:
+        """Fail the transfers and lookups whose metadata is still on the request
+        (it ended before any worker got them) and clear those lists."""
+        ids: list[int] = []
+        lookups: list[int] = []
+        for attr in _LISTS:
+            for meta in getattr(request, attr, None) or ():
+                stored, looked = storage_ids(meta)
+                ids += stored
+                lookups += looked
+                try:
+                    ids += transfer_ids(meta)
+                except ValueError as e:  # not ours: nothing of fastkv's to undo
+                    log.error("fastkv: request %r: %s", request.request_id, e)
+            if getattr(request, attr, None):
+                setattr(request, attr, [])
+        if ids or lookups:
+            self._counters.undispatched_transfers += len(ids) + len(lookups)
+            error = "never dispatched: the request ended first"
+            self.apply(
+                [TransferResult(t, False, error) for t in ids]
+                + [LookupResult(q, 0) for q in lookups]
+            )
+
+    def fail_never_sent(self) -> None:
+        """Fail the transfers planned but never sent to a worker (no request is left
+        to carry them)."""
+        tasks = self._manager.take_swap_metadata()
+        ids = [
+            m.transfer_id
+            for m in (tasks.evict, tasks.swap_in, tasks.storage_load, tasks.storage_store)
+            if m is not None
+        ]
+        if ids or tasks.lookups:
+            self._counters.undispatched_transfers += len(ids) + len(tasks.lookups)
+            self.apply(
+                [TransferResult(t, False, "never dispatched: reset") for t in ids]
+                + [LookupResult(q.lookup_id, 0) for q in tasks.lookups]
+            )
+
+
+# The receiver each channel name of this process is bound by (a cache manager's).
+_CHANNELS: dict[str, ResultsReceiver] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def bind_channel(name: str, tp_size: int) -> ResultsReceiver:
+    """Bind the results channel `name` for a new cache manager. A receiver an
+    earlier manager of this process still holds on that name is closed first: only
+    one manager per deployment receives its workers' results, and FastDeploy builds
+    a new one (a new ResourceManagerV1) without closing the old. The earlier manager
+    then receives nothing (logged).
+
+    Raises:
+        OSError: another process holds the name.
+    """
+    with _CHANNELS_LOCK:
+        earlier = _CHANNELS.pop(name, None)
+        if earlier is not None and not earlier.closed:
+            log.warning(
+                "fastkv: results channel %r: a new cache manager takes it over from an "
+                "earlier one in this process, which receives no results from now on",
+                name,
+            )
+            earlier.close()
+        receiver = ResultsReceiver(name, tp_size)
+        _CHANNELS[name] = receiver
+        return receiver
+
+
+def release_channel(receiver: ResultsReceiver) -> None:
+    """Close `receiver` and free its name for the next manager (idempotent)."""
+    with _CHANNELS_LOCK:
+        if _CHANNELS.get(receiver.name) is receiver:
+            del _CHANNELS[receiver.name]
+        receiver.close()
+
+
+@atexit.register
+def _close_channels() -> None:
+    with _CHANNELS_LOCK:
+        for receiver in _CHANNELS.values():
+            receiver.close()
+        _CHANNELS.clear()
+
+
+__all__ = ["TransferRelay", "bind_channel", "release_channel"]
