@@ -8,6 +8,10 @@ Each side runs under `valgrind --tool=callgrind` twice: once replaying the first
 trace loading). The difference is the replay's own instruction count, so start-up
 cost cancels out. Prints both counts and their ratio (the issue 16 target is <= 2x).
 
+Counts are free of timing noise but not identical run to run: nodes in sets hash by
+address, and the address layout differs per process, which moves either count by
+up to about 2%. To compare two versions, run both side by side, several times.
+
 Needs valgrind on PATH (`apt-get install valgrind`).
 """
 
