@@ -141,7 +141,7 @@ class CacheManager:
         *,
         stall_after_s: float = 60.0,
     ) -> None:
-        _stall_seconds(stall_after_s)
+        stall_s = _stall_seconds(stall_after_s)
         self.config = config
         self.block_size = config.block_size
         self._root = namespace_root(config.namespace_key())
@@ -151,7 +151,7 @@ class CacheManager:
         self.tree = RadixTree()
         self._requests: dict[RequestId, RequestState] = {}
         self._counters = ManagerCounters()
-        self.transfers = TransferBook(self._counters, clock, float(stall_after_s))
+        self.transfers = TransferBook(self._counters, clock, stall_s)
         self._tiers = CacheTiers(
             config,
             tree=self.tree,
