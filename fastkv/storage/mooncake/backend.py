@@ -272,22 +272,30 @@ class MooncakeBackend(StorageBackend):
     def get_into(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
-        self._check_batch(keys, blocks, deadline)
-        self._memory.check_inside(blocks)
-        self._check_open()
-        results = self._clear_of_busy(keys, blocks, deadline, self._gets)
+        results = self._checked_batch(keys, blocks, deadline, self._gets)
         self._count_gets(results)
         return results
 
     def put_from(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
+        results = self._checked_batch(keys, blocks, deadline, self._puts)
+        self._count_puts(results)
+        return results
+
+    def _checked_batch(
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        deadline: float,
+        path: MooncakeGets | MooncakePuts,
+    ) -> list[KeyResult]:
+        """A get or put batch: every input checked (blocks inside registered memory,
+        the backend open) before `path` touches anything."""
         self._check_batch(keys, blocks, deadline)
         self._memory.check_inside(blocks)
         self._check_open()
-        results = self._clear_of_busy(keys, blocks, deadline, self._puts)
-        self._count_puts(results)
-        return results
+        return self._clear_of_busy(keys, blocks, deadline, path)
 
     def _clear_of_busy(
         self,
