@@ -25,6 +25,15 @@ import, and imported from here everywhere else. A NewType costs nothing at run
 time; code that builds hashes in bulk returns the digests as they are."""
 
 
+Epoch = NewType("Epoch", int)
+"""A generation of a cache's contents: a counter that starts at 0 and grows by one
+each time the cache is reset (`CacheManager.reset_cache`). Transfer ids restart with
+a new epoch, so every message that names a transfer also names the epoch it belongs
+to, and a message of another epoch is dropped (and counted), never applied. The one
+epoch notion of fastkv: cache resets and prefill/decode transfers (`fastkv.pd`) use
+this type, no other."""
+
+
 class CacheLevel(IntEnum):
     """A tier of the cache hierarchy, fastest first."""
 
