@@ -20,7 +20,10 @@ Rotation: the first secret signs every write; every secret in the file verifies
 reads. Put a new secret on the first line and keep the old one below it, restart
 the workers (blocks written under the old secret stay readable); once those have
 aged out, or whenever the old secret must stop being trusted, remove its line and
-restart again: its blocks become misses (the disk backend frees their slots).
+restart again: its blocks become misses. The disk backend keeps their slots (a key
+file rolled back by mistake loses nothing) until told to give them up once with
+`FASTKV_STORAGE_RECLAIM=1`, and refuses a directory whose blocks no key of the
+ring verifies (fastkv.storage.disk_keys).
 Each secret is known by a 32-bit key id derived from it (stored in each header),
 so a reader finds the right key without trying them all.
 """

@@ -67,7 +67,7 @@ import numpy as np
 
 from fastkv import private_files
 from fastkv.storage import _disk_io
-from fastkv.storage.auth import StorageAuth, ring_of
+from fastkv.storage.auth import ENV_KEY_FILE, StorageAuth, ring_of
 from fastkv.storage.base import (
     ALREADY_STORED,
     OK,
@@ -80,6 +80,14 @@ from fastkv.storage.base import (
     StorageStats,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header, parse_header
+from fastkv.storage.disk_keys import (
+    ENV_RECLAIM,
+    FREE,
+    HOLD,
+    SlotKeys,
+    StorageKeyMissing,
+    reclaim_from_environment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +151,7 @@ class _Slots:
         self.pins = np.zeros(capacity, dtype=np.int32)  # reads in flight per slot
         self.retired: set[int] = set()  # dropped from the index, free once unpinned
         self.allocated = 0  # slots backed by the file
+        self.held = 0  # slots of blocks signed by keys the ring lacks: never reused
 
     def release(self, slot: int) -> None:
         """Return a slot no longer in the index: free now, or when its last read ends."""
@@ -181,10 +190,15 @@ class LocalDiskBackend(StorageBackend):
             read (fastkv.storage.auth). None: `FASTKV_STORAGE_KEY_FILE` when set,
             else no tags (blocks carry a CRC only: anyone able to write the
             directory, i.e. this uid or root, could forge one).
+        reclaim: give up the blocks signed by keys the ring lacks (their slots are
+            reused); without it they are kept (fastkv.storage.disk_keys). None:
+            `FASTKV_STORAGE_RECLAIM` ("1": reclaim; "0" or unset: keep).
 
     Raises:
         ValueError: bad argument, or the directory holds another format or slot
             geometry (the message names the difference).
+        StorageKeyMissing: the directory holds blocks signed by keys of which the
+            ring (or the lack of one) verifies none, and `reclaim` is off.
         StorageDirectoryUnsafe: the directory or a file in it is not private.
         StorageDirectoryLocked: the directory is in use.
         OSError: the directory cannot be created or opened, or O_DIRECT was
@@ -201,6 +215,7 @@ class LocalDiskBackend(StorageBackend):
         recover: bool = True,
         io_delay_s: float = 0.0,
         auth: StorageAuth | None = None,
+        reclaim: bool | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -220,6 +235,9 @@ class LocalDiskBackend(StorageBackend):
         if not isinstance(io_delay_s, (int, float)) or not 0 <= io_delay_s < 3600:
             raise ValueError(f"io_delay_s: must be in [0, 3600) seconds, got {io_delay_s!r}")
         self.io_delay_s = float(io_delay_s)
+        if reclaim is not None and not isinstance(reclaim, bool):
+            raise ValueError(f"reclaim: must be None, True or False, got {reclaim!r}")
+        reclaim = reclaim_from_environment() if reclaim is None else reclaim
         self.auth = auth if auth is not None else StorageAuth.from_environment()
         self._ring = ring_of(self.auth)
         self._cancel = np.zeros(1, dtype=np.int32)  # read by the C batch before each block
@@ -228,7 +246,7 @@ class LocalDiskBackend(StorageBackend):
         self._dir_fd = _open_private_directory(self.directory)
         try:
             self._lock_fd = _lock_directory(self._dir_fd, self.directory)
-            self._check_meta()
+            self._keys = self._check_meta(reclaim)
             self.direct_io = (
                 _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
             )
@@ -535,6 +553,11 @@ class LocalDiskBackend(StorageBackend):
             reason = f"no space to grow the slot file: {err.strerror}"
         elif self.recovering:
             reason = "no free slot while recovery scans the directory"
+        elif self._slots.held:
+            reason = (
+                f"every slot is being read or written, or holds a block signed by a key "
+                f"the ring lacks ({self._slots.held} held; {ENV_RECLAIM}=1 frees them)"
+            )
         else:
             reason = "every slot is being read or written"
         return KeyResult(KeyStatus.FAILED, reason)
@@ -659,9 +682,8 @@ class LocalDiskBackend(StorageBackend):
 
     def _scan_slots(self) -> None:
         g = self.geometry
-        want_layout = self.layout.digest32()
-        # Blocks this backend could never verify are not indexed: their slots are free.
-        key_ids = set(self.auth.key_ids) if self.auth is not None else {0}
+        found_ids: set[int] = set()  # key ids of the blocks indexed or held
+        held: dict[int, int] = {}  # key id -> slots held
         # Header reads are small and random: several in flight keep the disk busy.
         buffers = [mmap.mmap(-1, ALIGN) for _ in range(_SCAN_THREADS)]
         pool = ThreadPoolExecutor(_SCAN_THREADS, thread_name_prefix="fastkv-disk-scan")
@@ -673,25 +695,7 @@ class LocalDiskBackend(StorageBackend):
             offsets = np.arange(start, stop, dtype=np.int64) * g.slot_bytes
             out = bytearray(HEADER_BYTES * (stop - start))
             statuses = self._read_headers(pool, buffers, offsets, out)
-            recovered: list[tuple[int, bytes, int]] = []  # (seq, key, slot)
-            empty: list[int] = []
-            view = memoryview(out)
-            for j, status in enumerate(statuses):
-                parsed = None
-                if status == _disk_io.ST_OK:
-                    parsed = parse_header(view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-                if parsed is None:
-                    empty.append(start + j)
-                    continue
-                key, nseg, layout, length, seq, key_id = parsed
-                if key_id not in key_ids or (nseg, layout, length) != (
-                    self.layout.num_segments,
-                    want_layout,
-                    self.layout.payload_bytes,
-                ):
-                    empty.append(start + j)
-                    continue
-                recovered.append((seq, key.packed, start + j))
+            recovered, empty = self._sort_headers(out, statuses, start, found_ids, held)
             recovered.sort(reverse=True)  # newest first: each goes to the cold end
             with self._lock:
                 slots = self._slots
@@ -707,6 +711,7 @@ class LocalDiskBackend(StorageBackend):
                     self._seq = max(self._seq, seq)
                     found += 1
                 slots.free.extend(reversed(empty))
+                slots.held = sum(held.values())
             start = stop
         log.info(
             "fastkv storage: recovered %d blocks from %s (%d slots scanned)",
@@ -717,6 +722,60 @@ class LocalDiskBackend(StorageBackend):
         pool.shutdown()
         for buf in buffers:
             buf.close()
+        self._scanned_keys(found_ids, held)
+
+    def _sort_headers(
+        self,
+        out: bytearray,
+        statuses: list[int],
+        start: int,
+        found_ids: set[int],
+        held: dict[int, int],
+    ) -> tuple[list[tuple[int, bytes, int]], list[int]]:
+        """The scanned headers of slots start, start + 1, ...: the blocks to index
+        as (seq, key, slot), and the free slots. Blocks signed by a key the ring
+        lacks are held (counted in `held`, disk_keys); others it could never verify
+        (another layout, torn, foreign) are free. Adds the key ids found."""
+        want = (self.layout.num_segments, self.layout.digest32(), self.layout.payload_bytes)
+        recovered: list[tuple[int, bytes, int]] = []
+        empty: list[int] = []
+        view = memoryview(out)
+        for j, status in enumerate(statuses):
+            parsed = None
+            if status == _disk_io.ST_OK:
+                parsed = parse_header(view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
+            if parsed is None or tuple(parsed[1:4]) != want:
+                empty.append(start + j)
+                continue
+            key, seq, key_id = parsed[0], parsed[4], parsed[5]
+            verdict = self._keys.verdict(key_id)
+            if verdict == FREE:
+                empty.append(start + j)
+                continue
+            found_ids.add(key_id)
+            if verdict == HOLD:
+                held[key_id] = held.get(key_id, 0) + 1
+            else:
+                recovered.append((seq, key.packed, start + j))
+        return recovered, empty
+
+    def _scanned_keys(self, found_ids: set[int], held: dict[int, int]) -> None:
+        """After the scan: record the key ids found (a directory from before they
+        were recorded), and say loudly what is held and how to let it go."""
+        record = self._keys.to_record(found_ids | set(self._signing_ids()))
+        if record != self._recorded:
+            self._write_meta(record)
+        if held:
+            log.warning(
+                "fastkv storage: %s: %d slots hold blocks signed by key ids %s, which "
+                "this backend's key ring lacks: kept, neither served nor reused; give "
+                "the key back (%s), or set %s=1 to give them up",
+                self.directory,
+                sum(held.values()),
+                ", ".join(f"{k:#010x}" for k in sorted(held)),
+                ENV_KEY_FILE,
+                ENV_RECLAIM,
+            )
 
     def _read_headers(
         self,
@@ -742,26 +801,48 @@ class LocalDiskBackend(StorageBackend):
 
     # -- setup ----------------------------------------------------------------------
 
-    def _check_meta(self) -> None:
-        meta = {
+    def _meta(self, key_ids: list[int] | None = None) -> dict:
+        meta: dict = {
             "format": FORMAT,
             "slot_bytes": self.geometry.slot_bytes,
             "segment_lengths": list(self.layout.segment_lengths),
         }
+        if key_ids is not None:
+            meta["key_ids"] = key_ids
+        return meta
+
+    def _signing_ids(self) -> list[int]:
+        return [] if self.auth is None else [self.auth.write_key_id]
+
+    def _check_meta(self, reclaim: bool) -> SlotKeys:
+        """Check the directory's metadata against this backend (writing it when
+        missing) and decide what its slots are to this ring (disk_keys). Refuses
+        the directory before anything in it changes."""
         path = self.directory / META_FILE
         try:
             fd = _open_file(self._dir_fd, self.directory, META_FILE, os.O_RDONLY)
         except FileNotFoundError:
             fd = -1
+        recorded: frozenset[int] | None = frozenset()
         if fd >= 0:
             try:
                 with os.fdopen(fd, "rb", closefd=False) as f:
                     raw = f.read(1 << 20)
             finally:
                 os.close(fd)
-            _check_meta_matches(path, raw, meta)
-            return
-        # Written under a fresh name no one can have planted, then renamed over.
+            recorded = _check_meta_matches(path, raw, self._meta())
+        ring = frozenset(self.auth.key_ids) if self.auth is not None else frozenset()
+        keys = SlotKeys(ring, recorded, reclaim)
+        keys.check_open(self.directory)
+        self._recorded: list[int] | None = None if recorded is None else sorted(recorded)
+        record = keys.to_record(self._signing_ids())
+        if fd < 0 or record != self._recorded:
+            self._write_meta(record)
+        return keys
+
+    def _write_meta(self, key_ids: list[int]) -> None:
+        """Write the metadata file: under a fresh name no one can have planted,
+        then renamed over."""
         tmp = f".{META_FILE}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         fd = os.open(
             tmp,
@@ -771,7 +852,7 @@ class LocalDiskBackend(StorageBackend):
         )
         try:
             os.fchmod(fd, _FILE_MODE)
-            os.write(fd, json.dumps(meta).encode())
+            os.write(fd, json.dumps(self._meta(key_ids)).encode())
             os.fsync(fd)
             os.close(fd)
             fd = -1
@@ -782,10 +863,12 @@ class LocalDiskBackend(StorageBackend):
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._dir_fd)
             raise
+        self._recorded = key_ids
 
 
-def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> None:
-    """Raises ValueError saying how the directory's metadata differs from `meta`."""
+def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> frozenset[int] | None:
+    """The key ids the directory's metadata records (None: written before they
+    were); raises ValueError saying how it differs from `meta`."""
     try:
         have = json.loads(raw)
     except ValueError as e:
@@ -810,9 +893,18 @@ def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> None:
                 f"{have.get(field)!r}, this backend needs {meta[field]!r}); use another "
                 "directory"
             )
-    extra = sorted(set(have) - set(meta))
+    extra = sorted(set(have) - set(meta) - {"key_ids"})
     if extra:
         raise ValueError(f"directory: {path} has unknown fields {extra}; use another directory")
+    if "key_ids" not in have:
+        return None
+    ids = have["key_ids"]
+    if not isinstance(ids, list) or not all(type(k) is int and 0 < k < 2**32 for k in ids):
+        raise ValueError(
+            f"directory: {path} field key_ids must be a list of key ids (ints in "
+            f"[1, 2**32)), got {ids!r}; use another directory"
+        )
+    return frozenset(ids)
 
 
 def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:
@@ -934,4 +1026,5 @@ __all__ = [
     "SlotGeometry",
     "StorageDirectoryLocked",
     "StorageDirectoryUnsafe",
+    "StorageKeyMissing",
 ]
