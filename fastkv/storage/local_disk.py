@@ -30,7 +30,10 @@ host memory and the file with one pwritev/preadv per block; small ones (fp8 scal
 go through a per-thread bounce page with the header. The file is opened with
 O_DIRECT when a probe write succeeds (page-cache copies halved write speed here),
 buffered otherwise. No fsync on the hot path: every read verifies header and
-checksum, so a torn or lost write is a miss, never garbage.
+checksum, so a torn or lost write is a miss, never garbage. A block a read rejects
+is read once more, into the backend's own memory, before it is dropped: only when
+that read rejects it too (a first read can meet bytes in motion); a partial read
+or write goes on from where it stopped.
 
 The index (key -> slot, seq; LRU order) lives in memory. A new process on the same
 directory scans slot headers in the background; until the scan reaches a slot, its
@@ -320,17 +323,65 @@ class LocalDiskBackend(StorageBackend):
                 self._slots.pins[entry[0]] += 1
                 todo.append(i)
                 where.append(entry)
+        rereads: list[int] = []
         try:
             statuses = self._run(False, keys, blocks, todo, where, deadline) if todo else []
+            rereads = self._reread_rejected(keys, todo, where, statuses, deadline)
         finally:
             with self._lock:
                 for slot, _ in where:
                     self._slots.unpin(slot)
         with self._lock:
-            for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
-                results[i] = self._read_result(keys[i], slot, seq, status)
+            for k, (i, (slot, seq), status) in enumerate(
+                zip(todo, where, statuses, strict=True)
+            ):
+                again = rereads[k] if rereads else _disk_io.ST_OK
+                results[i] = self._read_result(keys[i], slot, seq, status, again)
         self._count_gets(results)
         return results
+
+    def _reread_rejected(
+        self,
+        keys: Sequence[StorageKey],
+        todo: list[int],
+        where: list[tuple[int, int]],
+        statuses: list[int],
+        deadline: float,
+    ) -> list[int]:
+        """Read the blocks a read rejected once more, into memory of the backend's
+        own (still pinned), and return each one's status ([] when none was
+        rejected; ST_OK for those not rejected). A block is dropped only when this
+        second read rejects it too: the first may have met bytes that were moving
+        (a read racing a write of the slot, a torn page, the caller's memory
+        changed under the check), and a good block must not be lost to that."""
+        bad = [k for k, st in enumerate(statuses) if st in _REJECTED]
+        if not bad:
+            return []
+        lengths = self.layout.segment_lengths
+        offsets = np.cumsum([0, *(_align(n) for n in lengths)])
+        buf = mmap.mmap(-1, int(offsets[-1]) * len(bad))
+        try:
+            base = _address(buf)
+            stride = int(offsets[-1])
+            own = [
+                [
+                    (base + b * stride + int(o), n)
+                    for o, n in zip(offsets, lengths, strict=False)
+                ]
+                for b in range(len(bad))
+            ]
+            blocks = [own[0]] * len(keys)
+            for b, k in enumerate(bad):
+                blocks[todo[k]] = own[b]
+            again = self._run(
+                False, keys, blocks, [todo[k] for k in bad], [where[k] for k in bad], deadline
+            )
+        finally:
+            buf.close()
+        out = [_disk_io.ST_OK] * len(statuses)
+        for k, st in zip(bad, again, strict=True):
+            out[k] = st
+        return out
 
     def put_from(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -577,7 +628,12 @@ class LocalDiskBackend(StorageBackend):
             slots.index[packed] = (slot, seq)
         return OK
 
-    def _read_result(self, key: StorageKey, slot: int, seq: int, status: int) -> KeyResult:
+    def _read_result(
+        self, key: StorageKey, slot: int, seq: int, status: int, again: int
+    ) -> KeyResult:
+        """What a read of `key` from (slot, seq) that ended in `status` answers;
+        `again`: the status of a second read of a rejected block (_reread_rejected).
+        """
         if status == _disk_io.ST_OK:
             return OK
         if status == _disk_io.ST_TIMEOUT:
@@ -588,6 +644,15 @@ class LocalDiskBackend(StorageBackend):
             # An I/O error, or no staging buffer for this host memory (a local
             # condition, not bad data): the stored block stays indexed.
             return KeyResult(KeyStatus.FAILED, f"read failed: {_describe(status)}")
+        if again not in _REJECTED:
+            # Read again whole (or not read again: a deadline, an I/O error): not
+            # proven bad, so it stays; this read is a miss.
+            return KeyResult(
+                KeyStatus.MISS,
+                f"read did not verify ({_describe(status)}), a second read "
+                + ("did" if again == _disk_io.ST_OK else f"ended in: {_describe(again)}")
+                + "; the stored block is kept",
+            )
         # Not provably this block: forget it (unless the slot was rewritten meanwhile).
         self._stats.corrupt += 1
         if self._slots.index.get(key.packed) == (slot, seq):
@@ -1015,6 +1080,20 @@ def _describe(status: int) -> str:
         _disk_io.ST_UNAUTHENTICATED: "not authenticated, and this backend requires it",
         _disk_io.ST_CLOSED: "the backend closed",
     }.get(status, f"status {status}")
+
+
+_REJECTED = frozenset(
+    {
+        _disk_io.ST_SHORT,
+        _disk_io.ST_BAD_HEADER,
+        _disk_io.ST_BAD_CHECKSUM,
+        _disk_io.ST_BAD_MAC,
+        _disk_io.ST_UNKNOWN_KEY,
+        _disk_io.ST_UNAUTHENTICATED,
+    }
+)
+"""Read statuses that say the bytes read are not the block (rather than that the
+read did not happen)."""
 
 
 def _align(n: int) -> int:

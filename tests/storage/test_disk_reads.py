@@ -1,0 +1,162 @@
+"""Issue 25 item 14: a read that does not get the block's bytes whole (a partial
+transfer, bytes moving under the read) must not lose a good block, and a cache
+directory on a read-only mount still serves its blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
+
+from fastkv.storage import _disk_io, deadline_after
+from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend
+
+REPO = Path(__file__).resolve().parents[2]
+SOON = 30.0
+
+
+def test_a_read_that_meets_moving_bytes_is_a_miss_and_keeps_the_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first read of keys[1] meets a payload byte that is not the block's (a
+    write of the slot in flight); by the time it is read again the slot is whole.
+    It was dropped (a later read: "not stored"); now it is a miss once, then
+    served."""
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 6)
+    want = [host.fill(b, seed=b) for b in range(3)]
+    keys = make_keys(3)
+    real_read = _disk_io.read_batch
+    with LocalDiskBackend(tmp_path, layout, capacity_blocks=4) as backend:
+        blocks = [host.segments(b) for b in range(3)]
+        assert statuses(backend.put_from(keys, blocks, deadline_after(SOON))) == ["OK"] * 3
+        slot, _ = backend._slots.index[keys[1].packed]
+        where = slot * backend.geometry.slot_bytes + backend.geometry.header_area + 10
+        calls = []
+
+        def racing_read(*args: object) -> list[int]:
+            calls.append(1)
+            if len(calls) > 1:
+                return real_read(*args)
+            fd = os.open(tmp_path / DATA_FILE, os.O_RDWR)
+            try:
+                byte = os.pread(fd, 1, where)
+                os.pwrite(fd, bytes([byte[0] ^ 0x20]), where)  # the bytes in flight
+                try:
+                    return real_read(*args)
+                finally:
+                    os.pwrite(fd, byte, where)  # the slot whole again
+            finally:
+                os.close(fd)
+
+        monkeypatch.setattr(_disk_io, "read_batch", racing_read)
+        got = backend.get_into(keys, [host.segments(b) for b in range(3, 6)], deadline_after(5))
+        assert statuses(got) == ["OK", "MISS", "OK"], [r.reason for r in got]
+        assert "a second read did; the stored block is kept" in got[1].reason
+        assert len(calls) == 2  # the rejected block alone was read again
+        stats = backend.stats()
+        assert (stats.corrupt, stats.misses) == (0, 1)
+        host.clear(4)
+        again = backend.get_into(keys[1:2], [host.segments(4)], deadline_after(5))
+        assert statuses(again) == ["OK"] and host.read(4) == want[1]
+
+
+_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* Every read and write of the file moves at most LIMIT bytes, as POSIX allows
+   (a network or FUSE filesystem, a signal). */
+#define LIMIT 3000
+
+static int clip(const struct iovec *iov, int n, struct iovec *out) {
+    size_t left = LIMIT;
+    int m = 0;
+    for (int k = 0; k < n && left; k++) {
+        out[m] = iov[k];
+        if (out[m].iov_len > left) out[m].iov_len = left;
+        left -= out[m].iov_len;
+        m++;
+    }
+    return m;
+}
+
+ssize_t preadv64(int fd, const struct iovec *iov, int n, off_t off) {
+    static ssize_t (*real)(int, const struct iovec *, int, off_t);
+    if (!real) real = dlsym(RTLD_NEXT, "preadv64");
+    struct iovec cut[n > 0 ? n : 1];
+    return real(fd, cut, clip(iov, n, cut), off);
+}
+
+ssize_t pwritev64(int fd, const struct iovec *iov, int n, off_t off) {
+    static ssize_t (*real)(int, const struct iovec *, int, off_t);
+    if (!real) real = dlsym(RTLD_NEXT, "pwritev64");
+    struct iovec cut[n > 0 ? n : 1];
+    return real(fd, cut, clip(iov, n, cut), off);
+}
+
+ssize_t pread64(int fd, void *buf, size_t len, off_t off) {
+    static ssize_t (*real)(int, void *, size_t, off_t);
+    if (!real) real = dlsym(RTLD_NEXT, "pread64");
+    return real(fd, buf, len > 100 ? 100 : len, off);
+}
+"""
+
+_PARTIAL = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = sys.argv[2:4]
+    from storage_helpers import LAYOUTS, HostMemory, make_keys
+    from fastkv.storage import deadline_after
+    from fastkv.storage.local_disk import LocalDiskBackend
+
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 8)
+    want = [host.fill(b, seed=b) for b in range(4)]
+    keys = make_keys(4)
+    out = {}
+    kw = dict(capacity_blocks=8, direct_io=False)
+    with LocalDiskBackend(sys.argv[1], layout, **kw) as backend:
+        res = backend.put_from(keys, [host.segments(b) for b in range(4)], deadline_after(30))
+        out["put"] = [r.status.name for r in res]
+    with LocalDiskBackend(sys.argv[1], layout, **kw) as backend:  # the scan reads headers
+        backend.wait_recovered(30)
+        segs = [host.segments(b) for b in range(4, 8)]
+        res = backend.get_into(keys, segs, deadline_after(30))
+        out["get"] = [r.status.name for r in res]
+        out["exact"] = [host.read(4 + b) == want[b] for b in range(4)]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_partial_reads_and_writes_go_on_until_the_block_is_whole(tmp_path: Path) -> None:
+    """Under a preload that lets each pread/preadv/pwritev move a few KiB at most, a
+    partial write failed the put ("no space") and a partial read dropped the block
+    ("truncated"); now each goes on from where it stopped."""
+    shim = tmp_path / "short_io.so"
+    source = tmp_path / "short_io.c"
+    source.write_text(_SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", shim, source, "-ldl"], check=True)
+    script = tmp_path / "partial.py"
+    script.write_text(_PARTIAL)
+    proc = subprocess.run(
+        [sys.executable, script, tmp_path / "store", Path(__file__).parent, REPO],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "LD_PRELOAD": str(shim)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"put": ["OK"] * 4, "get": ["OK"] * 4, "exact": [True] * 4}, out
