@@ -3,6 +3,7 @@
 Directory layout:
 
     LOCK                  flock'ed exclusively while a backend has the directory open
+                          (read-only without it: the directory itself is flock'ed)
     fastkv-storage.json   format and slot geometry; a backend with another refuses
     blocks.fkv            slot i at i * slot_bytes, preallocated one slab at a time
 
@@ -196,10 +197,15 @@ class LocalDiskBackend(StorageBackend):
         reclaim: give up the blocks signed by keys the ring lacks (their slots are
             reused); without it they are kept (fastkv.storage.disk_keys). None:
             `FASTKV_STORAGE_RECLAIM` ("1": reclaim; "0" or unset: keep).
+        read_only: serve the blocks already there and write nothing (every put
+            answers FAILED, counted in `stats().put_failures`; nothing in the
+            directory changes, not even its metadata). None: read-only when the
+            directory's filesystem is mounted read-only (logged), else not.
 
     Raises:
         ValueError: bad argument, or the directory holds another format or slot
-            geometry (the message names the difference).
+            geometry (the message names the difference), or it is read-only and
+            holds no cache.
         StorageKeyMissing: the directory holds blocks signed by keys of which the
             ring (or the lack of one) verifies none, and `reclaim` is off.
         StorageDirectoryUnsafe: the directory or a file in it is not private.
@@ -219,6 +225,7 @@ class LocalDiskBackend(StorageBackend):
         io_delay_s: float = 0.0,
         auth: StorageAuth | None = None,
         reclaim: bool | None = None,
+        read_only: bool | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -238,8 +245,9 @@ class LocalDiskBackend(StorageBackend):
         if not isinstance(io_delay_s, (int, float)) or not 0 <= io_delay_s < 3600:
             raise ValueError(f"io_delay_s: must be in [0, 3600) seconds, got {io_delay_s!r}")
         self.io_delay_s = float(io_delay_s)
-        if reclaim is not None and not isinstance(reclaim, bool):
-            raise ValueError(f"reclaim: must be None, True or False, got {reclaim!r}")
+        for name, value in (("reclaim", reclaim), ("read_only", read_only)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: must be None, True or False, got {value!r}")
         reclaim = reclaim_from_environment() if reclaim is None else reclaim
         self.auth = auth if auth is not None else StorageAuth.from_environment()
         self._ring = ring_of(self.auth)
@@ -248,18 +256,7 @@ class LocalDiskBackend(StorageBackend):
         self.directory = Path(directory)
         self._dir_fd = _open_private_directory(self.directory)
         try:
-            self._lock_fd = _lock_directory(self._dir_fd, self.directory)
-            self._keys = self._check_meta(reclaim)
-            self.direct_io = (
-                _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
-            )
-            self._fd = _open_file(
-                self._dir_fd, self.directory, DATA_FILE, os.O_RDWR | os.O_CREAT, self.direct_io
-            )
-            self._data_ino = os.fstat(self._fd).st_ino
-            self._slots = _Slots(capacity)
-            self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
-            self._open_existing(recover)
+            self._open_files(capacity, direct_io, recover, reclaim, read_only)
         except BaseException:
             self._release_files()
             raise
@@ -389,7 +386,7 @@ class LocalDiskBackend(StorageBackend):
         self._check_batch(keys, blocks, deadline)
         self._enter()
         try:
-            gone = self._slot_file_gone()
+            gone = _READ_ONLY if self.read_only else self._slot_file_gone()
             if gone:
                 results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
                 self._count_puts(results)
@@ -729,7 +726,7 @@ class LocalDiskBackend(StorageBackend):
         slot_bytes = self.geometry.slot_bytes
         size = os.fstat(self._fd).st_size
         existing = min(size // slot_bytes, self._slots.capacity)
-        if size > existing * slot_bytes:
+        if size > existing * slot_bytes and not self.read_only:
             os.ftruncate(self._fd, existing * slot_bytes)  # a partial slot, or past capacity
         self._slots.allocated = existing
         self._scan_slots_upto = existing if recover else 0
@@ -806,6 +803,8 @@ class LocalDiskBackend(StorageBackend):
         empty: list[int] = []
         view = memoryview(out)
         for j, status in enumerate(statuses):
+            if status < 0:  # an I/O error: what the slot holds is unknown; not reused
+                continue
             parsed = None
             if status == _disk_io.ST_OK:
                 parsed = parse_header(view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
@@ -828,7 +827,7 @@ class LocalDiskBackend(StorageBackend):
         """After the scan: record the key ids found (a directory from before they
         were recorded), and say loudly what is held and how to let it go."""
         record = self._keys.to_record(found_ids | set(self._signing_ids()))
-        if record != self._recorded:
+        if record != self._recorded and not self.read_only:
             self._write_meta(record)
         if held:
             log.warning(
@@ -866,6 +865,46 @@ class LocalDiskBackend(StorageBackend):
 
     # -- setup ----------------------------------------------------------------------
 
+    def _open_files(
+        self,
+        capacity: int,
+        direct_io: bool | None,
+        recover: bool,
+        reclaim: bool,
+        read_only: bool | None,
+    ) -> None:
+        """Lock the directory, check its metadata and open the slot file (read-only:
+        all of it without changing anything)."""
+        mounted_ro = bool(os.fstatvfs(self._dir_fd).f_flag & os.ST_RDONLY)
+        if read_only is False and mounted_ro:
+            raise OSError(
+                errno.EROFS,
+                f"directory: {self.directory} is on a read-only filesystem and "
+                "read_only=False; give read_only=None (or True) to serve its blocks",
+            )
+        self.read_only = mounted_ro if read_only is None else read_only
+        if mounted_ro and read_only is None:
+            log.warning(
+                "fastkv storage: %s is on a read-only filesystem: its blocks are served, "
+                "every put fails",
+                self.directory,
+            )
+        self._lock_fd = _lock_directory(self._dir_fd, self.directory, self.read_only)
+        self._keys = self._check_meta(reclaim)
+        if self.read_only:
+            self.direct_io = bool(direct_io)  # buffered reads need no probe file
+            flags = os.O_RDONLY
+        else:
+            self.direct_io = (
+                _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
+            )
+            flags = os.O_RDWR | os.O_CREAT
+        self._fd = _open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
+        self._data_ino = os.fstat(self._fd).st_ino
+        self._slots = _Slots(capacity)
+        self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
+        self._open_existing(recover)
+
     def _meta(self, key_ids: list[int] | None = None) -> dict:
         meta: dict = {
             "format": FORMAT,
@@ -887,6 +926,11 @@ class LocalDiskBackend(StorageBackend):
         try:
             fd = _open_file(self._dir_fd, self.directory, META_FILE, os.O_RDONLY)
         except FileNotFoundError:
+            if self.read_only:
+                raise ValueError(
+                    f"directory: {self.directory} is read-only and holds no fastkv "
+                    f"storage ({META_FILE} is missing): nothing to serve"
+                ) from None
             fd = -1
         recorded: frozenset[int] | None = frozenset()
         if fd >= 0:
@@ -901,7 +945,7 @@ class LocalDiskBackend(StorageBackend):
         keys.check_open(self.directory)
         self._recorded: list[int] | None = None if recorded is None else sorted(recorded)
         record = keys.to_record(self._signing_ids())
-        if fd < 0 or record != self._recorded:
+        if (fd < 0 or record != self._recorded) and not self.read_only:
             self._write_meta(record)
         return keys
 
@@ -1025,19 +1069,35 @@ def _open_file(
         raise StorageDirectoryUnsafe(f"directory: {directory / name}: {e}") from None
 
 
-def _lock_directory(dir_fd: int, directory: Path) -> int:
-    fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDWR | os.O_CREAT)
+def _lock_directory(dir_fd: int, directory: Path, read_only: bool = False) -> int:
+    """Lock the directory exclusively (its LOCK file; read-only, where no LOCK file
+    can be made, the directory itself) and write this pid into LOCK.
+
+    Raises:
+        StorageDirectoryLocked: another backend holds it.
+    """
+    if read_only:
+        try:
+            fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = os.dup(dir_fd)
+    else:
+        fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        try:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:  # read-only: the directory itself is the lock
+            holder = "unknown"
         os.close(fd)
         raise StorageDirectoryLocked(
             f"directory: {directory} is in use by another fastkv storage backend "
             f"(pid {holder}); give each process its own directory"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    if not read_only:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
 
 
@@ -1081,6 +1141,8 @@ def _describe(status: int) -> str:
         _disk_io.ST_CLOSED: "the backend closed",
     }.get(status, f"status {status}")
 
+
+_READ_ONLY = "the cache directory is read-only: nothing is written"
 
 _REJECTED = frozenset(
     {

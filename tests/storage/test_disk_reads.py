@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
+from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import _disk_io, deadline_after
 from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend
@@ -160,3 +160,93 @@ def test_partial_reads_and_writes_go_on_until_the_block_is_whole(tmp_path: Path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"put": ["OK"] * 4, "get": ["OK"] * 4, "exact": [True] * 4}, out
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = sys.argv[2:4]
+    from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys
+    from fastkv.storage import deadline_after
+    from fastkv.storage.local_disk import LocalDiskBackend
+
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 8)
+    want = [host.fill(b, seed=b) for b in range(4)]
+    keys = make_keys(4)
+    out = {}
+    with LocalDiskBackend(sys.argv[1], layout, capacity_blocks=8, auth=TEST_AUTH) as backend:
+        out["read_only"] = backend.read_only
+        out["recovered"] = backend.wait_recovered(30)
+        segs = [host.segments(b) for b in range(4, 8)]
+        res = backend.get_into(keys, segs, deadline_after(30))
+        out["get"] = [r.status.name for r in res]
+        out["exact"] = [host.read(4 + b) == want[b] for b in range(4)]
+        res = backend.put_from(make_keys(2, 10), [host.segments(0)] * 2, deadline_after(30))
+        out["put"] = [r.status.name for r in res]
+        out["put_reason"] = res[0].reason
+        out["put_failures"] = backend.stats().put_failures
+    try:
+        LocalDiskBackend(sys.argv[1], layout, capacity_blocks=8, read_only=False)
+    except OSError as e:
+        out["required_writable"] = str(e)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_cache_directory_on_a_read_only_mount_serves_its_blocks(tmp_path: Path) -> None:
+    """It could not be opened at all (the LOCK file is created read-write); now its
+    blocks are served and every put answers FAILED, counted."""
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 4)
+    store = tmp_path / "store"
+    with LocalDiskBackend(store, layout, capacity_blocks=8, auth=TEST_AUTH) as backend:
+        blocks = [host.segments(b) for b in range(4)]
+        for b in range(4):
+            host.fill(b, seed=b)
+        assert (
+            statuses(backend.put_from(make_keys(4), blocks, deadline_after(SOON))) == ["OK"] * 4
+        )
+    script = tmp_path / "read_only.py"
+    script.write_text(_READ_ONLY)
+    shell = (
+        f"mount --bind {store} {store} && mount -o remount,bind,ro {store} && "
+        f"exec {sys.executable} {script} {store} {Path(__file__).parent} {REPO}"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["read_only"] and out["recovered"], out
+    assert out["get"] == ["OK"] * 4 and out["exact"] == [True] * 4, out
+    assert out["put"] == ["FAILED"] * 2 and "read-only" in out["put_reason"], out
+    assert out["put_failures"] == 2
+    assert "read-only filesystem" in out["required_writable"], out
+
+
+def test_read_only_on_a_writable_directory_changes_nothing(tmp_path: Path) -> None:
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 2)
+    host.fill(0, seed=0)
+    keys = make_keys(1)
+    with LocalDiskBackend(tmp_path, layout, capacity_blocks=4, auth=TEST_AUTH) as backend:
+        assert backend.put_from(keys, [host.segments(0)], deadline_after(SOON))[0].ok
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with LocalDiskBackend(
+        tmp_path, layout, capacity_blocks=2, auth=TEST_AUTH, read_only=True
+    ) as backend:
+        assert backend.wait_recovered(SOON)
+        assert backend.get_into(keys, [host.segments(1)], deadline_after(SOON))[0].ok
+        res = backend.put_from(make_keys(1, 5), [host.segments(0)], deadline_after(SOON))
+        assert statuses(res) == ["FAILED"] and backend.stats().put_failures == 1
+    assert host.read(1) == host.read(0)
+    # capacity 2 < the file's 4 slots: a writer would have cut the file; not this one
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    with pytest.raises(ValueError, match="read_only: must be None, True or False"):
+        LocalDiskBackend(tmp_path, layout, capacity_blocks=2, read_only=1)  # type: ignore[arg-type]
