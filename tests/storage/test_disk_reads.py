@@ -4,6 +4,7 @@ directory on a read-only mount still serves its blocks."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -250,3 +251,39 @@ def test_read_only_on_a_writable_directory_changes_nothing(tmp_path: Path) -> No
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     with pytest.raises(ValueError, match="read_only: must be None, True or False"):
         LocalDiskBackend(tmp_path, layout, capacity_blocks=2, read_only=1)  # type: ignore[arg-type]
+
+
+def test_a_slot_whose_header_read_fails_at_recovery_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error reading slot 0's header during the recovery scan made the slot
+    free: the next put overwrote a good block. Now it is left alone."""
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 6)
+    want = [host.fill(b, seed=b) for b in range(5)]
+    keys = make_keys(5)
+    with LocalDiskBackend(tmp_path, layout, capacity_blocks=4) as backend:
+        blocks = [host.segments(b) for b in range(4)]
+        assert statuses(backend.put_from(keys[:4], blocks, deadline_after(SOON))) == ["OK"] * 4
+        in_slot_0 = next(i for i in range(4) if backend._slots.index[keys[i].packed][0] == 0)
+    real_scan = _disk_io.scan_headers
+
+    def failing_scan(fd: int, offsets, out, addr: int, align: int) -> list[int]:
+        got = real_scan(fd, offsets, out, addr, align)
+        if len(offsets) and offsets[0] == 0:
+            got[0] = -errno.EIO
+        return got
+
+    monkeypatch.setattr(_disk_io, "scan_headers", failing_scan)
+    with LocalDiskBackend(tmp_path, layout, capacity_blocks=4) as backend:
+        assert backend.wait_recovered(SOON)
+        assert backend.put_from(keys[4:], [host.segments(4)], deadline_after(SOON))[0].ok
+        assert backend.stats().evictions == 1  # an indexed block gave way, not slot 0
+    monkeypatch.undo()
+    with LocalDiskBackend(tmp_path, layout, capacity_blocks=4) as backend:
+        assert backend.wait_recovered(SOON)
+        host.clear(5)
+        got = backend.get_into(
+            keys[in_slot_0 : in_slot_0 + 1], [host.segments(5)], deadline_after(SOON)
+        )
+        assert statuses(got) == ["OK"] and host.read(5) == want[in_slot_0]
