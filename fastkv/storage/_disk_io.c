@@ -351,22 +351,32 @@ static void sleep_seconds(double s) {
 }
 
 /* pwritev/preadv of a whole iovec list (chunks of IOV_MAX); returns bytes moved or
- * -errno. A short transfer stops the loop and returns what was moved. */
+ * -errno. A partial transfer (which POSIX allows: a signal, a network or FUSE
+ * filesystem) goes on from where it stopped, the iovecs advanced in place; only a
+ * transfer of 0 bytes (end of file, no space) stops the loop, returning what was
+ * moved. */
 static int64_t rw_all(int fd, int is_write, struct iovec *iov, int n, int64_t off) {
     int64_t done = 0;
     int i = 0;
     while (i < n) {
+        if (iov[i].iov_len == 0) {
+            i++;
+            continue;
+        }
         int chunk = n - i > IOV_MAX ? IOV_MAX : n - i;
-        int64_t want = 0;
-        for (int k = 0; k < chunk; k++) want += (int64_t)iov[i + k].iov_len;
         ssize_t r = is_write ? pwritev(fd, iov + i, chunk, off + done) : preadv(fd, iov + i, chunk, off + done);
         if (r < 0) {
             if (errno == EINTR) continue;
             return -errno;
         }
+        if (r == 0) return done; /* end of file or out of space */
         done += r;
-        if (r != want) return done; /* short: end of file or out of space */
-        i += chunk;
+        size_t left = (size_t)r;
+        while (i < n && left >= iov[i].iov_len) left -= iov[i++].iov_len;
+        if (left) {
+            iov[i].iov_base = (uint8_t *)iov[i].iov_base + left;
+            iov[i].iov_len -= left;
+        }
     }
     return done;
 }
@@ -731,12 +741,16 @@ static PyObject *scan_headers(PyObject *self, PyObject *args) {
     uint8_t *bounce = (uint8_t *)(uintptr_t)bounce_ptr;
     Py_BEGIN_ALLOW_THREADS;
     for (Py_ssize_t i = 0; i < n; i++) {
-        ssize_t r;
-        do r = pread(fd, bounce, ALIGN, ((const int64_t *)off.buf)[i]);
-        while (r < 0 && errno == EINTR);
+        ssize_t r = 0, got = 0;
+        while (got < HDR_BYTES) { /* a partial read goes on; 0 bytes is the end of the file */
+            r = pread(fd, bounce + got, ALIGN - got, ((const int64_t *)off.buf)[i] + got);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) break;
+            got += r;
+        }
         if (r < 0) {
             st[i] = -errno;
-        } else if (r < HDR_BYTES) {
+        } else if (got < HDR_BYTES) {
             st[i] = ST_SHORT;
         } else if (!header_crc_ok(bounce)) {
             st[i] = ST_BAD_HEADER;

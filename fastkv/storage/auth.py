@@ -8,9 +8,10 @@ recomputes it; a block whose tag does not verify is a counted miss, never served
 The CRC-32C of an unauthenticated block catches accidents only: anyone who can
 write the store can forge one.
 
-Provisioning: a key file, one secret per line as hex (at least 32 bytes, 64 hex
-digits; `#` starts a comment), readable by the serving user alone (a regular file,
-owned by the process's effective uid, mode 0600 or stricter, not a symlink). Point
+Provisioning: a key file, UTF-8 text of at most 1 MiB, one secret per line as hex
+(at least 32 bytes, 64 hex digits; `#` starts a comment), readable by the serving
+user alone (a regular file, owned by the process's effective uid, mode 0600 or
+stricter, not a symlink). Point
 `FASTKV_STORAGE_KEY_FILE` at it (workers inherit it) or pass
 `StorageAuth.from_file(path)` to a backend. Make one with
 `python -c "import secrets; print(secrets.token_hex(32))" > keys && chmod 600 keys`.
@@ -19,7 +20,10 @@ Rotation: the first secret signs every write; every secret in the file verifies
 reads. Put a new secret on the first line and keep the old one below it, restart
 the workers (blocks written under the old secret stay readable); once those have
 aged out, or whenever the old secret must stop being trusted, remove its line and
-restart again: its blocks become misses (the disk backend frees their slots).
+restart again: its blocks become misses. The disk backend keeps their slots (a key
+file rolled back by mistake loses nothing) until told to give them up once with
+`FASTKV_STORAGE_RECLAIM=1`, and refuses a directory whose blocks no key of the
+ring verifies (fastkv.storage.disk_keys).
 Each secret is known by a 32-bit key id derived from it (stored in each header),
 so a reader finds the right key without trying them all.
 """
@@ -37,6 +41,9 @@ from fastkv.storage import _disk_io
 
 ENV_KEY_FILE = "FASTKV_STORAGE_KEY_FILE"
 MIN_SECRET_BYTES = 32
+MAX_KEY_FILE_BYTES = 1 << 20
+"""A key file larger than this is refused (a few secrets and comments take a few
+hundred bytes; anything this large is the wrong file)."""
 _MAC_KEY_LABEL = b"fastkv/storage-block-mac/v1"
 _GMAC_KEY_LABEL = b"fastkv/storage-payload-hash/v1"
 _KEY_ID_LABEL = b"fastkv/storage-key-id/v1"
@@ -107,9 +114,11 @@ class StorageAuth:
 
         Raises:
             ValueError: the file is a symlink, not a regular file, not owned by this
-                process's effective uid, readable or writable by group or others, or
-                holds no valid secret (the message names the file and line).
-            OSError: it cannot be opened.
+                process's effective uid, readable or writable by group or others,
+                larger than `MAX_KEY_FILE_BYTES`, not UTF-8 text (the message gives
+                the first bad byte's offset), or holds no valid secret (the message
+                names the file and line).
+            OSError: it cannot be opened or read.
         """
         path = Path(path)
         try:
@@ -120,10 +129,22 @@ class StorageAuth:
                 "or change (chmod 600)"
             ) from None
         try:
-            with os.fdopen(fd, "r", closefd=False) as f:
-                text = f.read(1 << 20)
+            raw = _read_limited(fd, MAX_KEY_FILE_BYTES + 1)
         finally:
             os.close(fd)
+        if len(raw) > MAX_KEY_FILE_BYTES:
+            raise ValueError(
+                f"key file: {path} is larger than {MAX_KEY_FILE_BYTES} bytes, the most a "
+                "key file may hold (one hex secret per line): is it the right file?"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"key file: {path} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}): "
+                "a key file holds hex secrets, one per line, not raw key bytes; write "
+                'one with: python -c "import secrets; print(secrets.token_hex(32))"'
+            ) from None
         return cls(_parse_key_file(path, text))
 
     @classmethod
@@ -168,8 +189,25 @@ def _parse_key_file(path: Path, text: str) -> list[bytes]:
             )
         secrets.append(secret)
     if not secrets:
-        raise ValueError(f"key file: {path} holds no secret")
+        what = "is empty" if not text.strip() else "holds only comments and blank lines"
+        raise ValueError(
+            f"key file: {path} {what}: no secret (one hex secret of at least "
+            f"{MIN_SECRET_BYTES} bytes per line expected)"
+        )
     return secrets
+
+
+def _read_limited(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes of the file open at `fd`, from its start."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < limit:
+        chunk = os.read(fd, limit - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def _key_id(secret: bytes) -> int:
@@ -179,4 +217,4 @@ def _key_id(secret: bytes) -> int:
     return key_id or 1  # 0 means "not authenticated"
 
 
-__all__ = ["ENV_KEY_FILE", "NO_AUTH_RING", "StorageAuth", "ring_of"]
+__all__ = ["ENV_KEY_FILE", "MAX_KEY_FILE_BYTES", "NO_AUTH_RING", "StorageAuth", "ring_of"]

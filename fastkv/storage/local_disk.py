@@ -3,6 +3,7 @@
 Directory layout:
 
     LOCK                  flock'ed exclusively while a backend has the directory open
+                          (read-only without it: the directory itself is flock'ed)
     fastkv-storage.json   format and slot geometry; a backend with another refuses
     blocks.fkv            slot i at i * slot_bytes, preallocated one slab at a time
 
@@ -30,7 +31,10 @@ host memory and the file with one pwritev/preadv per block; small ones (fp8 scal
 go through a per-thread bounce page with the header. The file is opened with
 O_DIRECT when a probe write succeeds (page-cache copies halved write speed here),
 buffered otherwise. No fsync on the hot path: every read verifies header and
-checksum, so a torn or lost write is a miss, never garbage.
+checksum, so a torn or lost write is a miss, never garbage. A block a read rejects
+is read once more, into the backend's own memory, before it is dropped: only when
+that read rejects it too (a first read can meet bytes in motion); a partial read
+or write goes on from where it stopped.
 
 The index (key -> slot, seq; LRU order) lives in memory. A new process on the same
 directory scans slot headers in the background; until the scan reaches a slot, its
@@ -67,7 +71,7 @@ import numpy as np
 
 from fastkv import private_files
 from fastkv.storage import _disk_io
-from fastkv.storage.auth import StorageAuth, ring_of
+from fastkv.storage.auth import ENV_KEY_FILE, StorageAuth, ring_of
 from fastkv.storage.base import (
     ALREADY_STORED,
     OK,
@@ -80,6 +84,14 @@ from fastkv.storage.base import (
     StorageStats,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_header, parse_header
+from fastkv.storage.disk_keys import (
+    ENV_RECLAIM,
+    FREE,
+    HOLD,
+    SlotKeys,
+    StorageKeyMissing,
+    reclaim_from_environment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +155,7 @@ class _Slots:
         self.pins = np.zeros(capacity, dtype=np.int32)  # reads in flight per slot
         self.retired: set[int] = set()  # dropped from the index, free once unpinned
         self.allocated = 0  # slots backed by the file
+        self.held = 0  # slots of blocks signed by keys the ring lacks: never reused
 
     def release(self, slot: int) -> None:
         """Return a slot no longer in the index: free now, or when its last read ends."""
@@ -181,10 +194,20 @@ class LocalDiskBackend(StorageBackend):
             read (fastkv.storage.auth). None: `FASTKV_STORAGE_KEY_FILE` when set,
             else no tags (blocks carry a CRC only: anyone able to write the
             directory, i.e. this uid or root, could forge one).
+        reclaim: give up the blocks signed by keys the ring lacks (their slots are
+            reused); without it they are kept (fastkv.storage.disk_keys). None:
+            `FASTKV_STORAGE_RECLAIM` ("1": reclaim; "0" or unset: keep).
+        read_only: serve the blocks already there and write nothing (every put
+            answers FAILED, counted in `stats().put_failures`; nothing in the
+            directory changes, not even its metadata). None: read-only when the
+            directory's filesystem is mounted read-only (logged), else not.
 
     Raises:
         ValueError: bad argument, or the directory holds another format or slot
-            geometry (the message names the difference).
+            geometry (the message names the difference), or it is read-only and
+            holds no cache.
+        StorageKeyMissing: the directory holds blocks signed by keys of which the
+            ring (or the lack of one) verifies none, and `reclaim` is off.
         StorageDirectoryUnsafe: the directory or a file in it is not private.
         StorageDirectoryLocked: the directory is in use.
         OSError: the directory cannot be created or opened, or O_DIRECT was
@@ -201,6 +224,8 @@ class LocalDiskBackend(StorageBackend):
         recover: bool = True,
         io_delay_s: float = 0.0,
         auth: StorageAuth | None = None,
+        reclaim: bool | None = None,
+        read_only: bool | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -220,6 +245,10 @@ class LocalDiskBackend(StorageBackend):
         if not isinstance(io_delay_s, (int, float)) or not 0 <= io_delay_s < 3600:
             raise ValueError(f"io_delay_s: must be in [0, 3600) seconds, got {io_delay_s!r}")
         self.io_delay_s = float(io_delay_s)
+        for name, value in (("reclaim", reclaim), ("read_only", read_only)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: must be None, True or False, got {value!r}")
+        reclaim = reclaim_from_environment() if reclaim is None else reclaim
         self.auth = auth if auth is not None else StorageAuth.from_environment()
         self._ring = ring_of(self.auth)
         self._cancel = np.zeros(1, dtype=np.int32)  # read by the C batch before each block
@@ -227,18 +256,7 @@ class LocalDiskBackend(StorageBackend):
         self.directory = Path(directory)
         self._dir_fd = _open_private_directory(self.directory)
         try:
-            self._lock_fd = _lock_directory(self._dir_fd, self.directory)
-            self._check_meta()
-            self.direct_io = (
-                _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
-            )
-            self._fd = _open_file(
-                self._dir_fd, self.directory, DATA_FILE, os.O_RDWR | os.O_CREAT, self.direct_io
-            )
-            self._data_ino = os.fstat(self._fd).st_ino
-            self._slots = _Slots(capacity)
-            self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
-            self._open_existing(recover)
+            self._open_files(capacity, direct_io, recover, reclaim, read_only)
         except BaseException:
             self._release_files()
             raise
@@ -302,17 +320,65 @@ class LocalDiskBackend(StorageBackend):
                 self._slots.pins[entry[0]] += 1
                 todo.append(i)
                 where.append(entry)
+        rereads: list[int] = []
         try:
             statuses = self._run(False, keys, blocks, todo, where, deadline) if todo else []
+            rereads = self._reread_rejected(keys, todo, where, statuses, deadline)
         finally:
             with self._lock:
                 for slot, _ in where:
                     self._slots.unpin(slot)
         with self._lock:
-            for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
-                results[i] = self._read_result(keys[i], slot, seq, status)
+            for k, (i, (slot, seq), status) in enumerate(
+                zip(todo, where, statuses, strict=True)
+            ):
+                again = rereads[k] if rereads else _disk_io.ST_OK
+                results[i] = self._read_result(keys[i], slot, seq, status, again)
         self._count_gets(results)
         return results
+
+    def _reread_rejected(
+        self,
+        keys: Sequence[StorageKey],
+        todo: list[int],
+        where: list[tuple[int, int]],
+        statuses: list[int],
+        deadline: float,
+    ) -> list[int]:
+        """Read the blocks a read rejected once more, into memory of the backend's
+        own (still pinned), and return each one's status ([] when none was
+        rejected; ST_OK for those not rejected). A block is dropped only when this
+        second read rejects it too: the first may have met bytes that were moving
+        (a read racing a write of the slot, a torn page, the caller's memory
+        changed under the check), and a good block must not be lost to that."""
+        bad = [k for k, st in enumerate(statuses) if st in _REJECTED]
+        if not bad:
+            return []
+        lengths = self.layout.segment_lengths
+        offsets = np.cumsum([0, *(_align(n) for n in lengths)])
+        buf = mmap.mmap(-1, int(offsets[-1]) * len(bad))
+        try:
+            base = _address(buf)
+            stride = int(offsets[-1])
+            own = [
+                [
+                    (base + b * stride + int(o), n)
+                    for o, n in zip(offsets, lengths, strict=False)
+                ]
+                for b in range(len(bad))
+            ]
+            blocks = [own[0]] * len(keys)
+            for b, k in enumerate(bad):
+                blocks[todo[k]] = own[b]
+            again = self._run(
+                False, keys, blocks, [todo[k] for k in bad], [where[k] for k in bad], deadline
+            )
+        finally:
+            buf.close()
+        out = [_disk_io.ST_OK] * len(statuses)
+        for k, st in zip(bad, again, strict=True):
+            out[k] = st
+        return out
 
     def put_from(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -320,7 +386,7 @@ class LocalDiskBackend(StorageBackend):
         self._check_batch(keys, blocks, deadline)
         self._enter()
         try:
-            gone = self._slot_file_gone()
+            gone = _READ_ONLY if self.read_only else self._slot_file_gone()
             if gone:
                 results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
                 self._count_puts(results)
@@ -535,6 +601,11 @@ class LocalDiskBackend(StorageBackend):
             reason = f"no space to grow the slot file: {err.strerror}"
         elif self.recovering:
             reason = "no free slot while recovery scans the directory"
+        elif self._slots.held:
+            reason = (
+                f"every slot is being read or written, or holds a block signed by a key "
+                f"the ring lacks ({self._slots.held} held; {ENV_RECLAIM}=1 frees them)"
+            )
         else:
             reason = "every slot is being read or written"
         return KeyResult(KeyStatus.FAILED, reason)
@@ -554,7 +625,12 @@ class LocalDiskBackend(StorageBackend):
             slots.index[packed] = (slot, seq)
         return OK
 
-    def _read_result(self, key: StorageKey, slot: int, seq: int, status: int) -> KeyResult:
+    def _read_result(
+        self, key: StorageKey, slot: int, seq: int, status: int, again: int
+    ) -> KeyResult:
+        """What a read of `key` from (slot, seq) that ended in `status` answers;
+        `again`: the status of a second read of a rejected block (_reread_rejected).
+        """
         if status == _disk_io.ST_OK:
             return OK
         if status == _disk_io.ST_TIMEOUT:
@@ -565,6 +641,15 @@ class LocalDiskBackend(StorageBackend):
             # An I/O error, or no staging buffer for this host memory (a local
             # condition, not bad data): the stored block stays indexed.
             return KeyResult(KeyStatus.FAILED, f"read failed: {_describe(status)}")
+        if again not in _REJECTED:
+            # Read again whole (or not read again: a deadline, an I/O error): not
+            # proven bad, so it stays; this read is a miss.
+            return KeyResult(
+                KeyStatus.MISS,
+                f"read did not verify ({_describe(status)}), a second read "
+                + ("did" if again == _disk_io.ST_OK else f"ended in: {_describe(again)}")
+                + "; the stored block is kept",
+            )
         # Not provably this block: forget it (unless the slot was rewritten meanwhile).
         self._stats.corrupt += 1
         if self._slots.index.get(key.packed) == (slot, seq):
@@ -641,7 +726,7 @@ class LocalDiskBackend(StorageBackend):
         slot_bytes = self.geometry.slot_bytes
         size = os.fstat(self._fd).st_size
         existing = min(size // slot_bytes, self._slots.capacity)
-        if size > existing * slot_bytes:
+        if size > existing * slot_bytes and not self.read_only:
             os.ftruncate(self._fd, existing * slot_bytes)  # a partial slot, or past capacity
         self._slots.allocated = existing
         self._scan_slots_upto = existing if recover else 0
@@ -659,9 +744,8 @@ class LocalDiskBackend(StorageBackend):
 
     def _scan_slots(self) -> None:
         g = self.geometry
-        want_layout = self.layout.digest32()
-        # Blocks this backend could never verify are not indexed: their slots are free.
-        key_ids = set(self.auth.key_ids) if self.auth is not None else {0}
+        found_ids: set[int] = set()  # key ids of the blocks indexed or held
+        held: dict[int, int] = {}  # key id -> slots held
         # Header reads are small and random: several in flight keep the disk busy.
         buffers = [mmap.mmap(-1, ALIGN) for _ in range(_SCAN_THREADS)]
         pool = ThreadPoolExecutor(_SCAN_THREADS, thread_name_prefix="fastkv-disk-scan")
@@ -673,25 +757,7 @@ class LocalDiskBackend(StorageBackend):
             offsets = np.arange(start, stop, dtype=np.int64) * g.slot_bytes
             out = bytearray(HEADER_BYTES * (stop - start))
             statuses = self._read_headers(pool, buffers, offsets, out)
-            recovered: list[tuple[int, bytes, int]] = []  # (seq, key, slot)
-            empty: list[int] = []
-            view = memoryview(out)
-            for j, status in enumerate(statuses):
-                parsed = None
-                if status == _disk_io.ST_OK:
-                    parsed = parse_header(view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
-                if parsed is None:
-                    empty.append(start + j)
-                    continue
-                key, nseg, layout, length, seq, key_id = parsed
-                if key_id not in key_ids or (nseg, layout, length) != (
-                    self.layout.num_segments,
-                    want_layout,
-                    self.layout.payload_bytes,
-                ):
-                    empty.append(start + j)
-                    continue
-                recovered.append((seq, key.packed, start + j))
+            recovered, empty = self._sort_headers(out, statuses, start, found_ids, held)
             recovered.sort(reverse=True)  # newest first: each goes to the cold end
             with self._lock:
                 slots = self._slots
@@ -707,6 +773,7 @@ class LocalDiskBackend(StorageBackend):
                     self._seq = max(self._seq, seq)
                     found += 1
                 slots.free.extend(reversed(empty))
+                slots.held = sum(held.values())
             start = stop
         log.info(
             "fastkv storage: recovered %d blocks from %s (%d slots scanned)",
@@ -717,6 +784,62 @@ class LocalDiskBackend(StorageBackend):
         pool.shutdown()
         for buf in buffers:
             buf.close()
+        self._scanned_keys(found_ids, held)
+
+    def _sort_headers(
+        self,
+        out: bytearray,
+        statuses: list[int],
+        start: int,
+        found_ids: set[int],
+        held: dict[int, int],
+    ) -> tuple[list[tuple[int, bytes, int]], list[int]]:
+        """The scanned headers of slots start, start + 1, ...: the blocks to index
+        as (seq, key, slot), and the free slots. Blocks signed by a key the ring
+        lacks are held (counted in `held`, disk_keys); others it could never verify
+        (another layout, torn, foreign) are free. Adds the key ids found."""
+        want = (self.layout.num_segments, self.layout.digest32(), self.layout.payload_bytes)
+        recovered: list[tuple[int, bytes, int]] = []
+        empty: list[int] = []
+        view = memoryview(out)
+        for j, status in enumerate(statuses):
+            if status < 0:  # an I/O error: what the slot holds is unknown; not reused
+                continue
+            parsed = None
+            if status == _disk_io.ST_OK:
+                parsed = parse_header(view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES])
+            if parsed is None or tuple(parsed[1:4]) != want:
+                empty.append(start + j)
+                continue
+            key, seq, key_id = parsed[0], parsed[4], parsed[5]
+            verdict = self._keys.verdict(key_id)
+            if verdict == FREE:
+                empty.append(start + j)
+                continue
+            found_ids.add(key_id)
+            if verdict == HOLD:
+                held[key_id] = held.get(key_id, 0) + 1
+            else:
+                recovered.append((seq, key.packed, start + j))
+        return recovered, empty
+
+    def _scanned_keys(self, found_ids: set[int], held: dict[int, int]) -> None:
+        """After the scan: record the key ids found (a directory from before they
+        were recorded), and say loudly what is held and how to let it go."""
+        record = self._keys.to_record(found_ids | set(self._signing_ids()))
+        if record != self._recorded and not self.read_only:
+            self._write_meta(record)
+        if held:
+            log.warning(
+                "fastkv storage: %s: %d slots hold blocks signed by key ids %s, which "
+                "this backend's key ring lacks: kept, neither served nor reused; give "
+                "the key back (%s), or set %s=1 to give them up",
+                self.directory,
+                sum(held.values()),
+                ", ".join(f"{k:#010x}" for k in sorted(held)),
+                ENV_KEY_FILE,
+                ENV_RECLAIM,
+            )
 
     def _read_headers(
         self,
@@ -742,26 +865,93 @@ class LocalDiskBackend(StorageBackend):
 
     # -- setup ----------------------------------------------------------------------
 
-    def _check_meta(self) -> None:
-        meta = {
+    def _open_files(
+        self,
+        capacity: int,
+        direct_io: bool | None,
+        recover: bool,
+        reclaim: bool,
+        read_only: bool | None,
+    ) -> None:
+        """Lock the directory, check its metadata and open the slot file (read-only:
+        all of it without changing anything)."""
+        mounted_ro = bool(os.fstatvfs(self._dir_fd).f_flag & os.ST_RDONLY)
+        if read_only is False and mounted_ro:
+            raise OSError(
+                errno.EROFS,
+                f"directory: {self.directory} is on a read-only filesystem and "
+                "read_only=False; give read_only=None (or True) to serve its blocks",
+            )
+        self.read_only = mounted_ro if read_only is None else read_only
+        if mounted_ro and read_only is None:
+            log.warning(
+                "fastkv storage: %s is on a read-only filesystem: its blocks are served, "
+                "every put fails",
+                self.directory,
+            )
+        self._lock_fd = _lock_directory(self._dir_fd, self.directory, self.read_only)
+        self._keys = self._check_meta(reclaim)
+        if self.read_only:
+            self.direct_io = bool(direct_io)  # buffered reads need no probe file
+            flags = os.O_RDONLY
+        else:
+            self.direct_io = (
+                _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
+            )
+            flags = os.O_RDWR | os.O_CREAT
+        self._fd = _open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
+        self._data_ino = os.fstat(self._fd).st_ino
+        self._slots = _Slots(capacity)
+        self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
+        self._open_existing(recover)
+
+    def _meta(self, key_ids: list[int] | None = None) -> dict:
+        meta: dict = {
             "format": FORMAT,
             "slot_bytes": self.geometry.slot_bytes,
             "segment_lengths": list(self.layout.segment_lengths),
         }
+        if key_ids is not None:
+            meta["key_ids"] = key_ids
+        return meta
+
+    def _signing_ids(self) -> list[int]:
+        return [] if self.auth is None else [self.auth.write_key_id]
+
+    def _check_meta(self, reclaim: bool) -> SlotKeys:
+        """Check the directory's metadata against this backend (writing it when
+        missing) and decide what its slots are to this ring (disk_keys). Refuses
+        the directory before anything in it changes."""
         path = self.directory / META_FILE
         try:
             fd = _open_file(self._dir_fd, self.directory, META_FILE, os.O_RDONLY)
         except FileNotFoundError:
+            if self.read_only:
+                raise ValueError(
+                    f"directory: {self.directory} is read-only and holds no fastkv "
+                    f"storage ({META_FILE} is missing): nothing to serve"
+                ) from None
             fd = -1
+        recorded: frozenset[int] | None = frozenset()
         if fd >= 0:
             try:
                 with os.fdopen(fd, "rb", closefd=False) as f:
                     raw = f.read(1 << 20)
             finally:
                 os.close(fd)
-            _check_meta_matches(path, raw, meta)
-            return
-        # Written under a fresh name no one can have planted, then renamed over.
+            recorded = _check_meta_matches(path, raw, self._meta())
+        ring = frozenset(self.auth.key_ids) if self.auth is not None else frozenset()
+        keys = SlotKeys(ring, recorded, reclaim)
+        keys.check_open(self.directory)
+        self._recorded: list[int] | None = None if recorded is None else sorted(recorded)
+        record = keys.to_record(self._signing_ids())
+        if (fd < 0 or record != self._recorded) and not self.read_only:
+            self._write_meta(record)
+        return keys
+
+    def _write_meta(self, key_ids: list[int]) -> None:
+        """Write the metadata file: under a fresh name no one can have planted,
+        then renamed over."""
         tmp = f".{META_FILE}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         fd = os.open(
             tmp,
@@ -771,7 +961,7 @@ class LocalDiskBackend(StorageBackend):
         )
         try:
             os.fchmod(fd, _FILE_MODE)
-            os.write(fd, json.dumps(meta).encode())
+            os.write(fd, json.dumps(self._meta(key_ids)).encode())
             os.fsync(fd)
             os.close(fd)
             fd = -1
@@ -782,10 +972,12 @@ class LocalDiskBackend(StorageBackend):
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._dir_fd)
             raise
+        self._recorded = key_ids
 
 
-def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> None:
-    """Raises ValueError saying how the directory's metadata differs from `meta`."""
+def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> frozenset[int] | None:
+    """The key ids the directory's metadata records (None: written before they
+    were); raises ValueError saying how it differs from `meta`."""
     try:
         have = json.loads(raw)
     except ValueError as e:
@@ -810,9 +1002,18 @@ def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> None:
                 f"{have.get(field)!r}, this backend needs {meta[field]!r}); use another "
                 "directory"
             )
-    extra = sorted(set(have) - set(meta))
+    extra = sorted(set(have) - set(meta) - {"key_ids"})
     if extra:
         raise ValueError(f"directory: {path} has unknown fields {extra}; use another directory")
+    if "key_ids" not in have:
+        return None
+    ids = have["key_ids"]
+    if not isinstance(ids, list) or not all(type(k) is int and 0 < k < 2**32 for k in ids):
+        raise ValueError(
+            f"directory: {path} field key_ids must be a list of key ids (ints in "
+            f"[1, 2**32)), got {ids!r}; use another directory"
+        )
+    return frozenset(ids)
 
 
 def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:
@@ -868,19 +1069,35 @@ def _open_file(
         raise StorageDirectoryUnsafe(f"directory: {directory / name}: {e}") from None
 
 
-def _lock_directory(dir_fd: int, directory: Path) -> int:
-    fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDWR | os.O_CREAT)
+def _lock_directory(dir_fd: int, directory: Path, read_only: bool = False) -> int:
+    """Lock the directory exclusively (its LOCK file; read-only, where no LOCK file
+    can be made, the directory itself) and write this pid into LOCK.
+
+    Raises:
+        StorageDirectoryLocked: another backend holds it.
+    """
+    if read_only:
+        try:
+            fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = os.dup(dir_fd)
+    else:
+        fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        try:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        except OSError:  # read-only: the directory itself is the lock
+            holder = "unknown"
         os.close(fd)
         raise StorageDirectoryLocked(
             f"directory: {directory} is in use by another fastkv storage backend "
             f"(pid {holder}); give each process its own directory"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    if not read_only:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
 
 
@@ -925,6 +1142,22 @@ def _describe(status: int) -> str:
     }.get(status, f"status {status}")
 
 
+_READ_ONLY = "the cache directory is read-only: nothing is written"
+
+_REJECTED = frozenset(
+    {
+        _disk_io.ST_SHORT,
+        _disk_io.ST_BAD_HEADER,
+        _disk_io.ST_BAD_CHECKSUM,
+        _disk_io.ST_BAD_MAC,
+        _disk_io.ST_UNKNOWN_KEY,
+        _disk_io.ST_UNAUTHENTICATED,
+    }
+)
+"""Read statuses that say the bytes read are not the block (rather than that the
+read did not happen)."""
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -934,4 +1167,5 @@ __all__ = [
     "SlotGeometry",
     "StorageDirectoryLocked",
     "StorageDirectoryUnsafe",
+    "StorageKeyMissing",
 ]

@@ -5,6 +5,8 @@ dict; buffers are copied with ctypes. The real store is exercised by test_moonca
 Codes follow mooncake.py's table: a put of an existing key keeps the old value and
 answers `reput_code` (-705; the 0.3.13 store in the venv answers 0), a get of a
 missing key -704, a multi-buffer get of a short object -800.
+Every is_exist, get_size and get of a key takes its read lease, as the real master
+does (`lease_s`, 10 s); a remove during it answers -706 unless forced.
 `fail_get` / `fail_put` force a code for a key's text; `get_delay_s`,
 `put_delay_s` and `exist_delay_s` block every batch get, put and is_exist (a
 transfer or RPC stuck inside Mooncake).
@@ -17,6 +19,7 @@ import time
 
 from fastkv.storage.mooncake.codes import (
     BUFFER_TOO_SMALL,
+    LEASE_HELD,
     OBJECT_EXISTS,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
@@ -34,6 +37,8 @@ class FakeMooncakeStore:
         self.exist_delay_s = 0.0
         self.reput_code = OBJECT_EXISTS
         self.removed: list[str] = []
+        self.lease_s = 10.0
+        self._leases: dict[str, float] = {}  # key -> when its read lease ends
 
     def register_buffer(self, address: int, nbytes: int) -> int:
         return 0
@@ -41,16 +46,28 @@ class FakeMooncakeStore:
     def close(self) -> None:
         pass
 
-    def remove(self, name: str) -> int:
+    def remove(self, name: str, force: bool = False) -> int:
+        if name not in self.objects:
+            return OBJECT_NOT_FOUND
+        if not force and self._leases.get(name, 0.0) > time.monotonic():
+            return LEASE_HELD
         self.removed.append(name)
-        return 0 if self.objects.pop(name, None) is not None else OBJECT_NOT_FOUND
+        del self.objects[name]
+        return 0
+
+    def _lease(self, name: str) -> None:
+        if name in self.objects:
+            self._leases[name] = time.monotonic() + self.lease_s
 
     def batch_is_exist(self, names: list[str]) -> list[int]:
         time.sleep(self.exist_delay_s)
+        for n in names:
+            self._lease(n)
         return [int(n in self.objects) for n in names]
 
     def get_size(self, name: str) -> int:
         self.get_size_calls.append(name)
+        self._lease(name)
         obj = self.objects.get(name)
         return OBJECT_NOT_FOUND if obj is None else len(obj)
 
@@ -91,6 +108,7 @@ class FakeMooncakeStore:
     def _get(self, name: str, ptrs: list[int], sizes: list[int], multi: bool) -> int:
         if name in self.fail_get:
             return self.fail_get[name]
+        self._lease(name)
         obj = self.objects.get(name)
         if obj is None:
             return OBJECT_NOT_FOUND

@@ -372,7 +372,7 @@ def forged(cluster: Cluster) -> dict:
     victim's keys first: with a valid CRC header (no secret), or tagged under
     another deployment's secret. The victim's puts must not count them as stored,
     and its gets must never serve them."""
-    cluster.lease_ttl_ms = 300  # Mooncake refuses a remove within a read's lease
+    cluster.lease_ttl_ms = 300  # short, so that only a forced remove explains success
     cluster.start_master()
     cluster.start_node()
     backend = backend_for(cluster)
@@ -400,28 +400,75 @@ def forged(cluster: Cluster) -> dict:
     )
     line = [ln for ln in attacker.stdout.splitlines() if ln.startswith("ATTACKER")]
     assert attacker.returncode == 0 and line, attacker.stdout + attacker.stderr
-    first = backend.put_from(keys[:3], [host.segments(0)] * 3, deadline_after(10))
     served = []
+    for b in range(1, 5):
+        host.clear(b)
+    before = backend.get_into(keys, [host.segments(b) for b in range(1, 5)], deadline_after(10))
+    served += [host.read(b + 1) for b, r in enumerate(before) if r.ok]
+    # the reads above hold Mooncake's read lease (300 ms): the put removes anyway
+    first = backend.put_from(keys[:3], [host.segments(0)] * 3, deadline_after(10))
     for b in range(1, 5):
         host.clear(b)
     got = backend.get_into(keys, [host.segments(b) for b in range(1, 5)], deadline_after(10))
     served += [host.read(b + 1) for b, r in enumerate(got) if r.ok]
-    time.sleep(0.4)  # the leases of the reads above end
-    again = backend.put_from(keys[:2], [host.segments(0)] * 2, deadline_after(10))
-    for b in range(1, 3):
-        host.clear(b)
-    back = backend.get_into(keys[:2], [host.segments(1), host.segments(2)], deadline_after(10))
-    served += [host.read(b + 1) for b, r in enumerate(back) if r.ok]
     return {
         "attacker": line[0],
+        "before": names(before),
+        "before_reasons": [r.reason for r in before],
         "first": names(first),
-        "first_reasons": [r.reason for r in first],
         "get": names(got),
         "get_reasons": [r.reason for r in got],
-        "again": names(again),
-        "back": names(back),
         "served_wrong": sum(b != want for b in served),
         "served_right": sum(b == want for b in served),
+        "forged_puts": backend.forged_puts,
+    }
+
+
+def forged_hot_key(cluster: Cluster) -> dict:
+    """Issue 25 item 11: a forged object under a hot key (a shared system prompt:
+    looked up, read and put again every few hundred ms). Every lookup and read
+    renews Mooncake's read lease, so a remove that waits for the lease to end never
+    comes; the victim's put must still replace it within one lease period plus a
+    little. Times scaled down from the report (10 s lease, a put every 2 s) by 5."""
+    lease_s = 2.0
+    cluster.lease_ttl_ms = int(lease_s * 1000)
+    cluster.start_master()
+    cluster.start_node()
+    backend = backend_for(cluster)
+    host = HostMemory(LAYOUT, 4)
+    backend.register_host_memory(host.base, host.nbytes)
+    want = host.fill(0, seed=7)
+    key = make_keys(1, start=900)
+    # the forgery: the block's own header with a valid CRC (no secret needed)
+    size = HEADER_BYTES + LAYOUT.payload_bytes
+    header = bytearray(expected_header(key[0], LAYOUT, 0))
+    _disk_io.seal_header(header, np.array(host.segments(1), dtype=np.int64), b"")
+    staging = HostMemory(LAYOUT, 2)
+    backend.register_host_memory(staging.base, staging.nbytes)
+    staging.array[:HEADER_BYTES] = np.frombuffer(bytes(header), dtype=np.uint8)
+    staging.array[HEADER_BYTES:size] = np.frombuffer(host.read(1), dtype=np.uint8)
+    planted = backend.store.batch_put_from([key[0].text()], [staging.base], [size])
+    start = time.monotonic()
+    replaced_after = None
+    puts: list[str] = []
+    wrong = 0
+    while time.monotonic() - start < 4 * lease_s:
+        backend.exists(key, deadline_after(3))  # other requests look it up ...
+        host.clear(2)
+        got = backend.get_into(key, [host.segments(2)], deadline_after(3))  # ... and read it
+        if got[0].ok:
+            wrong += host.read(2) != want
+            if replaced_after is None:
+                replaced_after = time.monotonic() - start
+            break
+        puts += names(backend.put_from(key, [host.segments(0)], deadline_after(3)))
+        time.sleep(lease_s / 5)
+    return {
+        "planted": planted,
+        "puts": puts,
+        "replaced_after_s": replaced_after,
+        "lease_s": lease_s,
+        "served_wrong": wrong,
         "forged_puts": backend.forged_puts,
     }
 
@@ -511,6 +558,7 @@ CASES = {
     "master_killed_mid_get": lambda c: master_killed(c, "get"),
     "node_killed": node_killed,
     "forged": forged,
+    "forged_hot_key": forged_hot_key,
     "node_killed_locality": node_killed_locality,
 }
 

@@ -146,6 +146,28 @@ def test_key_file_must_be_private(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "content, match",
+    [
+        (os.urandom(32) + b"\xff", r"not UTF-8 text \(byte \d+ is 0x"),
+        (b"# pad\n" * 200_000 + SECRET.hex().encode(), "larger than 1048576 bytes"),
+        (b"", "is empty: no secret"),
+        (b"# a comment\n\n", "holds only comments and blank lines: no secret"),
+        (b"zz" * 32 + b"\n", "line 1 is not hex"),
+    ],
+    ids=["binary", "oversized", "empty", "comments_only", "not_hex"],
+)
+def test_key_file_errors_say_what_is_wrong(tmp_path: Path, content: bytes, match: str) -> None:
+    """Issue 25 item 13: raw key bytes raised UnicodeDecodeError; a secret after
+    1 MiB of comments was cut off and reported as "holds no secret"."""
+    path = tmp_path / "keys"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match=match) as e:
+        StorageAuth.from_file(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize(
     "secrets, match",
     [([], "non-empty"), ([b"short"], r"secrets\[0\]"), ([SECRET, SECRET], "same secret")],
 )

@@ -10,7 +10,7 @@ import pytest
 from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage.auth import StorageAuth
-from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend, SlotGeometry
+from fastkv.storage.local_disk import DATA_FILE, META_FILE, LocalDiskBackend, SlotGeometry
 
 LAYOUT = LAYOUTS["fp8"]
 
@@ -37,13 +37,16 @@ def test_forged_slots_are_never_served(tmp_path: Path, forgery: str) -> None:
             f.write(bytes([byte[0] ^ 1]))
     else:
         auth = None if forgery == "untagged" else StorageAuth([b"o" * 32])
-        # recover=False: every slot free, the first one (keys[0]'s) written first
+        # recover=False: every slot free, the first one (keys[0]'s) written first;
+        # the attacker leaves the metadata file as it found it
+        meta = (tmp_path / META_FILE).read_bytes()
         with LocalDiskBackend(
-            tmp_path, LAYOUT, capacity_blocks=4, recover=False, auth=auth
+            tmp_path, LAYOUT, capacity_blocks=4, recover=False, auth=auth, reclaim=True
         ) as attacker:
             assert attacker.auth is auth
             assert statuses(attacker.put_from(keys[:1], [host.segments(1)], 1e12)) == ["OK"]
             assert attacker._slots.index[keys[0].packed][0] == slot
+        (tmp_path / META_FILE).write_bytes(meta)
     with LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=4, auth=TEST_AUTH) as victim:
         assert victim.wait_recovered(10)
         host.clear(2)
@@ -64,7 +67,9 @@ def test_forged_slots_are_never_served(tmp_path: Path, forgery: str) -> None:
 
 
 def test_a_backend_without_the_ring_serves_no_tagged_block(tmp_path: Path) -> None:
-    """A tagged block cannot be checked without the ring: a miss, never trusted."""
+    """A tagged block cannot be checked without the ring: a miss, never trusted
+    (opening without the ring at all is refused: test_disk_keys.py; told to give
+    the blocks up, it opens and serves none)."""
     host = HostMemory(LAYOUT, 2)
     host.fill(0, seed=0)
     keys = make_keys(1)
@@ -72,6 +77,6 @@ def test_a_backend_without_the_ring_serves_no_tagged_block(tmp_path: Path) -> No
         assert b.put_from(keys, [host.segments(0)], 1e12)[0].ok
         b_key_ids = b.auth.key_ids
     assert b_key_ids
-    with LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=2) as plain:
+    with LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=2, reclaim=True) as plain:
         assert plain.wait_recovered(10)
         assert statuses(plain.get_into(keys, [host.segments(1)], 1e12)) == ["MISS"]

@@ -132,18 +132,30 @@ def test_forged_objects_from_another_user_are_never_stored_or_served(tmp_path: P
     the secret; a tag under another deployment's secret)."""
     out = run_case("forged", tmp_path)
     assert out["attacker"] == "ATTACKER ['OK', 'OK', 'OK']", out
-    # Mooncake kept the forged objects: the victim's put does not count them stored
-    assert out["first"] == ["FAILED", "FAILED", "OK"], out
-    assert "not authenticated" in out["first_reasons"][0]
-    assert "key this backend does not hold" in out["first_reasons"][1]
+    # the victim's reads refuse the forged objects, saying why
+    assert out["before"] == ["MISS"] * 4, out
+    assert "not authenticated" in out["before_reasons"][0]
+    assert "key this backend does not hold" in out["before_reasons"][1]
+    assert out["before_reasons"][2] == "not stored"
+    assert "not authenticated" in out["before_reasons"][3]
+    # its put finds them, removes them (under the reads' lease) and stores its own
+    assert out["first"] == ["OK", "OK", "OK"], out
     assert out["forged_puts"] == 2, out
-    # keys[3], never put by the victim, holds the attacker's object: refused
-    assert out["get"] == ["MISS", "MISS", "OK", "MISS"], out
-    assert all("rejected" in r for r in out["get_reasons"][:2]), out
+    # keys[3], never put by the victim, still holds the attacker's object: refused
+    assert out["get"] == ["OK", "OK", "OK", "MISS"], out
     assert "not authenticated" in out["get_reasons"][3]
-    # the victim's next put stores its own block, served bit-exact
-    assert out["again"] == ["OK", "OK"] and out["back"] == ["OK", "OK"]
     assert out["served_wrong"] == 0 and out["served_right"] == 3
+
+
+def test_a_forged_object_on_a_hot_key_is_replaced_within_one_lease(tmp_path: Path) -> None:
+    """Issue 25 item 11: lookups, reads and puts of the key every lease/5 kept
+    Mooncake's read lease alive, so the remove of the forged object was refused
+    for as long as the key was in use (puts failed 40 s straight on a 10 s lease)."""
+    out = run_case("forged_hot_key", tmp_path)
+    assert out["planted"] == [0], out
+    assert out["replaced_after_s"] is not None, out
+    assert out["replaced_after_s"] < out["lease_s"] + 1.0, out
+    assert out["served_wrong"] == 0 and out["forged_puts"] >= 1, out
 
 
 def test_storage_node_killed(tmp_path: Path) -> None:

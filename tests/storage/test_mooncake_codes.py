@@ -237,6 +237,30 @@ def test_an_object_planted_between_the_existence_check_and_the_put(verify_puts: 
     assert statuses(got) == ["OK"] and host.read(1) == host.read(0)
 
 
+def test_a_put_replaces_an_object_that_is_not_its_block_under_a_held_lease() -> None:
+    """Issue 25 item 11: the key is in use (looked up and read, so Mooncake's read
+    lease never ends); an object that is not the block (here: zeros, as a forger
+    or another deployment left it) was answered FAILED and its remove refused for
+    as long as the key stayed hot. Now the put removes it (forced) and stores the
+    block in the same call."""
+    backend, store, host = open_backend()
+    keys = make_keys(3)
+    assert backend.put_from(keys[2:], [host.segments(0)], deadline_after(SOON))[0].ok
+    store.objects[keys[0].text()] = bytes(OBJECT_BYTES)
+    store.objects[keys[1].text()] = bytes(100)
+    got = backend.get_into(keys, [host.segments(b) for b in (1, 2, 3)], deadline_after(SOON))
+    assert statuses(got) == ["MISS", "MISS", "OK"]  # every key now under a read lease
+    res = backend.put_from(keys, [host.segments(0)] * 3, deadline_after(SOON))
+    assert statuses(res) == ["OK", "OK", "OK"], [r.reason for r in res]
+    assert backend.forged_puts == 2 and store.removed == [k.text() for k in keys[:2]]
+    assert backend.stats().put_already_stored == 1  # keys[2], put before
+    for b in (1, 2):
+        host.clear(b)
+    got = backend.get_into(keys[:2], [host.segments(1), host.segments(2)], deadline_after(SOON))
+    assert statuses(got) == ["OK", "OK"]
+    assert host.read(1) == host.read(0) and host.read(2) == host.read(0)
+
+
 def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) -> None:
     """Read-backs go three objects per Mooncake call here; in one put of 8 keys, two
     of which met an object planted in the window, each key gets its own answer."""

@@ -16,8 +16,10 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
                                 `get_size` tells them apart -> MISS or FAILED
                                 (zero-copy reads only, while the deadline allows,
                                 until a fatal code in the same call)
-  remove  -706 (lease held)     refused during the read lease a get just took: the
-                                key is removed by a later put of it
+  remove  -706 (lease held)     refused during the read lease that every is_exist,
+                                get_size and get of the key renews; a put removes
+                                an object that is not its block with force=True,
+                                which the lease does not hold up
                                 (fastkv.storage.mooncake.put)
     any   -800 (transfer fail)  FAILED; for a get, the key is not asked again for
                                 `breaker_cooldown_s` (its storage node is failing;

@@ -15,12 +15,17 @@ Objects already there: any client that reaches the master can put any key, and
 keys are predictable, so an object under a key need not be this block. Mooncake
 keeps the old value when a key is put again (answering 0 or -705), so a put first
 asks which keys exist and reads those objects back: one that verifies is
-ALREADY_STORED, one that does not (forged, or another deployment's) answers
-FAILED, never stored, and is removed so a later put can store the real block
-(counted in `forged_puts`). Mooncake refuses a remove during the read lease it
-just granted (-706): the key is then remembered and removed by the next put of it
-once the lease has run out. A -705 from the put itself (a key that appeared since
-the existence check) is checked the same way.
+ALREADY_STORED; one that does not (forged, or another deployment's) is removed at
+once and the block put in its place, in the same call (counted in
+`forged_puts`). The remove is forced: every existence check, size query and read
+of a key renews Mooncake's read lease on it (measured: is_exist, get_size and get
+all do), and a plain remove is refused (-706) while the lease runs, so on a key
+in use (a shared system prompt, looked up every few hundred ms) a remove that
+waited for the lease would never come. Forcing it is safe for fastkv: a reader
+whose object vanishes mid-transfer reads bytes that fail verification (a miss),
+never a wrong block. A -705 from the put itself (a key that appeared since the
+existence check), or with verify_puts an object that does not verify after the
+put, is removed the same way and answers FAILED: the next put stores the block.
 
 What remains: this Mooncake answers 0 for a put of a key that already holds an
 object (and keeps that object), so an object another client plants between the
@@ -57,7 +62,6 @@ from fastkv.storage.deadline_pool import LEFT_BEHIND, Call
 from fastkv.storage.mooncake.codes import (
     BUFFER_TOO_SMALL,
     FATAL_CODES,
-    LEASE_HELD,
     OBJECT_EXISTS,
     OBJECT_NOT_FOUND,
     POOL_FULL,
@@ -66,8 +70,6 @@ from fastkv.storage.mooncake.codes import (
 )
 from fastkv.storage.mooncake.memory import MooncakeMemory
 from fastkv.storage.mooncake.options import MooncakeOptions
-
-_MAX_CONDEMNED = 4096
 
 
 class MooncakePuts:
@@ -111,8 +113,7 @@ class MooncakePuts:
         self.verify_puts = options.verify_puts
         self.forged_puts = 0
         self.pool_full_retries = 0
-        self._lock = threading.Lock()  # the counters and the condemned keys
-        self._condemned: dict[str, None] = {}  # objects to remove once their lease ends
+        self._lock = threading.Lock()  # the counters
 
     def part(
         self,
@@ -123,13 +124,13 @@ class MooncakePuts:
         call: Call,
     ) -> tuple[list[KeyResult], str | None]:
         """One batch of puts: keys that already hold an object are read back (stored
-        only if it is this block); the others are sealed (or staged) and put, those
-        the full pool refused retried; what the put met on the way, and with
-        verify_puts what it stored, is read back. Returns the results and the
-        fatal outcome (None if Mooncake's master answered every call)."""
+        only if it is this block; an object that is not is removed and joins the
+        puts); the others are sealed (or staged) and put, those the full pool
+        refused retried; what the put met on the way, and with verify_puts what it
+        stored, is read back. Returns the results and the fatal outcome (None if
+        Mooncake's master answered every call)."""
         results: list[KeyResult | None] = [None] * len(keys)
         names = [k.text() for k in keys]
-        self._remove_condemned(names)
         exist = self._store.batch_is_exist(names)
         fatal_code = next((c for c in exist if c in FATAL_CODES), None)
         if fatal_code is not None:
@@ -139,7 +140,9 @@ class MooncakePuts:
         met: list[int] = []  # keys holding an object: stored only if it is this block
         for j, code in enumerate(exist):
             (met if code == 1 else pending).append(j)
-        fatal = self._read_back(keys, met, results, arena, deadline, None)
+        removed: list[int] = []  # met an object that is not this block, removed it
+        fatal = self._read_back(keys, met, results, arena, deadline, None, removed=removed)
+        pending = sorted(pending + removed)
         ptrs = self._buffers(keys, blocks, pending, arena, call)
         if ptrs is None:  # the caller was answered before its blocks were staged
             return [LEFT_BEHIND] * len(keys), fatal
@@ -264,10 +267,13 @@ class MooncakePuts:
         deadline: float,
         fatal: str | None,
         stored: KeyResult = ALREADY_STORED,
+        removed: list[int] | None = None,
     ) -> str | None:
         """Reads the objects under keys[j] (j in `which`) back, a batch of verify
         slots per Mooncake call, and sets results[j]: `stored` for an object that is
-        this block, else what _judge_existing says. Returns the fatal outcome."""
+        this block, else what _judge_existing says; keys whose object was not this
+        block and is now removed are appended to `removed` (when given). Returns
+        the fatal outcome."""
         size = self._object_bytes
         for s in range(0, len(which), self._memory.verify_slots):
             part = which[s : s + self._memory.verify_slots]
@@ -287,6 +293,8 @@ class MooncakePuts:
             for j, off, code in zip(part, offsets, codes, strict=True):
                 got, fatal = self._judge_existing(keys[j], off, code, fatal)
                 results[j] = stored if got is ALREADY_STORED else got
+                if removed is not None and got is _REMOVED:
+                    removed.append(j)
         return fatal
 
     def _judge_existing(
@@ -294,9 +302,8 @@ class MooncakePuts:
     ) -> tuple[KeyResult, str | None]:
         """What a read-back of the object under `key` (into the verify area at
         `offset`, Mooncake answering `code`) means for a put: ALREADY_STORED if it
-        is this block (its header and tag verify), else FAILED; an object that does
-        not verify is removed (best effort) so a later put can store the real
-        block."""
+        is this block (its header and tag verify), `_REMOVED` for one that does not
+        and is now removed (forced: see the module docstring), else FAILED."""
         name = key.text()
         addr = self._memory.verify_addr + offset
         if code in FATAL_CODES:
@@ -322,34 +329,25 @@ class MooncakePuts:
             return KeyResult(KeyStatus.FAILED, f"Mooncake get answered {code}"), fatal
         else:
             why = "wrong size"
-        removed = self._store.remove(name)
+        removed = self._store.remove(name, force=True)
         with self._lock:
             self.forged_puts += 1
-            if removed == LEASE_HELD:
-                self._condemned[name] = None
-                while len(self._condemned) > _MAX_CONDEMNED:
-                    del self._condemned[next(iter(self._condemned))]
         if removed == 0:
-            done = "removed it"
-        elif removed == LEASE_HELD:
-            done = "it is removed by a later put once Mooncake's read lease ends"
-        else:
-            done = f"remove answered {removed}"
+            return _REMOVED, fatal
         return KeyResult(
             KeyStatus.FAILED,
             f"Mooncake holds an object under this key that is not this block ({why}): "
-            f"not stored; {done}",
+            f"not stored; its remove answered {removed}",
         ), fatal
 
-    def _remove_condemned(self, names: list[str]) -> None:
-        """Remove objects found not to verify whose removal the read lease refused."""
-        with self._lock:
-            due = [n for n in names if n in self._condemned]
-        for name in due:
-            code = self._store.remove(name)
-            if code != LEASE_HELD:
-                with self._lock:
-                    self._condemned.pop(name, None)
+
+_REMOVED = KeyResult(
+    KeyStatus.FAILED,
+    "Mooncake held an object under this key that was not this block: removed it; "
+    "the next put stores the block",
+)
+"""What a read-back answers for an object it found to be another and removed (a
+put that met it before putting puts the block in its place)."""
 
 
 __all__ = ["MooncakePuts"]
