@@ -50,8 +50,9 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from operator import add
 from typing import Any
+
+import numpy as np
 
 from fastkv.pd.transport import Piece, TransportError, WriteState
 
@@ -83,20 +84,21 @@ class MooncakeWriteHandle:
     written, FAILED when the engine failed it, the transport closed, or the
     deadline passed first; never changes after that."""
 
-    __slots__ = ("_deadline", "_event", "_lock", "_state", "batch_id")
+    __slots__ = ("_deadline", "_latch", "_lock", "_state", "batch_id")
 
     def __init__(self, batch_id: int, deadline: float, lock: threading.Lock) -> None:
         self.batch_id = batch_id
         self._deadline = deadline
         self._lock = lock
         self._state = WriteState.PENDING
-        self._event = threading.Event()
+        self._latch = threading.Lock()  # held while PENDING: a cheap one-shot event
+        self._latch.acquire()
 
     def _settle(self, state: WriteState) -> None:
         with self._lock:
             if self._state is WriteState.PENDING:
                 self._state = state
-                self._event.set()
+                self._latch.release()
 
     def state(self) -> WriteState:
         """The batch's state now; never blocks (a PENDING handle past its deadline
@@ -109,8 +111,8 @@ class MooncakeWriteHandle:
         """Block at most `timeout_s` (and never past the handle's deadline)."""
         timeout_s = _check_timeout("timeout_s", timeout_s)
         remaining = min(timeout_s, self._deadline - time.monotonic())
-        if remaining > 0:
-            self._event.wait(remaining)
+        if remaining > 0 and self._latch.acquire(timeout=remaining):
+            self._latch.release()  # let other waiters through
         return self.state()
 
 
@@ -206,6 +208,8 @@ class MooncakeTransport:
         self._settle_lock = threading.Lock()  # handle states
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._np_starts = np.zeros(0, dtype=np.uint64)  # the same, for batch checks
+        self._np_ends = np.zeros(0, dtype=np.uint64)
         self._settlers: dict[str, _Settler] = {}
         self._notifier = ThreadPoolExecutor(NOTIFY_THREADS, thread_name_prefix="te-notify")
         self._closed = False
@@ -263,6 +267,8 @@ class MooncakeTransport:
                 raise TransportError(f"register_memory({addr:#x}, {length}) returned {rc}")
             self._starts.insert(i, addr)
             self._ends.insert(i, addr + length)
+            self._np_starts = np.array(self._starts, dtype=np.uint64)
+            self._np_ends = np.array(self._ends, dtype=np.uint64)
 
     def write(self, peer: str, pieces: Sequence[Piece]) -> MooncakeWriteHandle:
         """Start writing `pieces` into `peer`'s registered memory; returns at once.
@@ -411,7 +417,7 @@ class MooncakeTransport:
         try:
             shortest = min(lengths)
             lo = min(srcs)
-            hi = max(map(add, srcs, lengths))
+            hi = max(srcs) + max(lengths)  # at or past every piece's end
         except TypeError as exc:
             raise TransportError(
                 f"pieces: addresses and lengths must be integers: {exc}"
@@ -422,13 +428,20 @@ class MooncakeTransport:
         r = bisect.bisect_right(self._starts, lo) - 1
         if r >= 0 and hi <= self._ends[r]:
             return
-        for i, (src, n) in enumerate(zip(srcs, lengths, strict=True)):
-            r = bisect.bisect_right(self._starts, src) - 1
-            if r < 0 or src + n > self._ends[r]:
-                raise TransportError(
-                    f"pieces[{i}]: source [{src:#x}, {src + n:#x}) is outside every "
-                    f"region registered here ({len(self._starts)} regions)"
-                )
+        # several regions (K and V tensors), or pieces of unequal lengths
+        try:
+            a = np.array(srcs, dtype=np.uint64)
+            n = np.array(lengths, dtype=np.uint64)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise TransportError(f"pieces: addresses must be unsigned integers: {exc}") from exc
+        r = np.searchsorted(self._np_starts, a, side="right").astype(np.int64) - 1
+        inside = (r >= 0) & (a + n <= self._np_ends[r])
+        if not inside.all():
+            i = int(np.argmin(inside))
+            raise TransportError(
+                f"pieces[{i}]: source [{srcs[i]:#x}, {srcs[i] + lengths[i]:#x}) is outside "
+                f"every region registered here ({len(self._starts)} regions)"
+            )
 
     def _send_notice(self, peer: str, text: str) -> int:
         from mooncake.engine import TransferNotify, TransferOpcode

@@ -92,6 +92,27 @@ def check_bytes_land_exactly(make_pair: MakePair) -> None:
         p.close()
 
 
+def check_pieces_from_two_regions_land(make_pair: MakePair) -> None:
+    """One batch drawing on two registered regions (K and V tensors, say)."""
+    p = make_pair()
+    other = np.full(SIZE, 0xA5, dtype=np.uint8)
+    try:
+        p.sender.register(other.ctypes.data, SIZE)
+        n = 4096
+        pieces = [
+            Piece((p.src_base if i % 2 else other.ctypes.data) + i * n, p.dst_base + i * n, n)
+            for i in range(64)
+        ]
+        assert p.sender.write(p.receiver.address, pieces).wait(SETTLE_S) is WriteState.DONE
+        for i in range(64):
+            want = p.src[i * n : (i + 1) * n] if i % 2 else other[i * n : (i + 1) * n]
+            assert np.array_equal(p.dst[i * n : (i + 1) * n], want), f"piece {i}"
+        bad = [*pieces[:3], Piece(other.ctypes.data + SIZE - 8, p.dst_base, 16)]
+        _raises(lambda: p.sender.write(p.receiver.address, bad), "pieces[3]")
+    finally:
+        p.close()
+
+
 def check_many_batches_in_flight_all_settle(make_pair: MakePair) -> None:
     p = make_pair()
     try:
