@@ -14,10 +14,14 @@ What it does on top of the engine:
 - A deadline on every write: a handle is FAILED once `write_timeout_s` passed
   without the engine reporting the batch complete. The engine's own wait
   (`get_batch_transfer_status`) blocks, spins a core until the batch settles and
-  frees the batch, so one settler thread per peer does that wait, in submission
-  order; a handle past its deadline is FAILED at once whatever the settler is
-  still waiting on (the engine's own timeout, `MC_TRANSFER_TIMEOUT`, at least
-  5 s, then ends that wait).
+  frees the batch, so one thread per peer does that wait, in submission order;
+  a handle past its deadline is FAILED at once whatever that thread is still
+  waiting on (the engine's own timeout, `MC_TRANSFER_TIMEOUT`, at least 5 s,
+  then ends that wait).
+- At most `max_pieces_in_flight` pieces queued in the engine per peer: its TCP
+  transport rejects pieces past its per-peer queue and then fails every later
+  batch to that peer (0.3.13). A larger write, or one behind others, goes in
+  chunks as earlier batches settle (`_Peer`).
 - Notices ride the engine's notification (`transfer_sync` of zero bytes with a
   `TransferNotify`), sent from a small thread pool so `notify` returns by its
   `timeout_s` even when the peer hangs; a notice that timed out may still arrive
@@ -59,6 +63,8 @@ from fastkv.pd.transport import Piece, TransportError, WriteState
 MAX_NOTICE_BYTES = 64 << 10
 MAX_TIMEOUT_S = 3600.0
 NOTIFY_THREADS = 2
+QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
 
 
@@ -73,6 +79,13 @@ def _check_timeout(field: str, value: float) -> float:
     return float(value)
 
 
+def _check_unsigned(*lists: list) -> None:
+    for name, values in zip(("src", "dst", "length"), lists, strict=True):
+        for i, v in enumerate(values):
+            if type(v) is not int or v < 0:
+                raise TransportError(f"pieces[{i}].{name}={v!r}: must be an unsigned integer")
+
+
 def _check_peer(peer: Any) -> None:
     host, sep, port = peer.rpartition(":") if isinstance(peer, str) else ("", "", "")
     if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
@@ -84,10 +97,9 @@ class MooncakeWriteHandle:
     written, FAILED when the engine failed it, the transport closed, or the
     deadline passed first; never changes after that."""
 
-    __slots__ = ("_deadline", "_latch", "_lock", "_state", "batch_id")
+    __slots__ = ("_deadline", "_latch", "_lock", "_state")
 
-    def __init__(self, batch_id: int, deadline: float, lock: threading.Lock) -> None:
-        self.batch_id = batch_id
+    def __init__(self, deadline: float, lock: threading.Lock) -> None:
         self._deadline = deadline
         self._lock = lock
         self._state = WriteState.PENDING
@@ -116,47 +128,127 @@ class MooncakeWriteHandle:
         return self.state()
 
 
-class _Settler:
-    """Waits for one peer's batches in submission order on its own thread."""
+class _Job:
+    """One `write`: its lists, how far they were submitted, what is outstanding."""
 
-    def __init__(self, engine: Any, peer: str) -> None:
+    __slots__ = ("dsts", "handle", "lengths", "next", "outstanding", "srcs")
+
+    def __init__(self, handle: MooncakeWriteHandle, srcs: list, dsts: list, lengths: list):
+        self.handle = handle
+        self.srcs, self.dsts, self.lengths = srcs, dsts, lengths
+        self.next = 0  # first piece not yet submitted
+        self.outstanding = 0  # batches submitted and not yet settled
+
+
+class _Peer:
+    """The batches to one peer, with at most `cap` pieces queued in the engine.
+
+    Mooncake's TCP transport queues a bounded number of pieces per peer
+    (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, 1024 by default, plus as many
+    awaiting admission); past that it rejects pieces, and in 0.3.13 every later
+    batch to that peer fails too. So a write is submitted in chunks that keep the
+    pieces in flight within `cap`: what fits at once is submitted by the caller's
+    thread, the rest by this peer's thread as earlier batches settle. The same
+    thread waits for every batch (the engine's wait blocks and spins a core) in
+    submission order."""
+
+    def __init__(self, engine: Any, peer: str, cap: int) -> None:
         self._engine = engine
-        self._queue: deque[MooncakeWriteHandle] = deque()
+        self._peer = peer
+        self._cap = cap
+        self._in_flight = 0  # pieces submitted whose batch is not yet waited on
+        self._backlog: deque[_Job] = deque()  # jobs with pieces not yet submitted
+        self._waiting: deque[tuple[int, int, _Job]] = deque()  # (batch, pieces, job)
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"te-settle-{peer}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"te-peer-{peer}", daemon=True)
         self._thread.start()
 
-    def submit(self, handle: MooncakeWriteHandle) -> None:
+    def start(self, job: _Job) -> None:
+        """Queue `job` and submit what fits now. Raises `TransportError` when the
+        engine refuses the job's first chunk (then nothing of it was started)."""
         with self._cond:
-            self._queue.append(handle)
+            if self._closed:
+                raise TransportError("transport is closed")
+            self._backlog.append(job)
+            self._fill(first=job)
             self._cond.notify()
 
-    def close(self) -> list[MooncakeWriteHandle]:
-        """Stop taking batches; returns those never waited on."""
+    def close(self) -> None:
+        """Stop: every job not settled is FAILED; batches already in the engine are
+        still waited on (and so freed) by the thread."""
         with self._cond:
             self._closed = True
-            left = list(self._queue)
-            self._queue.clear()
+            for job in self._backlog:
+                job.handle._settle(WriteState.FAILED)
+            for _, _, job in self._waiting:
+                job.handle._settle(WriteState.FAILED)
+            self._backlog.clear()
             self._cond.notify()
-        return left
 
     def join(self, timeout_s: float) -> bool:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    def _fill(self, first: _Job | None = None) -> None:
+        """Submit chunks from the backlog while there is room (lock held). Raises
+        `TransportError` if `first`'s first chunk is refused (nothing started)."""
+        while self._backlog and self._in_flight < self._cap:
+            job = self._backlog[0]
+            if job.handle.state() is not WriteState.PENDING:  # failed, or past deadline
+                self._backlog.popleft()
+                continue
+            end = min(len(job.srcs), job.next + self._cap - self._in_flight)
+            batch, why = self._submit(job, end)
+            if batch:
+                self._waiting.append((batch, end - job.next, job))
+                self._in_flight += end - job.next
+                job.outstanding += 1
+                job.next = end
+            if not batch or end == len(job.srcs):
+                self._backlog.popleft()
+            if not batch and job is first and job.next == 0:
+                raise TransportError(f"peer={self._peer!r}: {why}; nothing was started")
+            if not batch:
+                job.handle._settle(WriteState.FAILED)
+
+    def _submit(self, job: _Job, end: int) -> tuple[int, str]:
+        """Pieces [job.next, end) to the engine: (batch id, "") or (0, why not)."""
+        whole = job.next == 0 and end == len(job.srcs)
+        sl = slice(job.next, end)
+        try:
+            batch = self._engine.batch_transfer_async_write(
+                self._peer,
+                job.srcs if whole else job.srcs[sl],
+                job.dsts if whole else job.dsts[sl],
+                job.lengths if whole else job.lengths[sl],
+            )
+        except TypeError:
+            return 0, "pieces: addresses and lengths must be unsigned integers"
+        return batch, "" if batch else "the engine could not start the batch"
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._waiting and not (self._backlog and not self._closed):
+                    if self._closed:
+                        return
                     self._cond.wait()
-                if not self._queue:
-                    return
-                handle = self._queue.popleft()
+                if not self._closed:
+                    self._fill()
+                if not self._waiting:
+                    continue
+                batch, count, job = self._waiting.popleft()
             # blocks (GIL released) until the batch completed, failed or hit the
             # engine's timeout; the engine frees the batch on every outcome
-            rc = self._engine.get_batch_transfer_status([handle.batch_id])
-            handle._settle(WriteState.DONE if rc == 0 else WriteState.FAILED)
+            rc = self._engine.get_batch_transfer_status([batch])
+            with self._cond:
+                self._in_flight -= count
+                job.outstanding -= 1
+                if rc != 0:
+                    job.handle._settle(WriteState.FAILED)
+                elif job.outstanding == 0 and job.next == len(job.srcs):
+                    job.handle._settle(WriteState.DONE)
 
 
 class MooncakeTransport:
@@ -171,6 +263,9 @@ class MooncakeTransport:
         device: the engine's device filter ("" for none).
         require_private_listen: raise `TransportError` if the engine listens on a
             wildcard address (see `listening`).
+        max_pieces_in_flight: pieces queued in the engine per peer at most (a
+            larger write goes in chunks); default the engine's own queue,
+            `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` or 1024.
 
     Raises:
         TransportError: an argument is out of range, Mooncake is missing, or the
@@ -185,6 +280,7 @@ class MooncakeTransport:
         protocol: str = "tcp",
         device: str = "",
         require_private_listen: bool = False,
+        max_pieces_in_flight: int | None = None,
     ) -> None:
         if not isinstance(host, str) or not 0 < len(host) <= 253 or ":" in host:
             raise TransportError(f"host={host!r}: must be a host name or IPv4 address")
@@ -193,6 +289,14 @@ class MooncakeTransport:
             raise TransportError(f"protocol={protocol!r}: must be 'tcp' or 'rdma'")
         if not isinstance(device, str):
             raise TransportError(f"device={device!r}: must be a string")
+        if max_pieces_in_flight is None:
+            queued = os.environ.get(QUEUE_ENV, "")
+            max_pieces_in_flight = int(queued) if queued.isdigit() else DEFAULT_QUEUE
+        if type(max_pieces_in_flight) is not int or not 0 < max_pieces_in_flight <= 1 << 16:
+            raise TransportError(
+                f"max_pieces_in_flight={max_pieces_in_flight!r}: must be in [1, 65536]"
+            )
+        self._max_in_flight = max_pieces_in_flight
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -210,7 +314,7 @@ class MooncakeTransport:
         self._ends: list[int] = []
         self._np_starts = np.zeros(0, dtype=np.uint64)  # the same, for batch checks
         self._np_ends = np.zeros(0, dtype=np.uint64)
-        self._settlers: dict[str, _Settler] = {}
+        self._peers: dict[str, _Peer] = {}
         self._notifier = ThreadPoolExecutor(NOTIFY_THREADS, thread_name_prefix="te-notify")
         self._closed = False
         self.foreign_notices = 0
@@ -295,29 +399,23 @@ class MooncakeTransport:
                 f"len(srcs)={len(srcs)}, len(dsts)={len(dsts)}, len(lengths)={len(lengths)}: "
                 "must be equal"
             )
-        if peer not in self._settlers:
+        if peer not in self._peers:
             _check_peer(peer)
-        deadline = time.monotonic() + self._write_timeout_s
+        handle = MooncakeWriteHandle(
+            time.monotonic() + self._write_timeout_s, self._settle_lock
+        )
         if not srcs:
-            handle = MooncakeWriteHandle(0, deadline, self._settle_lock)
             handle._settle(WriteState.DONE)
             return handle
+        if len(srcs) > self._max_in_flight:  # submitted in chunks: check every element now
+            _check_unsigned(srcs, dsts, lengths)
         with self._lock:
             self._check_open()
             self._check_sources(srcs, lengths)
-            try:
-                batch = self._engine.batch_transfer_async_write(peer, srcs, dsts, lengths)
-            except TypeError as exc:  # not an unsigned integer: nothing started
-                raise TransportError(
-                    f"pieces for {peer}: addresses and lengths must be unsigned integers"
-                ) from exc
-            if not batch:
-                raise TransportError(f"peer={peer!r}: the engine could not start the batch")
-            handle = MooncakeWriteHandle(batch, deadline, self._settle_lock)
-            settler = self._settlers.get(peer)
-            if settler is None:
-                settler = self._settlers[peer] = _Settler(self._engine, peer)
-            settler.submit(handle)
+            state = self._peers.get(peer)
+            if state is None:
+                state = self._peers[peer] = _Peer(self._engine, peer, self._max_in_flight)
+        state.start(_Job(handle, srcs, dsts, lengths))
         return handle
 
     def notify(self, peer: str, payload: bytes, timeout_s: float) -> None:
@@ -389,20 +487,19 @@ class MooncakeTransport:
             if self._closed:
                 return
             self._closed = True
-            settlers = list(self._settlers.values())
-            self._settlers.clear()
+            peers = list(self._peers.values())
+            self._peers.clear()
             for start in self._starts:
                 self._engine.unregister_memory(start)
             self._starts.clear()
             self._ends.clear()
             self._engine = None
-        for settler in settlers:
-            for handle in settler.close():
-                handle._settle(WriteState.FAILED)
+        for state in peers:
+            state.close()
         self._notifier.shutdown(wait=False, cancel_futures=True)
         end = time.monotonic() + timeout_s
-        for settler in settlers:
-            settler.join(max(0.0, end - time.monotonic()))
+        for state in peers:
+            state.join(max(0.0, end - time.monotonic()))
 
     # -- internals -------------------------------------------------------
 

@@ -105,3 +105,25 @@ def test_listening_addresses_are_reported_and_strict_mode_refuses_a_wildcard(
         assert "wildcard" in out["strict"] and "require_private_listen" in out["strict"]
     else:
         assert out["strict"] == "started"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"host": ""}, ["host"]),
+        ({"host": "10.0.0.1:80"}, ["host", "10.0.0.1:80"]),
+        ({"host": "127.0.0.1", "write_timeout_s": 0}, ["write_timeout_s", "0"]),
+        ({"host": "127.0.0.1", "write_timeout_s": float("nan")}, ["write_timeout_s"]),
+        ({"host": "127.0.0.1", "protocol": "udp"}, ["protocol", "udp"]),
+        ({"host": "127.0.0.1", "max_pieces_in_flight": 0}, ["max_pieces_in_flight", "0"]),
+        ({"host": "127.0.0.1", "max_pieces_in_flight": 1.5}, ["max_pieces_in_flight"]),
+    ],
+)
+def test_bad_options_are_refused_before_the_engine_starts(kwargs: dict, words: list) -> None:
+    from fastkv.pd.mooncake_te import MooncakeTransport
+    from fastkv.pd.transport import TransportError
+
+    with pytest.raises(TransportError) as err:
+        MooncakeTransport(**kwargs)
+    for w in words:
+        assert w in str(err.value)

@@ -113,6 +113,30 @@ def check_pieces_from_two_regions_land(make_pair: MakePair) -> None:
         p.close()
 
 
+def check_batches_of_thousands_of_pieces_land(make_pair: MakePair) -> None:
+    """Three writes of 3000 small pieces each, all in flight at once (more than a
+    transport's own queue may hold): every byte lands, and the peer still takes
+    writes afterwards."""
+    p = make_pair()
+    try:
+        n, count = 100, 3000
+        handles = []
+        for w in range(3):
+            base = w * count * n
+            pieces = [
+                Piece(p.src_base + base + i * n, p.dst_base + base + i * n, n)
+                for i in range(count)
+            ]
+            handles.append(p.sender.write(p.receiver.address, pieces))
+        assert [h.wait(SETTLE_S) for h in handles] == [WriteState.DONE] * 3
+        total = 3 * count * n
+        assert np.array_equal(p.dst[:total], p.src[:total])
+        last = [Piece(p.src_base + total, p.dst_base + total, 4096)]
+        assert p.sender.write(p.receiver.address, last).wait(SETTLE_S) is WriteState.DONE
+    finally:
+        p.close()
+
+
 def check_many_batches_in_flight_all_settle(make_pair: MakePair) -> None:
     p = make_pair()
     try:
