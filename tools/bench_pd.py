@@ -8,14 +8,19 @@ Mooncake Transfer Engine (`--only te`), TCP loopback between two processes in a
 private network namespace (the engine listens on every interface):
 1. `bench_raw_te`: raw `batch_transfer_async_write` + `get_batch_transfer_status` of
    a prefill's KV as per-layer pieces (each block split into K and V of every layer,
-   one batch per layer, as a per-layer sender submits them) against the same bytes
-   as whole contiguous blocks (one entry per block, one batch): the cost of a layout
-   that splits blocks into pieces.
+   layer by layer, as a per-layer sender submits them) against the same bytes as
+   whole contiguous blocks (one entry per block): the cost of a layout that splits
+   blocks into pieces. Raw batches hold at most 512 pieces, two in flight (the
+   engine's TCP transport queues 1024 pieces per peer by default and fails the
+   peer past that).
 2. `bench_te_transport`: `MooncakeTransport.write` (Piece lists) and `write_lists`
-   (address lists) of exactly those pieces against raw TE: target >= 0.9x.
+   (address lists) of exactly those pieces, one call per layer (the transport cuts
+   them the same way), against raw TE: target >= 0.9x.
 3. `bench_te_call_overhead`: the calling thread's CPU time per write call of 64
    pieces (`time.thread_time_ns`, median over >= 1000 calls): raw submit, the
-   transport with pieces in one registered region and in two (K and V tensors).
+   transport with pieces in one registered region and in two (K and V tensors),
+   each split into the engine's submit and the rest; `bench_te_python_cost`: the
+   same calls with the engine stubbed out, the transport's own cost alone.
 Runs alternate the variants in every repetition; medians are reported.
 
 The machine is shared and noisy (2 cores): read ratios, not absolute figures, and
@@ -80,14 +85,33 @@ def _te_layout(src: int, dst: int, block: int, blocks: int, layers: int):
     return per_layer, whole
 
 
+def _te_chunks(batches: list[tuple[list, list, list]], size: int) -> list:
+    """The batches cut into batches of at most `size` pieces."""
+    return [
+        (s[i : i + size], d[i : i + size], n[i : i + size])
+        for s, d, n in batches
+        for i in range(0, len(s), size)
+    ]
+
+
 def bench_raw_te(engine, peer: str, batches: list[tuple[list, list, list]]) -> float:
-    """Seconds to write `batches` with the raw engine: all submitted, then waited."""
+    """Seconds to write `batches` with the raw engine, two batches in flight (the
+    engine's TCP transport queues at most 1024 pieces per peer by default and
+    fails the peer past that: callers give it batches of at most 512)."""
     t0 = time.perf_counter()
-    ids = [engine.batch_transfer_async_write(peer, s, d, n) for s, d, n in batches]
-    for batch_id in ids:
-        if not batch_id or engine.get_batch_transfer_status([batch_id]) != 0:
-            raise RuntimeError("raw TE batch failed")
+    pending: list[int] = []
+    for s, d, n in batches:
+        if len(pending) == 2:
+            _raw_wait(engine, pending.pop(0))
+        pending.append(engine.batch_transfer_async_write(peer, s, d, n))
+    for batch_id in pending:
+        _raw_wait(engine, batch_id)
     return time.perf_counter() - t0
+
+
+def _raw_wait(engine, batch_id: int) -> None:
+    if not batch_id or engine.get_batch_transfer_status([batch_id]) != 0:
+        raise RuntimeError("raw TE batch failed")
 
 
 def bench_te_transport(transport, peer: str, batches: list, as_pieces: bool) -> float:
@@ -105,46 +129,133 @@ def bench_te_transport(transport, peer: str, batches: list, as_pieces: bool) -> 
     return time.perf_counter() - t0
 
 
+class _TimedEngine:
+    """The engine with the calling thread's CPU time inside each submit recorded,
+    so a transport call's own Python cost is its time less the engine's."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.last_ns = 0
+
+    def batch_transfer_async_write(self, *args):
+        t0 = time.thread_time_ns()
+        try:
+            return self._engine.batch_transfer_async_write(*args)
+        finally:
+            self.last_ns = time.thread_time_ns() - t0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
 def bench_te_call_overhead(transport, peer: str, calls: int, dst: int, regions: list[int]):
     """Thread CPU microseconds per write call of 64 pieces of 4 KiB: the raw
-    submit, and the transport's `write` / `write_lists` with the pieces in one
-    region and spread over two (K and V tensors). Median and p90 over `calls`."""
+    submit alone, and the transport's `write` / `write_lists` with the pieces in
+    one region and spread over two (K and V tensors), each split into the
+    engine's submit and the transport's own (Python) part, measured in the same
+    call. Medians and p90 over `calls`."""
     from fastkv.pd.transport import Piece
 
     engine = transport._engine
+    timed = _TimedEngine(engine)
+    transport._engine = timed
+    for state in transport._peers.values():
+        state._engine = timed
     one = [Piece(regions[0] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
     two = [Piece(regions[i % 2] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
     lists = ([p.src for p in two], [p.dst for p in two], [p.length for p in two])
     variants = {
-        "raw_submit": lambda: engine.batch_transfer_async_write(peer, *lists),
+        "raw_submit": lambda: timed.batch_transfer_async_write(peer, *lists),
         "write_1_region": lambda: transport.write(peer, one),
         "write_2_regions": lambda: transport.write(peer, two),
         "write_lists_2_regions": lambda: transport.write_lists(peer, *lists),
     }
-    times: dict[str, list[int]] = {k: [] for k in variants}
+    total: dict[str, list[int]] = {k: [] for k in variants}
+    own: dict[str, list[int]] = {k: [] for k in variants}
     for _ in range(calls):
         for name, call in variants.items():
             t0 = time.thread_time_ns()
             out = call()
-            times[name].append(time.thread_time_ns() - t0)
+            spent = time.thread_time_ns() - t0
+            total[name].append(spent)
+            own[name].append(spent - timed.last_ns)
             if name == "raw_submit":
                 engine.get_batch_transfer_status([out])
             else:
                 out.wait(30)
+    transport._engine = engine
+
+    def q(ts: list[int], f: float) -> float:
+        return round(sorted(ts)[int(len(ts) * f)] / 1e3, 1)
+
+    return [
+        {
+            "call": name,
+            "total_median_us": q(total[name], 0.5),
+            "engine_submit_median_us": q(
+                [t - o for t, o in zip(total[name], own[name], strict=True)], 0.5
+            ),
+            "own_median_us": q(own[name], 0.5) if name != "raw_submit" else 0.0,
+            "own_p90_us": q(own[name], 0.9) if name != "raw_submit" else 0.0,
+            "calls": len(total[name]),
+        }
+        for name in variants
+    ]
+
+
+class _StubEngine:
+    """Takes every batch and reports it complete at once: what is left of a write
+    call is the transport's own Python work."""
+
+    def batch_transfer_async_write(self, *args) -> int:
+        return 1
+
+    def get_batch_transfer_status(self, ids: list[int]) -> int:
+        return 0
+
+
+def bench_te_python_cost(transport, calls: int, dst: int, regions: list[int]) -> list[dict]:
+    """Thread CPU microseconds of `write` / `write_lists` with the engine stubbed
+    out (`_StubEngine`), 64 pieces of 4 KiB: the transport's own per-call cost,
+    free of the engine's noise. Median and p90 over `calls`."""
+    from fastkv.pd.mooncake_te import _Peer
+    from fastkv.pd.transport import Piece
+
+    stub = _StubEngine()
+    saved_engine, saved_peers = transport._engine, transport._peers
+    transport._engine, transport._peers = (
+        stub,
+        {"127.0.0.1:1": _Peer(stub, "127.0.0.1:1", 1024)},
+    )
+    one = [Piece(regions[0] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
+    two = [Piece(regions[i % 2] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
+    lists = ([p.src for p in two], [p.dst for p in two], [p.length for p in two])
+    variants = {
+        "write_1_region": lambda: transport.write("127.0.0.1:1", one),
+        "write_2_regions": lambda: transport.write("127.0.0.1:1", two),
+        "write_lists_2_regions": lambda: transport.write_lists("127.0.0.1:1", *lists),
+    }
     rows = []
-    for name, ts in times.items():
-        ts.sort()
-        rows.append(
-            {
-                "call": name,
-                "median_us": round(ts[len(ts) // 2] / 1e3, 1),
-                "p90_us": round(ts[int(len(ts) * 0.9)] / 1e3, 1),
-                "calls": len(ts),
-            }
-        )
-    raw = rows[0]["median_us"]
-    for row in rows:
-        row["over_raw_us"] = round(row["median_us"] - raw, 1)
+    try:
+        for name, call in variants.items():
+            ts = []
+            for _ in range(calls):
+                t0 = time.thread_time_ns()
+                handle = call()
+                ts.append(time.thread_time_ns() - t0)
+                handle.wait(30)
+            ts.sort()
+            rows.append(
+                {
+                    "call": name + " (engine stubbed)",
+                    "median_us": round(ts[len(ts) // 2] / 1e3, 1),
+                    "p90_us": round(ts[int(len(ts) * 0.9)] / 1e3, 1),
+                    "calls": calls,
+                }
+            )
+    finally:
+        transport._peers["127.0.0.1:1"].close()
+        transport._engine, transport._peers = saved_engine, saved_peers
     return rows
 
 
@@ -182,14 +293,15 @@ def bench_te_inside(block_sizes: list[int], total: int, layers: int, reps: int, 
             "write": [],
             "write_lists": [],
         }
-        bench_raw_te(engine, peer, [whole])  # warm the connections
+        raw_layers, raw_whole = _te_chunks(per_layer, 512), _te_chunks([whole], 512)
+        bench_raw_te(engine, peer, raw_whole)  # warm the connections
         for r in range(reps):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for name in order:
                 if name == "raw_blocks":
-                    runs[name].append(bench_raw_te(engine, peer, [whole]))
+                    runs[name].append(bench_raw_te(engine, peer, raw_whole))
                 elif name == "raw_pieces":
-                    runs[name].append(bench_raw_te(engine, peer, per_layer))
+                    runs[name].append(bench_raw_te(engine, peer, raw_layers))
                 else:
                     batches = pieces if name == "write" else per_layer
                     runs[name].append(
@@ -213,9 +325,18 @@ def bench_te_inside(block_sizes: list[int], total: int, layers: int, reps: int, 
     overhead = bench_te_call_overhead(
         transport, peer, calls, dst, [src.ctypes.data, extra.ctypes.data]
     )
+    python_cost = bench_te_python_cost(
+        transport, calls, dst, [src.ctypes.data, extra.ctypes.data]
+    )
     receiver.stdin.close()  # type: ignore[union-attr]
     receiver.wait(10)
-    return {"throughput": rows, "call_overhead": overhead, "layers": layers, "reps": reps}
+    return {
+        "throughput": rows,
+        "call_overhead": overhead,
+        "python_cost": python_cost,
+        "layers": layers,
+        "reps": reps,
+    }
 
 
 def bench_te(block_sizes: list[int], total: int, layers: int, reps: int, calls: int):
@@ -254,9 +375,15 @@ def print_te(te: dict | str) -> None:
         list(te["throughput"][0]),
     )
     print_table(
-        "MooncakeTransport per-call CPU (calling thread), 64 pieces of 4 KiB, microseconds",
+        "MooncakeTransport per-call CPU (calling thread), 64 pieces of 4 KiB, microseconds: "
+        "the whole call, the engine's submit in it, and the rest (own)",
         te["call_overhead"],
         list(te["call_overhead"][0]),
+    )
+    print_table(
+        "The same calls with the engine stubbed out: the transport's own Python cost",
+        te["python_cost"],
+        list(te["python_cost"][0]),
     )
 
 

@@ -198,7 +198,10 @@ class _Peer:
             if job.handle.state() is not WriteState.PENDING:  # failed, or past deadline
                 self._backlog.popleft()
                 continue
-            end = min(len(job.srcs), job.next + self._cap - self._in_flight)
+            left, room = len(job.srcs) - job.next, self._cap - self._in_flight
+            # whole if it fits; else chunks of half the queue, so that one chunk
+            # streams while the thread waits on the one before
+            end = job.next + (left if left <= room else min(room, max(1, self._cap // 2)))
             batch, why = self._submit(job, end)
             if batch:
                 self._waiting.append((batch, end - job.next, job))
