@@ -222,6 +222,24 @@ def check_malformed_inputs_name_field_and_value(make_pair: MakePair) -> None:
         p.close()
 
 
+def check_unreachable_peer_refused_or_failed(make_pair: MakePair) -> None:
+    """Nobody listens at the peer's address: the write raises or fails, the notice
+    raises, both promptly."""
+    p = make_pair()
+    try:
+        nobody = p.receiver.address.rsplit(":", 1)[0] + ":1"
+        t = time.monotonic()
+        try:
+            state = p.sender.write(nobody, [Piece(p.src_base, p.dst_base, 16)]).wait(SETTLE_S)
+        except TransportError:
+            state = WriteState.FAILED
+        assert state is WriteState.FAILED
+        _raises(lambda: p.sender.notify(nobody, b"x", 2.0), "notify")
+        assert time.monotonic() - t < 5.0
+    finally:
+        p.close()
+
+
 def check_notices_delivered_once_bytes_exact(make_pair: MakePair) -> None:
     p = make_pair()
     try:
