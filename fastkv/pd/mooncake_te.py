@@ -170,6 +170,10 @@ class _Peer:
         with self._cond:
             if self._closed:
                 raise TransportError("transport is closed")
+            if self._backlog or len(job.srcs) > self._cap - self._in_flight:
+                # goes in chunks, the later ones converted by the engine later:
+                # refuse a bad element now, while nothing of the job started
+                _check_unsigned(job.srcs, job.dsts, job.lengths)
             self._backlog.append(job)
             self._fill(first=job)
             self._cond.notify()
@@ -396,7 +400,9 @@ class MooncakeTransport:
         self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]
     ) -> MooncakeWriteHandle:
         """`write` for callers that already hold the three address/length lists
-        (equal lengths, same order): the lists go to the engine as they are."""
+        (equal lengths, same order): the lists go to the engine as they are, and
+        must not change until the handle settled (a large write is sent in
+        chunks)."""
         if not len(srcs) == len(dsts) == len(lengths):
             raise TransportError(
                 f"len(srcs)={len(srcs)}, len(dsts)={len(dsts)}, len(lengths)={len(lengths)}: "
@@ -410,8 +416,6 @@ class MooncakeTransport:
         if not srcs:
             handle._settle(WriteState.DONE)
             return handle
-        if len(srcs) > self._max_in_flight:  # submitted in chunks: check every element now
-            _check_unsigned(srcs, dsts, lengths)
         with self._lock:
             self._check_open()
             self._check_sources(srcs, lengths)

@@ -120,6 +120,11 @@ def check_batches_of_thousands_of_pieces_land(make_pair: MakePair) -> None:
     p = make_pair()
     try:
         n, count = 100, 3000
+        bad = [Piece(p.src_base + i * n, p.dst_base + i * n, n) for i in range(count)]
+        bad[2500] = Piece(p.src_base + 2500 * n, p.dst_base + 2500.5 * n, n)  # type: ignore[arg-type]
+        _raises(lambda: p.sender.write(p.receiver.address, bad), "pieces[2500]")
+        time.sleep(0.05)
+        assert not p.dst.any(), "a refused write moved bytes"
         handles = []
         for w in range(3):
             base = w * count * n
