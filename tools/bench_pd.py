@@ -19,8 +19,10 @@ private network namespace (the engine listens on every interface):
 3. `bench_te_call_overhead`: the calling thread's CPU time per write call of 64
    pieces (`time.thread_time_ns`, median over >= 1000 calls): raw submit, the
    transport with pieces in one registered region and in two (K and V tensors),
-   each split into the engine's submit and the rest; `bench_te_python_cost`: the
-   same calls with the engine stubbed out, the transport's own cost alone.
+   each split into the engine's submit and the rest, with the submit on the
+   transport's peer thread (the default) and on the caller's
+   (`submit_in_caller=True`); `bench_te_python_cost`: the same calls with the
+   engine stubbed out, the transport's own cost alone.
 Runs alternate the variants in every repetition; medians are reported.
 
 The machine is shared and noisy (2 cores): read ratios, not absolute figures, and
@@ -35,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,9 +138,12 @@ class _TimedEngine:
 
     def __init__(self, engine) -> None:
         self._engine = engine
-        self.last_ns = 0
+        self._caller = threading.get_ident()
+        self.last_ns = 0  # the caller's last submit; reset before each call
 
     def batch_transfer_async_write(self, *args):
+        if threading.get_ident() != self._caller:  # the transport's peer thread
+            return self._engine.batch_transfer_async_write(*args)
         t0 = time.thread_time_ns()
         try:
             return self._engine.batch_transfer_async_write(*args)
@@ -164,16 +170,29 @@ def bench_te_call_overhead(transport, peer: str, calls: int, dst: int, regions: 
     one = [Piece(regions[0] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
     two = [Piece(regions[i % 2] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
     lists = ([p.src for p in two], [p.dst for p in two], [p.length for p in two])
+
+    def inline(call):
+        def run():
+            transport._submit_in_caller = True
+            try:
+                return call()
+            finally:
+                transport._submit_in_caller = False
+
+        return run
+
     variants = {
         "raw_submit": lambda: timed.batch_transfer_async_write(peer, *lists),
         "write_1_region": lambda: transport.write(peer, one),
         "write_2_regions": lambda: transport.write(peer, two),
         "write_lists_2_regions": lambda: transport.write_lists(peer, *lists),
+        "write_2_regions_submit_in_caller": inline(lambda: transport.write(peer, two)),
     }
     total: dict[str, list[int]] = {k: [] for k in variants}
     own: dict[str, list[int]] = {k: [] for k in variants}
     for _ in range(calls):
         for name, call in variants.items():
+            timed.last_ns = 0
             t0 = time.thread_time_ns()
             out = call()
             spent = time.thread_time_ns() - t0
