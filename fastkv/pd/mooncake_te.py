@@ -57,9 +57,9 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
+from operator import add, le
 from typing import Any
-
-import numpy as np
 
 from fastkv.pd.transport import Piece, TransportError, WriteState
 
@@ -329,8 +329,7 @@ class MooncakeTransport:
         self._settle_lock = threading.Lock()  # handle states
         self._starts: list[int] = []
         self._ends: list[int] = []
-        self._np_starts = np.zeros(0, dtype=np.uint64)  # the same, for batch checks
-        self._np_ends = np.zeros(0, dtype=np.uint64)
+        self._ends_by_index = [0]  # bisect_right(starts, src) -> that region's end
         self._peers: dict[str, _Peer] = {}
         self._notifier = ThreadPoolExecutor(NOTIFY_THREADS, thread_name_prefix="te-notify")
         self._closed = False
@@ -388,8 +387,7 @@ class MooncakeTransport:
                 raise TransportError(f"register_memory({addr:#x}, {length}) returned {rc}")
             self._starts.insert(i, addr)
             self._ends.insert(i, addr + length)
-            self._np_starts = np.array(self._starts, dtype=np.uint64)
-            self._np_ends = np.array(self._ends, dtype=np.uint64)
+            self._ends_by_index = [0, *self._ends]
 
     def write(self, peer: str, pieces: Sequence[Piece]) -> MooncakeWriteHandle:
         """Start writing `pieces` into `peer`'s registered memory; returns at once.
@@ -511,6 +509,7 @@ class MooncakeTransport:
                 self._engine.unregister_memory(start)
             self._starts.clear()
             self._ends.clear()
+            self._ends_by_index = [0]
             self._engine = None
         for state in peers:
             state.close()
@@ -529,7 +528,7 @@ class MooncakeTransport:
         """Every address and length a Python int, every destination non-negative,
         every length positive (so the engine can convert every chunk, now or
         later), and every source inside one registered region: one comparison
-        when the whole batch lies in one region, else a vectorised one.
+        when the whole batch lies in one region, else one bisection per piece.
         (Destinations are the peer's to check.)"""
         try:
             ints = (
@@ -550,20 +549,17 @@ class MooncakeTransport:
         r = bisect.bisect_right(self._starts, lo) - 1
         if r >= 0 and hi <= self._ends[r]:
             return
-        # several regions (K and V tensors), or pieces of unequal lengths
-        try:
-            a = np.array(srcs, dtype=np.uint64)
-            n = np.array(lengths, dtype=np.uint64)
-        except (OverflowError, ValueError, TypeError) as exc:
-            raise TransportError(f"pieces: addresses must be unsigned integers: {exc}") from exc
-        r = np.searchsorted(self._np_starts, a, side="right").astype(np.int64) - 1
-        inside = (r >= 0) & (a + n <= self._np_ends[r])
-        if not inside.all():
-            i = int(np.argmin(inside))
-            raise TransportError(
-                f"pieces[{i}]: source [{srcs[i]:#x}, {srcs[i] + lengths[i]:#x}) is outside "
-                f"every region registered here ({len(self._starts)} regions)"
-            )
+        # several regions (K and V tensors), or pieces of unequal lengths: each
+        # piece's region by bisection, every loop in C (map), not in Python
+        idx = list(map(partial(bisect.bisect_right, self._starts), srcs))
+        ends = map(self._ends_by_index.__getitem__, idx)  # index 0: before all, end 0
+        if not all(map(le, map(add, srcs, lengths), ends)):
+            for i, (src, n, r) in enumerate(zip(srcs, lengths, idx, strict=True)):
+                if src + n > self._ends_by_index[r]:
+                    raise TransportError(
+                        f"pieces[{i}]: source [{src:#x}, {src + n:#x}) is outside every "
+                        f"region registered here ({len(self._starts)} regions)"
+                    )
 
     def _send_notice(self, peer: str, text: str) -> int:
         from mooncake.engine import TransferNotify, TransferOpcode
