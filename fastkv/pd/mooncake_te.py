@@ -164,6 +164,7 @@ class _Peer:
         self._backlog: deque[_Job] = deque()  # jobs with pieces not yet submitted
         self._waiting: deque[tuple[int, int, _Job]] = deque()  # (batch, pieces, job)
         self._cond = threading.Condition()
+        self._current: _Job | None = None  # the job whose batch the thread waits on
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"te-peer-{peer}", daemon=True)
         self._thread.start()
@@ -189,6 +190,8 @@ class _Peer:
                 job.handle._settle(WriteState.FAILED)
             for _, _, job in self._waiting:
                 job.handle._settle(WriteState.FAILED)
+            if self._current is not None:
+                self._current.handle._settle(WriteState.FAILED)
             self._backlog.clear()
             self._cond.notify()
 
@@ -248,10 +251,12 @@ class _Peer:
                 if not self._waiting:
                     continue
                 batch, count, job = self._waiting.popleft()
+                self._current = job
             # blocks (GIL released) until the batch completed, failed or hit the
             # engine's timeout; the engine frees the batch on every outcome
             rc = self._engine.get_batch_transfer_status([batch])
             with self._cond:
+                self._current = None
                 self._in_flight -= count
                 job.outstanding -= 1
                 if rc != 0:

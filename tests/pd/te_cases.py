@@ -221,6 +221,9 @@ def receiver_frozen(logdir: Path) -> dict:
         t.register(src.ctypes.data, size)
         base, address = peer.hello["base"], peer.hello["address"]
         t.connect(address, 5.0)
+        t2 = MooncakeTransport(HOST, write_timeout_s=60)
+        t2.register(src.ctypes.data, size)
+        t2.connect(address, 5.0)
         peer.signal(signal.SIGSTOP)
         n = size // 16
         pieces = [Piece(src.ctypes.data + i * n, base + i * n, n) for i in range(16)]
@@ -235,6 +238,13 @@ def receiver_frozen(logdir: Path) -> dict:
         except TransportError as exc:
             notify = str(exc)
         notify_s = time.monotonic() - t0
+        # closing with a write stuck in the engine: FAILED at once, close bounded
+        stuck = t2.write(address, pieces)
+        time.sleep(0.2)
+        stuck_before = stuck.state().name
+        t0 = time.monotonic()
+        t2.close(timeout_s=0.5)
+        close_s = time.monotonic() - t0
         peer.signal(signal.SIGCONT)
         time.sleep(1.0)  # the batch may now complete inside the engine
         return {
@@ -243,6 +253,9 @@ def receiver_frozen(logdir: Path) -> dict:
             "notify": notify,
             "notify_s": notify_s,
             "state_later": handle.state().name,
+            "stuck_before_close": stuck_before,
+            "stuck_after_close": stuck.state().name,
+            "close_s": close_s,
         }
     finally:
         t.close()

@@ -86,6 +86,10 @@ def test_a_frozen_receiver_fails_the_write_at_the_deadline(tmp_path: Path) -> No
     assert "no answer within 0.5 s" in out["notify"]
     assert out["notify_s"] < 2.0
     assert out["state_later"] == "FAILED"  # a handle settles once
+    # close() fails a write still stuck in the engine at once, and returns in bound
+    assert out["stuck_before_close"] == "PENDING"
+    assert out["stuck_after_close"] == "FAILED"
+    assert out["close_s"] < 2.0
 
 
 def test_killing_the_sender_mid_transfer_leaves_the_receiver_no_notice(tmp_path: Path) -> None:
