@@ -1,0 +1,134 @@
+"""`MooncakeTransport` over a real Mooncake Transfer Engine on TCP loopback, each
+scenario in its own private network namespace (tests/pd/te_cases.py), two
+processes where the scenario needs them. Nothing here is skipped: without Mooncake
+or `unshare` these tests fail, as the Mooncake Store tests do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transport_contract import CHECKS
+
+HERE = Path(__file__).resolve().parent
+CASE_TIMEOUT = 120
+
+
+def run_case(case: str, tmp_path: Path) -> dict:
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--net",
+            "--fork",
+            sys.executable,
+            str(HERE / "te_cases.py"),
+            case,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CASE_TIMEOUT,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+            for p in tmp_path.glob("*.log")
+        )
+        pytest.fail(
+            f"case {case} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+            f"stderr:\n{proc.stderr[-4000:]}\n{logs}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def contract_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_case("contract", tmp_path_factory.mktemp("contract"))
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_mooncake_transport_keeps_the_transport_contract(
+    check: str, contract_results: dict
+) -> None:
+    assert contract_results[check] == "ok", contract_results[check]
+
+
+def test_bytes_arrive_exactly_in_another_process_with_the_notice(tmp_path: Path) -> None:
+    out = run_case("bytes_two_process", tmp_path)
+    assert out["state"] == "DONE"
+    assert out["exact"], "the receiver's memory differs from what was sent"
+    payload = (b"sent\x00" + bytes(range(256))).hex()
+    assert out["notices"] == [[out["sender"], payload]]
+    # a piece past the receiver's region: the receiver refused it, nothing landed past it
+    assert out["past_state"] == "FAILED"
+    assert out["inside_ok"]
+
+
+def test_killing_the_receiver_fails_the_batch_promptly(tmp_path: Path) -> None:
+    out = run_case("receiver_killed", tmp_path)
+    assert out["stalled"] == "PENDING"  # the kill came mid-batch
+    assert out["state"] == "FAILED"
+    assert out["settle_after_kill_s"] < 2.0
+    # a later write to the dead peer is refused or fails, promptly
+    assert out["later"] == "FAILED" or out["later"].startswith("TransportError")
+    assert out["later_s"] < 5.0  # about 1 s here: the engine's admission timeout
+
+
+def test_a_frozen_receiver_fails_the_write_at_the_deadline(tmp_path: Path) -> None:
+    out = run_case("receiver_frozen", tmp_path)
+    assert out["state"] == "FAILED"
+    # write_timeout_s=1.0 (the engine's own timeout is 30 s); slack for a loaded machine
+    assert 0.95 <= out["failed_after_s"] < 3.0
+    assert "no answer within 0.5 s" in out["notify"]
+    assert out["notify_s"] < 2.0
+    assert out["state_later"] == "FAILED"  # a handle settles once
+    # close() fails a write still stuck in the engine at once, and returns in bound
+    assert out["stuck_before_close"] == "PENDING"
+    assert out["stuck_after_close"] == "FAILED"
+    assert out["close_s"] < 2.0
+
+
+def test_killing_the_sender_mid_transfer_leaves_the_receiver_no_notice(tmp_path: Path) -> None:
+    out = run_case("sender_killed", tmp_path)
+    assert out["first"] == {"round": 0, "state": "DONE"} and out["landed"]
+    assert out["notices"] == []  # only the receiver's own deadline ends its wait
+    assert out["again"] == "DONE" and out["again_exact"]
+    assert out["fresh"] == [[out["other"], b"fresh".hex()]]
+
+
+def test_listening_addresses_are_reported_and_strict_mode_refuses_a_wildcard(
+    tmp_path: Path,
+) -> None:
+    out = run_case("listen", tmp_path)
+    port = out["address"].rsplit(":", 1)[1]
+    assert any(a.endswith(":" + port) for a in out["listening"]), out
+    if out["wildcard"]:  # Mooncake 0.3.13 binds 0.0.0.0 whatever host it is given
+        assert "wildcard" in out["strict"] and "require_private_listen" in out["strict"]
+    else:
+        assert out["strict"] == "started"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"host": ""}, ["host"]),
+        ({"host": "10.0.0.1:80"}, ["host", "10.0.0.1:80"]),
+        ({"host": "127.0.0.1", "write_timeout_s": 0}, ["write_timeout_s", "0"]),
+        ({"host": "127.0.0.1", "write_timeout_s": float("nan")}, ["write_timeout_s"]),
+        ({"host": "127.0.0.1", "protocol": "udp"}, ["protocol", "udp"]),
+        ({"host": "127.0.0.1", "max_pieces_in_flight": 0}, ["max_pieces_in_flight", "0"]),
+        ({"host": "127.0.0.1", "max_pieces_in_flight": 1.5}, ["max_pieces_in_flight"]),
+    ],
+)
+def test_bad_options_are_refused_before_the_engine_starts(kwargs: dict, words: list) -> None:
+    from fastkv.pd.mooncake_te import MooncakeTransport
+    from fastkv.pd.transport import TransportError
+
+    with pytest.raises(TransportError) as err:
+        MooncakeTransport(**kwargs)
+    for w in words:
+        assert w in str(err.value)

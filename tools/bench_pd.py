@@ -1,0 +1,452 @@
+"""Prefill/decode disaggregation benchmark: each layer next to what it is built on,
+measured in the same run.
+
+    .venv/bin/python tools/bench_pd.py [--json] [--quick] [--only te]
+        [--block-kib N ...] [--layers N] [--reps N]
+
+Mooncake Transfer Engine (`--only te`), TCP loopback between two processes in a
+private network namespace (the engine listens on every interface):
+1. `bench_raw_te`: raw `batch_transfer_async_write` + `get_batch_transfer_status` of
+   a prefill's KV as per-layer pieces (each block split into K and V of every layer,
+   layer by layer, as a per-layer sender submits them) against the same bytes as
+   whole contiguous blocks (one entry per block): the cost of a layout that splits
+   blocks into pieces. Raw batches hold at most 512 pieces, two in flight (the
+   engine's TCP transport queues 1024 pieces per peer by default and fails the
+   peer past that).
+2. `bench_te_transport`: `MooncakeTransport.write` (Piece lists) and `write_lists`
+   (address lists) of exactly those pieces, one call per layer (the transport cuts
+   them the same way), against raw TE: target >= 0.9x.
+3. `bench_te_call_overhead`: the calling thread's CPU time per write call of 64
+   pieces (`time.thread_time_ns`, median over >= 1000 calls): raw submit, the
+   transport with pieces in one registered region and in two (K and V tensors),
+   each split into the engine's submit and the rest, with the submit on the
+   transport's peer thread (the default) and on the caller's
+   (`submit_in_caller=True`); `bench_te_python_cost`: the same calls with the
+   engine stubbed out, the transport's own cost alone.
+Runs alternate the variants in every repetition; medians are reported.
+
+The machine is shared and noisy (2 cores): read ratios, not absolute figures, and
+rerun before believing a difference under ~20 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+HOST = "127.0.0.1"
+
+# -- Mooncake Transfer Engine: raw engine vs MooncakeTransport ------------------
+
+
+def _te_receiver(size: int) -> None:
+    """The receiving process: one engine, `size` registered bytes, until stdin closes."""
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("initialize failed")
+    buf = np.zeros(size, dtype=np.uint8)
+    engine.register_memory(buf.ctypes.data, size)
+    address = f"{HOST}:{engine.get_rpc_port()}"
+    print(json.dumps({"address": address, "base": buf.ctypes.data}), flush=True)
+    sys.stdin.read()
+    os._exit(0)
+
+
+def _te_layout(src: int, dst: int, block: int, blocks: int, layers: int):
+    """Per-layer pieces (layer-major tensors: K then V of layer l for every block)
+    and whole blocks, as (srcs, dsts, lengths) lists; the same bytes either way."""
+    piece = block // (2 * layers)
+    per_layer = []
+    for layer in range(layers):
+        s, d, n = [], [], []
+        for kv in range(2):
+            tensor = (2 * layer + kv) * blocks * piece
+            for b in range(blocks):
+                s.append(src + tensor + b * piece)
+                d.append(dst + tensor + b * piece)
+                n.append(piece)
+        per_layer.append((s, d, n))
+    whole = (
+        [src + b * block for b in range(blocks)],
+        [dst + b * block for b in range(blocks)],
+        [block] * blocks,
+    )
+    return per_layer, whole
+
+
+def _te_chunks(batches: list[tuple[list, list, list]], size: int) -> list:
+    """The batches cut into batches of at most `size` pieces."""
+    return [
+        (s[i : i + size], d[i : i + size], n[i : i + size])
+        for s, d, n in batches
+        for i in range(0, len(s), size)
+    ]
+
+
+def bench_raw_te(engine, peer: str, batches: list[tuple[list, list, list]]) -> float:
+    """Seconds to write `batches` with the raw engine, two batches in flight (the
+    engine's TCP transport queues at most 1024 pieces per peer by default and
+    fails the peer past that: callers give it batches of at most 512)."""
+    t0 = time.perf_counter()
+    pending: list[int] = []
+    for s, d, n in batches:
+        if len(pending) == 2:
+            _raw_wait(engine, pending.pop(0))
+        pending.append(engine.batch_transfer_async_write(peer, s, d, n))
+    for batch_id in pending:
+        _raw_wait(engine, batch_id)
+    return time.perf_counter() - t0
+
+
+def _raw_wait(engine, batch_id: int) -> None:
+    if not batch_id or engine.get_batch_transfer_status([batch_id]) != 0:
+        raise RuntimeError("raw TE batch failed")
+
+
+def bench_te_transport(transport, peer: str, batches: list, as_pieces: bool) -> float:
+    """Seconds to write the same batches through `MooncakeTransport` (`write` of
+    Piece lists, or `write_lists` of the address lists)."""
+    from fastkv.pd.transport import WriteState
+
+    t0 = time.perf_counter()
+    if as_pieces:
+        handles = [transport.write(peer, pieces) for pieces in batches]
+    else:
+        handles = [transport.write_lists(peer, s, d, n) for s, d, n in batches]
+    if any(h.wait(60) is not WriteState.DONE for h in handles):
+        raise RuntimeError("transport write failed")
+    return time.perf_counter() - t0
+
+
+class _TimedEngine:
+    """The engine with the calling thread's CPU time inside each submit recorded,
+    so a transport call's own Python cost is its time less the engine's."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self._caller = threading.get_ident()
+        self.last_ns = 0  # the caller's last submit; reset before each call
+
+    def batch_transfer_async_write(self, *args):
+        if threading.get_ident() != self._caller:  # the transport's peer thread
+            return self._engine.batch_transfer_async_write(*args)
+        t0 = time.thread_time_ns()
+        try:
+            return self._engine.batch_transfer_async_write(*args)
+        finally:
+            self.last_ns = time.thread_time_ns() - t0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def bench_te_call_overhead(transport, peer: str, calls: int, dst: int, regions: list[int]):
+    """Thread CPU microseconds per write call of 64 pieces of 4 KiB: the raw
+    submit alone, and the transport's `write` / `write_lists` with the pieces in
+    one region and spread over two (K and V tensors), each split into the
+    engine's submit and the transport's own (Python) part, measured in the same
+    call. Medians and p90 over `calls`."""
+    from fastkv.pd.transport import Piece
+
+    engine = transport._engine
+    timed = _TimedEngine(engine)
+    transport._engine = timed
+    for state in transport._peers.values():
+        state._engine = timed
+    one = [Piece(regions[0] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
+    two = [Piece(regions[i % 2] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
+    lists = ([p.src for p in two], [p.dst for p in two], [p.length for p in two])
+
+    def inline(call):
+        def run():
+            transport._submit_in_caller = True
+            try:
+                return call()
+            finally:
+                transport._submit_in_caller = False
+
+        return run
+
+    variants = {
+        "raw_submit": lambda: timed.batch_transfer_async_write(peer, *lists),
+        "write_1_region": lambda: transport.write(peer, one),
+        "write_2_regions": lambda: transport.write(peer, two),
+        "write_lists_2_regions": lambda: transport.write_lists(peer, *lists),
+        "write_2_regions_submit_in_caller": inline(lambda: transport.write(peer, two)),
+    }
+    total: dict[str, list[int]] = {k: [] for k in variants}
+    own: dict[str, list[int]] = {k: [] for k in variants}
+    for _ in range(calls):
+        for name, call in variants.items():
+            timed.last_ns = 0
+            t0 = time.thread_time_ns()
+            out = call()
+            spent = time.thread_time_ns() - t0
+            total[name].append(spent)
+            own[name].append(spent - timed.last_ns)
+            if name == "raw_submit":
+                engine.get_batch_transfer_status([out])
+            else:
+                out.wait(30)
+    transport._engine = engine
+
+    def q(ts: list[int], f: float) -> float:
+        return round(sorted(ts)[int(len(ts) * f)] / 1e3, 1)
+
+    return [
+        {
+            "call": name,
+            "total_median_us": q(total[name], 0.5),
+            "engine_submit_median_us": q(
+                [t - o for t, o in zip(total[name], own[name], strict=True)], 0.5
+            ),
+            "own_median_us": q(own[name], 0.5) if name != "raw_submit" else 0.0,
+            "own_p90_us": q(own[name], 0.9) if name != "raw_submit" else 0.0,
+            "calls": len(total[name]),
+        }
+        for name in variants
+    ]
+
+
+class _StubEngine:
+    """Takes every batch and reports it complete at once: what is left of a write
+    call is the transport's own Python work."""
+
+    def batch_transfer_async_write(self, *args) -> int:
+        return 1
+
+    def get_batch_transfer_status(self, ids: list[int]) -> int:
+        return 0
+
+
+def bench_te_python_cost(transport, calls: int, dst: int, regions: list[int]) -> list[dict]:
+    """Thread CPU microseconds of `write` / `write_lists` with the engine stubbed
+    out (`_StubEngine`), 64 pieces of 4 KiB: the transport's own per-call cost,
+    free of the engine's noise. Median and p90 over `calls`."""
+    from fastkv.pd.mooncake_te import _Peer
+    from fastkv.pd.transport import Piece
+
+    stub = _StubEngine()
+    saved_engine, saved_peers = transport._engine, transport._peers
+    transport._engine, transport._peers = (
+        stub,
+        {"127.0.0.1:1": _Peer(stub, "127.0.0.1:1", 1024)},
+    )
+    one = [Piece(regions[0] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
+    two = [Piece(regions[i % 2] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
+    lists = ([p.src for p in two], [p.dst for p in two], [p.length for p in two])
+    variants = {
+        "write_1_region": lambda: transport.write("127.0.0.1:1", one),
+        "write_2_regions": lambda: transport.write("127.0.0.1:1", two),
+        "write_lists_2_regions": lambda: transport.write_lists("127.0.0.1:1", *lists),
+    }
+    rows = []
+    try:
+        for name, call in variants.items():
+            ts = []
+            for _ in range(calls):
+                t0 = time.thread_time_ns()
+                handle = call()
+                ts.append(time.thread_time_ns() - t0)
+                handle.wait(30)
+            ts.sort()
+            rows.append(
+                {
+                    "call": name + " (engine stubbed)",
+                    "median_us": round(ts[len(ts) // 2] / 1e3, 1),
+                    "p90_us": round(ts[int(len(ts) * 0.9)] / 1e3, 1),
+                    "calls": calls,
+                }
+            )
+    finally:
+        transport._peers["127.0.0.1:1"].close()
+        transport._engine, transport._peers = saved_engine, saved_peers
+    return rows
+
+
+def bench_te_inside(block_sizes: list[int], total: int, layers: int, reps: int, calls: int):
+    """Runs inside a private network namespace (see `bench_te`)."""
+    import numpy as np
+
+    from fastkv.pd.mooncake_te import MooncakeTransport
+    from fastkv.pd.transport import Piece
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    receiver = subprocess.Popen(
+        [sys.executable, __file__, "--te-receiver", str(total)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    hello = json.loads(receiver.stdout.readline())  # type: ignore[union-attr]
+    peer, dst = hello["address"], hello["base"]
+    transport = MooncakeTransport(HOST, write_timeout_s=120)
+    src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    extra = np.ones(64 * 4096, dtype=np.uint8)
+    transport.register(src.ctypes.data, total)
+    transport.register(extra.ctypes.data, extra.nbytes)
+    engine = transport._engine  # the raw engine: same process, same registrations
+    transport.connect(peer, 10)
+    rows = []
+    for block in block_sizes:
+        blocks = total // block
+        per_layer, whole = _te_layout(src.ctypes.data, dst, block, blocks, layers)
+        pieces = [[Piece(*x) for x in zip(*b, strict=True)] for b in per_layer]
+        runs: dict[str, list[float]] = {
+            "raw_blocks": [],
+            "raw_pieces": [],
+            "write": [],
+            "write_lists": [],
+        }
+        raw_layers, raw_whole = _te_chunks(per_layer, 512), _te_chunks([whole], 512)
+        bench_raw_te(engine, peer, raw_whole)  # warm the connections
+        for r in range(reps):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in order:
+                if name == "raw_blocks":
+                    runs[name].append(bench_raw_te(engine, peer, raw_whole))
+                elif name == "raw_pieces":
+                    runs[name].append(bench_raw_te(engine, peer, raw_layers))
+                else:
+                    batches = pieces if name == "write" else per_layer
+                    runs[name].append(
+                        bench_te_transport(transport, peer, batches, name == "write")
+                    )
+        gbps = {k: blocks * block / statistics.median(v) / 1e9 for k, v in runs.items()}
+        rows.append(
+            {
+                "block_KiB": block >> 10,
+                "piece_KiB": round(block / (2 * layers) / 1024, 1),
+                "blocks": blocks,
+                "raw_blocks_GBps": round(gbps["raw_blocks"], 2),
+                "raw_pieces_GBps": round(gbps["raw_pieces"], 2),
+                "pieces_vs_blocks": round(gbps["raw_pieces"] / gbps["raw_blocks"], 2),
+                "write_GBps": round(gbps["write"], 2),
+                "write_vs_raw": round(gbps["write"] / gbps["raw_pieces"], 2),
+                "write_lists_GBps": round(gbps["write_lists"], 2),
+                "write_lists_vs_raw": round(gbps["write_lists"] / gbps["raw_pieces"], 2),
+            }
+        )
+    overhead = bench_te_call_overhead(
+        transport, peer, calls, dst, [src.ctypes.data, extra.ctypes.data]
+    )
+    python_cost = bench_te_python_cost(
+        transport, calls, dst, [src.ctypes.data, extra.ctypes.data]
+    )
+    receiver.stdin.close()  # type: ignore[union-attr]
+    receiver.wait(10)
+    return {
+        "throughput": rows,
+        "call_overhead": overhead,
+        "python_cost": python_cost,
+        "layers": layers,
+        "reps": reps,
+    }
+
+
+def bench_te(block_sizes: list[int], total: int, layers: int, reps: int, calls: int):
+    """The engine listens on every interface: run it in a private network namespace."""
+    env = dict(os.environ, GLOG_minloglevel="1")  # the engine logs every batch at INFO
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--net",
+            "--fork",
+            sys.executable,
+            __file__,
+            "--te-inside",
+            json.dumps([block_sizes, total, layers, reps, calls]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TE ")]
+    if proc.returncode != 0 or not lines:
+        return f"failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}"
+    return json.loads(lines[-1][3:])
+
+
+def print_te(te: dict | str) -> None:
+    if isinstance(te, str):
+        print(f"\nMooncake TE: {te}")
+        return
+    print_table(
+        f"Mooncake TE over TCP loopback, two processes: per-layer pieces ({te['layers']} "
+        "layers, K and V: one batch per layer) vs whole blocks, raw engine vs "
+        f"MooncakeTransport, GB/s (median of {te['reps']})",
+        te["throughput"],
+        list(te["throughput"][0]),
+    )
+    print_table(
+        "MooncakeTransport per-call CPU (calling thread), 64 pieces of 4 KiB, microseconds: "
+        "the whole call, the engine's submit in it, and the rest (own)",
+        te["call_overhead"],
+        list(te["call_overhead"][0]),
+    )
+    print_table(
+        "The same calls with the engine stubbed out: the transport's own Python cost",
+        te["python_cost"],
+        list(te["python_cost"][0]),
+    )
+
+
+# -- shared ----------------------------------------------------------------------
+
+
+def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(r[c]).rjust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="less data, fewer repetitions")
+    parser.add_argument("--only", choices=["te"], default=None)
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--layers", type=int, default=4, help="pieces per block: 2 x layers")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--te-inside", help=argparse.SUPPRESS)
+    parser.add_argument("--te-receiver", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.te_receiver:
+        _te_receiver(args.te_receiver)
+    if args.te_inside:
+        print("TE " + json.dumps(bench_te_inside(*json.loads(args.te_inside))), flush=True)
+        os._exit(0)  # skip the engine's teardown
+    reps = args.reps or (3 if args.quick else 7)
+    result: dict = {}
+    if args.only in (None, "te"):
+        total = (64 if args.quick else 256) * MiB
+        calls = 1000 if args.quick else 3000
+        result["te"] = bench_te(
+            [k << 10 for k in args.block_kib], total, args.layers, reps, calls
+        )
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    if "te" in result:
+        print_te(result["te"])
+
+
+if __name__ == "__main__":
+    main()
