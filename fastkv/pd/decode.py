@@ -288,6 +288,11 @@ class DecodeTransfers:
         t = self._by_request.get(request_id)
         return t is not None and t.state is DState.RECEIVING
 
+    def is_live(self, epoch: Epoch, transfer_id: int) -> bool:
+        """Whether the transfer still holds blocks (receiving or fencing): its
+        notices still matter to D's workers (`PDReceiver.forget` once not)."""
+        return (epoch, transfer_id) in self._by_id
+
     def num_transfers(self, state: DState) -> int:
         return sum(1 for t in self._by_id.values() if t.state is state)
 

@@ -89,6 +89,20 @@ class Rejection:
 
 
 @dataclass(frozen=True, slots=True)
+class SendPlan:
+    """What every P rank's worker needs to send one request (`fastkv.pd.sender`),
+    made by P's scheduler half (`PrefillTransfers.plan`)."""
+
+    transfer_id: int
+    epoch: Epoch
+    secret: bytes
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    num_d_ranks: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RankReport:
     """One rank's word on one transfer, to its own scheduler half.
 
@@ -213,6 +227,7 @@ __all__ = [
     "Offer",
     "RankReport",
     "Rejection",
+    "SendPlan",
     "decode_notice",
     "encode_notice",
     "new_secret",

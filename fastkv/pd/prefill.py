@@ -29,6 +29,7 @@ from fastkv.pd.messages import (
     Offer,
     RankReport,
     Rejection,
+    SendPlan,
     check_positive,
     check_rank_count,
 )
@@ -38,19 +39,6 @@ from fastkv.scheduler.cache_manager import CacheManager
 class PState(Enum):
     OFFERED = "offered"
     SENDING = "sending"
-
-
-@dataclass(frozen=True, slots=True)
-class SendPlan:
-    """What every P rank's worker needs to send one request (`fastkv.pd.sender`)."""
-
-    transfer_id: int
-    epoch: Epoch
-    secret: bytes
-    src_block_ids: tuple[int, ...]
-    dst_block_ids: tuple[int, ...]
-    num_d_ranks: int
-    timeout_s: float
 
 
 @dataclass(slots=True)
@@ -242,4 +230,4 @@ class PrefillTransfers:
             assert self._sends.get(send.request_id) is send, key
 
 
-__all__ = ["PState", "PrefillCounters", "PrefillTransfers", "SendPlan"]
+__all__ = ["PState", "PrefillCounters", "PrefillTransfers"]

@@ -1,0 +1,267 @@
+"""P's worker half, one per P rank: send each layer's blocks as soon as the layer is
+written, then one notice per D rank served.
+
+    sender = PDSender(transport, KVLayout.of_controller(ctrl, tp_rank=r, tp_size=p))
+    sender.connect(d_address, d_layout)      # once per D rank served (handshake)
+    sender.start(plan)                       # per transfer (PrefillTransfers.plan)
+    ... the model runs; after writing layer L of the step the engine calls
+    sender.after_layer(L)                    # on a GPU: after the kernel's event
+    reports = sender.poll()                  # each step: settled sends -> RankReport
+
+The hook does only what cannot wait: it hands the layer's pieces (computed at
+`start`) to the transport, for every send whose next layer this is. `poll` finishes
+a send once its last layer was handed over and every write settled: it computes the
+checksums of the blocks as each D rank receives them and notifies that rank (done,
+or failed when a write failed or could not start), then reports the send settled to
+P's scheduler. A notice goes out only after every write it covers settled, so its
+arrival tells D no write of this rank can land any more.
+
+Layers are numbered over the whole layout, extra (speculative) layers last: the
+engine calls the hook for each of them, in order. One step per send (a chunked
+prefill's chunks are not split into sends yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastkv.metadata import Epoch
+from fastkv.pd.layout import KVLayout, block_checksums, check_pair
+from fastkv.pd.messages import Notice, RankReport, SendPlan, encode_notice
+from fastkv.pd.transport import PDTransport, Piece, TransportError, WriteHandle, WriteState
+
+
+@dataclass(slots=True)
+class _Target:
+    d_rank: int
+    address: str
+    index: int  # D's head slice in P's blocks
+
+
+@dataclass(slots=True)
+class _Send:
+    plan: SendPlan
+    layers: list[list[tuple[str, list[Piece]]]]
+    deadline: float
+    next_layer: int = 0
+    handles: list[WriteHandle] = field(default_factory=list)
+    failed: str = ""
+
+
+class PDSender:
+    """P rank's sends (the hook may run on the engine's thread, `poll` on the
+    scheduler's step; not for concurrent calls of the same method).
+
+    Args:
+        transport: this rank's transport; every cache tensor is registered once here.
+        layout: this rank's cache (`KVLayout`).
+        notify_timeout_s: the longest a notice may take to go out.
+        clock: monotonic seconds (send deadlines).
+    """
+
+    def __init__(
+        self,
+        transport: PDTransport,
+        layout: KVLayout,
+        *,
+        notify_timeout_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.notify_timeout_s = notify_timeout_s
+        self._clock = clock
+        for t in layout.tensors:
+            transport.register(t.ptr, t.nbytes)
+        self._targets: dict[int, _Target] = {}
+        self._d_layouts: dict[int, KVLayout] = {}
+        self._sends: dict[tuple[Epoch, int], _Send] = {}
+        self._active: list[_Send] = []
+        self.layers_sent = 0
+        self.bytes_sent = 0
+
+    def connect(self, address: str, d_layout: KVLayout) -> None:
+        """Pair with D rank `d_layout.tp_rank` reachable at `address`.
+
+        Raises:
+            ValueError: layouts differ, or the TP pair is refused (`check_pair`)."""
+        index = check_pair(self.layout, d_layout)
+        if self._d_layouts and next(iter(self._d_layouts.values())).tp_size != d_layout.tp_size:
+            raise ValueError("d_layout.tp_size: differs from an earlier D rank's")
+        self._targets[d_layout.tp_rank] = _Target(d_layout.tp_rank, address, index)
+        self._d_layouts[d_layout.tp_rank] = d_layout
+
+    def start(self, plan: SendPlan) -> None:
+        """Prepare a send: its pieces per layer, to every D rank this rank serves.
+
+        Raises:
+            ValueError: a D rank this rank serves is not connected, a block id out of
+                range, or source and destination lists of different lengths."""
+        k = plan.num_d_ranks // self.layout.tp_size if plan.num_d_ranks else 0
+        want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
+        if (
+            k < 1
+            or plan.num_d_ranks % self.layout.tp_size
+            or any(r not in self._targets for r in want)
+        ):
+            raise ValueError(
+                f"plan.num_d_ranks: {plan.num_d_ranks}; D ranks {list(want)} must be "
+                f"connected (connected: {sorted(self._targets)})"
+            )
+        if len(plan.src_block_ids) != len(plan.dst_block_ids):
+            raise ValueError("plan: src_block_ids and dst_block_ids differ in length")
+        if (plan.epoch, plan.transfer_id) in self._sends:
+            raise ValueError(f"plan.transfer_id: {plan.transfer_id} is already sending")
+        self._check_ids("src_block_ids", plan.src_block_ids, self.layout.num_blocks)
+        for r in want:
+            self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
+        layers = [
+            [(self._targets[r].address, self._pieces(plan, layer, r)) for r in want]
+            for layer in range(self.layout.num_layers)
+        ]
+        send = _Send(plan, layers, self._clock() + plan.timeout_s)
+        self._sends[(plan.epoch, plan.transfer_id)] = send
+        if plan.src_block_ids:
+            self._active.append(send)
+        else:
+            send.next_layer = self.layout.num_layers
+
+    def after_layer(self, layer: int) -> None:
+        """The hook: layer `layer` of the step is written; start its writes."""
+        if not self._active:
+            return
+        done = False
+        write = self.transport.write
+        for send in self._active:
+            if send.next_layer != layer:
+                send.failed = f"hook called for layer {layer}, expected {send.next_layer}"
+                send.next_layer = len(send.layers)
+                done = True
+                continue
+            try:
+                for peer, pieces in send.layers[layer]:
+                    send.handles.append(write(peer, pieces))
+            except TransportError as exc:
+                send.failed = f"layer {layer}: {exc}"
+                send.next_layer = len(send.layers)
+                done = True
+                continue
+            self.layers_sent += 1
+            send.next_layer += 1
+            done |= send.next_layer == len(send.layers)
+        if done:
+            self._active = [s for s in self._active if s.next_layer < len(s.layers)]
+
+    def abort(self, epoch: Epoch, transfer_id: int) -> None:
+        """Start no more writes for the transfer; it settles (failed) as usual."""
+        send = self._sends.get((epoch, transfer_id))
+        if send is not None and send.next_layer < len(send.layers):
+            send.failed = send.failed or "aborted on P"
+            send.next_layer = len(send.layers)
+            self._active = [s for s in self._active if s is not send]
+
+    def poll(self) -> list[RankReport]:
+        """Settle the sends whose writes all settled: notify D, report to P."""
+        reports = []
+        now = self._clock()
+        for key, send in list(self._sends.items()):
+            if send.next_layer < len(send.layers) and now < send.deadline:
+                continue
+            states = [h.state() for h in send.handles]
+            if WriteState.PENDING in states and now < send.deadline:
+                continue
+            del self._sends[key]
+            self._active = [s for s in self._active if s is not send]
+            reports.append(self._settle(send, states))
+        return reports
+
+    @property
+    def num_sends(self) -> int:
+        return len(self._sends)
+
+    # -- internals ------------------------------------------------------------
+
+    def _settle(self, send: _Send, states: list[WriteState]) -> RankReport:
+        plan = send.plan
+        if not send.failed and send.next_layer < len(send.layers):
+            send.failed = "deadline passed before the last layer"
+        elif not send.failed and WriteState.PENDING in states:
+            # No notice: D cannot learn the writes settled; it fences by its grace.
+            send.failed = "writes still pending at the deadline"
+            return RankReport(
+                plan.transfer_id, plan.epoch, self.layout.tp_rank, False, send.failed
+            )
+        elif not send.failed and WriteState.FAILED in states:
+            send.failed = "a write failed"
+        ok = not send.failed
+        if ok:
+            self.bytes_sent += sum(
+                p.length for layer in send.layers for _, ps in layer for p in ps
+            )
+        for peer, notice in self._notices(send, ok):
+            try:
+                self.transport.notify(peer, notice, self.notify_timeout_s)
+            except TransportError as exc:
+                ok = False
+                send.failed = send.failed or f"notice to {peer}: {exc}"
+        return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, ok, send.failed)
+
+    def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
+        plan = send.plan
+        k = plan.num_d_ranks // self.layout.tp_size
+        out = []
+        for r in range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k):
+            target = self._targets[r]
+            sums = (
+                block_checksums(
+                    self.layout.tensors, plan.src_block_ids, slices=k, index=target.index
+                )
+                if ok
+                else []
+            )
+            notice = Notice(
+                plan.epoch,
+                plan.transfer_id,
+                self.layout.tp_rank,
+                self.layout.tp_size,
+                r,
+                plan.num_d_ranks,
+                not ok,
+                self.layout.num_layers,
+                tuple(sums),
+            )
+            out.append((target.address, encode_notice(notice, plan.secret)))
+        return out
+
+    def _pieces(self, plan: SendPlan, layer: int, d_rank: int) -> list[Piece]:
+        """The layer's pieces for one D rank; runs of consecutive blocks on both
+        sides coalesce when whole blocks move."""
+        k = plan.num_d_ranks // self.layout.tp_size
+        index = self._targets[d_rank].index
+        d_layer = self._d_layouts[d_rank].layer(layer)
+        pieces = []
+        for pt, dt in zip(self.layout.layer(layer), d_layer, strict=True):
+            size = pt.block_bytes // k
+            off = index * size
+            run_src = run_dst = -2
+            for s, d in zip(plan.src_block_ids, plan.dst_block_ids, strict=True):
+                src = pt.ptr + s * pt.block_bytes + off
+                dst = dt.ptr + d * dt.block_bytes
+                if k == 1 and s == run_src + 1 and d == run_dst + 1:
+                    last = pieces[-1]
+                    pieces[-1] = Piece(last.src, last.dst, last.length + size)
+                else:
+                    pieces.append(Piece(src, dst, size))
+                run_src, run_dst = s, d
+        return pieces
+
+    @staticmethod
+    def _check_ids(name: str, ids: tuple[int, ...], limit: int) -> None:
+        for i, b in enumerate(ids):
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < limit:
+                raise ValueError(f"plan.{name}[{i}]: {b!r} not a block id in [0, {limit})")
+
+
+__all__ = ["PDSender"]

@@ -1,0 +1,81 @@
+"""Sending overlaps the prefill: P is held after layer 0 until D has observed layer
+0's bytes in its receiving blocks, while layer 1 there is still untouched."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fastkv.pd.messages import Acceptance
+
+from .rig import BS, Rig, kv_values
+
+TOKENS = list(range(7, 7 + 3 * BS))
+
+
+def _layer_landed(rig: Rig, acc: Acceptance, layer: int) -> bool:
+    t = rig.d.ctrls[0].caches[layer * 2].numpy()
+    for i, block in enumerate(acc.block_ids):
+        want = kv_values(TOKENS, layer, 0)[i * BS : (i + 1) * BS].transpose(1, 0, 2)
+        if t[block].tobytes() != np.ascontiguousarray(want).tobytes():
+            return False
+    return True
+
+
+def test_p_held_after_layer_0_until_d_observed_its_bytes() -> None:
+    rig = Rig(layers=3)
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    seen = threading.Event()
+    layer1_clean = []
+
+    def observe() -> None:  # D's side, another thread: wait for layer 0's bytes
+        for _ in range(2000):
+            if _layer_landed(rig, acc, 0):
+                t1 = rig.d.ctrls[0].caches[2].numpy()
+                layer1_clean.append(all(not t1[b].any() for b in acc.block_ids))
+                seen.set()
+                return
+            threading.Event().wait(0.001)
+
+    sender = rig.senders[0]
+    hook = sender.after_layer
+
+    def held_hook(layer: int) -> None:
+        hook(layer)
+        if layer == 0:
+            assert seen.wait(10.0), "D never observed layer 0's bytes"
+
+    sender.after_layer = held_hook  # type: ignore[method-assign]
+    d = threading.Thread(target=observe)
+    d.start()
+    rig.prefill("r", TOKENS)  # P: layer 0, hook (held), then layers 1 and 2
+    d.join(10.0)
+    assert layer1_clean == [True], "layer 1 arrived before P computed it"
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r", TOKENS) == "received"
+    rig.check_clean()
+
+
+def test_hook_out_of_order_fails_the_send() -> None:
+    rig = Rig()
+    assert isinstance(rig.offer("r", TOKENS), Acceptance)
+    rig.senders[0].after_layer(1)  # layer 0 skipped
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    (out,) = rig.outcomes
+    assert not out.success
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
+
+
+def test_sender_refuses_a_plan_for_unconnected_ranks() -> None:
+    rig = Rig(p_tp=1, d_tp=2)
+    from fastkv.pd.messages import SendPlan
+
+    plan = SendPlan(1, rig.d_side.epoch, b"k" * 32, (0,), (0,), 4, 5.0)
+    with pytest.raises(ValueError, match="connected"):
+        rig.senders[0].start(plan)
