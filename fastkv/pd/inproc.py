@@ -20,6 +20,7 @@ lands afterwards, the guarantee a receiver's fence grace relies on.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import random
 import threading
@@ -73,7 +74,8 @@ class InProcTransport:
     def __init__(self, fabric: InProcFabric, name: str) -> None:
         self._fabric = fabric
         self._name = name
-        self.regions: list[tuple[int, int]] = []
+        self.regions: list[tuple[int, int]] = []  # sorted by start
+        self._starts: list[int] = []
         self.inbox: list[tuple[str, bytes]] = []
         self.dead = False
 
@@ -86,7 +88,9 @@ class InProcTransport:
             raise TransportError(f"register: addr {addr:#x}, length {length}: must be > 0")
         with self._fabric._cond:
             self._check_live()
-            self.regions.append((addr, addr + length))
+            i = bisect.bisect(self._starts, addr)
+            self._starts.insert(i, addr)
+            self.regions.insert(i, (addr, addr + length))
 
     def write(self, peer: str, pieces: Sequence[Piece]) -> _Handle:
         return self._fabric._write(self, peer, tuple(pieces))
@@ -107,7 +111,12 @@ class InProcTransport:
             self.dead = True
 
     def covers(self, addr: int, length: int) -> bool:
-        return any(lo <= addr and addr + length <= hi for lo, hi in self.regions)
+        """Whether one registered region holds `[addr, addr+length)` (regions may
+        overlap: every one starting at or before `addr` is tried, nearest first)."""
+        for i in range(bisect.bisect(self._starts, addr) - 1, -1, -1):
+            if addr + length <= self.regions[i][1]:
+                return True
+        return False
 
     def _check_live(self) -> None:
         if self.dead:
