@@ -33,6 +33,7 @@ a deployment secret is set, derived from it, the epoch and the transfer id
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import secrets
@@ -77,6 +78,11 @@ class Acceptance:
     secret: bytes
     timeout_s: float
     num_d_ranks: int
+
+    def public(self) -> Acceptance:
+        """This acceptance without its key, for P where a deployment secret is set
+        (P derives the key itself with `transfer_secret`, so it never travels)."""
+        return dataclasses.replace(self, secret=b"")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from fastkv.pd.messages import (
     SendPlan,
     check_positive,
     check_rank_count,
+    transfer_secret,
 )
 from fastkv.scheduler.cache_manager import CacheManager
 
@@ -73,6 +74,9 @@ class PrefillTransfers:
         answer_timeout_s: how long D may take to answer an offer.
         send_timeout_s: the longest P keeps a send pinned after acceptance (more
             than the transport's write timeout).
+        deployment_secret: the secret D's `DecodeTransfers` was given, if any: an
+            acceptance without a key (`Acceptance.public`) then gets its notice key
+            from it (`transfer_secret`).
         clock: monotonic seconds.
     """
 
@@ -84,8 +88,12 @@ class PrefillTransfers:
         num_ranks: int = 1,
         answer_timeout_s: float = 30.0,
         send_timeout_s: float = 60.0,
+        deployment_secret: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if deployment_secret is not None and len(deployment_secret) < 16:
+            raise ValueError("deployment_secret: must be at least 16 bytes")
+        self._secret = deployment_secret
         self.answer_timeout_s = check_positive("answer_timeout_s", answer_timeout_s)
         self.send_timeout_s = check_positive("send_timeout_s", send_timeout_s)
         self.num_ranks = check_rank_count("num_ranks", num_ranks)
@@ -115,6 +123,8 @@ class PrefillTransfers:
 
     def on_answer(self, answer: Acceptance | Rejection) -> bool:
         """Apply D's answer; True when the request is to be sent (`plan`). An
+        acceptance for another token count or a D size not a multiple of P's, or
+        without a key where P has no deployment secret, is treated as a rejection. An
         answer to no offered request (late, after its deadline) is counted and
         ignored (D's own deadline frees what it reserved)."""
         send = self._sends.get(answer.request_id)
@@ -125,7 +135,11 @@ class PrefillTransfers:
             self.counters.rejected += 1
             self._unpin(send)
             return False
-        if answer.num_tokens != send.num_tokens or answer.num_d_ranks % self.num_ranks:
+        if (
+            answer.num_tokens != send.num_tokens
+            or answer.num_d_ranks % self.num_ranks
+            or not (answer.secret or self._secret)
+        ):
             self.counters.rejected += 1
             self._unpin(send)
             return False
@@ -152,10 +166,11 @@ class PrefillTransfers:
                 f"request_id: {request_id!r} holds {table.num_blocks} blocks, the send "
                 f"needs {total}; allocate its prompt first"
             )
+        key = acc.secret or transfer_secret(self._secret or b"", acc.epoch, acc.transfer_id)
         return SendPlan(
             acc.transfer_id,
             acc.epoch,
-            acc.secret,
+            key,
             tuple(table.block_ids[acc.num_prefix_blocks : total]),
             acc.block_ids,
             acc.num_d_ranks,

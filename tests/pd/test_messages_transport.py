@@ -104,3 +104,24 @@ def test_kill_lands_part_of_the_dying_writers_bytes_and_fails_the_rest() -> None
         a.write("b", [Piece(src.ctypes.data, dst.ctypes.data, 1)])
     with pytest.raises(TransportError):
         b.notify("a", b"y", 1.0)
+
+
+def test_with_a_deployment_secret_the_key_never_travels() -> None:
+    from fastkv.pd.prefill import PrefillTransfers
+
+    s = b"d" * 32
+    d_mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=8))
+    p_mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=8))
+    d = DecodeTransfers(d_mgr, layout_digest=b"L" * 32, deployment_secret=s)
+    hs = [bytes([i]) * 32 for i in range(2)]
+    for p_secret, sent in ((None, False), (s, True)):
+        p = PrefillTransfers(p_mgr, layout_digest=b"L" * 32, deployment_secret=p_secret)
+        rid = f"r{sent}"
+        p_mgr.match(rid, hs, 8)
+        assert p_mgr.allocate(rid, num_tokens=8)
+        acc = d.accept(p.offer(rid, 8), hs)
+        assert isinstance(acc, Acceptance)
+        assert p.on_answer(acc.public()) is sent  # no key and no secret: refused
+        if sent:
+            assert p.plan(rid).secret == acc.secret
+        p.release(rid)
