@@ -45,6 +45,7 @@ class _Send:
     plan: SendPlan
     layers: list[list[tuple[str, list[Piece]]]]
     deadline: float
+    layer_bytes: list[int] = field(default_factory=list)
     next_layer: int = 0
     handles: list[WriteHandle] = field(default_factory=list)
     failed: str = ""
@@ -80,7 +81,7 @@ class PDSender:
         self._sends: dict[tuple[Epoch, int], _Send] = {}
         self._active: list[_Send] = []
         self.layers_sent = 0
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # handed to the transport (landed or not)
 
     def connect(self, address: str, d_layout: KVLayout) -> None:
         """Pair with D rank `d_layout.tp_rank` reachable at `address`.
@@ -122,6 +123,7 @@ class PDSender:
             for layer in range(self.layout.num_layers)
         ]
         send = _Send(plan, layers, self._clock() + plan.timeout_s)
+        send.layer_bytes = [sum(p.length for _, ps in lay for p in ps) for lay in layers]
         self._sends[(plan.epoch, plan.transfer_id)] = send
         if plan.src_block_ids:
             self._active.append(send)
@@ -149,6 +151,7 @@ class PDSender:
                 done = True
                 continue
             self.layers_sent += 1
+            self.bytes_sent += send.layer_bytes[layer]
             send.next_layer += 1
             done |= send.next_layer == len(send.layers)
         if done:
@@ -185,21 +188,16 @@ class PDSender:
 
     def _settle(self, send: _Send, states: list[WriteState]) -> RankReport:
         plan = send.plan
+        if WriteState.PENDING in states:
+            # Past the deadline with a write unsettled: no notice, since a notice
+            # tells D no write can land any more; D fences by its grace instead.
+            reason = send.failed or "writes still pending at the deadline"
+            return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
         if not send.failed and send.next_layer < len(send.layers):
             send.failed = "deadline passed before the last layer"
-        elif not send.failed and WriteState.PENDING in states:
-            # No notice: D cannot learn the writes settled; it fences by its grace.
-            send.failed = "writes still pending at the deadline"
-            return RankReport(
-                plan.transfer_id, plan.epoch, self.layout.tp_rank, False, send.failed
-            )
         elif not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
         ok = not send.failed
-        if ok:
-            self.bytes_sent += sum(
-                p.length for layer in send.layers for _, ps in layer for p in ps
-            )
         for peer, notice in self._notices(send, ok):
             try:
                 self.transport.notify(peer, notice, self.notify_timeout_s)

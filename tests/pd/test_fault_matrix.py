@@ -252,3 +252,37 @@ def test_d_never_answers_p_unpins_at_its_deadline() -> None:
     rig.step(0.2)
     assert not mgr.is_active("r") and rig.p_side.counters.expired == 1
     rig.check_clean()
+
+
+def test_p_rank_dies_scheduler_lives_unpins_at_the_deadline() -> None:
+    """A P rank's transport dies mid-transfer while P's scheduler lives: the rank's
+    send fails and settles (its failure notice cannot go out), P unpins; D fences
+    by its deadline and grace and recomputes."""
+    rig = Rig()
+    rig.fabric.hold_writes = True
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    rig.prefill("r", TOKENS, stop_at=1)
+    rig.fabric.kill("p0", land_fraction=0.25)
+    rig.p_side.release("r")
+    rig.step(TIMEOUT)
+    assert not rig.p.mgr.is_active("r") and rig.senders[0].num_sends == 0
+    assert rig.d.mgr.num_receiving_blocks == len(acc.block_ids)
+    rig.step(GRACE)
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
+
+
+def test_sender_never_notifies_while_a_write_is_pending() -> None:
+    """A write still pending at the send deadline: no notice (it would tell D that
+    nothing can land any more); P reports the send failed."""
+    rig = Rig()
+    rig.fabric.hold_writes = True
+    rig.fabric.write_timeout_s = 100.0  # a transport slower than the send deadline
+    assert isinstance(rig.offer("r", TOKENS), Acceptance)
+    rig.prefill("r", TOKENS, stop_at=2)  # the model stalls after layer 1
+    rig.p_side.release("r")
+    rig.step(TIMEOUT, pump=False)
+    assert rig.senders[0].num_sends == 0 and rig.p_side.counters.send_failed == 1
+    assert rig.receivers[0].counters.received == 0  # no notice went out
+    assert rig.fabric.num_queued == 2
