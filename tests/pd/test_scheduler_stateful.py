@@ -77,6 +77,7 @@ class PDLifecycle(RuleBasedStateMachine):
         self.recompute: set[int] = set()  # requests failed on D, still active
         self.local: list[int] = []  # D's own requests holding blocks
         self.hashes: dict[int, list[bytes]] = {}
+        self.p_sends: dict[int, Acceptance] = {}  # accepted on P, maybe still pinned
 
     # -- offers ---------------------------------------------------------------
 
@@ -104,6 +105,27 @@ class PDLifecycle(RuleBasedStateMachine):
         if self.p.on_answer(answer):
             plan = self.p.plan(rid)
             assert len(plan.src_block_ids) == len(plan.dst_block_ids)
+            table = self.p_mgr.block_table(rid).block_ids
+            assert tuple(table[answer.num_prefix_blocks :]) == plan.src_block_ids
+            self.p_sends[rid] = answer
+        else:
+            assert not self.p.is_pinned(rid) and not self.p_mgr.is_active(rid)
+
+    @rule(i=st.integers(0, 10), ok=st.booleans(), again=st.booleans())
+    def p_report(self, i: int, ok: bool, again: bool) -> None:
+        """P's rank settles a send: it is unpinned and P's request finishes."""
+        live = [r for r in sorted(self.p_sends) if self.p.is_pinned(r)]
+        if not live:
+            return
+        rid = live[i % len(live)]
+        acc = self.p_sends.pop(rid)
+        report = RankReport(acc.transfer_id, acc.epoch, 0, ok)
+        self.p.on_reports([report])
+        assert not self.p.is_pinned(rid) and not self.p_mgr.is_active(rid)
+        if again:
+            before = self.p.counters.stale
+            self.p.on_reports([report])
+            assert self.p.counters.stale == before + 1
 
     @rule(doc=st.integers(0, len(DOCS) - 1), n=st.integers(1, 5))
     def local_request(self, doc: int, n: int) -> None:
@@ -173,6 +195,8 @@ class PDLifecycle(RuleBasedStateMachine):
         for out in self.d.tick():
             self._resolve(out.request_id, out.transfer_id, out.success)
         self.p.tick()
+        for rid in self.p_sends:  # pinned exactly while its deadline has not passed
+            assert self.p.is_pinned(rid) == self.p_mgr.is_active(rid)
 
     @rule()
     def advance_epoch(self) -> None:
@@ -258,7 +282,7 @@ class PDLifecycle(RuleBasedStateMachine):
 
 
 PDLifecycle.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
