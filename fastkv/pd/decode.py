@@ -306,7 +306,12 @@ class DecodeTransfers:
     # -- internals ----------------------------------------------------------------
 
     def _commit(self, t: _Transfer) -> Outcome:
-        self.manager.commit_received(t.request_id, t.blocks, num_computed_tokens=t.num_tokens)
+        try:
+            self.manager.commit_received(
+                t.request_id, t.blocks, num_computed_tokens=t.num_tokens
+            )
+        except ValueError as exc:  # the engine touched the request's table meanwhile
+            return self._fail(t, f"commit refused: {exc}")
         self._forget(t)
         self.counters.committed += 1
         return Outcome(t.request_id, t.transfer_id, True)

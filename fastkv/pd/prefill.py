@@ -127,6 +127,8 @@ class PrefillTransfers:
         without a key where P has no deployment secret, is treated as a rejection. An
         answer to no offered request (late, after its deadline) is counted and
         ignored (D's own deadline frees what it reserved)."""
+        if not isinstance(answer, (Acceptance, Rejection)):
+            raise TypeError(f"answer: expected Acceptance or Rejection, got {answer!r:.80}")
         send = self._sends.get(answer.request_id)
         if send is None or send.state is not PState.OFFERED:
             self.counters.stale += 1

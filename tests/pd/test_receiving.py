@@ -167,3 +167,16 @@ def test_epoch_advance_fails_receiving_and_drops_old_reports() -> None:
     assert d.counters.stale_epoch == 1
     with pytest.raises(ValueError, match="epoch"):
         d.advance_epoch(Epoch(1))
+
+
+def test_a_commit_the_manager_refuses_ends_in_failure_not_an_exception() -> None:
+    clock = [0.0]
+    d, mgr = _pair(clock)
+    acc = d.accept(Offer("r", 2 * BS, b"L" * 32, 1), hashes(2))
+    assert not isinstance(acc, Rejection)
+    assert mgr.allocate("r", num_tokens=2 * BS)  # the engine scheduled it anyway
+    (out,) = d.on_reports([RankReport(acc.transfer_id, acc.epoch, 0, True)])
+    assert not out.success and "commit refused" in out.reason
+    assert mgr.num_receiving_blocks == 0  # every rank reported: fenced, released
+    mgr.finish("r")
+    d.check_invariants()
