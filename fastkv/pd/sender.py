@@ -118,8 +118,9 @@ class PDSender:
         self._check_ids("src_block_ids", plan.src_block_ids, self.layout.num_blocks)
         for r in want:
             self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
+        runs = self._runs(plan, k)
         layers = [
-            [(self._targets[r].address, self._pieces(plan, layer, r)) for r in want]
+            [(self._targets[r].address, self._pieces(runs, k, layer, r)) for r in want]
             for layer in range(self.layout.num_layers)
         ]
         send = _Send(plan, layers, self._clock() + plan.timeout_s)
@@ -233,27 +234,44 @@ class PDSender:
             out.append((target.address, encode_notice(notice, plan.secret)))
         return out
 
-    def _pieces(self, plan: SendPlan, layer: int, d_rank: int) -> list[Piece]:
-        """The layer's pieces for one D rank; runs of consecutive blocks on both
-        sides coalesce when whole blocks move."""
-        k = plan.num_d_ranks // self.layout.tp_size
+    def _pieces(
+        self, runs: list[tuple[int, int, int]], k: int, layer: int, d_rank: int
+    ) -> list[Piece]:
+        """The layer's pieces for one D rank, one per run of blocks per tensor."""
         index = self._targets[d_rank].index
-        d_layer = self._d_layouts[d_rank].layer(layer)
-        pieces = []
-        for pt, dt in zip(self.layout.layer(layer), d_layer, strict=True):
+        pieces: list[Piece] = []
+        for pt, dt in zip(
+            self.layout.layer(layer), self._d_layouts[d_rank].layer(layer), strict=True
+        ):
             size = pt.block_bytes // k
-            off = index * size
-            run_src = run_dst = -2
-            for s, d in zip(plan.src_block_ids, plan.dst_block_ids, strict=True):
-                src = pt.ptr + s * pt.block_bytes + off
-                dst = dt.ptr + d * dt.block_bytes
-                if k == 1 and s == run_src + 1 and d == run_dst + 1:
-                    last = pieces[-1]
-                    pieces[-1] = Piece(last.src, last.dst, last.length + size)
-                else:
-                    pieces.append(Piece(src, dst, size))
-                run_src, run_dst = s, d
+            p_base, p_bb, d_base, d_bb = (
+                pt.ptr + index * size,
+                pt.block_bytes,
+                dt.ptr,
+                dt.block_bytes,
+            )
+            pieces += [
+                Piece(p_base + s * p_bb, d_base + d * d_bb, n * size) for s, d, n in runs
+            ]
         return pieces
+
+    @staticmethod
+    def _runs(plan: SendPlan, k: int) -> list[tuple[int, int, int]]:
+        """(first source block, first destination block, count) of each run of
+        blocks consecutive on both sides; single blocks when a head slice moves
+        (k > 1: a slice of one block is not contiguous with the next one's)."""
+        runs: list[tuple[int, int, int]] = []
+        for s, d in zip(plan.src_block_ids, plan.dst_block_ids, strict=True):
+            if (
+                k == 1
+                and runs
+                and s == runs[-1][0] + runs[-1][2]
+                and d == runs[-1][1] + runs[-1][2]
+            ):
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((s, d, 1))
+        return runs
 
     @staticmethod
     def _check_ids(name: str, ids: tuple[int, ...], limit: int) -> None:
