@@ -71,8 +71,9 @@ class PDLifecycle(RuleBasedStateMachine):
         self.d_ranks = d_ranks
         self.next_id = 0
         self.live: dict[int, Acceptance] = {}  # D transfers not yet resolved
-        self.reported: dict[int, set[int]] = {}  # transfer -> D ranks that reported
-        self.deadline: dict[int, float] = {}
+        # (epoch, transfer id) -> D ranks that reported; its deadline
+        self.reported: dict[tuple[int, int], set[int]] = {}
+        self.deadline: dict[tuple[int, int], float] = {}
         self.committed: dict[int, list[bytes]] = {}  # request -> its hashes, decoding on D
         self.recompute: set[int] = set()  # requests failed on D, still active
         self.local: list[int] = []  # D's own requests holding blocks
@@ -100,8 +101,9 @@ class PDLifecycle(RuleBasedStateMachine):
             assert table.num_blocks == answer.num_prefix_blocks
             assert answer.num_prefix_blocks + len(answer.block_ids) == -(-num_tokens // BS)
             self.live[answer.transfer_id] = answer
-            self.reported[answer.transfer_id] = set()
-            self.deadline[answer.transfer_id] = self.now + TIMEOUT
+            key = (answer.epoch, answer.transfer_id)
+            self.reported[key] = set()
+            self.deadline[key] = self.now + TIMEOUT
         if self.p.on_answer(answer):
             plan = self.p.plan(rid)
             assert len(plan.src_block_ids) == len(plan.dst_block_ids)
@@ -160,7 +162,7 @@ class PDLifecycle(RuleBasedStateMachine):
             return
         rank %= self.d_ranks
         outcomes = self.d.on_reports([RankReport(acc.transfer_id, acc.epoch, rank, ok)])
-        self.reported[acc.transfer_id].add(rank)
+        self.reported[(acc.epoch, acc.transfer_id)].add(rank)
         for out in outcomes:
             self._resolve(out.request_id, out.transfer_id, out.success)
 
@@ -175,8 +177,8 @@ class PDLifecycle(RuleBasedStateMachine):
         elif kind == "unknown":
             assert self.d.on_reports([RankReport(10**9, self.d.epoch, 0, True)]) == []
             assert c.unknown == before[1] + 1
-        elif acc is not None and self.reported[acc.transfer_id]:
-            rank = next(iter(self.reported[acc.transfer_id]))
+        elif acc is not None and self.reported[(acc.epoch, acc.transfer_id)]:
+            rank = next(iter(self.reported[(acc.epoch, acc.transfer_id)]))
             assert self.d.on_reports([RankReport(acc.transfer_id, acc.epoch, rank, True)]) == []
             assert c.duplicate == before[2] + 1
 
@@ -225,10 +227,11 @@ class PDLifecycle(RuleBasedStateMachine):
             self.d_mgr.finish(rid)
 
     def _resolve(self, rid: int, tid: int, success: bool, aborted: bool = False) -> None:
-        acc = self.live.pop(tid, None)
+        acc = self.live.pop(tid, None)  # live transfers are all of the current epoch
         assert acc is not None and acc.request_id == rid
+        key = (acc.epoch, tid)
         if success:
-            assert self.reported[tid] == set(range(self.d_ranks))
+            assert self.reported[key] == set(range(self.d_ranks))
             table = self.d_mgr.block_table(rid)
             assert list(table.block_ids[acc.num_prefix_blocks :]) == list(acc.block_ids)
             self.committed[rid] = self.hashes[rid][: acc.num_tokens // BS]
@@ -238,7 +241,7 @@ class PDLifecycle(RuleBasedStateMachine):
             self.recompute.add(rid)
         self.fencing = getattr(self, "fencing", {})
         if not success:
-            self.fencing[tid] = acc
+            self.fencing[key] = acc
 
     # -- checks ---------------------------------------------------------------
 
@@ -248,15 +251,15 @@ class PDLifecycle(RuleBasedStateMachine):
             return
         self.d.check_invariants()
         self.p.check_invariants()
-        for tid, acc in list(getattr(self, "fencing", {}).items()):
+        for key, acc in list(getattr(self, "fencing", {}).items()):
             still = [self.d_mgr.is_receiving(b) for b in acc.block_ids]
             if not any(still):
                 # Released: only once every rank reported or the fence passed.
-                fenced = len(self.reported[tid]) == self.d_ranks or (
-                    self.now >= self.deadline[tid] + GRACE
+                fenced = len(self.reported[key]) == self.d_ranks or (
+                    self.now >= self.deadline[key] + GRACE
                 )
-                assert fenced, f"transfer {tid}'s blocks freed while a write may land"
-                del self.fencing[tid]
+                assert fenced, f"transfer {key}'s blocks freed while a write may land"
+                del self.fencing[key]
             else:
                 assert all(still)
         for acc in self.live.values():
