@@ -17,8 +17,13 @@ P's scheduler. A notice goes out only after every write it covers settled, so it
 arrival tells D no write of this rank can land any more.
 
 Layers are numbered over the whole layout, extra (speculative) layers last: the
-engine calls the hook for each of them, in order. One step per send (a chunked
-prefill's chunks are not split into sends yet).
+engine calls the hook for each of them, in order.
+
+A chunked prefill: `start(plan, chunked=True)`, then before each step that writes
+a chunk `chunk(epoch, transfer_id, num_blocks, last=...)`: that step's hooks send
+the blocks that became full since the last chunk (a block split between chunks goes
+with the chunk that completes it; the last chunk sends the rest, the partial last
+block included).
 """
 
 from __future__ import annotations
@@ -43,10 +48,16 @@ class _Target:
 @dataclass(slots=True)
 class _Send:
     plan: SendPlan
-    layers: list[list[tuple[str, list[Piece]]]]
+    k: int  # D ranks per P rank
     deadline: float
+    # The current chunk: per layer, (peer, pieces) for each D rank served.
+    layers: list[list[tuple[str, list[Piece]]]] = field(default_factory=list)
     layer_bytes: list[int] = field(default_factory=list)
     next_layer: int = 0
+    in_step: bool = False  # the current chunk's layers are being handed over
+    last: bool = False  # the current chunk is the last
+    finished: bool = False  # every chunk handed over, or the send failed
+    sent_upto: int = 0  # blocks of the plan in chunks so far
     handles: list[WriteHandle] = field(default_factory=list)
     failed: str = ""
 
@@ -94,12 +105,14 @@ class PDSender:
         self._targets[d_layout.tp_rank] = _Target(d_layout.tp_rank, address, index)
         self._d_layouts[d_layout.tp_rank] = d_layout
 
-    def start(self, plan: SendPlan) -> None:
-        """Prepare a send: its pieces per layer, to every D rank this rank serves.
+    def start(self, plan: SendPlan, *, chunked: bool = False) -> None:
+        """Prepare a send to every D rank this rank serves: every block goes in the
+        next step's hooks, or, `chunked`, the blocks each `chunk` call names.
 
         Raises:
             ValueError: a D rank this rank serves is not connected, a block id out of
-                range, or source and destination lists of different lengths."""
+                range, source and destination lists of different lengths, or the
+                transfer is sending already."""
         k = plan.num_d_ranks // self.layout.tp_size if plan.num_d_ranks else 0
         want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
         if (
@@ -118,18 +131,52 @@ class PDSender:
         self._check_ids("src_block_ids", plan.src_block_ids, self.layout.num_blocks)
         for r in want:
             self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
-        runs = self._runs(plan, k)
-        layers = [
+        send = _Send(plan, k, self._clock() + plan.timeout_s)
+        self._sends[(plan.epoch, plan.transfer_id)] = send
+        if not chunked:
+            self._next_chunk(send, len(plan.src_block_ids), True)
+
+    def chunk(self, epoch: Epoch, transfer_id: int, num_blocks: int, *, last: bool) -> None:
+        """The next step writes a chunk after which the send's first `num_blocks`
+        blocks are full (`last`: the prompt's end; `num_blocks` is then all of them):
+        its hooks send those not sent yet.
+
+        Raises:
+            ValueError: no such send, one not started `chunked` or finished, the
+                previous chunk's layers not all handed over, or `num_blocks` below
+                what was sent or above the send's blocks (or not all with `last`)."""
+        send = self._sends.get((epoch, transfer_id))
+        if send is None or send.finished or send.in_step:
+            raise ValueError(
+                f"transfer_id: ({epoch}, {transfer_id}) has no send waiting for a chunk"
+            )
+        total = len(send.plan.src_block_ids)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise ValueError(f"num_blocks: must be an int, got {num_blocks!r}")
+        if not send.sent_upto <= num_blocks <= total or (last and num_blocks != total):
+            raise ValueError(
+                f"num_blocks: {num_blocks} must be in [{send.sent_upto}, {total}]"
+                + (f" and {total} with last" if last else "")
+            )
+        self._next_chunk(send, num_blocks, last)
+
+    def _next_chunk(self, send: _Send, upto: int, last: bool) -> None:
+        plan = send.plan
+        lo = send.sent_upto
+        runs = self._runs(plan.src_block_ids[lo:upto], plan.dst_block_ids[lo:upto], send.k)
+        k = send.k
+        want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
+        send.layers = [
             [(self._targets[r].address, self._pieces(runs, k, layer, r)) for r in want]
             for layer in range(self.layout.num_layers)
         ]
-        send = _Send(plan, layers, self._clock() + plan.timeout_s)
-        send.layer_bytes = [sum(p.length for _, ps in lay for p in ps) for lay in layers]
-        self._sends[(plan.epoch, plan.transfer_id)] = send
-        if plan.src_block_ids:
-            self._active.append(send)
+        send.layer_bytes = [sum(p.length for _, ps in lay for p in ps) for lay in send.layers]
+        send.sent_upto, send.last = upto, last
+        if runs:
+            send.in_step = True
+            self._active = [*self._active, send]
         else:
-            send.next_layer = self.layout.num_layers
+            send.finished = last
 
     def after_layer(self, layer: int) -> None:
         """The hook: layer `layer` of the step is written; start its writes."""
@@ -139,39 +186,43 @@ class PDSender:
         write = self.transport.write
         for send in self._active:
             if send.next_layer != layer:
-                send.failed = f"hook called for layer {layer}, expected {send.next_layer}"
-                send.next_layer = len(send.layers)
+                self._stop(send, f"hook called for layer {layer}, expected {send.next_layer}")
                 done = True
                 continue
             try:
                 for peer, pieces in send.layers[layer]:
                     send.handles.append(write(peer, pieces))
             except TransportError as exc:
-                send.failed = f"layer {layer}: {exc}"
-                send.next_layer = len(send.layers)
+                self._stop(send, f"layer {layer}: {exc}")
                 done = True
                 continue
             self.layers_sent += 1
             self.bytes_sent += send.layer_bytes[layer]
             send.next_layer += 1
-            done |= send.next_layer == len(send.layers)
+            if send.next_layer == len(send.layers):  # the chunk is handed over
+                send.next_layer, send.in_step, send.finished = 0, False, send.last
+                done = True
         if done:
-            self._active = [s for s in self._active if s.next_layer < len(s.layers)]
+            self._active = [s for s in self._active if s.in_step]
 
     def abort(self, epoch: Epoch, transfer_id: int) -> None:
         """Start no more writes for the transfer; it settles (failed) as usual."""
         send = self._sends.get((epoch, transfer_id))
-        if send is not None and send.next_layer < len(send.layers):
-            send.failed = send.failed or "aborted on P"
-            send.next_layer = len(send.layers)
+        if send is not None and not send.finished:
+            self._stop(send, "aborted on P")
             self._active = [s for s in self._active if s is not send]
+
+    @staticmethod
+    def _stop(send: _Send, reason: str) -> None:
+        send.failed = send.failed or reason
+        send.in_step, send.finished = False, True
 
     def poll(self) -> list[RankReport]:
         """Settle the sends whose writes all settled: notify D, report to P."""
         reports = []
         now = self._clock()
         for key, send in list(self._sends.items()):
-            if send.next_layer < len(send.layers) and now < send.deadline:
+            if not send.finished and now < send.deadline:
                 continue
             states = [h.state() for h in send.handles]
             if WriteState.PENDING in states and now < send.deadline:
@@ -194,7 +245,7 @@ class PDSender:
             # tells D no write can land any more; D fences by its grace instead.
             reason = send.failed or "writes still pending at the deadline"
             return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
-        if not send.failed and send.next_layer < len(send.layers):
+        if not send.failed and not send.finished:
             send.failed = "deadline passed before the last layer"
         elif not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
@@ -256,12 +307,14 @@ class PDSender:
         return pieces
 
     @staticmethod
-    def _runs(plan: SendPlan, k: int) -> list[tuple[int, int, int]]:
+    def _runs(
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], k: int
+    ) -> list[tuple[int, int, int]]:
         """(first source block, first destination block, count) of each run of
         blocks consecutive on both sides; single blocks when a head slice moves
         (k > 1: a slice of one block is not contiguous with the next one's)."""
         runs: list[tuple[int, int, int]] = []
-        for s, d in zip(plan.src_block_ids, plan.dst_block_ids, strict=True):
+        for s, d in zip(src_ids, dst_ids, strict=True):
             if (
                 k == 1
                 and runs

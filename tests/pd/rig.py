@@ -48,15 +48,17 @@ class Instance:
     tp: int
 
     def write_layer(
-        self, block_ids: list[int], tokens: list[int], layer: int, start: int
+        self, block_ids: list[int], tokens: list[int], layer: int, start: int, end: int = -1
     ) -> None:
-        """Compute layer `layer` of positions [start, len(tokens)) into the table."""
+        """Compute layer `layer` of positions [start, end) (end: the prompt's) into
+        the table."""
+        end = len(tokens) if end < 0 else end
         per = HEADS // self.tp
         for r, ctrl in enumerate(self.ctrls):
             for kv in (0, 1):
                 vals = kv_values(tokens, layer, kv)[:, r * per : (r + 1) * per]
                 t = ctrl.caches[layer * 2 + kv].numpy()  # a copy: write back below
-                for p in range(start, len(tokens)):
+                for p in range(start, end):
                     t[block_ids[p // BS], :, p % BS, :] = vals[p]
                 view = ctrl.device_blocks(layer * 2 + kv)
                 view[:] = t.view(np.uint8).reshape(view.shape)
@@ -145,7 +147,9 @@ class Rig:
 
     # -- one request ------------------------------------------------------------
 
-    def offer(self, rid: str, tokens: list[int]) -> Acceptance | Rejection:
+    def offer(
+        self, rid: str, tokens: list[int], *, chunked: bool = False
+    ) -> Acceptance | Rejection:
         """P admits and allocates the prompt, offers it; D answers; P applies it."""
         mgr = self.p.mgr
         mgr.add_request(rid, tokens)
@@ -158,7 +162,7 @@ class Rig:
         if self.p_side.on_answer(answer):
             plan = self.p_side.plan(rid)
             for s in self.senders:
-                s.start(plan)
+                s.start(plan, chunked=chunked)
         return answer
 
     def prefill(self, rid: str, tokens: list[int], *, stop_at: int | None = None) -> None:
@@ -170,6 +174,21 @@ class Rig:
             self.p.write_layer(table, tokens, layer, 0)
             for s in self.senders:
                 s.after_layer(layer)
+
+    def prefill_chunk(self, rid: str, tokens: list[int], acc: Acceptance, end: int) -> None:
+        """P computes positions up to `end` (from where the last chunk stopped),
+        every layer, the hook after each; the senders get the chunk first."""
+        table = list(self.p.mgr.block_table(rid).block_ids)
+        start = getattr(self, "_chunk_end", 0)
+        last = end == len(tokens)
+        full = len(acc.block_ids) if last else max(0, end // BS - acc.num_prefix_blocks)
+        for s in self.senders:
+            s.chunk(acc.epoch, acc.transfer_id, full, last=last)
+        for layer in range(self.layers):
+            self.p.write_layer(table, tokens, layer, start, end)
+            for s in self.senders:
+                s.after_layer(layer)
+        self._chunk_end = 0 if last else end
 
     def step(self, seconds: float = 0.0, *, pump: bool = True) -> list[Outcome]:
         self.now += seconds

@@ -79,3 +79,42 @@ def test_sender_refuses_a_plan_for_unconnected_ranks() -> None:
     plan = SendPlan(1, rig.d_side.epoch, b"k" * 32, (0,), (0,), 4, 5.0)
     with pytest.raises(ValueError, match="connected"):
         rig.senders[0].start(plan)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2)])
+def test_chunked_prefill_sends_each_block_with_the_chunk_that_completes_it(
+    p_tp: int, d_tp: int
+) -> None:
+    tokens = list(range(50, 50 + 5 * BS + 3))  # 6 blocks, the last partial
+    rig = Rig(p_tp=p_tp, d_tp=d_tp)
+    acc = rig.offer("r", tokens, chunked=True)
+    assert isinstance(acc, Acceptance)
+    rig.prefill_chunk("r", tokens, acc, 6)  # block 0 full, block 1 half
+    sent = rig.fabric.bytes_written
+    per_block = sum(t.block_bytes for t in rig.p.layouts[0].tensors)
+    assert sent == per_block * p_tp  # block 0 only, every layer, to every D rank
+    rig.prefill_chunk("r", tokens, acc, 13)  # blocks 1 and 2 complete
+    assert rig.fabric.bytes_written == 3 * per_block * p_tp
+    rig.step()
+    assert not rig.outcomes  # no notice before the last chunk
+    rig.prefill_chunk("r", tokens, acc, len(tokens))  # the rest, partial block too
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r", tokens) == "received"
+    rig.check_clean()
+
+
+def test_chunk_calls_are_checked() -> None:
+    rig = Rig()
+    acc = rig.offer("r", TOKENS, chunked=True)
+    assert isinstance(acc, Acceptance)
+    s = rig.senders[0]
+    with pytest.raises(ValueError, match="with last"):
+        s.chunk(acc.epoch, acc.transfer_id, 1, last=True)
+    with pytest.raises(ValueError, match="must be in"):
+        s.chunk(acc.epoch, acc.transfer_id, 99, last=False)
+    s.chunk(acc.epoch, acc.transfer_id, 1, last=False)
+    with pytest.raises(ValueError, match="no send waiting"):
+        s.chunk(acc.epoch, acc.transfer_id, 2, last=False)  # the step has not run
+    with pytest.raises(ValueError, match="no send waiting"):
+        s.chunk(acc.epoch, 999, 2, last=False)
