@@ -47,6 +47,7 @@ class _Send:
     request_id: Hashable
     num_tokens: int
     deadline: float
+    started: float
     state: PState = PState.OFFERED
     acceptance: Acceptance | None = None
     reported: dict[int, bool] = field(default_factory=dict)
@@ -116,8 +117,10 @@ class PrefillTransfers:
             raise ValueError(f"request_id: {request_id!r} is already offered")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens: must be an int >= 1, got {num_tokens!r}")
-        deadline = self._clock() + self.answer_timeout_s
-        self._sends[request_id] = _Send(request_id, num_tokens, deadline)
+        now = self._clock()
+        self._sends[request_id] = _Send(
+            request_id, num_tokens, now + self.answer_timeout_s, now
+        )
         self.counters.offered += 1
         return Offer(request_id, num_tokens, self.layout_digest, self.num_ranks)
 
@@ -222,6 +225,12 @@ class PrefillTransfers:
 
     def num_sends(self, state: PState) -> int:
         return sum(1 for s in self._sends.values() if s.state is state)
+
+    def oldest_age_s(self) -> float:
+        """Age of the oldest pinned send, from its offer (0 when none)."""
+        if not self._sends:
+            return 0.0
+        return max(0.0, self._clock() - min(s.started for s in self._sends.values()))
 
     def _unpin(self, send: _Send) -> None:
         del self._sends[send.request_id]

@@ -76,6 +76,8 @@ class PDReceiver:
         self._done: OrderedDict[tuple[Epoch, int], None] = OrderedDict()  # forgotten
         self._ready: list[RankReport] = []  # from notices that waited for `expect`
         self.counters = ReceiverCounters()
+        self._block_bytes = sum(t.block_bytes for t in layout.tensors)
+        self.bytes_received = 0  # verified and reported ok
 
     def handshake(self) -> tuple[str, KVLayout]:
         """What P ranks need to write here: the address and the layout."""
@@ -199,6 +201,7 @@ class PDReceiver:
                     False,
                     f"block {acc.block_ids[i]}: landed bytes do not match P's checksum",
                 )
+        self.bytes_received += len(acc.block_ids) * self._block_bytes
         return RankReport(acc.transfer_id, acc.epoch, rank, True)
 
 

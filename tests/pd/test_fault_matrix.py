@@ -286,3 +286,46 @@ def test_sender_never_notifies_while_a_write_is_pending() -> None:
     assert rig.senders[0].num_sends == 0 and rig.p_side.counters.send_failed == 1
     assert rig.receivers[0].counters.received == 0  # no notice went out
     assert rig.fabric.num_queued == 2
+
+
+def test_metrics_of_both_roles() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from fastkv.pd.metrics import watch_pd
+
+    rig = Rig()
+    reg_p, reg_d = CollectorRegistry(), CollectorRegistry()
+    watch_pd(reg_p, role="prefill", scheduler=rig.p_side, workers=lambda: rig.senders)
+    watch_pd(reg_d, role="decode", scheduler=rig.d_side, workers=lambda: rig.receivers)
+    with pytest.raises(ValueError, match="role"):
+        watch_pd(CollectorRegistry(), role="decode", scheduler=rig.p_side)
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    d = {"model": "default", "role": "decode"}
+    p = {"model": "default", "role": "prefill"}
+    assert reg_d.get_sample_value("fastkv:pd_transfers", {**d, "state": "receiving"}) == 1
+    assert reg_p.get_sample_value("fastkv:pd_transfers", {**p, "state": "sending"}) == 1
+    rig.now += 2.0
+    assert reg_d.get_sample_value("fastkv:pd_oldest_transfer_age_seconds", d) == 2.0
+    forged = Notice(acc.epoch, acc.transfer_id, 0, 1, 0, 1, False, rig.layers, ())
+    rig.receivers[0].transport.inbox.append(("evil", encode_notice(forged, b"x" * 32)))
+    rig.prefill("r", TOKENS)
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    nbytes = len(acc.block_ids) * sum(t.block_bytes for t in rig.d.layouts[0].tensors)
+    assert reg_p.get_sample_value("fastkv:pd_bytes_total", {**p, "direction": "sent"}) == nbytes
+    assert reg_d.get_sample_value("fastkv:pd_bytes_total", {**d, "direction": "received"}) == (
+        nbytes
+    )
+    assert (
+        reg_d.get_sample_value("fastkv:pd_transfer_events_total", {**d, "event": "committed"})
+        == 1
+    )
+    assert (
+        reg_d.get_sample_value("fastkv:pd_notices_dropped_total", {**d, "reason": "unknown"})
+        == 0
+    )
+    assert rig.receivers[0].counters.forged + rig.receivers[0].counters.unknown >= 0
+    assert reg_d.get_sample_value("fastkv:pd_transfers", {**d, "state": "receiving"}) == 0
+    rig.finish_on_d("r", TOKENS)
+    rig.check_clean()
