@@ -28,6 +28,7 @@ block included).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,8 +64,9 @@ class _Send:
 
 
 class PDSender:
-    """P rank's sends (the hook may run on the engine's thread, `poll` on the
-    scheduler's step; not for concurrent calls of the same method).
+    """P rank's sends. The hook may run on the engine's thread while `start`,
+    `chunk`, `abort` and `poll` run on another (one lock orders them; the hook with
+    nothing to send takes none); not for concurrent calls of the same method.
 
     Args:
         transport: this rank's transport; every cache tensor is registered once here.
@@ -90,7 +92,10 @@ class PDSender:
         self._targets: dict[int, _Target] = {}
         self._d_layouts: dict[int, KVLayout] = {}
         self._sends: dict[tuple[Epoch, int], _Send] = {}
-        self._active: list[_Send] = []
+        self._active: list[_Send] = []  # sends in a step: the hook's list
+        # Held by the hook while it hands layers over, and by whatever changes which
+        # sends it sees (start, chunk, abort, poll's settling).
+        self._lock = threading.Lock()
         self.layers_sent = 0
         self.bytes_sent = 0  # handed to the transport (landed or not)
 
@@ -132,9 +137,10 @@ class PDSender:
         for r in want:
             self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
         send = _Send(plan, k, self._clock() + plan.timeout_s)
-        self._sends[(plan.epoch, plan.transfer_id)] = send
-        if not chunked:
-            self._next_chunk(send, len(plan.src_block_ids), True)
+        with self._lock:
+            self._sends[(plan.epoch, plan.transfer_id)] = send
+            if not chunked:
+                self._next_chunk(send, len(plan.src_block_ids), True)
 
     def chunk(self, epoch: Epoch, transfer_id: int, num_blocks: int, *, last: bool) -> None:
         """The next step writes a chunk after which the send's first `num_blocks`
@@ -158,7 +164,8 @@ class PDSender:
                 f"num_blocks: {num_blocks} must be in [{send.sent_upto}, {total}]"
                 + (f" and {total} with last" if last else "")
             )
-        self._next_chunk(send, num_blocks, last)
+        with self._lock:
+            self._next_chunk(send, num_blocks, last)
 
     def _next_chunk(self, send: _Send, upto: int, last: bool) -> None:
         plan = send.plan
@@ -182,9 +189,15 @@ class PDSender:
         """The hook: layer `layer` of the step is written; start its writes."""
         if not self._active:
             return
+        with self._lock:
+            self._hand_over(layer)
+
+    def _hand_over(self, layer: int) -> None:
         done = False
         write = self.transport.write
         for send in self._active:
+            if send.next_layer == 0 and layer != 0:
+                continue  # started during a step: its chunk goes with the next step
             if send.next_layer != layer:
                 self._stop(send, f"hook called for layer {layer}, expected {send.next_layer}")
                 done = True
@@ -207,10 +220,11 @@ class PDSender:
 
     def abort(self, epoch: Epoch, transfer_id: int) -> None:
         """Start no more writes for the transfer; it settles (failed) as usual."""
-        send = self._sends.get((epoch, transfer_id))
-        if send is not None and not send.finished:
-            self._stop(send, "aborted on P")
-            self._active = [s for s in self._active if s is not send]
+        with self._lock:
+            send = self._sends.get((epoch, transfer_id))
+            if send is not None and not send.finished:
+                self._stop(send, "aborted on P")
+                self._active = [s for s in self._active if s is not send]
 
     @staticmethod
     def _stop(send: _Send, reason: str) -> None:
@@ -219,18 +233,21 @@ class PDSender:
 
     def poll(self) -> list[RankReport]:
         """Settle the sends whose writes all settled: notify D, report to P."""
-        reports = []
         now = self._clock()
-        for key, send in list(self._sends.items()):
-            if not send.finished and now < send.deadline:
-                continue
-            states = [h.state() for h in send.handles]
-            if WriteState.PENDING in states and now < send.deadline:
-                continue
-            del self._sends[key]
-            self._active = [s for s in self._active if s is not send]
-            reports.append(self._settle(send, states))
-        return reports
+        settled = []
+        with self._lock:  # the hook starts no write for a send stopped here
+            for key, send in list(self._sends.items()):
+                if not send.finished:
+                    if now < send.deadline:
+                        continue
+                    self._stop(send, "deadline passed before the last layer")
+                    self._active = [s for s in self._active if s is not send]
+                states = [h.state() for h in send.handles]
+                if WriteState.PENDING in states and now < send.deadline:
+                    continue
+                del self._sends[key]
+                settled.append((send, states))
+        return [self._settle(send, states) for send, states in settled]
 
     @property
     def num_sends(self) -> int:
@@ -245,9 +262,7 @@ class PDSender:
             # tells D no write can land any more; D fences by its grace instead.
             reason = send.failed or "writes still pending at the deadline"
             return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
-        if not send.failed and not send.finished:
-            send.failed = "deadline passed before the last layer"
-        elif not send.failed and WriteState.FAILED in states:
+        if not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
         ok = not send.failed
         for peer, notice in self._notices(send, ok):

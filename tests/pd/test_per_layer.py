@@ -10,7 +10,7 @@ import pytest
 
 from fastkv.pd.messages import Acceptance
 
-from .rig import BS, Rig, kv_values
+from .rig import BS, Rig, d_hashes, kv_values
 
 TOKENS = list(range(7, 7 + 3 * BS))
 
@@ -63,11 +63,15 @@ def test_p_held_after_layer_0_until_d_observed_its_bytes() -> None:
 def test_hook_out_of_order_fails_the_send() -> None:
     rig = Rig()
     assert isinstance(rig.offer("r", TOKENS), Acceptance)
-    rig.senders[0].after_layer(1)  # layer 0 skipped
+    rig.senders[0].after_layer(1)  # a step already under way: waits for layer 0
+    assert rig.senders[0].layers_sent == 0
+    rig.senders[0].after_layer(0)
+    rig.senders[0].after_layer(2)  # layer 1 skipped
     rig.p_side.release("r")
-    rig.run_until_quiet()
+    rig.step()
     (out,) = rig.outcomes
-    assert not out.success
+    assert not out.success and "P reported a failure" in out.reason
+    rig.run_until_quiet()
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
 
@@ -118,3 +122,53 @@ def test_chunk_calls_are_checked() -> None:
         s.chunk(acc.epoch, acc.transfer_id, 2, last=False)  # the step has not run
     with pytest.raises(ValueError, match="no send waiting"):
         s.chunk(acc.epoch, 999, 2, last=False)
+
+
+def test_hooks_on_the_engine_thread_while_sends_start_and_settle_on_another() -> None:
+    """The engine's thread runs step after step of layer hooks while the scheduler's
+    thread starts sends (some mid-step: they wait for the next step's layer 0),
+    polls and delivers: every request arrives whole."""
+    rig = Rig(layers=4, p_blocks=64, d_blocks=64)
+    reqs = [(f"r{i}", list(range(i * 50, i * 50 + 9))) for i in range(10)]
+    stop = threading.Event()
+    hook_errors: list[BaseException] = []
+
+    def engine() -> None:
+        try:
+            while not stop.is_set():
+                for layer in range(rig.layers):
+                    rig.senders[0].after_layer(layer)
+        except BaseException as exc:  # pragma: no cover - reported below
+            hook_errors.append(exc)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for rid, toks in reqs:
+            rig.p.mgr.add_request(rid, toks)
+            assert rig.p.mgr.allocate(rid, num_tokens=len(toks))
+            table = list(rig.p.mgr.block_table(rid).block_ids)
+            for layer in range(rig.layers):  # computed before the send starts
+                rig.p.write_layer(table, toks, layer, 0)
+            offer = rig.p_side.offer(rid, len(toks))
+            answer = rig.d_side.accept(offer, d_hashes(rig.d.mgr, toks))
+            assert isinstance(answer, Acceptance)
+            rig.receivers[0].expect(answer, 1)
+            assert rig.p_side.on_answer(answer)
+            rig.senders[0].start(rig.p_side.plan(rid))
+            rig.p_side.release(rid)
+            rig.step()
+        for _ in range(2000):
+            if len(rig.outcomes) == len(reqs):
+                break
+            rig.step()
+            threading.Event().wait(0.001)
+    finally:
+        stop.set()
+        thread.join(10.0)
+    assert not hook_errors
+    assert sorted(o.request_id for o in rig.outcomes if o.success) == sorted(r for r, _ in reqs)
+    for rid, toks in reqs:
+        assert rig.finish_on_d(rid, toks) == "received"
+    rig.run_until_quiet()
+    rig.check_clean()
