@@ -329,3 +329,20 @@ def test_metrics_of_both_roles() -> None:
     assert reg_d.get_sample_value("fastkv:pd_transfers", {**d, "state": "receiving"}) == 0
     rig.finish_on_d("r", TOKENS)
     rig.check_clean()
+
+
+def test_abort_on_p_mid_prefill_sends_a_failure_notice_and_d_recomputes() -> None:
+    rig = Rig(p_tp=2, d_tp=2)
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    rig.prefill("r", TOKENS, stop_at=1)
+    for s in rig.senders:
+        s.abort(acc.epoch, acc.transfer_id)
+    rig.p_side.release("r")
+    rig.step()
+    (out,) = rig.outcomes
+    assert not out.success and "P reported a failure" in out.reason
+    assert rig.d.mgr.num_receiving_blocks == 0  # every rank's notice fenced it
+    assert not rig.p.mgr.is_active("r")
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
