@@ -57,13 +57,14 @@ def test_d_reuses_its_prefix_and_the_next_request_hits_the_received_blocks() -> 
     rig.check_clean()
 
 
-def test_kill_p_at_layer_k_ends_in_recompute_after_the_fence() -> None:
+@pytest.mark.parametrize(("k", "landed"), [(0, 0.0), (1, 0.5), (2, 1.0)])
+def test_kill_p_at_layer_k_ends_in_recompute_after_the_fence(k: int, landed: float) -> None:
     rig = Rig()
     rig.fabric.hold_writes = True
     acc = rig.offer("r", TOKENS)
     assert isinstance(acc, Acceptance)
-    rig.prefill("r", TOKENS, stop_at=2)  # layers 0 and 1 handed over, queued
-    rig.fabric.kill("p0", land_fraction=0.5)  # half of each queued piece lands
+    rig.prefill("r", TOKENS, stop_at=k + 1)  # layers 0..k handed over, queued
+    rig.fabric.kill("p0", land_fraction=landed)  # that share of each queued piece lands
     rig.p_dead = True
     rig.step(TIMEOUT)
     (out,) = rig.outcomes
