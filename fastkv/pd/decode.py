@@ -40,6 +40,7 @@ from fastkv.pd.messages import (
     Rejection,
     check_positive,
     check_rank_count,
+    checked_reports,
     new_secret,
     transfer_secret,
 )
@@ -216,6 +217,7 @@ class DecodeTransfers:
         is committed; one a rank failed ends in failure. Reports for another epoch,
         an unknown or finished transfer, or a rank twice are dropped and counted."""
         outcomes: list[Outcome] = []
+        reports = checked_reports(reports)
         for report in reports:
             t = self._by_id.get((report.epoch, report.transfer_id))
             if t is None:

@@ -38,7 +38,7 @@ import hashlib
 import hmac
 import secrets
 import struct
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from fastkv.metadata import Epoch
@@ -218,11 +218,13 @@ def check_rank_count(name: str, value: object) -> int:
     return value
 
 
-def checked_ids(name: str, ids: Sequence[int]) -> tuple[int, ...]:
-    out = tuple(ids)
-    for i, b in enumerate(out):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"{name}[{i}]: must be an int >= 0, got {b!r}")
+def checked_reports(reports: Iterable[RankReport]) -> list[RankReport]:
+    """`reports` as a list, every entry a RankReport (else TypeError, before any is
+    applied)."""
+    out = list(reports)
+    for i, r in enumerate(out):
+        if not isinstance(r, RankReport):
+            raise TypeError(f"reports[{i}]: expected RankReport, got {r!r:.80}")
     return out
 
 

@@ -32,6 +32,7 @@ from fastkv.pd.messages import (
     SendPlan,
     check_positive,
     check_rank_count,
+    checked_reports,
     transfer_secret,
 )
 from fastkv.scheduler.cache_manager import CacheManager
@@ -185,6 +186,7 @@ class PrefillTransfers:
     def on_reports(self, reports: Iterable[RankReport]) -> None:
         """P ranks' reports that their writes settled; when every rank has, the send
         is unpinned. Unknown, stale and repeated reports are counted and dropped."""
+        reports = checked_reports(reports)
         for report in reports:
             send = self._by_id.get((report.epoch, report.transfer_id))
             if send is None:

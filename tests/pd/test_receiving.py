@@ -180,3 +180,13 @@ def test_a_commit_the_manager_refuses_ends_in_failure_not_an_exception() -> None
     assert mgr.num_receiving_blocks == 0  # every rank reported: fenced, released
     mgr.finish("r")
     d.check_invariants()
+
+
+def test_a_batch_with_a_non_report_changes_nothing() -> None:
+    clock = [0.0]
+    d, mgr = _pair(clock)
+    acc = d.accept(Offer("r", 2 * BS, b"L" * 32, 1), hashes(2))
+    assert not isinstance(acc, Rejection)
+    with pytest.raises(TypeError, match=r"reports\[1\]"):
+        d.on_reports([RankReport(acc.transfer_id, acc.epoch, 0, True), "junk"])  # type: ignore[list-item]
+    assert d.is_receiving("r") and mgr.num_receiving_blocks == 2
