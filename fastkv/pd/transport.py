@@ -15,7 +15,10 @@ Contract (every implementation):
 - `write` starts a batch of pieces and returns at once; the handle settles to
   DONE (every byte landed) or FAILED (some may have landed: the receiver must not
   trust any of them without a completion notice). A handle never stays PENDING
-  past the transport's own timeout.
+  past the transport's own timeout, and once it settled no byte of its batch lands
+  any more (the receiver's fence: `fastkv.pd.decode` frees a block when the
+  writer's notice says its handles settled, or a grace longer than this timeout
+  after its deadline).
 - `notify` delivers a payload to the peer's `poll_notices`, at most once, in any
   order relative to other notices, or raises `TransportError`; it may also be lost
   silently (a dead peer): senders and receivers keep their own deadlines.

@@ -165,6 +165,9 @@ class CacheManager:
         self._has_host_tier = config.num_host_blocks > 0
         self._counts_hits = self._tiers.counts_hits
         self._clock = clock
+        # Device blocks reserved for bytes another instance writes (fastkv.pd): in no
+        # tree and no request's table, not free; see reserve_receiving.
+        self._receiving: set[int] = set()
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -568,6 +571,107 @@ class CacheManager:
         if req.rolled_back:
             self._tiers.readopt(req, num_blocks)
 
+    # -- blocks written by another instance (prefill/decode) ------------------
+
+    def reserve_receiving(self, num_blocks: int) -> list[int] | AllocStatus:
+        """Take `num_blocks` device blocks (evicting as `allocate` does) for bytes
+        another instance will write into: they are in no tree and no request's table,
+        so nothing matches, evicts, swaps, stores or frees them and no request reads
+        them, until `commit_received` hands them to a request or `release_receiving`
+        returns them (only once no write into them can still land: the caller's
+        fence, see `fastkv.pd`).
+
+        Returns:
+            The block ids, or why there are none now (`AllocStatus` NO_SPACE or
+            WAIT_FOR_TRANSFERS, as for `allocate`; nothing is reserved). With
+            `reuse_evicted_blocks` only free blocks are taken (an evicted block's
+            copy is ordered before this instance's writes, not a remote writer's):
+            NO_SPACE when too few are free.
+
+        Raises:
+            ValueError: `num_blocks` is not an int >= 0, or more than the device pool.
+        """
+        check_count("num_blocks", num_blocks)
+        if num_blocks > self.device_pool.capacity:
+            raise ValueError(
+                f"num_blocks: {num_blocks} is more than the {self.device_pool.capacity} "
+                "device blocks"
+            )
+        pool = self.device_pool
+        if num_blocks <= pool.num_free:
+            ids: list[int] | AllocStatus = pool.allocate(num_blocks)
+        elif self.config.reuse_evicted_blocks:
+            # An evicted block would come with its copy still to run, and only this
+            # instance's worker orders that copy before writes: a remote writer is
+            # not ordered by it.
+            return AllocStatus.NO_SPACE
+        else:
+            ids = self._tiers.take_device_blocks(num_blocks, self._is_busy)
+        if type(ids) is AllocStatus:
+            return ids
+        self._receiving.update(ids)
+        return ids
+
+    def release_receiving(self, block_ids: Sequence[int]) -> None:
+        """Return reserved receiving blocks to the device pool (no write into them can
+        land any more).
+
+        Raises:
+            ValueError: an id is not a receiving block, or is listed twice; nothing
+                changes.
+        """
+        ids = self._checked_receiving(block_ids)
+        self._receiving.difference_update(ids)
+        self.device_pool.free(ids)
+
+    def commit_received(
+        self, request_id: RequestId, block_ids: Sequence[int], *, num_computed_tokens: int
+    ) -> None:
+        """Append receiving blocks, whose bytes were written and verified, to the
+        request's table after its matched prefix, and commit the request's first
+        `num_computed_tokens` tokens exactly as after a local prefill (`commit`):
+        their full blocks become matchable by later requests.
+
+        Raises:
+            ValueError: unknown request; a request whose table is not exactly its
+                matched device prefix (it allocated, or a swap-in is pending); an id
+                not receiving or listed twice; or what `commit` refuses. Nothing
+                changes when it raises.
+        """
+        req = self._get(request_id)
+        ids = self._checked_receiving(block_ids)
+        if req.loading or req.allocated or len(req.blocks) != len(req.nodes):
+            raise ValueError(
+                f"request_id: {request_id!r} holds {len(req.blocks)} blocks in its table "
+                f"for {len(req.nodes)} matched; received blocks follow a table that is "
+                "exactly its matched device prefix (no allocate, no swap-in)"
+            )
+        before = len(req.blocks)
+        req.blocks.extend(ids)
+        try:
+            self.commit(request_id, num_computed_tokens=num_computed_tokens)
+        except ValueError:
+            del req.blocks[before:]
+            raise
+        req.allocated = True
+        self._receiving.difference_update(ids)
+
+    @property
+    def num_receiving_blocks(self) -> int:
+        return len(self._receiving)
+
+    def is_receiving(self, block_id: int) -> bool:
+        return block_id in self._receiving
+
+    def _checked_receiving(self, block_ids: Sequence[int]) -> list[int]:
+        ids = list(block_ids)
+        for i, block in enumerate(ids):
+            if block not in self._receiving:
+                raise ValueError(f"block_ids[{i}]: {block!r} is not a receiving block")
+        if len(set(ids)) != len(ids):
+            raise ValueError("block_ids: a block is listed twice")
+        return ids
+
     def finish(self, request_id: RequestId) -> None:
         """Release a request, finished or not (`abort` is the same call): its
         committed blocks stay cached (evictable once no request or transfer holds
@@ -860,4 +964,5 @@ class CacheManager:
             transfers=self.transfers,
             storage=self._storage,
             reuse_evicted_blocks=self.config.reuse_evicted_blocks,
+            receiving=self._receiving,
         )

@@ -40,6 +40,7 @@ def check_manager(
     transfers: TransferBook,
     storage: StorageTier | None,
     reuse_evicted_blocks: bool,
+    receiving: Iterable[int] = (),
 ) -> None:
     """Assert block accounting and locking over a manager's rooms.
 
@@ -48,7 +49,9 @@ def check_manager(
             twice or leaked, a lock count that does not match the requests
             holding the node, a request whose nodes are not its hashes' path, a
             moving node in no transfer (or in two), an in-flight block back in
-            its pool, or a tree list invariant broken.
+            its pool, a receiving block (`CacheManager.reserve_receiving`) that
+            a node or request also holds or that is free, or a tree list
+            invariant broken.
     """
     tree.check()
     owner: dict[int, object] = {}
@@ -59,6 +62,8 @@ def check_manager(
         if node.host_block >= 0:
             assert node.host_block not in host_owner, f"host block {node.host_block} twice"
             host_owner[node.host_block] = node
+    for block in receiving:
+        _own(owner, block, "receiving")
     holders = _check_requests(tree, requests, owner)
     moving, storing = transfers.check(host_owner, device_pool, host_pool, reuse_evicted_blocks)
     if storage is not None:

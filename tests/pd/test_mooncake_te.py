@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from transport_contract import CHECKS
+
+from .transport_contract import CHECKS
 
 HERE = Path(__file__).resolve().parent
 CASE_TIMEOUT = 120

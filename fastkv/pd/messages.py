@@ -1,0 +1,244 @@
+"""What the two instances of a prefill/decode transfer tell each other.
+
+    P scheduler ──Offer──────────► D scheduler      (engine's control channel)
+    P scheduler ◄─Acceptance/Rejection── D scheduler
+    P rank ──writes──► D rank's registered memory  (PDTransport)
+    P rank ──Notice (bytes, HMAC)──► D rank         (PDTransport.notify)
+    D rank ──RankReport──► D scheduler;  P rank ──RankReport──► P scheduler
+
+Offers and answers travel over the engines' own channel (whatever carries requests
+from P to D); only notices cross the transport, so only notices are encoded and
+authenticated here. A notice is sent by a P rank after every write it started for
+that D rank has settled (done or failed): its arrival, whatever its status, tells
+D that no write of that rank for that transfer can land any more (D's fence).
+
+Notice wire format (little-endian):
+
+    offset  field
+         0  magic        8 bytes b"FKVPDN\\0\\1"
+         8  epoch        u64
+        16  transfer_id  u64
+        24  p_rank, num_p_ranks, d_rank, num_d_ranks   u16 each
+        32  status       u32    0 done, 1 failed
+        36  num_layers   u32
+        40  num_blocks   u32
+        44  checksums    u32 per block: crc32c-3way of the block's bytes as D's rank
+                                receives them (`fastkv.pd.layout`)
+         …  mac          32 bytes HMAC-SHA256(key, every byte before it)
+
+The key is the transfer's secret: random per transfer from D's acceptance, or, where
+a deployment secret is set, derived from it, the epoch and the transfer id
+(`transfer_secret`), so that it never travels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import secrets
+import struct
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from fastkv.metadata import Epoch
+
+MAGIC = b"FKVPDN\0\1"
+_HEAD = struct.Struct("<8sQQHHHHIII")
+MAC_BYTES = 32
+SECRET_BYTES = 32
+MAX_BLOCKS = 1 << 20
+STATUS_DONE = 0
+STATUS_FAILED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """P asks D to take a request's KV: `num_tokens` prompt tokens in `num_p_ranks`
+    shards laid out as `layout_digest` says (`fastkv.pd.layout.KVLayout.digest`)."""
+
+    request_id: Hashable
+    num_tokens: int
+    layout_digest: bytes
+    num_p_ranks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """D's answer: P skips the first `num_prefix_blocks` blocks (D holds them) and
+    writes the rest into `block_ids`, then each P rank notifies every D rank it
+    wrote to, with `secret` as the notice key, within `timeout_s`."""
+
+    request_id: Hashable
+    transfer_id: int
+    epoch: Epoch
+    num_tokens: int
+    num_prefix_blocks: int
+    block_ids: tuple[int, ...]
+    secret: bytes
+    timeout_s: float
+    num_d_ranks: int
+
+    def public(self) -> Acceptance:
+        """This acceptance without its key, for P where a deployment secret is set
+        (P derives the key itself with `transfer_secret`, so it never travels)."""
+        return dataclasses.replace(self, secret=b"")
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """D cannot take the request (no room, mismatched layout, ...); P recomputes
+    nothing and unpins at once."""
+
+    request_id: Hashable
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendPlan:
+    """What every P rank's worker needs to send one request (`fastkv.pd.sender`),
+    made by P's scheduler half (`PrefillTransfers.plan`)."""
+
+    transfer_id: int
+    epoch: Epoch
+    secret: bytes
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    num_d_ranks: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One rank's word on one transfer, to its own scheduler half.
+
+    On D: the rank's verified notice arrived (`ok`: done and every landed block's
+    checksum matched; not ok: P reported a failure, or the bytes did not verify).
+    On P: the rank's writes settled and its notice went out (`ok`) or not.
+    Either way no write of that rank for the transfer can land any more."""
+
+    transfer_id: int
+    epoch: Epoch
+    rank: int
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A decoded, authenticated notice (see the module docstring)."""
+
+    epoch: Epoch
+    transfer_id: int
+    p_rank: int
+    num_p_ranks: int
+    d_rank: int
+    num_d_ranks: int
+    failed: bool
+    num_layers: int
+    checksums: tuple[int, ...]
+
+
+class NoticeError(ValueError):
+    """A payload that is not a notice this key authenticates."""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def transfer_secret(deployment_secret: bytes, epoch: Epoch, transfer_id: int) -> bytes:
+    """The notice key of one transfer under a deployment-wide secret."""
+    label = b"fastkv-pd-notice" + struct.pack("<QQ", epoch, transfer_id)
+    return hmac.new(deployment_secret, label, hashlib.sha256).digest()
+
+
+def encode_notice(notice: Notice, key: bytes) -> bytes:
+    """The notice's bytes, authenticated with `key`."""
+    head = _HEAD.pack(
+        MAGIC,
+        notice.epoch,
+        notice.transfer_id,
+        notice.p_rank,
+        notice.num_p_ranks,
+        notice.d_rank,
+        notice.num_d_ranks,
+        STATUS_FAILED if notice.failed else STATUS_DONE,
+        notice.num_layers,
+        len(notice.checksums),
+    )
+    body = head + struct.pack(f"<{len(notice.checksums)}I", *notice.checksums)
+    return body + hmac.new(key, body, hashlib.sha256).digest()
+
+
+def peek_notice(payload: bytes) -> tuple[Epoch, int]:
+    """(epoch, transfer_id) a payload claims, unauthenticated: to find its key.
+
+    Raises:
+        NoticeError: not shaped as a notice."""
+    if len(payload) < _HEAD.size + MAC_BYTES or payload[:8] != MAGIC:
+        raise NoticeError("not a fastkv PD notice")
+    _, epoch, transfer_id = struct.unpack_from("<8sQQ", payload)
+    return Epoch(epoch), transfer_id
+
+
+def decode_notice(payload: bytes, key: bytes) -> Notice:
+    """Verify `payload` under `key` and decode it.
+
+    Raises:
+        NoticeError: wrong shape, length, status or authenticator."""
+    peek_notice(payload)
+    (_, epoch, tid, p_rank, num_p, d_rank, num_d, status, layers, nblocks) = _HEAD.unpack_from(
+        payload
+    )
+    if nblocks > MAX_BLOCKS or len(payload) != _HEAD.size + 4 * nblocks + MAC_BYTES:
+        raise NoticeError(f"notice length {len(payload)} does not fit {nblocks} blocks")
+    body = payload[:-MAC_BYTES]
+    want = hmac.new(key, body, hashlib.sha256).digest()
+    if not hmac.compare_digest(want, payload[-MAC_BYTES:]):
+        raise NoticeError("notice authenticator does not verify")
+    if status not in (STATUS_DONE, STATUS_FAILED):
+        raise NoticeError(f"notice status {status} unknown")
+    sums = struct.unpack_from(f"<{nblocks}I", payload, _HEAD.size)
+    return Notice(
+        Epoch(epoch), tid, p_rank, num_p, d_rank, num_d, status == STATUS_FAILED, layers, sums
+    )
+
+
+def check_positive(name: str, value: object) -> float:
+    """`value` as a float if it is a finite number > 0, else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e12:
+        raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_rank_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 0xFFFF:
+        raise ValueError(f"{name}: must be an int in [1, 65535], got {value!r}")
+    return value
+
+
+def checked_reports(reports: Iterable[RankReport]) -> list[RankReport]:
+    """`reports` as a list, every entry a RankReport (else TypeError, before any is
+    applied)."""
+    out = list(reports)
+    for i, r in enumerate(out):
+        if not isinstance(r, RankReport):
+            raise TypeError(f"reports[{i}]: expected RankReport, got {r!r:.80}")
+    return out
+
+
+__all__ = [
+    "Acceptance",
+    "Notice",
+    "NoticeError",
+    "Offer",
+    "RankReport",
+    "Rejection",
+    "SendPlan",
+    "decode_notice",
+    "encode_notice",
+    "new_secret",
+    "peek_notice",
+    "transfer_secret",
+]

@@ -1,0 +1,208 @@
+"""D's worker half, one per D rank: check every notice and what landed.
+
+    receiver = PDReceiver(transport, KVLayout.of_controller(ctrl, tp_rank=r, tp_size=d))
+    address, layout = receiver.handshake()   # sent to the P ranks (PDSender.connect)
+    receiver.expect(acceptance, num_p_ranks) # per transfer, from D's scheduler half
+    reports = receiver.poll()                # each step -> DecodeTransfers.on_reports
+    receiver.forget(epoch, transfer_id)      # once D's scheduler resolved it
+
+A notice is verified before anything is believed: its authenticator under the
+transfer's secret, then epoch, transfer id, the P rank that serves this rank, rank
+counts, layer count and block count; a done notice's per-block checksums are then
+compared with the checksum of what landed in each destination block. A forged or
+malformed notice is dropped and counted (`forged`), a second one from the same
+transfer too (`duplicate`); a notice of a transfer not expected yet waits (bounded)
+for its `expect`, one of an epoch before the newest expected one is dropped
+(`stale`), one of a forgotten transfer too (`late`). Only a verified notice
+becomes a `RankReport`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from fastkv.metadata import Epoch
+from fastkv.pd.layout import KVLayout, block_checksums, check_tp
+from fastkv.pd.messages import (
+    Acceptance,
+    Notice,
+    NoticeError,
+    RankReport,
+    decode_notice,
+    peek_notice,
+)
+from fastkv.pd.transport import PDTransport
+
+
+@dataclass(slots=True)
+class _Expected:
+    acceptance: Acceptance
+    p_rank: int
+    num_p_ranks: int
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class ReceiverCounters:
+    received: int = 0
+    forged: int = 0
+    duplicate: int = 0
+    stale: int = 0
+    unknown: int = 0
+    late: int = 0
+    bad_checksum: int = 0
+
+
+class PDReceiver:
+    """D rank's transfers (one thread: D's worker step).
+
+    Args:
+        transport: this rank's transport; every cache tensor is registered once.
+        layout: this rank's cache (`KVLayout`).
+        max_waiting: notices of not yet expected transfers kept (oldest dropped,
+            counted as `unknown`).
+    """
+
+    def __init__(self, transport: PDTransport, layout: KVLayout, *, max_waiting: int = 256):
+        self.transport = transport
+        self.layout = layout
+        self.max_waiting = max_waiting
+        for t in layout.tensors:
+            transport.register(t.ptr, t.nbytes)
+        self._expected: dict[tuple[Epoch, int], _Expected] = {}
+        self._waiting: OrderedDict[tuple[Epoch, int], list[bytes]] = OrderedDict()
+        self._epoch = Epoch(0)
+        self._done: OrderedDict[tuple[Epoch, int], None] = OrderedDict()  # forgotten
+        self._ready: list[RankReport] = []  # from notices that waited for `expect`
+        self.counters = ReceiverCounters()
+        self._block_bytes = sum(t.block_bytes for t in layout.tensors)
+        self.bytes_received = 0  # verified and reported ok
+
+    def handshake(self) -> tuple[str, KVLayout]:
+        """What P ranks need to write here: the address and the layout."""
+        return self.transport.address, self.layout
+
+    def expect(self, acceptance: Acceptance, num_p_ranks: int) -> None:
+        """Expect this rank's notice for an accepted transfer.
+
+        Raises:
+            ValueError: the TP pair is refused, the acceptance names another D size,
+                a block id out of range, or the transfer is expected already."""
+        check_tp(num_p_ranks, self.layout.tp_size)
+        if acceptance.num_d_ranks != self.layout.tp_size:
+            raise ValueError(
+                f"acceptance.num_d_ranks: {acceptance.num_d_ranks}, this D has "
+                f"{self.layout.tp_size} ranks"
+            )
+        for i, b in enumerate(acceptance.block_ids):
+            if not 0 <= b < self.layout.num_blocks:
+                raise ValueError(f"acceptance.block_ids[{i}]: {b} out of range")
+        key = (acceptance.epoch, acceptance.transfer_id)
+        if key in self._expected:
+            raise ValueError(f"transfer {key} is expected already")
+        k = self.layout.tp_size // num_p_ranks
+        self._expected[key] = _Expected(acceptance, self.layout.tp_rank // k, num_p_ranks)
+        if acceptance.epoch > self._epoch:
+            self._epoch = acceptance.epoch
+        for payload in self._waiting.pop(key, []):
+            report = self._check(payload)
+            if report is not None:
+                self._ready.append(report)
+
+    def poll(self) -> list[RankReport]:
+        """Verify the notices that arrived; the reports of those that verified."""
+        reports, self._ready = self._ready, []
+        for _sender, payload in self.transport.poll_notices():
+            report = self._check(payload)
+            if report is not None:
+                reports.append(report)
+        return reports
+
+    def forget(self, epoch: Epoch, transfer_id: int) -> None:
+        """D's scheduler is done with the transfer (`DecodeTransfers.is_live` is
+        False: committed, or its blocks released): later notices for it are late."""
+        if self._expected.pop((epoch, transfer_id), None) is not None:
+            self._done[(epoch, transfer_id)] = None
+            while len(self._done) > 4 * self.max_waiting:
+                self._done.popitem(last=False)
+
+    def expected(self) -> list[tuple[Epoch, int]]:
+        """The (epoch, transfer id) of every transfer expected and not forgotten."""
+        return list(self._expected)
+
+    @property
+    def num_expected(self) -> int:
+        return len(self._expected)
+
+    # -- internals ------------------------------------------------------------
+
+    def _check(self, payload: bytes) -> RankReport | None:
+        try:
+            key = peek_notice(payload)
+        except NoticeError:
+            self.counters.forged += 1
+            return None
+        exp = self._expected.get(key)
+        if exp is None:
+            if key in self._done:
+                self.counters.late += 1
+            else:
+                self._wait(key, payload)
+            return None
+        try:
+            notice = decode_notice(payload, exp.acceptance.secret)
+        except NoticeError:
+            self.counters.forged += 1
+            return None
+        if not self._fits(notice, exp):
+            self.counters.forged += 1
+            return None
+        if exp.reported:
+            self.counters.duplicate += 1
+            return None
+        exp.reported = True
+        self.counters.received += 1
+        return self._verdict(notice, exp.acceptance)
+
+    def _wait(self, key: tuple[Epoch, int], payload: bytes) -> None:
+        if key[0] < self._epoch:
+            self.counters.stale += 1
+            return
+        self._waiting.setdefault(key, []).append(payload)
+        self._waiting.move_to_end(key)
+        while sum(len(v) for v in self._waiting.values()) > self.max_waiting:
+            _, dropped = self._waiting.popitem(last=False)
+            self.counters.unknown += len(dropped)
+
+    def _fits(self, n: Notice, exp: _Expected) -> bool:
+        acc = exp.acceptance
+        return (
+            n.p_rank == exp.p_rank
+            and n.num_p_ranks == exp.num_p_ranks
+            and n.d_rank == self.layout.tp_rank
+            and n.num_d_ranks == self.layout.tp_size
+            and n.num_layers == self.layout.num_layers
+            and (n.failed or len(n.checksums) == len(acc.block_ids))
+        )
+
+    def _verdict(self, notice: Notice, acc: Acceptance) -> RankReport:
+        rank = self.layout.tp_rank
+        if notice.failed:
+            return RankReport(acc.transfer_id, acc.epoch, rank, False, "P reported a failure")
+        landed = block_checksums(self.layout.tensors, acc.block_ids)
+        for i, (want, got) in enumerate(zip(notice.checksums, landed, strict=True)):
+            if want != got:
+                self.counters.bad_checksum += 1
+                return RankReport(
+                    acc.transfer_id,
+                    acc.epoch,
+                    rank,
+                    False,
+                    f"block {acc.block_ids[i]}: landed bytes do not match P's checksum",
+                )
+        self.bytes_received += len(acc.block_ids) * self._block_bytes
+        return RankReport(acc.transfer_id, acc.epoch, rank, True)
+
+
+__all__ = ["PDReceiver", "ReceiverCounters"]

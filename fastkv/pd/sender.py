@@ -1,0 +1,351 @@
+"""P's worker half, one per P rank: send each layer's blocks as soon as the layer is
+written, then one notice per D rank served.
+
+    sender = PDSender(transport, KVLayout.of_controller(ctrl, tp_rank=r, tp_size=p))
+    sender.connect(d_address, d_layout)      # once per D rank served (handshake)
+    sender.start(plan)                       # per transfer (PrefillTransfers.plan)
+    ... the model runs; after writing layer L of the step the engine calls
+    sender.after_layer(L)                    # on a GPU: after the kernel's event
+    reports = sender.poll()                  # each step: settled sends -> RankReport
+
+The hook does only what cannot wait: it hands the layer's pieces (computed at
+`start`) to the transport, for every send whose next layer this is. `poll` finishes
+a send once its last layer was handed over and every write settled: it computes the
+checksums of the blocks as each D rank receives them and notifies that rank (done,
+or failed when a write failed or could not start), then reports the send settled to
+P's scheduler. A notice goes out only after every write it covers settled, so its
+arrival tells D no write of this rank can land any more.
+
+Layers are numbered over the whole layout, extra (speculative) layers last: the
+engine calls the hook for each of them, in order.
+
+A chunked prefill: `start(plan, chunked=True)`, then before each step that writes
+a chunk `chunk(epoch, transfer_id, num_blocks, last=...)`: that step's hooks send
+the blocks that became full since the last chunk (a block split between chunks goes
+with the chunk that completes it; the last chunk sends the rest, the partial last
+block included).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastkv.metadata import Epoch
+from fastkv.pd.layout import KVLayout, block_checksums, check_pair
+from fastkv.pd.messages import Notice, RankReport, SendPlan, encode_notice
+from fastkv.pd.transport import PDTransport, Piece, TransportError, WriteHandle, WriteState
+
+
+@dataclass(slots=True)
+class _Target:
+    d_rank: int
+    address: str
+    index: int  # D's head slice in P's blocks
+
+
+@dataclass(slots=True)
+class _Send:
+    plan: SendPlan
+    k: int  # D ranks per P rank
+    deadline: float
+    # The current chunk: per layer, (peer, pieces) for each D rank served.
+    layers: list[list[tuple[str, list[Piece]]]] = field(default_factory=list)
+    layer_bytes: list[int] = field(default_factory=list)
+    next_layer: int = 0
+    in_step: bool = False  # the current chunk's layers are being handed over
+    last: bool = False  # the current chunk is the last
+    finished: bool = False  # every chunk handed over, or the send failed
+    sent_upto: int = 0  # blocks of the plan in chunks so far
+    handles: list[WriteHandle] = field(default_factory=list)
+    failed: str = ""
+
+
+class PDSender:
+    """P rank's sends. The hook may run on the engine's thread while `start`,
+    `chunk`, `abort` and `poll` run on another (one lock orders them; the hook with
+    nothing to send takes none); not for concurrent calls of the same method.
+
+    Args:
+        transport: this rank's transport; every cache tensor is registered once here.
+        layout: this rank's cache (`KVLayout`).
+        notify_timeout_s: the longest a notice may take to go out.
+        clock: monotonic seconds (send deadlines).
+    """
+
+    def __init__(
+        self,
+        transport: PDTransport,
+        layout: KVLayout,
+        *,
+        notify_timeout_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.notify_timeout_s = notify_timeout_s
+        self._clock = clock
+        for t in layout.tensors:
+            transport.register(t.ptr, t.nbytes)
+        self._targets: dict[int, _Target] = {}
+        self._d_layouts: dict[int, KVLayout] = {}
+        self._sends: dict[tuple[Epoch, int], _Send] = {}
+        self._active: list[_Send] = []  # sends in a step: the hook's list
+        # Held by the hook while it hands layers over, and by whatever changes which
+        # sends it sees (start, chunk, abort, poll's settling).
+        self._lock = threading.Lock()
+        self.layers_sent = 0
+        self.bytes_sent = 0  # handed to the transport (landed or not)
+
+    def connect(self, address: str, d_layout: KVLayout) -> None:
+        """Pair with D rank `d_layout.tp_rank` reachable at `address`.
+
+        Raises:
+            ValueError: layouts differ, or the TP pair is refused (`check_pair`)."""
+        index = check_pair(self.layout, d_layout)
+        if self._d_layouts and next(iter(self._d_layouts.values())).tp_size != d_layout.tp_size:
+            raise ValueError("d_layout.tp_size: differs from an earlier D rank's")
+        self._targets[d_layout.tp_rank] = _Target(d_layout.tp_rank, address, index)
+        self._d_layouts[d_layout.tp_rank] = d_layout
+
+    def start(self, plan: SendPlan, *, chunked: bool = False) -> None:
+        """Prepare a send to every D rank this rank serves: every block goes in the
+        next step's hooks, or, `chunked`, the blocks each `chunk` call names.
+
+        Raises:
+            ValueError: a D rank this rank serves is not connected, a block id out of
+                range, source and destination lists of different lengths, or the
+                transfer is sending already."""
+        k = plan.num_d_ranks // self.layout.tp_size if plan.num_d_ranks else 0
+        want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
+        if (
+            k < 1
+            or plan.num_d_ranks % self.layout.tp_size
+            or any(r not in self._targets for r in want)
+        ):
+            raise ValueError(
+                f"plan.num_d_ranks: {plan.num_d_ranks}; D ranks {list(want)} must be "
+                f"connected (connected: {sorted(self._targets)})"
+            )
+        if len(plan.src_block_ids) != len(plan.dst_block_ids):
+            raise ValueError("plan: src_block_ids and dst_block_ids differ in length")
+        if (plan.epoch, plan.transfer_id) in self._sends:
+            raise ValueError(f"plan.transfer_id: {plan.transfer_id} is already sending")
+        self._check_ids("src_block_ids", plan.src_block_ids, self.layout.num_blocks)
+        for r in want:
+            self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
+        send = _Send(plan, k, self._clock() + plan.timeout_s)
+        with self._lock:
+            self._sends[(plan.epoch, plan.transfer_id)] = send
+            if not chunked:
+                self._next_chunk(send, len(plan.src_block_ids), True)
+
+    def chunk(self, epoch: Epoch, transfer_id: int, num_blocks: int, *, last: bool) -> None:
+        """The next step writes a chunk after which the send's first `num_blocks`
+        blocks are full (`last`: the prompt's end; `num_blocks` is then all of them):
+        its hooks send those not sent yet.
+
+        Raises:
+            ValueError: no such send, one not started `chunked` or finished, the
+                previous chunk's layers not all handed over, or `num_blocks` below
+                what was sent or above the send's blocks (or not all with `last`)."""
+        send = self._sends.get((epoch, transfer_id))
+        if send is None or send.finished or send.in_step:
+            raise ValueError(
+                f"transfer_id: ({epoch}, {transfer_id}) has no send waiting for a chunk"
+            )
+        total = len(send.plan.src_block_ids)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise ValueError(f"num_blocks: must be an int, got {num_blocks!r}")
+        if not send.sent_upto <= num_blocks <= total or (last and num_blocks != total):
+            raise ValueError(
+                f"num_blocks: {num_blocks} must be in [{send.sent_upto}, {total}]"
+                + (f" and {total} with last" if last else "")
+            )
+        with self._lock:
+            self._next_chunk(send, num_blocks, last)
+
+    def _next_chunk(self, send: _Send, upto: int, last: bool) -> None:
+        plan = send.plan
+        lo = send.sent_upto
+        runs = self._runs(plan.src_block_ids[lo:upto], plan.dst_block_ids[lo:upto], send.k)
+        k = send.k
+        want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
+        send.layers = [
+            [(self._targets[r].address, self._pieces(runs, k, layer, r)) for r in want]
+            for layer in range(self.layout.num_layers)
+        ]
+        send.layer_bytes = [sum(p.length for _, ps in lay for p in ps) for lay in send.layers]
+        send.sent_upto, send.last = upto, last
+        if runs:
+            send.in_step = True
+            self._active = [*self._active, send]
+        else:
+            send.finished = last
+
+    def after_layer(self, layer: int) -> None:
+        """The hook: layer `layer` of the step is written; start its writes."""
+        if not self._active:
+            return
+        with self._lock:
+            self._hand_over(layer)
+
+    def _hand_over(self, layer: int) -> None:
+        done = False
+        write = self.transport.write
+        for send in self._active:
+            if send.next_layer == 0 and layer != 0:
+                continue  # started during a step: its chunk goes with the next step
+            if send.next_layer != layer:
+                self._stop(send, f"hook called for layer {layer}, expected {send.next_layer}")
+                done = True
+                continue
+            try:
+                for peer, pieces in send.layers[layer]:
+                    send.handles.append(write(peer, pieces))
+            except TransportError as exc:
+                self._stop(send, f"layer {layer}: {exc}")
+                done = True
+                continue
+            self.layers_sent += 1
+            self.bytes_sent += send.layer_bytes[layer]
+            send.next_layer += 1
+            if send.next_layer == len(send.layers):  # the chunk is handed over
+                send.next_layer, send.in_step, send.finished = 0, False, send.last
+                done = True
+        if done:
+            self._active = [s for s in self._active if s.in_step]
+
+    def abort(self, epoch: Epoch, transfer_id: int) -> None:
+        """Start no more writes for the transfer; it settles (failed) as usual."""
+        with self._lock:
+            send = self._sends.get((epoch, transfer_id))
+            if send is not None and not send.finished:
+                self._stop(send, "aborted on P")
+                self._active = [s for s in self._active if s is not send]
+
+    @staticmethod
+    def _stop(send: _Send, reason: str) -> None:
+        send.failed = send.failed or reason
+        send.in_step, send.finished = False, True
+
+    def poll(self) -> list[RankReport]:
+        """Settle the sends whose writes all settled: notify D, report to P."""
+        now = self._clock()
+        settled = []
+        with self._lock:  # the hook starts no write for a send stopped here
+            for key, send in list(self._sends.items()):
+                if not send.finished:
+                    if now < send.deadline:
+                        continue
+                    self._stop(send, "deadline passed before the last layer")
+                    self._active = [s for s in self._active if s is not send]
+                states = [h.state() for h in send.handles]
+                if WriteState.PENDING in states and now < send.deadline:
+                    continue
+                del self._sends[key]
+                settled.append((send, states))
+        return [self._settle(send, states) for send, states in settled]
+
+    @property
+    def num_sends(self) -> int:
+        return len(self._sends)
+
+    # -- internals ------------------------------------------------------------
+
+    def _settle(self, send: _Send, states: list[WriteState]) -> RankReport:
+        plan = send.plan
+        if WriteState.PENDING in states:
+            # Past the deadline with a write unsettled: no notice, since a notice
+            # tells D no write can land any more; D fences by its grace instead.
+            reason = send.failed or "writes still pending at the deadline"
+            return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
+        if not send.failed and WriteState.FAILED in states:
+            send.failed = "a write failed"
+        ok = not send.failed
+        for peer, notice in self._notices(send, ok):
+            try:
+                self.transport.notify(peer, notice, self.notify_timeout_s)
+            except TransportError as exc:
+                ok = False
+                send.failed = send.failed or f"notice to {peer}: {exc}"
+        return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, ok, send.failed)
+
+    def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
+        plan = send.plan
+        k = plan.num_d_ranks // self.layout.tp_size
+        out = []
+        for r in range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k):
+            target = self._targets[r]
+            sums = (
+                block_checksums(
+                    self.layout.tensors, plan.src_block_ids, slices=k, index=target.index
+                )
+                if ok
+                else []
+            )
+            notice = Notice(
+                plan.epoch,
+                plan.transfer_id,
+                self.layout.tp_rank,
+                self.layout.tp_size,
+                r,
+                plan.num_d_ranks,
+                not ok,
+                self.layout.num_layers,
+                tuple(sums),
+            )
+            out.append((target.address, encode_notice(notice, plan.secret)))
+        return out
+
+    def _pieces(
+        self, runs: list[tuple[int, int, int]], k: int, layer: int, d_rank: int
+    ) -> list[Piece]:
+        """The layer's pieces for one D rank, one per run of blocks per tensor."""
+        index = self._targets[d_rank].index
+        pieces: list[Piece] = []
+        for pt, dt in zip(
+            self.layout.layer(layer), self._d_layouts[d_rank].layer(layer), strict=True
+        ):
+            size = pt.block_bytes // k
+            p_base, p_bb, d_base, d_bb = (
+                pt.ptr + index * size,
+                pt.block_bytes,
+                dt.ptr,
+                dt.block_bytes,
+            )
+            pieces += [
+                Piece(p_base + s * p_bb, d_base + d * d_bb, n * size) for s, d, n in runs
+            ]
+        return pieces
+
+    @staticmethod
+    def _runs(
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], k: int
+    ) -> list[tuple[int, int, int]]:
+        """(first source block, first destination block, count) of each run of
+        blocks consecutive on both sides; single blocks when a head slice moves
+        (k > 1: a slice of one block is not contiguous with the next one's)."""
+        runs: list[tuple[int, int, int]] = []
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            if (
+                k == 1
+                and runs
+                and s == runs[-1][0] + runs[-1][2]
+                and d == runs[-1][1] + runs[-1][2]
+            ):
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((s, d, 1))
+        return runs
+
+    @staticmethod
+    def _check_ids(name: str, ids: tuple[int, ...], limit: int) -> None:
+        for i, b in enumerate(ids):
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < limit:
+                raise ValueError(f"plan.{name}[{i}]: {b!r} not a block id in [0, {limit})")
+
+
+__all__ = ["PDSender"]

@@ -1,0 +1,127 @@
+"""Notices (encoding, authentication, keys under a deployment secret) and the
+in-process transport's own contract (regions, timeouts, kill)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastkv import CacheConfig
+from fastkv.metadata import Epoch
+from fastkv.pd.decode import DecodeTransfers
+from fastkv.pd.inproc import InProcFabric
+from fastkv.pd.messages import (
+    Acceptance,
+    Notice,
+    NoticeError,
+    Offer,
+    decode_notice,
+    encode_notice,
+    transfer_secret,
+)
+from fastkv.pd.transport import Piece, TransportError, WriteState
+from fastkv.scheduler import CacheManager
+
+NOTICE = Notice(Epoch(3), 42, 1, 2, 3, 4, False, 5, (1, 2, 0xFFFFFFFF))
+
+
+def test_notice_round_trip_and_every_flipped_byte_refused() -> None:
+    key = b"k" * 32
+    raw = encode_notice(NOTICE, key)
+    assert decode_notice(raw, key) == NOTICE
+    for i in range(len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 1
+        with pytest.raises(NoticeError):
+            decode_notice(bytes(bad), key)
+    with pytest.raises(NoticeError, match="authenticator"):
+        decode_notice(raw, b"j" * 32)
+    with pytest.raises(NoticeError):
+        decode_notice(raw[:-1], key)
+
+
+def test_deployment_secret_keys_differ_per_transfer_and_never_travel() -> None:
+    s = b"d" * 32
+    assert transfer_secret(s, Epoch(0), 1) != transfer_secret(s, Epoch(0), 2)
+    assert transfer_secret(s, Epoch(0), 1) != transfer_secret(s, Epoch(1), 1)
+    mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=8))
+    d = DecodeTransfers(mgr, layout_digest=b"L" * 32, deployment_secret=s)
+    acc = d.accept(Offer("r", 8, b"L" * 32, 1), [bytes([i]) * 32 for i in range(2)])
+    assert isinstance(acc, Acceptance)
+    assert acc.secret == transfer_secret(s, acc.epoch, acc.transfer_id)
+    with pytest.raises(ValueError, match="deployment_secret"):
+        DecodeTransfers(mgr, layout_digest=b"L" * 32, deployment_secret=b"short")
+
+
+def _pair(**kw: object) -> tuple[InProcFabric, object, object, np.ndarray, np.ndarray]:
+    now = [0.0]
+    fabric = InProcFabric(clock=lambda: now[0], **kw)  # type: ignore[arg-type]
+    fabric.now = now  # type: ignore[attr-defined]
+    a, b = fabric.endpoint("a"), fabric.endpoint("b")
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    a.register(src.ctypes.data, src.nbytes)
+    b.register(dst.ctypes.data, dst.nbytes)
+    return fabric, a, b, src, dst
+
+
+def test_writes_outside_registered_regions_are_refused_whole() -> None:
+    _, a, _, src, dst = _pair()
+    good = Piece(src.ctypes.data, dst.ctypes.data, 16)
+    with pytest.raises(TransportError, match="destination"):
+        a.write("b", [good, Piece(src.ctypes.data, dst.ctypes.data + 250, 16)])
+    with pytest.raises(TransportError, match="source"):
+        a.write("b", [Piece(src.ctypes.data - 1, dst.ctypes.data, 16)])
+    assert not dst.any()
+    with pytest.raises(TransportError, match="unknown"):
+        a.write("nobody", [good])
+    assert a.write("b", [good]).state() is WriteState.DONE
+    assert dst[:16].tolist() == list(range(16))
+
+
+def test_a_held_write_past_its_timeout_fails_and_never_lands() -> None:
+    fabric, a, _, src, dst = _pair(write_timeout_s=1.0)
+    fabric.hold_writes = True
+    h = a.write("b", [Piece(src.ctypes.data, dst.ctypes.data, 64)])
+    assert h.state() is WriteState.PENDING
+    fabric.now[0] = 1.0
+    assert h.state() is WriteState.FAILED
+    fabric.pump()
+    assert not dst.any()
+
+
+def test_kill_lands_part_of_the_dying_writers_bytes_and_fails_the_rest() -> None:
+    fabric, a, b, src, dst = _pair()
+    fabric.hold_writes = fabric.hold_notices = True
+    h = a.write("b", [Piece(src.ctypes.data, dst.ctypes.data, 100)])
+    a.notify("b", b"x", 1.0)
+    fabric.kill("a", land_fraction=0.5)
+    assert h.state() is WriteState.FAILED
+    assert dst[:50].tolist() == list(range(50)) and not dst[50:].any()
+    fabric.pump()
+    assert b.poll_notices() == []
+    with pytest.raises(TransportError):
+        a.write("b", [Piece(src.ctypes.data, dst.ctypes.data, 1)])
+    with pytest.raises(TransportError):
+        b.notify("a", b"y", 1.0)
+
+
+def test_with_a_deployment_secret_the_key_never_travels() -> None:
+    from fastkv.pd.prefill import PrefillTransfers
+
+    s = b"d" * 32
+    d_mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=8))
+    p_mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=8))
+    d = DecodeTransfers(d_mgr, layout_digest=b"L" * 32, deployment_secret=s)
+    hs = [bytes([i]) * 32 for i in range(2)]
+    for p_secret, sent in ((None, False), (s, True)):
+        p = PrefillTransfers(p_mgr, layout_digest=b"L" * 32, deployment_secret=p_secret)
+        rid = f"r{sent}"
+        p_mgr.match(rid, hs, 8)
+        assert p_mgr.allocate(rid, num_tokens=8)
+        acc = d.accept(p.offer(rid, 8), hs)
+        assert isinstance(acc, Acceptance)
+        assert p.on_answer(acc.public()) is sent  # no key and no secret: refused
+        if sent:
+            assert p.plan(rid).secret == acc.secret
+        p.release(rid)
