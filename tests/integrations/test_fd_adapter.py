@@ -238,8 +238,9 @@ def test_a_dropped_cache_manager_does_not_keep_the_channel_from_the_next(channel
         sender = ResultsSender(channel, 0)
         got: list = []
         deadline = time.monotonic() + 10
+        sender.send([TransferResult(0, True)])
         while not got and time.monotonic() < deadline:
-            sender.send([TransferResult(0, True)])
+            sender.flush()  # as a worker's reporter does
             got += cm.results.poll()
         assert [(r.transfer_id, r.success) for r in got] == [(0, True)]
         sender.close()
@@ -751,8 +752,9 @@ def test_a_live_cache_manager_keeps_its_channel_and_a_second_start_is_refused(
         sender = ResultsSender(channel, 0)
         got: list = []
         deadline = time.monotonic() + 10
+        sender.send([TransferResult(4, True)])
         while not got and time.monotonic() < deadline:
-            sender.send([TransferResult(4, True)])
+            sender.flush()  # as a worker's reporter does
             got += first.results.poll()
         assert [(r.transfer_id, r.success) for r in got] == [(4, True)]
         sender.close()
