@@ -8,6 +8,11 @@ it here, one way:
 - never through a symbolic link: O_NOFOLLOW, and a file inside a directory is
   opened relative to the directory's descriptor, so no component of the path can
   be swapped between the check and the use;
+- a directory only through a path no other user can redirect (`check_path`): every
+  component above it, and every link met on the way, belongs to root or this user,
+  and none of those directories lets others add or rename entries unless it is
+  sticky (so another user's link or directory in a grandparent is refused, while
+  root's links, such as /var/run, stay usable);
 - checked on the open descriptor (fstat), never by path: the right kind
   (directory, regular file), owned by this user, none of the permission bits the
   caller forbids and, where asked, a single hard link;
@@ -46,8 +51,76 @@ class NotPrivate(PermissionError):
     message says why and completes "<path>: ..."."""
 
 
+MAX_LINKS = 40
+"""Symbolic links `check_path` follows in one path (the kernel's own limit)."""
+
+
+def check_path(path: StrPath, *, uid: int | None = None) -> None:
+    """Check that no user but root and `uid` can redirect `path`: every directory
+    above it and every symbolic link met while resolving those directories must be
+    owned by root or `uid`, and a directory that group or others can write must be
+    sticky (no one else can then rename or replace what `uid` or root owns in it).
+    The last component is not checked here (`open_dir` and `open_file` open it
+    without following a link and check it on the descriptor).
+
+    Args:
+        path: the path to check; a relative one is taken from the working directory.
+        uid: the user besides root who may own the components; default this
+            process's effective uid.
+
+    Raises:
+        NotPrivate: a component or link fails the rule; the message names it.
+        OSError: a component is missing or cannot be read (as os.lstat), or more
+            than MAX_LINKS links are met (ELOOP).
+    """
+    uid = os.geteuid() if uid is None else uid
+    parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+    todo = [part for part in parent.split("/") if part][::-1]  # a stack: next at the end
+    current, links = "/", 0
+    _check_component(current, os.lstat(current), uid)
+    while todo:
+        part = todo.pop()
+        if part == ".":
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        nxt = os.path.join(current, part)
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            _check_component(nxt, st, uid)
+            links += 1
+            if links > MAX_LINKS:
+                raise OSError(errno.ELOOP, f"more than {MAX_LINKS} symbolic links", nxt)
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                current = "/"
+            todo += [p for p in target.split("/") if p][::-1]
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "a component of the path", nxt)
+        _check_component(nxt, st, uid)
+        current = nxt
+
+
+def _check_component(name: str, st: os.stat_result, uid: int) -> None:
+    """One directory or link on the way to a private directory (see `check_path`)."""
+    kind = "symbolic link" if stat.S_ISLNK(st.st_mode) else "directory"
+    if st.st_uid not in (0, uid):
+        raise NotPrivate(
+            f"the {kind} {name} on its path is owned by uid {st.st_uid}, neither root "
+            f"nor uid {uid} (that user could redirect the path)"
+        )
+    if kind == "directory" and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise NotPrivate(
+            f"the directory {name} on its path (mode {stat.S_IMODE(st.st_mode):#o}) "
+            "lets others rename or replace its entries (writable, not sticky)"
+        )
+
+
 def open_dir(path: StrPath, *, uid: int | None = None, forbidden: int = OTHERS) -> int:
-    """Make `path` (mode 0700) if it is missing and open it.
+    """Make `path` (mode 0700) if it is missing and open it, once `check_path`
+    passed for it (no other user can redirect the path to it).
 
     Args:
         path: the directory; its parent must exist.
@@ -62,9 +135,10 @@ def open_dir(path: StrPath, *, uid: int | None = None, forbidden: int = OTHERS) 
 
     Raises:
         NotPrivate: it is a symbolic link or not a directory, has another owner or
-            a forbidden permission bit.
+            a forbidden permission bit; or a component above it fails `check_path`.
         OSError: it cannot be made or opened (e.g. its parent does not exist).
     """
+    check_path(path, uid=uid)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, DIR_MODE)
     try:
@@ -151,4 +225,13 @@ def _check_owner_and_mode(
         raise NotPrivate(f"mode {stat.S_IMODE(st.st_mode):#o} lets others in (they can {can})")
 
 
-__all__ = ["DIR_MODE", "FILE_MODE", "OTHERS", "NotPrivate", "open_dir", "open_file"]
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "MAX_LINKS",
+    "OTHERS",
+    "NotPrivate",
+    "check_path",
+    "open_dir",
+    "open_file",
+]

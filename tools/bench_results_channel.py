@@ -1,5 +1,6 @@
 """Result latency over the results channel, idle and under a flood from another
-user (issue 15 item 4's target: flooded within 2x of idle).
+user (issue 15 item 4's target: flooded within 2x of idle) or from processes of the
+engine's own uid (issue 25 item 7).
 
 A worker process sends one result every --interval-ms; the scheduler's end polls
 every --poll-ms, as a scheduler loop would. Latency is from just before `send` to the
@@ -11,10 +12,15 @@ earlier versions listened on. The control phase runs the same process, with the
 same calls, at addresses that do not exist: it takes the same CPU time from the
 scheduler and the worker but never reaches the channel, so flooded/control is the
 channel's own share of the slowdown (on a 2-core machine the flooder's CPU use
-alone moves the tail). Phases rotate idle, control, flooded for --rounds rounds and
-each phase's latencies are pooled. Needs root (to switch users), like CI.
+alone moves the tail). The same-uid phase runs three such processes as the
+engine's own uid (they reach the socket, so every connection they make is accepted,
+read and refused by the scheduler's `poll()`). Phases rotate (--phases, default
+idle, control, flooded) for --rounds rounds and each phase's latencies are pooled.
+Needs root (to switch users), like CI. To compare two versions of fastkv in one
+run, alternate PYTHONPATH between their trees around this script.
 
     .venv/bin/python tools/bench_results_channel.py --seconds 10 [--rounds 3]
+    .venv/bin/python tools/bench_results_channel.py --phases idle,same-uid
 """
 
 from __future__ import annotations
@@ -105,29 +111,61 @@ class _Counter(logging.Handler):
         self.lines += 1
 
 
+SAME_UID_FLOODERS = 3
+
+
+def start_flooders(phase: str, path: str, abstract: str, seconds: float) -> list:
+    """The flooder processes of `phase`, started and ready."""
+    if phase == "same-uid":
+        prefix, count = [sys.executable], SAME_UID_FLOODERS
+    else:
+        prefix, count = [*_AS_NOBODY, _nobody_python()], 1
+    flooders = []
+    for _ in range(count):
+        flooder = subprocess.Popen(
+            [*prefix, "-c", FLOODER, path, abstract, str(seconds)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        flooders.append(flooder)
+        assert flooder.stdout is not None
+        if flooder.stdout.readline() != "ready\n":
+            raise SystemExit("a flooder did not start")
+    return flooders
+
+
+def flood_report(flooders: list) -> dict | None:
+    """The flooders' counts, summed."""
+    if not flooders:
+        return None
+    total: dict = {"tries": 0, "delivered": {}, "errors": set()}
+    for flooder in flooders:
+        flooder.wait(timeout=60)
+        one = json.loads(flooder.stdout.read().strip().splitlines()[-1])
+        total["tries"] += one["tries"]
+        for kind, n in one["delivered"].items():
+            total["delivered"][kind] = total["delivered"].get(kind, 0) + n
+        total["errors"] |= set(one["errors"])
+    total["errors"] = sorted(total["errors"])
+    return total
+
+
 def run_phase(args: argparse.Namespace, directory: str, phase: str) -> dict:
-    """One phase: "idle", "control" (the flooder at addresses that do not exist)
-    or "flooded" (the flooder at the channel's addresses)."""
+    """One phase: "idle", "control" (the flooder at addresses that do not exist),
+    "flooded" (the flooder, uid 65534, at the channel's addresses) or "same-uid"
+    (three flooders of this uid at the channel's addresses)."""
     name = f"bench-{uuid.uuid4().hex[:10]}"
     receiver = ResultsReceiver(name, tp_size=1, directory=directory)
     counter = _Counter()
     logging.getLogger("fastkv.channel").addHandler(counter)
-    flooder = None
+    flooders: list = []
     try:
         if phase != "idle":
             path, abstract = receiver.path, "fastkv-results-" + name
             if phase == "control":
                 path = os.path.join(directory, "absent", "results.sock")
                 abstract = f"fastkv-absent-{uuid.uuid4().hex}"
-            flooder = subprocess.Popen(
-                [*_AS_NOBODY, _nobody_python(), "-c", FLOODER, path, abstract,
-                 str(args.seconds + 1)],
-                stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            assert flooder.stdout is not None
-            if flooder.stdout.readline() != "ready\n":
-                raise SystemExit("the flooder did not start")
-            time.sleep(0.2)  # let it reach full speed
+            flooders = start_flooders(phase, path, abstract, args.seconds + 1)
+            time.sleep(0.2)  # let them reach full speed
         ctx = mp.get_context("fork")
         n = int(args.seconds * 1000 / args.interval_ms) + 10
         sent_at = ctx.Array("d", n, lock=False)
@@ -138,35 +176,38 @@ def run_phase(args: argparse.Namespace, directory: str, phase: str) -> dict:
         )
         worker.start()
         latencies: list[float] = []
-        longest_poll = 0.0
+        polls: list[float] = []
+        first: list[float] = []  # the first result's latency (includes connecting)
+        last_news = time.monotonic()
         while worker.is_alive() or len(latencies) < count.value:
             t0 = time.monotonic()
             got = receiver.poll()
             t1 = time.monotonic()
-            longest_poll = max(longest_poll, t1 - t0)
+            polls.append(t1 - t0)
             latencies += [t1 - sent_at[r.transfer_id] for r in got]
-            if not worker.is_alive() and not got and time.monotonic() - t1 > 5:
+            first = [t1 - sent_at[0] for r in got if r.transfer_id == 0] or first
+            if got or worker.is_alive():
+                last_news = t1
+            elif t1 - last_news > 5:  # the rest was lost: results shows received < sent
                 break
             time.sleep(args.poll_ms / 1000)
         worker.join()
-        flood_report = None
-        if flooder is not None:
-            assert flooder.stdout is not None
-            flooder.wait(timeout=args.seconds + 30)
-            flood_report = json.loads(flooder.stdout.read().strip().splitlines()[-1])
+        flood = flood_report(flooders)
         stats = receiver.stats()
     finally:
         logging.getLogger("fastkv.channel").removeHandler(counter)
         receiver.close()
-        if flooder is not None and flooder.poll() is None:
-            flooder.kill()
+        for flooder in flooders:
+            if flooder.poll() is None:
+                flooder.kill()
     return {
         "sent": count.value,
         "latencies": latencies,
-        "longest_poll_ms": longest_poll * 1e3,
+        "first": first,
+        "polls": polls,
         "log_lines": counter.lines,
         "rejected": stats.rejected_datagrams + stats.rejected_connections,
-        "flooder": flood_report,
+        "flooder": flood,
     }
 
 
@@ -179,11 +220,16 @@ def pooled(runs: list[dict]) -> dict:
             delivered[kind] = delivered.get(kind, 0) + n
     return {
         "sent": sum(r["sent"] for r in runs),
+        "first_ms": max((x for r in runs for x in r["first"]), default=float("nan")) * 1e3,
         "received": len(latencies),
         "median_ms": statistics.median(latencies) * 1e3,
         "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
         "max_ms": latencies[-1] * 1e3,
-        "longest_poll_ms": max(r["longest_poll_ms"] for r in runs),
+        "poll_p99_ms": sorted(p for r in runs for p in r["polls"])[
+            int(0.99 * (sum(len(r["polls"]) for r in runs) - 1))
+        ]
+        * 1e3,
+        "longest_poll_ms": max(max(r["polls"]) for r in runs) * 1e3,
         "log_lines": sum(r["log_lines"] for r in runs),
         "rejected": sum(r["rejected"] for r in runs),
         "flooder_tries": sum((r["flooder"] or {}).get("tries", 0) for r in runs),
@@ -199,15 +245,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="each phase")
     parser.add_argument("--interval-ms", type=float, default=10.0, help="between results")
     parser.add_argument("--poll-ms", type=float, default=1.0, help="scheduler loop period")
-    parser.add_argument("--rounds", type=int, default=1, help="idle/control/flooded cycles")
+    parser.add_argument("--rounds", type=int, default=1, help="phase cycles")
+    parser.add_argument(
+        "--phases",
+        default="idle,control,flooded",
+        help="comma-separated, from idle, control, flooded, same-uid (idle first)",
+    )
     args = parser.parse_args()
+    phases = tuple(args.phases.split(","))
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds must be >= 1 and --seconds > 0")
+    if phases[0] != "idle" or not set(phases) <= {"idle", "control", "flooded", "same-uid"}:
+        parser.error(f"--phases: {args.phases!r}: idle first, then control, flooded, same-uid")
     if os.getuid() != 0:
         raise SystemExit("run as root: the flooder runs as uid 65534 through setpriv")
     base = tempfile.mkdtemp(prefix="fkv-bench-")
     os.chmod(base, 0o1777)  # as /tmp: the flooder may reach whatever the channel allows
-    phases = ("idle", "control", "flooded")
     runs: dict[str, list[dict]] = {p: [] for p in phases}
     try:
         directory = os.path.join(base, "fastkv-run")
@@ -217,27 +270,35 @@ def main() -> None:
                 runs[phase].append(run_phase(args, directory, phase))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    result = {p: pooled(runs[p]) for p in phases}
-    for label, r in result.items():
+    report(tuple({p: pooled(runs[p]) for p in phases}.items()))
+
+
+def report(result: tuple[tuple[str, dict], ...]) -> None:
+    """Print each phase's figures and its ratios to idle (and to control)."""
+    by_phase = dict(result)
+    for label, r in result:
         print(
-            f"{label:8s} results {r['received']}/{r['sent']}  latency median "
+            f"{label:8s} results {r['received']}/{r['sent']}  first (worst) "
+            f"{r['first_ms']:.1f} ms  latency median "
             f"{r['median_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.3f} ms  "
-            f"longest poll {r['longest_poll_ms']:.3f} ms  log lines {r['log_lines']}  "
+            f"poll p99 {r['poll_p99_ms']:.3f} ms  longest {r['longest_poll_ms']:.3f} ms  "
+            f"log lines {r['log_lines']}  "
             f"rejected {r['rejected']}"
         )
-    for label in ("control", "flooded"):
-        r = result[label]
-        print(
-            f"{label} flooder (uid 65534): tries {r['flooder_tries']}  delivered "
-            f"{json.dumps(r['flooder_delivered'])}  errors {r['flooder_errors']}"
-        )
-    idle, control, flooded = result["idle"], result["control"], result["flooded"]
-    for what, base_r in (("idle", idle), ("control", control)):
-        print(
-            f"ratio flooded/{what}: median {flooded['median_ms'] / base_r['median_ms']:.2f}x  "
-            f"p99 {flooded['p99_ms'] / base_r['p99_ms']:.2f}x"
-            + ("  (target: within 2x)" if what == "idle" else "  (the channel's own share)")
-        )
+    for label, r in result:
+        if label != "idle":
+            print(
+                f"{label} flooders: tries {r['flooder_tries']}  delivered "
+                f"{json.dumps(r['flooder_delivered'])}  errors {r['flooder_errors']}"
+            )
+    for label, r in result:
+        bases = ("idle",) if label in ("idle", "control") else ("idle", "control")
+        for what in (b for b in bases if b in by_phase and label != "idle"):
+            base_r = by_phase[what]
+            print(
+                f"ratio {label}/{what}: median {r['median_ms'] / base_r['median_ms']:.2f}x  "
+                f"p99 {r['p99_ms'] / base_r['p99_ms']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -105,25 +105,19 @@ def _refuse(path: str, why: str) -> PermissionError:
 
 def open_private_dir(path: str) -> int:
     """Make (mode 0700) or open the channel directory `path`; return an O_DIRECTORY
-    fd of it. Its parent must be owned by root or this uid and, if others can write
-    it, sticky (so no one else can rename the directory away).
+    fd of it. No other user may be able to redirect the path to it: every directory
+    and symbolic link above it must be owned by root or this uid, and a directory
+    others can write must be sticky (`private_files.check_path`).
 
     Raises:
         PermissionError: `path` is a symlink, owned by another uid, or reachable by
-            group or others; or its parent is unsafe. The message says which.
+            group or others; or a component above it is unsafe. The message says which.
         OSError: it cannot be made (e.g. the parent does not exist).
     """
     if not isinstance(path, str) or not os.path.isabs(path):
         raise ValueError(f"runtime_dir: must be an absolute path, got {path!r}")
-    uid = os.getuid()
-    parent = os.path.dirname(path.rstrip("/")) or "/"
-    pst = os.stat(parent)
-    if pst.st_uid not in (0, uid):
-        raise _refuse(path, f"its parent is owned by uid {pst.st_uid}")
-    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
-        raise _refuse(path, "its parent is writable by others and not sticky")
     try:
-        return private_files.open_dir(path, uid=uid)
+        return private_files.open_dir(path, uid=os.getuid())
     except private_files.NotPrivate as e:
         raise _refuse(path, str(e)) from None
 

@@ -10,8 +10,10 @@ recursion): a head (version, rank, count) and at most RESULTS_PER_DATAGRAM rows.
   holds (at most MAX_LOOKUP_HITS).
 
 `decode` checks every length against its bound before it reads it, so its work is
-bounded by the payload's size (at most MAX_PAYLOAD_BYTES). Payloads travel sealed
-(`fastkv.channel.frames`).
+bounded by the payload's size (at most MAX_PAYLOAD_BYTES). A payload of no rows
+(`hello`) opens a connection. The receiver answers with acknowledgements
+(`encode_ack`): the stream index below which every result of the worker's stream
+has been applied. Payloads travel sealed (`fastkv.channel.frames`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _KIND_LOOKUP = 1
 _ROW = struct.Struct("!BqBHH")  # kind, id, success, error bytes, failed positions
 _FAILED = struct.Struct("!I")  # one failed block position
 _LOOKUP_ROW = struct.Struct("!BqI")  # kind, lookup_id, num_hits
+_ACK = struct.Struct("!Q")  # the stream index every result below was applied
 MAX_PAYLOAD_BYTES = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (
     _ROW.size + MAX_ERROR_BYTES + MAX_FAILED_BLOCKS * _FAILED.size
 )
@@ -88,6 +91,29 @@ def encode(rank: int, results: Iterable[Result]) -> list[bytes]:
             parts.extend(_FAILED.pack(p) for p in failed)
         out.append(b"".join(parts))
     return out
+
+
+def hello(rank: int) -> bytes:
+    """The payload of no rows a worker opens a connection with (the receiver answers
+    with an acknowledgement, which proves it holds the secret)."""
+    return _PAYLOAD_HEAD.pack(WIRE_VERSION, rank, 0)
+
+
+def encode_ack(applied: int) -> bytes:
+    """An acknowledgement: every result of the connection's stream below index
+    `applied` has been applied (or dropped as a resend)."""
+    return _ACK.pack(applied)
+
+
+def decode_ack(data: bytes) -> int:
+    """The index an acknowledgement carries.
+
+    Raises:
+        ValueError: not an acknowledgement.
+    """
+    if len(data) != _ACK.size:
+        raise ValueError(f"acknowledgement: {len(data)} bytes, expected {_ACK.size}")
+    return int(_ACK.unpack(data)[0])
 
 
 def decode(data: bytes) -> tuple[int, list[Result]]:
@@ -183,5 +209,8 @@ __all__ = [
     "WIRE_VERSION",
     "Result",
     "decode",
+    "decode_ack",
     "encode",
+    "encode_ack",
+    "hello",
 ]

@@ -7,9 +7,15 @@ checks every message and combines the ranks' reports.
   the rank the connection spoke for before; a message that fails any check closes
   its connection.
 - **Delivery.** `poll()` never blocks and never raises for anything a peer sends;
-  it reads at most MESSAGES_PER_POLL messages per connection, so one call stays
-  bounded however fast a worker sends, and what it logs about peers is
-  rate-limited. The ranks' reports are combined with `fastkv.tp.RankResults`: a
+  it first serves the connections it holds (dropping dead ones), then accepts at
+  most ACCEPTS_PER_POLL new ones and reads at most MESSAGES_PER_POLL messages per
+  connection, so one call stays bounded however fast workers send or connect, and
+  what it logs about peers is rate-limited. After reading a connection it
+  acknowledges, sealed under the connection's acknowledgement key, the stream index
+  below which that worker's results are applied: a worker lets a result go only
+  then, and a result it sends again (its connection died before the
+  acknowledgement came) is recognised by its index and dropped, so each result is
+  applied once. The ranks' reports are combined with `fastkv.tp.RankResults`: a
   transfer comes out once every rank reported it, successful only if all succeeded.
 - **Release.** `close()` (idempotent) closes every connection, unlinks the socket,
   key and lock file and releases the lock at once: the next receiver on the same
@@ -26,10 +32,18 @@ import logging
 import os
 import secrets
 import socket
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastkv.channel.ends import OPEN_ENDS, LogLimiter, peer_uid
-from fastkv.channel.frames import MAX_FRAME_BYTES, connection_key, frame_nonce, unseal
+from fastkv.channel.frames import (
+    MAX_FRAME_BYTES,
+    ack_key,
+    connection_key,
+    frame_nonce,
+    seal,
+    unseal,
+)
 from fastkv.channel.private_dir import (
     EPOCH_BYTES,
     check_name,
@@ -39,7 +53,7 @@ from fastkv.channel.private_dir import (
     runtime_dir,
     socket_address,
 )
-from fastkv.channel.protocol import Result, decode
+from fastkv.channel.protocol import Result, decode, encode_ack
 from fastkv.config import check_int
 from fastkv.tp import RankResults
 
@@ -47,6 +61,10 @@ log = logging.getLogger(__name__)
 
 MESSAGES_PER_POLL = 256
 """Messages `poll()` reads from one connection; the rest wait for the next poll."""
+ACCEPTS_PER_POLL = 16
+"""Connections `poll()` accepts (or refuses) at most; the rest wait in the backlog."""
+MAX_STREAMS = 1024
+"""Workers' streams whose applied index the receiver remembers (the oldest go)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,10 @@ class ReceiverStats:
     """A rank out of range, or a transfer a rank reported twice."""
     rejected_connections: int = 0
     """Connections from another uid, or past `max_connections`."""
+    accepted_connections: int = 0
+    """Connections accepted and kept."""
+    duplicates: int = 0
+    """Results a worker sent again that were applied already (dropped)."""
 
 
 @dataclass(slots=True)
@@ -70,8 +92,12 @@ class _Conn:
     sock: socket.socket
     nonce: bytes = b""
     key: bytes = b""
+    ack_key: bytes = b""
     next_seq: int = 0
     rank: int | None = None
+    stream: bytes | None = None
+    ack_seq: int = 0
+    ack_due: bool = False
 
 
 class ResultsReceiver:
@@ -118,6 +144,9 @@ class ResultsReceiver:
         # One nonce per connection this receiver accepted (16 bytes each; only this
         # uid can connect, and workers reconnect only after errors).
         self._nonces_seen: set[bytes] = set()
+        # (rank, stream) -> the index below which its results were applied
+        self._applied: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        self._accepted = self._duplicates = 0
         self._datagrams = self._results = self._combined = 0
         self._bad_datagrams = self._bad_results = self._bad_connections = 0
         self._sock: socket.socket | None = None
@@ -201,67 +230,75 @@ class ResultsReceiver:
         return sock
 
     def poll(self) -> list[Result]:
-        """Accept waiting workers and read every message waiting (never blocks);
-        return the transfers that every rank has now reported, combined. Never
-        raises for anything a peer sent: bad input is counted, logged (rate-limited)
-        and its connection closed."""
+        """Serve the connections held (reading every message waiting, dropping dead
+        connections), then accept at most ACCEPTS_PER_POLL waiting workers and serve
+        them too; never blocks. Return the transfers that every rank has now
+        reported, combined. Never raises for anything a peer sent: bad input is
+        counted, logged (rate-limited) and its connection closed."""
         if self._sock is None:
             return []
         done: list[Result] = []
+        self._serve(list(self._conns), done)  # first: dead ones free their places
         try:
-            self._accept()
+            fresh = self._accept()
         except Exception as e:  # nothing a peer does may escape
             self._log("internal", "results channel %r: accept failed: %r", self.name, e)
-        for conn in list(self._conns):
+            fresh = []
+        self._serve(fresh, done)
+        self._combined += len(done)
+        return done
+
+    def _serve(self, conns: list[_Conn], done: list[Result]) -> None:
+        """Read what `conns` sent and acknowledge it."""
+        for conn in conns:
             try:
                 self._drain(conn, done)
+                if conn in self._conns:
+                    self._acknowledge(conn)
             except Exception as e:  # nothing a peer sends may escape
                 self._bad_datagrams += 1
                 self._log(
                     "internal", "results channel %r: dropped a connection: %r", self.name, e
                 )
                 self._drop(conn)
-        self._combined += len(done)
-        return done
 
-    def _accept(self) -> None:
+    def _accept(self) -> list[_Conn]:
+        """Accept (or refuse) at most ACCEPTS_PER_POLL waiting connections; the
+        connections kept."""
         assert self._sock is not None
-        while True:
+        fresh: list[_Conn] = []
+        for _ in range(ACCEPTS_PER_POLL):
             try:
                 sock, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as e:  # e.g. out of fds: try again next poll
                 self._log("accept", "results channel %r: accept failed: %s", self.name, e)
-                return
+                break
             try:
-                sock.setblocking(False)
-                uid = peer_uid(sock)
-                if self._uid is not None and uid != self._uid:
-                    self._bad_connections += 1
-                    self._log(
-                        "uid",
-                        "results channel %r: refused a connection from uid %d",
-                        self.name,
-                        uid,
-                    )
-                    sock.close()
-                    continue
-                if len(self._conns) >= self.max_connections:
-                    self._bad_connections += 1
-                    self._log(
-                        "full",
-                        "results channel %r: %d connections open, refused another",
-                        self.name,
-                        len(self._conns),
-                    )
-                    sock.close()
-                    continue
+                refused = self._refusal(sock)
             except OSError as e:
-                self._log("accept", "results channel %r: accept failed: %s", self.name, e)
+                refused = f"accept failed: {e}"
+            if refused:
+                self._bad_connections += 1
+                self._log("refused", "results channel %r: %s", self.name, refused)
                 sock.close()
                 continue
-            self._conns.append(_Conn(sock))
+            conn = _Conn(sock)
+            self._conns.append(conn)
+            fresh.append(conn)
+            self._accepted += 1
+        return fresh
+
+    def _refusal(self, sock: socket.socket) -> str:
+        """Why a connection just accepted is refused ("" when it is not)."""
+        sock.setblocking(False)
+        uid = peer_uid(sock)
+        if self._uid is not None and uid != self._uid:
+            return f"refused a connection from uid {uid}"
+        if len(self._conns) >= self.max_connections:
+            return f"{len(self._conns)} connections open, refused another"
+        return ""
 
     def _drain(self, conn: _Conn, done: list[Result]) -> None:
         for _ in range(MESSAGES_PER_POLL):  # the rest waits for the next poll
@@ -277,7 +314,7 @@ class ResultsReceiver:
                 return
             self._datagrams += 1
             try:
-                rank, results = self._open(conn, frame)
+                rank, first, results = self._open(conn, frame)
             except ValueError as e:
                 self._bad_datagrams += 1
                 self._log(
@@ -285,13 +322,46 @@ class ResultsReceiver:
                 )
                 self._drop(conn)
                 return
-            self._combine(rank, results, done)
+            self._combine(rank, self._unapplied(conn, first, results), done)
+            conn.ack_due = True
 
-    def _open(self, conn: _Conn, frame: bytes) -> tuple[int, list[Result]]:
-        """The (rank, results) of the next message on `conn`: it must unseal under
-        the connection's key, carry the next sequence number and the rank the
-        connection spoke for before. `conn` moves on to the next message only when
-        every check passed.
+    def _unapplied(self, conn: _Conn, first: int, results: list[Result]) -> list[Result]:
+        """The results of a message (its first at stream index `first`) not applied
+        before; the stream's applied index moves past the message."""
+        assert conn.rank is not None and conn.stream is not None
+        key = (conn.rank, conn.stream)
+        applied = self._applied.get(key, 0)
+        seen = min(len(results), max(0, applied - first))
+        self._duplicates += seen
+        if results and first + len(results) > applied:
+            self._applied[key] = first + len(results)
+            self._applied.move_to_end(key)
+            if len(self._applied) > MAX_STREAMS:
+                self._applied.popitem(last=False)
+        return results[seen:]
+
+    def _acknowledge(self, conn: _Conn) -> None:
+        """Tell the worker on `conn` up to where its stream is applied (when it sent
+        something since the last acknowledgement; a full socket retries next poll)."""
+        if not conn.ack_due or conn.rank is None or conn.stream is None:
+            return
+        applied = self._applied.get((conn.rank, conn.stream), 0)
+        frame = seal(conn.ack_key, conn.nonce, conn.ack_seq, encode_ack(applied))
+        try:
+            conn.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the worker went away: it sends again on its next connection
+            self._drop(conn)
+            return
+        conn.ack_seq += 1
+        conn.ack_due = False
+
+    def _open(self, conn: _Conn, frame: bytes) -> tuple[int, int, list[Result]]:
+        """The (rank, first stream index, results) of the next message on `conn`: it
+        must unseal under the connection's key, carry the next sequence number, and
+        the rank and stream the connection spoke for before. `conn` moves on to the
+        next message only when every check passed.
 
         Raises:
             ValueError: a check failed (the connection is to be closed).
@@ -301,17 +371,20 @@ class ResultsReceiver:
             if nonce in self._nonces_seen:
                 raise ValueError("message: a connection nonce used before (replay)")
             conn.nonce, conn.key = nonce, connection_key(self._secret, self._epoch, nonce)
-        seq, payload = unseal(conn.key, frame)
-        if seq != conn.next_seq:
-            raise ValueError(f"message: sequence {seq}, expected {conn.next_seq}")
-        rank, results = decode(payload)
+        opened = unseal(conn.key, frame)
+        if opened.seq != conn.next_seq:
+            raise ValueError(f"message: sequence {opened.seq}, expected {conn.next_seq}")
+        rank, results = decode(opened.payload)
         if conn.rank is not None and rank != conn.rank:
             raise ValueError(f"message: rank {rank} on rank {conn.rank}'s connection")
+        if conn.stream is not None and opened.stream != conn.stream:
+            raise ValueError("message: another stream on this connection")
         if conn.next_seq == 0:
             self._nonces_seen.add(conn.nonce)
+            conn.ack_key = ack_key(self._secret, self._epoch, conn.nonce)
         conn.next_seq += 1
-        conn.rank = rank
-        return rank, results
+        conn.rank, conn.stream = rank, opened.stream
+        return rank, opened.first, results
 
     def _combine(self, rank: int, results: list[Result], done: list[Result]) -> None:
         """Add one rank's results; append to `done` those every rank has reported."""
@@ -343,6 +416,8 @@ class ResultsReceiver:
             self._bad_datagrams,
             self._bad_results,
             self._bad_connections,
+            self._accepted,
+            self._duplicates,
         )
 
     @property
@@ -353,8 +428,9 @@ class ResultsReceiver:
         """Release the name now (idempotent): unlink the socket, the key file and
         the lock file, close every connection, release the lock. A receiver made next
         on the same name binds at once (with a new key unless the secret comes from
-        the environment; workers read it when they reconnect); results still unread
-        are lost (workers that connect later keep theirs)."""
+        the environment; workers read it when they reconnect). Results this receiver
+        did not acknowledge stay with their workers, which send them to the next
+        receiver on the name (as they do with results queued while none is bound)."""
         if self._dir_fd < 0:
             return
         self._release(unlink=True)
@@ -391,4 +467,10 @@ class ResultsReceiver:
         self._release(unlink=False)
 
 
-__all__ = ["MESSAGES_PER_POLL", "ReceiverStats", "ResultsReceiver"]
+__all__ = [
+    "ACCEPTS_PER_POLL",
+    "MAX_STREAMS",
+    "MESSAGES_PER_POLL",
+    "ReceiverStats",
+    "ResultsReceiver",
+]

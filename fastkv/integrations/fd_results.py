@@ -17,8 +17,12 @@ Not thread-safe: the cache manager adapter calls `TransferRelay` under its lock.
 from __future__ import annotations
 
 import atexit
+import errno
+import gc
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -204,39 +208,51 @@ class TransferRelay:
             )
 
 
-# The receiver each channel name of this process is bound by (a cache manager's).
-_CHANNELS: dict[str, ResultsReceiver] = {}
+# The receiver each channel name of this process is bound by, and the manager
+# holding it (weakly: a manager dropped without close() is gone once collected).
+_CHANNELS: dict[str, tuple[ResultsReceiver, weakref.ref[object]]] = {}
 _CHANNELS_LOCK = threading.Lock()
 
 
-def bind_channel(name: str, tp_size: int) -> ResultsReceiver:
-    """Bind the results channel `name` for a new cache manager. A receiver an
-    earlier manager of this process still holds on that name is closed first: only
-    one manager per deployment receives its workers' results, and FastDeploy builds
-    a new one (a new ResourceManagerV1) without closing the old. The earlier manager
-    then receives nothing (logged).
+def bind_channel(name: str, tp_size: int, owner: object) -> ResultsReceiver:
+    """Bind the results channel `name` for the cache manager `owner`.
+
+    A name an earlier manager of this process bound is taken over only from a
+    manager that is gone: closed, or dropped and collected (FastDeploy builds a new
+    ResourceManagerV1 without closing the old one; a reference cycle may keep the
+    dropped one until a collection, so one is run before refusing). A live one
+    keeps the name and its results: this start is refused.
 
     Raises:
-        OSError: another process holds the name.
+        OSError(EADDRINUSE): a live manager of this process, or another process,
+            holds the name; the message names the channel and the holder.
     """
     with _CHANNELS_LOCK:
-        earlier = _CHANNELS.pop(name, None)
-        if earlier is not None and not earlier.closed:
-            log.warning(
-                "fastkv: results channel %r: a new cache manager takes it over from an "
-                "earlier one in this process, which receives no results from now on",
-                name,
-            )
-            earlier.close()
+        earlier = _CHANNELS.get(name)
+        if earlier is not None and not earlier[0].closed and earlier[1]() is not None:
+            gc.collect()  # a dropped manager in a reference cycle is gone after this
+        if earlier is not None and not earlier[0].closed:
+            holder = earlier[1]()
+            if holder is not None:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"results channel {name!r}: held by a live cache manager of this "
+                    f"process (pid {os.getpid()}, {type(holder).__name__} at "
+                    f"{id(holder):#x}); close() it first, or give each engine its own "
+                    "FASTKV_RESULTS_CHANNEL",
+                )
+            log.info("fastkv: results channel %r: taken over from a dropped manager", name)
+            earlier[0].close()
         receiver = ResultsReceiver(name, tp_size)
-        _CHANNELS[name] = receiver
+        _CHANNELS[name] = (receiver, weakref.ref(owner))
         return receiver
 
 
 def release_channel(receiver: ResultsReceiver) -> None:
     """Close `receiver` and free its name for the next manager (idempotent)."""
     with _CHANNELS_LOCK:
-        if _CHANNELS.get(receiver.name) is receiver:
+        held = _CHANNELS.get(receiver.name)
+        if held is not None and held[0] is receiver:
             del _CHANNELS[receiver.name]
         receiver.close()
 
@@ -244,7 +260,7 @@ def release_channel(receiver: ResultsReceiver) -> None:
 @atexit.register
 def _close_channels() -> None:
     with _CHANNELS_LOCK:
-        for receiver in _CHANNELS.values():
+        for receiver, _ in _CHANNELS.values():
             receiver.close()
         _CHANNELS.clear()
 

@@ -117,7 +117,7 @@ class ResultRoutes:
         stay until resolved).
 
         Returns:
-            Results still waiting for the scheduler to bind (see ResultsSender).
+            Results the scheduler has not acknowledged yet (see ResultsSender).
         """
         out: list[Result] = []
         for r in results:

@@ -87,8 +87,9 @@ class FastDeployCacheManager:
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
-        OSError: another process holds the results channel's name (an earlier
-            manager of this process holding it loses it, see `close`).
+        OSError: another process, or a live manager of this process, holds the
+            results channel's name (the message names both; a dropped manager's
+            name is taken over, see `close`).
     """
 
     def __init__(
@@ -115,7 +116,7 @@ class FastDeployCacheManager:
         self._counters = AdapterCounters()
         self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
-        self.results = bind_channel(name, self.tp_size)
+        self.results = bind_channel(name, self.tp_size, self)
         self.metrics = FastDeployMetrics(
             self._figures, registry, fastdeploy_metrics=fastdeploy_metrics
         )
@@ -563,7 +564,8 @@ class FastDeployCacheManager:
         """Release the results channel's name now (idempotent). FastDeploy's
         teardown calls nothing on a v1 cache manager, so a manager that is dropped
         without this keeps the name until the next manager of this process takes
-        it over (see `fd_results.bind_channel`) or the process exits."""
+        it over (only from a dropped one: see `fd_results.bind_channel`) or the
+        process exits."""
         release_channel(self.results)
 
     def __enter__(self) -> FastDeployCacheManager:

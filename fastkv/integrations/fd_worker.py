@@ -317,7 +317,7 @@ class FastDeployCacheController:
         """Send the results of the copies finished so far (never blocks).
 
         Returns:
-            Results still waiting for the scheduler to bind.
+            Results the scheduler has not acknowledged yet (see ResultsSender).
         """
         with self._lock:
             return self._report()

@@ -8,9 +8,11 @@ name at once. Attacks from other users and namespaces: test_results_channel_atta
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
+import resource
 import signal
 import socket
 import time
@@ -20,8 +22,8 @@ import pytest
 
 import fastkv.channel as rc
 from fastkv.channel import MAX_ERROR_CHARS, ResultsReceiver, ResultsSender, frames, private_dir
-from fastkv.channel.protocol import decode, encode
-from fastkv.channel.receiver import MESSAGES_PER_POLL
+from fastkv.channel.protocol import decode, decode_ack, encode
+from fastkv.channel.receiver import ACCEPTS_PER_POLL, MESSAGES_PER_POLL
 from fastkv.metadata import TransferResult
 
 WAIT_S = 10.0
@@ -44,6 +46,16 @@ def collect(
         out += receiver.poll()
         if sender is not None:
             sender.flush()
+        time.sleep(0.002)
+    return out
+
+
+def settle(receiver: ResultsReceiver, sender: ResultsSender) -> list[TransferResult]:
+    """Poll and flush (bounded) until the receiver acknowledged all `sender` sent."""
+    out: list[TransferResult] = []
+    deadline = time.monotonic() + WAIT_S
+    while sender.flush() and time.monotonic() < deadline:
+        out += receiver.poll()
         time.sleep(0.002)
     return out
 
@@ -74,9 +86,11 @@ class RawPeer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(os.path.join(directory, f"{name}.sock"))
         self.seq = 0
+        self.stream = os.urandom(frames.STREAM_BYTES)
 
     def frame(self, payload: bytes, seq: int | None = None) -> bytes:
-        return frames.seal(self.key, self.nonce, self.seq if seq is None else seq, payload)
+        seq = self.seq if seq is None else seq  # results numbered by message here
+        return frames.seal(self.key, self.nonce, seq, payload, stream=self.stream, first=seq)
 
     def send(self, payload: bytes) -> bytes:
         frame = self.frame(payload)
@@ -85,11 +99,17 @@ class RawPeer:
         return frame
 
     def closed_by_peer(self) -> bool:
+        """Whether the receiver closed the connection (its acknowledgements read
+        past)."""
         self.sock.settimeout(WAIT_S)
         try:
-            return self.sock.recv(1) == b""
+            while self.sock.recv(1 << 16):
+                pass
+            return True
         except ConnectionResetError:
             return True
+        except TimeoutError:
+            return False
 
     def close(self) -> None:
         self.sock.close()
@@ -175,9 +195,10 @@ def test_a_sender_keeps_results_until_the_scheduler_binds(channel: str, rundir: 
     receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
         assert receiver.poll() == []
-        assert sender.flush() == 0  # no handshake: it goes as soon as it connects
-        got = collect(receiver, 2)
+        assert sender.flush() == 2  # a hello first: results go once it is answered
+        got = collect(receiver, 2, sender)
         assert got == [TransferResult(1, True), TransferResult(2, False, "rank 0: x")]
+        assert settle(receiver, sender) == [] and sender.stats().sent == 2
     finally:
         sender.close()
         receiver.close()
@@ -190,19 +211,16 @@ def test_a_sender_reconnects_to_a_restarted_scheduler_and_keeps_what_failed(
     first = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
         sender.send([TransferResult(1, True)])
-        assert collect(first, 1) == [TransferResult(1, True)]
+        assert collect(first, 1, sender) == [TransferResult(1, True)]
     finally:
         first.close()
     second = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
-        # The old connection is dead: the send fails, the result stays queued, and
-        # the next flush connects to the new receiver (its new epoch, a new nonce).
-        deadline = time.monotonic() + WAIT_S
-        left = sender.send([TransferResult(2, False, "boom")])
-        while left and time.monotonic() < deadline:
-            left = sender.flush()
-        assert left == 0
-        assert collect(second, 1) == [TransferResult(2, False, "rank 0: boom")]
+        # The old connection is dead: the result stays queued, and the next flushes
+        # connect to the new receiver (its new epoch, a new nonce) and deliver it.
+        assert sender.send([TransferResult(2, False, "boom")]) == 1
+        assert collect(second, 1, sender) == [TransferResult(2, False, "rank 0: boom")]
+        assert settle(second, sender) == [] and sender.stats().sent == 2
         assert second.stats().rejected_datagrams == 0
         second.close()
         assert sender.send([TransferResult(3, True)]) == 1  # kept; nothing made
@@ -220,8 +238,7 @@ def test_undeliverable_results_are_bounded_and_the_oldest_dropped(
     assert sender.stats().pending == 5 and sender.stats().dropped == 3
     receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     try:
-        sender.flush()
-        assert [r.transfer_id for r in collect(receiver, 5)] == [3, 4, 5, 6, 7]
+        assert [r.transfer_id for r in collect(receiver, 5, sender)] == [3, 4, 5, 6, 7]
     finally:
         sender.close()
         receiver.close()
@@ -404,8 +421,8 @@ def test_a_killed_scheduler_leaves_nothing_that_blocks_the_next(
     receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
     sender = ResultsSender(channel, 0, directory=rundir)
     try:
-        assert sender.send([TransferResult(9, True)]) == 0
-        assert collect(receiver, 1) == [TransferResult(9, True)]
+        assert sender.send([TransferResult(9, True)]) == 1  # until acknowledged
+        assert collect(receiver, 1, sender) == [TransferResult(9, True)]
     finally:
         sender.close()
         receiver.close()
@@ -443,7 +460,7 @@ def test_the_environment_secret_must_match_on_both_ends(
         assert not os.path.exists(os.path.join(rundir, f"{channel}.key"))
         good = ResultsSender(channel, 0, directory=rundir)
         good.send([TransferResult(1, True)])
-        assert collect(receiver, 1) == [TransferResult(1, True)]
+        assert collect(receiver, 1, good) == [TransferResult(1, True)]
         good.close()
         monkeypatch.setenv(rc.SECRET_ENV, "another-secret-0123456789")
         wrong = ResultsSender(channel, 0, directory=rundir)
@@ -503,8 +520,241 @@ def test_wire_format_round_trips_and_rejects_what_it_is_not() -> None:
         with pytest.raises(ValueError, match="datagram"):
             decode(bad)
     key = os.urandom(32)
-    frame = frames.seal(key, b"n" * 16, 4, payload)
-    assert frames.unseal(key, frame) == (4, payload)
+    frame = frames.seal(key, b"n" * 16, 4, payload, stream=b"s" * 8, first=7)
+    assert frames.unseal(key, frame) == (4, payload, b"s" * 8, 7)
     for bad in (frame[:-1] + bytes([frame[-1] ^ 1]), frame[:10], b"x" * (1 << 17)):
         with pytest.raises(ValueError, match="message"):
             frames.unseal(key, bad)
+
+
+# -- issue 25 items 6-9: acknowledged delivery, bounded accepts, no exception, ---
+# -- and a receiver that proves the secret ----------------------------------------
+
+
+def test_results_sent_to_a_receiver_at_its_connection_cap_stay_until_acknowledged(
+    channel: str, rundir: str
+) -> None:
+    """Item 6: the kernel takes a connection and its messages before the receiver
+    accepts it; a receiver at its cap then closes it unread. The sender keeps every
+    result until the receiver acknowledged it, and delivers it once there is room."""
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir, max_connections=1)
+    holder = RawPeer(rundir, channel)  # takes the one place
+    sender = ResultsSender(channel, 0, directory=rundir)
+    try:
+        assert receiver.poll() == []
+        for t in range(10):
+            sender.send([TransferResult(t, True)])
+        for _ in range(20):
+            assert receiver.poll() == []
+            sender.flush()
+        stats = sender.stats()
+        assert (stats.sent, stats.pending) == (0, 10)
+        assert receiver.stats().rejected_connections >= 1
+        holder.close()  # room again
+        got = collect(receiver, 10, sender)
+        assert [r.transfer_id for r in got] == list(range(10))
+        assert settle(receiver, sender) == []
+        assert (sender.stats().sent, sender.stats().pending) == (10, 0)
+    finally:
+        holder.close()
+        sender.close()
+        receiver.close()
+
+
+def test_dead_connections_are_reaped_before_new_ones_are_accepted(
+    channel: str, rundir: str
+) -> None:
+    """Item 6: the first poll after idle connections died frees their places before
+    it accepts, so a live worker is never refused for a dead one."""
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir, max_connections=2)
+    idle = [RawPeer(rundir, channel) for _ in range(2)]
+    sender = ResultsSender(channel, 0, directory=rundir)
+    try:
+        assert receiver.poll() == [] and receiver.stats().accepted_connections == 2
+        for peer in idle:
+            peer.close()  # they die while idle
+        assert sender.send([TransferResult(1, True)]) == 1  # connects: a hello waits
+        assert receiver.poll() == []  # the first poll after they died
+        assert receiver.stats().rejected_connections == 0
+        assert collect(receiver, 1, sender) == [TransferResult(1, True)]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_result_sent_again_is_applied_once(channel: str, rundir: str) -> None:
+    """Item 6: results are numbered in their sender's stream; a message sent again on
+    a new connection (the old one died before its acknowledgement was read) is
+    recognised and only what is new in it is applied; the acknowledgement says how
+    far the stream is applied."""
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    a = RawPeer(rundir, channel)
+    b = RawPeer(rundir, channel)
+    b.stream = a.stream  # the same worker, reconnected
+    try:
+        (two,) = encode(0, [TransferResult(1, True), TransferResult(2, True)])
+        a.sock.send(frames.seal(a.key, a.nonce, 0, two, stream=a.stream, first=0))
+        assert drain(receiver, 1) == [TransferResult(1, True), TransferResult(2, True)]
+        (three,) = encode(0, [TransferResult(t, True) for t in (1, 2, 3)])
+        b.sock.send(frames.seal(b.key, b.nonce, 0, three, stream=b.stream, first=0))
+        assert drain(receiver, 2) == [TransferResult(3, True)]
+        assert receiver.stats().duplicates == 2
+        assert receiver.stats().rejected_results == 0
+        for peer, applied in ((a, 2), (b, 3)):  # each acknowledged, sealed for it
+            peer.sock.settimeout(WAIT_S)
+            ack = frames.unseal(
+                frames.ack_key(*_secret_and_epoch(rundir, channel), peer.nonce),
+                peer.sock.recv(1 << 16),
+            )
+            assert (ack.seq, decode_ack(ack.payload)) == (0, applied)
+    finally:
+        a.close()
+        b.close()
+        receiver.close()
+
+
+def _secret_and_epoch(directory: str, name: str) -> tuple[bytes, bytes]:
+    dir_fd = private_dir.open_private_dir(directory)
+    try:
+        secret = private_dir.load_secret(dir_fd, name)
+        epoch = private_dir.read_epoch(dir_fd, name)
+    finally:
+        os.close(dir_fd)
+    assert epoch is not None
+    return secret, epoch
+
+
+def test_a_sender_whose_connection_died_unacknowledged_delivers_each_result_once(
+    channel: str, rundir: str
+) -> None:
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    sender = ResultsSender(channel, 0, directory=rundir)
+    try:
+        sender.send([TransferResult(1, True), TransferResult(2, True)])
+        got = collect(receiver, 2)
+        while len(got) < 2 and sender.stats().pending:
+            sender.flush()
+            got += collect(receiver, 2 - len(got))
+        assert [r.transfer_id for r in got] == [1, 2]
+        sender._disconnect()  # lost before it read the acknowledgement
+        assert sender.stats().resent == 2
+        assert settle(receiver, sender) == []  # none applied twice
+        assert (sender.stats().sent, sender.stats().pending) == (2, 0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_one_poll_accepts_a_bounded_number_of_connections(channel: str, rundir: str) -> None:
+    """Item 7: a flood of connections costs each poll at most ACCEPTS_PER_POLL
+    accepts; the rest wait in the backlog for the next polls."""
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir, max_connections=100)
+    peers = [RawPeer(rundir, channel) for _ in range(3 * ACCEPTS_PER_POLL)]
+    try:
+        for polls in range(1, 4):
+            assert receiver.poll() == []
+            assert receiver.stats().accepted_connections == polls * ACCEPTS_PER_POLL
+        assert receiver.poll() == [] and receiver.stats().accepted_connections == len(peers)
+    finally:
+        for peer in peers:
+            peer.close()
+        receiver.close()
+
+
+def test_no_free_file_descriptor_never_raises_from_send_or_flush(
+    channel: str, rundir: str
+) -> None:
+    """Item 8: a reconnect that finds no free fd keeps the result queued, counts the
+    failure and says why in stats(); the engine's step sees no exception."""
+    receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)
+    sender = ResultsSender(channel, 0, directory=rundir)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 16, hard))
+        with pytest.raises(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        assert sender.send([TransferResult(1, True)]) == 1
+        assert sender.flush() == 1
+        stats = sender.stats()
+        assert stats.errors >= 2 and "Too many open files" in stats.last_error
+        for fd in held:
+            os.close(fd)
+        held.clear()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert collect(receiver, 1, sender) == [TransferResult(1, True)]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        sender.close()
+        receiver.close()
+
+
+def _killed_receiver(directory: str, name: str) -> None:
+    """Bind `name` in a child and kill it: a stale socket, lock and key stay."""
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child binds and waits to be killed
+        try:
+            ResultsReceiver(name, tp_size=1, directory=directory)
+            os.write(ready_write, b"r")
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    os.close(ready_write)
+    assert os.read(ready_read, 1) == b"r"
+    os.close(ready_read)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def test_a_process_binding_a_dead_schedulers_socket_gets_no_result(
+    channel: str, rundir: str
+) -> None:
+    """Item 9: a same-uid process that binds the socket of a scheduler that died gets
+    the worker's hello and nothing else (it cannot acknowledge it without the
+    secret; a reflected hello does not verify as an acknowledgement); once the real
+    scheduler binds again, the worker moves to it at its next flush."""
+    _killed_receiver(rundir, channel)
+    path = os.path.join(rundir, f"{channel}.sock")
+    os.unlink(path)
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    squatter.bind(path)
+    squatter.listen(8)
+    squatter.setblocking(False)
+    sender = ResultsSender(channel, 0, directory=rundir)
+    heard: list[bytes] = []
+    conns: list[socket.socket] = []
+    try:
+        assert sender.send([TransferResult(t, True) for t in range(3)]) == 3
+        for _ in range(50):
+            sender.flush()
+            with contextlib.suppress(BlockingIOError):
+                conns.append(squatter.accept()[0])
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    frame = conn.recv(1 << 16, socket.MSG_DONTWAIT)
+                    if frame:  # b"": the sender gave this connection up
+                        heard.append(frame)
+                        conn.send(frame)  # reflected as if it were an acknowledgement
+            time.sleep(0.002)
+        payloads = [f[frames.HEAD_BYTES : -frames.MAC_BYTES] for f in heard]
+        assert payloads and all(decode(p)[1] == [] for p in payloads)  # hellos only
+        stats = sender.stats()
+        assert (stats.sent, stats.pending) == (0, 3)
+        assert "acknowledgement refused" in stats.last_error
+        receiver = ResultsReceiver(channel, tp_size=1, directory=rundir)  # back
+        try:
+            got = collect(receiver, 3, sender)
+            assert [r.transfer_id for r in got] == [0, 1, 2]
+            assert settle(receiver, sender) == [] and sender.stats().sent == 3
+        finally:
+            receiver.close()
+    finally:
+        for conn in conns:
+            conn.close()
+        squatter.close()
+        sender.close()

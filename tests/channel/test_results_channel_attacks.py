@@ -365,3 +365,34 @@ def test_nothing_a_peer_sends_makes_poll_raise(channel: str, rundir: str) -> Non
         sender.close()
     finally:
         receiver.close()
+
+
+def test_another_users_link_or_directory_above_the_channel_is_refused(
+    channel: str, shared_tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25 item 10: a link or directory of another user anywhere above the
+    channel's directory is refused by both ends; root's links stay usable."""
+    theirs = os.path.join(shared_tmp, "theirs")
+    aimed_at = os.path.join(shared_tmp, "aimed-at")  # root's, where the link points
+    os.mkdir(aimed_at, 0o755)
+    nobody = [*_as_nobody()]
+    assert subprocess.run([*nobody, "mkdir", "-m", "755", theirs]).returncode == 0
+    link = os.path.join(theirs, "link")
+    assert subprocess.run([*nobody, "ln", "-s", aimed_at, link]).returncode == 0
+    monkeypatch.setenv("FASTKV_RUNTIME_DIR", os.path.join(link, "run"))
+    with pytest.raises(PermissionError, match=f"{theirs} on its path is owned by uid 65534"):
+        ResultsReceiver(channel, tp_size=1)
+    with pytest.raises(PermissionError, match="owned by uid 65534"):
+        ResultsSender(channel, 0)
+    assert os.listdir(aimed_at) == []  # nothing adopted or written there
+    roots = os.path.join(shared_tmp, "roots-link")
+    os.symlink(aimed_at, roots)
+    monkeypatch.setenv("FASTKV_RUNTIME_DIR", os.path.join(roots, "run"))
+    receiver = ResultsReceiver(channel, tp_size=1)
+    sender = ResultsSender(channel, 0)
+    try:
+        sender.send([TransferResult(1, True)])
+        assert poll_until(receiver, 1, sender) == [TransferResult(1, True)]
+    finally:
+        sender.close()
+        receiver.close()

@@ -95,6 +95,8 @@ def test_lookups_and_block_failures_combine_over_ranks(tmp_path: Path) -> None:
         deadline = time.monotonic() + WAIT_S
         while len(out) < 2 and time.monotonic() < deadline:
             out += receiver.poll()
+            for sender in senders:  # as a worker's next report would
+                sender.flush()
             time.sleep(0.002)
         lookups = [r for r in out if isinstance(r, LookupResult)]
         transfers = [r for r in out if isinstance(r, TransferResult)]
@@ -103,6 +105,8 @@ def test_lookups_and_block_failures_combine_over_ranks(tmp_path: Path) -> None:
         assert set(transfers[0].failed_blocks) == {1, 3}
         with pytest.raises(ValueError, match="num_hits"):
             senders[0].send([LookupResult(3, -1)])
+        while senders[0].flush() and time.monotonic() < deadline:  # its acknowledgement
+            receiver.poll()
         assert senders[0].stats().pending == 0
     finally:
         for s in senders:

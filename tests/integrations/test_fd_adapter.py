@@ -7,6 +7,7 @@ and `install()` replacing FastDeploy's classes where FastDeploy looks them up.""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -237,8 +238,9 @@ def test_a_dropped_cache_manager_does_not_keep_the_channel_from_the_next(channel
         sender = ResultsSender(channel, 0)
         got: list = []
         deadline = time.monotonic() + 10
+        sender.send([TransferResult(0, True)])
         while not got and time.monotonic() < deadline:
-            sender.send([TransferResult(0, True)])
+            sender.flush()  # as a worker's reporter does
             got += cm.results.poll()
         assert [(r.transfer_id, r.success) for r in got] == [(0, True)]
         sender.close()
@@ -734,3 +736,28 @@ def test_install_replaces_fastdeploys_classes_where_it_looks_them_up(monkeypatch
     fd.uninstall()
     assert modules["fastdeploy.engine.resource_manager"].CacheManager is TheirManager
     assert v1.CacheController is TheirController
+
+
+def test_a_live_cache_manager_keeps_its_channel_and_a_second_start_is_refused(
+    channel: str,
+) -> None:
+    """Issue 24 section 3: two managers on one channel name in one process (one
+    FASTKV_RESULTS_CHANNEL for two engines): the second start fails at once, naming
+    the channel and the holder; the first keeps receiving its workers' results."""
+    first = fd.CacheManager(config(), channel_name=channel)
+    try:
+        with pytest.raises(OSError, match=rf"{channel}.*live cache manager.*pid {os.getpid()}"):
+            fd.CacheManager(config(), channel_name=channel)
+        assert not first.results.closed
+        sender = ResultsSender(channel, 0)
+        got: list = []
+        deadline = time.monotonic() + 10
+        sender.send([TransferResult(4, True)])
+        while not got and time.monotonic() < deadline:
+            sender.flush()  # as a worker's reporter does
+            got += first.results.poll()
+        assert [(r.transfer_id, r.success) for r in got] == [(4, True)]
+        sender.close()
+    finally:
+        first.close()
+    fd.CacheManager(config(), channel_name=channel).close()  # closed: the name is free

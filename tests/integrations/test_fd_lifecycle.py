@@ -199,6 +199,9 @@ def test_a_request_admitted_while_reset_waits_gets_no_hit_and_the_reset_still_ha
         late.block_tables.extend(cm.allocate_gpu_blocks(late, 5))  # active meanwhile
         (tid,) = transfer_ids(evict)
         sender.send([TransferResult(tid, True)])
+        deadline = time.monotonic() + 5
+        while sender.flush() and time.monotonic() < deadline:  # as its reporter would
+            time.sleep(0.005)
         waiting.join(5)
         assert answers == [False]  # a request was active: owed, not dropped
         cm.request_finish(late)

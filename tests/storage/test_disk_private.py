@@ -152,3 +152,31 @@ def test_private_modes_whatever_the_umask(shared: Path) -> None:
     # even were the directory opened up, the files themselves are 0600
     cache.chmod(0o755)
     assert as_nobody("cat", str(cache / DATA_FILE)).returncode != 0
+
+
+def test_another_users_link_or_directory_above_the_cache_is_refused(
+    shared: Path, tmp_path: Path
+) -> None:
+    """Issue 25 item 10: every component of the path is checked, not only the cache
+    directory and its parent: another user's link or directory in a grandparent
+    would let that user point root's cache at any directory it likes."""
+    theirs = shared / "theirs"
+    assert as_nobody("mkdir", "-m", "755", str(theirs)).returncode == 0
+    aimed_at = tmp_path / "aimed-at"  # root's directory the link points to
+    aimed_at.mkdir(mode=0o755)
+    assert as_nobody("ln", "-s", str(aimed_at), str(theirs / "link")).returncode == 0
+    with pytest.raises(StorageDirectoryUnsafe, match=f"{theirs} on its path is owned by uid"):
+        open_backend(theirs / "link" / "cache")
+    assert os.listdir(aimed_at) == []  # nothing adopted, chmodded or written there
+    (theirs / "mine").mkdir(mode=0o755)  # root's, but inside theirs: renamable by them
+    with pytest.raises(StorageDirectoryUnsafe, match="owned by uid 65534"):
+        open_backend(theirs / "mine" / "cache")
+    loose = tmp_path / "loose"  # writable by others, not sticky
+    (loose / "sub").mkdir(parents=True)
+    loose.chmod(0o777)
+    with pytest.raises(StorageDirectoryUnsafe, match="rename or replace"):
+        open_backend(loose / "sub" / "cache")
+    assert os.listdir(loose / "sub") == []
+    (shared / "roots-link").symlink_to(aimed_at)  # root's links stay usable
+    open_backend(shared / "roots-link" / "cache").close()
+    assert os.listdir(aimed_at) == ["cache"]
