@@ -129,8 +129,8 @@ class FastDeployCacheController:
         self._caches: list[Any] = []
         self._tensors_per_layer = 0
         self._num_gpu_blocks = 0
-        self._storage_dir = fdc.storage_directory(fd_config, self.rank)
-        self._storage_backend: Any = None  # fastkv LocalDiskBackend, with the cache
+        self._storage_dir = fdc.storage_target(fd_config, self.rank)
+        self._storage_backend: Any = None  # fastkv's disk or Mooncake backend
         self.swap_layer_done_counter: StepLayerCounter | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -425,7 +425,7 @@ class FastDeployCacheController:
             self._storage_dir, caches, config, per_layer, num_extra
         )
         try:
-            self.controller = CacheController.adopt(
+            ctrl = CacheController.adopt(
                 caches,
                 config,
                 tensors_per_layer=per_layer,
@@ -440,6 +440,15 @@ class FastDeployCacheController:
             if backend is not None:
                 backend.close()
             raise
+        register = getattr(backend, "register_host_memory", None)
+        if register is not None:  # Mooncake moves blocks in and out of the host tier
+            try:
+                register(*ctrl.host_memory)
+            except BaseException:
+                ctrl.free_cache()
+                backend.close()
+                raise
+        self.controller = ctrl
         self._storage_backend = backend
         self._caches = caches
         self._routes.reopen_sender()  # a cache made again after free_cache
