@@ -61,6 +61,7 @@ class Slot:
     num_computed: int  # positions with KV
     pending: tuple[int, int] | None = None  # prefill [start, end) this step
     decoding: bool = False  # its prefill is done: one token per step
+    extend_only: list[int] = field(default_factory=list)  # extend blocks off its table
 
 
 @dataclass
@@ -101,6 +102,12 @@ class StandInRunner:
             finishes for the other requests, and those whose block tables hold the
             failed blocks emit no token and lose their slot. Without it the runner
             is FastDeploy's, unmodified: the error propagates.
+
+    Attributes:
+        handle_extend: keep a slot that gets an EXTEND task and write its extend
+            table's own blocks every step, as the text-to-image runner that sets
+            `need_block_num_signal` does (the snapshot's GPU runner treats EXTEND
+            like a preemption). Off by default.
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class StandInRunner:
         self.slots: dict[int, Slot] = {}
         self.preempted: set[int] = set()
         self.runner_change = runner_change
+        self.handle_extend = False
         self.log = RunnerLog()
 
     def _make_backend(self, cls: type) -> Any:
@@ -242,6 +250,11 @@ class StandInRunner:
                     "the runner stopped (or never prefilled) for decoding"
                 )
                 slot.block_table = list(request.block_tables)
+            elif kind == RequestType.EXTEND.value and self.handle_extend:
+                slot = self.slots.get(idx)
+                assert slot is not None and slot.request_id == request.request_id
+                table = set(slot.block_table)
+                slot.extend_only = [b for b in request.extend_block_tables if b not in table]
             else:  # preempted or aborted: stop the slot, answer PREEMPTED_TOKEN_ID
                 slot = self.slots.pop(idx, None)
                 self.preempted.add(idx)
@@ -284,6 +297,9 @@ class StandInRunner:
                     dropped.add(id(slot))
                 if id(slot) not in dropped:
                     self._attend(slot, layer, start, end)
+        for slot, _, _ in work:  # an extend table's own blocks: the model writes them
+            for layer_role in range(self.num_layers * self.roles):
+                self.views[layer_role][slot.extend_only] = 0xEE
         out: dict[int, int] = dict.fromkeys(self.preempted, PREEMPTED_TOKEN_ID)
         self.preempted.clear()
         for slot, _, end in work:
