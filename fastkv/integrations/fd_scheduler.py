@@ -26,8 +26,10 @@ table). What it does differently, on purpose:
   their reads. Metadata still on a request when it finishes was never dispatched:
   its transfers are failed here (nothing ran on any worker) and the lists cleared.
 
-Thread-safe: one lock around every public method (FastDeploy finishes requests
-from another thread).
+Thread-safe: one lock around every public method (ResourceManagerV1 finishes
+requests from another thread). No method needs ResourceManagerV1's lock held or a
+particular caller thread: ResourceManagerV2's model (every call from its scheduler
+thread, V1's lock a no-op) works as V1's does.
 """
 
 from __future__ import annotations
