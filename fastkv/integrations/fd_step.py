@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -307,7 +308,7 @@ class SwapInRetry:
         Args:
             counter: the step's counter.
             ctrl: fastkv's CacheController (None: the cache is gone).
-            timeout: bound on each copy's wait.
+            timeout: bound on all the copies' waits together.
             retries: how many copies at most.
 
         Returns:
@@ -334,7 +335,17 @@ class SwapInRetry:
     def _copy_again(
         self, ctrl: Any, local: CacheSwapMetadata, timeout: float, retries: int
     ) -> bool:
+        deadline = time.monotonic() + timeout  # all retries together: one wait's bound
         for attempt in range(retries):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "fastkv rank %d: swap-in retries stopped after %d: %.1f s passed",
+                    self._rank,
+                    attempt,
+                    timeout,
+                )
+                break
             self.attempts += 1
             again = CacheSwapMetadata(
                 self._routes.new_id(),
@@ -344,7 +355,7 @@ class SwapInRetry:
                 local.dst_block_ids,
             )
             try:
-                ctrl.submit_swap_tasks(None, again).wait_all(timeout)
+                ctrl.submit_swap_tasks(None, again).wait_all(left)
             except (TransferFailedError, ValueError) as e:
                 log.warning(
                     "fastkv rank %d: swap-in retry %d of %d failed: %s",

@@ -53,6 +53,9 @@ from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
 
 log = logging.getLogger(__name__)
 
+DEFAULT_SWAP_IN_RETRIES = 8
+"""Copies of a failed swap-in at most, inside the layer's wait (see `swap_in_retries`)."""
+
 
 class FastDeployCacheController:
     """Drop-in for `fastdeploy.cache_manager.v1.CacheController`: the runner's
@@ -79,8 +82,11 @@ class FastDeployCacheController:
             0 disables it (results then go at the runner's calls only).
         block_axis: the axis of each KV tensor holding a block's tokens (2 for
             FastDeploy's `[blocks, heads, block_size, dim]`).
-        swap_in_retries: how many times a failed swap-in is copied again (every
-            layer) before the runner's wait on it raises; 0 raises at once.
+        swap_in_retries: how many times at most a failed swap-in is copied again
+            (every layer), within the runner's wait timeout, before that wait
+            raises; 0 raises at once. Default 8: a copy failure that is not
+            permanent must not reach FastDeploy's unmodified runner, which dies
+            of it (the host copy is intact, so copying again is always right).
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -96,7 +102,7 @@ class FastDeployCacheController:
         fail_rate: float = 0.0,
         report_interval_s: float = 0.05,
         block_axis: int = 2,
-        swap_in_retries: int = 1,
+        swap_in_retries: int = DEFAULT_SWAP_IN_RETRIES,
     ) -> None:
         check_int("local_rank", local_rank, 0)
         check_int("device_id", device_id, 0)
