@@ -79,6 +79,10 @@ class StepLayerCounter:
         transfer_ids: the scheduler transfers it carries.
         launch_error: why the step never launched (every wait raises it).
         local: the fastkv transfer it waits on (None: never launched).
+        model_layers: the main model's layers (default: all of them). The wait
+            for its last layer also waits for the layers after it (MTP's):
+            FastDeploy's MTP proposer runs after the main model and waits for
+            none of its own layers.
 
     Attributes:
         device_block_ids: the swap-in's destination blocks.
@@ -94,8 +98,10 @@ class StepLayerCounter:
         transfer_ids: Sequence[int],
         launch_error: str | None = None,
         local: CacheSwapMetadata | None = None,
+        model_layers: int | None = None,
     ) -> None:
         self._hooks = hooks
+        self._model_layers = num_layers if model_layers is None else model_layers
         self._inner = inner
         self.num_layers = num_layers
         self.device_block_ids = frozenset(device_block_ids)
@@ -116,7 +122,8 @@ class StepLayerCounter:
         GPU, a device-side wait of the compute stream).
 
         Raises:
-            SwapInFailedError: the swap-in failed at or before this layer.
+            SwapInFailedError: the swap-in failed at or before this layer (for
+                the main model's last layer: or in a layer after it).
             TransferTimeoutError: a host wait ran past `timeout`.
             IndexError: no such layer.
         """
@@ -127,11 +134,14 @@ class StepLayerCounter:
         if not self.recovered:
             try:
                 self._inner.wait_for_layer(layer, timeout)
+                if layer == self._model_layers - 1:  # the MTP layers run next
+                    for extra in range(self._model_layers, self.num_layers):
+                        self._inner.wait_for_layer(extra, timeout)
             except TransferFailedError as e:
                 if not self._hooks.recover(self, timeout):
                     self._hooks.report()
                     raise self._error(e.error) from e
-        if layer == self.num_layers - 1:
+        if layer == self._model_layers - 1:  # the main model's last wait
             self._hooks.report()
 
     def stream_wait_for_layer(self, layer: int) -> None:
@@ -235,6 +245,7 @@ class StepLauncher:
             swap.dst_block_ids,
             swap.transfer_ids,
             local=fk_swap,
+            model_layers=self._num_layers,
         )
 
     def refuse(

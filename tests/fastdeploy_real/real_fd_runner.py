@@ -317,8 +317,8 @@ class StandInRunner:
                 if id(slot) not in dropped:
                     self._attend(slot, layer, start, end)
                     self._write_rejected(slot, layer)
-        if self.mtp_layers and counter is not None and not failed:
-            counter.wait_all()  # the MTP model runs after the main one
+        # The MTP model runs after the main one and, as FastDeploy's proposer,
+        # waits for none of its layers (its forward_meta has no layer_done_counter).
         for layer in range(self.num_layers, self.num_layers + self.mtp_layers):
             for slot, start, end in work:  # the MTP layers' KV, checked the same way
                 if id(slot) not in dropped:
