@@ -36,7 +36,7 @@ import threading
 from typing import Any
 
 from fastkv.channel import ResultsSender
-from fastkv.config import check_int
+from fastkv.config import as_int, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
 from fastkv.integrations.fd_routes import ResultRoutes
@@ -104,8 +104,8 @@ class FastDeployCacheController:
         block_axis: int = 2,
         swap_in_retries: int = DEFAULT_SWAP_IN_RETRIES,
     ) -> None:
-        check_int("local_rank", local_rank, 0)
-        check_int("device_id", device_id, 0)
+        local_rank = as_int("local_rank", local_rank, 0)
+        device_id = as_int("device_id", device_id, 0)
         if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
             raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
         self.fd_config = fd_config
@@ -169,7 +169,7 @@ class FastDeployCacheController:
                 raise RuntimeError(
                     "initialize_kv_cache: the cache exists; free_gpu_cache first"
                 )
-            check_int("num_gpu_blocks", num_gpu_blocks, 1)
+            num_gpu_blocks = as_int("num_gpu_blocks", num_gpu_blocks, 1)
             made = self._make(attn_backend, num_gpu_blocks, 0, self._num_layers)
             self._num_gpu_blocks = num_gpu_blocks
             self._adopt(made.tensors, made.per_layer, 0)
@@ -193,9 +193,9 @@ class FastDeployCacheController:
         """
         with self._lock:
             ctrl = self._require()
-            check_int("num_gpu_blocks", num_gpu_blocks, 1)
-            check_int("num_mtp_layers", num_mtp_layers, 1)
-            check_int("layer_offset", layer_offset, 0)
+            num_gpu_blocks = as_int("num_gpu_blocks", num_gpu_blocks, 1)
+            num_mtp_layers = as_int("num_mtp_layers", num_mtp_layers, 1)
+            layer_offset = as_int("layer_offset", layer_offset, 0)
             stats = ctrl.get_stats()
             if stats.device_to_host_transfers or stats.host_to_device_transfers:
                 raise RuntimeError("initialize_mtp_kv_cache: swaps already ran on this cache")

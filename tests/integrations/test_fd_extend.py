@@ -118,3 +118,22 @@ def test_numpy_counts_are_taken_by_the_scheduler_api() -> None:
         mgr.allocate("r", num_tokens=np.bool_(True))
     with pytest.raises(ValueError, match="num_tokens: -1 is negative"):
         mgr.allocate("r", num_tokens=np.int32(-1))
+
+
+def test_the_worker_takes_numpy_counts_and_refuses_bools(channel: str) -> None:
+    pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
+    from fd_standins import AttentionBackend
+
+    cfg = FDConfig(FDCacheConfig(BS, total_block_num=8, num_cpu_blocks=4), ModelConfig(2))
+    with pytest.raises(ValueError, match="local_rank: must be an int"):
+        fd.CacheController(cfg, np.bool_(False), 0, channel_name=channel)
+    worker = fd.CacheController(cfg, np.int64(0), np.int32(0), channel_name=channel)
+    try:
+        backend = AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS)
+        with pytest.raises(ValueError, match="num_gpu_blocks: must be an int"):
+            worker.initialize_kv_cache(attn_backend=backend, num_gpu_blocks=8.0)
+        caches = worker.initialize_kv_cache(attn_backend=backend, num_gpu_blocks=np.int32(8))
+        mtp = worker.initialize_mtp_kv_cache(backend, np.int32(8), np.int64(1), np.int32(2))
+        assert len(caches) == 4 and len(mtp) == 2
+    finally:
+        worker.free_cache()
