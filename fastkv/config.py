@@ -9,8 +9,10 @@ stored block is keyed under (`fastkv.storage.StorageNamespace.of`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import operator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -264,3 +266,15 @@ def check_int(name: str, value: object, low: int, high: int | None = None) -> No
         raise ValueError(f"{name}: must be an int in [{low}, {high}], got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name}: {value} is outside the allowed range [{low}, {high}]")
+
+
+def as_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """`value` as a Python int, for counts and ids a caller passes: any integral
+    type (`operator.index`: int, numpy's integers) is taken; a bool (Python's or
+    numpy's) or a float is not. Raises ValueError (naming `name`) unless the value
+    is in [low, high] (no upper bound when `high` is None)."""
+    if not isinstance(value, int) and type(value).__name__ != "bool_":
+        with contextlib.suppress(TypeError):  # not integral: refused below, named
+            value = int(operator.index(value))  # type: ignore[arg-type]
+    check_int(name, value, low, high)
+    return value  # type: ignore[return-value]

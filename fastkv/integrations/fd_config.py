@@ -4,7 +4,8 @@ Fields read (everything else is ignored):
 - `cache_config`: `block_size`, `total_block_num` (device blocks), `num_cpu_blocks`
   (host blocks; 0 or None disables the host tier), `enable_prefix_caching`,
   `write_policy`, `write_through_threshold`, `kvcache_storage_backend` ("file":
-  fastkv's storage tier on local disk, see `storage_config_from_fastdeploy`);
+  fastkv's storage tier on local disk; "mooncake": on a Mooncake Store cluster,
+  see `storage_config_from_fastdeploy`), `kvcache_storage_config` (mooncake);
 - `model_config`: `dtype`, `model` (namespace only), `num_hidden_layers` (worker);
 - `quant_config.kv_cache_quant_type` / `cache_config.kv_cache_quant_type`: any
   quantized cache is stored as uint8 ("fp8" in fastkv's vocabulary);
@@ -19,13 +20,30 @@ copies a block to host when it is evicted.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from typing import Any
 
-from fastkv.config import CacheConfig, StorageConfig, WritePolicy, check_int
+from fastkv.config import CacheConfig, StorageConfig, WritePolicy, as_int, check_int
+from fastkv.storage.mooncake.options import MooncakeConnection
 
 CHANNEL_ENV = "FASTKV_RESULTS_CHANNEL"
 STORAGE_BACKEND_FILE = "file"
+STORAGE_BACKEND_MOONCAKE = "mooncake"
+STORAGE_BACKENDS = (STORAGE_BACKEND_FILE, STORAGE_BACKEND_MOONCAKE)
+"""The `--kvcache-storage-backend` values fastkv serves (FastDeploy's third,
+attention_store, is refused)."""
+MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+MOONCAKE_ENV = {
+    "master_server_addr": "MOONCAKE_MASTER_SERVER_ADDR",
+    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+    "metadata_server": "MOONCAKE_METADATA_SERVER",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "rdma_devices": "MOONCAKE_RDMA_DEVICES",
+}
+"""FastDeploy's Mooncake settings and their variables (its MooncakeStorageConfig)."""
 STORAGE_DIR_ENV = "FASTKV_STORAGE_DIR"
 STORAGE_WRITE_POLICY_ENV = "FASTKV_STORAGE_WRITE_POLICY"
 STORAGE_CAPACITY_ENV = "FASTKV_STORAGE_CAPACITY_BLOCKS"
@@ -137,32 +155,47 @@ def cache_config_from_fastdeploy(
         raise ValueError(f"fd_config.cache_config: {e}") from None
 
 
-def storage_config_from_fastdeploy(
-    fd_config: Any, *, cache_config: Any | None = None
-) -> StorageConfig | None:
-    """The storage tier of a FastDeploy deployment, or None.
-
-    On when `cache_config.kvcache_storage_backend` is "file" (FastDeploy's
-    `--kvcache-storage-backend file`): every worker rank keeps its blocks in
-    `$FASTKV_STORAGE_DIR/rank<r>` with fastkv's local disk backend. The storage
-    write policy is `$FASTKV_STORAGE_WRITE_POLICY` (default write_through). Requests
-    never wait for storage in `allocate` (prefetch policy best_effort): FastDeploy
-    allocates right after `can_allocate_gpu_blocks` said yes; blocks come back from
-    storage through `prefetch_storage` before a request's match.
+def storage_backend(fd_config: Any, *, cache_config: Any | None = None) -> str | None:
+    """`cache_config.kvcache_storage_backend` if fastkv serves it, None when unset.
 
     Raises:
-        ValueError: another backend (mooncake, attention_store) or a bad write
-            policy; the message names the field or variable.
+        ValueError: a backend fastkv does not serve (attention_store, anything
+            else); the message names the accepted ones.
     """
     cc = cache_config if cache_config is not None else _section(fd_config, "cache_config")
     backend = _field(cc, "kvcache_storage_backend")
     if backend is None or backend == "":
         return None
-    if backend != STORAGE_BACKEND_FILE:
+    if backend not in STORAGE_BACKENDS:
         raise ValueError(
             f"fd_config.cache_config.kvcache_storage_backend: {backend!r}; fastkv serves "
-            f"{STORAGE_BACKEND_FILE!r} (its local disk backend) or None"
+            f"{STORAGE_BACKEND_FILE!r} (its local disk backend), "
+            f"{STORAGE_BACKEND_MOONCAKE!r} (Mooncake Store) or None"
         )
+    return str(backend)
+
+
+def storage_config_from_fastdeploy(
+    fd_config: Any, *, cache_config: Any | None = None
+) -> StorageConfig | None:
+    """The storage tier of a FastDeploy deployment, or None.
+
+    On when `cache_config.kvcache_storage_backend` is "file" or "mooncake"
+    (FastDeploy's `--kvcache-storage-backend`): with "file" every worker rank
+    keeps its blocks in `$FASTKV_STORAGE_DIR/rank<r>` with fastkv's local disk
+    backend; with "mooncake" every rank puts them in the Mooncake Store cluster
+    FastDeploy's Mooncake settings name (`mooncake_connection`). The storage
+    write policy is `$FASTKV_STORAGE_WRITE_POLICY` (default write_through).
+    Requests never wait for storage in `allocate` (prefetch policy best_effort):
+    FastDeploy allocates right after `can_allocate_gpu_blocks` said yes; blocks
+    come back from storage through `prefetch_storage` before a request's match.
+
+    Raises:
+        ValueError: another backend (attention_store) or a bad write policy; the
+            message names the field or variable.
+    """
+    if storage_backend(fd_config, cache_config=cache_config) is None:
+        return None
     policy = os.environ.get(STORAGE_WRITE_POLICY_ENV) or "write_through"
     try:
         return StorageConfig(write_policy=policy, prefetch_policy="best_effort")
@@ -171,12 +204,13 @@ def storage_config_from_fastdeploy(
 
 
 def storage_directory(fd_config: Any, rank: int) -> str | None:
-    """Where worker `rank` keeps its storage blocks, or None without a storage tier.
+    """Where worker `rank` keeps its storage blocks, or None without a storage
+    tier on local disk.
 
     Raises:
-        ValueError: a storage tier is configured but $FASTKV_STORAGE_DIR is not set.
+        ValueError: kvcache_storage_backend="file" but $FASTKV_STORAGE_DIR is not set.
     """
-    if storage_config_from_fastdeploy(fd_config) is None:
+    if storage_backend(fd_config) != STORAGE_BACKEND_FILE:
         return None
     root = os.environ.get(STORAGE_DIR_ENV)
     if not root:
@@ -185,6 +219,130 @@ def storage_directory(fd_config: Any, rank: int) -> str | None:
             "directory the workers keep their blocks in"
         )
     return os.path.join(root, f"rank{rank}")
+
+
+def storage_target(fd_config: Any, rank: int) -> str | MooncakeConnection | None:
+    """Where worker `rank` keeps its storage blocks: a directory ("file"), a
+    Mooncake connection ("mooncake"), or None without a storage tier.
+
+    Raises:
+        ValueError: as `storage_directory` and `mooncake_connection`.
+    """
+    if storage_backend(fd_config) == STORAGE_BACKEND_MOONCAKE:
+        return mooncake_connection(fd_config)
+    return storage_directory(fd_config, rank)
+
+
+def mooncake_connection(fd_config: Any) -> MooncakeConnection:
+    """The Mooncake Store connection of a worker, from FastDeploy's own Mooncake
+    settings, looked up as FastDeploy looks them up: `cache_config.
+    kvcache_storage_config` (a dict or JSON text), else the JSON file
+    `$MOONCAKE_CONFIG_PATH`, else the variables in `MOONCAKE_ENV`, per setting.
+
+    `master_server_addr` ("host:port") is required; `local_hostname` defaults to
+    this host's address, `metadata_server` to "P2PHANDSHAKE", `protocol` to "tcp",
+    `rdma_devices` to none, `global_segment_size` (bytes, or with a KB/MB/GB
+    suffix; the memory each worker gives the pool) to 0: a pure client, the
+    blocks then live on storage-node processes. FastDeploy's `local_buffer_size`
+    is not read (fastkv registers its host tier instead). The key ring blocks are
+    authenticated with is `$FASTKV_STORAGE_KEY_FILE` (required by the backend).
+
+    Raises:
+        ValueError: no master address, a setting of the wrong form, or an
+            unreadable config; the message names the setting and its source.
+    """
+    cc = _section(fd_config, "cache_config")
+    extra = _mooncake_extra(getattr(cc, "kvcache_storage_config", None))
+    from_file = _mooncake_file()
+    values: dict[str, tuple[str, Any]] = {}
+    for key, env in MOONCAKE_ENV.items():
+        for source, table in (
+            ("fd_config.cache_config.kvcache_storage_config", extra),
+            (f"${MOONCAKE_CONFIG_ENV}", from_file),
+            (f"${env}", {key: os.environ.get(env)}),
+        ):
+            if table.get(key) not in (None, ""):
+                values[key] = (f"{source}[{key!r}]", table[key])
+                break
+    if "master_server_addr" not in values:
+        raise ValueError(
+            "mooncake: no master address; kvcache_storage_backend='mooncake' needs "
+            f"master_server_addr in kvcache_storage_config, ${MOONCAKE_CONFIG_ENV} or "
+            f"${MOONCAKE_ENV['master_server_addr']}"
+        )
+
+    def text(key: str, default: str) -> str:
+        return str(values[key][1]) if key in values else default
+
+    segment = 0
+    if "global_segment_size" in values:
+        segment = _bytes_of(*values["global_segment_size"])
+    try:
+        return MooncakeConnection(
+            master_address=text("master_server_addr", ""),
+            local_hostname=text("local_hostname", "") or _host_address(),
+            protocol=text("protocol", "tcp"),
+            device_name=text("rdma_devices", ""),
+            metadata_server=text("metadata_server", "P2PHANDSHAKE"),
+            segment_bytes=segment,
+        )
+    except ValueError as e:
+        raise ValueError(f"mooncake: {e}") from None
+
+
+def _mooncake_extra(extra: Any) -> dict[str, Any]:
+    if extra is None or extra == "":
+        return {}
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"fd_config.cache_config.kvcache_storage_config: not JSON ({e})"
+            ) from None
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "fd_config.cache_config.kvcache_storage_config: expected a dict, got "
+            f"{type(extra).__name__}"
+        )
+    return extra
+
+
+def _mooncake_file() -> dict[str, Any]:
+    path = os.environ.get(MOONCAKE_CONFIG_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"${MOONCAKE_CONFIG_ENV}: {path!r} unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"${MOONCAKE_CONFIG_ENV}: {path!r} holds no JSON object")
+    return data
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+
+
+def _bytes_of(source: str, value: Any) -> int:
+    """A byte count: an int, or text such as "1073741824", "64MB", "1 GB"."""
+    if isinstance(value, str):
+        raw = value.strip().upper().replace(" ", "")
+        digits = raw.rstrip("KMGTB")
+        unit = raw[len(digits) :]
+        if digits.isdigit() and unit in _UNITS:
+            return int(digits) * _UNITS[unit]
+        raise ValueError(f"{source}: {value!r} is not a byte count (such as 1073741824 or 1GB)")
+    return as_int(source, value, 0)
+
+
+def _host_address() -> str:
+    """This host's address as its hostname resolves (FastDeploy's default)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def storage_capacity_blocks(num_host_blocks: int) -> int:
@@ -229,7 +387,11 @@ def results_channel_name(fd_config: Any) -> str:
 
 __all__ = [
     "CHANNEL_ENV",
+    "MOONCAKE_CONFIG_ENV",
+    "MOONCAKE_ENV",
+    "STORAGE_BACKENDS",
     "STORAGE_BACKEND_FILE",
+    "STORAGE_BACKEND_MOONCAKE",
     "STORAGE_CAPACITY_ENV",
     "STORAGE_DIR_ENV",
     "STORAGE_WRITE_POLICY_ENV",
@@ -237,10 +399,13 @@ __all__ = [
     "kv_cache_quant_type",
     "kv_dtype_of",
     "model_dtype",
+    "mooncake_connection",
     "prefix_caching_enabled",
     "results_channel_name",
+    "storage_backend",
     "storage_capacity_blocks",
     "storage_config_from_fastdeploy",
     "storage_directory",
+    "storage_target",
     "tensor_parallel_size",
 ]

@@ -26,8 +26,10 @@ table). What it does differently, on purpose:
   their reads. Metadata still on a request when it finishes was never dispatched:
   its transfers are failed here (nothing ran on any worker) and the lists cleared.
 
-Thread-safe: one lock around every public method (FastDeploy finishes requests
-from another thread).
+Thread-safe: one lock around every public method (ResourceManagerV1 finishes
+requests from another thread). No method needs ResourceManagerV1's lock held or a
+particular caller thread: ResourceManagerV2's model (every call from its scheduler
+thread, V1's lock a no-op) works as V1's does.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from fastkv.config import CacheConfig, check_int
+from fastkv.config import CacheConfig, as_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_commits import CommitBook
+from fastkv.integrations.fd_extend import ExtendTables
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_prefetch import StoragePrefetches
 from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
@@ -172,7 +175,7 @@ class FastDeployCacheManager:
         reaches now, counted exactly (`CacheManager.num_obtainable_device_blocks`),
         whatever the write policy, with the host tier full and copies in flight.
         ResourceManagerV1 does not check what `allocate` returns after a yes."""
-        _check_blocks(num_blocks)
+        num_blocks = _check_blocks(num_blocks)
         with self._lock:
             self._poll()
             mgr = self.manager
@@ -250,7 +253,7 @@ class FastDeployCacheManager:
             ValueError: `num_blocks` is not an int, or the request has no
                 `request_id`.
         """
-        _check_blocks(num_blocks)
+        num_blocks = _check_blocks(num_blocks)
         rid = request.request_id
         with self._lock:
             self._poll()
@@ -262,6 +265,9 @@ class FastDeployCacheManager:
                 self._book.track(request)
             if num_blocks <= 0:
                 return []
+            if self._extends.is_extend(request):
+                return self._allocate_extend(request, num_blocks)
+            self._extends.note(request)
             table = list(mgr.block_table(rid).block_ids)
             theirs = list(request.block_tables or ())
             if theirs != table:
@@ -299,6 +305,19 @@ class FastDeployCacheManager:
             return list(mgr.block_table(rid, len(table)).block_ids)
 
     allocate_gpu_blocks = allocate_device_blocks
+
+    def _allocate_extend(self, request: Any, num_blocks: int) -> list[int]:
+        """The blocks of FastDeploy's extend table (see `fd_extend`), or []."""
+        try:
+            blocks = self._extends.allocate(request, num_blocks)
+        except (ValueError, RuntimeError) as e:  # can never fit
+            blocks = None
+            log.error("fastkv extend(%r, %d) refused: %s", request.request_id, num_blocks, e)
+        if blocks is None:
+            self._counters.allocation_failures += 1
+            return []
+        self._relay.attach(request)
+        return blocks
 
     # -- storage prefetch (FastDeploy's newer v1 API) -----------------------------
 
@@ -366,8 +385,8 @@ class FastDeployCacheManager:
 
     def recycle_gpu_blocks(self, block_ids: Sequence[int], request_id: Any = None) -> None:
         """FastDeploy frees extend-table blocks with this after `request_finish`;
-        fastkv frees every block of a request at `request_finish`, so there is
-        nothing left to do.
+        fastkv frees every block of a request, its extend blocks included (see
+        `fd_extend`), at `request_finish`, so there is nothing left to do.
 
         Raises:
             ValueError: an id outside the device pool, or the request still active
@@ -375,7 +394,7 @@ class FastDeployCacheManager:
         """
         ids = list(block_ids or ())
         for i, block in enumerate(ids):
-            check_int(f"block_ids[{i}]", block, 0, self.num_gpu_blocks - 1)
+            as_int(f"block_ids[{i}]", block, 0, self.num_gpu_blocks - 1)
         with self._lock:
             if request_id is not None and self.manager.is_active(request_id):
                 raise ValueError(
@@ -415,7 +434,7 @@ class FastDeployCacheManager:
             raise ValueError(
                 f"block_size: {block_size}, the cache's block size is {self.config.block_size}"
             )
-        check_int("num_computed_tokens", num_computed_tokens, 0)
+        as_int("num_computed_tokens", num_computed_tokens, 0)
         with self._lock:
             self._poll()
             rid = task.request_id
@@ -600,6 +619,7 @@ class FastDeployCacheManager:
     def _release(self, request: Any, *, finished: bool) -> None:
         self._relay.fail_undispatched(request)
         self._book.release(request.request_id, finished=finished)
+        self._extends.release(request.request_id)
 
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
@@ -619,6 +639,7 @@ class FastDeployCacheManager:
             prefix_caching=self.enable_prefix_caching,
             counters=self._counters,
         )
+        self._extends = ExtendTables(self.manager, block_size=config.block_size)
         self._prefetches = StoragePrefetches(
             self.manager,
             block_size=config.block_size,
@@ -659,9 +680,12 @@ class FastDeployCacheManager:
             }
 
 
-def _check_blocks(num_blocks: object) -> None:
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
-        raise ValueError(f"num_blocks: must be an int, got {num_blocks!r}")
+def _check_blocks(num_blocks: object) -> int:
+    """`num_blocks` as an int: any integral type (ResourceManagerV1 passes numpy's
+    int32 on its extend-table path), never a bool or a float."""
+    if type(num_blocks) is int:
+        return num_blocks
+    return as_int("num_blocks", num_blocks, -(1 << 63))
 
 
 __all__ = ["FastDeployCacheManager", "FastDeployMatchResult"]

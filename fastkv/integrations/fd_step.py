@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -78,6 +79,10 @@ class StepLayerCounter:
         transfer_ids: the scheduler transfers it carries.
         launch_error: why the step never launched (every wait raises it).
         local: the fastkv transfer it waits on (None: never launched).
+        model_layers: the main model's layers (default: all of them). The wait
+            for its last layer also waits for the layers after it (MTP's):
+            FastDeploy's MTP proposer runs after the main model and waits for
+            none of its own layers.
 
     Attributes:
         device_block_ids: the swap-in's destination blocks.
@@ -93,8 +98,10 @@ class StepLayerCounter:
         transfer_ids: Sequence[int],
         launch_error: str | None = None,
         local: CacheSwapMetadata | None = None,
+        model_layers: int | None = None,
     ) -> None:
         self._hooks = hooks
+        self._model_layers = num_layers if model_layers is None else model_layers
         self._inner = inner
         self.num_layers = num_layers
         self.device_block_ids = frozenset(device_block_ids)
@@ -115,7 +122,8 @@ class StepLayerCounter:
         GPU, a device-side wait of the compute stream).
 
         Raises:
-            SwapInFailedError: the swap-in failed at or before this layer.
+            SwapInFailedError: the swap-in failed at or before this layer (for
+                the main model's last layer: or in a layer after it).
             TransferTimeoutError: a host wait ran past `timeout`.
             IndexError: no such layer.
         """
@@ -126,11 +134,14 @@ class StepLayerCounter:
         if not self.recovered:
             try:
                 self._inner.wait_for_layer(layer, timeout)
+                if layer == self._model_layers - 1:  # the MTP layers run next
+                    for extra in range(self._model_layers, self.num_layers):
+                        self._inner.wait_for_layer(extra, timeout)
             except TransferFailedError as e:
                 if not self._hooks.recover(self, timeout):
                     self._hooks.report()
                     raise self._error(e.error) from e
-        if layer == self.num_layers - 1:
+        if layer == self._model_layers - 1:  # the main model's last wait
             self._hooks.report()
 
     def stream_wait_for_layer(self, layer: int) -> None:
@@ -234,6 +245,7 @@ class StepLauncher:
             swap.dst_block_ids,
             swap.transfer_ids,
             local=fk_swap,
+            model_layers=self._num_layers,
         )
 
     def refuse(
@@ -307,7 +319,7 @@ class SwapInRetry:
         Args:
             counter: the step's counter.
             ctrl: fastkv's CacheController (None: the cache is gone).
-            timeout: bound on each copy's wait.
+            timeout: bound on all the copies' waits together.
             retries: how many copies at most.
 
         Returns:
@@ -334,7 +346,17 @@ class SwapInRetry:
     def _copy_again(
         self, ctrl: Any, local: CacheSwapMetadata, timeout: float, retries: int
     ) -> bool:
+        deadline = time.monotonic() + timeout  # all retries together: one wait's bound
         for attempt in range(retries):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "fastkv rank %d: swap-in retries stopped after %d: %.1f s passed",
+                    self._rank,
+                    attempt,
+                    timeout,
+                )
+                break
             self.attempts += 1
             again = CacheSwapMetadata(
                 self._routes.new_id(),
@@ -344,7 +366,7 @@ class SwapInRetry:
                 local.dst_block_ids,
             )
             try:
-                ctrl.submit_swap_tasks(None, again).wait_all(timeout)
+                ctrl.submit_swap_tasks(None, again).wait_all(left)
             except (TransferFailedError, ValueError) as e:
                 log.warning(
                     "fastkv rank %d: swap-in retry %d of %d failed: %s",

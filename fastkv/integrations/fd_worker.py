@@ -36,7 +36,7 @@ import threading
 from typing import Any
 
 from fastkv.channel import ResultsSender
-from fastkv.config import check_int
+from fastkv.config import as_int, check_int
 from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
 from fastkv.integrations.fd_routes import ResultRoutes
@@ -52,6 +52,9 @@ from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, su
 from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SWAP_IN_RETRIES = 8
+"""Copies of a failed swap-in at most, inside the layer's wait (see `swap_in_retries`)."""
 
 
 class FastDeployCacheController:
@@ -79,8 +82,11 @@ class FastDeployCacheController:
             0 disables it (results then go at the runner's calls only).
         block_axis: the axis of each KV tensor holding a block's tokens (2 for
             FastDeploy's `[blocks, heads, block_size, dim]`).
-        swap_in_retries: how many times a failed swap-in is copied again (every
-            layer) before the runner's wait on it raises; 0 raises at once.
+        swap_in_retries: how many times at most a failed swap-in is copied again
+            (every layer), within the runner's wait timeout, before that wait
+            raises; 0 raises at once. Default 8: a copy failure that is not
+            permanent must not reach FastDeploy's unmodified runner, which dies
+            of it (the host copy is intact, so copying again is always right).
 
     Raises:
         ValueError: a bad setting (the message names it).
@@ -96,10 +102,10 @@ class FastDeployCacheController:
         fail_rate: float = 0.0,
         report_interval_s: float = 0.05,
         block_axis: int = 2,
-        swap_in_retries: int = 1,
+        swap_in_retries: int = DEFAULT_SWAP_IN_RETRIES,
     ) -> None:
-        check_int("local_rank", local_rank, 0)
-        check_int("device_id", device_id, 0)
+        local_rank = as_int("local_rank", local_rank, 0)
+        device_id = as_int("device_id", device_id, 0)
         if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
             raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
         self.fd_config = fd_config
@@ -129,8 +135,8 @@ class FastDeployCacheController:
         self._caches: list[Any] = []
         self._tensors_per_layer = 0
         self._num_gpu_blocks = 0
-        self._storage_dir = fdc.storage_directory(fd_config, self.rank)
-        self._storage_backend: Any = None  # fastkv LocalDiskBackend, with the cache
+        self._storage_dir = fdc.storage_target(fd_config, self.rank)
+        self._storage_backend: Any = None  # fastkv's disk or Mooncake backend
         self.swap_layer_done_counter: StepLayerCounter | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -163,7 +169,7 @@ class FastDeployCacheController:
                 raise RuntimeError(
                     "initialize_kv_cache: the cache exists; free_gpu_cache first"
                 )
-            check_int("num_gpu_blocks", num_gpu_blocks, 1)
+            num_gpu_blocks = as_int("num_gpu_blocks", num_gpu_blocks, 1)
             made = self._make(attn_backend, num_gpu_blocks, 0, self._num_layers)
             self._num_gpu_blocks = num_gpu_blocks
             self._adopt(made.tensors, made.per_layer, 0)
@@ -187,9 +193,9 @@ class FastDeployCacheController:
         """
         with self._lock:
             ctrl = self._require()
-            check_int("num_gpu_blocks", num_gpu_blocks, 1)
-            check_int("num_mtp_layers", num_mtp_layers, 1)
-            check_int("layer_offset", layer_offset, 0)
+            num_gpu_blocks = as_int("num_gpu_blocks", num_gpu_blocks, 1)
+            num_mtp_layers = as_int("num_mtp_layers", num_mtp_layers, 1)
+            layer_offset = as_int("layer_offset", layer_offset, 0)
             stats = ctrl.get_stats()
             if stats.device_to_host_transfers or stats.host_to_device_transfers:
                 raise RuntimeError("initialize_mtp_kv_cache: swaps already ran on this cache")
@@ -425,7 +431,7 @@ class FastDeployCacheController:
             self._storage_dir, caches, config, per_layer, num_extra
         )
         try:
-            self.controller = CacheController.adopt(
+            ctrl = CacheController.adopt(
                 caches,
                 config,
                 tensors_per_layer=per_layer,
@@ -440,6 +446,15 @@ class FastDeployCacheController:
             if backend is not None:
                 backend.close()
             raise
+        register = getattr(backend, "register_host_memory", None)
+        if register is not None:  # Mooncake moves blocks in and out of the host tier
+            try:
+                register(*ctrl.host_memory)
+            except BaseException:
+                ctrl.free_cache()
+                backend.close()
+                raise
+        self.controller = ctrl
         self._storage_backend = backend
         self._caches = caches
         self._routes.reopen_sender()  # a cache made again after free_cache

@@ -2,7 +2,8 @@
 storage work handed to fastkv's controller.
 
 With FastDeploy's `kvcache_storage_backend="file"` each rank opens a
-`LocalDiskBackend` in its own directory (`open_storage`). The scheduler's storage
+`LocalDiskBackend` in its own directory, with "mooncake" a `MooncakeBackend` on
+the cluster FastDeploy's Mooncake settings name (`open_storage`). The scheduler's storage
 lookups, loads and writes ride in the step's eviction metadata (taken out by
 `fd_transfers.split_storage`); `submit_storage` gives each a local id (see
 `fd_routes`) and starts it on the controller, never waiting. A block's storage key
@@ -27,6 +28,7 @@ from fastkv.metadata import (
     StorageLookup,
     TransferResult,
 )
+from fastkv.storage.mooncake.options import MooncakeConnection
 
 log = logging.getLogger(__name__)
 
@@ -39,30 +41,31 @@ def storage_key(text: str) -> bytes:
 
 
 def open_storage(
-    directory: str | None,
+    target: str | MooncakeConnection | None,
     caches: list[Any],
     config: CacheConfig,
     per_layer: int,
     num_extra: int,
 ) -> tuple[Any, bytes]:
-    """The local disk backend of this rank, or (None, b"") without a storage
-    tier. Its layout is one segment per cache tensor (a host block's bytes);
-    its namespace digest covers the model, dtype, block size, TP size, layers
-    and the per-rank head shape, so a different cache never hits.
+    """The storage backend of this rank, or (None, b"") without a storage tier:
+    fastkv's local disk backend in a directory, or its Mooncake backend (its key
+    ring from `$FASTKV_STORAGE_KEY_FILE`: blocks are authenticated). Its layout
+    is one segment per cache tensor (a host block's bytes); its namespace digest
+    covers the model, dtype, block size, TP size, layers and the per-rank head
+    shape, so a different cache never hits.
 
     Args:
-        directory: this rank's storage directory (`fd_config.storage_directory`),
-            None without a storage tier.
+        target: this rank's storage directory or Mooncake connection
+            (`fd_config.storage_target`), None without a storage tier.
         caches: the cache tensors, layer-major (extra layers last).
         config: the cache's configuration (FastDeploy's, see `fd_config`).
         per_layer: tensors per layer.
         num_extra: extra (MTP) layers among them.
     """
-    if directory is None:
+    if target is None:
         return None, b""
     from fastkv.config import ModelKVShape
     from fastkv.storage import BlockLayout, StorageNamespace
-    from fastkv.storage.local_disk import LocalDiskBackend
 
     lengths = []
     for t in caches:
@@ -78,10 +81,15 @@ def open_storage(
         len(caches) // per_layer - num_extra, shape[1], shape[-1], num_extra
     )
     namespace = StorageNamespace.of(config, model_kv).digest()
+    layout = BlockLayout(tuple(lengths))
+    if isinstance(target, MooncakeConnection):
+        from fastkv.storage.mooncake import MooncakeBackend, MooncakeOptions
+
+        return MooncakeBackend(layout, MooncakeOptions(connection=target)), namespace
+    from fastkv.storage.local_disk import LocalDiskBackend
+
     backend = LocalDiskBackend(
-        directory,
-        BlockLayout(tuple(lengths)),
-        capacity_blocks=fdc.storage_capacity_blocks(config.num_host_blocks),
+        target, layout, capacity_blocks=fdc.storage_capacity_blocks(config.num_host_blocks)
     )
     return backend, namespace
 

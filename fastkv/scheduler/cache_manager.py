@@ -244,7 +244,7 @@ class CacheManager:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already active")
         hashes = checked_hashes(block_hashes)
-        check_count("num_tokens", num_tokens)
+        num_tokens = check_count("num_tokens", num_tokens)
         bs = self.block_size
         if len(hashes) * bs > num_tokens:
             raise ValueError(
@@ -421,7 +421,7 @@ class CacheManager:
                 when it raises.
         """
         req = self._get(request_id)
-        check_count("num_tokens", num_tokens)
+        num_tokens = check_count("num_tokens", num_tokens)
         if req.waits >= 2 and req.wait_epoch == self.transfers.num_takes:
             raise RuntimeError(
                 f"allocate({request_id!r}): answered WAIT_FOR_TRANSFERS {req.waits} times "
@@ -515,7 +515,7 @@ class CacheManager:
                 changes when it raises.
         """
         req = self._get(request_id)
-        check_count("num_computed_tokens", num_computed_tokens)
+        num_computed_tokens = check_count("num_computed_tokens", num_computed_tokens)
         if req.loading:
             raise ValueError(
                 f"request_id: {request_id!r} has a swap-in without a result yet; "
@@ -788,7 +788,7 @@ class CacheManager:
         Raises:
             ValueError: `limit` is not an int >= 0.
         """
-        check_count("limit", limit)
+        limit = check_count("limit", limit)
         return self._tiers.num_obtainable_device_blocks(limit)
 
     @property

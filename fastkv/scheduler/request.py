@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from fastkv.config import as_int
 from fastkv.hashing import BlockHasher
 from fastkv.metadata import DIGEST_BYTES, BlockHash
 from fastkv.scheduler.radix_tree import TreeNode
@@ -107,13 +108,15 @@ def checked_hashes(
     return hashes
 
 
-def check_count(name: str, value: object) -> None:
-    """Raise ValueError (naming `name`) unless `value` is an int >= 0 (a count of
-    tokens or blocks; a bool is refused)."""
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
-    if value < 0:  # type: ignore[operator]
+def check_count(name: str, value: object) -> int:
+    """`value` as an int >= 0 (a count of tokens or blocks): any integral type is
+    taken (numpy's integers: FastDeploy passes them); a bool or a float raises
+    ValueError naming `name`."""
+    if type(value) is not int:
+        value = as_int(name, value, -(1 << 63))
+    if value < 0:
         raise ValueError(f"{name}: {value} is negative; must be >= 0")
+    return value
 
 
 __all__ = ["RequestId", "RequestState", "check_count", "checked_hashes"]

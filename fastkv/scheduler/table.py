@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from fastkv.config import check_int
+from fastkv.config import as_int
 from fastkv.scheduler.radix_tree import SWAP_TO_DEVICE
 from fastkv.scheduler.request import RequestState
 
@@ -98,7 +98,7 @@ class BlockTable:
         """
         blocks, nodes = req.blocks, req.nodes
         end = len(blocks)
-        check_int("start", start, 0, end)
+        start = as_int("start", start, 0, end)
         with_node = max(start, min(len(nodes), end))
         slots = [Slot.CACHED] * (with_node - start) + [Slot.COMPUTE] * (end - with_node)
         if req.loading:

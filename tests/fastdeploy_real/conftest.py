@@ -63,6 +63,7 @@ def make_engine(
         fail_rate: float = 0.0,
         mtp_layers: int = 0,
         runner_change: bool = False,
+        spec_tokens: int = 0,
         **config: Any,
     ) -> Engine:
         config.setdefault("num_gpu_blocks", 24)
@@ -71,6 +72,7 @@ def make_engine(
             fail_rate=fail_rate,
             mtp_layers=mtp_layers,
             runner_change=runner_change,
+            spec_tokens=spec_tokens,
         )
         engines.append(engine)
         return engine

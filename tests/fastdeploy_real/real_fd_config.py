@@ -91,6 +91,7 @@ def build_fd_config(
     layers: int = LAYERS,
     engine_worker_queue_port: int | None = None,
     splitwise_role: str = "mixed",
+    speculative_tokens: int = 0,
 ) -> Any:
     """FDConfig from EngineArgs (ENABLE_V1_KVCACHE_MANAGER must be 1 already).
 
@@ -110,6 +111,12 @@ def build_fd_config(
     kwargs: dict[str, Any] = {}
     if engine_worker_queue_port is not None:
         kwargs["engine_worker_queue_port"] = str(engine_worker_queue_port)
+    if speculative_tokens:  # MTP, its model the main one (only its config is read)
+        kwargs["speculative_config"] = {
+            "method": "mtp",
+            "num_speculative_tokens": speculative_tokens,
+            "model": str(model_dir),
+        }
     with cuda_platform():
         args = EngineArgs(
             model=str(model_dir),

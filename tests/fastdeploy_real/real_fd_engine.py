@@ -110,6 +110,9 @@ class Engine:
         fd_config: from `real_fd_config.build_fd_config`.
         fail_rate: the controllers' injected copy-failure fraction.
         mtp_layers: MTP layers the runners' controllers also make caches for.
+        spec_tokens: the runners decode speculatively with this many drafts per
+            step (the config must have `speculative_tokens` as many); the token
+            processor then reads the speculative output layout.
         runner_change: the runners make docs/fastdeploy.md's change for failed loads.
     """
 
@@ -120,6 +123,7 @@ class Engine:
         fail_rate: float = 0.0,
         mtp_layers: int = 0,
         runner_change: bool = False,
+        spec_tokens: int = 0,
     ) -> None:
         from fastdeploy.cache_manager.v1.cache_utils import get_request_block_hasher
         from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -143,6 +147,7 @@ class Engine:
             for rank in range(pc.tensor_parallel_size)
         ]
         for runner in self.runners:
+            runner.spec_tokens = spec_tokens
             runner.cache_controller.fail_rate = fail_rate
             runner.initialize_kv_cache()
         self.results = Results()
@@ -258,12 +263,35 @@ class Engine:
             return
         import paddle
 
+        if self.runners[0].spec_tokens:
+            self._emit_speculative(tokens)
+            return
         out = np.full((MAX_BSZ + 2, 1), -1, np.int64)
         bsz = max(tokens) + 1
         out[0, 0], out[1, 0] = 0, bsz
         for idx, token in tokens.items():
             out[2 + idx, 0] = token
         tp = self.token_processor
+        tp.output_tokens = paddle.to_tensor(out)
+        tp._process_batch_output()
+        self.rm.finish_execution_pool.submit(lambda: None).result()
+
+    def _emit_speculative(self, tokens: dict[int, Any]) -> None:
+        """The speculative output layout: [signal, batch, accept_num per slot,
+        then MAX_DRAFT_TOKENS tokens per slot from 2 + SPECULATE_MAX_BSZ]."""
+        import paddle
+        from fastdeploy.output.token_processor import MAX_DRAFT_TOKENS, SPECULATE_MAX_BSZ
+
+        tp = self.token_processor
+        out = np.full(tp.output_tokens.shape, -1, np.int64)
+        bsz = max(tokens) + 1
+        out[0], out[1] = 0, bsz
+        for idx, got in tokens.items():
+            ids = got if isinstance(got, list) else []
+            # a negative single token: PREEMPTED_TOKEN_ID answers as accept_num
+            out[2 + idx] = len(ids) if isinstance(got, list) else (got if got < -1 else 0)
+            base = 2 + SPECULATE_MAX_BSZ + idx * MAX_DRAFT_TOKENS
+            out[base : base + len(ids)] = ids
         tp.output_tokens = paddle.to_tensor(out)
         tp._process_batch_output()
         self.rm.finish_execution_pool.submit(lambda: None).result()

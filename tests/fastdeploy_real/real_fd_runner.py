@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from real_fd_model import Sequence
+from real_fd_model import Sequence, expected_continuation
 
 NOT_EMITTED = -1  # a chunk of a prefill that is not its last: no token
 
@@ -61,6 +61,10 @@ class Slot:
     num_computed: int  # positions with KV
     pending: tuple[int, int] | None = None  # prefill [start, end) this step
     decoding: bool = False  # its prefill is done: one token per step
+    extend_only: list[int] = field(default_factory=list)  # extend blocks off its table
+    truth: list[int] = field(default_factory=list)  # its outputs, as the model samples them
+    accepted: list[int] | None = None  # speculative: this step's accepted tokens
+    rejected: tuple[int, int] = (0, 0)  # speculative: positions of rejected drafts
 
 
 @dataclass
@@ -73,6 +77,7 @@ class RunnerLog:
     failed_swap_ins: int = 0  # waits that raised (runner_change)
     dropped_steps: int = 0  # slots that emitted nothing for a failed swap-in
     bad_positions: int = 0  # positions read back wrong (or with no block)
+    rejected_positions: int = 0  # speculative: rejected drafts' KV written (per layer)
     mismatches: list[Mismatch] = field(default_factory=list)  # the first few, in detail
 
 
@@ -101,6 +106,17 @@ class StandInRunner:
             finishes for the other requests, and those whose block tables hold the
             failed blocks emit no token and lose their slot. Without it the runner
             is FastDeploy's, unmodified: the error propagates.
+
+    Attributes:
+        handle_extend: keep a slot that gets an EXTEND task and write its extend
+            table's own blocks every step, as the text-to-image runner that sets
+            `need_block_num_signal` does (the snapshot's GPU runner treats EXTEND
+            like a preemption). Off by default.
+        spec_tokens: speculative decoding (MTP) with this many draft tokens per
+            step: a decoding slot verifies its drafts, writing the KV of the last
+            token and of every draft (a rejected draft's KV is other bytes, as the
+            KV of a wrong token is), and emits the accepted drafts plus one token;
+            how many are accepted cycles with the step and slot. 0: off.
     """
 
     def __init__(
@@ -132,6 +148,8 @@ class StandInRunner:
         self.slots: dict[int, Slot] = {}
         self.preempted: set[int] = set()
         self.runner_change = runner_change
+        self.handle_extend = False
+        self.spec_tokens = 0
         self.log = RunnerLog()
 
     def _make_backend(self, cls: type) -> Any:
@@ -168,7 +186,7 @@ class StandInRunner:
                 layer_offset=self.num_layers,
             )
             self.cache_kvs_map = cc.get_kv_caches()
-        self.views = byte_views(list(self.caches))
+        self.views = byte_views(list(self.caches) + list(self.mtp_caches))
         self.slots.clear()
 
     def update_share_input_block_num(self, num_gpu_blocks: int) -> None:
@@ -220,11 +238,16 @@ class StandInRunner:
                 slot = self.slots.get(idx)
                 if slot is None or slot.request_id != request.request_id:
                     shape = self.views[0].shape[1::2]  # (heads, bytes per head)
-                    seq = Sequence(self.num_layers, self.roles, self.rank, shape)
+                    seq = Sequence(
+                        self.num_layers + self.mtp_layers, self.roles, self.rank, shape
+                    )
                 else:
                     seq = slot.seq
                 seq.set_tokens(tokens)
                 self.slots[idx] = Slot(
+                    truth=expected_continuation(
+                        list(request.prompt_token_ids), request.sampling_params.max_tokens
+                    ),
                     request_id=request.request_id,
                     seq=seq,
                     block_table=list(request.block_tables),
@@ -242,6 +265,11 @@ class StandInRunner:
                     "the runner stopped (or never prefilled) for decoding"
                 )
                 slot.block_table = list(request.block_tables)
+            elif kind == RequestType.EXTEND.value and self.handle_extend:
+                slot = self.slots.get(idx)
+                assert slot is not None and slot.request_id == request.request_id
+                table = set(slot.block_table)
+                slot.extend_only = [b for b in request.extend_block_tables if b not in table]
             else:  # preempted or aborted: stop the slot, answer PREEMPTED_TOKEN_ID
                 slot = self.slots.pop(idx, None)
                 self.preempted.add(idx)
@@ -263,9 +291,13 @@ class StandInRunner:
         for slot in self.slots.values():
             if slot.pending is not None:
                 work.append((slot, *slot.pending))
+            elif slot.decoding and self.spec_tokens:
+                work.append((slot, *self._verify(slot)))
             elif slot.decoding:  # KV of the last token, then the next one
                 end = len(slot.seq.tokens)
                 work.append((slot, end - 1, end))
+        if self.spec_tokens:  # newest slot first: a hit is read before its owner's
+            work.reverse()  # writes of this step (no order within a step holds on a GPU)
         counter = self.cache_controller.swap_layer_done_counter
         failed: set[int] = set()  # blocks of a failed swap-in (runner_change)
         dropped: set[int] = set()  # id() of slots reading them
@@ -284,6 +316,17 @@ class StandInRunner:
                     dropped.add(id(slot))
                 if id(slot) not in dropped:
                     self._attend(slot, layer, start, end)
+                    self._write_rejected(slot, layer)
+        # The MTP model runs after the main one and, as FastDeploy's proposer,
+        # waits for none of its layers (its forward_meta has no layer_done_counter).
+        for layer in range(self.num_layers, self.num_layers + self.mtp_layers):
+            for slot, start, end in work:  # the MTP layers' KV, checked the same way
+                if id(slot) not in dropped:
+                    self._attend(slot, layer, start, end)
+                    self._write_rejected(slot, layer)
+        for slot, _, _ in work:  # an extend table's own blocks: the model writes them
+            for layer_role in range(self.num_layers * self.roles):
+                self.views[layer_role][slot.extend_only] = 0xEE
         out: dict[int, int] = dict.fromkeys(self.preempted, PREEMPTED_TOKEN_ID)
         self.preempted.clear()
         for slot, _, end in work:
@@ -295,6 +338,13 @@ class StandInRunner:
                 continue
             slot.num_computed = end
             slot.pending = None
+            if slot.accepted is not None:  # speculative: the accepted tokens
+                out[idx] = slot.accepted  # type: ignore[assignment]
+                slot.num_outputs += len(slot.accepted)
+                slot.accepted = None
+                if slot.num_outputs >= slot.max_tokens:
+                    del self.slots[idx]
+                continue
             if end < len(slot.seq.tokens):  # a chunk, not the last: no token
                 out[idx] = NOT_EMITTED
                 continue
@@ -302,10 +352,42 @@ class StandInRunner:
             token = slot.seq.next_token(slot.max_tokens, slot.num_outputs)
             slot.num_outputs += 1
             slot.seq.append(token)
-            out[idx] = token
+            out[idx] = [token] if self.spec_tokens else token  # type: ignore[assignment]
             if slot.num_outputs >= slot.max_tokens:
                 del self.slots[idx]  # EOS: the runner's stop flag
         return out
+
+    def _verify(self, slot: Slot) -> tuple[int, int]:
+        """A speculative decode step of `slot`: drafts for the next `spec_tokens`
+        positions, the first `j` of them right (j cycles with the step), so `j`
+        drafts and one more token are accepted. Their tokens join the sequence now;
+        returns the positions whose KV the step writes right: the last token's and
+        the accepted drafts'. The rejected drafts' positions get other bytes
+        (`_write_rejected`)."""
+        n = self.spec_tokens
+        end = len(slot.seq.tokens)
+        j = (self.log.steps + slot.num_outputs) % (n + 1)
+        left = slot.max_tokens - slot.num_outputs
+        accepted = slot.truth[slot.num_outputs : slot.num_outputs + min(j + 1, left)]
+        for token in accepted:
+            slot.seq.append(token)
+        slot.accepted = accepted
+        first_rejected = end + len(accepted) - 1  # the draft after the accepted ones
+        slot.rejected = (first_rejected, end + n) if len(accepted) == j + 1 else (0, 0)
+        return end - 1, first_rejected
+
+    def _write_rejected(self, slot: Slot, layer: int) -> None:
+        """Other bytes at the rejected drafts' positions (within the table)."""
+        start, end = slot.rejected
+        bs = self.block_size
+        end = min(end, len(slot.block_table) * bs)
+        if start >= end:
+            return
+        positions = np.arange(start, end)
+        blocks = np.asarray(slot.block_table, np.int64)[positions // bs]
+        for role in range(self.roles):
+            self.views[layer * self.roles + role][blocks, :, positions % bs, :] = 0xDD
+        self.log.rejected_positions += len(positions)
 
     def _attend(self, slot: Slot, layer: int, start: int, end: int) -> None:
         """Check positions [0, start) read through the block table, then write

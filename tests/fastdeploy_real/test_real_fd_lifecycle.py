@@ -139,7 +139,8 @@ def test_get_kv_caches_has_fastdeploys_names(make_engine: Any) -> None:
 def test_mtp_caches(make_engine: Any) -> None:
     """With an MTP proposer the runner also calls `initialize_mtp_kv_cache` (its
     layers after the model's); `get_kv_caches()` then names them too, and swaps
-    still leave every main-model position right."""
+    still leave every position right, the MTP layer's too (the stand-in runner
+    reads and writes them after the main layers)."""
     engine = make_engine(num_gpu_blocks=12, num_cpu_blocks=16, mtp_layers=1)
     runner = engine.runners[0]
     assert len(runner.mtp_caches) == 2

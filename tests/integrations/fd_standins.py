@@ -112,6 +112,8 @@ class Request:
         self.prefill_start_index = 0
         self.prefill_end_index = 0
         self.max_tokens = max_tokens
+        self.use_extend_tables = False
+        self.extend_block_tables: list[int] = []
         self._prompt_hashes: list[str] = []
         self._block_hasher = None
         self._match_result: Any = None

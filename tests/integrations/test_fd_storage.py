@@ -85,8 +85,10 @@ def test_a_deployment_turns_storage_on_with_the_file_backend(monkeypatch) -> Non
     with pytest.raises(ValueError, match="FASTKV_STORAGE_WRITE_POLICY"):
         fdc.cache_config_from_fastdeploy(config())
     monkeypatch.delenv(fdc.STORAGE_WRITE_POLICY_ENV)
-    with pytest.raises(ValueError, match="kvcache_storage_backend: 'mooncake'"):
-        fdc.cache_config_from_fastdeploy(config(kvcache_storage_backend="mooncake"))
+    with pytest.raises(
+        ValueError, match=r"'attention_store'; fastkv serves 'file'.*'mooncake'"
+    ):
+        fdc.cache_config_from_fastdeploy(config(kvcache_storage_backend="attention_store"))
     with pytest.raises(ValueError, match="host tier"):
         fdc.cache_config_from_fastdeploy(config(num_cpu_blocks=0))
     monkeypatch.delenv(fdc.STORAGE_DIR_ENV, raising=False)

@@ -115,3 +115,32 @@ def test_a_swap_in_that_fails_again_raises_and_is_reported_failed(
     finally:
         worker.free_cache()
         receiver.close()
+
+
+class _RecordingCounter:
+    """fastkv's layer counter as the step counter sees it: records the waits."""
+
+    failed = False
+
+    def __init__(self) -> None:
+        self.waited: list[int] = []
+
+    def wait_for_layer(self, layer: int, timeout: float) -> None:
+        self.waited.append(layer)
+
+
+def test_the_main_models_last_wait_also_waits_for_the_mtp_layers() -> None:
+    # FastDeploy's MTP proposer (snapshot spec_decode/mtp_cuda.py) gives its
+    # attention no layer_done_counter: nothing waits for the MTP layers' swap-in
+    # unless the main model's last wait does.
+    from fastkv.integrations.fd_step import StepHooks, StepLayerCounter
+
+    inner = _RecordingCounter()
+    reports: list[int] = []
+    hooks = StepHooks(recover=lambda c, t: False, report=lambda: reports.append(1) or 0)
+    counter = StepLayerCounter(hooks, inner, 5, [6], [7], model_layers=3)  # 2 MTP layers
+    counter.wait_for_layer(0)
+    counter.wait_for_layer(1)
+    assert inner.waited == [0, 1] and not reports
+    counter.wait_for_layer(2)
+    assert inner.waited == [0, 1, 2, 3, 4] and reports == [1]
