@@ -124,7 +124,8 @@ class CacheSwapMetadata:
                 raise ValueError(
                     f"block_hashes: length {len(self.block_hashes)} != block count {n}"
                 )
-        if not isinstance(self.timeout_s, (int, float)) or not 0 <= self.timeout_s < 1e6:
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1e6:
             raise ValueError(
                 f"timeout_s: must be a number of seconds >= 0, got {self.timeout_s!r}"
             )
