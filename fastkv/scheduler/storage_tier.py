@@ -13,7 +13,9 @@ asks the workers and never waits for the answer:
     landed     the load's result makes them HOST nodes: host hits the request's
                `allocate` swaps in like any other; a failed block (on any rank)
                drops it and what follows, and its key is not looked up again for
-               `retry_after_s`
+               `retry_after_s` (at most `MAX_RETRY_KEYS` such keys are remembered,
+               none longer than `retry_after_s`: past the count the oldest is
+               forgotten early and merely looked up again)
     allocate   waits for a lookup or load in flight (WAIT, PREDICTED) at most
                `wait_s` after the match, then lets go of what has not landed and
                computes it (BEST_EFFORT never waits); loads it let go of still
@@ -73,6 +75,13 @@ class QueuedNodes(NamedTuple):
     """Nodes a queued load moves into host."""
 
 
+MAX_RETRY_KEYS = 4096
+"""The most keys of failed loads a StorageTier remembers (about 0.5 MB): each is
+kept until `retry_after_s` has passed (dropped on the next failure after that, or
+when looked up), and past this count the oldest goes first. Forgetting one early
+costs one lookup more, never a wrong byte."""
+
+
 class StorageTier:
     """Lookups, loads and writes of one CacheManager's storage tier.
 
@@ -114,7 +123,9 @@ class StorageTier:
         self._next_lookup_id = 0
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
-        self._retry_after: dict[BlockHash, float] = {}  # key -> when it may be tried again
+        # key -> when it may be looked up again; in insertion order, which is the
+        # order of those times (one retry_after_s after a clock that only grows)
+        self._retry_after: dict[BlockHash, float] = {}
         self.lookups = 0
         self.lookup_blocks = 0
         self.hit_blocks = 0
@@ -363,7 +374,7 @@ class StorageTier:
             if pos is not None and not req.done and pos < len(req.nodes):
                 tree.unlock(req.nodes[pos:])
                 del req.nodes[pos:]
-        retry_at = self.clock() + self.config.retry_after_s
+        now = self.clock()
         freed: list[int] = []
         # Deepest first, so every node dropped is a leaf by then.
         entries = list(zip(transfer.nodes, transfer.requests, transfer.positions, strict=True))
@@ -375,7 +386,7 @@ class StorageTier:
                 if good:
                     self.hit_blocks += 1
                 else:
-                    self._retry_after[node.key] = retry_at
+                    self._remember_failed(node.key, now)
                     self.load_failures += 1
                     freed += tree.drop_subtree(node)
             elif node.state == BACKUP_TO_HOST:  # a request computed it meanwhile
@@ -384,6 +395,19 @@ class StorageTier:
             if host >= 0:
                 freed.append(host)
         return freed
+
+    def _remember_failed(self, key: BlockHash, now: float) -> None:
+        """Keep `key` from lookups for `retry_after_s`; forget keys whose time has
+        passed and, past MAX_RETRY_KEYS, the oldest (the bound in the module
+        docstring)."""
+        retry = self._retry_after
+        retry.pop(key, None)  # re-inserted last: the order stays that of the times
+        retry[key] = now + self.config.retry_after_s
+        while retry:
+            oldest = next(iter(retry))
+            if retry[oldest] > now and len(retry) <= MAX_RETRY_KEYS:
+                return
+            del retry[oldest]
 
     def finish_store(
         self, transfer: StoreTransfer, failed: set[int], all_failed: bool
