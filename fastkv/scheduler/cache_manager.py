@@ -752,6 +752,8 @@ class CacheManager:
                 tiers.finish_to_host(transfer, result.success)
             else:
                 tiers.finish_to_device(transfer, result.success, rollbacks)
+        if tiers.duplicates:  # copies landed, paths were cut: a node may give way now
+            tiers.fold_duplicates()
         self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 
