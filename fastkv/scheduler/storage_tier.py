@@ -38,6 +38,7 @@ from fastkv.metadata import (
     BlockHash,
     CacheLevel,
     CacheSwapMetadata,
+    Epoch,
     LookupResult,
     StorageLookup,
     TransferResult,
@@ -121,6 +122,7 @@ class StorageTier:
         # id -> (request, first position looked up, how many blocks were asked about)
         self._lookup_owner: dict[int, tuple[RequestState, int, int]] = {}
         self._next_lookup_id = 0
+        self.epoch = Epoch(0)  # stamped on every lookup and transfer (the manager's)
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
         # key -> when it may be looked up again; in insertion order, which is the
@@ -154,7 +156,7 @@ class StorageTier:
             return False
         lookup_id = self._next_lookup_id
         self._next_lookup_id += 1
-        self._lookups.append(StorageLookup(lookup_id, keys))
+        self._lookups.append(StorageLookup(lookup_id, keys, self.epoch))
         self._lookup_owner[lookup_id] = (req, start, len(keys))
         req.lookup_id = lookup_id
         req.storage_deadline = now + self.config.wait_s
@@ -334,7 +336,14 @@ class StorageTier:
             hosts = [n.host_block for n in loads.nodes]
             keys = [n.key for n in loads.nodes]
             load = CacheSwapMetadata(
-                tid, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys, timeout
+                tid,
+                CacheLevel.STORAGE,
+                CacheLevel.HOST,
+                [],
+                hosts,
+                keys,
+                timeout,
+                epoch=self.epoch,
             )
         if self._stores.keys:
             stores, self._stores = self._stores, StoreTransfer()
@@ -347,6 +356,7 @@ class StorageTier:
                 [],
                 list(stores.keys),
                 timeout,
+                epoch=self.epoch,
             )
         lookups, self._lookups = tuple(self._lookups), []
         return load, store, lookups
