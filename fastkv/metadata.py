@@ -31,7 +31,7 @@ each time the cache is reset (`CacheManager.reset_cache`). Transfer ids restart 
 a new epoch, so every message that names a transfer also names the epoch it belongs
 to, and a message of another epoch is dropped (and counted), never applied. The one
 epoch notion of fastkv: cache resets and prefill/decode transfers (`fastkv.pd`) use
-this type, no other."""
+this type, no other. At most `MAX_EPOCH`."""
 
 
 class CacheLevel(IntEnum):
@@ -70,6 +70,8 @@ class CacheSwapMetadata:
         block_hashes: the hash of each block (storage keys, debugging); may be
             empty, except for a storage transfer.
         timeout_s: a bound on a storage transfer, seconds; 0 is the worker's default.
+        epoch: the cache epoch the scheduler made it in (`Epoch`); the worker echoes
+            it in the TransferResult.
         reused_block_ids: DEVICE -> HOST only: the source blocks the scheduler has
             already handed to a new owner (`reuse_evicted_blocks`), which the model
             may write in the step that carries this copy. The worker orders those
@@ -80,8 +82,9 @@ class CacheSwapMetadata:
     Raises:
         ValueError: the levels are equal, the id lists differ in length, a storage
             side lists ids, `block_hashes` has another length than the blocks (or
-            is empty for a storage transfer), or `reused_block_ids` is given for
-            another direction, repeats a block or names one that is not a source.
+            is empty for a storage transfer), `reused_block_ids` is given for
+            another direction, repeats a block or names one that is not a source,
+            or `epoch` is not an int >= 0.
     """
 
     transfer_id: int
@@ -92,6 +95,7 @@ class CacheSwapMetadata:
     block_hashes: Sequence[BlockHash] = ()
     timeout_s: float = 0.0
     reused_block_ids: Sequence[int] = ()
+    epoch: Epoch = Epoch(0)
 
     def __post_init__(self) -> None:
         if self.src_level == self.dst_level:
@@ -124,10 +128,13 @@ class CacheSwapMetadata:
                 raise ValueError(
                     f"block_hashes: length {len(self.block_hashes)} != block count {n}"
                 )
-        if not isinstance(self.timeout_s, (int, float)) or not 0 <= self.timeout_s < 1e6:
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1e6:
             raise ValueError(
                 f"timeout_s: must be a number of seconds >= 0, got {self.timeout_s!r}"
             )
+        if self.epoch:
+            check_epoch(self.epoch)
         if len(self.reused_block_ids):
             self._check_reused()
 
@@ -165,7 +172,8 @@ class TransferResult:
 
     `num_ranks` is how many tensor-parallel ranks the result speaks for: 1 from a
     worker, every rank once `fastkv.tp.RankResults` has combined them. A scheduler
-    with several ranks applies only combined results.
+    with several ranks applies only combined results. `epoch` is the metadata's,
+    echoed: a scheduler drops (and counts) a result of another epoch than its own.
     """
 
     transfer_id: int
@@ -173,6 +181,7 @@ class TransferResult:
     error: str = ""
     failed_blocks: tuple[int, ...] = ()
     num_ranks: int = 1
+    epoch: Epoch = Epoch(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,18 +190,31 @@ class StorageLookup:
 
     The scheduler never waits for the answer: it comes back as a `LookupResult` in
     a later step, from every rank (each with its own keys), and the usable prefix is
-    the minimum over ranks.
+    the minimum over ranks. `epoch` as for `CacheSwapMetadata`.
     """
 
     lookup_id: int
     block_hashes: Sequence[BlockHash]
+    epoch: Epoch = Epoch(0)
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """One rank's answer to a `StorageLookup`: the leading blocks storage holds
-    (at most the lookup's length). `num_ranks` as for `TransferResult`."""
+    (at most the lookup's length). `num_ranks` and `epoch` (the lookup's, echoed)
+    as for `TransferResult`."""
 
     lookup_id: int
     num_hits: int
     num_ranks: int = 1
+    epoch: Epoch = Epoch(0)
+
+
+MAX_EPOCH = (1 << 32) - 1
+"""The largest epoch (a results row carries it in 4 bytes)."""
+
+
+def check_epoch(epoch: object) -> None:
+    """Raise ValueError unless `epoch` is an int in [0, MAX_EPOCH] (a bool is not)."""
+    if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch: must be an int in [0, {MAX_EPOCH}], got {epoch!r}")

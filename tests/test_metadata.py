@@ -55,6 +55,8 @@ def test_storage_transfers_are_keyed_by_hash_not_by_ids(src, dst) -> None:
         CacheSwapMetadata(7, src, dst, src_ids, dst_ids)
     with pytest.raises(ValueError, match="timeout_s"):
         CacheSwapMetadata(7, src, dst, src_ids, dst_ids, [b"x", b"y", b"z"], timeout_s=-1)
+    with pytest.raises(ValueError, match=r"timeout_s: .* got True"):
+        CacheSwapMetadata(7, src, dst, src_ids, dst_ids, [b"x", b"y", b"z"], timeout_s=True)
 
 
 def test_block_hashes_may_be_empty() -> None:

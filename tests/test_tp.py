@@ -142,3 +142,64 @@ def test_a_manager_of_two_ranks_applies_only_combined_results() -> None:
     mgr.apply_results(ranks.add(1, [TransferResult(meta.transfer_id, True)]))
     assert mgr.allocate("s", num_tokens=16)
     mgr.check_invariants()
+
+
+def test_a_stale_report_from_before_a_reset_cannot_complete_a_new_transfer() -> None:
+    """Issue 25: after a cache reset transfer ids restart. Rank 0's report of the old
+    transfer 0 (still a partial here) must not combine with rank 1's report of the
+    new transfer 0, nor may a late report of the old epoch apply to the new one."""
+    import hashlib
+
+    from fastkv import CacheConfig
+    from fastkv.scheduler import CacheManager
+
+    mgr = CacheManager(
+        CacheConfig(block_size=4, num_device_blocks=4, num_host_blocks=4, tp_size=2)
+    )
+
+    def evict_one(name: bytes):
+        mgr.match("r", [hashlib.sha256(name).digest()], 5)
+        assert mgr.allocate("r", num_tokens=4)
+        mgr.commit("r", num_computed_tokens=4)
+        mgr.finish("r")
+        mgr.match("s", [], 1)
+        assert not mgr.allocate("s", num_tokens=16)  # evicts it to host first
+        return mgr.take_swap_metadata().evict
+
+    ranks = RankResults(2)
+    old = evict_one(b"a")
+    assert (old.transfer_id, old.epoch) == (0, 0)
+    stale = TransferResult(old.transfer_id, True, epoch=old.epoch)
+    assert ranks.add(0, [stale]) == []  # rank 1 never reports it: it is given up
+    mgr.apply_results([TransferResult(old.transfer_id, False, "given up", num_ranks=2)])
+    mgr.finish("s")
+    mgr.reset_cache()
+    assert mgr.epoch == 1
+    new = evict_one(b"b")
+    assert (new.transfer_id, new.epoch) == (0, 1)  # the same id, a new epoch
+    # Rank 1 reports the new transfer: rank 0 has not, whatever its old report said.
+    assert ranks.add(1, [TransferResult(new.transfer_id, True, epoch=new.epoch)]) == []
+    assert ranks.missing() == {("transfer", 0): [0]}
+    # The old epoch's report, duplicated or late, completes nothing new...
+    done = ranks.add(1, [stale])
+    assert done == [TransferResult(0, True, num_ranks=2, epoch=0)]
+    # ...and the manager drops it (counted), the new transfer still in flight.
+    assert mgr.apply_results(done) == []
+    assert mgr.stale_results == 1 and mgr.is_inflight(new.transfer_id)
+    mgr.apply_results(ranks.add(0, [TransferResult(new.transfer_id, True, epoch=1)]))
+    assert not mgr.is_inflight(new.transfer_id)
+    assert mgr.allocate("s", num_tokens=16)
+    mgr.check_invariants()
+
+
+def test_reset_cache_refuses_a_busy_cache_and_changes_nothing() -> None:
+    from fastkv import CacheConfig
+    from fastkv.scheduler import CacheManager
+
+    mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=4, num_host_blocks=4))
+    mgr.match("r", [], 1)
+    with pytest.raises(ValueError, match="1 requests active"):
+        mgr.reset_cache()
+    assert mgr.epoch == 0 and mgr.is_active("r")
+    with pytest.raises(ValueError, match="epoch"):
+        CacheManager(CacheConfig(block_size=4, num_device_blocks=4), epoch=True)

@@ -3,6 +3,7 @@
 A payload is one rank's batch of results in a fixed binary layout (no nesting, no
 recursion): a head (version, rank, count) and at most RESULTS_PER_DATAGRAM rows.
 
+- Every row carries its result's cache epoch (4 bytes, `fastkv.metadata.Epoch`).
 - A TransferResult row: its id, success, error (cut to MAX_ERROR_CHARS characters)
   and the positions of a storage transfer's failed blocks (at most
   MAX_FAILED_BLOCKS; more go as "every block failed").
@@ -22,11 +23,11 @@ import struct
 from collections.abc import Iterable
 
 from fastkv.config import check_int
-from fastkv.metadata import LookupResult, TransferResult
+from fastkv.metadata import MAX_EPOCH, LookupResult, TransferResult
 
 Result = TransferResult | LookupResult
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 RESULTS_PER_DATAGRAM = 32
 MAX_ERROR_CHARS = 300
 MAX_ERROR_BYTES = 4 * MAX_ERROR_CHARS  # UTF-8
@@ -35,9 +36,9 @@ MAX_LOOKUP_HITS = (1 << 32) - 1
 _PAYLOAD_HEAD = struct.Struct("!BIH")  # version, rank, count
 _KIND_TRANSFER = 0
 _KIND_LOOKUP = 1
-_ROW = struct.Struct("!BqBHH")  # kind, id, success, error bytes, failed positions
+_ROW = struct.Struct("!BqIBHH")  # kind, id, epoch, success, error bytes, failed positions
 _FAILED = struct.Struct("!I")  # one failed block position
-_LOOKUP_ROW = struct.Struct("!BqI")  # kind, lookup_id, num_hits
+_LOOKUP_ROW = struct.Struct("!BqII")  # kind, lookup_id, epoch, num_hits
 _ACK = struct.Struct("!Q")  # the stream index every result below was applied
 MAX_PAYLOAD_BYTES = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (
     _ROW.size + MAX_ERROR_BYTES + MAX_FAILED_BLOCKS * _FAILED.size
@@ -60,6 +61,8 @@ def encode(rank: int, results: Iterable[Result]) -> list[bytes]:
     """
     rows = list(results)
     for i, r in enumerate(rows):
+        if isinstance(r, (LookupResult, TransferResult)):
+            check_int(f"results[{i}].epoch", r.epoch, 0, MAX_EPOCH)
         if isinstance(r, LookupResult):
             check_int(f"results[{i}].lookup_id", r.lookup_id, 0, (1 << 63) - 1)
             check_int(f"results[{i}].num_hits", r.num_hits, 0, MAX_LOOKUP_HITS)
@@ -77,16 +80,15 @@ def encode(rank: int, results: Iterable[Result]) -> list[bytes]:
         parts = [_PAYLOAD_HEAD.pack(WIRE_VERSION, rank, len(chunk))]
         for r in chunk:
             if isinstance(r, LookupResult):
-                parts.append(_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.num_hits))
+                parts.append(_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.epoch, r.num_hits))
                 continue
             error = r.error[:MAX_ERROR_CHARS].encode("utf-8", "replace")
             failed = tuple(r.failed_blocks)
             if len(failed) > MAX_FAILED_BLOCKS:
                 failed = ()  # with success False: every block failed
             success = r.success and not r.failed_blocks
-            parts.append(
-                _ROW.pack(_KIND_TRANSFER, r.transfer_id, int(success), len(error), len(failed))
-            )
+            head = (_KIND_TRANSFER, r.transfer_id, r.epoch, int(success))
+            parts.append(_ROW.pack(*head, len(error), len(failed)))
             parts.append(error)
             parts.extend(_FAILED.pack(p) for p in failed)
         out.append(b"".join(parts))
@@ -166,17 +168,17 @@ def _read_lookup(data: bytes, offset: int, i: int) -> tuple[LookupResult, int]:
     """Row `i`, a LookupResult, at `offset`; and the offset after it."""
     if offset + _LOOKUP_ROW.size > len(data):
         raise ValueError(f"datagram: results[{i}] cut short")
-    _, lookup_id, hits = _LOOKUP_ROW.unpack_from(data, offset)
+    _, lookup_id, epoch, hits = _LOOKUP_ROW.unpack_from(data, offset)
     if lookup_id < 0:
         raise ValueError(f"datagram: results[{i}] lookup id {lookup_id} < 0")
-    return LookupResult(lookup_id, hits), offset + _LOOKUP_ROW.size
+    return LookupResult(lookup_id, hits, 1, epoch), offset + _LOOKUP_ROW.size
 
 
 def _read_transfer(data: bytes, offset: int, i: int) -> tuple[TransferResult, int]:
     """Row `i`, a TransferResult, at `offset`; and the offset after it."""
     if offset + _ROW.size > len(data):
         raise ValueError(f"datagram: results[{i}] cut short")
-    _, transfer_id, success, length, num_failed = _ROW.unpack_from(data, offset)
+    _, transfer_id, epoch, success, length, num_failed = _ROW.unpack_from(data, offset)
     offset += _ROW.size
     if success > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
         raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short error)")
@@ -196,7 +198,7 @@ def _read_transfer(data: bytes, offset: int, i: int) -> tuple[TransferResult, in
     failed = tuple(
         _FAILED.unpack_from(data, offset + k * _FAILED.size)[0] for k in range(num_failed)
     )
-    return TransferResult(transfer_id, bool(success), error, failed), end
+    return TransferResult(transfer_id, bool(success), error, failed, 1, epoch), end
 
 
 __all__ = [

@@ -94,14 +94,22 @@ def transfer_id_of(entry: object) -> int:
     Raises:
         ValueError: the entry carries no fastkv tag (metadata fastkv did not make).
     """
-    if isinstance(entry, str):
-        head, sep, _ = entry.partition(":")
-        if sep and head.isdigit():
-            return int(head)
+    tid = _copy_id(entry)
+    if tid is not None:
+        return tid
     raise ValueError(
         f"hash_values: entry {entry!r:.60} has no fastkv transfer tag "
         "('<transfer_id>:<hash>'); was this metadata made by fastkv's cache manager?"
     )
+
+
+def _copy_id(entry: object) -> int | None:
+    """The transfer id of a copy's `hash_values` entry, None when it has no tag."""
+    if isinstance(entry, str):
+        head, sep, _ = entry.partition(":")
+        if sep and head.isdigit():
+            return int(head)
+    return None
 
 
 def transfer_ids(meta: Any) -> list[int]:
@@ -128,6 +136,29 @@ def storage_ids(meta: Any) -> tuple[list[int], list[int]]:
         if found is not None:
             (lookups if found[0] == STORAGE_LOOKUP else transfers)[found[1]] = None
     return list(transfers), list(lookups)
+
+
+def tagged_ids(meta: Any) -> tuple[list[int], list[int], list[int]]:
+    """Every fastkv id a (possibly merged, possibly malformed) metadata carries, in
+    order of first appearance: (copy transfer ids, storage transfer ids, storage
+    lookup ids). Entries without a tag are skipped, so a batch refused for one
+    foreign entry can still fail everything fastkv put in it. Never raises."""
+    try:
+        entries = list(getattr(meta, "hash_values", None) or ())
+    except Exception:  # not even a list: nothing of ours can be found in it
+        return [], [], []
+    copies: dict[int, None] = {}
+    stored: dict[int, None] = {}
+    looked: dict[int, None] = {}
+    for entry in entries:
+        found = storage_tag_of(entry)
+        if found is not None:
+            (looked if found[0] == STORAGE_LOOKUP else stored)[found[1]] = None
+            continue
+        tid = _copy_id(entry)
+        if tid is not None:
+            copies[tid] = None
+    return list(copies), list(stored), list(looked)
 
 
 def storage_to_fastdeploy(
@@ -374,6 +405,7 @@ __all__ = [
     "storage_tag_of",
     "storage_to_fastdeploy",
     "tag",
+    "tagged_ids",
     "to_fastdeploy",
     "transfer_id_of",
     "transfer_ids",

@@ -47,8 +47,9 @@ from fastkv.integrations.fd_step import (
     SwapInFailedError,
     SwapInRetry,
 )
-from fastkv.integrations.fd_transfers import parse_merged, split_storage
+from fastkv.integrations.fd_transfers import parse_merged, split_storage, tagged_ids
 from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, submit_storage
+from fastkv.metadata import LookupResult, TransferResult
 from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -265,12 +266,18 @@ class FastDeployCacheController:
 
         Raises:
             ValueError: metadata fastkv's scheduler did not make (wrong levels,
-                lists of different lengths, untagged hashes); nothing is launched.
+                lists of different lengths, untagged hashes); nothing is launched,
+                and every transfer and lookup of fastkv's merged into the batch is
+                reported failed (lookups with no hits), so none stays reserved.
         """
         with self._lock:
-            evict_metadata, work = split_storage(evict_metadata)
-            evict = parse_merged(evict_metadata, "device", "host")
-            swap = parse_merged(swap_in_metadata, "host", "device")
+            try:  # the whole batch is checked before any of it runs
+                evict_rest, work = split_storage(evict_metadata)
+                evict = parse_merged(evict_rest, "device", "host")
+                swap = parse_merged(swap_in_metadata, "host", "device")
+            except ValueError as e:
+                self._refuse_batch((evict_metadata, swap_in_metadata), e)
+                raise
             self._routes.settle_held()
             if self.controller is None:
                 fail_storage(self._routes, work, "the KV cache is not initialized")
@@ -281,6 +288,22 @@ class FastDeployCacheController:
                 counter = self._launcher.launch(self.controller, evict, swap, compute_stream)
             self.swap_layer_done_counter = counter
             return counter
+
+    def _refuse_batch(self, metas: tuple[Any, ...], error: ValueError) -> None:
+        """A step's batch that cannot run: fail every fastkv id tagged in it (the
+        valid transfers merged with a foreign entry included), none launched."""
+        copies: dict[int, None] = {}
+        lookups: dict[int, None] = {}
+        for meta in metas:
+            copy_ids, storage_ids, lookup_ids = tagged_ids(meta)
+            copies.update(dict.fromkeys(copy_ids + storage_ids))
+            lookups.update(dict.fromkeys(lookup_ids))
+        why = f"not launched: the step's batch was refused: {error}"
+        log.error("fastkv rank %d: %s", self.rank, why)
+        self._routes.send(
+            [TransferResult(t, False, why) for t in copies]
+            + [LookupResult(q, 0) for q in lookups]
+        )
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`swap_layer_done_counter.wait_for_layer`, when the step has a swap-in."""

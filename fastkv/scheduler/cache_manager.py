@@ -40,10 +40,13 @@ from fastkv.hashing import (
     request_root,
 )
 from fastkv.metadata import (
+    MAX_EPOCH,
     BlockHash,
+    Epoch,
     LookupResult,
     TransferListener,
     TransferResult,
+    check_epoch,
 )
 from fastkv.scheduler.api import (
     Allocation,
@@ -130,8 +133,15 @@ class CacheManager:
             counted in `CacheStats.stalled_transfers`, listed by
             `stalled_transfers()`.
 
+        epoch: the cache epoch to start in (`fastkv.metadata.Epoch`): stamped on
+            every metadata taken, and `apply_results` drops (and counts in
+            `stale_results`) a result of another epoch. An engine that replaces its
+            manager on a cache reset (instead of calling `reset_cache`) passes the
+            old one's epoch + 1, so its workers' late reports stay apart.
+
     Raises:
-        ValueError: `stall_after_s` is not a number > 0.
+        ValueError: `stall_after_s` is not a number > 0, or `epoch` not an int in
+            [0, MAX_EPOCH].
     """
 
     def __init__(
@@ -140,11 +150,21 @@ class CacheManager:
         clock: Callable[[], float] = time.monotonic,
         *,
         stall_after_s: float = 60.0,
+        epoch: int = 0,
     ) -> None:
         stall_s = _stall_seconds(stall_after_s)
+        check_epoch(epoch)
         self.config = config
         self.block_size = config.block_size
         self._root = namespace_root(config.namespace_key())
+        self._clock = clock
+        self.stale_results = 0  # results of another epoch, dropped (kept across resets)
+        self._build(Epoch(epoch), stall_s)
+
+    def _build(self, epoch: Epoch, stall_s: float) -> None:
+        """Empty rooms for `epoch` (construction and `reset_cache`)."""
+        self.epoch = epoch
+        config, clock = self.config, self._clock
         self._wait_on_untaken = False  # set by _allocate: its WAIT needs an untaken copy
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
@@ -164,10 +184,38 @@ class CacheManager:
         self._storage = self._tiers.storage
         self._has_host_tier = config.num_host_blocks > 0
         self._counts_hits = self._tiers.counts_hits
-        self._clock = clock
         # Device blocks reserved for bytes another instance writes (fastkv.pd): in no
         # tree and no request's table, not free; see reserve_receiving.
         self._receiving: set[int] = set()
+        self.transfers.epoch = epoch
+        if self._storage is not None:
+            self._storage.epoch = epoch
+
+    def reset_cache(self) -> None:
+        """Forget every cached block and start the next epoch (`fastkv.metadata.Epoch`):
+        the pools are empty again, transfer and lookup ids restart, statistics
+        restart (listeners stay), and every metadata taken from now on carries the
+        new epoch. A result of an earlier epoch that still arrives (a stale or
+        duplicated report) is dropped and counted (`stale_results`), never applied
+        to a new transfer that reuses its id.
+
+        Raises:
+            ValueError: a request is active, a transfer or lookup is in flight or
+                queued, or blocks are receiving a PD transfer (their blocks are still
+                in use); nothing changes.
+        """
+        if self._requests or self.busy or self._receiving:
+            raise ValueError(
+                f"reset_cache: {len(self._requests)} requests active, "
+                f"{self.transfers.num_inflight} transfers in flight, "
+                f"{len(self._receiving)} blocks receiving; only an idle cache is reset"
+            )
+        if self.epoch >= MAX_EPOCH:
+            raise ValueError(f"reset_cache: epoch {self.epoch} is the last (MAX_EPOCH)")
+        listeners = self.transfers.listeners
+        self._build(Epoch(self.epoch + 1), self.transfers.stall_after_s)
+        for listener in listeners:
+            self.transfers.add_listener(listener)
 
     # -- request lifecycle ----------------------------------------------------
 
@@ -839,8 +887,16 @@ class CacheManager:
             ValueError: a transfer id that is unknown, already applied or listed
                 twice, a malformed lookup answer, or a lookup answer to a manager
                 without a storage tier. Nothing in the batch is applied when it raises.
+
+        A result of another epoch than the manager's (a report from before
+        `reset_cache`) is dropped and counted in `stale_results`, never applied.
         """
         results = list(results)
+        epoch = self.epoch
+        fresh = [r for r in results if getattr(r, "epoch", epoch) == epoch]
+        if len(fresh) != len(results):  # reports from before a cache reset
+            self.stale_results += len(results) - len(fresh)
+            results = fresh
         self._check_results(results)
         rollbacks: dict[RequestId, list[int]] = {}
         now = self._clock()
@@ -856,6 +912,8 @@ class CacheManager:
                 tiers.finish_to_host(transfer, result.success)
             else:
                 tiers.finish_to_device(transfer, result.success, rollbacks)
+        if tiers.duplicates:  # copies landed, paths were cut: a node may give way now
+            tiers.fold_duplicates()
         self._counters.rollbacks += sum(len(v) for v in rollbacks.values())
         return [Rollback(rid, tuple(sorted(pos))) for rid, pos in rollbacks.items()]
 

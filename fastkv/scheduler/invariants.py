@@ -4,7 +4,9 @@
 its own records (`RadixTree.check`, `TransferBook.check`, `StorageTier.check`), and
 this module checks what only the whole can: that every allocated block has exactly
 one owner (a node, a request's private position, a copy or write still using it),
-that every lock is held by a request whose path it is, and that every node in a
+that every lock is held by a request whose path it is, that no request holds two
+device blocks at one position when the node's copy could give way to its own (the
+node is on the device, still, and no one else holds it), and that every node in a
 moving state is moved by exactly one transfer (queued storage loads included).
 """
 
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.radix_tree import (
     BACKUP_TO_HOST,
+    DEVICE,
     DROPPED,
     LOADING_FROM_STORAGE,
     PENDING_HOST,
@@ -50,8 +53,9 @@ def check_manager(
             holding the node, a request whose nodes are not its hashes' path, a
             moving node in no transfer (or in two), an in-flight block back in
             its pool, a receiving block (`CacheManager.reserve_receiving`) that
-            a node or request also holds or that is free, or a tree list
-            invariant broken.
+            a node or request also holds or that is free, a request alone on a
+            node holding its own valid copy of it besides the node's, or a tree
+            list invariant broken.
     """
     tree.check()
     owner: dict[int, object] = {}
@@ -96,6 +100,7 @@ def _check_requests(
 ) -> dict[TreeNode, int]:
     """Each request's nodes are its hashes' path from the root; the blocks of its
     table no node holds are its own. Returns how many requests hold each node."""
+    requests = list(requests)
     holders: dict[TreeNode, int] = {}
     for req in requests:
         parent = tree.root
@@ -108,7 +113,23 @@ def _check_requests(
         for pos, block in enumerate(req.blocks):
             if pos >= len(req.nodes) or req.nodes[pos].device_block != block:
                 _own(owner, block, req.request_id)
+    for req in requests:
+        _check_one_block_per_position(req, holders)
     return holders
+
+
+def _check_one_block_per_position(req: RequestState, holders: dict[TreeNode, int]) -> None:
+    """A position where the request holds its own valid block and the node's device
+    copy too: allowed only while that copy cannot give way (another request holds
+    the node, or its copy moves). Otherwise the request pins two blocks for one
+    position, and alone could find the pool full forever."""
+    rolled_back = set(req.rolled_back)  # its own copy is garbage until recomputed
+    for pos, (node, block) in enumerate(zip(req.nodes, req.blocks, strict=False)):
+        if node.device_block >= 0 and node.device_block != block and pos not in rolled_back:
+            assert holders[node] > 1 or node.state != DEVICE, (
+                f"request {req.request_id!r}: position {pos} holds device blocks {block} "
+                f"and {node.device_block} (its node's, which no one else holds)"
+            )
 
 
 def _check_pool(pool: BlockPool, owned: dict[int, object]) -> None:

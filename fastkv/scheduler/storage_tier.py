@@ -13,7 +13,9 @@ asks the workers and never waits for the answer:
     landed     the load's result makes them HOST nodes: host hits the request's
                `allocate` swaps in like any other; a failed block (on any rank)
                drops it and what follows, and its key is not looked up again for
-               `retry_after_s`
+               `retry_after_s` (at most `MAX_RETRY_KEYS` such keys are remembered,
+               none longer than `retry_after_s`: past the count the oldest is
+               forgotten early and merely looked up again)
     allocate   waits for a lookup or load in flight (WAIT, PREDICTED) at most
                `wait_s` after the match, then lets go of what has not landed and
                computes it (BEST_EFFORT never waits); loads it let go of still
@@ -36,6 +38,7 @@ from fastkv.metadata import (
     BlockHash,
     CacheLevel,
     CacheSwapMetadata,
+    Epoch,
     LookupResult,
     StorageLookup,
     TransferResult,
@@ -71,6 +74,13 @@ class QueuedNodes(NamedTuple):
     """Nodes whose host copy a queued write pins (state STORING)."""
     loading: list[TreeNode]
     """Nodes a queued load moves into host."""
+
+
+MAX_RETRY_KEYS = 4096
+"""The most keys of failed loads a StorageTier remembers (about 0.5 MB): each is
+kept until `retry_after_s` has passed (dropped on the next failure after that, or
+when looked up), and past this count the oldest goes first. Forgetting one early
+costs one lookup more, never a wrong byte."""
 
 
 class StorageTier:
@@ -112,9 +122,12 @@ class StorageTier:
         # id -> (request, first position looked up, how many blocks were asked about)
         self._lookup_owner: dict[int, tuple[RequestState, int, int]] = {}
         self._next_lookup_id = 0
+        self.epoch = Epoch(0)  # stamped on every lookup and transfer (the manager's)
         self._loads = LoadTransfer()
         self._stores = StoreTransfer()
-        self._retry_after: dict[BlockHash, float] = {}  # key -> when it may be tried again
+        # key -> when it may be looked up again; in insertion order, which is the
+        # order of those times (one retry_after_s after a clock that only grows)
+        self._retry_after: dict[BlockHash, float] = {}
         self.lookups = 0
         self.lookup_blocks = 0
         self.hit_blocks = 0
@@ -143,7 +156,7 @@ class StorageTier:
             return False
         lookup_id = self._next_lookup_id
         self._next_lookup_id += 1
-        self._lookups.append(StorageLookup(lookup_id, keys))
+        self._lookups.append(StorageLookup(lookup_id, keys, self.epoch))
         self._lookup_owner[lookup_id] = (req, start, len(keys))
         req.lookup_id = lookup_id
         req.storage_deadline = now + self.config.wait_s
@@ -323,7 +336,14 @@ class StorageTier:
             hosts = [n.host_block for n in loads.nodes]
             keys = [n.key for n in loads.nodes]
             load = CacheSwapMetadata(
-                tid, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys, timeout
+                tid,
+                CacheLevel.STORAGE,
+                CacheLevel.HOST,
+                [],
+                hosts,
+                keys,
+                timeout,
+                epoch=self.epoch,
             )
         if self._stores.keys:
             stores, self._stores = self._stores, StoreTransfer()
@@ -336,6 +356,7 @@ class StorageTier:
                 [],
                 list(stores.keys),
                 timeout,
+                epoch=self.epoch,
             )
         lookups, self._lookups = tuple(self._lookups), []
         return load, store, lookups
@@ -363,7 +384,7 @@ class StorageTier:
             if pos is not None and not req.done and pos < len(req.nodes):
                 tree.unlock(req.nodes[pos:])
                 del req.nodes[pos:]
-        retry_at = self.clock() + self.config.retry_after_s
+        now = self.clock()
         freed: list[int] = []
         # Deepest first, so every node dropped is a leaf by then.
         entries = list(zip(transfer.nodes, transfer.requests, transfer.positions, strict=True))
@@ -375,7 +396,7 @@ class StorageTier:
                 if good:
                     self.hit_blocks += 1
                 else:
-                    self._retry_after[node.key] = retry_at
+                    self._remember_failed(node.key, now)
                     self.load_failures += 1
                     freed += tree.drop_subtree(node)
             elif node.state == BACKUP_TO_HOST:  # a request computed it meanwhile
@@ -384,6 +405,19 @@ class StorageTier:
             if host >= 0:
                 freed.append(host)
         return freed
+
+    def _remember_failed(self, key: BlockHash, now: float) -> None:
+        """Keep `key` from lookups for `retry_after_s`; forget keys whose time has
+        passed and, past MAX_RETRY_KEYS, the oldest (the bound in the module
+        docstring)."""
+        retry = self._retry_after
+        retry.pop(key, None)  # re-inserted last: the order stays that of the times
+        retry[key] = now + self.config.retry_after_s
+        while retry:
+            oldest = next(iter(retry))
+            if retry[oldest] > now and len(retry) <= MAX_RETRY_KEYS:
+                return
+            del retry[oldest]
 
     def finish_store(
         self, transfer: StoreTransfer, failed: set[int], all_failed: bool

@@ -64,6 +64,7 @@ class CacheTiers:
         "_write_on_host_copy",
         "_write_on_host_eviction",
         "device_pool",
+        "duplicates",
         "host_pool",
         "reuse_evicted_blocks",
         "storage",
@@ -88,6 +89,10 @@ class CacheTiers:
         self._book = book
         self._counters = counters
         self.reuse_evicted_blocks = config.reuse_evicted_blocks
+        # (node, request, position): the request holds its own valid copy of the
+        # node's block at that position, which the node could not take yet (see
+        # `fold_duplicates`); rare, so empty on the hot paths
+        self.duplicates: list[tuple[TreeNode, RequestState, int]] = []
         self.write_policy: DeviceWritePolicyBase = device_write_policy(config)
         self.storage = (
             StorageTier(
@@ -150,22 +155,49 @@ class CacheTiers:
 
     def adopt_committed(self, req: RequestState, path: list[TreeNode], start: int) -> None:
         """`commit` found the nodes `path` (positions `start`... of the request)
-        cached already by others: decide what the request's own block at each
-        becomes. A host-only node adopts it; a device node no one else holds gives
-        its block up for it (one position never holds two device blocks); any
-        other keeps its copy and the request's block stays private to it."""
+        cached already by others: the request's own block at each gives way or is
+        kept as `_give_way` decides; one kept is folded later (`fold_duplicates`)."""
         blocks = req.blocks
-        freed = []
+        freed: list[int] = []
         for i, node in enumerate(path):
-            if node.state == HOST or node.state in HOST_LANDING:  # adopt ours
-                self.tree.attach_device(node, blocks[start + i], loading=False)
-            elif node.state == DEVICE and node.ref == 1:
-                # Cached on the device, and no one else holds it (a prompt's last
-                # block, which a match never hits): ours replaces its copy.
-                freed.append(node.device_block)
-                node.device_block = blocks[start + i]
-            else:  # held by others, or its copy is moving: ours stays private
+            if not self._give_way(node, blocks[start + i], freed):
                 req.owns_matched_positions = True
+                self.duplicates.append((node, req, start + i))
+        self.device_pool.free(freed)
+
+    def _give_way(self, node: TreeNode, block: int, freed: list[int]) -> bool:
+        """The one request holding `node` has its own valid copy `block` of it: the
+        node takes it if it can now, True then. A host-only node (or one whose host
+        copy is landing) adopts it; a device node no one else holds gives its block
+        up for it (added to `freed`), so one position never holds two device blocks.
+        A node others hold, or whose copy moves, keeps its copy (False)."""
+        state = node.state
+        if state == HOST or state in HOST_LANDING:
+            self.tree.attach_device(node, block, loading=False)
+            return True
+        if state == DEVICE and node.ref == 1:
+            freed.append(node.device_block)
+            node.device_block = block
+            return True
+        return False
+
+    def fold_duplicates(self) -> None:
+        """Let the nodes of `duplicates` take their request's copy where they can
+        now (`_give_way`): the other holders left, a copy landed. Called after
+        anything that unlocks nodes or ends a copy, while `duplicates` is not
+        empty. O(duplicates)."""
+        keep = []
+        freed: list[int] = []
+        for entry in self.duplicates:
+            node, req, pos = entry
+            if req.done or pos >= len(req.nodes) or req.nodes[pos] is not node:
+                continue  # released, or its path was cut there
+            block = req.blocks[pos]
+            if node.device_block == block:
+                continue
+            if pos in req.rolled_back or not self._give_way(node, block, freed):
+                keep.append(entry)
+        self.duplicates = keep
         self.device_pool.free(freed)
 
     def back_up_new(self, created: list[TreeNode]) -> None:
@@ -177,16 +209,20 @@ class CacheTiers:
 
     def readopt(self, req: RequestState, num_valid: int) -> None:
         """The engine recomputed blocks whose swap-in failed: their nodes take the
-        request's device blocks back if no one else cached them meanwhile."""
+        request's device blocks back as at commit (`_give_way`); a node that
+        cannot yet (another request cached it meanwhile and holds it) is folded
+        later."""
         keep = []
+        freed: list[int] = []
         for pos in req.rolled_back:
             if pos >= num_valid:
                 keep.append(pos)
                 continue
             node = req.nodes[pos]
-            if node.state == HOST:
-                self.tree.attach_device(node, req.blocks[pos], loading=False)
+            if not self._give_way(node, req.blocks[pos], freed):
+                self.duplicates.append((node, req, pos))
         req.rolled_back = keep
+        self.device_pool.free(freed)
 
     def release(self, req: RequestState) -> None:
         """The request is done: unlock its path and free the blocks no node holds."""
@@ -196,6 +232,8 @@ class CacheTiers:
             private += [b for n, b in zip(nodes, blocks, strict=False) if n.device_block != b]
         self.tree.unlock(nodes)
         self.device_pool.free(private)
+        if self.duplicates:  # a node it held may be held by one other alone now
+            self.fold_duplicates()
 
     # -- room on the device -------------------------------------------------------
 

@@ -23,6 +23,7 @@ from fastkv.metadata import (
     BlockHash,
     CacheLevel,
     CacheSwapMetadata,
+    Epoch,
     TransferListener,
 )
 from fastkv.scheduler.api import StalledTransfer
@@ -142,6 +143,7 @@ class TransferBook:
         "_listeners",
         "_next_id",
         "_stalled",
+        "epoch",
         "num_takes",
         "stall_after_s",
         "to_device",
@@ -161,6 +163,7 @@ class TransferBook:
         self.to_device = DeviceTransfer(False)
         self._inflight: dict[int, Transfer] = {}
         self._next_id = 0
+        self.epoch = Epoch(0)  # stamped on every metadata taken (the manager's)
         self._stalled: set[int] = set()  # ids already reported stalled
         self._listeners: list[TransferListener] = []
         self.num_takes = 0  # take() calls so far
@@ -209,8 +212,11 @@ class TransferBook:
                 host_ids,
                 keys,
                 reused_block_ids=transfer.reused,
+                epoch=self.epoch,
             )
-        return CacheSwapMetadata(transfer_id, _HOST, _DEVICE, host_ids, device_ids, keys)
+        return CacheSwapMetadata(
+            transfer_id, _HOST, _DEVICE, host_ids, device_ids, keys, epoch=self.epoch
+        )
 
     # -- results ------------------------------------------------------------------
 
@@ -238,6 +244,11 @@ class TransferBook:
     def add_listener(self, listener: TransferListener) -> None:
         """Call `listener` for every transfer result popped from now on."""
         self._listeners.append(listener)
+
+    @property
+    def listeners(self) -> list[TransferListener]:
+        """The listeners added, in order (a copy)."""
+        return list(self._listeners)
 
     # -- queries ------------------------------------------------------------------
 

@@ -258,9 +258,14 @@ def deadline_after(timeout: float) -> float:
     """The absolute deadline `timeout` seconds from now (for the calls below).
 
     Raises:
-        ValueError: timeout is negative or not finite.
+        ValueError: timeout is a bool, negative or not finite.
     """
-    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout < 0
+    ):
         raise ValueError(f"timeout: must be a finite number of seconds >= 0, got {timeout!r}")
     return time.monotonic() + timeout
 

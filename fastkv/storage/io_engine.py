@@ -255,7 +255,8 @@ class StorageIOEngine:
         ids; a load's host blocks touched by no other request of the batch).
 
         Raises:
-            ValueError: as for `submit_load`; nothing is queued.
+            ValueError: a submission's kind is not a RequestKind, or as for
+                `submit_load`; nothing is queued.
             RuntimeError: the engine is closed.
         """
         reqs = [self._prepare(sub) for sub in submissions]
@@ -334,6 +335,11 @@ class StorageIOEngine:
     def _prepare(self, sub: Submission) -> _Request:
         """A validated request (no engine state read or changed)."""
         kind, request_id, deadline = sub.kind, sub.request_id, sub.deadline
+        if not isinstance(kind, RequestKind):
+            raise ValueError(
+                f"kind: must be a RequestKind ({', '.join(k.name for k in RequestKind)}), "
+                f"got {kind!r}"
+            )
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise ValueError(f"request_id: must be an int, got {request_id!r}")
         keys = list(sub.keys)

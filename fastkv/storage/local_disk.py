@@ -242,7 +242,11 @@ class LocalDiskBackend(StorageBackend):
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
-        if not isinstance(io_delay_s, (int, float)) or not 0 <= io_delay_s < 3600:
+        if (
+            isinstance(io_delay_s, bool)
+            or not isinstance(io_delay_s, (int, float))
+            or not 0 <= io_delay_s < 3600
+        ):
             raise ValueError(f"io_delay_s: must be in [0, 3600) seconds, got {io_delay_s!r}")
         self.io_delay_s = float(io_delay_s)
         for name, value in (("reclaim", reclaim), ("read_only", read_only)):

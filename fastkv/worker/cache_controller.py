@@ -22,6 +22,7 @@ the engine's: passed per step, or Paddle's current stream on the controller's GP
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import operator
 import time
@@ -33,6 +34,7 @@ from fastkv.config import CacheConfig
 from fastkv.metadata import (
     CacheLevel,
     CacheSwapMetadata,
+    Epoch,
     LookupResult,
     StorageLookup,
     TransferListener,
@@ -260,6 +262,7 @@ class CacheController:
         self._freed = False
         self._listeners: list[TransferListener] = []
         self._launched: dict[int, tuple[bool, int, float]] = {}  # id -> (to host, blocks, t)
+        self._epochs: dict[int, Epoch] = {}  # id -> its metadata's epoch, where not 0
 
     # -- tensors --------------------------------------------------------------
 
@@ -369,6 +372,7 @@ class CacheController:
                 compute,
                 evict_metadata.reused_block_ids,  # type: ignore[union-attr]
                 per_layer,
+                evict_metadata.epoch,  # type: ignore[union-attr]
             )
         if swap_in is not None:
             self._counter = self._submit_to_device(
@@ -376,6 +380,7 @@ class CacheController:
                 *swap_in,
                 writes,
                 compute,
+                swap_in_metadata.epoch,  # type: ignore[union-attr]
             )
         else:
             self._counter = self.transfers.guard_writes(writes, compute)
@@ -747,6 +752,7 @@ class CacheController:
         compute: Stream,
         reused: Sequence[int] = (),
         per_layer: bool = True,
+        epoch: int = 0,
     ) -> None:
         copy_layer, copy_layers = self._layer_copies(device, host, Direction.D2H)
         copy_all = None if per_layer else self.faults.wrap(self._all_layers_copy(device, host))
@@ -771,6 +777,8 @@ class CacheController:
         )
         self._d2h.add(device.size, sum(self.block_bytes))
         self._launched[transfer_id] = (True, device.size, time.monotonic())
+        if epoch:  # echoed in its result
+            self._epochs[transfer_id] = Epoch(epoch)
 
     def _submit_to_device(
         self,
@@ -779,6 +787,7 @@ class CacheController:
         host: np.ndarray,
         writes: list[int],
         compute: Stream,
+        epoch: int = 0,
     ) -> LayerDoneCounter:
         copy_layer, copy_layers = self._layer_copies(device, host, Direction.H2D)
         counter = self.transfers.submit_to_device(
@@ -792,6 +801,8 @@ class CacheController:
         )
         self._h2d.add(device.size, sum(self.block_bytes))
         self._launched[transfer_id] = (False, device.size, time.monotonic())
+        if epoch:  # echoed in its result
+            self._epochs[transfer_id] = Epoch(epoch)
         return counter
 
     def _all_layers_copy(self, device: np.ndarray, host: np.ndarray) -> Callable[[int], None]:
@@ -875,6 +886,14 @@ class CacheController:
         self._storage_counts = self._storage.counts  # kept after free_cache
 
     def _count_failures(self, results: list[TransferResult]) -> list[TransferResult]:
+        if self._epochs:  # each result carries its metadata's epoch
+            epochs = self._epochs
+            results = [
+                dataclasses.replace(r, epoch=epochs.pop(r.transfer_id))
+                if r.transfer_id in epochs
+                else r
+                for r in results
+            ]
         self._failed += sum(not r.success for r in results)
         now = time.monotonic()
         for r in results:

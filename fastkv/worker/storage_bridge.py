@@ -23,6 +23,7 @@ from typing import NamedTuple
 from fastkv.metadata import (
     CacheLevel,
     CacheSwapMetadata,
+    Epoch,
     LookupResult,
     StorageLookup,
     TransferResult,
@@ -52,10 +53,12 @@ class TagKind(Enum):
 
 
 class Tag(NamedTuple):
-    """One storage request as the scheduler names it."""
+    """One storage request as the scheduler names it (its epoch echoed in the
+    result)."""
 
     kind: TagKind
     id: int
+    epoch: Epoch = Epoch(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +182,7 @@ class StorageBridge:
         ]
         requests = [
             (
-                Tag(TagKind.LOOKUP, q.lookup_id),
+                Tag(TagKind.LOOKUP, q.lookup_id, q.epoch),
                 Submission(
                     RequestKind.LOOKUP, 0, self._keys(q.block_hashes), self._deadline(0.0)
                 ),
@@ -259,7 +262,7 @@ class StorageBridge:
         kind = RequestKind.LOAD if dst == CacheLevel.HOST else RequestKind.STORE
         segments = [self._host.segments(h) for h in host]
         deadline = self._deadline(meta.timeout_s)
-        return Tag(TagKind.TRANSFER, meta.transfer_id), Submission(
+        return Tag(TagKind.TRANSFER, meta.transfer_id, meta.epoch), Submission(
             kind, 0, keys, deadline, segments, host
         )
 
@@ -301,12 +304,13 @@ class StorageBridge:
             del self._requests[c.request_id]
             self._open.discard(request.tag)
             if request.tag.kind is TagKind.LOOKUP:
-                out.append(LookupResult(request.tag.id, _leading_hits(c.hits)))
+                tag = request.tag
+                out.append(LookupResult(tag.id, _leading_hits(c.hits), 1, tag.epoch))
             else:
-                out.append(self._transfer_result(request.tag.id, c))
+                out.append(self._transfer_result(request.tag, c))
         return out
 
-    def _transfer_result(self, transfer_id: int, c: StorageCompletion) -> TransferResult:
+    def _transfer_result(self, tag: Tag, c: StorageCompletion) -> TransferResult:
         failed = tuple(i for i, r in enumerate(c.results) if not r.ok)
         error = ""
         if failed:
@@ -315,7 +319,7 @@ class StorageBridge:
                 f"{len(failed)} of {len(c.results)} blocks: {first.status.name} {first.reason}"
             )
         self.counts.failed_transfers += bool(failed)
-        return TransferResult(transfer_id, not failed, error, failed)
+        return TransferResult(tag.id, not failed, error, failed, 1, tag.epoch)
 
 
 def _leading_hits(hits: Sequence[bool]) -> int:

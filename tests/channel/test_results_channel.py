@@ -24,7 +24,7 @@ import fastkv.channel as rc
 from fastkv.channel import MAX_ERROR_CHARS, ResultsReceiver, ResultsSender, frames, private_dir
 from fastkv.channel.protocol import decode, decode_ack, encode
 from fastkv.channel.receiver import ACCEPTS_PER_POLL, MESSAGES_PER_POLL
-from fastkv.metadata import TransferResult
+from fastkv.metadata import LookupResult, TransferResult
 
 WAIT_S = 10.0
 
@@ -511,9 +511,15 @@ def test_names_and_bad_arguments_are_refused_clearly(channel: str, rundir: str) 
 
 
 def test_wire_format_round_trips_and_rejects_what_it_is_not() -> None:
-    results = [TransferResult(1, True), TransferResult(2**40, False, "boom é")]
+    results = [
+        TransferResult(1, True),
+        TransferResult(2**40, False, "boom é", epoch=7),
+        LookupResult(4, 2, epoch=2**32 - 1),
+    ]
     (payload,) = encode(3, results)
-    assert decode(payload) == (3, results)
+    assert decode(payload) == (3, results)  # each row keeps its cache epoch
+    with pytest.raises(ValueError, match="epoch"):
+        encode(3, [TransferResult(1, True, epoch=2**32)])
     bad_version = bytes([9]) + payload[1:]
     too_many = payload[:5] + (33).to_bytes(2, "big") + payload[7:]
     for bad in (b"", payload[:-1], payload + b"x", bad_version, too_many, b"[" * 50000):

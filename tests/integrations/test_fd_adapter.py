@@ -652,6 +652,10 @@ def test_metadata_the_worker_cannot_run_is_refused_or_reported_failed(
         with pytest.raises(ValueError, match="host->device"):
             worker.submit_swap_tasks(None, backwards)
         assert worker.get_stats()["host_to_device_transfers"] == 0  # nothing launched
+        # What fastkv tagged in a refused batch is reported failed: nothing stays reserved.
+        (refused,) = _received(worker, receiver, 1)
+        assert (refused.transfer_id, refused.success) == (4, False)
+        assert "refused" in refused.error
         out_of_range = CacheSwapMetadata(
             [0, 1], [3, 42], CacheLevel.HOST, CacheLevel.DEVICE, ["4:a", "5:b"]
         )

@@ -10,6 +10,7 @@ prefix caching off and a pool large enough to never evict.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -17,7 +18,7 @@ import pytest
 pytest.importorskip("paddle", reason="the workers' CacheController needs paddle")
 
 from fd_engine import Engine, make_engine, prompt
-from fd_standins import Request, install_fake_fastdeploy
+from fd_standins import BatchRequest, Request, install_fake_fastdeploy
 
 from fastkv.integrations.fd_transfers import transfer_ids
 from fastkv.integrations.fd_views import fd_digests
@@ -405,5 +406,47 @@ def test_results_channel_is_the_only_way_results_arrive(channel: str) -> None:
             rank.worker.sender.close()
         engine.run({engine.step: [Request("b", prompt(2, 24), 2)]})
         assert engine.cm.manager.num_inflight_transfers > 0
+    finally:
+        engine.close()
+
+
+def test_a_batch_refused_for_one_foreign_entry_fails_everything_merged_with_it(
+    channel: str,
+) -> None:
+    """A step's merged metadata with one entry fastkv did not make is refused as a
+    whole (nothing runs), and every transfer fastkv merged into it is reported
+    failed, so no block stays reserved and the cache can still be reset."""
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    try:
+        engine.run(
+            {0: [Request("a", SYSTEM + prompt(1, 8), 2)], 4: [Request("b", prompt(2, 24), 2)]}
+        )
+        cm = engine.cm
+        c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
+        engine.add_request(c)
+        engine.waiting.remove(c)
+        cm.match_prefix(c)
+        c.block_tables = list(c.match_result.device_block_ids)
+        cm.allocate_gpu_blocks(c, 2)  # the host hit's swap-in, evictions to make room
+        batch = BatchRequest()
+        batch.add_request(c)
+        swap, evict = batch.cache_swap_metadata, batch.cache_evict_metadata
+        assert transfer_ids(swap) and transfer_ids(evict)  # copies of fastkv's in both
+        swap.src_block_ids.append(0)  # one entry that is not fastkv's
+        swap.dst_block_ids.append(1)
+        swap.hash_values.append("beef")
+        worker = engine.ranks[0].worker
+        with pytest.raises(ValueError, match="no fastkv transfer tag"):
+            worker.submit_swap_tasks(evict, swap)
+        assert worker.get_stats()["host_to_device_transfers"] == 0  # nothing ran
+        worker.report_results()
+        deadline = time.monotonic() + 10
+        while cm.manager.num_inflight_transfers and time.monotonic() < deadline:
+            cm.poll_results()
+            time.sleep(0.01)
+        assert cm.manager.num_inflight_transfers == 0
+        cm.manager.check_invariants()
+        cm.request_finish(c)
+        assert cm.reset_cache()
     finally:
         engine.close()

@@ -14,6 +14,7 @@ from fastkv.integrations.fd_transfers import (
     level_name,
     parse_merged,
     tag,
+    tagged_ids,
     to_fastdeploy,
     transfer_id_of,
     transfer_ids,
@@ -83,6 +84,20 @@ def test_parse_refuses_metadata_fastkv_did_not_make() -> None:
         parse_merged(floats, "host", "device")
     empty = CacheSwapMetadata([], [], CacheLevel.HOST, CacheLevel.DEVICE, [])
     assert parse_merged(empty, "host", "device") is None
+
+
+def test_every_tagged_id_is_found_past_a_foreign_entry() -> None:
+    # A refused batch fails what fastkv put in it: copies, storage work, lookups.
+    merged = CacheSwapMetadata(
+        [0, 1, 2, -1, 3, -1],
+        [5, 6, 7, 4, -1, -1],
+        CacheLevel.DEVICE,
+        CacheLevel.HOST,
+        ["3:aa", "beef", "9:bb:h", "L11:cc", 7, "Q2:dd"],
+    )
+    assert tagged_ids(merged) == ([3, 9], [11], [2])
+    assert tagged_ids(None) == ([], [], [])
+    assert tagged_ids(CacheSwapMetadata(hash_values=object())) == ([], [], [])
 
 
 def test_levels_read_from_any_spelling() -> None:

@@ -394,6 +394,55 @@ def test_commit_gives_a_host_only_node_the_requests_device_copy() -> None:
     assert_no_leak(mgr)
 
 
+def test_a_duplicate_folds_when_the_other_holder_finishes() -> None:
+    # Issue 25 (a): r2 recomputed a0 while r1 held it cached, so r2's commit keeps
+    # its own copy private. Once r1 is gone a0's copy is held by r2 alone: it gives
+    # way to r2's, else r2 pins two blocks for one position and, alone, finds the
+    # pool full forever.
+    mgr = make("write_back", device=4, host=8)
+    for rid in ("r1", "r2"):
+        mgr.match(rid, ["a0"], prompt(["a0"]))
+    table_after(mgr, "r1", 2)
+    mine = table_after(mgr, "r2", 2)
+    mgr.commit("r1", num_computed_tokens=BS)
+    mgr.commit("r2", num_computed_tokens=BS)
+    assert node(mgr, "a0").device_block != mine[0]  # r1 holds it: r2's copy stays private
+    mgr.finish("r1")
+    assert node(mgr, "a0").device_block == mine[0]
+    assert mgr.device_pool.num_used == 2
+    assert grow(mgr, "r2", 2)  # alone, it gets the whole pool
+    mgr.finish("r2")
+    assert_no_leak(mgr)
+
+
+@pytest.mark.parametrize("other_leaves_first", [True, False])
+def test_a_rolled_back_request_folds_a_copy_another_cached_meanwhile(
+    other_leaves_first: bool,
+) -> None:
+    # Issue 25 (b): r's swap-in of a0, a1 failed; c swapped them in meanwhile and
+    # leaves. Once r has recomputed them, the nodes' copies give way to r's (at its
+    # commit, or when c leaves after it).
+    mgr = on_host(device=6)
+    hashes = [*keys("a", 2), "b2"]
+    mgr.match("r", hashes, prompt(hashes))
+    table = table_after(mgr, "r", 1)
+    _, rollbacks = complete(mgr, success=False)
+    assert rollbacks == [Rollback("r", (0, 1))]
+    mgr.match("c", keys("a", 2), prompt(keys("a", 2)))
+    allocate(mgr, "c", 0)
+    complete(mgr)
+    if other_leaves_first:
+        mgr.finish("c")
+    mgr.commit("r", num_computed_tokens=len(hashes) * BS)  # recomputed
+    if not other_leaves_first:
+        mgr.finish("c")
+    assert [node(mgr, k).device_block for k in keys("a", 2)] == table[:2]
+    assert mgr.device_pool.num_used == 3
+    assert grow(mgr, "r", 3)  # alone, it gets the whole pool
+    mgr.finish("r")
+    assert_no_leak(mgr)
+
+
 # -- allocation outcomes --------------------------------------------------------
 
 

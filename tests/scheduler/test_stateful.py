@@ -132,6 +132,30 @@ class CacheLifecycle(RuleBasedStateMachine):
             self.mgr.commit(rid, num_computed_tokens=len(self.requests[rid]) * BS)
         self.release_request(rid, abort=False)
 
+    @rule(
+        doc=st.integers(0, len(DOCUMENTS) - 1),
+        length=st.integers(1, 7),
+        first_leaves=st.booleans(),
+    )
+    def compute_twice(self, doc: int, length: int, first_leaves: bool) -> None:
+        """Two requests miss the same blocks and compute them side by side; both
+        commit, one leaves. The one staying held the other's cached copy besides
+        its own (issue 25 (a)): the invariants check it holds one block per
+        position now, and `allocate` that alone it never gets NO_SPACE."""
+        twins = []
+        for _ in range(2):
+            self.arrive(doc, length, False, 1)
+            twins.append(self.next_id - 1)
+            self.allocate_request(twins[-1])
+        if any(rid not in self.allocated for rid in twins):
+            return
+        self.flush()
+        for rid in twins:
+            if not self.mgr.has_pending_swap_in(rid):
+                self.mgr.commit(rid, num_computed_tokens=len(self.requests[rid]) * BS)
+        self.release_request(twins[0] if first_leaves else twins[1], abort=False)
+        event("computed twice, one left")
+
     def _pick(self, pool: list[int], i: int) -> int:
         return sorted(pool)[i % len(pool)]
 

@@ -6,11 +6,15 @@ after every call (see `Checked`)."""
 
 from __future__ import annotations
 
+import hashlib
+import tracemalloc
+
 import pytest
 
 from fastkv import CacheConfig, CacheLevel, LookupResult, StorageConfig, TransferResult
 from fastkv.scheduler import AllocStatus, CacheManager
 from fastkv.scheduler.radix_tree import NodeState
+from fastkv.scheduler.storage_tier import MAX_RETRY_KEYS
 from fastkv.tp import RankResults
 from tests.scheduler.test_cache_manager import BS, Checked, keys, node
 from tests.scheduler.test_cache_manager import assert_no_leak as _assert_no_leak
@@ -378,3 +382,56 @@ def test_storage_needs_a_host_tier() -> None:
         StorageConfig(prefetch_policy="sometimes")
     with pytest.raises(ValueError, match="wait_s"):
         StorageConfig(wait_s=-1)
+
+
+def test_keys_of_failed_loads_are_remembered_within_a_bound_of_count_and_age() -> None:
+    # 8,000 requests with unique prompts whose loads all fail: the tier used to keep
+    # every key (32,000 here, 3.6 MB) until the same key was looked up again.
+    clock = Clock()
+    mgr = CacheManager(
+        CacheConfig(
+            block_size=BS,
+            num_device_blocks=4,
+            num_host_blocks=8,
+            storage=StorageConfig(write_policy="none", retry_after_s=30),
+        ),
+        clock=clock,
+    )
+    remembered = mgr._storage._retry_after
+
+    def unique(rid: str, n: int) -> list[bytes]:  # (keys() would remember the names)
+        return [hashlib.sha256(f"{rid}/{j}".encode()).digest() for j in range(n)]
+
+    tracemalloc.start()
+    try:
+        for i in range(8000):
+            rid = f"r{i}"
+            mgr.match(rid, unique(rid, 4), prompt(4))
+            (lookup,) = mgr.take_swap_metadata().lookups
+            mgr.apply_results([LookupResult(lookup.lookup_id, 4)])
+            load = mgr.take_swap_metadata().storage_load
+            mgr.apply_results([TransferResult(load.transfer_id, False, "io")])
+            mgr.abort(rid)
+            assert len(remembered) <= MAX_RETRY_KEYS
+            if i == 2000:  # past the bound
+                base, _ = tracemalloc.get_traced_memory()
+            clock.now += 0.001
+        grown, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert mgr.get_stats().storage.load_failures == 32000
+    assert len(remembered) == MAX_RETRY_KEYS
+    assert grown - base < 256 * 1024, "memory kept growing with every failed prompt"
+    # The newest keys are still held back; once retry_after_s has passed since the
+    # last failure, one more failure forgets every key but its own.
+    mgr.match("again", unique("r7999", 4), prompt(4))
+    assert mgr.take_swap_metadata().lookups == ()
+    mgr.abort("again")
+    clock.now += 31
+    mgr.match("late", unique("late", 1), prompt(1))
+    (lookup,) = mgr.take_swap_metadata().lookups
+    mgr.apply_results([LookupResult(lookup.lookup_id, 1)])
+    load = mgr.take_swap_metadata().storage_load
+    mgr.apply_results([TransferResult(load.transfer_id, False, "io")])
+    mgr.abort("late")
+    assert list(remembered) == unique("late", 1)

@@ -314,3 +314,25 @@ def test_close_fails_queued_work_and_waits_for_running_work(disk: LocalDiskBacke
     assert statuses(done[2].results) == ["FAILED"]
     assert done[2].results[0].reason == "storage I/O engine closed"
     assert disk.exists(make_keys(2), deadline_after(1)) == [True, False]
+
+
+@pytest.mark.parametrize("kind", ["LOAD", 7, None])
+def test_a_batch_with_an_unknown_kind_admits_nothing(disk: LocalDiskBackend, kind) -> None:
+    # The bad kind comes last: the lookup and load before it must not be queued
+    # (they used to sit outstanding until their deadline behind a KeyError).
+    host = HostMemory(LAYOUT, 8)
+    engine = StorageIOEngine(disk, num_threads=1)
+    try:
+        batch = [
+            Submission(RequestKind.LOOKUP, 1, make_keys(2), deadline_after(WAIT)),
+            Submission(
+                RequestKind.LOAD, 2, make_keys(1), deadline_after(WAIT), segs(host, [3]), [3]
+            ),
+            Submission(kind, 3, make_keys(1, 9), deadline_after(WAIT), segs(host, [4]), [4]),
+        ]
+        with pytest.raises(ValueError, match="kind: must be a RequestKind"):
+            engine.submit_all(batch)
+        assert engine.num_outstanding == 0
+        assert engine.wait_all(1) == []
+    finally:
+        engine.close()

@@ -461,6 +461,15 @@ def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> Non
         StorageKey(b"n" * 32, b"h" * 32, 70000)
 
 
+def test_a_bool_is_not_a_number_of_seconds(tmp_path: Path) -> None:
+    # True == 1 to isinstance(int): a flag passed where seconds go must be refused.
+    with pytest.raises(ValueError, match=r"io_delay_s: .* got True"):
+        LocalDiskBackend(tmp_path / "x", LAYOUTS["fp8"], capacity_blocks=1, io_delay_s=True)
+    for flag in (True, False):
+        with pytest.raises(ValueError, match=rf"timeout: .* got {flag}"):
+            deadline_after(flag)
+
+
 def test_put_of_a_stored_key_keeps_the_stored_block(tmp_path: Path) -> None:
     layout = LAYOUTS["odd"]
     host = HostMemory(layout, 3)

@@ -255,6 +255,33 @@ def test_a_storage_step_that_clashes_starts_nothing() -> None:
         assert sorted(type(r).__name__ for r in results) == ["LookupResult", "TransferResult"]
 
 
+def test_results_echo_their_metadatas_epoch() -> None:
+    # A scheduler drops results of another epoch than its own: the worker must
+    # give each result its metadata's, copies and storage work alike.
+    spec = KVCacheSpec(1, 1, 4, 4, num_device_blocks=4, num_host_blocks=4, dtype="float32")
+    backend = StuckBackend(BlockLayout(tuple(spec.block_bytes())))
+    backend.release.set()
+    key = bytes(range(32))
+    with CacheController(spec, storage=backend, storage_namespace=bytes(32)) as ctrl:
+        evict = CacheSwapMetadata(1, CacheLevel.DEVICE, CacheLevel.HOST, [0], [0], epoch=3)
+        swap_in = CacheSwapMetadata(2, CacheLevel.HOST, CacheLevel.DEVICE, [1], [1])
+        ctrl.submit_swap_tasks(evict, swap_in)
+        load = CacheSwapMetadata(
+            5, CacheLevel.STORAGE, CacheLevel.HOST, [], [2], [key], epoch=3
+        )
+        ctrl.submit_storage_tasks(load, None, [StorageLookup(4, (key,), epoch=3)])
+        got = {
+            (type(r).__name__, getattr(r, "transfer_id", -1)): r.epoch
+            for r in ctrl.wait_all(10)
+        }
+        assert got == {
+            ("TransferResult", 1): 3,
+            ("TransferResult", 2): 0,
+            ("TransferResult", 5): 3,
+            ("LookupResult", -1): 3,
+        }
+
+
 def test_reset_zeroes_and_free_releases() -> None:
     ctrl = make()
     fill_random(ctrl, np.random.default_rng(0))

@@ -196,4 +196,5 @@ def test_the_host_tier_and_the_backend_must_agree() -> None:
 
 def test_tags_name_their_kind() -> None:
     assert Tag(TagKind.LOOKUP, 3) != Tag(TagKind.TRANSFER, 3)
-    assert Tag(TagKind.TRANSFER, 3) == (TagKind.TRANSFER, 3)
+    assert Tag(TagKind.TRANSFER, 3) == (TagKind.TRANSFER, 3, 0)  # epoch 0
+    assert Tag(TagKind.TRANSFER, 3, 1) != Tag(TagKind.TRANSFER, 3)  # another epoch
