@@ -47,8 +47,6 @@ from fastkv.pd.messages import (
 from fastkv.scheduler.api import AllocStatus
 from fastkv.scheduler.cache_manager import CacheManager
 
-_EPOCH0 = Epoch(0)
-
 
 class DState(Enum):
     RECEIVING = "receiving"
@@ -104,7 +102,11 @@ class DecodeTransfers:
         timeout_s: how long a transfer may take from acceptance to the last report.
         fence_grace_s: after the deadline, how long until no write can land (more
             than the transport's write timeout).
-        epoch: the cache epoch transfers belong to (`advance_epoch`).
+        epoch: the cache epoch transfers belong to; default the manager's
+            (`CacheManager.epoch`), the one epoch notion of fastkv. On a cache
+            reset, call `advance_epoch(manager.epoch + 1)` first (it fails what is
+            receiving), then `manager.reset_cache()` once those blocks are fenced
+            and released (it refuses while any block is receiving).
         deployment_secret: if set, notice keys derive from it (never sent);
             else each acceptance carries a fresh random secret.
         clock: monotonic seconds.
@@ -118,7 +120,7 @@ class DecodeTransfers:
         num_ranks: int = 1,
         timeout_s: float = 30.0,
         fence_grace_s: float = 5.0,
-        epoch: Epoch = _EPOCH0,
+        epoch: Epoch | None = None,
         deployment_secret: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -129,7 +131,7 @@ class DecodeTransfers:
             raise ValueError("deployment_secret: must be at least 16 bytes")
         self.manager = manager
         self.layout_digest = bytes(layout_digest)
-        self.epoch = epoch
+        self.epoch = Epoch(manager.epoch) if epoch is None else epoch
         self._secret = deployment_secret
         self._clock = clock
         self._next_id = 1

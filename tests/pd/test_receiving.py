@@ -169,6 +169,25 @@ def test_epoch_advance_fails_receiving_and_drops_old_reports() -> None:
         d.advance_epoch(Epoch(1))
 
 
+def test_d_and_its_manager_share_one_epoch_across_a_cache_reset() -> None:
+    clock = [0.0]
+    d, mgr = _pair(clock)
+    assert d.epoch == mgr.epoch == 0
+    acc = d.accept(Offer("r", 2 * BS, b"L" * 32, 1), hashes(2))
+    assert not isinstance(acc, Rejection)
+    with pytest.raises(ValueError, match="2 blocks receiving"):
+        mgr.reset_cache()
+    assert mgr.epoch == 0 and mgr.num_receiving_blocks == 2
+    d.advance_epoch(Epoch(mgr.epoch + 1))
+    d.on_reports([RankReport(acc.transfer_id, Epoch(0), 0, True)])  # fenced
+    mgr.finish("r")
+    mgr.reset_cache()
+    assert mgr.epoch == d.epoch == 1
+    d.check_invariants()
+    later = DecodeTransfers(mgr, layout_digest=b"L" * 32)
+    assert later.epoch == 1
+
+
 def test_a_commit_the_manager_refuses_ends_in_failure_not_an_exception() -> None:
     clock = [0.0]
     d, mgr = _pair(clock)
