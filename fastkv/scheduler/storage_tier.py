@@ -315,16 +315,9 @@ class StorageTier:
         self, emit: Callable[[Transfer], int]
     ) -> tuple[CacheSwapMetadata | None, CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
         """The lookups, the load and the write planned since the last step."""
-        load = store = None
+        load, lookups = self.take_reads(emit)
+        store = None
         timeout = self.config.timeout_s
-        if self._loads.nodes:
-            loads, self._loads = self._loads, LoadTransfer()
-            tid = emit(loads)
-            hosts = [n.host_block for n in loads.nodes]
-            keys = [n.key for n in loads.nodes]
-            load = CacheSwapMetadata(
-                tid, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys, timeout
-            )
         if self._stores.keys:
             stores, self._stores = self._stores, StoreTransfer()
             tid = emit(stores)
@@ -337,8 +330,23 @@ class StorageTier:
                 list(stores.keys),
                 timeout,
             )
-        lookups, self._lookups = tuple(self._lookups), []
         return load, store, lookups
+
+    def take_reads(
+        self, emit: Callable[[Transfer], int]
+    ) -> tuple[CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
+        """The lookups and the load planned so far (writes stay queued)."""
+        load = None
+        if self._loads.nodes:
+            loads, self._loads = self._loads, LoadTransfer()
+            tid = emit(loads)
+            hosts = [n.host_block for n in loads.nodes]
+            keys = [n.key for n in loads.nodes]
+            load = CacheSwapMetadata(
+                tid, CacheLevel.STORAGE, CacheLevel.HOST, [], hosts, keys, self.config.timeout_s
+            )
+        lookups, self._lookups = tuple(self._lookups), []
+        return load, lookups
 
     def finish_load(
         self, transfer: LoadTransfer, failed: set[int], all_failed: bool
