@@ -542,9 +542,9 @@ class FastDeployCacheManager:
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
         """The backups planned so far, as one FastDeploy eviction metadata for the
-        batch being sent, or None. The step's storage work (lookups, loads, writes)
-        rides in it too (see `fd_transfers.storage_to_fastdeploy`): an engine whose
-        step has no batch but prefetches in flight sends it anyway."""
+        batch being sent, or None. Storage writes ride in it too (see
+        `fd_transfers.storage_to_fastdeploy`); storage lookups and loads never do
+        (`drain_pending_prefetches` hands them out)."""
         with self._lock:
             self._poll()
             return self._relay.take_backups()
