@@ -433,7 +433,13 @@ def test_the_worker_takes_a_drained_task_without_a_step(
         with pytest.raises(ValueError, match="direction"):
             worker.prefetch_from_storage(FDStorageMetadata(direction="evict"))
         worker.prefetch_from_storage(FDStorageMetadata(["Q1:blk"], [-1], "lookup"))
-        assert receiver.poll() == [LookupResult(1, 0)]  # no cache yet: answered none
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            worker.report_results()
+            got += receiver.poll()
+            time.sleep(0.005)
+        assert got == [LookupResult(1, 0)]  # no cache yet: answered none
         worker.initialize_kv_cache(
             attn_backend=AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS),
             num_gpu_blocks=8,
@@ -445,7 +451,7 @@ def test_the_worker_takes_a_drained_task_without_a_step(
         worker.submit_swap_tasks(
             storage_to_fastdeploy(None, write, (), CacheSwapMetadata, CacheLevel), None
         )
-        got: list = []
+        got = []
         deadline = time.monotonic() + 10
         while not got and time.monotonic() < deadline:  # the write landed first
             worker.report_results()
