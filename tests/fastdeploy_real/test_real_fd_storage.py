@@ -204,6 +204,43 @@ def test_prompt_evicted_from_device_and_host_comes_back_from_disk(
         engine.close()
 
 
+def test_a_host_tier_smaller_than_the_prefix_serves_what_fits(
+    installed: list[str],
+    model_dir: Path,
+    channel: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 6-block prompt on disk (written by an engine with room), read back after
+    a restart by an engine whose host tier holds 2 blocks: the prefetch loads
+    the first 2, the request hits them from storage and computes the rest, and
+    every KV position read is right."""
+    target = prompt(4, 6 * BS)
+    writer = make_storage_engine(
+        model_dir, tmp_path, monkeypatch, num_gpu_blocks=16, num_cpu_blocks=8
+    )
+    try:
+        writer.add_request("first", target + prompt(5, 3), max_tokens=3)
+        writer.run()
+        writer.flush()
+        assert writer.cache_manager.manager.get_stats().storage.writes >= 6
+    finally:
+        writer.close()
+    engine = make_storage_engine(
+        model_dir, tmp_path, monkeypatch, num_gpu_blocks=16, num_cpu_blocks=2
+    )
+    try:
+        request = engine.add_prefetched("again", target + prompt(6, 5), max_tokens=3)
+        engine.run()
+        assert request.match_result.matched_storage_nums == 2, request.match_result
+        assert request.metrics.storage_cache_token_num == 2 * BS
+        assert engine.cache_manager.get_stats()["storage_hit_blocks"] == 2
+        engine.flush()
+        engine.check_clean()
+    finally:
+        engine.close()
+
+
 def test_match_prefix_by_default_is_a_probe_that_pins_nothing(
     installed: list[str],
     model_dir: Path,
