@@ -1,17 +1,22 @@
-"""Storage prefetches of the FastDeploy cache manager (FastDeploy's newer v1 API:
-`prefetch_storage`, `drain_pending_prefetches`, `update_storage_blocks_to_host`,
-`abort_prefetch_blocks`).
+"""Storage prefetches of the FastDeploy cache manager (FastDeploy's newer v1 API,
+PR #7529: `prefetch_storage`, `drain_pending_prefetches`,
+`update_storage_blocks_to_host`, `abort_prefetch_blocks`).
 
 A prefetch is held in fastkv's manager by a stand-in request (`_PrefetchKey`) that
-matches the prompt with a storage lookup: the lookup and the loads it starts go to
-the workers with the next step's metadata, their results come back over the
-results channel, and once the prefetch ends its blocks sit in host, unlocked, until
-the request's own match. Blocks a prefetch brought from storage are remembered
-until a match hits them, so that hit counts as a storage hit (once).
+matches the prompt with a storage lookup. The lookup and the loads its answer
+plans never ride a step: they wait here as `PendingPrefetch` tasks
+(`StorageMetadata(hash_values, block_ids, direction)`) until the engine drains
+them and sends them to every worker over its own engine-worker queue; each rank
+answers over the results channel. Blocks a prefetch brought from storage are
+remembered until a match hits them, so that hit counts as a storage hit (once).
+
+A task's `hash_values` are fastkv's tagged entries (`"Q<lookup>:<hash>"` for a
+lookup, `"L<transfer>:<hash>"` for a load into host block `block_ids[i]`, see
+`fd_transfers`), so a worker needs no other table to report each one.
 
 This room holds the whole group, so a different prefetch API replaces this module
-and the cache manager's four methods that call it. Not thread-safe: the cache
-manager adapter calls it under its lock, after polling the workers' results.
+and the cache manager's methods that call it. Not thread-safe: the cache manager
+adapter calls it under its lock.
 """
 
 from __future__ import annotations
@@ -19,12 +24,68 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from fastkv.integrations.fd_transfers import (
+    FASTDEPLOY_METADATA_MODULE,
+    STORAGE_LOAD,
+    STORAGE_LOOKUP,
+    storage_tag_of,
+    tag,
+)
 from fastkv.integrations.fd_views import AdapterCounters, prompt_digests
+from fastkv.metadata import CacheSwapMetadata, LookupResult, StorageLookup, TransferResult
 from fastkv.scheduler import CacheManager
 
 log = logging.getLogger(__name__)
+
+LOOKUP = "lookup"  # fastkv's direction for a task that only asks (no host blocks)
+
+
+@dataclass
+class FDStorageMetadata:
+    """Stand-in for FastDeploy's `StorageMetadata` (same fields) when FastDeploy is
+    not importable."""
+
+    hash_values: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    direction: str = "load"
+    storage_type: str = "file"
+    endpoint: str | None = None
+    timeout: float = 30.0
+    layer_num: int = 0
+    extra_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PendingPrefetch:
+    """One storage task for every worker (upstream's `PendingPrefetch`).
+
+    Attributes:
+        request_id: the FastDeploy request the work is for (a load that serves
+            several prefetches names the first).
+        metadata: what the workers do: `direction="load"` loads `hash_values[i]`
+            into host block `block_ids[i]`; `direction="lookup"` (fastkv's) asks
+            how long a prefix of `hash_values` storage holds (`block_ids` all -1).
+        host_block_ids: the host blocks the task fills (empty for a lookup): what
+            the engine passes to `update_storage_blocks_to_host` or
+            `abort_prefetch_blocks` once every rank reported.
+    """
+
+    request_id: Hashable
+    metadata: Any
+    host_block_ids: list[int] = field(default_factory=list)
+
+
+def storage_metadata_type() -> type:
+    """FastDeploy's `StorageMetadata` when importable, else `FDStorageMetadata`."""
+    try:
+        import importlib
+
+        return importlib.import_module(FASTDEPLOY_METADATA_MODULE).StorageMetadata
+    except (ImportError, AttributeError):
+        return FDStorageMetadata
 
 
 class _PrefetchKey(tuple):
@@ -36,8 +97,9 @@ class _PrefetchKey(tuple):
 
 
 class StoragePrefetches:
-    """The storage prefetches in flight, by FastDeploy request id, and the blocks
-    they brought into host that no match has hit yet.
+    """The storage prefetches in flight, by FastDeploy request id, the tasks not
+    yet drained for the workers, and the blocks prefetches brought into host that
+    no match has hit yet.
 
     Args:
         manager: fastkv's cache manager (with a storage tier when prefetches run).
@@ -47,7 +109,17 @@ class StoragePrefetches:
         counters: where prefetches started and storage hits are counted.
     """
 
-    __slots__ = ("_block_size", "_counters", "_keys", "_landed", "_manager", "_remember")
+    __slots__ = (
+        "_block_size",
+        "_counters",
+        "_keys",
+        "_landed",
+        "_loads",
+        "_manager",
+        "_meta_cls",
+        "_queue",
+        "_remember",
+    )
 
     def __init__(
         self,
@@ -61,10 +133,13 @@ class StoragePrefetches:
         self._block_size = block_size
         self._remember = 2 * num_host_blocks
         self._counters = counters
+        self._meta_cls = storage_metadata_type()
         # request id -> the key of the stand-in request holding its prefetch
         self._keys: dict[Hashable, _PrefetchKey] = {}
         # blocks a prefetch brought from storage, not hit since
         self._landed: OrderedDict[Hashable, None] = OrderedDict()
+        self._queue: list[PendingPrefetch] = []  # not drained yet
+        self._loads: dict[int, list[int]] = {}  # load transfer id -> its host blocks
 
     def __len__(self) -> int:
         """Prefetches in flight (each holds a stand-in request in the manager)."""
@@ -73,37 +148,32 @@ class StoragePrefetches:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._keys
 
-    def prefetch(self, request: Any, *, reset_owed: bool) -> bool:
-        """`prefetch_storage` of a request: start a prefetch of what it does not
-        find cached, unless one is in flight or the request matched already.
-
-        Args:
-            request: FastDeploy's request.
-            reset_owed: the cache owes a reset (its blocks may be gone): nothing
-                starts.
+    def begin(self, request: Any) -> bool:
+        """Start the prefetch of what `request` does not find cached (its lookup
+        is queued for the workers; nothing waits here), unless one is in flight
+        or the request is active.
 
         Returns:
-            Whether a prefetch of the request is in flight now.
+            Whether a lookup was queued.
 
         Raises:
             ValueError: the request's `prompt_hashes` are not SHA-256 digests.
         """
         rid = request.request_id
-        if rid in self._keys:
-            return True
-        if self._manager.is_active(rid):
+        if rid in self._keys or self._manager.is_active(rid):
             return False
         tokens, hashes = prompt_digests(request, self._block_size)
-        if reset_owed:
+        if not self.start(rid, hashes, tokens):
             return False
-        return self.start(rid, hashes, tokens)
+        self.take_work()
+        return True
 
     def start(self, request_id: Hashable, hashes: Sequence[bytes], tokens: int) -> bool:
-        """Look up in storage the blocks of `hashes` cached neither on the device
-        nor in host, and load what is found (never waits; refused input is logged).
+        """Plan a storage lookup of the blocks of `hashes` cached neither on the
+        device nor in host (never waits; refused input is logged).
 
         Returns:
-            Whether a prefetch started (False: nothing to look up, or refused).
+            Whether a lookup was planned (False: nothing to look up, or refused).
         """
         key = _PrefetchKey(request_id)
         try:
@@ -118,15 +188,81 @@ class StoragePrefetches:
         self._keys[request_id] = key
         return True
 
-    def drain(self) -> list[Hashable]:
-        """End every prefetch whose lookup was answered and whose loads have all
-        landed (or failed); returns their request ids in the order they started."""
-        done = [
-            rid for rid, key in self._keys.items() if not self._manager.storage_pending(key)
+    def lookup_pending(self, request_id: Hashable) -> bool:
+        """Whether the request's prefetch still waits for its lookup's answer."""
+        key = self._keys.get(request_id)
+        return key is not None and self._manager.request_state(key).lookup_id >= 0
+
+    def found(self, request_id: Hashable) -> bool:
+        """Whether the request's prefetch has blocks loading or loaded from storage."""
+        key = self._keys.get(request_id)
+        if key is None:
+            return False
+        mgr = self._manager
+        return mgr.storage_pending(key) or bool(mgr.storage_loaded(key))
+
+    def take_work(self) -> None:
+        """Move the lookups and the load the manager planned into the queue of
+        tasks for the workers (never into a step's metadata)."""
+        load, lookups = self._manager.take_storage_reads()
+        self.queue(load, lookups)
+
+    def queue(self, load: CacheSwapMetadata | None, lookups: Sequence[StorageLookup]) -> None:
+        """Queue `load` and `lookups` as `PendingPrefetch` tasks."""
+        owner = {self._manager.request_state(k).lookup_id: rid for rid, k in self._keys.items()}
+        for q in lookups:
+            texts = [STORAGE_LOOKUP + tag(q.lookup_id, h) for h in q.block_hashes]
+            meta = self._meta_cls(
+                hash_values=texts, block_ids=[-1] * len(texts), direction=LOOKUP
+            )
+            self._queue.append(PendingPrefetch(owner.get(q.lookup_id, "fastkv"), meta))
+        if load is not None:
+            hosts = list(load.dst_block_ids)
+            texts = [STORAGE_LOAD + tag(load.transfer_id, h) for h in load.block_hashes]
+            meta = self._meta_cls(hash_values=texts, block_ids=hosts, direction="load")
+            self._loads[load.transfer_id] = hosts
+            rids = self.owners(hosts)
+            self._queue.append(PendingPrefetch(rids[0] if rids else "fastkv", meta, hosts))
+
+    def take_queue(self) -> list[PendingPrefetch]:
+        """The tasks queued since the last call, in order, for every worker."""
+        tasks, self._queue = self._queue, []
+        return tasks
+
+    def loads_in_flight(self, host_block_ids: Sequence[int]) -> list[int]:
+        """The load transfers still in flight that fill any of `host_block_ids`
+        (loads whose results are in are forgotten here)."""
+        wanted = set(host_block_ids)
+        busy = []
+        for tid, hosts in list(self._loads.items()):
+            if not self._manager.is_inflight(tid):
+                del self._loads[tid]
+            elif wanted.intersection(hosts):
+                busy.append(tid)
+        return busy
+
+    def owners(self, host_block_ids: Sequence[int]) -> list[Hashable]:
+        """The prefetches whose path holds any of `host_block_ids`, in start order."""
+        wanted = set(host_block_ids)
+        mgr = self._manager
+        return [
+            rid
+            for rid, key in self._keys.items()
+            if any(n.host_block in wanted for n in mgr.request_state(key).nodes)
         ]
-        for rid in done:
-            self.end(rid)
-        return done
+
+    def never_sent(self) -> list[TransferResult | LookupResult]:
+        """Take every task never drained, as the failures to apply for them (no
+        worker saw them)."""
+        out: list[TransferResult | LookupResult] = []
+        for task in self.take_queue():
+            found = [storage_tag_of(h) for h in task.metadata.hash_values]
+            ids = {f[1] for f in found if f is not None}
+            if task.metadata.direction == LOOKUP:
+                out += [LookupResult(q, 0) for q in sorted(ids)]
+            else:
+                out += [TransferResult(t, False, "never dispatched") for t in sorted(ids)]
+        return out
 
     def end(self, request_id: Hashable) -> bool:
         """Stop waiting for the request's prefetch: remember what it landed, let its
@@ -165,4 +301,4 @@ class StoragePrefetches:
         return from_storage
 
 
-__all__ = ["StoragePrefetches"]
+__all__ = ["FDStorageMetadata", "PendingPrefetch", "StoragePrefetches", "storage_metadata_type"]

@@ -34,7 +34,7 @@ from fastkv.integrations.fd_transfers import (
     transfer_ids,
 )
 from fastkv.integrations.fd_views import AdapterCounters
-from fastkv.metadata import LookupResult, TransferResult
+from fastkv.metadata import CacheSwapMetadata, LookupResult, StorageLookup, TransferResult
 from fastkv.scheduler import CacheManager, Rollback, SwapTasks
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ _LISTS = ("cache_swap_metadata", "cache_evict_metadata")
 
 RequestOf = Callable[[Hashable], Any | None]
 """The FastDeploy request the adapter tracks under an id, or None."""
+
+DivertReads = Callable[[CacheSwapMetadata | None, Sequence[StorageLookup]], None]
+"""Where a step's storage load and lookups go instead of its metadata."""
 
 
 class TransferRelay:
@@ -58,9 +61,19 @@ class TransferRelay:
             transfers never dispatched, are counted.
         request_of: the tracked FastDeploy request of an id (rewound when its
             swap-in failed).
+        divert_reads: where storage loads and lookups go (the prefetch queue);
+            None: they ride the step's eviction metadata.
     """
 
-    __slots__ = ("_block_size", "_counters", "_levels", "_manager", "_request_of", "_swap_cls")
+    __slots__ = (
+        "_block_size",
+        "_counters",
+        "_divert_reads",
+        "_levels",
+        "_manager",
+        "_request_of",
+        "_swap_cls",
+    )
 
     def __init__(
         self,
@@ -71,6 +84,7 @@ class TransferRelay:
         block_size: int,
         counters: AdapterCounters,
         request_of: RequestOf,
+        divert_reads: DivertReads | None = None,
     ) -> None:
         self._manager = manager
         self._swap_cls = swap_cls
@@ -78,6 +92,7 @@ class TransferRelay:
         self._block_size = block_size
         self._counters = counters
         self._request_of = request_of
+        self._divert_reads = divert_reads
 
     # -- out ------------------------------------------------------------------
 
@@ -121,10 +136,15 @@ class TransferRelay:
             if tasks.evict is None
             else to_fastdeploy(tasks.evict, self._swap_cls, self._levels)
         )
+        load, lookups = tasks.storage_load, tasks.lookups
+        if self._divert_reads is not None:  # they go to the workers on their own route
+            if load is not None or lookups:
+                self._divert_reads(load, lookups)
+            load, lookups = None, ()
         return storage_to_fastdeploy(
-            tasks.storage_load,
+            load,
             tasks.storage_store,
-            tasks.lookups,
+            lookups,
             self._swap_cls,
             self._levels,
             evict,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -47,7 +47,7 @@ from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_extend import ExtendTables
 from fastkv.integrations.fd_metrics import FastDeployMetrics
-from fastkv.integrations.fd_prefetch import StoragePrefetches
+from fastkv.integrations.fd_prefetch import PendingPrefetch, StoragePrefetches
 from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
 from fastkv.integrations.fd_transfers import fastdeploy_metadata_types
 from fastkv.integrations.fd_views import (
@@ -59,6 +59,8 @@ from fastkv.integrations.fd_views import (
 from fastkv.scheduler import CacheManager
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.002  # between polls of a bounded wait (the lock is free meanwhile)
 
 
 class FastDeployCacheManager:
@@ -87,6 +89,9 @@ class FastDeployCacheManager:
         fastdeploy_metrics: FastDeploy's metrics object (default: imported if
             importable).
         reset_timeout_s: how long `reset_cache` waits for copies in flight.
+        prefetch_lookup_timeout_s: how long `prefetch_storage` waits for the
+            workers' lookup answer, and `update_storage_blocks_to_host` /
+            `abort_prefetch_blocks` for the ranks' load results.
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
@@ -103,9 +108,15 @@ class FastDeployCacheManager:
         registry: CollectorRegistry | None = None,
         fastdeploy_metrics: Any | None = None,
         reset_timeout_s: float = 30.0,
+        prefetch_lookup_timeout_s: float = 2.0,
     ) -> None:
-        if not isinstance(reset_timeout_s, (int, float)) or reset_timeout_s < 0:
-            raise ValueError(f"reset_timeout_s: must be >= 0, got {reset_timeout_s!r}")
+        for name, value in (
+            ("reset_timeout_s", reset_timeout_s),
+            ("prefetch_lookup_timeout_s", prefetch_lookup_timeout_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value!r}")
+        self.prefetch_lookup_timeout_s = float(prefetch_lookup_timeout_s)
         self.reset_timeout_s = float(reset_timeout_s)
         # A reset_cache whose copies outlasted the wait: nothing hits until they
         # land and no request is active, then the cache is forgotten (see reset_cache).
@@ -185,7 +196,7 @@ class FastDeployCacheManager:
 
     can_allocate_gpu_blocks = can_allocate_device_blocks
 
-    def match_prefix(self, request: Any, skip_storage: bool = True) -> None:
+    def match_prefix(self, request: Any, skip_storage: bool = False) -> None:
         """Lock the request's cached prefix and leave a `FastDeployMatchResult` on
         `request._match_result` (device hits first; at most (tokens - 1) // block
         size blocks hit, so the last token is always computed).
@@ -195,9 +206,13 @@ class FastDeployCacheManager:
         other, counted as `matched_storage_nums` (and FastDeploy's ssd hit
         metric); a prefetch still in flight is let go of first (its blocks land
         and serve later matches). The match itself never waits for storage, so
-        `can_allocate_gpu_blocks` stays exact. With `skip_storage=False` and no
-        prefetch made yet, one is started for what is not cached (it serves this
-        request's next admission and every request sharing the prefix).
+        `can_allocate_gpu_blocks` stays exact.
+
+        `skip_storage` follows upstream's newer contract: the default False is a
+        probe that pins nothing and registers nothing (the result's counts are
+        what is cached now; storage is looked up by `prefetch_storage`, never
+        here); ResourceManagerV1's scheduling call passes True and gets the
+        locked match above.
 
         With prefix caching off it leaves an empty result (as v1). A request already known
         with no blocks in its table (a stale registration) is released first.
@@ -212,6 +227,9 @@ class FastDeployCacheManager:
             if self._reset_pending:  # the cache may hold blocks that are gone
                 request._match_result = FastDeployMatchResult()
                 return
+            if not skip_storage:
+                request._match_result = self._probe(request)
+                return
             rid = request.request_id
             try:
                 if self.manager.is_active(rid):
@@ -222,7 +240,7 @@ class FastDeployCacheManager:
                         )
                     self._release(request, finished=False)
                 tokens, hashes = prompt_digests(request, self.config.block_size)
-                prefetched = self._prefetches.end(rid)
+                self._prefetches.end(rid)  # its blocks landed, or land later
                 hit = self.manager.match(rid, hashes, tokens, lookup_storage=False)
             except (ValueError, TypeError) as e:
                 self._counters.match_failures += 1
@@ -237,8 +255,20 @@ class FastDeployCacheManager:
             request._match_result = FastDeployMatchResult(
                 table, hit.num_host_hits - from_storage, from_storage
             )
-            if not skip_storage and not prefetched and hit.num_hits < len(hashes):
-                self._prefetches.start(rid, hashes, tokens)
+
+    def _probe(self, request: Any) -> FastDeployMatchResult:
+        """What `request` finds cached now, nothing pinned or registered (logged
+        and empty on bad input)."""
+        key = ("fastkv-probe", request.request_id)
+        try:
+            tokens, hashes = prompt_digests(request, self.config.block_size)
+            hit = self.manager.match(key, hashes, tokens, lookup_storage=False)
+        except (ValueError, TypeError) as e:
+            log.error("fastkv match_prefix(%r, skip_storage=False) failed: %s", key[1], e)
+            return FastDeployMatchResult()
+        table = list(self.manager.block_table(key).block_ids)
+        self.manager.finish(key)
+        return FastDeployMatchResult(table, hit.num_host_hits, 0)
 
     def allocate_device_blocks(self, request: Any, num_blocks: int) -> list[int]:
         """Add `num_blocks` device blocks to the request (FastDeploy counts its host
@@ -322,54 +352,119 @@ class FastDeployCacheManager:
     # -- storage prefetch (FastDeploy's newer v1 API) -----------------------------
 
     def prefetch_storage(self, request: Any) -> bool:
-        """Look up in storage the request's blocks that are cached neither on the
-        device nor in host, and load what is found into host blocks. Never waits:
-        the lookup and the loads go to the workers with the next step's metadata
-        (`issue_pending_backup_to_batch_request`, also when the step's batch is
-        empty) and their results come back over the results channel. An engine
-        that keeps the request out of `schedule()` until `drain_pending_prefetches`
-        names it gets the loaded blocks as hits at its match.
+        """Upstream's preprocess-thread call: look up in storage the request's
+        blocks cached neither on the device nor in host, and plan their loads into
+        host blocks (loading nodes in the tree, held by a stand-in request until
+        the request's own `match_prefix`). Clears `request.match_result`.
+
+        fastkv's storage is read by the workers (each rank its own backend), so
+        the answer is theirs: the lookup is queued as a `PendingPrefetch` that
+        the engine's loop drains (`drain_pending_prefetches`) and sends to every
+        worker over its engine-worker queue, and this call waits for the combined
+        answer (the minimum over ranks, over the results channel) for at most
+        `prefetch_lookup_timeout_s`, polling, without holding the lock `schedule()`
+        takes between polls. The loads the answer plans are queued the same way.
+        Called on the thread that drains (nobody drains meanwhile), it gives up
+        after the timeout and returns False; a lookup given up is answered into
+        nothing.
 
         Returns:
-            True while a prefetch of the request is in flight (started now or
-            before); False when there is nothing to look up (no storage tier,
-            prefix caching off, everything cached, or the request already
-            matched).
+            True only when storage holds some of the request's blocks (their loads
+            are planned); False without a storage tier, with prefix caching off,
+            with nothing to look up, or when no answer came in time.
         """
-        if self.config.storage is None or not self.enable_prefix_caching:
+        _clear_match_result(request)
+        if not self.enable_prefix_caching or self.config.storage is None:
             return False
         with self._lock:
             self._poll()
-            return self._prefetches.prefetch(request, reset_owed=self._reset_pending)
+            if self._reset_pending:
+                return False
+            rid = request.request_id
+            try:
+                if not self._prefetches.begin(request):
+                    return False
+            except (ValueError, TypeError) as e:
+                log.error("fastkv prefetch_storage(%r) failed: %s", rid, e)
+                return False
+        deadline = time.monotonic() + self.prefetch_lookup_timeout_s
+        while True:
+            with self._lock:
+                self._poll()
+                if rid not in self._prefetches:  # finished or reset meanwhile
+                    return False
+                if not self._prefetches.lookup_pending(rid):
+                    self._prefetches.take_work()
+                    if self._prefetches.found(rid):
+                        return True
+                    self._prefetches.end(rid)
+                    return False
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "fastkv prefetch_storage(%r): no lookup answer in %.2f s "
+                        "(is drain_pending_prefetches called meanwhile?)",
+                        rid,
+                        self.prefetch_lookup_timeout_s,
+                    )
+                    self._prefetches.end(rid)
+                    return False
+            time.sleep(_POLL_S)
 
-    def drain_pending_prefetches(self) -> list[Hashable]:
-        """Apply the workers' results and end every prefetch whose lookup was
-        answered and whose loads have all landed (or failed). Returns their
-        request ids, in the order they were started; their blocks now sit in host,
-        unlocked, until the request's `match_prefix`."""
+    def drain_pending_prefetches(self) -> list[PendingPrefetch]:
+        """The storage tasks to send to every worker now (lookups and loads), each
+        a `PendingPrefetch(request_id, metadata=StorageMetadata(hash_values,
+        block_ids, direction), host_block_ids)`, in the order they were planned.
+        A worker takes one with `FastDeployCacheController.prefetch_from_storage`.
+        Never waits."""
         with self._lock:
             self._poll()
-            return self._prefetches.drain()
+            self._prefetches.take_work()
+            return self._prefetches.take_queue()
 
-    def update_storage_blocks_to_host(self, *_: Any, **__: Any) -> int:
-        """Make the blocks loaded from storage host blocks. fastkv does this as the
-        load's results arrive (every hook polls them); this polls now. Whatever
-        FastDeploy passes is ignored (its arguments are not known at this
-        snapshot).
+    def update_storage_blocks_to_host(self, host_block_ids: Sequence[int]) -> None:
+        """Every rank reported the load of `host_block_ids` (upstream's call). fastkv
+        applies each load from the ranks' own results (over the results channel:
+        a block is a host block only when every rank loaded it, a failed one is
+        dropped and freed), so this waits, polling, at most
+        `prefetch_lookup_timeout_s` for those results and never holding the lock
+        between polls; a result still missing after that is applied when it comes.
 
-        Returns:
-            How many results were applied.
+        Raises:
+            ValueError: an id that is not a host block id (nothing is waited for).
         """
-        with self._lock:
-            return self._poll()
+        self._await_loads("update_storage_blocks_to_host", host_block_ids)
 
-    def abort_prefetch_blocks(self, request: Any) -> None:
-        """Stop waiting for the request's prefetch (aborted or given up on): its
-        lookup's answer is ignored, blocks still loading land and serve later
-        matches."""
+    def abort_prefetch_blocks(self, host_block_ids: Sequence[int]) -> None:
+        """A load of `host_block_ids` failed (upstream's call): the prefetches
+        holding them stop waiting. Host blocks are freed and loading nodes dropped
+        by the ranks' own results (a block whose load failed on any rank never
+        hits; one every rank loaded stays a correct host copy): this waits for
+        them like `update_storage_blocks_to_host`, and a block a worker may still
+        write stays reserved until its result comes.
+
+        Raises:
+            ValueError: an id that is not a host block id (nothing changes).
+        """
+        self._await_loads("abort_prefetch_blocks", host_block_ids)
         with self._lock:
             self._poll()
-            self._prefetches.end(request.request_id)
+            for rid in self._prefetches.owners(host_block_ids):
+                self._prefetches.end(rid)
+
+    def _await_loads(self, what: str, host_block_ids: Sequence[int]) -> None:
+        top = max(0, self.num_cpu_blocks - 1)
+        ids = [as_int(f"host_block_ids[{i}]", b, 0, top) for i, b in enumerate(host_block_ids)]
+        deadline = time.monotonic() + self.prefetch_lookup_timeout_s
+        while True:
+            with self._lock:
+                self._poll()
+                busy = self._prefetches.loads_in_flight(ids)
+            if not busy:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("fastkv %s: loads %s still without every rank's result", what, busy)
+                return
+            time.sleep(_POLL_S)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -466,9 +561,9 @@ class FastDeployCacheManager:
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
         """The backups planned so far, as one FastDeploy eviction metadata for the
-        batch being sent, or None. The step's storage work (lookups, loads, writes)
-        rides in it too (see `fd_transfers.storage_to_fastdeploy`): an engine whose
-        step has no batch but prefetches in flight sends it anyway."""
+        batch being sent, or None. Storage writes ride in it too (see
+        `fd_transfers.storage_to_fastdeploy`); storage lookups and loads never do
+        (`drain_pending_prefetches` hands them out)."""
         with self._lock:
             self._poll()
             return self._relay.take_backups()
@@ -538,6 +633,7 @@ class FastDeployCacheManager:
             # nothing is in flight and no request is active (now, or later).
             self._reset_pending = True
             self._prefetches.give_up_all()  # FastDeploy aborted their requests
+            self._relay.apply(self._prefetches.never_sent())
             self._relay.fail_never_sent()
             self._poll()
         while True:
@@ -654,6 +750,7 @@ class FastDeployCacheManager:
             block_size=config.block_size,
             counters=self._counters,
             request_of=self._book.request_of,
+            divert_reads=self._prefetches.queue,
         )
 
     def _rebuild(self, config: CacheConfig) -> None:
@@ -678,6 +775,13 @@ class FastDeployCacheManager:
                 "prefix_ssd_cache_token_num": self._counters.storage_hit_blocks
                 * self.config.block_size,
             }
+
+
+def _clear_match_result(request: Any) -> None:
+    """Upstream's prefetch leaves no match on the request (the scheduler matches
+    afresh)."""
+    if hasattr(request, "_match_result"):
+        request._match_result = None
 
 
 def _check_blocks(num_blocks: object) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 from fastkv.channel import ResultsSender
@@ -304,6 +305,45 @@ class FastDeployCacheController:
             [TransferResult(t, False, why) for t in copies]
             + [LookupResult(q, 0) for q in lookups]
         )
+
+    def prefetch_from_storage(self, metadata: Any) -> None:
+        """Start one storage task the scheduler's `drain_pending_prefetches` gave
+        the engine (upstream's worker call, over the engine-worker queue; no step
+        needed): a lookup (`direction="lookup"`) or loads into host blocks
+        (`"load"`). Never waits: the answer and each block's result go to the
+        scheduler over the results channel, combined there over ranks. Before the
+        cache exists the task is reported failed.
+
+        Args:
+            metadata: a `StorageMetadata` of fastkv's scheduler (tagged
+                `hash_values`, host `block_ids`, -1 for a lookup).
+
+        Raises:
+            ValueError: a direction other than load or lookup, lists of different
+                lengths, or entries fastkv's scheduler did not tag (nothing starts).
+        """
+        direction = getattr(metadata, "direction", None)
+        if direction not in ("load", "lookup"):
+            raise ValueError(
+                f"metadata.direction: {direction!r}; fastkv takes 'load' or 'lookup'"
+            )
+        hashes = list(metadata.hash_values or ())
+        blocks = list(metadata.block_ids or ())
+        shaped = SimpleNamespace(
+            src_block_ids=[-1] * len(hashes), dst_block_ids=blocks, hash_values=hashes
+        )
+        rest, work = split_storage(shaped)
+        if rest is not None or work.writes:
+            raise ValueError(
+                "metadata.hash_values: entries that are not fastkv storage loads or "
+                "lookups; was this task made by fastkv's cache manager?"
+            )
+        with self._lock:
+            if self.controller is None:
+                fail_storage(self._routes, work, "the KV cache is not initialized")
+                return
+            self._report()
+            submit_storage(self.controller, self._routes, work, self.rank)
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         """`swap_layer_done_counter.wait_for_layer`, when the step has a swap-in."""

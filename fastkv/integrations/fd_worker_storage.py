@@ -4,8 +4,9 @@ storage work handed to fastkv's controller.
 With FastDeploy's `kvcache_storage_backend="file"` each rank opens a
 `LocalDiskBackend` in its own directory, with "mooncake" a `MooncakeBackend` on
 the cluster FastDeploy's Mooncake settings name (`open_storage`). The scheduler's storage
-lookups, loads and writes ride in the step's eviction metadata (taken out by
-`fd_transfers.split_storage`); `submit_storage` gives each a local id (see
+writes ride in the step's eviction metadata, its lookups and loads come as the
+prefetch tasks the engine drained (`prefetch_from_storage`); both are taken apart
+by `fd_transfers.split_storage`, and `submit_storage` gives each a local id (see
 `fd_routes`) and starts it on the controller, never waiting. A block's storage key
 is the SHA-256 of the scheduler's hash text (`storage_key`), the same on every
 rank (the rank is part of the backend's namespace).

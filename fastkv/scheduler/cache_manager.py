@@ -42,8 +42,10 @@ from fastkv.hashing import (
 from fastkv.metadata import (
     MAX_EPOCH,
     BlockHash,
+    CacheSwapMetadata,
     Epoch,
     LookupResult,
+    StorageLookup,
     TransferListener,
     TransferResult,
     check_epoch,
@@ -862,6 +864,19 @@ class CacheManager:
             return SwapTasks(evict, swap_in)
         load, store, lookups = storage.take(self.transfers.register)
         return SwapTasks(evict, swap_in, load, store, lookups)
+
+    def take_storage_reads(self) -> tuple[CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
+        """Package only the storage lookups and the storage load planned so far
+        (an engine that sends them to the workers on a route of their own, ahead
+        of any step); device copies and writes stay for `take_swap_metadata`.
+
+        Returns:
+            (the load into host blocks, or None; the lookups). Every block in the
+            load stays reserved until `apply_results` sees its result.
+        """
+        if self._storage is None:
+            return None, ()
+        return self._storage.take_reads(self.transfers.register)
 
     def stalled_transfers(self) -> list[StalledTransfer]:
         """Transfers taken by `take_swap_metadata` whose result has not been

@@ -328,23 +328,9 @@ class StorageTier:
         self, emit: Callable[[Transfer], int]
     ) -> tuple[CacheSwapMetadata | None, CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
         """The lookups, the load and the write planned since the last step."""
-        load = store = None
+        load, lookups = self.take_reads(emit)
+        store = None
         timeout = self.config.timeout_s
-        if self._loads.nodes:
-            loads, self._loads = self._loads, LoadTransfer()
-            tid = emit(loads)
-            hosts = [n.host_block for n in loads.nodes]
-            keys = [n.key for n in loads.nodes]
-            load = CacheSwapMetadata(
-                tid,
-                CacheLevel.STORAGE,
-                CacheLevel.HOST,
-                [],
-                hosts,
-                keys,
-                timeout,
-                epoch=self.epoch,
-            )
         if self._stores.keys:
             stores, self._stores = self._stores, StoreTransfer()
             tid = emit(stores)
@@ -358,8 +344,30 @@ class StorageTier:
                 timeout,
                 epoch=self.epoch,
             )
-        lookups, self._lookups = tuple(self._lookups), []
         return load, store, lookups
+
+    def take_reads(
+        self, emit: Callable[[Transfer], int]
+    ) -> tuple[CacheSwapMetadata | None, tuple[StorageLookup, ...]]:
+        """The lookups and the load planned so far (writes stay queued)."""
+        load = None
+        if self._loads.nodes:
+            loads, self._loads = self._loads, LoadTransfer()
+            tid = emit(loads)
+            hosts = [n.host_block for n in loads.nodes]
+            keys = [n.key for n in loads.nodes]
+            load = CacheSwapMetadata(
+                tid,
+                CacheLevel.STORAGE,
+                CacheLevel.HOST,
+                [],
+                hosts,
+                keys,
+                self.config.timeout_s,
+                epoch=self.epoch,
+            )
+        lookups, self._lookups = tuple(self._lookups), []
+        return load, lookups
 
     def finish_load(
         self, transfer: LoadTransfer, failed: set[int], all_failed: bool

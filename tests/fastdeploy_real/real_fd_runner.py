@@ -220,6 +220,11 @@ class StandInRunner:
         assert not control, f"control requests are not stood in for: {control}"
         self.insert_tasks_v1(batch)
 
+    def receive_storage(self, blob: bytes) -> None:
+        """Take one prefetch task's pickled `StorageMetadata` off the engine-worker
+        queue (PR #7529's worker-side prefetch handler) and start it, no step."""
+        self.cache_controller.prefetch_from_storage(pickle.loads(blob))
+
     def insert_tasks_v1(self, batch: Any) -> None:
         from fastdeploy.engine.request import RequestType
 

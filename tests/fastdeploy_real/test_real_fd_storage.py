@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,72 +32,94 @@ DRAIN_S = 20.0
 
 
 class StorageEngine(Engine):
-    """The engine loop with what FastDeploy's newer engine adds for storage: a
-    step whose batch is empty still sends the cache manager's pending metadata
-    (lookups, loads and writes ride in it), and requests can be held back until
-    their storage prefetch drained."""
+    """The engine loop with FastDeploy's newer storage-prefetch calls in PR
+    #7529's order: `prefetch_storage` on a preprocess pool (the request is held
+    meanwhile), `drain_pending_prefetches` every iteration with each task's
+    metadata pickled to every runner (the engine-worker queue), and
+    `update_storage_blocks_to_host` once every rank reported. Steps are
+    ResourceManagerV1's as shipped (an empty batch sends nothing); only `flush`
+    sends pending writes on an idle engine's empty steps."""
 
-    def step(self) -> None:
-        from fastdeploy.engine.request import BatchRequest
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.preprocess = ThreadPoolExecutor(4)
+        self.loads: list[Any] = []  # tasks sent, not every rank reported yet
 
-        batch, errors = self.rm.schedule()
-        assert not errors, f"schedule() reported errors: {errors}"
-        self.log.steps += 1
-        if len(batch) == 0:
-            meta = self.cache_manager.issue_pending_backup_to_batch_request()
+    def dispatch(self) -> None:
+        """The prefetch part of one engine-loop iteration."""
+        cm = self.cache_manager
+        for task in cm.drain_pending_prefetches():
+            blob = pickle.dumps(task.metadata)
+            for runner in self.runners:
+                runner.receive_storage(blob)
+            if task.host_block_ids:
+                self.loads.append(task)
+        if self.loads and self._every_rank_reported():
+            for task in self.loads:
+                cm.update_storage_blocks_to_host(task.host_block_ids)
+            self.loads = []
+
+    def _every_rank_reported(self) -> bool:
+        return all(
+            r.cache_controller.get_stats()["transfers_without_result"] == 0
+            for r in self.runners
+        )
+
+    def loop(self) -> None:
+        self.dispatch()
+        self.step()
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.rm.requests and not self.rm.waiting:
+                return
+            self.loop()
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+    def flush(self, timeout: float = DRAIN_S) -> None:
+        """Idle iterations until no copy, write or lookup is queued or in flight
+        (an idle engine sends pending writes on its empty steps)."""
+        cm = self.cache_manager
+        deadline = time.monotonic() + timeout
+        while True:
+            self.loop()
+            meta = cm.issue_pending_backup_to_batch_request()
             if meta is not None:
+                from fastdeploy.engine.request import BatchRequest
+
                 only = BatchRequest()
                 only.append_evict_metadata([meta])
                 blob = pickle.dumps([(only, self.rm.real_bsz)])
                 for runner in self.runners:
                     runner.receive(blob)
-            time.sleep(0.002)  # the workers' reporter threads deliver results
-        else:
-            self._send(batch)
-        tokens = [runner.execute_model() for runner in self.runners]
-        for rank, other in enumerate(tokens[1:], 1):
-            assert other == tokens[0], f"rank {rank} sampled {other}, rank 0 {tokens[0]}"
-        self._emit(tokens[0])
-
-    def _send(self, batch: Any) -> None:
-        from fastdeploy.engine.request import Request, RequestType
-
-        rm = self.rm
-        self.log.batches += 1
-        self._note(batch, Request, RequestType)
-        rm.get_real_bsz()
-        for task in batch:  # as the engine does before put_tasks
-            if isinstance(task, Request) and not task.has_been_preempted_before:
-                task.metrics.inference_start_time = time.time()
-        blob = pickle.dumps([(batch, rm.real_bsz)])
-        for runner in self.runners:
-            runner.receive(blob)
-
-    def flush(self, timeout: float = DRAIN_S) -> None:
-        """Empty steps until no copy, write or lookup is queued or in flight."""
-        cm = self.cache_manager
-        deadline = time.monotonic() + timeout
-        while True:
-            self.step()
+            time.sleep(0.002)
             s = cm.get_stats()
             workers = sum(
                 r.cache_controller.get_stats()["transfers_without_result"] for r in self.runners
             )
             busy = s["inflight_transfers"] or s["queued_blocks"] or s["pending_prefetches"]
-            if not busy and not workers:
+            if not busy and not workers and not self.loads:
                 return
             assert time.monotonic() < deadline, f"storage work still pending: {s}"
 
+    def prefetch(self, request: Any) -> Future[bool]:
+        """`prefetch_storage` on the preprocess pool (as `apply_async_preprocess`)."""
+        return self.preprocess.submit(self.cache_manager.prefetch_storage, request)
+
     def add_prefetched(self, request_id: str, tokens: list[int], max_tokens: int) -> Any:
-        """As FastDeploy's newer engine: prefetch from storage, hold the request
-        back until its prefetch drained, then hand it to ResourceManagerV1."""
+        """Prefetch on the preprocess pool while the loop runs; hand the request
+        to ResourceManagerV1 once its prefetch answered and its loads reported."""
         request = self.held_request(request_id, tokens, max_tokens)
-        cm = self.cache_manager
-        if cm.prefetch_storage(request):
-            deadline = time.monotonic() + DRAIN_S
-            while request_id not in cm.drain_pending_prefetches():
-                assert time.monotonic() < deadline, f"{request_id}: prefetch never drained"
-                self.step()
+        future = self.prefetch(request)
+        deadline = time.monotonic() + DRAIN_S
+        while True:
+            answered = future.done()  # its loads were queued before it answered
+            self.loop()  # ... so this drains them
+            if answered and not self.loads:
+                break
+            assert time.monotonic() < deadline, f"{request_id}: prefetch never settled"
+            time.sleep(0.002)
+        future.result()
         self.rm.add_request(request)
         return request
 
@@ -111,6 +134,10 @@ class StorageEngine(Engine):
             self.rm.add_request = real_add  # type: ignore[method-assign]
         (request,) = captured
         return request
+
+    def close(self) -> None:
+        self.preprocess.shutdown(wait=True)
+        super().close()
 
 
 def make_storage_engine(
@@ -164,6 +191,12 @@ def test_prompt_evicted_from_device_and_host_comes_back_from_disk(
         engine.run()
         assert request.match_result.matched_storage_nums == 4, request.match_result
         assert engine.log.cached_tokens["again"] == 4 * BS
+        # ResourceManagerV1's own per-request field for storage hits
+        assert request.metrics.storage_cache_token_num == 4 * BS
+        assert (request.metrics.gpu_cache_token_num, request.metrics.cpu_cache_token_num) == (
+            0,
+            0,
+        )
         assert _ssd_tokens() - ssd_before == 4 * BS  # FastDeploy's own counter
         assert cm.get_stats()["storage_hit_blocks"] == 4
         engine.check_clean()  # zero mismatches: the runner read all 4 blocks back
@@ -171,28 +204,71 @@ def test_prompt_evicted_from_device_and_host_comes_back_from_disk(
         engine.close()
 
 
-def test_skip_storage_false_starts_a_prefetch_for_later(
+def test_a_host_tier_smaller_than_the_prefix_serves_what_fits(
     installed: list[str],
     model_dir: Path,
     channel: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`match_prefix(skip_storage=False)` never holds the request (the answer of
-    `can_allocate_gpu_blocks` stays exact): it matches what is cached now and
-    starts a prefetch of the rest, which the request's next match finds."""
+    """A 6-block prompt on disk (written by an engine with room), read back after
+    a restart by an engine whose host tier holds 2 blocks: the prefetch loads
+    the first 2, the request hits them from storage and computes the rest, and
+    every KV position read is right."""
+    target = prompt(4, 6 * BS)
+    writer = make_storage_engine(
+        model_dir, tmp_path, monkeypatch, num_gpu_blocks=16, num_cpu_blocks=8
+    )
+    try:
+        writer.add_request("first", target + prompt(5, 3), max_tokens=3)
+        writer.run()
+        writer.flush()
+        assert writer.cache_manager.manager.get_stats().storage.writes >= 6
+    finally:
+        writer.close()
+    engine = make_storage_engine(
+        model_dir, tmp_path, monkeypatch, num_gpu_blocks=16, num_cpu_blocks=2
+    )
+    try:
+        request = engine.add_prefetched("again", target + prompt(6, 5), max_tokens=3)
+        engine.run()
+        assert request.match_result.matched_storage_nums == 2, request.match_result
+        assert request.metrics.storage_cache_token_num == 2 * BS
+        assert engine.cache_manager.get_stats()["storage_hit_blocks"] == 2
+        engine.flush()
+        engine.check_clean()
+    finally:
+        engine.close()
+
+
+def test_match_prefix_by_default_is_a_probe_that_pins_nothing(
+    installed: list[str],
+    model_dir: Path,
+    channel: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Upstream's newer default (`skip_storage=False`): what is cached now, nothing
+    locked, nothing registered, nothing looked up; ResourceManagerV1's own call
+    (`True`) still locks, so its allocation stays exact."""
     engine = make_storage_engine(
         model_dir, tmp_path, monkeypatch, num_gpu_blocks=16, num_cpu_blocks=4
     )
     try:
         cm = engine.cache_manager
-        request = engine.held_request("probe", prompt(7, 3 * BS + 1), max_tokens=1)
-        cm.match_prefix(request, skip_storage=False)
-        assert request._match_result.total_matched_blocks == 0
-        assert cm.get_stats()["pending_prefetches"] == 1  # its lookup is on its way
-        cm.request_finish(request)
-        assert cm.get_stats()["pending_prefetches"] == 0
-        assert cm.issue_pending_backup_to_batch_request() is None  # the lookup never left
+        body = prompt(7, 3 * BS + 1)
+        engine.add_request("first", body, max_tokens=1)
+        engine.run()
+        request = engine.held_request("probe", body, max_tokens=1)
+        free = cm.num_free_device_blocks
+        cm.match_prefix(request)
+        assert request.match_result.matched_device_nums == 3
+        assert cm.num_free_device_blocks == free
+        assert cm.manager.get_stats().active_requests == 0
+        assert cm.drain_pending_prefetches() == []
+        engine.rm.add_request(request)
+        engine.run()
+        assert engine.log.cached_tokens["probe"] == 3 * BS
         engine.flush()
         engine.check_no_leaks()
     finally:
@@ -236,7 +312,7 @@ def test_random_load_with_storage_on_crowded_tiers(
             tail = prompt(5000 + i, rng.randrange(1, 2 * BS))
             body = (rng.choice(heads) + tail)[: 6 * BS]
             pending.append((f"st-{i}", body, rng.randrange(1, 2 * BS), rng.random() < 0.75))
-        held: dict[str, Any] = {}
+        held: dict[str, tuple[Any, Future[bool]]] = {}
         steps = 0
 
         def drain() -> None:
@@ -254,12 +330,16 @@ def test_random_load_with_storage_on_crowded_tiers(
                 request = engine.held_request(rid, body, max_tokens)
                 if prefetch:
                     drain()
-                if prefetch and cm.prefetch_storage(request):
-                    held[rid] = request
+                    held[rid] = (request, engine.prefetch(request))
                 else:
                     rm.add_request(request)
-            for rid in cm.drain_pending_prefetches():
-                rm.add_request(held.pop(rid))
+            answered = [rid for rid, (_, future) in held.items() if future.done()]
+            engine.dispatch()  # drains what the answered prefetches queued
+            if not engine.loads:
+                for rid in answered:
+                    request, future = held.pop(rid)
+                    future.result()
+                    rm.add_request(request)
             engine.step()
             steps += 1
             if steps % 20 == 0:

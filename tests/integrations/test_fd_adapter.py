@@ -191,16 +191,18 @@ def test_a_request_that_holds_blocks_cannot_be_matched_again(channel: str) -> No
     cm = fd.CacheManager(config(), channel_name=channel)
     try:
         r = request("r", list(range(9)))
-        cm.match_prefix(r)
+        cm.match_prefix(r, skip_storage=True)
         r.block_tables = list(r.match_result.device_block_ids)
         r.block_tables += cm.allocate_gpu_blocks(r, 3)
-        cm.match_prefix(r)  # logged, counted; the request keeps its blocks
+        cm.match_prefix(r, skip_storage=True)  # logged, counted; the request keeps its blocks
         assert cm.get_stats()["match_failures"] == 1
         assert r.match_result.total_matched_blocks == 0
         assert list(cm.manager.block_table("r").block_ids) == r.block_tables
         stale = request("stale", list(range(9)))
-        cm.match_prefix(stale)  # matched, then forgotten by the engine without a free
-        cm.match_prefix(stale)  # released and matched again
+        cm.match_prefix(
+            stale, skip_storage=True
+        )  # matched, then forgotten by the engine without a free
+        cm.match_prefix(stale, skip_storage=True)  # released and matched again
         cm.request_finish(stale)
         cm.request_finish(r)
         cm.manager.check_invariants()
@@ -212,7 +214,7 @@ def test_prefix_caching_off_allocates_without_matching_or_caching(channel: str) 
     cm = fd.CacheManager(config(enable_prefix_caching=False), channel_name=channel)
     try:
         r = request("r", list(range(9)))
-        cm.match_prefix(r)
+        cm.match_prefix(r, skip_storage=True)
         assert r.match_result.total_matched_blocks == 0  # v1: an empty result
         r.block_tables += cm.allocate_gpu_blocks(r, 3)
         assert len(r.block_tables) == 3
@@ -256,7 +258,7 @@ def test_cache_config_changes_and_resets_only_when_idle(channel: str) -> None:
     cm = fd.CacheManager(config(), channel_name=channel)
     try:
         r = request("r", list(range(9)))
-        cm.match_prefix(r)
+        cm.match_prefix(r, skip_storage=True)
         r.block_tables += cm.allocate_gpu_blocks(r, 3)
         assert cm.reset_cache() is False
         with pytest.raises(ValueError, match="idle"):

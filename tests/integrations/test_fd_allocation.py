@@ -30,7 +30,7 @@ def request(rid: str, tokens: list[int]) -> Request:
 
 def admit(cm: fd.CacheManager, r: Request, num_blocks: int) -> list[int]:
     """FastDeploy's admission: match, then extend the table by what allocate gives."""
-    cm.match_prefix(r)
+    cm.match_prefix(r, skip_storage=True)
     r.block_tables = list(r.match_result.device_block_ids)
     new = cm.allocate_gpu_blocks(r, num_blocks)
     r.block_tables += new
@@ -179,7 +179,7 @@ def test_blocks_a_request_did_not_hold_when_it_computed_are_never_committed(
         cm.request_finish(r)
         assert cm.get_stats()["uncovered_computes"] == 1
         again = request("again", list(range(2 * BS + 1)))
-        cm.match_prefix(again)
+        cm.match_prefix(again, skip_storage=True)
         assert again.match_result.total_matched_blocks == 0
         cm.request_finish(again)
     finally:

@@ -23,7 +23,7 @@ def _admitted(cm: fd.CacheManager, rid: str, tokens: list[int], blocks: int) -> 
     r = Request(rid, tokens, 8)
     r.set_block_hasher(get_request_block_hasher(BS))
     r.use_extend_tables = True
-    cm.match_prefix(r)
+    cm.match_prefix(r, skip_storage=True)  # as ResourceManagerV1 calls it
     r.block_tables = list(r.match_result.device_block_ids)
     r.block_tables += cm.allocate_gpu_blocks(r, np.int32(blocks))
     return r

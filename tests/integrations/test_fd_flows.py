@@ -333,7 +333,7 @@ def test_finish_with_metadata_never_dispatched_fails_it_locally(channel: str) ->
         c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
         engine.add_request(c)
         engine.waiting.remove(c)
-        cm.match_prefix(c)
+        cm.match_prefix(c, skip_storage=True)
         assert (c.match_result.matched_device_nums, c.match_result.matched_host_nums) == (3, 1)
         c.block_tables = list(c.match_result.device_block_ids)
         new = cm.allocate_gpu_blocks(c, 2)  # the host hit's destination, one fresh block
@@ -425,7 +425,7 @@ def test_a_batch_refused_for_one_foreign_entry_fails_everything_merged_with_it(
         c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
         engine.add_request(c)
         engine.waiting.remove(c)
-        cm.match_prefix(c)
+        cm.match_prefix(c, skip_storage=True)  # as ResourceManagerV1 calls it
         c.block_tables = list(c.match_result.device_block_ids)
         cm.allocate_gpu_blocks(c, 2)  # the host hit's swap-in, evictions to make room
         batch = BatchRequest()

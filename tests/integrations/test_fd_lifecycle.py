@@ -33,7 +33,7 @@ def request(rid: str, tokens: list[int]) -> Request:
 def cached(cm: fd.CacheManager, tokens: list[int], rid: str) -> None:
     """Run a request to its first token and finish it: its full blocks are cached."""
     r = request(rid, tokens)
-    cm.match_prefix(r)
+    cm.match_prefix(r, skip_storage=True)
     r.block_tables = r.match_result.device_block_ids
     r.block_tables.extend(cm.allocate_gpu_blocks(r, -(-len(tokens) // BS)))
     r.output_token_ids = [1]
@@ -45,7 +45,7 @@ def test_the_match_result_stays_what_was_matched_as_the_table_grows(channel: str
     try:
         cached(cm, list(range(2 * BS + 1)), "first")
         r = request("r", list(range(2 * BS + 1)))
-        cm.match_prefix(r)
+        cm.match_prefix(r, skip_storage=True)
         result = r.match_result
         # ResourceManagerV1: request.block_tables = match_result.device_block_ids,
         # then request.block_tables.extend(allocate_gpu_blocks(...)).
@@ -65,13 +65,13 @@ def test_update_cache_blocks_in_the_prefill_role_caches_only_proven_kv(channel: 
     cm = fd.CacheManager(config(), channel_name=channel)
     try:
         r = request("p", list(range(2 * BS + 1)))
-        cm.match_prefix(r)
+        cm.match_prefix(r, skip_storage=True)
         r.block_tables = r.match_result.device_block_ids
         r.block_tables.extend(cm.allocate_gpu_blocks(r, 3))
         cm.update_cache_blocks(r, BS, len(r.prompt_token_ids))
         assert r.num_cached_blocks == 0  # nothing computed yet: nothing cached
         peer = request("peer", list(range(2 * BS + 1)))
-        cm.match_prefix(peer)
+        cm.match_prefix(peer, skip_storage=True)
         assert peer.match_result.total_matched_blocks == 0
         cm.request_finish(peer)
         r.output_token_ids = [5]  # the prefill ran: its first token proves the KV
@@ -96,13 +96,13 @@ def test_reset_at_pause_waits_for_copies_in_flight_and_drops_unsent_backups(
         # one hit); the next schedule sends them: copies in flight.
         cached(cm, list(range(2 * BS + 1)), "a")
         hit = request("hit", list(range(2 * BS + 1)))
-        cm.match_prefix(hit)
+        cm.match_prefix(hit, skip_storage=True)
         sent = cm.issue_pending_backup_to_batch_request()
         assert sent is not None and len(sent.src_block_ids) == 2
         # More backups planned after the last schedule: never sent.
         cached(cm, list(range(100, 100 + 2 * BS + 1)), "b")
         hit2 = request("hit2", list(range(100, 100 + 2 * BS + 1)))
-        cm.match_prefix(hit2)
+        cm.match_prefix(hit2, skip_storage=True)
         assert cm.get_pending_backup_count() == 2
         assert cm.reset_cache() is False  # requests still active: nothing reset
         # Pause: every request aborted and drained.
@@ -140,7 +140,7 @@ def test_a_reset_whose_copy_outlasts_the_wait_is_owed_and_nothing_hits_meanwhile
     try:
         cached(cm, list(range(100, 100 + 4 * BS + 1)), "b")
         big = request("big", list(range(200, 200 + 6 * BS)))
-        cm.match_prefix(big)
+        cm.match_prefix(big, skip_storage=True)
         big.block_tables = big.match_result.device_block_ids
         big.block_tables.extend(cm.allocate_gpu_blocks(big, 6))
         evict = big.pop_cache_evict_metadata()
@@ -149,7 +149,7 @@ def test_a_reset_whose_copy_outlasts_the_wait_is_owed_and_nothing_hits_meanwhile
         assert cm.reset_cache() is False  # the worker has not answered
         assert cm.get_stats()["inflight_transfers"] == 1  # its blocks stay reserved
         again = request("again", list(range(100, 100 + 4 * BS + 1)))
-        cm.match_prefix(again)  # cached before the reset, but maybe gone now
+        cm.match_prefix(again, skip_storage=True)  # cached before the reset, but maybe gone now
         assert again.match_result.total_matched_blocks == 0
         cm.request_finish(again)
         (tid,) = transfer_ids(evict[0])
@@ -163,7 +163,7 @@ def test_a_reset_whose_copy_outlasts_the_wait_is_owed_and_nothing_hits_meanwhile
         assert cm.num_free_device_blocks == 8
         cached(cm, list(range(100, 100 + 4 * BS + 1)), "after")  # caching again
         hit = request("hit", list(range(100, 100 + 4 * BS + 1)))
-        cm.match_prefix(hit)
+        cm.match_prefix(hit, skip_storage=True)
         assert hit.match_result.total_matched_blocks == 4
         cm.request_finish(hit)
     finally:
@@ -183,7 +183,7 @@ def test_a_request_admitted_while_reset_waits_gets_no_hit_and_the_reset_still_ha
         prompt = list(range(100, 100 + 4 * BS + 1))
         cached(cm, prompt, "b")
         big = request("big", list(range(200, 200 + 6 * BS)))
-        cm.match_prefix(big)
+        cm.match_prefix(big, skip_storage=True)
         big.block_tables = big.match_result.device_block_ids
         big.block_tables.extend(cm.allocate_gpu_blocks(big, 6))
         (evict,) = big.pop_cache_evict_metadata()
@@ -193,7 +193,7 @@ def test_a_request_admitted_while_reset_waits_gets_no_hit_and_the_reset_still_ha
         waiting.start()
         time.sleep(0.1)  # reset_cache is waiting for the eviction
         late = request("late", prompt)
-        cm.match_prefix(late)
+        cm.match_prefix(late, skip_storage=True)
         assert late.match_result.total_matched_blocks == 0
         late.block_tables = late.match_result.device_block_ids
         late.block_tables.extend(cm.allocate_gpu_blocks(late, 5))  # active meanwhile

@@ -8,6 +8,7 @@ the real workers and disk: tests/fastdeploy_real/test_real_fd_storage.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from fastkv.integrations.fd_transfers import (
     parse_merged,
     split_storage,
     storage_ids,
+    storage_tag_of,
     storage_to_fastdeploy,
     to_fastdeploy,
     transfer_ids,
@@ -143,7 +145,7 @@ def test_write_cache_to_storage_writes_its_blocks_under_write_through(channel: s
     sender = ResultsSender(channel, 0)
     try:
         r = request("a", list(range(10, 10 + 3 * BS + 1)))
-        cm.match_prefix(r)
+        cm.match_prefix(r, skip_storage=True)
         r.block_tables = cm.allocate_gpu_blocks(r, 4)
         r.output_token_ids.append(7)  # a sampled token proves the prompt's KV
         r.num_computed_tokens = 3 * BS + 1
@@ -166,30 +168,78 @@ def test_write_cache_to_storage_writes_its_blocks_under_write_through(channel: s
         cm.close()
 
 
+class Preprocess:
+    """`prefetch_storage` on a thread of its own, as upstream's preprocess pool
+    calls it."""
+
+    def __init__(self, cm: fd.CacheManager, r: Request) -> None:
+        self.answer: list[bool] = []
+        self.thread = threading.Thread(
+            target=lambda: self.answer.append(cm.prefetch_storage(r))
+        )
+        self.thread.start()
+
+    def result(self) -> bool:
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "prefetch_storage did not return"
+        return self.answer[0]
+
+
+def drain(cm: fd.CacheManager, count: int) -> list:
+    """The engine loop's drains until `count` tasks came."""
+    tasks: list = []
+    deadline = time.monotonic() + 10
+    while len(tasks) < count:
+        assert time.monotonic() < deadline, tasks
+        tasks += cm.drain_pending_prefetches()
+        time.sleep(0.002)
+    return tasks
+
+
+def prefetch(
+    cm: fd.CacheManager, sender: ResultsSender, r: Request, hits: int, applied: int = 0
+) -> tuple[bool, list]:
+    """Upstream's order: prefetch on the preprocess thread; the engine drains the
+    lookup and a worker answers `hits`; then the loads it planned are drained."""
+    pre = Preprocess(cm, r)
+    (lookup,) = drain(cm, 1)
+    assert lookup.request_id == r.request_id
+    assert lookup.metadata.direction == "lookup" and lookup.host_block_ids == []
+    _, (qid,) = storage_ids(lookup.metadata)
+    deliver(cm, sender, [LookupResult(qid, hits)], applied + 1)
+    found = pre.result()
+    return found, cm.drain_pending_prefetches()
+
+
 def test_prefetched_blocks_are_storage_hits_swapped_in_like_host_hits(channel: str) -> None:
     cm = fd.CacheManager(config(), channel_name=channel)
     sender = ResultsSender(channel, 0)
     try:
         r = request("p", list(range(50, 50 + 3 * BS + 1)))
-        assert cm.prefetch_storage(r) is True
-        assert cm.prefetch_storage(r) is True  # one prefetch per request
-        assert cm.drain_pending_prefetches() == []
-        meta = cm.issue_pending_backup_to_batch_request()  # sent with an empty batch
-        _, (qid,) = storage_ids(meta)
-        assert split_storage(meta)[1].lookups[qid] == list(r.prompt_hashes)[:3]
+        r._match_result = "stale"
+        pre = Preprocess(cm, r)
+        (lookup,) = drain(cm, 1)  # the lookup never rides a step
+        assert [storage_tag_of(h)[2] for h in lookup.metadata.hash_values] == list(
+            r.prompt_hashes
+        )[:3]
+        _, (qid,) = storage_ids(lookup.metadata)
         deliver(cm, sender, [LookupResult(qid, 2)], 1)  # storage holds the first two
-        assert cm.drain_pending_prefetches() == []  # loading
-        loads = cm.issue_pending_backup_to_batch_request()
-        (lid,), _ = storage_ids(loads)
-        assert len(split_storage(loads)[1].loads[lid]) == 2
+        assert pre.result() is True
+        assert r._match_result is None  # upstream: the scheduler matches afresh
+        assert cm.prefetch_storage(r) is False  # one prefetch per request
+        (load,) = cm.drain_pending_prefetches()
+        assert load.request_id == "p" and load.metadata.direction == "load"
+        assert load.metadata.block_ids == load.host_block_ids and len(load.host_block_ids) == 2
+        assert cm.issue_pending_backup_to_batch_request() is None  # nothing rides a step
+        (lid,), _ = storage_ids(load.metadata)
         deliver(cm, sender, [TransferResult(lid, True)], 2)
-        assert cm.drain_pending_prefetches() == ["p"]
-        cm.match_prefix(r)
+        cm.update_storage_blocks_to_host(load.host_block_ids)  # every rank reported
+        cm.match_prefix(r, skip_storage=True)
         result = r.match_result
         assert (result.matched_device_nums, result.matched_host_nums) == (0, 0)
         assert result.matched_storage_nums == 2
         # The match itself looks nothing up (the request does not wait for it).
-        assert storage_ids(cm.issue_pending_backup_to_batch_request()) == ([], [])
+        assert cm.drain_pending_prefetches() == []
         assert cm.can_allocate_gpu_blocks(4)
         r.block_tables = cm.allocate_gpu_blocks(r, 4)
         assert len(r.block_tables) == 4  # the yes was exact
@@ -205,23 +255,77 @@ def test_prefetched_blocks_are_storage_hits_swapped_in_like_host_hits(channel: s
         cm.close()
 
 
-def test_a_failed_load_is_no_hit(channel: str) -> None:
+def test_a_failed_load_is_no_hit_and_abort_frees_its_blocks(channel: str) -> None:
     cm = fd.CacheManager(config(), channel_name=channel)
     sender = ResultsSender(channel, 0)
     try:
         r = request("f", list(range(90, 90 + 3 * BS + 1)))
-        assert cm.prefetch_storage(r)
-        _, (qid,) = storage_ids(cm.issue_pending_backup_to_batch_request())
-        deliver(cm, sender, [LookupResult(qid, 3)], 1)
-        (lid,), _ = storage_ids(cm.issue_pending_backup_to_batch_request())
+        found, (load,) = prefetch(cm, sender, r, 3)
+        assert found and len(load.host_block_ids) == 3
+        with pytest.raises(ValueError, match=r"host_block_ids\[0\]"):
+            cm.abort_prefetch_blocks([99])
+        (lid,), _ = storage_ids(load.metadata)
         deliver(cm, sender, [TransferResult(lid, False, "disk", (1,))], 2)  # block 1 bad
-        assert cm.drain_pending_prefetches() == ["f"]
-        cm.match_prefix(r)
+        cm.abort_prefetch_blocks(load.host_block_ids)  # a rank reported the failure
+        assert cm.get_stats()["pending_prefetches"] == 0
+        assert cm.num_free_host_blocks == 4 - 1  # blocks 1 and 2 freed, block 0 loaded
+        cm.match_prefix(r, skip_storage=True)
         assert r.match_result.matched_storage_nums == 1  # only what precedes the hole
         cm.request_finish(r)
         cm.manager.check_invariants()
     finally:
         sender.close()
+        cm.close()
+
+
+def test_prefetch_storage_waits_a_bounded_time_and_storage_without_the_prefix_is_false(
+    channel: str,
+) -> None:
+    """Nobody drains: the preprocess thread gets False after the timeout, and the
+    lookup it left is dropped (answered into nothing). Storage holding none of
+    the blocks: False, and nothing is held."""
+    cm = fd.CacheManager(config(), channel_name=channel, prefetch_lookup_timeout_s=0.05)
+    sender = ResultsSender(channel, 0)
+    try:
+        r = request("t", list(range(300, 300 + 2 * BS + 1)))
+        started = time.monotonic()
+        assert cm.prefetch_storage(r) is False
+        assert time.monotonic() - started < 5
+        assert cm.get_stats()["pending_prefetches"] == 0
+        (late,) = cm.drain_pending_prefetches()
+        _, (qid,) = storage_ids(late.metadata)
+        deliver(cm, sender, [LookupResult(qid, 2)], 1)
+        assert cm.drain_pending_prefetches() == []  # no load for a lookup given up
+        cm.prefetch_lookup_timeout_s = 5.0
+        found, tasks = prefetch(cm, sender, r, 0, applied=1)
+        assert (found, tasks) == (False, [])
+        assert cm.get_stats()["pending_prefetches"] == 0
+        cm.manager.check_invariants()
+    finally:
+        sender.close()
+        cm.close()
+
+
+def test_match_prefix_by_default_pins_nothing(channel: str) -> None:
+    """Upstream's newer default (`skip_storage=False`): counts of what is cached
+    now, nothing locked or registered; ResourceManagerV1's `True` locks."""
+    cm = fd.CacheManager(config(), channel_name=channel)
+    try:
+        a = request("a", list(range(10, 10 + 2 * BS + 1)))
+        cm.match_prefix(a, skip_storage=True)
+        a.block_tables = cm.allocate_gpu_blocks(a, 3)
+        a.output_token_ids.append(7)
+        a.num_computed_tokens = 2 * BS + 1
+        cm.request_finish(a)  # its two full blocks stay cached
+        b = request("b", list(range(10, 10 + 2 * BS + 1)))
+        free = cm.num_free_device_blocks
+        cm.match_prefix(b)
+        assert b.match_result.matched_device_nums == 2
+        assert not cm.manager.is_active("b") and cm.manager.get_stats().active_requests == 0
+        assert cm.num_free_device_blocks == free
+        assert cm.drain_pending_prefetches() == []  # and no storage lookup
+        cm.manager.check_invariants()
+    finally:
         cm.close()
 
 
@@ -289,21 +393,88 @@ def test_the_first_request_to_hit_a_block_from_storage_counts_it(channel: str) -
     try:
         shared = list(range(200, 200 + 2 * BS))
         r = request("r", [*shared, 1, 2, 3])
-        assert cm.prefetch_storage(r)
-        _, (qid,) = storage_ids(cm.issue_pending_backup_to_batch_request())
-        deliver(cm, sender, [LookupResult(qid, 2)], 1)
-        (lid,), _ = storage_ids(cm.issue_pending_backup_to_batch_request())
+        found, (load,) = prefetch(cm, sender, r, 2)
+        assert found
+        (lid,), _ = storage_ids(load.metadata)
         deliver(cm, sender, [TransferResult(lid, True)], 2)
-        assert cm.drain_pending_prefetches() == ["r"]
+        cm.update_storage_blocks_to_host(load.host_block_ids)
+        cm.request_finish(r)  # r is dropped before its match: its blocks stay in host
         other = request("s", [*shared, 9, 9, 9, 9, 9])
-        cm.match_prefix(other)
+        cm.match_prefix(other, skip_storage=True)
         assert other.match_result.matched_storage_nums == 2
-        cm.match_prefix(r)  # the same blocks again: host hits now, not storage
-        assert (r.match_result.matched_host_nums, r.match_result.matched_storage_nums) == (2, 0)
+        r2 = request("r2", [*shared, 1, 2, 3])
+        cm.match_prefix(r2, skip_storage=True)  # the same blocks again: host hits, not storage
+        assert (r2.match_result.matched_host_nums, r2.match_result.matched_storage_nums) == (
+            2,
+            0,
+        )
         assert cm.get_stats()["storage_hit_blocks"] == 2
         cm.request_finish(other)
-        cm.request_finish(r)
+        cm.request_finish(r2)
         cm.manager.check_invariants()
     finally:
         sender.close()
         cm.close()
+
+
+def test_the_worker_takes_a_drained_task_without_a_step(
+    channel: str, tmp_path, monkeypatch
+) -> None:
+    """`prefetch_from_storage(task.metadata)`: a lookup and a load reach the disk
+    with no step at all; metadata fastkv did not make is refused whole."""
+    pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
+    from fd_standins import AttentionBackend
+
+    from fastkv.channel import ResultsReceiver
+    from fastkv.integrations.fd_prefetch import FDStorageMetadata
+
+    monkeypatch.setenv(fdc.STORAGE_DIR_ENV, str(tmp_path / "kv"))
+    receiver = ResultsReceiver(channel, 1)
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    try:
+        with pytest.raises(ValueError, match="direction"):
+            worker.prefetch_from_storage(FDStorageMetadata(direction="evict"))
+        worker.prefetch_from_storage(FDStorageMetadata(["Q1:blk"], [-1], "lookup"))
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            worker.report_results()
+            got += receiver.poll()
+            time.sleep(0.005)
+        assert got == [LookupResult(1, 0)]  # no cache yet: answered none
+        worker.initialize_kv_cache(
+            attn_backend=AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS),
+            num_gpu_blocks=8,
+        )
+        ctrl = worker.controller
+        for t in range(len(ctrl.caches)):
+            ctrl.host_blocks(t)[0] = 0x3C
+        write = FKMeta(40, FK.HOST, FK.STORAGE, [0], [], ["blk"])
+        worker.submit_swap_tasks(
+            storage_to_fastdeploy(None, write, (), CacheSwapMetadata, CacheLevel), None
+        )
+        got = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:  # the write landed first
+            worker.report_results()
+            got += receiver.poll()
+            time.sleep(0.005)
+        assert got == [TransferResult(40, True, "", ())]
+        with pytest.raises(ValueError, match="not fastkv storage loads"):
+            worker.prefetch_from_storage(FDStorageMetadata(["blk"], [2], "load"))
+        worker.prefetch_from_storage(
+            FDStorageMetadata(["Q41:blk", "Q41:other"], [-1, -1], "lookup")
+        )
+        worker.prefetch_from_storage(FDStorageMetadata(["L42:blk"], [3], "load"))
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            worker.report_results()
+            got += receiver.poll()
+            time.sleep(0.005)
+        assert LookupResult(41, 1) in got and TransferResult(42, True, "", ()) in got
+        for t in range(len(ctrl.caches)):
+            assert (ctrl.host_blocks(t)[3] == 0x3C).all()
+    finally:
+        worker.free_cache()
+        receiver.close()

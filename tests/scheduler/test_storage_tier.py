@@ -435,3 +435,28 @@ def test_keys_of_failed_loads_are_remembered_within_a_bound_of_count_and_age() -
     mgr.apply_results([TransferResult(load.transfer_id, False, "io")])
     mgr.abort("late")
     assert list(remembered) == unique("late", 1)
+
+
+def test_take_storage_reads_takes_lookups_and_loads_and_leaves_the_rest() -> None:
+    """An engine that sends storage reads on a route of their own takes only them;
+    device copies stay for the step's `take_swap_metadata`, no read is taken twice."""
+    mgr = make(device=4, host=8)
+    assert mgr.take_storage_reads() == (None, ())
+    mgr.match("big", [], 1)
+    assert mgr.allocate("big", num_tokens=4 * BS)  # every device block
+    hit = mgr.match("q", keys("b", 2), prompt(2))
+    assert hit.storage_lookup
+    load, (lookup,) = mgr.take_storage_reads()
+    assert load is None and list(lookup.block_hashes) == keys("b", 2)
+    mgr.apply_results([LookupResult(lookup.lookup_id, 2)])
+    load, lookups = mgr.take_storage_reads()
+    assert lookups == () and list(load.block_hashes) == keys("b", 2)
+    mgr.abort("big")
+    admit(mgr, "c", keys("c", 2))
+    mgr.commit("c", num_computed_tokens=2 * BS)
+    tasks = mgr.take_swap_metadata()
+    assert tasks.storage_load is None and not tasks.lookups  # taken once, above
+    mgr.apply_results([TransferResult(load.transfer_id, True)])
+    mgr.finish("q")
+    mgr.finish("c")
+    assert_no_leak(mgr)
