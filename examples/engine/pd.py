@@ -201,8 +201,16 @@ class PDEngine:
     """Serves a workload with P prefilling and D decoding (see the module doc)."""
 
     def __init__(
-        self, config: EngineConfig, p_tp: int, d_tp: int, fail_rate: float = 0.0, seed: int = 0
+        self,
+        config: EngineConfig,
+        p_tp: int,
+        d_tp: int,
+        fail_rate: float = 0.0,
+        seed: int = 0,
+        local_d: bool = False,
     ) -> None:
+        """`local_d`: no P at all; D prefills every prompt itself (what PD saves D:
+        the same run's time to first token without disaggregation)."""
         base = dataclasses.replace(config, fail_rate=0.0, num_host_blocks=0)
         self.p_cfg = dataclasses.replace(base, tp_size=p_tp)
         self.d_cfg = dataclasses.replace(base, tp_size=d_tp)
@@ -210,6 +218,7 @@ class PDEngine:
         self.rng = random.Random(seed)
         self.bs = config.block_size
         self.stats = PDStats()
+        self.local_d = local_d
 
     def _manager(self, cfg: EngineConfig) -> CacheManager:
         return CacheManager(
@@ -224,7 +233,8 @@ class PDEngine:
     def run(self, workload: Workload) -> RunResult:
         self.p, self.d = Instance(self.p_cfg, "p"), Instance(self.d_cfg, "d")
         try:
-            self.p.start()
+            if not self.local_d:
+                self.p.start()
             self.d.start()
             return self._serve(workload)
         finally:
@@ -232,18 +242,9 @@ class PDEngine:
             self.d.close()
 
     def _serve(self, workload: Workload) -> RunResult:
-        p_tp, d_tp = self.p_cfg.tp_size, self.d_cfg.tp_size
+        d_tp = self.d_cfg.tp_size
         d_ranks = self.d.hello  # (address, layout) per D rank
-        self.p.ask_each(
-            [
-                ("connect", [d_ranks[r] for r in range(d_tp) if r * p_tp // d_tp == rank])
-                for rank in range(p_tp)
-            ]
-        )
         self.p_mgr, self.d_mgr = self._manager(self.p_cfg), self._manager(self.d_cfg)
-        self.p_side = PrefillTransfers(
-            self.p_mgr, layout_digest=self.p.hello[0][1].digest(), num_ranks=p_tp
-        )
         self.d_side = DecodeTransfers(
             self.d_mgr,
             layout_digest=d_ranks[0][1].digest(),
@@ -251,6 +252,8 @@ class PDEngine:
             timeout_s=SETTLE_S,
             fence_grace_s=10.0,
         )
+        if not self.local_d:
+            self._connect(d_ranks)
         self.live: set[tuple[int, int]] = set()  # transfers D's receivers expect
         self.d_root = request_root(namespace_root(self.d_mgr.config.namespace_key()))
         result = RunResult(self.d_cfg, "cpu", {}, {}, 0.0, 0)
@@ -261,14 +264,37 @@ class PDEngine:
                 step += 1
                 continue
             result.prompt_tokens += sum(len(a.tokens) for a in arrivals)
-            reqs = self._prefill_on_p(arrivals, result)
-            self._land_on_d(reqs, result)
+            if self.local_d:
+                reqs = [
+                    _Req(a.request_id, list(a.tokens), a.max_new_tokens, time.perf_counter())
+                    for a in arrivals
+                ]
+                for r in reqs:
+                    hit = self.d_mgr.add_request(r.rid, r.prompt)
+                    self.stats.d_prefix_hit_tokens += hit.num_device_hits * self.bs
+                self._recompute_on_d(reqs, result)
+            else:
+                reqs = self._prefill_on_p(arrivals, result)
+                self._land_on_d(reqs, result)
             step = self._decode_on_d(reqs, result, workload, step)
         result.seconds = time.perf_counter() - start
         result.steps = step
-        self.p_side.check_invariants()
         self.d_side.check_invariants()
+        if not self.local_d:
+            self.p_side.check_invariants()
         return result
+
+    def _connect(self, d_ranks: list) -> None:
+        p_tp, d_tp = self.p_cfg.tp_size, self.d_cfg.tp_size
+        self.p.ask_each(
+            [
+                ("connect", [d_ranks[r] for r in range(d_tp) if r * p_tp // d_tp == rank])
+                for rank in range(p_tp)
+            ]
+        )
+        self.p_side = PrefillTransfers(
+            self.p_mgr, layout_digest=self.p.hello[0][1].digest(), num_ranks=p_tp
+        )
 
     def _prefill_on_p(self, arrivals: list, result: RunResult) -> list[_Req]:
         works, plans, fail, reqs = [], [], {}, []
@@ -351,7 +377,11 @@ class PDEngine:
         out: StepOutput = self.d.ask(("step", StepBatch(0, works)))[0]
         for r in reqs:
             self.d_mgr.commit(r.rid, num_computed_tokens=len(r.prompt))
-            if out.outputs[r.rid].next_token != r.generated[0]:
+            token = out.outputs[r.rid].next_token
+            if not r.generated:  # no P: D's own first token
+                r.generated.append(token)
+                r.logits = out.outputs[r.rid].logits
+            elif token != r.generated[0]:
                 result.rank_mismatches.append(f"{r.rid}: D's recomputed first token differs")
             self.stats.recomputed += 1
             self.stats.ttft_s.append(time.perf_counter() - r.offered_at)
