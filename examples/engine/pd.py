@@ -24,12 +24,13 @@ import multiprocessing as mp
 import os
 import random
 import time
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from examples.engine.config import EngineConfig
-from examples.engine.protocol import RequestWork, StepBatch, StepOutput
+from examples.engine.protocol import RequestWork, StepBatch, StepOutput, WorkerFailed
 from examples.engine.rank_group import RankGroup
 from examples.engine.scheduler import RunResult
 from examples.engine.workload import Workload
@@ -49,7 +50,16 @@ SETTLE_S = 30.0
 
 
 def serve(conn: Connection, config: EngineConfig, rank: int, peers: dict, role: str) -> None:
-    """A P or D rank: answers ("name", args) tuples until None."""
+    """A P or D rank: answers ("name", args) tuples until None; an error goes back
+    as a `WorkerFailed` and ends the process."""
+    try:
+        _serve_rank(conn, config, rank, peers, role)
+    except Exception:
+        with contextlib.suppress(OSError):  # the scheduler may be gone too
+            conn.send(WorkerFailed(traceback.format_exc()))
+
+
+def _serve_rank(conn: Connection, config: EngineConfig, rank: int, peers: dict, role: str):
     from examples.engine.worker import Worker
     from fastkv.pd.layout import KVLayout
     from fastkv.pd.mooncake_te import MooncakeTransport
@@ -142,12 +152,21 @@ class Instance:
             for sock in ends.values():
                 sock.close()
         self.conns = [parent for parent, _ in pipes]
-        self.hello = [c.recv() for c in self.conns]
+        self.hello = [self._recv(r) for r in range(len(self.conns))]
+
+    def _recv(self, rank: int) -> Any:
+        try:
+            reply = self.conns[rank].recv()
+        except EOFError:
+            raise RuntimeError(f"{self.role} rank {rank}: the worker exited") from None
+        if isinstance(reply, WorkerFailed):
+            raise RuntimeError(f"{self.role} rank {rank} failed:\n{reply.error}")
+        return reply
 
     def ask_each(self, messages: list[Any]) -> list[Any]:
         for c, m in zip(self.conns, messages, strict=True):
             c.send(m)
-        return [c.recv() for c in self.conns]
+        return [self._recv(r) for r in range(len(self.conns))]
 
     def ask(self, message: Any) -> list[Any]:
         return self.ask_each([message] * len(self.conns))

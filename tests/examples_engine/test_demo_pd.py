@@ -48,3 +48,15 @@ def test_pd_demo_decodes_every_request_on_d_with_identical_outputs(
     assert 0.0 < s["overlap_frac"] <= 1.0
     if float(fail_rate):
         assert s["aborted_on_p"] > 0 and s["recomputed_tokens_on_d"] > 0
+
+
+def test_a_failing_pd_worker_is_reported_with_its_error() -> None:
+    """A rank that cannot start (float16 KV on the CPU) answers with its traceback;
+    the engine raises it instead of a bare EOFError (no TE endpoint is made)."""
+    from examples.engine.config import EngineConfig
+    from examples.engine.pd import PDEngine
+    from examples.engine.workload import ConversationSpec, MultiTurnChat
+
+    engine = PDEngine(EngineConfig(device="cpu", kv_dtype="float16"), 1, 1, local_d=True)
+    with pytest.raises(RuntimeError, match=r"d rank 0 failed:(.|\n)*float16 needs a GPU"):
+        engine.run(MultiTurnChat(ConversationSpec(conversations=1, turns=1)))
