@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation benchmark: each layer next to what it is built on,
 measured in the same run.
 
-    .venv/bin/python tools/bench_pd.py [--json] [--quick] [--only hook|te]
+    .venv/bin/python tools/bench_pd.py [--json] [--quick] [--only hook|te|e2e]
         [--layers-measured N] [--block-kib N ...] [--layers N] [--reps N]
 
 fastkv's own costs (`--only hook`), whatever the transport:
@@ -36,6 +36,16 @@ private network namespace (the engine listens on every interface):
    (`submit_in_caller=True`); `bench_te_python_cost`: the same calls with the
    engine stubbed out, the transport's own cost alone.
 Runs alternate the variants in every repetition; medians are reported.
+
+End to end (`--only e2e`), the demo engine's P and D instances over Mooncake TE in a
+private network namespace (examples/engine/pd.py; CPU model, one rank each), at 3
+and at 32 layers (`--e2e-layers`):
+  - the share of the transfer hidden behind P's prefill: per P step, the time from
+    the first layer handed to the transport to P's forward end, over the time to
+    the last write settled (1.0: nothing left to wait for once P finished);
+  - D's time to first token (offer to KV committed on D, P's first token in hand)
+    against the same run's D prefilling every prompt itself (no P), medians over
+    the requests of one multi-turn workload served both ways.
 
 The machine is shared and noisy (2 cores): read ratios, not absolute figures, and
 rerun before believing a difference under ~20 %.
@@ -569,6 +579,72 @@ def print_te(te: dict | str) -> None:
     )
 
 
+# -- end to end: the demo engine's P and D instances ------------------------------
+
+
+def bench_e2e_inside(layers_list: list[int], conversations: int) -> dict:
+    """Runs inside a private network namespace (see `bench_e2e`)."""
+    import dataclasses
+
+    from examples.engine.config import EngineConfig, ModelConfig
+    from examples.engine.pd import PDEngine
+    from examples.engine.workload import ConversationSpec, MultiTurnChat
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    spec = ConversationSpec(conversations=conversations, turns=2, new_tokens=2)
+    rows = []
+    for layers in layers_list:
+        config = EngineConfig(
+            device="cpu",
+            num_device_blocks=1024,
+            model=dataclasses.replace(ModelConfig(), num_layers=layers),
+        )
+        pd = PDEngine(config, 1, 1)
+        pd.run(MultiTurnChat(spec))
+        local = PDEngine(config, 1, 1, local_d=True)
+        local.run(MultiTurnChat(spec))
+        st = pd.stats
+        rows.append(
+            {
+                "layers": layers,
+                "requests": len(st.ttft_s),
+                "MiB_sent": round(st.bytes_sent / MiB, 1),
+                "hidden_frac": round(st.overlap_frac, 3),
+                "transfer_ms": round(st.transfer_s * 1e3, 1),
+                "ttft_pd_ms": round(statistics.median(st.ttft_s) * 1e3, 1),
+                "ttft_recompute_on_d_ms": round(statistics.median(local.stats.ttft_s) * 1e3, 1),
+            }
+        )
+    return {"rows": rows}
+
+
+def bench_e2e(layers_list: list[int], conversations: int) -> dict | str:
+    inside = json.dumps([layers_list, conversations])
+    proc = subprocess.run(
+        ["unshare", "--net", "--fork", sys.executable, __file__, "--e2e-inside", inside],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=dict(os.environ, GLOG_minloglevel="1"),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("E2E ")]
+    if proc.returncode != 0 or not lines:
+        return f"failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}"
+    return json.loads(lines[-1][4:])
+
+
+def print_e2e(e2e: dict | str) -> None:
+    if isinstance(e2e, str):
+        print(f"\nend to end: {e2e}")
+        return
+    print_table(
+        "End to end, the demo engine (CPU) P -> D over Mooncake TE: transfer hidden behind "
+        "P's prefill, and D's time to first token (median) against D prefilling itself",
+        e2e["rows"],
+        list(e2e["rows"][0]),
+    )
+
+
 # -- shared ----------------------------------------------------------------------
 
 
@@ -584,7 +660,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="less data, fewer repetitions")
-    parser.add_argument("--only", choices=["hook", "te"], default=None)
+    parser.add_argument("--only", choices=["hook", "te", "e2e"], default=None)
+    parser.add_argument("--e2e-layers", type=int, nargs="+", default=[3, 32])
+    parser.add_argument("--e2e-inside", help=argparse.SUPPRESS)
     parser.add_argument("--layers-measured", type=int, default=2048, help="at least 1000")
     parser.add_argument("--block-kib", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--layers", type=int, default=4, help="pieces per block: 2 x layers")
@@ -594,6 +672,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.te_receiver:
         _te_receiver(args.te_receiver)
+    if args.e2e_inside:
+        print("E2E " + json.dumps(bench_e2e_inside(*json.loads(args.e2e_inside))), flush=True)
+        os._exit(0)
     if args.te_inside:
         print("TE " + json.dumps(bench_te_inside(*json.loads(args.te_inside))), flush=True)
         os._exit(0)  # skip the engine's teardown
@@ -609,6 +690,8 @@ def main() -> None:
         result["te"] = bench_te(
             [k << 10 for k in args.block_kib], total, args.layers, reps, calls
         )
+    if args.only in (None, "e2e"):
+        result["e2e"] = bench_e2e(args.e2e_layers, 3 if args.quick else 8)
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -616,6 +699,8 @@ def main() -> None:
         print_hook_section(result["hook"])
     if "te" in result:
         print_te(result["te"])
+    if "e2e" in result:
+        print_e2e(result["e2e"])
 
 
 if __name__ == "__main__":

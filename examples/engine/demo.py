@@ -360,12 +360,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep serving /metrics this many seconds after the run (to scrape the "
         "final values)",
     )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=d.model.num_layers,
+        help="the demo model's layers (default %(default)s)",
+    )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: every request prefilled on a P instance "
+        "decodes on a D instance, KV over Mooncake TE on TCP loopback (re-run inside "
+        "`unshare --net` where it can)",
+    )
+    p.add_argument("--p-tp", type=int, default=1, help="--pd: P's tensor-parallel ranks")
+    p.add_argument("--d-tp", type=int, default=1, help="--pd: D's tensor-parallel ranks")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default="out/engine_demo.png", help="PNG path ('' for none)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.metrics_linger < 0:
         p.error(f"--metrics-linger: must be >= 0 seconds, got {args.metrics_linger}")
+    if args.layers < 1:
+        p.error(f"--layers: must be >= 1, got {args.layers}")
+    if args.pd and not (args.d_tp % args.p_tp == 0 and 2 % args.d_tp == 0):
+        p.error(
+            f"--p-tp {args.p_tp} --d-tp {args.d_tp}: D's ranks must be a multiple of P's, "
+            "each dividing the model's 2 KV heads (1-1, 1-2, 2-2)"
+        )
     try:
         args.config = EngineConfig(
             block_size=args.block_size,
@@ -381,6 +403,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             storage_dir=args.storage_dir,
             storage_blocks=args.storage_blocks,
             storage_write_policy=args.storage_write_policy,
+            model=dataclasses.replace(d.model, num_layers=args.layers),
         )
     except ValueError as e:
         flags = {"tp_size": "--tp", "fail_rank": "--fail-rank", "fail_rate": "--fail-rate"}
@@ -413,6 +436,10 @@ def report(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.pd:
+        from examples.engine.pd_demo import main_pd
+
+        return main_pd(args, argv, compare, run)
     config: EngineConfig = args.config
     metrics = server = None
     url = ""

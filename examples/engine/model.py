@@ -149,6 +149,7 @@ class TinyTransformer:
         block_size: int,
         wait_for_layer: Callable[[int], None] | None = None,
         gather_heads: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> np.ndarray:
         """Compute and store KV for every sequence's tokens, and return the logits
         of each sequence's last token, `[len(seqs), vocab]` float32.
@@ -164,6 +165,8 @@ class TinyTransformer:
                 attention output `[rows, heads * head_dim]` (its heads); returns
                 every rank's, concatenated in rank order `[rows, num_heads *
                 head_dim]`: the all-gather between the ranks.
+            after_layer: called once layer L's K and V of every sequence are in the
+                cache (prefill/decode disaggregation sends them from there).
 
         Raises:
             ValueError: tp_size > 1 without `gather_heads`.
@@ -202,6 +205,8 @@ class TinyTransformer:
                 _write_kv(v_cache, v[row : row + n], s, block_size)
                 outs.append(self._attend(q[row : row + n], k_cache, v_cache, s, block_size))
                 row += n
+            if after_layer is not None:
+                after_layer(layer)
             if pad:
                 outs.append(paddle.zeros([pad, self.num_heads * c.head_dim], dtype=x.dtype))
             attention = paddle.concat(outs, axis=0)

@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 
@@ -166,6 +166,8 @@ class Worker:
         self.kv = [
             (self.ctrl.key_caches[i], self.ctrl.value_caches[i]) for i in range(m.num_layers)
         ]
+        # called once layer L of a step is in the cache (examples/engine/pd.py)
+        self.after_layer: Callable[[int], None] | None = None
         self.checksums: dict[bytes, list[int]] = {}  # block hash -> CRC-32 per layer
         self.verified = 0
         self.problems: list[str] = []
@@ -310,7 +312,9 @@ class Worker:
             self._verify_layer(reads, layer)
 
         gather = self._gather_heads if self.config.tp_size > 1 else None
-        return self.model.forward(seqs, self.kv, self.config.block_size, before_layer, gather)
+        return self.model.forward(
+            seqs, self.kv, self.config.block_size, before_layer, gather, self.after_layer
+        )
 
     def _gather_heads(self, local: object) -> object:
         """All-gather the ranks' attention outputs `[rows, their heads * head_dim]`

@@ -28,7 +28,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fastkv.pd.transport import Piece, TransportError, WriteState
+from fastkv.pd.transport import Piece, TransportError, WriteState, check_timeout
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Handle:
@@ -43,7 +47,7 @@ class _Handle:
             return self._state
 
     def wait(self, timeout_s: float) -> WriteState:
-        end = time.monotonic() + max(0.0, timeout_s)
+        end = time.monotonic() + check_timeout("timeout_s", timeout_s)
         with self._fabric._cond:
             while True:
                 self._fabric._expire()
@@ -84,11 +88,19 @@ class InProcTransport:
         return self._name
 
     def register(self, addr: int, length: int) -> None:
-        if addr <= 0 or length <= 0:
-            raise TransportError(f"register: addr {addr:#x}, length {length}: must be > 0")
+        """Register `[addr, addr+length)`; refuses overlap with a registered region."""
+        for field, value in (("addr", addr), ("length", length)):
+            if not _is_int(value) or value <= 0:
+                raise TransportError(f"register: {field}={value!r}: must be a positive integer")
         with self._fabric._cond:
             self._check_live()
             i = bisect.bisect(self._starts, addr)
+            if (i > 0 and self.regions[i - 1][1] > addr) or (
+                i < len(self._starts) and self._starts[i] < addr + length
+            ):
+                raise TransportError(
+                    f"region [{addr:#x}, {addr + length:#x}) overlaps a registered region"
+                )
             self._starts.insert(i, addr)
             self.regions.insert(i, (addr, addr + length))
 
@@ -96,6 +108,9 @@ class InProcTransport:
         return self._fabric._write(self, peer, tuple(pieces))
 
     def notify(self, peer: str, payload: bytes, timeout_s: float) -> None:
+        check_timeout("timeout_s", timeout_s)
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise TransportError(f"payload: {type(payload).__name__}, must be bytes")
         self._fabric._notify(self, peer, bytes(payload))
 
     def poll_notices(self) -> list[tuple[str, bytes]]:
@@ -111,12 +126,9 @@ class InProcTransport:
             self.dead = True
 
     def covers(self, addr: int, length: int) -> bool:
-        """Whether one registered region holds `[addr, addr+length)` (regions may
-        overlap: every one starting at or before `addr` is tried, nearest first)."""
-        for i in range(bisect.bisect(self._starts, addr) - 1, -1, -1):
-            if addr + length <= self.regions[i][1]:
-                return True
-        return False
+        """Whether one registered region holds `[addr, addr+length)`."""
+        i = bisect.bisect(self._starts, addr) - 1
+        return i >= 0 and addr + length <= self.regions[i][1]
 
     def _check_live(self) -> None:
         if self.dead:
@@ -216,6 +228,10 @@ class InProcFabric:
             if dst is None or dst.dead:
                 raise TransportError(f"write: peer {peer!r} unknown or dead")
             for i, p in enumerate(pieces):
+                if not (_is_int(p.src) and _is_int(p.dst) and _is_int(p.length)):
+                    raise TransportError(
+                        f"pieces[{i}]={p!r}: addresses and length must be integers"
+                    )
                 if p.length <= 0 or not end.covers(p.src, p.length):
                     raise TransportError(f"pieces[{i}]: source outside a registered region")
                 if not dst.covers(p.dst, p.length):

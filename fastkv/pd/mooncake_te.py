@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import math
 import os
 import threading
 import time
@@ -62,24 +61,13 @@ from operator import add, le
 from typing import Any
 
 from fastkv.pd.transport import Piece, TransportError, WriteState
+from fastkv.pd.transport import check_timeout as _check_timeout
 
 MAX_NOTICE_BYTES = 64 << 10
-MAX_TIMEOUT_S = 3600.0
 NOTIFY_THREADS = 2
 QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
-
-
-def _check_timeout(field: str, value: float) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_TIMEOUT_S
-    ):
-        raise TransportError(f"{field}={value!r}: must be a number in (0, {MAX_TIMEOUT_S}] s")
-    return float(value)
 
 
 def _check_unsigned(*lists: list) -> None:

@@ -27,14 +27,29 @@ Contract (every implementation):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+MAX_TIMEOUT_S = 3600.0
+
 
 class TransportError(RuntimeError):
     """A transport refused or could not start an operation; the message says why."""
+
+
+def check_timeout(field: str, value: float) -> float:
+    """`value` as seconds in (0, MAX_TIMEOUT_S]; TransportError naming `field` else."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_TIMEOUT_S
+    ):
+        raise TransportError(f"{field}={value!r}: must be a number in (0, {MAX_TIMEOUT_S}] s")
+    return float(value)
 
 
 class WriteState(Enum):
