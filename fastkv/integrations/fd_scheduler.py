@@ -86,7 +86,8 @@ class FastDeployCacheManager:
             metrics object is not importable.
         fastdeploy_metrics: FastDeploy's metrics object (default: imported if
             importable).
-        reset_timeout_s: how long `reset_cache` waits for copies in flight.
+        reset_timeout_s: how long `reset_cache` waits for copies in flight (a
+            finite number of seconds >= 0; a bool is refused).
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
@@ -104,9 +105,7 @@ class FastDeployCacheManager:
         fastdeploy_metrics: Any | None = None,
         reset_timeout_s: float = 30.0,
     ) -> None:
-        if not isinstance(reset_timeout_s, (int, float)) or reset_timeout_s < 0:
-            raise ValueError(f"reset_timeout_s: must be >= 0, got {reset_timeout_s!r}")
-        self.reset_timeout_s = float(reset_timeout_s)
+        self.reset_timeout_s = fdc.as_seconds("reset_timeout_s", reset_timeout_s)
         # A reset_cache whose copies outlasted the wait: nothing hits until they
         # land and no request is active, then the cache is forgotten (see reset_cache).
         self._reset_pending = False

@@ -79,8 +79,9 @@ class FastDeployCacheController:
             place decides where copies run).
         channel_name: the results channel; default `results_channel_name(fd_config)`.
         fail_rate: fault injection (a fraction of copies fail); 0 in production.
-        report_interval_s: how often the reporter thread sends finished results;
-            0 disables it (results then go at the runner's calls only).
+        report_interval_s: how often the reporter thread sends finished results
+            (a finite number of seconds >= 0; a bool is refused); 0 disables it
+            (results then go at the runner's calls only).
         block_axis: the axis of each KV tensor holding a block's tokens (2 for
             FastDeploy's `[blocks, heads, block_size, dim]`).
         swap_in_retries: how many times at most a failed swap-in is copied again
@@ -107,8 +108,7 @@ class FastDeployCacheController:
     ) -> None:
         local_rank = as_int("local_rank", local_rank, 0)
         device_id = as_int("device_id", device_id, 0)
-        if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
-            raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
+        report_interval_s = fdc.as_seconds("report_interval_s", report_interval_s)
         self.fd_config = fd_config
         self.local_rank = local_rank
         self.device_id = device_id
@@ -123,7 +123,7 @@ class FastDeployCacheController:
         self.swap_in_retries = swap_in_retries
         self.fail_rate = fail_rate
         self.block_axis = block_axis
-        self.report_interval_s = float(report_interval_s)
+        self.report_interval_s = report_interval_s
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self._routes = ResultRoutes(ResultsSender(name, self.rank))
         hooks = StepHooks(recover=self._recover, report=self.report_results)

@@ -765,3 +765,19 @@ def test_a_live_cache_manager_keeps_its_channel_and_a_second_start_is_refused(
     finally:
         first.close()
     fd.CacheManager(config(), channel_name=channel).close()  # closed: the name is free
+
+
+@pytest.mark.parametrize(
+    "bad", [True, False, np.bool_(True), -1, float("nan"), float("inf"), "1"]
+)
+def test_seconds_settings_refuse_bools_and_non_finite_values(channel: str, bad) -> None:
+    """A bool is not a number of seconds (True would wait one second)."""
+    with pytest.raises(ValueError, match=r"^reset_timeout_s: must be a finite number"):
+        fd.CacheManager(config(), channel_name=channel, reset_timeout_s=bad)
+    with pytest.raises(ValueError, match=r"^report_interval_s: must be a finite number"):
+        fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=bad)
+    cm = fd.CacheManager(config(), channel_name=channel, reset_timeout_s=np.float64(0.5))
+    try:  # numpy's floats are seconds too; the channel's name was never held above
+        assert cm.reset_timeout_s == 0.5 and type(cm.reset_timeout_s) is float
+    finally:
+        cm.close()
