@@ -629,9 +629,14 @@ class FastDeployCacheManager:
             )
 
     def _build_rooms(self, config: CacheConfig) -> None:
-        """A new manager for `config`, and the rooms that work on it (empty)."""
+        """A new manager for `config`, and the rooms that work on it (empty). A
+        manager that replaces one (reset, new config) starts the next cache epoch:
+        transfer ids restart, and the workers' late reports of the old one's
+        transfers carry its epoch, so the new manager drops them."""
+        old = getattr(self, "manager", None)
+        manager = CacheManager(config, epoch=0 if old is None else old.epoch + 1)
         self.config = config
-        self.manager = CacheManager(config)
+        self.manager = manager
         self._book = CommitBook(
             self.manager,
             block_size=config.block_size,

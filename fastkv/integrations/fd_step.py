@@ -7,7 +7,8 @@ the runner waits on, and the retry of a failed swap-in before that wait raises.
   launched with those blocks as `reused_block_ids`, so the controller orders the
   model's writes after its reads (device-side on a GPU), whatever the runner does.
 - `StepLauncher.refuse` reports a step that cannot launch (no cache yet, or the
-  controller refused it) as failed; its counter raises at every wait.
+  controller refused it) as failed, in the epoch its tags carry; its counter
+  raises at every wait.
 - `StepLayerCounter` is what FastDeploy's runner waits on, layer by layer; a
   failure it meets is retried first (`SwapInRetry`), and raises
   `SwapInFailedError` only when no retry loaded the blocks.
@@ -260,7 +261,7 @@ class StepLauncher:
         error = f"not launched: {why}"
         log.error("fastkv rank %d: step %s", self._rank, error)
         self._routes.send(
-            TransferResult(t, False, error)
+            TransferResult(t, False, error, epoch=m.epoch)
             for m in (evict, swap)
             if m is not None
             for t in m.transfer_ids
@@ -285,7 +286,7 @@ class StepLauncher:
 
     def _expect(self, merged: MergedTransfer | None, local: CacheSwapMetadata | None) -> None:
         if merged is not None and local is not None:
-            self._routes.expect(local.transfer_id, merged.transfer_ids)
+            self._routes.expect(local.transfer_id, merged.transfer_ids, merged.epoch)
 
 
 class SwapInRetry:

@@ -47,7 +47,12 @@ from fastkv.integrations.fd_step import (
     SwapInFailedError,
     SwapInRetry,
 )
-from fastkv.integrations.fd_transfers import parse_merged, split_storage, tagged_ids
+from fastkv.integrations.fd_transfers import (
+    parse_merged,
+    split_storage,
+    step_epoch,
+    tagged_ids,
+)
 from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, submit_storage
 from fastkv.metadata import LookupResult, TransferResult
 from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
@@ -266,15 +271,20 @@ class FastDeployCacheController:
 
         Raises:
             ValueError: metadata fastkv's scheduler did not make (wrong levels,
-                lists of different lengths, untagged hashes); nothing is launched,
-                and every transfer and lookup of fastkv's merged into the batch is
-                reported failed (lookups with no hits), so none stays reserved.
+                lists of different lengths, untagged hashes, tags of two cache
+                epochs); nothing is launched, and every transfer and lookup of
+                fastkv's merged into the batch is reported failed (lookups with no
+                hits; each in the epoch its tag names), so none stays reserved.
+
+        Every result carries the cache epoch of the tags it answers (see
+        `fd_transfers`): a scheduler of a later epoch drops it.
         """
         with self._lock:
             try:  # the whole batch is checked before any of it runs
                 evict_rest, work = split_storage(evict_metadata)
                 evict = parse_merged(evict_rest, "device", "host")
                 swap = parse_merged(swap_in_metadata, "host", "device")
+                step_epoch(evict, swap, work)  # one epoch, stamped on every result
             except ValueError as e:
                 self._refuse_batch((evict_metadata, swap_in_metadata), e)
                 raise
@@ -291,9 +301,10 @@ class FastDeployCacheController:
 
     def _refuse_batch(self, metas: tuple[Any, ...], error: ValueError) -> None:
         """A step's batch that cannot run: fail every fastkv id tagged in it (the
-        valid transfers merged with a foreign entry included), none launched."""
-        copies: dict[int, None] = {}
-        lookups: dict[int, None] = {}
+        valid transfers merged with a foreign entry included), none launched; each
+        in the epoch its tag names."""
+        copies: dict[tuple[int, int], None] = {}
+        lookups: dict[tuple[int, int], None] = {}
         for meta in metas:
             copy_ids, storage_ids, lookup_ids = tagged_ids(meta)
             copies.update(dict.fromkeys(copy_ids + storage_ids))
@@ -301,8 +312,8 @@ class FastDeployCacheController:
         why = f"not launched: the step's batch was refused: {error}"
         log.error("fastkv rank %d: %s", self.rank, why)
         self._routes.send(
-            [TransferResult(t, False, why) for t in copies]
-            + [LookupResult(q, 0) for q in lookups]
+            [TransferResult(t, False, why, epoch=e) for t, e in copies]
+            + [LookupResult(q, 0, epoch=e) for q, e in lookups]
         )
 
     def wait_for_layer(self, layer: int, timeout: float = DEFAULT_TIMEOUT) -> None:

@@ -781,3 +781,61 @@ def test_seconds_settings_refuse_bools_and_non_finite_values(channel: str, bad) 
         assert cm.reset_timeout_s == 0.5 and type(cm.reset_timeout_s) is float
     finally:
         cm.close()
+
+
+def test_every_worker_result_carries_the_epoch_its_tags_name(channel: str, paddle) -> None:
+    """Transfer ids restart with each cache epoch: the worker stamps the epoch of a
+    step's tags on every result of it, launched, refused or never started."""
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    dh, hd = (CacheLevel.DEVICE, CacheLevel.HOST), (CacheLevel.HOST, CacheLevel.DEVICE)
+
+    def epochs(count: int) -> set:
+        got = _received(worker, receiver, count)
+        assert len(got) == count
+        return {
+            (type(r).__name__, getattr(r, "transfer_id", None) or r.lookup_id, r.epoch)
+            for r in got
+        }
+
+    try:
+        # before the cache exists: the swap-in, the eviction's storage work fail
+        swap = CacheSwapMetadata([0], [1], *hd, ["3.5:a"])
+        evict = CacheSwapMetadata([-1, -1], [2, -1], *dh, ["L4.5:b", "Q6.5:c"])
+        counter = worker.submit_swap_tasks(evict, swap)
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_for_layer(0)
+        assert epochs(3) == {
+            ("TransferResult", 3, 5),
+            ("TransferResult", 4, 5),
+            ("LookupResult", 6, 5),
+        }
+        worker.initialize_kv_cache(
+            AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS), 8
+        )
+        # launched: an eviction (epoch 7) and a swap-in (epoch 0, untagged epoch)
+        worker.submit_swap_tasks(CacheSwapMetadata([1], [2], *dh, ["8.7:a"]), None)
+        worker.finish_step(wait_evictions=True)
+        assert epochs(1) == {("TransferResult", 8, 7)}
+        worker.submit_swap_tasks(None, CacheSwapMetadata([2], [3], *hd, ["9:a"]))
+        worker.finish_step(wait_evictions=True)
+        assert epochs(1) == {("TransferResult", 9, 0)}
+        # refused: one step of two epochs; each id fails in the epoch its tag names
+        mixed = CacheSwapMetadata([1, 2], [2, 3], *dh, ["10.7:a", "11.8:b"])
+        with pytest.raises(ValueError, match="one step has one epoch"):
+            worker.submit_swap_tasks(mixed, CacheSwapMetadata([2], [3], *hd, ["12.8:a"]))
+        assert epochs(3) == {
+            ("TransferResult", 10, 7),
+            ("TransferResult", 11, 8),
+            ("TransferResult", 12, 8),
+        }
+        with pytest.raises(ValueError, match="one step has one epoch"):
+            worker.submit_swap_tasks(
+                CacheSwapMetadata([1], [2], *dh, ["13.7:a"]),
+                CacheSwapMetadata([2], [3], *hd, ["14.8:a"]),
+            )
+        assert epochs(2) == {("TransferResult", 13, 7), ("TransferResult", 14, 8)}
+        assert worker.get_stats()["device_to_host_transfers"] == 1  # no refused step ran
+    finally:
+        assert worker.free_cache() is True
+        receiver.close()
