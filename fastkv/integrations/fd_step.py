@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+from fastkv.integrations.fd_config import as_timeout
 from fastkv.integrations.fd_routes import ResultRoutes
 from fastkv.integrations.fd_transfers import MergedTransfer
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
@@ -127,8 +128,11 @@ class StepLayerCounter:
                 the main model's last layer: or in a layer after it).
             TransferTimeoutError: a host wait ran past `timeout`.
             IndexError: no such layer.
+            ValueError: `timeout` is not None or a finite number of seconds >= 0
+                (a bool is refused).
         """
         self._check_layer(layer)
+        timeout = as_timeout("timeout", timeout)  # type: ignore[assignment]
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
@@ -163,8 +167,10 @@ class StepLayerCounter:
         """Host-wait every layer (a failure is known when this returns).
 
         Raises:
-            SwapInFailedError, TransferTimeoutError: as for `wait_for_layer`.
+            SwapInFailedError, TransferTimeoutError, ValueError: as for
+                `wait_for_layer`.
         """
+        timeout = as_timeout("timeout", timeout)  # type: ignore[assignment]
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None

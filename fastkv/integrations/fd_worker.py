@@ -338,7 +338,10 @@ class FastDeployCacheController:
 
         Raises:
             TransferTimeoutError: a wait ran past `timeout`.
+            ValueError: `timeout` is not None or a finite number of seconds >= 0
+                (a bool is refused); nothing was waited for.
         """
+        timeout = fdc.as_timeout("timeout", timeout)  # type: ignore[assignment]
         failed: frozenset[int] = frozenset()
         counter = self.swap_layer_done_counter
         if counter is not None:

@@ -839,3 +839,29 @@ def test_every_worker_result_carries_the_epoch_its_tags_name(channel: str, paddl
     finally:
         assert worker.free_cache() is True
         receiver.close()
+
+
+def test_runner_timeouts_refuse_bools_before_waiting(channel: str, paddle) -> None:
+    """The runner's wait timeouts are seconds (None as FastDeploy's Optional): a
+    bool, NaN or a negative value is refused, naming `timeout`, before any wait."""
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    try:
+        swap = CacheSwapMetadata([0], [1], CacheLevel.HOST, CacheLevel.DEVICE, ["3:a"])
+        counter = worker.submit_swap_tasks(None, swap)  # refused: no cache yet
+        for bad in (True, np.bool_(False), float("nan"), -1.0):
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                counter.wait_for_layer(0, bad)
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                counter.wait_all(bad)
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                worker.wait_for_layer(0, bad)
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                worker.finish_step(bad)
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_for_layer(0, None)  # None is FastDeploy's default
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_all(np.float32(1.0))
+    finally:
+        assert worker.free_cache() is True
+        receiver.close()
