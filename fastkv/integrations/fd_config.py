@@ -21,6 +21,8 @@ copies a block to host when it is evicted.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import socket
 from typing import Any
@@ -49,6 +51,28 @@ STORAGE_WRITE_POLICY_ENV = "FASTKV_STORAGE_WRITE_POLICY"
 STORAGE_CAPACITY_ENV = "FASTKV_STORAGE_CAPACITY_BLOCKS"
 DEFAULT_WRITE_POLICY = "write_back"
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def as_seconds(name: str, value: object) -> float:
+    """`value` as seconds, for the adapter's durations and timeouts: a finite
+    real number >= 0 (int, float, numpy's ints and floats). A bool (Python's or
+    numpy's) is refused, as are NaN and infinity. Raises ValueError naming `name`."""
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and type(value).__name__ != "bool_"
+        and math.isfinite(value)
+        and value >= 0
+    )
+    if not ok:
+        raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def as_timeout(name: str, value: object) -> float | None:
+    """A runner's wait timeout: None as given (FastDeploy's counters take
+    `Optional[float]`), else `as_seconds`. Raises ValueError naming `name`."""
+    return None if value is None else as_seconds(name, value)
 
 
 def _section(fd_config: Any, name: str) -> Any:
@@ -395,6 +419,8 @@ __all__ = [
     "STORAGE_CAPACITY_ENV",
     "STORAGE_DIR_ENV",
     "STORAGE_WRITE_POLICY_ENV",
+    "as_seconds",
+    "as_timeout",
     "cache_config_from_fastdeploy",
     "kv_cache_quant_type",
     "kv_dtype_of",

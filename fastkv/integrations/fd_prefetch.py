@@ -211,14 +211,15 @@ class StoragePrefetches:
         """Queue `load` and `lookups` as `PendingPrefetch` tasks."""
         owner = {self._manager.request_state(k).lookup_id: rid for rid, k in self._keys.items()}
         for q in lookups:
-            texts = [STORAGE_LOOKUP + tag(q.lookup_id, h) for h in q.block_hashes]
+            texts = [STORAGE_LOOKUP + tag(q.lookup_id, h, q.epoch) for h in q.block_hashes]
             meta = self._meta_cls(
                 hash_values=texts, block_ids=[-1] * len(texts), direction=LOOKUP
             )
             self._queue.append(PendingPrefetch(owner.get(q.lookup_id, "fastkv"), meta))
         if load is not None:
             hosts = list(load.dst_block_ids)
-            texts = [STORAGE_LOAD + tag(load.transfer_id, h) for h in load.block_hashes]
+            tid, epoch = load.transfer_id, load.epoch
+            texts = [STORAGE_LOAD + tag(tid, h, epoch) for h in load.block_hashes]
             meta = self._meta_cls(hash_values=texts, block_ids=hosts, direction="load")
             self._loads[load.transfer_id] = hosts
             rids = self.owners(hosts)
@@ -255,13 +256,15 @@ class StoragePrefetches:
         """Take every task never drained, as the failures to apply for them (no
         worker saw them)."""
         out: list[TransferResult | LookupResult] = []
+        epoch = self._manager.epoch  # every queued task is of the manager's epoch
         for task in self.take_queue():
             found = [storage_tag_of(h) for h in task.metadata.hash_values]
             ids = {f[1] for f in found if f is not None}
             if task.metadata.direction == LOOKUP:
-                out += [LookupResult(q, 0) for q in sorted(ids)]
+                out += [LookupResult(q, 0, epoch=epoch) for q in sorted(ids)]
             else:
-                out += [TransferResult(t, False, "never dispatched") for t in sorted(ids)]
+                why = "never dispatched"
+                out += [TransferResult(t, False, why, epoch=epoch) for t in sorted(ids)]
         return out
 
     def end(self, request_id: Hashable) -> bool:

@@ -28,8 +28,8 @@ from typing import Any
 
 from fastkv.channel import ResultsReceiver
 from fastkv.integrations.fd_transfers import (
-    storage_ids,
     storage_to_fastdeploy,
+    tagged_ids,
     to_fastdeploy,
     transfer_ids,
 )
@@ -127,7 +127,8 @@ class TransferRelay:
             # Taken with the evictions: fail it (its blocks return), keep those.
             log.error("fastkv: a swap-in was planned outside allocate_device_blocks")
             error = "planned outside allocate_device_blocks: never dispatched"
-            self.apply([TransferResult(tasks.swap_in.transfer_id, False, error)])
+            tid = tasks.swap_in.transfer_id
+            self.apply([TransferResult(tid, False, error, epoch=self._manager.epoch)])
         return self._evict_with_storage(tasks)
 
     def _evict_with_storage(self, tasks: SwapTasks) -> Any | None:
@@ -154,15 +155,21 @@ class TransferRelay:
 
     def apply(self, results: Sequence[TransferResult | LookupResult]) -> None:
         """Apply the results one at a time (one the manager refuses is dropped,
-        logged and counted, and spoils no other), then rewind the requests whose
+        logged and counted, and spoils no other; one of an earlier cache epoch is
+        dropped and counted), then rewind the requests whose
         swap-in failed to the first failed block."""
         rollbacks: list[Rollback] = []
+        manager = self._manager
         for result in results:  # one at a time: an unknown id spoils no other
+            stale = manager.stale_results
             try:
-                rollbacks += self._manager.apply_results([result])
+                rollbacks += manager.apply_results([result])
             except ValueError as e:
                 self._counters.results_unknown += 1
                 log.error("fastkv: dropped a worker result: %s", e)
+                continue
+            if manager.stale_results != stale:  # of an earlier epoch: dropped
+                self._counters.results_stale += 1
                 continue
             self._counters.results_applied += 1
             if isinstance(result, TransferResult) and not result.success:
@@ -189,17 +196,20 @@ class TransferRelay:
 
     def fail_undispatched(self, request: Any) -> None:
         """Fail the transfers and lookups whose metadata is still on the request
-        (it ended before any worker got them) and clear those lists."""
-        ids: list[int] = []
-        lookups: list[int] = []
+        (it ended before any worker got them) and clear those lists. Every fastkv
+        tag counts, each in the epoch it names (one of an earlier epoch is dropped
+        by the manager); an entry without one (not fastkv's) is skipped and
+        logged, and hides none after it."""
+        ids: list[tuple[int, int]] = []
+        lookups: list[tuple[int, int]] = []
         for attr in _LISTS:
             for meta in getattr(request, attr, None) or ():
-                stored, looked = storage_ids(meta)
-                ids += stored
+                copies, stored, looked = tagged_ids(meta)
+                ids += copies + stored
                 lookups += looked
                 try:
-                    ids += transfer_ids(meta)
-                except ValueError as e:  # not ours: nothing of fastkv's to undo
+                    transfer_ids(meta)  # strict: says which entry is not fastkv's
+                except ValueError as e:  # logged; the ids found around it still fail
                     log.error("fastkv: request %r: %s", request.request_id, e)
             if getattr(request, attr, None):
                 setattr(request, attr, [])
@@ -207,8 +217,8 @@ class TransferRelay:
             self._counters.undispatched_transfers += len(ids) + len(lookups)
             error = "never dispatched: the request ended first"
             self.apply(
-                [TransferResult(t, False, error) for t in ids]
-                + [LookupResult(q, 0) for q in lookups]
+                [TransferResult(t, False, error, epoch=e) for t, e in ids]
+                + [LookupResult(q, 0, epoch=e) for q, e in lookups]
             )
 
     def fail_never_sent(self) -> None:
@@ -222,9 +232,10 @@ class TransferRelay:
         ]
         if ids or tasks.lookups:
             self._counters.undispatched_transfers += len(ids) + len(tasks.lookups)
+            epoch = self._manager.epoch
             self.apply(
-                [TransferResult(t, False, "never dispatched: reset") for t in ids]
-                + [LookupResult(q.lookup_id, 0) for q in tasks.lookups]
+                [TransferResult(t, False, "never dispatched: reset", epoch=epoch) for t in ids]
+                + [LookupResult(q.lookup_id, 0, epoch=epoch) for q in tasks.lookups]
             )
 
 

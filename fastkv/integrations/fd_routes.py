@@ -5,7 +5,8 @@ metadata of each direction becomes one local transfer that carries many schedule
 transfers (regrouped by their `hash_values` tags, see `fd_transfers`), and each
 storage lookup, load and write gets a local id too. `ResultRoutes` maps those local
 ids back, so every scheduler transfer gets the result of the copy that carried it,
-and sends the results over the results channel.
+stamped with the cache epoch its tags carried, and sends the results over the
+results channel.
 
 A failed swap-in's result is held back until the runner's wait has retried it
 (`hold`, `resolve`): a retry that loads every layer turns it into a success, so the
@@ -19,8 +20,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from fastkv.channel import ResultsSender
-from fastkv.integrations.fd_transfers import MergedTransfer
-from fastkv.metadata import CacheLevel, CacheSwapMetadata, LookupResult, TransferResult
+from fastkv.integrations.fd_transfers import EPOCH_0, MergedTransfer
+from fastkv.metadata import (
+    CacheLevel,
+    CacheSwapMetadata,
+    Epoch,
+    LookupResult,
+    TransferResult,
+)
 
 Result = TransferResult | LookupResult
 
@@ -39,8 +46,9 @@ class ResultRoutes:
     def __init__(self, sender: ResultsSender) -> None:
         self.sender = sender
         self._next_id = 0
-        self._groups: dict[int, tuple[int, ...]] = {}  # local transfer -> scheduler ids
-        self._lookups: dict[int, int] = {}  # local lookup -> the scheduler's
+        # local transfer -> (scheduler ids, their epoch)
+        self._groups: dict[int, tuple[tuple[int, ...], Epoch]] = {}
+        self._lookups: dict[int, tuple[int, Epoch]] = {}  # local lookup -> the scheduler's
         # Swap-ins whose failure waits for the runner's wait to retry them: local
         # transfer id -> the failure, once reported.
         self._held: dict[int, TransferResult | None] = {}
@@ -74,13 +82,17 @@ class ResultRoutes:
             self.new_id(), src, dst, merged.src_block_ids, merged.dst_block_ids
         )
 
-    def expect(self, local_id: int, transfer_ids: tuple[int, ...]) -> None:
-        """The result of local transfer `local_id` is the result of `transfer_ids`."""
-        self._groups[local_id] = transfer_ids
+    def expect(
+        self, local_id: int, transfer_ids: tuple[int, ...], epoch: Epoch = EPOCH_0
+    ) -> None:
+        """The result of local transfer `local_id` is the result of `transfer_ids`
+        (of cache epoch `epoch`, stamped on their results)."""
+        self._groups[local_id] = (transfer_ids, epoch)
 
-    def expect_lookups(self, lookup_ids: Mapping[int, int]) -> None:
-        """Local lookup id -> the scheduler's lookup id, for lookups submitted."""
-        self._lookups.update(lookup_ids)
+    def expect_lookups(self, lookup_ids: Mapping[int, int], epoch: Epoch = EPOCH_0) -> None:
+        """Local lookup id -> the scheduler's lookup id (of cache epoch `epoch`),
+        for lookups submitted."""
+        self._lookups.update((local, (qid, epoch)) for local, qid in lookup_ids.items())
 
     def hold(self, local_id: int) -> None:
         """Hold back a failure of swap-in `local_id` until `resolve`."""
@@ -113,8 +125,8 @@ class ResultRoutes:
         self._recovered.clear()
 
     def forward(self, results: Sequence[Result]) -> int:
-        """Send the controller's results as the scheduler's (held-back failures
-        stay until resolved).
+        """Send the controller's results as the scheduler's, each with its
+        scheduler id's epoch (held-back failures stay until resolved).
 
         Returns:
             Results the scheduler has not acknowledged yet (see ResultsSender).
@@ -122,23 +134,25 @@ class ResultRoutes:
         out: list[Result] = []
         for r in results:
             if isinstance(r, LookupResult):
-                qid = self._lookups.pop(r.lookup_id, None)
-                if qid is not None:
-                    out.append(LookupResult(qid, r.num_hits))
+                looked = self._lookups.pop(r.lookup_id, None)
+                if looked is not None:
+                    out.append(LookupResult(looked[0], r.num_hits, epoch=looked[1]))
                 continue
             released = self._unless_held(r)
             if released is None:
                 continue
-            ids = self._groups.pop(released.transfer_id, ())
+            ids, epoch = self._groups.pop(released.transfer_id, ((), EPOCH_0))
             out += [
-                TransferResult(t, released.success, released.error, released.failed_blocks)
+                TransferResult(
+                    t, released.success, released.error, released.failed_blocks, epoch=epoch
+                )
                 for t in ids
             ]
         return self.sender.send(out)
 
     def send(self, results: Iterable[Result]) -> int:
-        """Send results already in the scheduler's ids (failures of work that
-        never started)."""
+        """Send results already in the scheduler's ids and epochs (failures of
+        work that never started)."""
         return self.sender.send(results)
 
     def _unless_held(self, r: TransferResult) -> TransferResult | None:

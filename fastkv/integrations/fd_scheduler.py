@@ -88,10 +88,12 @@ class FastDeployCacheManager:
             metrics object is not importable.
         fastdeploy_metrics: FastDeploy's metrics object (default: imported if
             importable).
-        reset_timeout_s: how long `reset_cache` waits for copies in flight.
+        reset_timeout_s: how long `reset_cache` waits for copies in flight (a
+            finite number of seconds >= 0; a bool is refused).
         prefetch_lookup_timeout_s: how long `prefetch_storage` waits for the
             workers' lookup answer, and `update_storage_blocks_to_host` /
-            `abort_prefetch_blocks` for the ranks' load results.
+            `abort_prefetch_blocks` for the ranks' load results (seconds, as
+            `reset_timeout_s`).
 
     Raises:
         ValueError: a FastDeploy setting out of range (the message names it).
@@ -110,14 +112,10 @@ class FastDeployCacheManager:
         reset_timeout_s: float = 30.0,
         prefetch_lookup_timeout_s: float = 2.0,
     ) -> None:
-        for name, value in (
-            ("reset_timeout_s", reset_timeout_s),
-            ("prefetch_lookup_timeout_s", prefetch_lookup_timeout_s),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value!r}")
-        self.prefetch_lookup_timeout_s = float(prefetch_lookup_timeout_s)
-        self.reset_timeout_s = float(reset_timeout_s)
+        self.reset_timeout_s = fdc.as_seconds("reset_timeout_s", reset_timeout_s)
+        self.prefetch_lookup_timeout_s = fdc.as_seconds(
+            "prefetch_lookup_timeout_s", prefetch_lookup_timeout_s
+        )
         # A reset_cache whose copies outlasted the wait: nothing hits until they
         # land and no request is active, then the cache is forgotten (see reset_cache).
         self._reset_pending = False
@@ -726,9 +724,14 @@ class FastDeployCacheManager:
             )
 
     def _build_rooms(self, config: CacheConfig) -> None:
-        """A new manager for `config`, and the rooms that work on it (empty)."""
+        """A new manager for `config`, and the rooms that work on it (empty). A
+        manager that replaces one (reset, new config) starts the next cache epoch:
+        transfer ids restart, and the workers' late reports of the old one's
+        transfers carry its epoch, so the new manager drops them."""
+        old = getattr(self, "manager", None)
+        manager = CacheManager(config, epoch=0 if old is None else old.epoch + 1)
         self.config = config
-        self.manager = CacheManager(config)
+        self.manager = manager
         self._book = CommitBook(
             self.manager,
             block_size=config.block_size,

@@ -7,7 +7,8 @@ the runner waits on, and the retry of a failed swap-in before that wait raises.
   launched with those blocks as `reused_block_ids`, so the controller orders the
   model's writes after its reads (device-side on a GPU), whatever the runner does.
 - `StepLauncher.refuse` reports a step that cannot launch (no cache yet, or the
-  controller refused it) as failed; its counter raises at every wait.
+  controller refused it) as failed, in the epoch its tags carry; its counter
+  raises at every wait.
 - `StepLayerCounter` is what FastDeploy's runner waits on, layer by layer; a
   failure it meets is retried first (`SwapInRetry`), and raises
   `SwapInFailedError` only when no retry loaded the blocks.
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+from fastkv.integrations.fd_config import as_timeout
 from fastkv.integrations.fd_routes import ResultRoutes
 from fastkv.integrations.fd_transfers import MergedTransfer
 from fastkv.metadata import CacheLevel, CacheSwapMetadata, TransferResult
@@ -126,8 +128,11 @@ class StepLayerCounter:
                 the main model's last layer: or in a layer after it).
             TransferTimeoutError: a host wait ran past `timeout`.
             IndexError: no such layer.
+            ValueError: `timeout` is not None or a finite number of seconds >= 0
+                (a bool is refused).
         """
         self._check_layer(layer)
+        timeout = as_timeout("timeout", timeout)  # type: ignore[assignment]
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
@@ -162,8 +167,10 @@ class StepLayerCounter:
         """Host-wait every layer (a failure is known when this returns).
 
         Raises:
-            SwapInFailedError, TransferTimeoutError: as for `wait_for_layer`.
+            SwapInFailedError, TransferTimeoutError, ValueError: as for
+                `wait_for_layer`.
         """
+        timeout = as_timeout("timeout", timeout)  # type: ignore[assignment]
         if self._launch_error is not None:
             raise self._error(self._launch_error)
         assert self._inner is not None
@@ -260,7 +267,7 @@ class StepLauncher:
         error = f"not launched: {why}"
         log.error("fastkv rank %d: step %s", self._rank, error)
         self._routes.send(
-            TransferResult(t, False, error)
+            TransferResult(t, False, error, epoch=m.epoch)
             for m in (evict, swap)
             if m is not None
             for t in m.transfer_ids
@@ -285,7 +292,7 @@ class StepLauncher:
 
     def _expect(self, merged: MergedTransfer | None, local: CacheSwapMetadata | None) -> None:
         if merged is not None and local is not None:
-            self._routes.expect(local.transfer_id, merged.transfer_ids)
+            self._routes.expect(local.transfer_id, merged.transfer_ids, merged.epoch)
 
 
 class SwapInRetry:

@@ -117,6 +117,8 @@ class AdapterCounters:
     Attributes:
         results_applied: worker results applied to the manager.
         results_unknown: worker results the manager refused (dropped, logged).
+        results_stale: worker results of an earlier cache epoch (reports from
+            before a reset), dropped by the manager.
         rollback_blocks: blocks of failed swap-ins rolled back.
         rewound_tokens: tokens requests recompute after a failed swap-in.
         undispatched_transfers: transfers and lookups failed here because no
@@ -133,6 +135,7 @@ class AdapterCounters:
 
     results_applied: int = 0
     results_unknown: int = 0
+    results_stale: int = 0
     rollback_blocks: int = 0
     rewound_tokens: int = 0
     undispatched_transfers: int = 0

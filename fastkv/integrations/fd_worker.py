@@ -48,7 +48,12 @@ from fastkv.integrations.fd_step import (
     SwapInFailedError,
     SwapInRetry,
 )
-from fastkv.integrations.fd_transfers import parse_merged, split_storage, tagged_ids
+from fastkv.integrations.fd_transfers import (
+    parse_merged,
+    split_storage,
+    step_epoch,
+    tagged_ids,
+)
 from fastkv.integrations.fd_worker_storage import fail_storage, open_storage, submit_storage
 from fastkv.metadata import LookupResult, TransferResult
 from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
@@ -80,8 +85,9 @@ class FastDeployCacheController:
             place decides where copies run).
         channel_name: the results channel; default `results_channel_name(fd_config)`.
         fail_rate: fault injection (a fraction of copies fail); 0 in production.
-        report_interval_s: how often the reporter thread sends finished results;
-            0 disables it (results then go at the runner's calls only).
+        report_interval_s: how often the reporter thread sends finished results
+            (a finite number of seconds >= 0; a bool is refused); 0 disables it
+            (results then go at the runner's calls only).
         block_axis: the axis of each KV tensor holding a block's tokens (2 for
             FastDeploy's `[blocks, heads, block_size, dim]`).
         swap_in_retries: how many times at most a failed swap-in is copied again
@@ -108,8 +114,7 @@ class FastDeployCacheController:
     ) -> None:
         local_rank = as_int("local_rank", local_rank, 0)
         device_id = as_int("device_id", device_id, 0)
-        if not isinstance(report_interval_s, (int, float)) or report_interval_s < 0:
-            raise ValueError(f"report_interval_s: must be >= 0, got {report_interval_s!r}")
+        report_interval_s = fdc.as_seconds("report_interval_s", report_interval_s)
         self.fd_config = fd_config
         self.local_rank = local_rank
         self.device_id = device_id
@@ -124,7 +129,7 @@ class FastDeployCacheController:
         self.swap_in_retries = swap_in_retries
         self.fail_rate = fail_rate
         self.block_axis = block_axis
-        self.report_interval_s = float(report_interval_s)
+        self.report_interval_s = report_interval_s
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self._routes = ResultRoutes(ResultsSender(name, self.rank))
         hooks = StepHooks(recover=self._recover, report=self.report_results)
@@ -267,15 +272,20 @@ class FastDeployCacheController:
 
         Raises:
             ValueError: metadata fastkv's scheduler did not make (wrong levels,
-                lists of different lengths, untagged hashes); nothing is launched,
-                and every transfer and lookup of fastkv's merged into the batch is
-                reported failed (lookups with no hits), so none stays reserved.
+                lists of different lengths, untagged hashes, tags of two cache
+                epochs); nothing is launched, and every transfer and lookup of
+                fastkv's merged into the batch is reported failed (lookups with no
+                hits; each in the epoch its tag names), so none stays reserved.
+
+        Every result carries the cache epoch of the tags it answers (see
+        `fd_transfers`): a scheduler of a later epoch drops it.
         """
         with self._lock:
             try:  # the whole batch is checked before any of it runs
                 evict_rest, work = split_storage(evict_metadata)
                 evict = parse_merged(evict_rest, "device", "host")
                 swap = parse_merged(swap_in_metadata, "host", "device")
+                step_epoch(evict, swap, work)  # one epoch, stamped on every result
             except ValueError as e:
                 self._refuse_batch((evict_metadata, swap_in_metadata), e)
                 raise
@@ -292,9 +302,10 @@ class FastDeployCacheController:
 
     def _refuse_batch(self, metas: tuple[Any, ...], error: ValueError) -> None:
         """A step's batch that cannot run: fail every fastkv id tagged in it (the
-        valid transfers merged with a foreign entry included), none launched."""
-        copies: dict[int, None] = {}
-        lookups: dict[int, None] = {}
+        valid transfers merged with a foreign entry included), none launched; each
+        in the epoch its tag names."""
+        copies: dict[tuple[int, int], None] = {}
+        lookups: dict[tuple[int, int], None] = {}
         for meta in metas:
             copy_ids, storage_ids, lookup_ids = tagged_ids(meta)
             copies.update(dict.fromkeys(copy_ids + storage_ids))
@@ -302,8 +313,8 @@ class FastDeployCacheController:
         why = f"not launched: the step's batch was refused: {error}"
         log.error("fastkv rank %d: %s", self.rank, why)
         self._routes.send(
-            [TransferResult(t, False, why) for t in copies]
-            + [LookupResult(q, 0) for q in lookups]
+            [TransferResult(t, False, why, epoch=e) for t, e in copies]
+            + [LookupResult(q, 0, epoch=e) for q, e in lookups]
         )
 
     def prefetch_from_storage(self, metadata: Any) -> None:
@@ -367,7 +378,10 @@ class FastDeployCacheController:
 
         Raises:
             TransferTimeoutError: a wait ran past `timeout`.
+            ValueError: `timeout` is not None or a finite number of seconds >= 0
+                (a bool is refused); nothing was waited for.
         """
+        timeout = fdc.as_timeout("timeout", timeout)  # type: ignore[assignment]
         failed: frozenset[int] = frozenset()
         counter = self.swap_layer_done_counter
         if counter is not None:

@@ -25,6 +25,7 @@ from fastkv.integrations.fd_transfers import StorageWork
 from fastkv.metadata import (
     CacheLevel,
     CacheSwapMetadata,
+    Epoch,
     LookupResult,
     StorageLookup,
     TransferResult,
@@ -119,9 +120,10 @@ def submit_storage(ctrl: Any, routes: ResultRoutes, work: StorageWork, rank: int
 def fail_storage(routes: ResultRoutes, work: StorageWork, why: str) -> None:
     """Report the step's storage work failed without starting any (no cache)."""
     if work:
+        epoch = work.epoch
         routes.send(
-            [TransferResult(t, False, why) for t in (*work.loads, *work.writes)]
-            + [LookupResult(q, 0) for q in work.lookups]
+            [TransferResult(t, False, why, epoch=epoch) for t in (*work.loads, *work.writes)]
+            + [LookupResult(q, 0, epoch=epoch) for q in work.lookups]
         )
 
 
@@ -129,9 +131,10 @@ class _StorageBatch:
     """One step's storage work in the controller's shape, and the scheduler ids of
     what has not started yet."""
 
-    __slots__ = ("ids", "loads", "lookup_ids", "lookups", "stores")
+    __slots__ = ("epoch", "ids", "loads", "lookup_ids", "lookups", "stores")
 
     def __init__(self) -> None:
+        self.epoch = Epoch(0)  # the work's (its results carry it)
         self.lookups: list[StorageLookup] = []
         self.loads: list[CacheSwapMetadata] = []
         self.stores: list[CacheSwapMetadata] = []
@@ -140,6 +143,7 @@ class _StorageBatch:
 
     def build(self, work: StorageWork, routes: ResultRoutes) -> None:
         """Give every lookup, load and write a local id and its storage keys."""
+        self.epoch = work.epoch
         for qid, texts in work.lookups.items():
             local = routes.new_id()
             self.lookups.append(StorageLookup(local, [storage_key(t) for t in texts]))
@@ -172,16 +176,19 @@ class _StorageBatch:
             ctrl.submit_storage_tasks(load, store, self.lookups if i == 0 else ())
             for meta in (load, store):
                 if meta is not None:
-                    routes.expect(meta.transfer_id, self.ids.pop(meta.transfer_id))
+                    routes.expect(meta.transfer_id, self.ids.pop(meta.transfer_id), self.epoch)
             if i == 0:
-                routes.expect_lookups(self.lookup_ids)
+                routes.expect_lookups(self.lookup_ids, self.epoch)
                 self.lookup_ids = {}
 
     def not_started(self, error: str) -> list[Result]:
         """Failures for every transfer and lookup that did not start."""
+        epoch = self.epoch
         return [
-            TransferResult(t, False, error) for group in self.ids.values() for t in group
-        ] + [LookupResult(q, 0) for q in self.lookup_ids.values()]
+            TransferResult(t, False, error, epoch=epoch)
+            for group in self.ids.values()
+            for t in group
+        ] + [LookupResult(q, 0, epoch=epoch) for q in self.lookup_ids.values()]
 
 
 __all__ = ["fail_storage", "open_storage", "storage_key", "submit_storage"]

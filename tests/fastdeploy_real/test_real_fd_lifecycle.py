@@ -246,3 +246,43 @@ def test_stand_in_runner_uses_the_installed_controller(
     runner = StandInRunner(build_fd_config(model_dir, num_gpu_blocks=16), 0)
     assert isinstance(runner.cache_controller, FastDeployCacheController)
     runner.cache_controller.free_cache()
+
+
+def test_copies_after_a_pause_run_in_the_next_cache_epoch(make_engine: Any) -> None:
+    """Transfer ids restart after the pause's `reset_cache`: the next epoch's
+    evictions and swap-ins carry it in their tags through FastDeploy's
+    BatchRequest, both ranks echo it, and their results apply (none is taken for
+    a report from before the pause)."""
+    engine = make_engine(
+        num_gpu_blocks=12,
+        num_cpu_blocks=16,
+        tensor_parallel_size=2,
+        write_policy="write_back",
+        max_num_seqs=1,
+        max_model_len=80,
+        max_num_batched_tokens=80,
+    )
+    base = prompt(50, 2 * BS)
+
+    def device_and_host_hits(tag: str) -> tuple[int, int]:
+        engine.add_request(f"base-{tag}", base + prompt(51, 3 * BS), 2)
+        engine.run()
+        engine.add_request(f"keep-{tag}", base + prompt(52, 2), 2)
+        engine.run()
+        engine.add_request(f"fill-{tag}", prompt(53, 9 * BS), 2)  # evicts the tail
+        engine.run()
+        engine.settle()
+        engine.add_request(f"both-{tag}", base + prompt(51, 3 * BS) + prompt(54, 3), 2)
+        engine.run()
+        return engine.log.hits[f"both-{tag}"]
+
+    cm = engine.cache_manager
+    assert all(device_and_host_hits("before"))
+    epoch = cm.manager.epoch
+    assert pause(engine) is True
+    assert cm.manager.epoch == epoch + 1
+    assert all(device_and_host_hits("after")), engine.log.hits
+    stats = cm.get_stats()
+    assert stats["device_to_host_transfers"] > 0 and stats["host_to_device_transfers"] > 0
+    assert stats["results_stale"] == 0 and stats["results_unknown"] == 0, stats
+    engine.check_clean()

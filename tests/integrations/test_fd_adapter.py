@@ -767,3 +767,103 @@ def test_a_live_cache_manager_keeps_its_channel_and_a_second_start_is_refused(
     finally:
         first.close()
     fd.CacheManager(config(), channel_name=channel).close()  # closed: the name is free
+
+
+@pytest.mark.parametrize(
+    "bad", [True, False, np.bool_(True), -1, float("nan"), float("inf"), "1"]
+)
+def test_seconds_settings_refuse_bools_and_non_finite_values(channel: str, bad) -> None:
+    """A bool is not a number of seconds (True would wait one second)."""
+    with pytest.raises(ValueError, match=r"^reset_timeout_s: must be a finite number"):
+        fd.CacheManager(config(), channel_name=channel, reset_timeout_s=bad)
+    with pytest.raises(ValueError, match=r"^report_interval_s: must be a finite number"):
+        fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=bad)
+    cm = fd.CacheManager(config(), channel_name=channel, reset_timeout_s=np.float64(0.5))
+    try:  # numpy's floats are seconds too; the channel's name was never held above
+        assert cm.reset_timeout_s == 0.5 and type(cm.reset_timeout_s) is float
+    finally:
+        cm.close()
+
+
+def test_every_worker_result_carries_the_epoch_its_tags_name(channel: str, paddle) -> None:
+    """Transfer ids restart with each cache epoch: the worker stamps the epoch of a
+    step's tags on every result of it, launched, refused or never started."""
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    dh, hd = (CacheLevel.DEVICE, CacheLevel.HOST), (CacheLevel.HOST, CacheLevel.DEVICE)
+
+    def epochs(count: int) -> set:
+        got = _received(worker, receiver, count)
+        assert len(got) == count
+        return {
+            (type(r).__name__, getattr(r, "transfer_id", None) or r.lookup_id, r.epoch)
+            for r in got
+        }
+
+    try:
+        # before the cache exists: the swap-in, the eviction's storage work fail
+        swap = CacheSwapMetadata([0], [1], *hd, ["3.5:a"])
+        evict = CacheSwapMetadata([-1, -1], [2, -1], *dh, ["L4.5:b", "Q6.5:c"])
+        counter = worker.submit_swap_tasks(evict, swap)
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_for_layer(0)
+        assert epochs(3) == {
+            ("TransferResult", 3, 5),
+            ("TransferResult", 4, 5),
+            ("LookupResult", 6, 5),
+        }
+        worker.initialize_kv_cache(
+            AttentionBackend(num_kv_heads=2, head_dim=4, block_size=BS), 8
+        )
+        # launched: an eviction (epoch 7) and a swap-in (epoch 0, untagged epoch)
+        worker.submit_swap_tasks(CacheSwapMetadata([1], [2], *dh, ["8.7:a"]), None)
+        worker.finish_step(wait_evictions=True)
+        assert epochs(1) == {("TransferResult", 8, 7)}
+        worker.submit_swap_tasks(None, CacheSwapMetadata([2], [3], *hd, ["9:a"]))
+        worker.finish_step(wait_evictions=True)
+        assert epochs(1) == {("TransferResult", 9, 0)}
+        # refused: one step of two epochs; each id fails in the epoch its tag names
+        mixed = CacheSwapMetadata([1, 2], [2, 3], *dh, ["10.7:a", "11.8:b"])
+        with pytest.raises(ValueError, match="one step has one epoch"):
+            worker.submit_swap_tasks(mixed, CacheSwapMetadata([2], [3], *hd, ["12.8:a"]))
+        assert epochs(3) == {
+            ("TransferResult", 10, 7),
+            ("TransferResult", 11, 8),
+            ("TransferResult", 12, 8),
+        }
+        with pytest.raises(ValueError, match="one step has one epoch"):
+            worker.submit_swap_tasks(
+                CacheSwapMetadata([1], [2], *dh, ["13.7:a"]),
+                CacheSwapMetadata([2], [3], *hd, ["14.8:a"]),
+            )
+        assert epochs(2) == {("TransferResult", 13, 7), ("TransferResult", 14, 8)}
+        assert worker.get_stats()["device_to_host_transfers"] == 1  # no refused step ran
+    finally:
+        assert worker.free_cache() is True
+        receiver.close()
+
+
+def test_runner_timeouts_refuse_bools_before_waiting(channel: str, paddle) -> None:
+    """The runner's wait timeouts are seconds (None as FastDeploy's Optional): a
+    bool, NaN or a negative value is refused, naming `timeout`, before any wait."""
+    worker = fd.CacheController(config(), 0, 0, channel_name=channel, report_interval_s=0)
+    receiver = ResultsReceiver(channel, tp_size=1)
+    try:
+        swap = CacheSwapMetadata([0], [1], CacheLevel.HOST, CacheLevel.DEVICE, ["3:a"])
+        counter = worker.submit_swap_tasks(None, swap)  # refused: no cache yet
+        for bad in (True, np.bool_(False), float("nan"), -1.0):
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                counter.wait_for_layer(0, bad)
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                counter.wait_all(bad)
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                worker.wait_for_layer(0, bad)
+            with pytest.raises(ValueError, match=r"^timeout: must be a finite number"):
+                worker.finish_step(bad)
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_for_layer(0, None)  # None is FastDeploy's default
+        with pytest.raises(fd.SwapInFailedError, match="not initialized"):
+            counter.wait_all(np.float32(1.0))
+    finally:
+        assert worker.free_cache() is True
+        receiver.close()

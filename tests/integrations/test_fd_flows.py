@@ -410,6 +410,22 @@ def test_results_channel_is_the_only_way_results_arrive(channel: str) -> None:
         engine.close()
 
 
+def allocated_host_hit(engine: Engine) -> Request:
+    """a and b run; c (never scheduled) matches device and host hits and gets its
+    blocks: its metadata (the host hit's swap-in, evictions to make room) waits on
+    it for a BatchRequest."""
+    engine.run(
+        {0: [Request("a", SYSTEM + prompt(1, 8), 2)], 4: [Request("b", prompt(2, 24), 2)]}
+    )
+    c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
+    engine.add_request(c)
+    engine.waiting.remove(c)
+    engine.cm.match_prefix(c, skip_storage=True)  # as ResourceManagerV1 calls it
+    c.block_tables = list(c.match_result.device_block_ids)
+    engine.cm.allocate_gpu_blocks(c, 2)
+    return c
+
+
 def test_a_batch_refused_for_one_foreign_entry_fails_everything_merged_with_it(
     channel: str,
 ) -> None:
@@ -418,16 +434,8 @@ def test_a_batch_refused_for_one_foreign_entry_fails_everything_merged_with_it(
     failed, so no block stays reserved and the cache can still be reset."""
     engine = make_engine(channel, device_blocks=10, host_blocks=16)
     try:
-        engine.run(
-            {0: [Request("a", SYSTEM + prompt(1, 8), 2)], 4: [Request("b", prompt(2, 24), 2)]}
-        )
         cm = engine.cm
-        c = Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)
-        engine.add_request(c)
-        engine.waiting.remove(c)
-        cm.match_prefix(c, skip_storage=True)  # as ResourceManagerV1 calls it
-        c.block_tables = list(c.match_result.device_block_ids)
-        cm.allocate_gpu_blocks(c, 2)  # the host hit's swap-in, evictions to make room
+        c = allocated_host_hit(engine)
         batch = BatchRequest()
         batch.add_request(c)
         swap, evict = batch.cache_swap_metadata, batch.cache_evict_metadata
@@ -447,6 +455,107 @@ def test_a_batch_refused_for_one_foreign_entry_fails_everything_merged_with_it(
         assert cm.manager.num_inflight_transfers == 0
         cm.manager.check_invariants()
         cm.request_finish(c)
+        assert cm.reset_cache()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_report_from_before_a_reset_never_completes_the_new_epochs_transfer(
+    channel: str, tp: int
+) -> None:
+    """Transfer ids restart after reset_cache. A worker's late report of transfer N
+    from before the reset (here: rank 0 refusing a replay of that epoch's batch,
+    which reports every transfer in it failed) carries the old epoch in its tags,
+    so the scheduler drops it (tp 1) or never folds it into the new epoch's N
+    (tp 2: a partial report waiting for rank 1): the new N is applied only from
+    the workers' reports of the new epoch, and nothing fails or rolls back."""
+    arrivals = {
+        0: [Request("a", SYSTEM + prompt(1, 8), 2)],
+        4: [Request("b", prompt(2, 24), 2)],
+        8: [Request("c", SYSTEM + prompt(1, 8) + prompt(3, 3), 2)],
+    }
+    engine = make_engine(channel, device_blocks=10, host_blocks=16, tp=tp)
+    try:
+        first = dict(engine.run(copy(arrivals)))
+        engine.drain()
+        (old,) = [b for b in engine.log.batches if transfer_ids(b.cache_swap_metadata)]
+        (n,) = transfer_ids(old.cache_swap_metadata)  # epoch 0's swap-in
+        cm = engine.cm
+        assert cm.manager.epoch == 0
+        assert cm.reset_cache()
+        assert cm.manager.epoch == 1
+        replays = 0
+
+        def late_report(step: int, batch: BatchRequest) -> None:
+            nonlocal replays
+            if n not in transfer_ids(batch.cache_swap_metadata):
+                return  # not yet: the new epoch's transfer N is planned at this step
+            replays += 1
+            inflight = cm.manager.num_inflight_transfers
+            swap = copy_meta(old.cache_swap_metadata)
+            swap.src_block_ids.append(0)  # refused: every transfer of it fails
+            swap.dst_block_ids.append(1)
+            swap.hash_values.append("beef")
+            with pytest.raises(ValueError, match="no fastkv transfer tag"):
+                engine.ranks[0].worker.submit_swap_tasks(None, swap)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                cm.poll_results()
+                if tp == 1 and cm.get_stats()["results_stale"]:
+                    break
+                if tp > 1 and cm.results.missing():
+                    break
+                time.sleep(0.01)
+            assert cm.get_stats()["results_stale"] == (1 if tp == 1 else 0)
+            assert cm.manager.num_inflight_transfers == inflight  # the new N still waits
+
+        engine.step_hooks.append(late_report)
+        engine.run(copy({engine.step + s: reqs for s, reqs in arrivals.items()}))
+        engine.drain()
+        stats = cm.get_stats()
+    finally:
+        engine.close()
+    assert replays == 1
+    assert stats["failed_transfers"] == 0 and stats["rollback_blocks"] == 0
+    assert stats["results_unknown"] == 0
+    assert engine.outputs == first  # the same prompts, served the same way
+    assert engine.log.matches["c"] == [(3, 1), (3, 1)]  # a host hit in both epochs
+    assert not engine.log.failed_steps
+
+
+def copy_meta(meta):
+    """A FastDeploy metadata with lists of its own."""
+    return type(meta)(
+        list(meta.src_block_ids),
+        list(meta.dst_block_ids),
+        meta.src_type,
+        meta.dst_type,
+        list(meta.hash_values),
+    )
+
+
+def test_metadata_never_dispatched_fails_every_tagged_id_in_a_later_epoch(channel: str) -> None:
+    """A request that ends with metadata no worker got fails every fastkv id in it,
+    also those after an entry that is not fastkv's, and in the epoch their tags
+    name: after a reset the failures apply (one of epoch 0 would be dropped as
+    stale, leaving the transfers in flight)."""
+    engine = make_engine(channel, device_blocks=10, host_blocks=16)
+    try:
+        assert engine.cm.reset_cache() and engine.cm.manager.epoch == 1
+        cm = engine.cm
+        c = allocated_host_hit(engine)
+        assert c.cache_swap_metadata and c.cache_evict_metadata
+        for meta in (*c.cache_swap_metadata, *c.cache_evict_metadata):
+            meta.src_block_ids.insert(0, 0)  # a foreign entry before fastkv's
+            meta.dst_block_ids.insert(0, 1)
+            meta.hash_values.insert(0, "beef")
+        assert cm.manager.num_inflight_transfers >= 2
+        cm.request_finish(c)
+        stats = cm.get_stats()
+        assert stats["inflight_transfers"] == 0 and stats["active_requests"] == 0
+        assert stats["results_stale"] == 0 and stats["results_unknown"] == 0
+        cm.manager.check_invariants()
         assert cm.reset_cache()
     finally:
         engine.close()

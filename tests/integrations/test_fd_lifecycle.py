@@ -13,7 +13,7 @@ from fd_standins import FDCacheConfig, FDConfig, ModelConfig, Request, get_reque
 
 from fastkv.channel import ResultsSender
 from fastkv.integrations import fastdeploy as fd
-from fastkv.integrations.fd_transfers import transfer_ids
+from fastkv.integrations.fd_transfers import tagged_ids, transfer_ids
 from fastkv.metadata import TransferResult
 
 BS = 4
@@ -86,12 +86,18 @@ def test_update_cache_blocks_in_the_prefill_role_caches_only_proven_kv(channel: 
         cm.close()
 
 
+@pytest.mark.parametrize("earlier_resets", [0, 2])
 def test_reset_at_pause_waits_for_copies_in_flight_and_drops_unsent_backups(
-    channel: str,
+    channel: str, earlier_resets: int
 ) -> None:
+    """Also in a later cache epoch: the backups never sent fail in the manager's
+    epoch (one of another epoch would be dropped, leaving them in flight)."""
     cm = fd.CacheManager(config(write_policy="write_through"), channel_name=channel)
     sender = ResultsSender(channel, 0)
     try:
+        for _ in range(earlier_resets):
+            assert cm.reset_cache() is True
+        assert cm.manager.epoch == earlier_resets
         # A hit makes cached blocks owe a backup (FastDeploy's write_through: after
         # one hit); the next schedule sends them: copies in flight.
         cached(cm, list(range(2 * BS + 1)), "a")
@@ -108,12 +114,13 @@ def test_reset_at_pause_waits_for_copies_in_flight_and_drops_unsent_backups(
         # Pause: every request aborted and drained.
         for r in (hit, hit2):
             cm.request_finish(r)
-        (tid,) = transfer_ids(sent)
+        ((tid, epoch),), _, _ = tagged_ids(sent)
+        assert epoch == earlier_resets
 
         def worker() -> None:  # the eviction's result comes 0.2 s later
             time.sleep(0.2)
             for _ in range(400):
-                sender.send([TransferResult(tid, True)])
+                sender.send([TransferResult(tid, True, epoch=epoch)])
                 time.sleep(0.005)
 
         thread = threading.Thread(target=worker, daemon=True)
@@ -123,6 +130,7 @@ def test_reset_at_pause_waits_for_copies_in_flight_and_drops_unsent_backups(
         stats = cm.get_stats()
         assert stats["cached_nodes"] == 0 and stats["inflight_transfers"] == 0
         assert cm.num_free_device_blocks == 8 and cm.num_free_host_blocks == 4
+        assert cm.manager.epoch == earlier_resets + 1
     finally:
         sender.close()
         cm.close()

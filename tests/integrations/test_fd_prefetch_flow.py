@@ -222,3 +222,32 @@ def test_a_host_tier_smaller_than_the_prefix_serves_what_fits(
         engine.drain()
     finally:
         engine.close()
+
+
+def test_prefetch_tasks_after_a_cache_reset_carry_the_new_epoch(
+    channel: str, tmp_path: Any, monkeypatch: Any
+) -> None:
+    """After `reset_cache` the manager is in epoch 1: a drained lookup or load
+    tagged with epoch 0 would be answered in epoch 0 and dropped as stale, and the
+    prefetch would never complete. The disk outlives the reset, so the prompt
+    comes back from it."""
+    engine = make(channel, tmp_path, monkeypatch, host=8, tp=1)
+    try:
+        cm = engine.cm
+        target = prompt(3, 6 * BS)
+        engine.serve([Request("first", [*target, 5, 6, 7], 3)])
+        engine.settle()
+        assert cm.manager.get_stats().storage.writes >= 6
+        engine.drain()
+        assert cm.reset_cache()
+        assert cm.manager.epoch == 1
+        again = Request("again", [*target, 8, 9], 3)
+        engine.serve([again])
+        assert "prefetch_storage(again) -> True" in engine.calls
+        assert again.match_result.matched_storage_nums == 6
+        assert cm.get_stats()["results_stale"] == 0
+        assert engine.log.reads_checked > 0
+        engine.settle()
+        engine.drain()
+    finally:
+        engine.close()

@@ -337,12 +337,14 @@ def test_a_worker_without_its_storage_directory_refuses_to_start(
         fd.CacheController(config(), 0, 0, channel_name=channel)
 
 
+@pytest.mark.parametrize("epoch", [0, 3])
 def test_the_worker_writes_looks_up_and_loads_through_its_disk(
-    channel: str, tmp_path, monkeypatch
+    channel: str, tmp_path, monkeypatch, epoch: int
 ) -> None:
     """The worker half alone (real CPU tensors, real disk, real channel): storage
     entries in the step's eviction metadata are written, looked up and loaded, and
-    the results come back with the scheduler's ids; the bytes come back."""
+    the results come back with the scheduler's ids and cache epoch; the bytes come
+    back."""
     pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
     from fastkv.channel import ResultsReceiver
 
@@ -357,7 +359,7 @@ def test_the_worker_writes_looks_up_and_loads_through_its_disk(
         ctrl = worker.controller
         for t in range(len(ctrl.caches)):
             ctrl.host_blocks(t)[0] = 0x5A  # host block 0: the bytes to keep
-        write = FKMeta(40, FK.HOST, FK.STORAGE, [0], [], ["blk"])
+        write = FKMeta(40, FK.HOST, FK.STORAGE, [0], [], ["blk"], epoch=epoch)
         meta = storage_to_fastdeploy(None, write, (), CacheSwapMetadata, CacheLevel)
 
         def results(count: int) -> list:
@@ -370,13 +372,14 @@ def test_the_worker_writes_looks_up_and_loads_through_its_disk(
             return got
 
         assert worker.submit_swap_tasks(meta, None) is None
-        assert results(1) == [TransferResult(40, True, "", ())]
-        lookup = [StorageLookup(41, ["blk", "other"])]
-        load = FKMeta(42, FK.STORAGE, FK.HOST, [], [3], ["blk"])
+        assert results(1) == [TransferResult(40, True, "", (), epoch=epoch)]
+        lookup = [StorageLookup(41, ["blk", "other"], epoch)]
+        load = FKMeta(42, FK.STORAGE, FK.HOST, [], [3], ["blk"], epoch=epoch)
         meta = storage_to_fastdeploy(load, None, lookup, CacheSwapMetadata, CacheLevel)
         worker.submit_swap_tasks(meta, None)
         got = results(2)
-        assert LookupResult(41, 1) in got and TransferResult(42, True, "", ()) in got
+        assert LookupResult(41, 1, epoch=epoch) in got
+        assert TransferResult(42, True, "", (), epoch=epoch) in got
         for t in range(len(ctrl.caches)):
             assert (ctrl.host_blocks(t)[3] == 0x5A).all()
         assert worker.get_stats()["transfers_without_result"] == 0

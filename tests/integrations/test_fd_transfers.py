@@ -93,9 +93,9 @@ def test_every_tagged_id_is_found_past_a_foreign_entry() -> None:
         [5, 6, 7, 4, -1, -1],
         CacheLevel.DEVICE,
         CacheLevel.HOST,
-        ["3:aa", "beef", "9:bb:h", "L11:cc", 7, "Q2:dd"],
+        ["3:aa", "beef", "9.4:bb:h", "L11:cc", 7, "Q2.4:dd"],
     )
-    assert tagged_ids(merged) == ([3, 9], [11], [2])
+    assert tagged_ids(merged) == ([(3, 0), (9, 4)], [(11, 0)], [(2, 4)])
     assert tagged_ids(None) == ([], [], [])
     assert tagged_ids(CacheSwapMetadata(hash_values=object())) == ([], [], [])
 
@@ -119,3 +119,41 @@ def test_fastdeploy_classes_are_used_when_importable(monkeypatch) -> None:
     assert isinstance(meta, CacheSwapMetadata) and meta.src_type is CacheLevel.DEVICE
     assert (meta.success, meta.error_message) == (False, None)
     assert transfer_ids(meta) == [2]
+
+
+def test_tags_carry_the_cache_epoch_and_parse_strictly() -> None:
+    """Transfer ids restart with each cache epoch: a tag names its epoch (none
+    for epoch 0, as before), and anything else than `<id>[.<epoch>]:` is
+    foreign."""
+    from fastkv.integrations.fd_transfers import epoch_of, split_storage, storage_tag_of
+    from fastkv.metadata import MAX_EPOCH
+
+    assert tag(12, "abc", 0) == "12:abc" and tag(12, "abc", 3) == "12.3:abc"
+    assert transfer_id_of("12.3:abc") == 12
+    too_big = (f"1.{MAX_EPOCH + 1}:x", f"{1 << 63}:x", "9" * 5000 + ":x", "1." + "9" * 5000)
+    for bad in ("1.:x", ".3:x", "1.-3:x", "1.3.4:x", "1.²:x", "²:x", "1 :x", *too_big):
+        with pytest.raises(ValueError, match="no fastkv transfer tag"):
+            transfer_id_of(bad)
+        assert storage_tag_of("L" + bad) is None
+    assert storage_tag_of("W7.2:ab") == ("W", 7, "ab")
+    assert transfer_id_of(f"{(1 << 63) - 1}.{MAX_EPOCH}:x") == (1 << 63) - 1
+    assert tagged_ids(CacheSwapMetadata(hash_values=[*too_big, "²:x", "4.1:y"])) == (
+        [(4, 1)],
+        [],
+        [],
+    )
+    meta = FastkvSwap(5, FastkvLevel.HOST, FastkvLevel.DEVICE, [1], [2], ["h"], epoch=3)
+    merged = parse_merged(to_fastdeploy(meta, CacheSwapMetadata, CacheLevel), "host", "device")
+    assert (merged.transfer_ids, merged.epoch) == ((5,), 3)
+    mixed = CacheSwapMetadata(
+        [0, 1], [1, 2], CacheLevel.HOST, CacheLevel.DEVICE, ["1.3:a", "2:b"]
+    )
+    with pytest.raises(ValueError, match="epoch 0, the entries before it of epoch 3"):
+        parse_merged(mixed, "host", "device")
+    stored = CacheSwapMetadata(
+        [-1, 4], [6, -1], CacheLevel.DEVICE, CacheLevel.HOST, ["L1.2:a", "W2.2:b"]
+    )
+    assert split_storage(stored)[1].epoch == 2 and epoch_of(stored) == 2
+    stored.hash_values[1] = "W2.1:b"
+    with pytest.raises(ValueError, match="one step has one epoch"):
+        split_storage(stored)
