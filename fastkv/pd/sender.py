@@ -73,6 +73,10 @@ class PDSender:
         layout: this rank's cache (`KVLayout`).
         notify_timeout_s: the longest a notice may take to go out.
         clock: monotonic seconds (send deadlines).
+        checksums: put each block's checksum in the notice (default). False sends
+            notices without them, which a D refuses unless its `PDReceiver` was
+            built with `checksums=False` too: D then trusts whatever landed (for
+            measurement and trusted fabrics only, docs/pd.md).
     """
 
     def __init__(
@@ -82,8 +86,12 @@ class PDSender:
         *,
         notify_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        checksums: bool = True,
     ) -> None:
+        if not isinstance(checksums, bool):
+            raise ValueError(f"checksums: must be a bool, got {checksums!r}")
         self.transport = transport
+        self.checksums = checksums
         self.layout = layout
         self.notify_timeout_s = notify_timeout_s
         self._clock = clock
@@ -283,7 +291,7 @@ class PDSender:
                 block_checksums(
                     self.layout.tensors, plan.src_block_ids, slices=k, index=target.index
                 )
-                if ok
+                if ok and self.checksums
                 else []
             )
             notice = Notice(
