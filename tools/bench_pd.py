@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation benchmark: each layer next to what it is built on,
 measured in the same run.
 
-    .venv/bin/python tools/bench_pd.py [--json] [--quick] [--only hook|te|e2e]
+    .venv/bin/python tools/bench_pd.py [--json] [--quick] [--only hook|te|pd|e2e]
         [--layers-measured N] [--block-kib N ...] [--layers N] [--reps N]
 
 fastkv's own costs (`--only hook`), whatever the transport:
@@ -37,6 +37,16 @@ private network namespace (the engine listens on every interface):
    engine stubbed out, the transport's own cost alone.
 Runs alternate the variants in every repetition; medians are reported.
 
+fastkv's PD path (`--only pd`), the same namespace and TCP loopback: `PDSender` in
+this process and `PDReceiver` in a child, each over its `MooncakeTransport`, timed
+from P's first `after_layer` to D's `RankReport` (writes, notice, D's checks), with
+the block checksum off and on (`checksums=` on both sides), against raw TE batch
+writes of exactly the pieces the sender builds (`bench_raw_te`) and against the
+transport's `write` of them alone. Blocks of `--block-kib` over `--layers` layers
+(K and V each: pieces of block / (2 x layers) bytes; D's block ids reversed so no
+run coalesces). Both sides poll every millisecond, as an engine would per step.
+Also reported: D's report minus P's (D's checksum once the notice arrived).
+
 End to end (`--only e2e`), the demo engine's P and D instances over Mooncake TE in a
 private network namespace (examples/engine/pd.py; CPU model, one rank each), at 3
 and at 32 layers (`--e2e-layers`):
@@ -54,6 +64,7 @@ rerun before believing a difference under ~20 %.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -579,6 +590,214 @@ def print_te(te: dict | str) -> None:
     )
 
 
+# -- fastkv's PD path over Mooncake TE vs raw TE of the same pieces (--only pd) ----
+
+
+class _PreRegistered:
+    """A `MooncakeTransport` whose buffer was registered whole once: the layouts cut
+    from it per block size register nothing again (the transport refuses overlap)."""
+
+    def __init__(self, transport) -> None:
+        self._t = transport
+
+    def register(self, addr: int, length: int) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._t, name)
+
+
+def _pd_layout(base: int, buf, block: int, layers: int) -> KVLayout:
+    """`2 * layers` tensors cut from `buf` (K and V per layer), `block // (2 *
+    layers)` bytes per block each: one block is `block` bytes over all layers."""
+    piece = block // (2 * layers)
+    blocks = buf.nbytes // block
+    arrays = [
+        buf[i * blocks * piece : (i + 1) * blocks * piece].reshape(blocks, 1, piece)
+        for i in range(2 * layers)
+    ]
+    assert arrays[0].ctypes.data == base
+    return KVLayout.of_arrays(arrays, tensors_per_layer=2, block_size=BLOCK_SIZE)
+
+
+def _pd_receiver(total: int) -> None:
+    """D's process: one transport over `total` registered bytes; JSON commands on
+    stdin (`layout`, `expect`), answers on stdout, until stdin closes."""
+    from fastkv.pd.messages import Acceptance
+    from fastkv.pd.mooncake_te import MooncakeTransport
+
+    transport = MooncakeTransport(HOST, write_timeout_s=120)
+    buf = np.zeros(total, dtype=np.uint8)
+    transport.register(buf.ctypes.data, total)
+    wrapped = _PreRegistered(transport)
+    print(json.dumps({"address": transport.address}), flush=True)
+    receivers: dict[bool, PDReceiver] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "layout" in cmd:
+            block, layers = cmd["layout"]
+            lay = _pd_layout(buf.ctypes.data, buf, block, layers)
+            receivers = {c: PDReceiver(wrapped, lay, checksums=c) for c in (True, False)}
+            print(json.dumps({"layout": dataclasses.asdict(lay)}), flush=True)
+            continue
+        rec = receivers[cmd["checksums"]]
+        acc = Acceptance(
+            "r", cmd["tid"], Epoch(0), 1, 0, tuple(cmd["ids"]), bytes.fromhex(cmd["key"]), 60, 1
+        )
+        rec.expect(acc, 1)
+        print(json.dumps({"ready": True}), flush=True)
+        while not (reports := rec.poll()):
+            time.sleep(0.001)  # an engine polls once per step
+        t = time.monotonic()
+        rec.forget(Epoch(0), cmd["tid"])
+        print(
+            json.dumps({"ok": reports[0].ok, "reason": reports[0].reason, "t": t}), flush=True
+        )
+    os._exit(0)
+
+
+class _PDRun:
+    """P's side of `--only pd`: D's process, the transport, the source buffer."""
+
+    def __init__(self, total: int) -> None:
+        from fastkv.pd.mooncake_te import MooncakeTransport
+
+        self.d = subprocess.Popen(
+            [sys.executable, __file__, "--pd-receiver", str(total)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.peer = self.read()["address"]
+        self.transport = MooncakeTransport(HOST, write_timeout_s=120)
+        self.src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+        self.transport.register(self.src.ctypes.data, total)
+        self.transport.connect(self.peer, 10)
+        self.wrapped, self.engine = _PreRegistered(self.transport), self.transport._engine
+        self.tid = 0
+
+    def read(self) -> dict:
+        return json.loads(self.d.stdout.readline())  # type: ignore[union-attr]
+
+    def ask(self, cmd: dict) -> dict:
+        self.d.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+        self.d.stdin.flush()  # type: ignore[union-attr]
+        return self.read()
+
+    def pd_once(self, sender: PDSender, src_ids: tuple, dst_ids: tuple) -> tuple[float, float]:
+        """One transfer: seconds from the first `after_layer` to D's `RankReport`,
+        and from P's own report (notice sent) to D's."""
+        self.tid += 1
+        key = os.urandom(32)
+        sender.start(SendPlan(self.tid, Epoch(0), key, src_ids, dst_ids, 1, 60.0))
+        self.ask(
+            {"tid": self.tid, "ids": dst_ids, "key": key.hex(), "checksums": sender.checksums}
+        )
+        t0 = time.monotonic()
+        for layer in range(sender.layout.num_layers):
+            sender.after_layer(layer)
+        while not (mine := sender.poll()):
+            time.sleep(0.001)  # an engine polls once per step
+        t_p = time.monotonic()
+        got = self.read()
+        if not (mine[0].ok and got["ok"]):
+            raise RuntimeError(f"PD transfer failed: P {mine[0]}, D {got}")
+        return got["t"] - t0, got["t"] - t_p
+
+    def block_row(self, block: int, layers: int, reps: int) -> dict:
+        from fastkv.pd.layout import TensorRegion
+
+        lay = _pd_layout(self.src.ctypes.data, self.src, block, layers)
+        dd = self.ask({"layout": [block, layers]})["layout"]
+        d_lay = KVLayout(**{**dd, "tensors": tuple(TensorRegion(**t) for t in dd["tensors"])})
+        senders = {c: PDSender(self.wrapped, lay, checksums=c) for c in (True, False)}
+        for s in senders.values():
+            s.connect(self.peer, d_lay)
+        blocks = lay.num_blocks
+        # Reversed destinations: no run of blocks coalesces, one piece per block
+        # per tensor per layer, `block // (2 * layers)` bytes each.
+        src_ids, dst_ids = tuple(range(blocks)), tuple(reversed(range(blocks)))
+        s0 = senders[True]
+        pieces = [s0._pieces(s0._runs(src_ids, dst_ids, 1), 1, la, 0) for la in range(layers)]
+        raw = _te_chunks(
+            [
+                ([p.src for p in ps], [p.dst for p in ps], [p.length for p in ps])
+                for ps in pieces
+            ],
+            512,
+        )
+        bench_raw_te(self.engine, self.peer, raw)  # warm the connection
+        runs: dict[str, list[float]] = {"raw": [], "write": [], "off": [], "on": []}
+        tails: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(reps):
+            for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
+                if name == "raw":
+                    runs[name].append(bench_raw_te(self.engine, self.peer, raw))
+                    continue
+                if name == "write":  # the transport alone: one `write` per layer
+                    runs[name].append(
+                        bench_te_transport(self.transport, self.peer, pieces, True)
+                    )
+                    continue
+                total_s, tail_s = self.pd_once(senders[name == "on"], src_ids, dst_ids)
+                runs[name].append(total_s)
+                tails[name].append(tail_s)
+        gbps = {k: blocks * block / statistics.median(v) / 1e9 for k, v in runs.items()}
+        return {
+            "block_KiB": block >> 10,
+            "piece_KiB": round(block / (2 * layers) / 1024, 1),
+            "blocks": blocks,
+            "raw_te_GBps": round(gbps["raw"], 2),
+            "write_GBps": round(gbps["write"], 2),
+            "pd_sum_off_GBps": round(gbps["off"], 2),
+            "pd_sum_on_GBps": round(gbps["on"], 2),
+            "off_vs_raw": round(gbps["off"] / gbps["raw"], 2),
+            "on_vs_raw": round(gbps["on"] / gbps["raw"], 2),
+            "raw_ms": round(statistics.median(runs["raw"]) * 1e3, 1),
+            "d_after_p_off_ms": round(statistics.median(tails["off"]) * 1e3, 1),
+            "d_after_p_on_ms": round(statistics.median(tails["on"]) * 1e3, 1),
+        }
+
+
+def bench_pd_inside(block_sizes: list[int], total: int, layers: int, reps: int) -> dict:
+    """Runs inside a private network namespace (see `bench_pd`)."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    run = _PDRun(total)
+    rows = [run.block_row(block, layers, reps) for block in block_sizes]
+    run.d.stdin.close()  # type: ignore[union-attr]
+    run.d.wait(10)
+    return {"rows": rows, "layers": layers, "reps": reps, "MiB": total >> 20}
+
+
+def bench_pd(block_sizes: list[int], total: int, layers: int, reps: int) -> dict | str:
+    """The engine listens on every interface: run it in a private network namespace."""
+    inside = json.dumps([block_sizes, total, layers, reps])
+    proc = subprocess.run(
+        ["unshare", "--net", "--fork", sys.executable, __file__, "--pd-inside", inside],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=dict(os.environ, GLOG_minloglevel="1"),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PD ")]
+    if proc.returncode != 0 or not lines:
+        return f"failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}"
+    return json.loads(lines[-1][3:])
+
+
+def print_pd(pd: dict | str) -> None:
+    if isinstance(pd, str):
+        print(f"\nfastkv PD over Mooncake TE: {pd}")
+        return
+    print_table(
+        f"fastkv PD (PDSender -> PDReceiver over MooncakeTransport, first after_layer to "
+        f"D's RankReport) vs raw TE batch writes of the same pieces, {pd['MiB']} MiB, "
+        f"{pd['layers']} layers, block checksum off and on, GB/s (median of {pd['reps']})",
+        pd["rows"],
+        list(pd["rows"][0]),
+    )
+
+
 # -- end to end: the demo engine's P and D instances ------------------------------
 
 
@@ -660,7 +879,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="less data, fewer repetitions")
-    parser.add_argument("--only", choices=["hook", "te", "e2e"], default=None)
+    parser.add_argument("--only", choices=["hook", "te", "pd", "e2e"], default=None)
     parser.add_argument("--e2e-layers", type=int, nargs="+", default=[3, 32])
     parser.add_argument("--e2e-inside", help=argparse.SUPPRESS)
     parser.add_argument("--layers-measured", type=int, default=2048, help="at least 1000")
@@ -669,9 +888,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--te-inside", help=argparse.SUPPRESS)
     parser.add_argument("--te-receiver", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--pd-inside", help=argparse.SUPPRESS)
+    parser.add_argument("--pd-receiver", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.te_receiver:
         _te_receiver(args.te_receiver)
+    if args.pd_receiver:
+        _pd_receiver(args.pd_receiver)
+    if args.pd_inside:
+        print("PD " + json.dumps(bench_pd_inside(*json.loads(args.pd_inside))), flush=True)
+        os._exit(0)
     if args.e2e_inside:
         print("E2E " + json.dumps(bench_e2e_inside(*json.loads(args.e2e_inside))), flush=True)
         os._exit(0)
@@ -690,6 +916,9 @@ def main() -> None:
         result["te"] = bench_te(
             [k << 10 for k in args.block_kib], total, args.layers, reps, calls
         )
+    if args.only in (None, "pd"):
+        total = (64 if args.quick else 256) * MiB
+        result["pd"] = bench_pd([k << 10 for k in args.block_kib], total, args.layers, reps)
     if args.only in (None, "e2e"):
         result["e2e"] = bench_e2e(args.e2e_layers, 3 if args.quick else 8)
     if args.json:
@@ -699,6 +928,8 @@ def main() -> None:
         print_hook_section(result["hook"])
     if "te" in result:
         print_te(result["te"])
+    if "pd" in result:
+        print_pd(result["pd"])
     if "e2e" in result:
         print_e2e(result["e2e"])
 

@@ -52,6 +52,7 @@ class ReceiverCounters:
     unknown: int = 0
     late: int = 0
     bad_checksum: int = 0
+    checksum_mismatch: int = 0  # P's and D's `checksums` settings differ
 
 
 class PDReceiver:
@@ -62,10 +63,25 @@ class PDReceiver:
         layout: this rank's cache (`KVLayout`).
         max_waiting: notices of not yet expected transfers kept (oldest dropped,
             counted as `unknown`).
+        checksums: verify each block's checksum against P's (default). False:
+            P's senders must be built with `checksums=False` as well (a notice with
+            checksums is refused here, as one without them is by a D with them on)
+            and D trusts whatever landed once a done notice arrived: for
+            measurement and trusted fabrics only (docs/pd.md).
     """
 
-    def __init__(self, transport: PDTransport, layout: KVLayout, *, max_waiting: int = 256):
+    def __init__(
+        self,
+        transport: PDTransport,
+        layout: KVLayout,
+        *,
+        max_waiting: int = 256,
+        checksums: bool = True,
+    ):
+        if not isinstance(checksums, bool):
+            raise ValueError(f"checksums: must be a bool, got {checksums!r}")
         self.transport = transport
+        self.checksums = checksums
         self.layout = layout
         self.max_waiting = max_waiting
         for t in layout.tensors:
@@ -183,13 +199,26 @@ class PDReceiver:
             and n.d_rank == self.layout.tp_rank
             and n.num_d_ranks == self.layout.tp_size
             and n.num_layers == self.layout.num_layers
-            and (n.failed or len(n.checksums) == len(acc.block_ids))
+            and (n.failed or len(n.checksums) in (0, len(acc.block_ids)))
         )
 
     def _verdict(self, notice: Notice, acc: Acceptance) -> RankReport:
         rank = self.layout.tp_rank
         if notice.failed:
             return RankReport(acc.transfer_id, acc.epoch, rank, False, "P reported a failure")
+        if acc.block_ids and bool(notice.checksums) != self.checksums:
+            self.counters.checksum_mismatch += 1
+            return RankReport(
+                acc.transfer_id,
+                acc.epoch,
+                rank,
+                False,
+                f"notice {'with' if notice.checksums else 'without'} block checksums, "
+                f"this D has checksums={self.checksums}: P and D must agree",
+            )
+        if not self.checksums:
+            self.bytes_received += len(acc.block_ids) * self._block_bytes
+            return RankReport(acc.transfer_id, acc.epoch, rank, True)
         landed = block_checksums(self.layout.tensors, acc.block_ids)
         for i, (want, got) in enumerate(zip(notice.checksums, landed, strict=True)):
             if want != got:

@@ -10,11 +10,14 @@ written, then one notice per D rank served.
 
 The hook does only what cannot wait: it hands the layer's pieces (computed at
 `start`) to the transport, for every send whose next layer this is. `poll` finishes
-a send once its last layer was handed over and every write settled: it computes the
-checksums of the blocks as each D rank receives them and notifies that rank (done,
-or failed when a write failed or could not start), then reports the send settled to
-P's scheduler. A notice goes out only after every write it covers settled, so its
-arrival tells D no write of this rank can land any more.
+a send once its last layer was handed over and every write settled: it notifies each
+D rank (done, with the checksums of the blocks as that rank receives them, or failed
+when a write failed or could not start), then reports the send settled to P's
+scheduler. The checksums are taken by the first `poll` after the last layer was
+handed over, while the writes may still be in flight (the blocks are final then and
+pinned), so they overlap the transfer instead of following it. A notice goes out
+only after every write it covers settled, so its arrival tells D no write of this
+rank can land any more.
 
 Layers are numbered over the whole layout, extra (speculative) layers last: the
 engine calls the hook for each of them, in order.
@@ -61,6 +64,7 @@ class _Send:
     sent_upto: int = 0  # blocks of the plan in chunks so far
     handles: list[WriteHandle] = field(default_factory=list)
     failed: str = ""
+    sums: dict[int, list[int]] | None = None  # per D rank, taken before writes settled
 
 
 class PDSender:
@@ -73,6 +77,10 @@ class PDSender:
         layout: this rank's cache (`KVLayout`).
         notify_timeout_s: the longest a notice may take to go out.
         clock: monotonic seconds (send deadlines).
+        checksums: put each block's checksum in the notice (default). False sends
+            notices without them, which a D refuses unless its `PDReceiver` was
+            built with `checksums=False` too: D then trusts whatever landed (for
+            measurement and trusted fabrics only, docs/pd.md).
     """
 
     def __init__(
@@ -82,8 +90,12 @@ class PDSender:
         *,
         notify_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        checksums: bool = True,
     ) -> None:
+        if not isinstance(checksums, bool):
+            raise ValueError(f"checksums: must be a bool, got {checksums!r}")
         self.transport = transport
+        self.checksums = checksums
         self.layout = layout
         self.notify_timeout_s = notify_timeout_s
         self._clock = clock
@@ -235,6 +247,7 @@ class PDSender:
         """Settle the sends whose writes all settled: notify D, report to P."""
         now = self._clock()
         settled = []
+        early = []  # handed over, writes in flight: checksum now, not after they land
         with self._lock:  # the hook starts no write for a send stopped here
             for key, send in list(self._sends.items()):
                 if not send.finished:
@@ -244,9 +257,13 @@ class PDSender:
                     self._active = [s for s in self._active if s is not send]
                 states = [h.state() for h in send.handles]
                 if WriteState.PENDING in states and now < send.deadline:
+                    if self.checksums and not send.failed and send.sums is None:
+                        early.append(send)
                     continue
                 del self._sends[key]
                 settled.append((send, states))
+        for send in early:  # outside the lock: the hook does not wait for it
+            send.sums = self._sums(send)
         return [self._settle(send, states) for send, states in settled]
 
     @property
@@ -276,16 +293,13 @@ class PDSender:
     def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
         plan = send.plan
         k = plan.num_d_ranks // self.layout.tp_size
+        if not (ok and self.checksums):
+            sums: dict[int, list[int]] = {}
+        else:
+            sums = send.sums if send.sums is not None else self._sums(send)
         out = []
         for r in range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k):
             target = self._targets[r]
-            sums = (
-                block_checksums(
-                    self.layout.tensors, plan.src_block_ids, slices=k, index=target.index
-                )
-                if ok
-                else []
-            )
             notice = Notice(
                 plan.epoch,
                 plan.transfer_id,
@@ -295,10 +309,23 @@ class PDSender:
                 plan.num_d_ranks,
                 not ok,
                 self.layout.num_layers,
-                tuple(sums),
+                tuple(sums.get(r, ())),
             )
             out.append((target.address, encode_notice(notice, plan.secret)))
         return out
+
+    def _sums(self, send: _Send) -> dict[int, list[int]]:
+        """The checksum of every block of the send as each D rank it serves
+        receives it (its head slice). P's blocks are final once their last layer
+        was handed over and stay pinned until the send settles, so this may run
+        while the writes are still in flight."""
+        plan, k = send.plan, send.k
+        return {
+            r: block_checksums(
+                self.layout.tensors, plan.src_block_ids, slices=k, index=self._targets[r].index
+            )
+            for r in range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
+        }
 
     def _pieces(
         self, runs: list[tuple[int, int, int]], k: int, layer: int, d_rank: int

@@ -110,6 +110,8 @@ class Rig:
     p_blocks: int = 32
     d_blocks: int = 16
     now: float = 0.0
+    p_checksums: bool = True
+    d_checksums: bool = True
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -118,11 +120,13 @@ class Rig:
         self.p = make_instance(self.p_tp, self.layers, self.p_blocks)
         self.d = make_instance(self.d_tp, self.layers, self.d_blocks)
         self.senders = [
-            PDSender(self.fabric.endpoint(f"p{r}"), lay, clock=clock)
+            PDSender(
+                self.fabric.endpoint(f"p{r}"), lay, clock=clock, checksums=self.p_checksums
+            )
             for r, lay in enumerate(self.p.layouts)
         ]
         self.receivers = [
-            PDReceiver(self.fabric.endpoint(f"d{r}"), lay)
+            PDReceiver(self.fabric.endpoint(f"d{r}"), lay, checksums=self.d_checksums)
             for r, lay in enumerate(self.d.layouts)
         ]
         for r, rec in enumerate(self.receivers):  # the P rank holding its first head

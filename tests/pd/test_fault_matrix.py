@@ -347,3 +347,38 @@ def test_abort_on_p_mid_prefill_sends_a_failure_notice_and_d_recomputes() -> Non
     assert not rig.p.mgr.is_active("r")
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2)])
+def test_checksums_off_on_both_sides_commits_bitwise_equal_kv(p_tp: int, d_tp: int) -> None:
+    rig = Rig(p_tp=p_tp, d_tp=d_tp, p_checksums=False, d_checksums=False)
+    assert isinstance(rig.offer("r", TOKENS), Acceptance)
+    rig.prefill("r", TOKENS)
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r", TOKENS) == "received"
+    assert all(r.counters.checksum_mismatch == 0 for r in rig.receivers)
+    rig.check_clean()
+
+
+@pytest.mark.parametrize(("p_sums", "d_sums"), [(False, True), (True, False)])
+def test_checksum_settings_that_differ_end_in_recompute(p_sums: bool, d_sums: bool) -> None:
+    """A D verifying checksums refuses a notice without them (else a P built with
+    them off would switch D's check off), and a D built with them off refuses
+    a notice carrying them: the two sides must agree, the request recomputes."""
+    rig = Rig(p_checksums=p_sums, d_checksums=d_sums)
+    assert isinstance(rig.offer("r", TOKENS), Acceptance)
+    rig.prefill("r", TOKENS)
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    (out,) = rig.outcomes
+    assert not out.success and "must agree" in out.reason
+    assert rig.receivers[0].counters.checksum_mismatch == 1
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
+
+
+def test_checksums_option_must_be_a_bool() -> None:
+    rig = Rig()
+    with pytest.raises(ValueError, match="checksums"):
+        PDSender(rig.fabric.endpoint("x"), rig.p.layouts[0], checksums=1)  # type: ignore[arg-type]
