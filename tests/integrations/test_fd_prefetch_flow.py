@@ -155,7 +155,11 @@ def make(
         ModelConfig(num_hidden_layers=LAYERS),
         ParallelConfig(tensor_parallel_size=tp),
     )
-    cm = FastDeployCacheManager(fd_config, channel_name=channel)
+    # The first lookup waits for the workers' first connection too: a deadline a
+    # loaded CI machine cannot miss (the tests are about what comes back).
+    cm = FastDeployCacheManager(
+        fd_config, channel_name=channel, prefetch_lookup_timeout_s=WAIT_S
+    )
     ranks = []
     for r in range(tp):
         worker = FastDeployCacheController(fd_config, r, r, channel_name=channel)
