@@ -66,6 +66,7 @@ from fastkv.scheduler.radix_tree import (
     RadixTree,
     TreeNode,
 )
+from fastkv.scheduler.receiving import ReceivingBlocks
 from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
 from fastkv.scheduler.storage_tier import (
@@ -186,9 +187,9 @@ class CacheManager:
         self._storage = self._tiers.storage
         self._has_host_tier = config.num_host_blocks > 0
         self._counts_hits = self._tiers.counts_hits
-        # Device blocks reserved for bytes another instance writes (fastkv.pd): in no
-        # tree and no request's table, not free; see reserve_receiving.
-        self._receiving: set[int] = set()
+        self._receiving = ReceivingBlocks(
+            self.device_pool, self._tiers, config.reuse_evicted_blocks
+        )
         self.transfers.epoch = epoch
         if self._storage is not None:
             self._storage.epoch = epoch
@@ -647,20 +648,7 @@ class CacheManager:
                 f"num_blocks: {num_blocks} is more than the {self.device_pool.capacity} "
                 "device blocks"
             )
-        pool = self.device_pool
-        if num_blocks <= pool.num_free:
-            ids: list[int] | AllocStatus = pool.allocate(num_blocks)
-        elif self.config.reuse_evicted_blocks:
-            # An evicted block would come with its copy still to run, and only this
-            # instance's worker orders that copy before writes: a remote writer is
-            # not ordered by it.
-            return AllocStatus.NO_SPACE
-        else:
-            ids = self._tiers.take_device_blocks(num_blocks, self._is_busy)
-        if type(ids) is AllocStatus:
-            return ids
-        self._receiving.update(ids)
-        return ids
+        return self._receiving.reserve(num_blocks, self._is_busy)
 
     def release_receiving(self, block_ids: Sequence[int]) -> None:
         """Return reserved receiving blocks to the device pool (no write into them can
@@ -670,9 +658,7 @@ class CacheManager:
             ValueError: an id is not a receiving block, or is listed twice; nothing
                 changes.
         """
-        ids = self._checked_receiving(block_ids)
-        self._receiving.difference_update(ids)
-        self.device_pool.free(ids)
+        self._receiving.release(self._receiving.checked(block_ids))
 
     def commit_received(
         self, request_id: RequestId, block_ids: Sequence[int], *, num_computed_tokens: int
@@ -689,7 +675,7 @@ class CacheManager:
                 changes when it raises.
         """
         req = self._get(request_id)
-        ids = self._checked_receiving(block_ids)
+        ids = self._receiving.checked(block_ids)
         if req.loading or req.allocated or len(req.blocks) != len(req.nodes):
             raise ValueError(
                 f"request_id: {request_id!r} holds {len(req.blocks)} blocks in its table "
@@ -704,7 +690,7 @@ class CacheManager:
             del req.blocks[before:]
             raise
         req.allocated = True
-        self._receiving.difference_update(ids)
+        self._receiving.handed_over(ids)
 
     @property
     def num_receiving_blocks(self) -> int:
@@ -712,15 +698,6 @@ class CacheManager:
 
     def is_receiving(self, block_id: int) -> bool:
         return block_id in self._receiving
-
-    def _checked_receiving(self, block_ids: Sequence[int]) -> list[int]:
-        ids = list(block_ids)
-        for i, block in enumerate(ids):
-            if block not in self._receiving:
-                raise ValueError(f"block_ids[{i}]: {block!r} is not a receiving block")
-        if len(set(ids)) != len(ids):
-            raise ValueError("block_ids: a block is listed twice")
-        return ids
 
     def finish(self, request_id: RequestId) -> None:
         """Release a request, finished or not (`abort` is the same call): its
