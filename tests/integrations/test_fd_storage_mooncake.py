@@ -8,13 +8,12 @@ without Mooncake or `unshare` the last test fails)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from fd_standins import FDCacheConfig, FDConfig, ModelConfig
+from netns_case import run_in_netns
 
 from fastkv.integrations import fd_config as fdc
 from fastkv.storage.mooncake import MooncakeConnection
@@ -109,29 +108,7 @@ def test_two_workers_from_fastdeploy_configs_share_blocks_through_mooncake(
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("paddle", reason="the worker's CacheController needs paddle")
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--net",
-            "--fork",
-            sys.executable,
-            str(HERE / "fd_mooncake_case.py"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-            for p in tmp_path.glob("*.log")
-        )
-        pytest.fail(
-            f"exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
-        )
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = run_in_netns(HERE / "fd_mooncake_case.py", [str(tmp_path)], tmp_path, timeout_s=180)
     assert out["backends"] == ["MooncakeBackend", "MooncakeBackend"]
     assert out["segments"] == [0, 16 << 20]  # from the variables / from the JSON file
     assert out["write"][0].startswith("TransferResult(transfer_id=40, success=True")

@@ -5,36 +5,16 @@ Mooncake or `unshare` these tests fail, as test_mooncake_te.py's do."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from netns_case import run_in_netns
 
 HERE = Path(__file__).resolve().parent
-CASE_TIMEOUT = 120
 
 
 def run_case(case: str, tp: str, tmp_path: Path) -> dict:
-    script = str(HERE / "pd_te_cases.py")
-    proc = subprocess.run(
-        ["unshare", "--net", "--fork", sys.executable, script, case, str(tmp_path), tp],
-        capture_output=True,
-        text=True,
-        timeout=CASE_TIMEOUT,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-            for p in tmp_path.glob("*.log")
-        )
-        pytest.fail(
-            f"case {case} {tp} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
-            f"stderr:\n{proc.stderr[-4000:]}\n{logs}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_in_netns(HERE / "pd_te_cases.py", [case, str(tmp_path), tp], tmp_path)
 
 
 def assert_d_clean(d: dict) -> None:

@@ -4,43 +4,16 @@ without Mooncake or `unshare` these tests fail, as a missing storage tier should
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from netns_case import run_in_netns
 
 HERE = Path(__file__).resolve().parent
-CASE_TIMEOUT = 120
 
 
 def run_case(case: str, tmp_path: Path) -> dict:
-    proc = subprocess.run(
-        [
-            "unshare",
-            "--net",
-            "--fork",
-            sys.executable,
-            str(HERE / "mooncake_cases.py"),
-            case,
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=CASE_TIMEOUT,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-            for p in tmp_path.glob("*.log")
-        )
-        pytest.fail(
-            f"case {case} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
-            f"stderr:\n{proc.stderr[-4000:]}\n{logs}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_in_netns(HERE / "mooncake_cases.py", [case, str(tmp_path)], tmp_path)
 
 
 def test_blocks_come_back_from_mooncake_bit_exact_through_every_tier(tmp_path: Path) -> None:
