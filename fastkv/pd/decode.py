@@ -38,8 +38,10 @@ from fastkv.pd.messages import (
     Offer,
     RankReport,
     Rejection,
+    check_digest,
     check_positive,
     check_rank_count,
+    check_secret,
     checked_reports,
     new_secret,
     transfer_secret,
@@ -127,12 +129,12 @@ class DecodeTransfers:
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.fence_grace_s = check_positive("fence_grace_s", fence_grace_s)
         self.num_ranks = check_rank_count("num_ranks", num_ranks)
-        if deployment_secret is not None and len(deployment_secret) < 16:
-            raise ValueError("deployment_secret: must be at least 16 bytes")
+        secret = check_secret("deployment_secret", deployment_secret)
+        digest = check_digest("layout_digest", layout_digest)
         self.manager = manager
-        self.layout_digest = bytes(layout_digest)
+        self.layout_digest = digest
         self.epoch = Epoch(manager.epoch) if epoch is None else epoch
-        self._secret = deployment_secret
+        self._secret = secret
         self._clock = clock
         self._next_id = 1
         self._by_id: dict[tuple[Epoch, int], _Transfer] = {}

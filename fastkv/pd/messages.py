@@ -218,6 +218,20 @@ def check_rank_count(name: str, value: object) -> int:
     return value
 
 
+def check_digest(name: str, value: object) -> bytes:
+    """A layout digest (`KVLayout.digest()`: 32 bytes), else ValueError naming it."""
+    if not isinstance(value, bytes) or len(value) != 32:
+        raise ValueError(f"{name}: must be 32 bytes (KVLayout.digest()), got {value!r:.80}")
+    return value
+
+
+def check_secret(name: str, value: bytes | None) -> bytes | None:
+    """A deployment secret (None, or bytes of at least 16), else ValueError naming it."""
+    if value is not None and (not isinstance(value, bytes) or len(value) < 16):
+        raise ValueError(f"{name}: must be at least 16 bytes")
+    return value
+
+
 def checked_reports(reports: Iterable[RankReport]) -> list[RankReport]:
     """`reports` as a list, every entry a RankReport (else TypeError, before any is
     applied)."""

@@ -30,8 +30,10 @@ from fastkv.pd.messages import (
     RankReport,
     Rejection,
     SendPlan,
+    check_digest,
     check_positive,
     check_rank_count,
+    check_secret,
     checked_reports,
     transfer_secret,
 )
@@ -93,14 +95,14 @@ class PrefillTransfers:
         deployment_secret: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if deployment_secret is not None and len(deployment_secret) < 16:
-            raise ValueError("deployment_secret: must be at least 16 bytes")
-        self._secret = deployment_secret
+        secret = check_secret("deployment_secret", deployment_secret)
+        digest = check_digest("layout_digest", layout_digest)
+        self._secret = secret
         self.answer_timeout_s = check_positive("answer_timeout_s", answer_timeout_s)
         self.send_timeout_s = check_positive("send_timeout_s", send_timeout_s)
         self.num_ranks = check_rank_count("num_ranks", num_ranks)
         self.manager = manager
-        self.layout_digest = bytes(layout_digest)
+        self.layout_digest = digest
         self._clock = clock
         self._sends: dict[Hashable, _Send] = {}
         self._by_id: dict[tuple[Epoch, int], _Send] = {}

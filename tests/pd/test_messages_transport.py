@@ -19,6 +19,7 @@ from fastkv.pd.messages import (
     encode_notice,
     transfer_secret,
 )
+from fastkv.pd.prefill import PrefillTransfers
 from fastkv.pd.transport import Piece, TransportError, WriteState
 from fastkv.scheduler import CacheManager
 
@@ -51,6 +52,14 @@ def test_deployment_secret_keys_differ_per_transfer_and_never_travel() -> None:
     assert acc.secret == transfer_secret(s, acc.epoch, acc.transfer_id)
     with pytest.raises(ValueError, match="deployment_secret"):
         DecodeTransfers(mgr, layout_digest=b"L" * 32, deployment_secret=b"short")
+
+
+@pytest.mark.parametrize("digest", [5, b"L" * 31, "L" * 32])
+def test_both_halves_refuse_a_layout_digest_that_is_not_32_bytes(digest: object) -> None:
+    mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=8))
+    for half in (DecodeTransfers, PrefillTransfers):
+        with pytest.raises(ValueError, match="layout_digest: must be 32 bytes"):
+            half(mgr, layout_digest=digest)
 
 
 def _pair(**kw: object) -> tuple[InProcFabric, object, object, np.ndarray, np.ndarray]:
