@@ -693,8 +693,8 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
   int32_t layer = first_layer;
   // Every layer, no layer events: the copy-engine runs per segment, then one kernel
   // per staged slot over the whole segment table.
-  const bool one_launch = layer_events == nullptr && first_layer == 0 &&
-                          num_layers == layout->num_layers && num_layers > 1;
+  const bool one_launch =
+      takes_one_launch(layer_events != nullptr, first_layer, num_layers, layout->num_layers);
   if (rc == FKV_OK && one_launch) {
     bool needs_kernel = false;
     for (size_t s = seg_begin; s < seg_end && rc == FKV_OK; ++s) {

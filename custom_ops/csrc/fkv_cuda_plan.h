@@ -194,6 +194,16 @@ FKV_HD int64_t thread_element(int64_t base, int u) {
 
 // ---- host-side planning (shared by the launcher and the host harness) ----
 
+// Whether a layout transfer goes out as one launch per staged slot over the whole
+// segment table (chunk prefixes running across every layer) instead of launches
+// per layer: every layer, and no layer event to record between them (what an
+// eviction of whole blocks is).
+inline bool takes_one_launch(bool has_layer_events, int32_t first_layer, int32_t num_layers,
+                             int32_t layout_layers) {
+  return !has_layer_events && first_layer == 0 && num_layers == layout_layers &&
+         num_layers > 1;
+}
+
 // A segment as the launcher sees it: the host address for cudaMemcpyAsync and the
 // kernel's address of the same memory.
 struct PlanSegment {

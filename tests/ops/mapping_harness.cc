@@ -6,6 +6,14 @@
 // and every thread its unrolled elements, with the plan's own functions. The
 // "device" and "host" regions are both host memory here, so the result can be
 // compared byte for byte with a plain copy. Built by tests/ops/test_cuda_plan.py.
+//
+// Every write is also counted per destination byte (Coverage): a simulated call
+// fails with kWrittenTwice or kMissedOrStray unless each byte of the destination
+// blocks is written exactly once and nothing else is written. A byte written twice
+// with the right value is invisible to a comparison of the results; this catches
+// it. sim_set_mutant plants a known bug in the harness's copy of a launcher, so a
+// test can check that the checks catch it.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -17,6 +25,88 @@ namespace {
 
 using namespace fkv;
 
+constexpr int kWrittenTwice = -5;  // a destination byte written more than once
+constexpr int kMissedOrStray = -6;  // a destination byte not written, or a byte outside them
+
+// Planted bugs (sim_set_mutant); 0: none.
+enum Mutant {
+  kNoMutant = 0,
+  kOneLaunchFirstSlotIds = 1,      // one launch per slot, each reading the first slot's ids
+  kOneLaunchWithoutRunLen = 2,     // one launch: the kernel also moves copy-engine ids
+  kOneLaunchFirstLayerChunks = 3,  // one launch sized by the first layer's chunks only
+};
+int g_mutant = kNoMutant;
+
+// Per-byte write counts of the destination regions of one simulated call.
+class Coverage {
+ public:
+  // A region writes may land in (a segment's destination side).
+  void add_region(const char* base, int64_t bytes) {
+    regions_.push_back({base, bytes, std::vector<uint8_t>(bytes), std::vector<uint8_t>(bytes)});
+    std::sort(regions_.begin(), regions_.end(),
+              [](const Region& a, const Region& b) { return a.base < b.base; });
+  }
+  // Bytes that must be written exactly once (inside a region).
+  void expect(const char* dst, int64_t bytes) { mark(dst, bytes, true); }
+  // False (and counted as stray) outside every region: the caller skips the write.
+  bool write(const char* dst, int64_t bytes) { return mark(dst, bytes, false); }
+  int verdict() const {
+    if (stray_ > 0) return kMissedOrStray;
+    for (const Region& r : regions_) {
+      for (int64_t i = 0; i < r.bytes; ++i) {
+        if (r.got[i] > 1) return kWrittenTwice;
+      }
+    }
+    for (const Region& r : regions_) {
+      if (r.got != r.want) return kMissedOrStray;
+    }
+    return 0;
+  }
+
+ private:
+  struct Region {
+    const char* base;
+    int64_t bytes;
+    std::vector<uint8_t> want;
+    std::vector<uint8_t> got;
+  };
+  bool mark(const char* p, int64_t bytes, bool want) {
+    auto it = std::upper_bound(regions_.begin(), regions_.end(), p,
+                               [](const char* q, const Region& r) { return q < r.base; });
+    if (it == regions_.begin() || p - (it - 1)->base + bytes > (it - 1)->bytes) {
+      ++stray_;
+      return false;
+    }
+    Region& r = *(it - 1);
+    const int64_t off = p - r.base;
+    std::vector<uint8_t>& v = want ? r.want : r.got;
+    for (int64_t i = 0; i < bytes; ++i) v[off + i] = std::min(v[off + i] + 1, 2);
+    return true;
+  }
+  std::vector<Region> regions_;
+  int64_t stray_ = 0;
+};
+
+// The destination regions of a call and the blocks it must write: segments
+// [s_begin, s_end) times every id.
+void plan_coverage(const fkv_segment* segments, int32_t num_segments, int32_t s_begin,
+                   int32_t s_end, int64_t num_device_blocks, int64_t num_host_blocks,
+                   const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
+                   bool h2d, Coverage* cov) {
+  for (int32_t s = 0; s < num_segments; ++s) {
+    const fkv_segment& f = segments[s];
+    const char* base = static_cast<const char*>(h2d ? f.device_base : f.host_base);
+    cov->add_region(base, (h2d ? num_device_blocks : num_host_blocks) * f.block_bytes);
+  }
+  for (int32_t s = s_begin; s < s_end; ++s) {
+    const fkv_segment& f = segments[s];
+    const char* base = static_cast<const char*>(h2d ? f.device_base : f.host_base);
+    for (int64_t i = 0; i < num_ids; ++i) {
+      cov->expect(base + (h2d ? device_ids[i] : host_ids[i]) * f.block_bytes, f.block_bytes);
+    }
+  }
+}
+
 struct Totals {
   int64_t kernel_bytes = 0;
   int64_t memcpy_bytes = 0;
@@ -27,23 +117,35 @@ struct Totals {
   // busiest CTA's steps and its chunk lookups (empty ones included).
   int64_t critical_steps = 0;
   int64_t critical_lookups = 0;
+  Coverage cov;
 };
 
 void move(char* dst, const char* src, int v, Totals* t) {
   if (reinterpret_cast<uintptr_t>(dst) % v || reinterpret_cast<uintptr_t>(src) % v) {
     ++t->misaligned;
   }
-  std::memcpy(dst, src, v);
+  if (t->cov.write(dst, v)) std::memcpy(dst, src, v);
   t->kernel_bytes += v;
+}
+
+void report(const Totals& t, int64_t* totals) {
+  totals[0] = t.kernel_bytes;
+  totals[1] = t.memcpy_bytes;
+  totals[2] = t.launches;
+  totals[3] = t.misaligned;
+  totals[4] = t.critical_steps;
+  totals[5] = t.critical_lookups;
 }
 
 // One kernel launch, simulated: CTA b takes chunks b, then next_chunk(...), ...;
 // thread t of a chunk moves elements thread_element(base, u) for base = t,
 // t + kThreads * kUnroll, ...: whole pieces as copy_chunk, gathers as copy_gather.
-void simulate_launch(const DevSegment* segs, int32_t num_segs, const int64_t* dev_ids,
-                     const int64_t* host_ids, const int32_t* run_len, int64_t count,
-                     int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
-  const int64_t chunks = launch_chunks(segs[num_segs - 1], count);
+// `last` is the descriptor the launcher sizes the grid with (launch_kernel's
+// last_desc: the group's last segment).
+void simulate_launch(const DevSegment* segs, int32_t num_segs, const DevSegment& last,
+                     const int64_t* dev_ids, const int64_t* host_ids, const int32_t* run_len,
+                     int64_t count, int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
+  const int64_t chunks = launch_chunks(last, count);
   if (chunks == 0) return;
   ++t->launches;
   const int32_t g_size = static_cast<int32_t>(std::min<int64_t>(grid, chunks));
@@ -118,6 +220,7 @@ int copy_runs(const PlanSegment& seg, const std::vector<BlockRun>& runs, int64_t
     } else {
       std::memcpy(host, dev, bytes);
     }
+    t->cov.write(h2d ? dev : host, static_cast<int64_t>(bytes));
     t->memcpy_bytes += static_cast<int64_t>(bytes);
   }
   return 0;
@@ -139,6 +242,8 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
   if (rc != FKV_OK || runs.empty()) return rc;
   const bool h2d = direction == FKV_H2D;
   Totals t;
+  plan_coverage(segments, num_segments, 0, num_segments, num_device_blocks, num_host_blocks,
+                device_ids, host_ids, num_ids, h2d, &t.cov);
   std::vector<DevSegment> descs;
   const RunExtent extent = run_extent(runs);
   bool any_skipped = false;
@@ -181,7 +286,8 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
       if (any_skipped) {
         std::memcpy(slot.data() + sl.run_len, run_len.data() + i0, count * sizeof(int32_t));
       }
-      simulate_launch(reinterpret_cast<const DevSegment*>(slot.data() + sl.descs), group,
+      const DevSegment* staged = reinterpret_cast<const DevSegment*>(slot.data() + sl.descs);
+      simulate_launch(staged, group, gdescs[group - 1],
                       reinterpret_cast<const int64_t*>(slot.data() + sl.device_ids),
                       reinterpret_cast<const int64_t*>(slot.data() + sl.host_ids),
                       any_skipped ? reinterpret_cast<const int32_t*>(slot.data() + sl.run_len)
@@ -189,23 +295,21 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
                       count, memcpy_min, h2d, grid, &t);
     }
   }
-  totals[0] = t.kernel_bytes;
-  totals[1] = t.memcpy_bytes;
-  totals[2] = t.launches;
-  totals[3] = t.misaligned;
-  totals[4] = t.critical_steps;
-  totals[5] = t.critical_lookups;
-  return 0;
+  report(t, totals);
+  return t.cov.verdict();
 }
 
 // fkv_layout_swap's plan: descriptors uploaded once with chunk prefixes restarting
-// at every layer, ids staged once in slots of slot_bytes, then per layer the
-// copy-engine runs and one launch per staged chunk of ids.
+// at every layer (and once more numbered across the whole table), ids staged once
+// in slots of slot_bytes. With layer events (has_events != 0), or for a part of
+// the layers: per layer the copy-engine runs and one launch per staged chunk of
+// ids. Without, for every layer (takes_one_launch): every segment's copy-engine
+// runs, then one launch per staged chunk of ids over the whole table.
 int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t segments_per_layer,
                     int64_t num_device_blocks, int64_t num_host_blocks, const int64_t* device_ids,
                     const int64_t* host_ids, int64_t num_ids, int32_t direction,
-                    int32_t first_layer, int32_t num_layers, int64_t memcpy_min, int32_t grid,
-                    int64_t slot_bytes, int64_t* totals) {
+                    int32_t first_layer, int32_t num_layers, int32_t has_events,
+                    int64_t memcpy_min, int32_t grid, int64_t slot_bytes, int64_t* totals) {
   int rc = validate_segments(segments, num_segments, num_device_blocks, num_host_blocks, -1);
   if (rc != FKV_OK) return rc;
   std::vector<BlockRun> runs;
@@ -214,6 +318,7 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
   if (rc != FKV_OK) return rc;
   const bool h2d = direction == FKV_H2D;
   const int32_t spl = segments_per_layer;
+  const int32_t layout_layers = num_segments / spl;
   std::vector<PlanSegment> segs(num_segments);
   std::vector<DevSegment> descs(num_segments);
   for (int32_t s = 0; s < num_segments; ++s) {
@@ -222,10 +327,14 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
                static_cast<char*>(f.host_base), f.block_bytes};
     descs[s] = make_dev_segment(segs[s]);
   }
-  for (int32_t l = 0; l < num_segments / spl; ++l) set_chunk_prefixes(&descs[l * spl], spl);
+  for (int32_t l = 0; l < layout_layers; ++l) set_chunk_prefixes(&descs[l * spl], spl);
+  std::vector<DevSegment> descs_all = descs;
+  set_chunk_prefixes(descs_all.data(), num_segments);
+  const int32_t seg_begin = first_layer * spl;
+  const int32_t seg_end = (first_layer + num_layers) * spl;
   const RunExtent extent = run_extent(runs);
   bool with_run_len = false;
-  for (int32_t s = first_layer * spl; s < (first_layer + num_layers) * spl && num_ids; ++s) {
+  for (int32_t s = seg_begin; s < seg_end && num_ids; ++s) {
     if (extent.engine_moves_some(memcpy_min_run(memcpy_min, segs[s].block_bytes))) {
       with_run_len = true;
     }
@@ -238,32 +347,58 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
   const int64_t per_slot = ids_per_slot(static_cast<size_t>(slot_bytes), 0, with_run_len);
   if (per_slot <= 0) return -2;
   Totals t;
-  for (int32_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
-    const int32_t s0 = layer * spl;
-    bool needs_kernel = false;
-    for (int32_t k = 0; k < spl; ++k) {
-      const int64_t min_run = memcpy_min_run(memcpy_min, segs[s0 + k].block_bytes);
-      if (!extent_agrees(extent, runs, num_ids, min_run)) return -4;  // split disagrees
-      if (extent.engine_moves_some(min_run)) copy_runs(segs[s0 + k], runs, min_run, h2d, &t);
-      needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
+  plan_coverage(segments, num_segments, seg_begin, seg_end, num_device_blocks, num_host_blocks,
+                device_ids, host_ids, num_ids, h2d, &t.cov);
+  // Copy-engine runs of segments [s0, s1); whether the kernel has work there.
+  auto engine_runs = [&](int32_t s0, int32_t s1, bool* needs_kernel) {
+    *needs_kernel = false;
+    for (int32_t s = s0; s < s1; ++s) {
+      const int64_t min_run = memcpy_min_run(memcpy_min, segs[s].block_bytes);
+      if (!extent_agrees(extent, runs, num_ids, min_run)) return false;
+      if (extent.engine_moves_some(min_run)) copy_runs(segs[s], runs, min_run, h2d, &t);
+      *needs_kernel = *needs_kernel || extent.kernel_moves_some(min_run);
     }
-    for (int64_t i0 = 0; needs_kernel && i0 < num_ids; i0 += per_slot) {
+    return true;
+  };
+  // One launch per staged chunk of ids over descriptors [0, nseg) of `table`.
+  auto launches = [&](const DevSegment* table, int32_t nseg, const DevSegment& last,
+                      bool pass_run_len, bool first_slot_ids) {
+    for (int64_t i0 = 0; i0 < num_ids; i0 += per_slot) {
       const int64_t count = std::min(per_slot, num_ids - i0);
       const SlotLayout sl = slot_layout(0, count, with_run_len);
-      if (sl.total > static_cast<size_t>(slot_bytes)) return -3;
-      simulate_launch(&descs[s0], spl, device_ids + i0, host_ids + i0,
-                      with_run_len ? run_len.data() + i0 : nullptr, count, memcpy_min, h2d, grid,
-                      &t);
+      if (sl.total > static_cast<size_t>(slot_bytes)) return false;
+      const int64_t at = first_slot_ids ? 0 : i0;
+      simulate_launch(table, nseg, last, device_ids + at, host_ids + at,
+                      pass_run_len ? run_len.data() + at : nullptr, count, memcpy_min, h2d,
+                      grid, &t);
+    }
+    return true;
+  };
+  bool needs_kernel = false;
+  if (takes_one_launch(has_events != 0, first_layer, num_layers, layout_layers)) {
+    if (!engine_runs(seg_begin, seg_end, &needs_kernel)) return -4;  // split disagrees
+    const int32_t last = g_mutant == kOneLaunchFirstLayerChunks ? spl - 1 : seg_end - 1;
+    const bool pass = with_run_len && g_mutant != kOneLaunchWithoutRunLen;
+    if (needs_kernel && !launches(descs_all.data(), seg_end - seg_begin, descs_all[last], pass,
+                                  g_mutant == kOneLaunchFirstSlotIds)) {
+      return -3;  // overflowed the slot
+    }
+  } else {
+    for (int32_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+      const int32_t s0 = layer * spl;
+      if (!engine_runs(s0, s0 + spl, &needs_kernel)) return -4;  // split disagrees
+      if (needs_kernel &&
+          !launches(&descs[s0], spl, descs[s0 + spl - 1], with_run_len, false)) {
+        return -3;  // overflowed the slot
+      }
     }
   }
-  totals[0] = t.kernel_bytes;
-  totals[1] = t.memcpy_bytes;
-  totals[2] = t.launches;
-  totals[3] = t.misaligned;
-  totals[4] = t.critical_steps;
-  totals[5] = t.critical_lookups;
-  return 0;
+  report(t, totals);
+  return t.cov.verdict();
 }
+
+// Plants bug `mutant` (see Mutant) in the harness's launchers; 0 removes it.
+void sim_set_mutant(int32_t mutant) { g_mutant = mutant; }
 
 // The addresses element k (in vector units) of chunk g of a launch would touch,
 // without touching them: lets the test check 64-bit offsets (beyond 4 GiB) and

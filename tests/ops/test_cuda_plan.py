@@ -6,7 +6,10 @@ plays whole grids — every CTA's grid-stride chunks, every thread's unrolled
 elements — on host memory. Random block sizes, base alignments, id sets (scattered
 and runs), segment counts (up to 800), grid sizes, copy-engine thresholds, staging
 slot sizes and descriptor groups are compared byte for byte with a plain numpy copy,
-so CI catches mapping bugs without a GPU.
+so CI catches mapping bugs without a GPU. The harness also counts the writes to every
+destination byte: a call passes only if each byte of its destination blocks is written
+exactly once and nothing else is written (a byte written twice with the right value
+would pass a comparison of results), and planted mutants check that it catches bugs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from fastkv.ops import core
 from .native_harness import build_harness
 
 NEVER = 2**63 - 1
+KIB = 1024
 H2D, D2H = int(core.Direction.H2D), int(core.Direction.D2H)
 
 
@@ -42,11 +46,13 @@ def harness(tmp_path_factory) -> ctypes.CDLL:
         i32,
         i32,
         i32,
+        i32,
         i64,
         i32,
         i64,
         p,
     ]
+    lib.sim_set_mutant.argtypes = [i32]
     lib.sim_locate.argtypes = [p, i32, i64, i64, i64, p, p, i32, p]
     return lib
 
@@ -205,6 +211,9 @@ def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
     selected = range(first * per_layer, (first + count) * per_layer)
     expected = regions.expected(d, h, direction == H2D, selected)
     totals = (ctypes.c_int64 * 6)()
+    grid = int(rng.integers(1, 33))
+    # Layer events (per-layer launches) or none (one launch when every layer moves).
+    has_events = int(rng.integers(0, 2))
     rc = harness.sim_layout_swap(
         regions.segments(),
         nsegs,
@@ -217,8 +226,9 @@ def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
         direction,
         first,
         count,
+        has_events,
         memcpy_min,
-        int(rng.integers(1, 33)),
+        grid,
         slot_bytes,
         totals,
     )
@@ -226,6 +236,101 @@ def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
     regions.check(expected, f"seed {seed}")
     assert totals[0] + totals[1] == d.size * sum(sizes[s] for s in selected)
     assert totals[3] == 0
+
+
+WRITTEN_TWICE, MISSED_OR_STRAY = -5, -6  # the harness's exactly-once verdicts
+
+
+def layout_call(harness, regions: Regions, per_layer: int, d, h, direction: int, **kw):
+    """sim_layout_swap over every layer of `regions` (first/num layers, has_events,
+    memcpy_min, grid and slot_bytes from kw); returns (rc, totals)."""
+    nsegs = len(regions.block_sizes)
+    totals = (ctypes.c_int64 * 6)()
+    rc = harness.sim_layout_swap(
+        regions.segments(),
+        nsegs,
+        per_layer,
+        regions.ndev,
+        regions.nhost,
+        d.ctypes.data,
+        h.ctypes.data,
+        d.size,
+        direction,
+        kw.get("first", 0),
+        kw.get("layers", nsegs // per_layer),
+        kw.get("has_events", 0),
+        kw.get("memcpy_min", NEVER),
+        kw.get("grid", 16),
+        kw.get("slot_bytes", 64 << 10),
+        totals,
+    )
+    return rc, list(totals)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_one_launch_eviction_writes_every_destination_byte_once(harness, seed: int) -> None:
+    """The path every eviction takes when nothing records between layers: one launch
+    per staged slot over the whole segment table (chunk prefixes across layers). Each
+    destination byte is written exactly once with the right value, and the same call
+    with layer events (per-layer launches) makes `layers` times as many launches."""
+    rng = np.random.default_rng(3000 + seed)
+    per_layer = int(rng.choice([2, 4]))  # K and V, or K and V with fp8 scale blocks
+    layers = 80 if seed % 6 == 0 else int(rng.integers(2, 7))
+    # Small blocks keep 80 layers in memory.
+    kv = 16 * int(rng.integers(1, 128)) if layers == 80 else random_block_size(rng)
+    layer_sizes = [kv, kv] + [int(rng.choice([4, 16, 32]))] * (per_layer - 2)
+    sizes = layer_sizes * layers
+    ndev, nhost = int(rng.integers(4, 120)), int(rng.integers(4, 120))
+    regions = Regions(rng, sizes, ndev, nhost)
+    d, h = random_ids(rng, int(rng.integers(1, 120)), ndev, nhost)
+    direction = D2H if seed % 5 else H2D
+    kw = {
+        "memcpy_min": random_memcpy_min(rng, layer_sizes),
+        "grid": int(rng.integers(1, 33)),
+        "slot_bytes": int(rng.choice([256, 1000, 1500, 64 << 10])),  # several slots too
+    }
+    expected = regions.expected(d, h, direction == H2D, range(len(sizes)))
+    rc, one = layout_call(harness, regions, per_layer, d, h, direction, has_events=0, **kw)
+    assert rc == 0, (rc, core._lib.fkv_last_error())
+    regions.check(expected, f"seed {seed}, one launch")
+    assert one[0] + one[1] == d.size * sum(sizes) and one[3] == 0
+    rc, per = layout_call(harness, regions, per_layer, d, h, direction, has_events=1, **kw)
+    assert rc == 0, (rc, core._lib.fkv_last_error())
+    regions.check(expected, f"seed {seed}, per layer")
+    assert per[:2] == one[:2]  # the same bytes by kernel and by copy engine
+    assert per[2] == layers * one[2], (per[2], one[2])
+
+
+@pytest.mark.parametrize(
+    ("mutant", "verdicts"),
+    [
+        (1, (WRITTEN_TWICE,)),  # every slot's launch reads the first slot's ids
+        (2, (WRITTEN_TWICE,)),  # run lengths dropped: copy-engine blocks moved twice
+        (3, (MISSED_OR_STRAY,)),  # the launch sized by the first layer only
+    ],
+)
+def test_one_launch_harness_catches_planted_mutants(harness, mutant: int, verdicts) -> None:
+    """Each planted bug of the one-launch path fails the exactly-once check; mutant 2
+    writes the right bytes (twice), so a comparison of results alone would pass."""
+    rng = np.random.default_rng(99)
+    per_layer, layers, bb = 2, 4, 4096
+    regions = Regions(rng, [bb, 40 * KIB] * layers, 32, 40)
+    d = np.array([0, 1, 2, 3, 4, 10, 7, 20], np.int64)  # a run of 5, then scattered ids
+    h = np.array([5, 6, 7, 8, 9, 1, 30, 2], np.int64)
+    # The run of 40 KiB blocks goes to the copy engine; 4 ids per staging slot.
+    kw = {"memcpy_min": 3 * 40 * KIB, "grid": 5, "slot_bytes": 128}
+    expected = regions.expected(d, h, False, range(2 * layers))
+    rc, _ = layout_call(harness, regions, per_layer, d, h, D2H, **kw)
+    assert rc == 0, rc
+    regions.check(expected, "without a mutant")
+    harness.sim_set_mutant(mutant)
+    try:
+        rc, _ = layout_call(harness, regions, per_layer, d, h, D2H, **kw)
+    finally:
+        harness.sim_set_mutant(0)
+    assert rc in verdicts, rc
+    if mutant == 2:
+        regions.check(expected, "right bytes, written twice")
 
 
 def locate(harness, raw: np.ndarray, nseg: int, count: int, g: int, k: int, d, h, h2d: int):
@@ -321,6 +426,7 @@ def plan_steps(harness, sizes: list[int], n: int, grid: int = 16) -> tuple[int, 
         n,
         H2D,
         0,
+        1,
         1,
         NEVER,
         grid,
