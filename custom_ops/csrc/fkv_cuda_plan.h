@@ -61,6 +61,23 @@ struct DevSegment {
   int32_t ids_per_chunk;     // >= 2: whole blocks of this many ids per chunk (a gather)
 };
 
+// A 64-bit division is a call of a ~70-instruction routine on the GPU; a 32-bit
+// unsigned one is a short inline sequence. Where both operands of a division fit
+// in 32 bits (a gather's element index < 4096 and elements per block <= 2048,
+// always; ids and chunk numbers of ordinary transfers, nearly always) the 32-bit
+// one gives the same quotient, so it is taken after a check that costs one OR and
+// a compare; anything larger (a copy-engine threshold of 2**63 - 1, offsets past
+// 4 GiB) takes the 64-bit one.
+FKV_HD bool fits_u32(int64_t a, int64_t b) {
+  return ((static_cast<uint64_t>(a) | static_cast<uint64_t>(b)) >> 32) == 0;
+}
+
+// a / b for a >= 0, b > 0.
+FKV_HD int64_t div_nonneg(int64_t a, int64_t b) {
+  if (fits_u32(a, b)) return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+  return a / b;
+}
+
 FKV_HD int64_t chunks_per_block(int64_t block_bytes) {
   return (block_bytes + kChunkBytes - 1) / kChunkBytes;
 }
@@ -80,8 +97,9 @@ FKV_HD int32_t vec_bytes_for(uintptr_t device, uintptr_t host_kernel, int64_t bl
 
 // Runs of at least this many blocks of a segment go to cudaMemcpyAsync.
 FKV_HD int64_t memcpy_min_run(int64_t memcpy_min_bytes, int64_t block_bytes) {
-  return memcpy_min_bytes <= 0 ? 1 : memcpy_min_bytes / block_bytes +
-                                         (memcpy_min_bytes % block_bytes != 0 ? 1 : 0);
+  if (memcpy_min_bytes <= 0) return 1;
+  const int64_t q = div_nonneg(memcpy_min_bytes, block_bytes);
+  return q + (memcpy_min_bytes - q * block_bytes != 0 ? 1 : 0);
 }
 
 // Chunks of one launch: count ids of every segment of the group.
@@ -98,6 +116,7 @@ struct ChunkCopy {
   int64_t nbytes;
   int32_t vec_bytes;
   int32_t num_ids;
+  int32_t per_block;  // gather: vec_bytes elements per block (<= 2048)
   int64_t first;
   const DevSegment* seg;
   int64_t min_run;  // gather: ids whose run reaches this are the copy engine's
@@ -108,7 +127,7 @@ struct ChunkCopy {
 // The chunk number a CTA of a grid-stride loop of `grid` CTAs takes after chunk g:
 // the first of its own numbers (g + k * grid) at or after c.next.
 FKV_HD int64_t next_chunk(int64_t g, int64_t grid, int64_t next) {
-  return g + (next - g + grid - 1) / grid * grid;
+  return g + div_nonneg(next - g + grid - 1, grid) * grid;
 }
 
 // Locates chunk g (< launch_chunks) of a launch. Returns false when the chunk holds
@@ -146,6 +165,7 @@ FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count
     if (n > 1) {
       out->num_ids = static_cast<int32_t>(n);
       out->first = first;
+      out->per_block = static_cast<int32_t>(div_nonneg(seg.block_bytes, seg.vec_bytes));
       out->seg = &seg;
       out->min_run = run_len != nullptr ? min_run : INT64_MAX;
       out->nbytes = n * seg.block_bytes;
@@ -153,7 +173,7 @@ FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count
     }
   }
   // One id: a piece of its block (the whole block when it is small).
-  const int64_t i = seg.ids_per_chunk > 1 ? count - 1 : local / seg.chunks_per_block;
+  const int64_t i = seg.ids_per_chunk > 1 ? count - 1 : div_nonneg(local, seg.chunks_per_block);
   if (run_len != nullptr && run_len[i] >= min_run) {
     return false;
   }
@@ -174,8 +194,8 @@ FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count
 FKV_HD bool chunk_element(const ChunkCopy& c, int64_t k, const int64_t* device_ids,
                           const int64_t* host_ids, const int32_t* run_len, char** dst,
                           const char** src) {
-  const int64_t per_block = c.seg->block_bytes / c.vec_bytes;
-  const int64_t j = k / per_block;
+  const int64_t per_block = c.per_block;
+  const int64_t j = div_nonneg(k, per_block);
   const int64_t i = c.first + j;
   if (run_len != nullptr && run_len[i] >= c.min_run) return false;
   const int64_t off = (k - j * per_block) * c.vec_bytes;

@@ -397,6 +397,16 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
   return t.cov.verdict();
 }
 
+// The plan's division (div_nonneg) and whether it took the 32-bit path.
+int64_t sim_div(int64_t a, int64_t b, int32_t* fast) {
+  *fast = fits_u32(a, b) ? 1 : 0;
+  return div_nonneg(a, b);
+}
+
+int64_t sim_memcpy_min_run(int64_t memcpy_min_bytes, int64_t block_bytes) {
+  return memcpy_min_run(memcpy_min_bytes, block_bytes);
+}
+
 // Plants bug `mutant` (see Mutant) in the harness's launchers; 0 removes it.
 void sim_set_mutant(int32_t mutant) { g_mutant = mutant; }
 

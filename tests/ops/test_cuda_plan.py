@@ -53,6 +53,10 @@ def harness(tmp_path_factory) -> ctypes.CDLL:
         p,
     ]
     lib.sim_set_mutant.argtypes = [i32]
+    lib.sim_div.argtypes = [i64, i64, ctypes.POINTER(i32)]
+    lib.sim_div.restype = i64
+    lib.sim_memcpy_min_run.argtypes = [i64, i64]
+    lib.sim_memcpy_min_run.restype = i64
     lib.sim_locate.argtypes = [p, i32, i64, i64, i64, p, p, i32, p]
     return lib
 
@@ -331,6 +335,24 @@ def test_one_launch_harness_catches_planted_mutants(harness, mutant: int, verdic
     assert rc in verdicts, rc
     if mutant == 2:
         regions.check(expected, "right bytes, written twice")
+
+
+EDGES = [0, 1, 3, 16, 2048, 4095, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**32 + 7, 2**33 + 5]
+
+
+@pytest.mark.parametrize("a", [*EDGES, NEVER])
+def test_divisions_take_32_bits_only_where_both_values_fit(harness, a: int) -> None:
+    """The kernel's divisions (gather elements, chunk ids, next chunk, copy-engine
+    threshold) take the 32-bit path exactly where dividend and divisor are below
+    2**32, and give the 64-bit quotient on both sides of that edge: a 32-bit path
+    taken for values just over it would truncate them."""
+    for b in [e for e in EDGES if e > 0]:
+        fast = ctypes.c_int32(-1)
+        q = harness.sim_div(a, b, ctypes.byref(fast))
+        assert q == a // b, (a, b, q)
+        assert fast.value == int(a < 2**32 and b < 2**32), (a, b, fast.value)
+        if a > 0:
+            assert harness.sim_memcpy_min_run(a, b) == -(-a // b), (a, b)
 
 
 def locate(harness, raw: np.ndarray, nseg: int, count: int, g: int, k: int, d, h, h2d: int):
