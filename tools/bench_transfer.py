@@ -19,6 +19,11 @@ the same run, medians of --runs, timed with CUDA events:
     the old way (one call and one event record per layer);
   - a bf16 GEMM's slowdown (torch; fp16 with CuPy when torch is missing) while
     swaps in both directions keep running on other streams;
+  - gemm_slowdown_pct_evict and gemm_slowdown_pct_evict+load: a ~0.2 ms GEMM's
+    slowdown while one-launch evictions of an 80-layer cache (and layer-wise
+    loads) overlap it, per evict-launch bound (FASTKV_CUDA_EVICT_LAUNCH_BYTES;
+    none, 512 KiB, 2 MiB, 8 MiB), with each bound's eviction GB/s: the figures
+    that settle the bound's default;
   - fp8 KV with scales: the rate of K and V bytes of a layer-wise load of 16 KiB
     fp8 blocks when each block also carries a 4- and a 32-byte scale block, next
     to the same load of K and V alone.
@@ -329,6 +334,7 @@ def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
         launch_cost(cp, runs, out)
         fp8_scales(cp, runs, timed, stream.ptr, out)
         matmul_slowdown(cp, dev, host, seg_bytes, out)
+        evict_bound_slowdown(cp, runs, out)
         report_targets(out)
     finally:
         core.set_cuda_tuning(*saved)
@@ -483,21 +489,24 @@ def report_targets(out: dict) -> None:
     out["target_gemm_slowdown_pct"] = (
         f"{out['matmul_slowdown_pct']} (target <= {TARGETS['gemm_slowdown_pct_max']})"
     )
+    for k in ("evict", "evict+load"):
+        out[f"target_gemm_slowdown_pct_{k}"] = (
+            f"{out[f'gemm_slowdown_pct_{k}']} (target <= {TARGETS['gemm_slowdown_pct_max']})"
+        )
     out["target_fp8_with_scales_vs_kv_alone"] = (
         f"{out['gpu_fp8_with_scales_vs_kv_alone']} (target >= "
         f"{TARGETS['fp8_with_scales_vs_kv_alone_min']})"
     )
 
 
-def matmul_slowdown(cp, dev, host, seg_bytes: int, out: dict) -> None:
-    """bf16 GEMMs on one stream, alone and with 64 KiB-block swaps (both directions,
-    default tuning, a load stream at high and an eviction stream at low priority)
-    kept queued for the whole GEMM batch."""
+def gemm_batch(cp, size: int, iters: int, out: dict) -> tuple[Callable, Callable]:
+    """(enqueue, elapsed): enqueue() queues `iters` square GEMMs of `size` on a
+    compute stream of default priority between two timing events and returns them;
+    elapsed(events) waits and gives seconds. bf16 with torch, fp16 with CuPy."""
     try:
         import torch
     except ImportError:
         torch = None
-    size, iters = 8192, 20
     if torch is not None and torch.cuda.is_available():
         a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -518,26 +527,33 @@ def matmul_slowdown(cp, dev, host, seg_bytes: int, out: dict) -> None:
             return ev[0].elapsed_time(ev[1]) / 1e3
 
         out["matmul_dtype"] = "bfloat16 (torch)"
-    else:
-        a = cp.random.standard_normal((size, size), dtype=cp.float32).astype(cp.float16)
-        b = a.copy()
-        cs = cp.cuda.Stream(non_blocking=True)
+        return gemms, elapsed
+    a = cp.random.standard_normal((size, size), dtype=cp.float32).astype(cp.float16)
+    b = a.copy()
+    cs = cp.cuda.Stream(non_blocking=True)
 
-        def gemms() -> tuple[object, object]:
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            with cs:
-                start.record(cs)
-                for _ in range(iters):
-                    a @ b
-                end.record(cs)
-            return start, end
+    def gemms() -> tuple[object, object]:
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        with cs:
+            start.record(cs)
+            for _ in range(iters):
+                a @ b
+            end.record(cs)
+        return start, end
 
-        def elapsed(ev) -> float:
-            ev[1].synchronize()
-            return cp.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3
+    def elapsed(ev) -> float:
+        ev[1].synchronize()
+        return cp.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3
 
-        out["matmul_dtype"] = "float16 (cupy; torch unavailable for bf16)"
+    out["matmul_dtype"] = "float16 (cupy; torch unavailable for bf16)"
+    return gemms, elapsed
 
+
+def matmul_slowdown(cp, dev, host, seg_bytes: int, out: dict) -> None:
+    """bf16 GEMMs on one stream, alone and with 64 KiB-block swaps (both directions,
+    default tuning, a load stream at high and an eviction stream at low priority)
+    kept queued for the whole GEMM batch."""
+    gemms, elapsed = gemm_batch(cp, 8192, 20, out)
     elapsed(gemms())  # warm-up (cuBLAS heuristics, clocks)
     alone = statistics.median(elapsed(gemms()) for _ in range(3))
     bs = 64 * KIB
@@ -570,6 +586,92 @@ def matmul_slowdown(cp, dev, host, seg_bytes: int, out: dict) -> None:
     layout.close()
     core.stream_destroy(0, load)
     core.stream_destroy(0, evict)
+
+
+EVICT_BOUNDS = (0, 512 * KIB, 2 * MIB, 8 * MIB)  # 0: every eviction one launch
+
+
+def evict_bound_slowdown(cp, runs: int, out: dict) -> None:
+    """Issue 26 item 2: what the evict-launch bound costs and saves. An 80-layer
+    cache (K and V, 16 KiB blocks) evicts 128 scattered blocks a call (no layer
+    events: the one-launch path, cut by the bound) on a low-priority stream while
+    GEMMs of ~0.2 ms (4096^3) run on a default-priority stream; with +load, a
+    high-priority stream also loads 128 other blocks layer by layer (an event per
+    layer, as the controller does). Per bound (0: one launch): the GEMM batch's
+    slowdown against the same batch alone (measured alternately, medians of
+    `runs`) and the eviction's own rate. gemm_slowdown_pct_evict and
+    gemm_slowdown_pct_evict+load are the figures at the default bound."""
+    from fastkv.worker.streams import CudaEventPool
+
+    device, layers, bs, nblocks, nids = 0, 80, 16 * KIB, 512, 128
+    region = nblocks * bs
+    dev = cp.zeros(2 * layers * region, dtype=cp.uint8)
+    host = HostRegion(2 * layers * region, pin=True, device=device)
+    segs = [(dev.data.ptr + i * region, host.ptr + i * region, bs) for i in range(2 * layers)]
+    layout = core.Layout(segs, 2, nblocks, nblocks, device)
+    pool = CudaEventPool(device, prefill=layers)
+    taken = [pool.take() for _ in range(layers)]
+    events = (ctypes.c_void_p * layers)(*taken)
+    load, evict = core.stream_create(device, 1), core.stream_create(device, -1)
+    evict_cp = cp.cuda.ExternalStream(evict)
+    ids = np.random.default_rng(17).permutation(nblocks).astype(np.int64)
+    outs, ins = ids[:nids], ids[nids : 2 * nids]  # disjoint device blocks ...
+    hosts = np.random.default_rng(18).permutation(nblocks).astype(np.int64)
+    host_ids, host_in = hosts[:nids], hosts[nids : 2 * nids]  # ... and host blocks
+    gemms, elapsed = gemm_batch(cp, 4096, 50, out)
+    default = core.get_cuda_evict_launch_bytes()
+    evict_bytes = 2 * layers * nids * bs
+
+    def evict_seconds() -> float:
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(evict_cp)
+        layout.swap(outs, host_ids, core.Direction.D2H, stream=evict)
+        end.record(evict_cp)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def with_transfers(evictions: int, loads: bool) -> float:
+        # The transfers are queued first, so GEMMs start while an eviction runs.
+        for _ in range(evictions):
+            layout.swap(outs, host_ids, core.Direction.D2H, stream=evict)
+            if loads:
+                layout.swap(ins, host_in, core.Direction.H2D, 0, layers, load, events)
+        seconds = elapsed(gemms())
+        cp.cuda.Device(device).synchronize()
+        return seconds
+
+    try:
+        elapsed(gemms())  # warm-up (cuBLAS heuristics, clocks)
+        for bound in sorted({*EVICT_BOUNDS, default}):
+            core.set_cuda_evict_launch_bytes(bound)
+            tag = "none" if bound == 0 else f"{bound // KIB}kib"
+            one = statistics.median(evict_seconds() for _ in range(max(runs, 3)))
+            alone = statistics.median(elapsed(gemms()) for _ in range(3))
+            evictions = int(alone / one * 1.5) + 2  # cover the whole GEMM batch
+            times: dict[str, list[float]] = {"alone": [], "evict": [], "evict+load": []}
+            for _ in range(runs):
+                times["alone"].append(elapsed(gemms()))
+                times["evict"].append(with_transfers(evictions, False))
+                times["evict+load"].append(with_transfers(evictions, True))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            out[f"evict_gbps_bound_{tag}"] = round(evict_bytes / one / 1e9, 2)
+            for k in ("evict", "evict+load"):
+                pct = round((med[k] / med["alone"] - 1) * 100, 2)
+                out[f"gemm_slowdown_pct_{k}_bound_{tag}"] = pct
+                if bound == default:
+                    out[f"gemm_slowdown_pct_{k}"] = pct
+        out["evict_launch_bytes_default"] = default
+        out["gemm_alone_ms_4096"] = round(med["alone"] * 1e3, 3)
+    finally:
+        core.set_cuda_evict_launch_bytes(default)
+        cp.cuda.Device(device).synchronize()
+        layout.close()
+        core.stream_destroy(device, load)
+        core.stream_destroy(device, evict)
+        for handle in taken:
+            pool.give(handle)
+        pool.close()
+        host.free()
 
 
 def main() -> int:

@@ -187,6 +187,13 @@ FKV_API int fkv_cuda_event_wait(int device, void* event, int64_t timeout_ns);
  * Returns FKV_EINVAL for max_ctas == 0. */
 FKV_API int fkv_cuda_set_tuning(int64_t memcpy_min_bytes, int32_t max_ctas);
 FKV_API void fkv_cuda_get_tuning(int64_t* memcpy_min_bytes, int32_t* max_ctas);
+/* The most kernel work (bytes) one launch of a device -> host transfer carries: an
+ * eviction goes out as several launches, so the SMs its CTAs hold go back to the
+ * model between them (a resident CTA is never preempted). 0: one launch. Loads are
+ * not cut. Default 2 MiB (~40 us on PCIe Gen5; reasoned in fkv_cuda_plan.h), or
+ * FASTKV_CUDA_EVICT_LAUNCH_BYTES (read once per process). FKV_EINVAL for < 0. */
+FKV_API int fkv_cuda_set_evict_launch_bytes(int64_t bytes);
+FKV_API int64_t fkv_cuda_get_evict_launch_bytes(void);
 
 /* ---- Layouts: validate and resolve a cache once, then transfer many times ----
  *

@@ -51,6 +51,7 @@ constexpr int kMaxDevices = 64;
 
 std::atomic<int64_t> g_memcpy_min_bytes{int64_t{1} << 20};
 std::atomic<int32_t> g_max_ctas{16};
+std::atomic<int64_t> g_evict_launch_bytes{kDefaultEvictLaunchBytes};  // see fkv_cuda_plan.h
 int64_t g_staging_timeout_ms = 10000;
 std::once_flag g_env_once;
 
@@ -60,6 +61,8 @@ void load_env_once() {
     g_memcpy_min_bytes.store(env_int64("FASTKV_CUDA_MEMCPY_MIN_BYTES", int64_t{1} << 20));
     g_max_ctas.store(
         static_cast<int32_t>(std::clamp<int64_t>(env_int64("FASTKV_CUDA_MAX_CTAS", 16), 1, 65535)));
+    g_evict_launch_bytes.store(std::max<int64_t>(
+        env_int64("FASTKV_CUDA_EVICT_LAUNCH_BYTES", kDefaultEvictLaunchBytes), 0));
     g_staging_timeout_ms = env_int64("FASTKV_CUDA_STAGING_TIMEOUT_MS", 10000);
   });
 }
@@ -281,10 +284,12 @@ __device__ __forceinline__ void copy_gather(const ChunkCopy& c, const int64_t* d
 __global__ void __launch_bounds__(kThreads)
     swap_kernel(const DevSegment* __restrict__ segs, int32_t num_segs,
                 const int64_t* __restrict__ device_ids, const int64_t* __restrict__ host_ids,
-                const int32_t* __restrict__ run_len, int64_t count, int64_t num_chunks,
-                int64_t memcpy_min_bytes, int32_t h2d) {
+                const int32_t* __restrict__ run_len, int64_t count, int64_t first_chunk,
+                int64_t end_chunk, int64_t memcpy_min_bytes, int32_t h2d) {
+  // Chunk numbers [first_chunk, end_chunk) of the launch's group (launch_ranges).
   ChunkCopy c;
-  for (int64_t g = blockIdx.x; g < num_chunks; g = next_chunk(g, gridDim.x, c.next)) {
+  for (int64_t g = first_chunk + blockIdx.x; g < end_chunk;
+       g = next_chunk(g, gridDim.x, c.next)) {
     if (!locate_chunk(segs, num_segs, count, g, device_ids, host_ids, run_len,
                       memcpy_min_bytes, h2d != 0, &c)) {
       continue;
@@ -542,19 +547,30 @@ int enqueue_memcpy_runs(const PlanSegment& seg, const std::vector<BlockRun>& run
   return FKV_OK;
 }
 
-int launch_kernel(const DevSegment* dev_descs, const DevSegment& last_desc, int32_t num_descs,
+// The kernel over descriptors [0, num_descs) (dev_descs on the device, host_descs
+// the same table on the host) and `count` staged ids. An eviction (D2H) goes out
+// as several launches of at most the evict-launch bound each (launch_ranges), so
+// that it gives its SMs back between them; a load as one.
+int launch_kernel(const DevSegment* dev_descs, const DevSegment* host_descs, int32_t num_descs,
                   const char* slot_device, const SlotLayout& layout, bool with_run_len,
                   int64_t count, int64_t memcpy_min, bool h2d, cudaStream_t stream) {
-  const int64_t chunks = launch_chunks(last_desc, count);
-  if (chunks == 0) return FKV_OK;
-  const int grid = static_cast<int>(std::min<int64_t>(g_max_ctas.load(), chunks));
-  swap_kernel<<<grid, kThreads, 0, stream>>>(
-      dev_descs, num_descs, reinterpret_cast<const int64_t*>(slot_device + layout.device_ids),
-      reinterpret_cast<const int64_t*>(slot_device + layout.host_ids),
-      with_run_len ? reinterpret_cast<const int32_t*>(slot_device + layout.run_len) : nullptr,
-      count, chunks, memcpy_min, h2d ? 1 : 0);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? FKV_OK : cuda_error(err, "swap_kernel launch");
+  thread_local std::vector<int64_t> ends;
+  const int32_t max_ctas = g_max_ctas.load();
+  const int64_t max_work = h2d ? 0 : launch_max_work(g_evict_launch_bytes.load(), max_ctas);
+  launch_ranges(host_descs, num_descs, count, max_work, &ends);
+  int64_t begin = 0;
+  for (const int64_t end : ends) {
+    const int grid = static_cast<int>(std::min<int64_t>(max_ctas, end - begin));
+    swap_kernel<<<grid, kThreads, 0, stream>>>(
+        dev_descs, num_descs, reinterpret_cast<const int64_t*>(slot_device + layout.device_ids),
+        reinterpret_cast<const int64_t*>(slot_device + layout.host_ids),
+        with_run_len ? reinterpret_cast<const int32_t*>(slot_device + layout.run_len) : nullptr,
+        count, begin, end, memcpy_min, h2d ? 1 : 0);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_error(err, "swap_kernel launch");
+    begin = end;
+  }
+  return FKV_OK;
 }
 
 thread_local std::vector<BlockRun> t_runs;
@@ -709,7 +725,7 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
     for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
       const int64_t i0 = static_cast<int64_t>(c) * per_slot;
       const int64_t count = std::min(per_slot, num_ids - i0);
-      rc = launch_kernel(layout->device_descs_all, layout->descs_all[seg_end - 1], nseg,
+      rc = launch_kernel(layout->device_descs_all, layout->descs_all.data(), nseg,
                          slots[c].device, slot_layout(0, count, with_run_len), with_run_len,
                          count, memcpy_min, h2d, stream);
     }
@@ -730,7 +746,7 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
       for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
         const int64_t i0 = static_cast<int64_t>(c) * per_slot;
         const int64_t count = std::min(per_slot, num_ids - i0);
-        rc = launch_kernel(layout->device_descs + s0, layout->descs[s0 + spl - 1], spl,
+        rc = launch_kernel(layout->device_descs + s0, layout->descs.data() + s0, spl,
                            slots[c].device, slot_layout(0, count, with_run_len), with_run_len,
                            count, memcpy_min, h2d, stream);
       }
@@ -1026,6 +1042,23 @@ FKV_API void fkv_cuda_get_tuning(int64_t* memcpy_min_bytes, int32_t* max_ctas) {
   if (max_ctas) *max_ctas = g_max_ctas.load();
 }
 
+FKV_API int fkv_cuda_set_evict_launch_bytes(int64_t bytes) {
+  using namespace fkv;
+  load_env_once();
+  if (bytes < 0) {
+    return set_error(FKV_EINVAL, "evict_launch_bytes: %" PRId64 " must be >= 0 (0: no bound)",
+                     bytes);
+  }
+  g_evict_launch_bytes.store(bytes);
+  return FKV_OK;
+}
+
+FKV_API int64_t fkv_cuda_get_evict_launch_bytes(void) {
+  using namespace fkv;
+  load_env_once();
+  return g_evict_launch_bytes.load();
+}
+
 FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
                           int64_t num_device_blocks, int64_t num_host_blocks,
                           const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
@@ -1108,7 +1141,7 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
                        any_skipped ? t_run_len.data() + i0 : nullptr, count, stream);
       if (rc == FKV_OK) {
         rc = launch_kernel(reinterpret_cast<const DevSegment*>(ref.device + sl.descs),
-                           gdescs[group - 1], group, ref.device, sl, any_skipped, count,
+                           gdescs, group, ref.device, sl, any_skipped, count,
                            memcpy_min, h2d, stream);
       }
       // Record even after a failed launch: the staging copy may be queued and still

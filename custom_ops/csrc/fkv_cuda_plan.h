@@ -214,6 +214,77 @@ FKV_HD int64_t thread_element(int64_t base, int u) {
 
 // ---- host-side planning (shared by the launcher and the host harness) ----
 
+// ---- how long one eviction launch holds its SMs ----
+//
+// A CTA of the copy kernel stays resident until its grid-stride loop ends, and a
+// low stream priority never preempts a resident CTA: priority only orders the CTAs
+// still waiting for an SM. So while one launch runs, its max_ctas SMs (16 of an
+// H100's 132, 12%) are the model's no more, however long the launch is. A
+// one-launch eviction of a whole step (80 layers x K and V x hundreds of blocks)
+// runs for milliseconds; the per-layer launches it replaced gave the SMs back
+// between layers. An eviction is therefore cut into launches of at most
+// evict_launch_bytes of kernel work (FASTKV_CUDA_EVICT_LAUNCH_BYTES, or
+// fkv_cuda_set_evict_launch_bytes; 0: one launch). Between two launches the
+// compute stream's waiting CTAs, of higher priority, take the freed SMs first, so
+// a GEMM that starts while an eviction runs waits at most one launch for them.
+//
+// Default 2 MiB: at the ~50 GB/s a PCIe Gen5 x16 link moves device to host, one
+// launch lasts ~40 us, so a GEMM of >= 100 us (a decode step's MLP on an 8B+
+// model; prefill's are longer) loses at most ~12% x 40/100 ~ 5% of its SMs' time
+// (the target is <= 5% GEMM slowdown) and only while an eviction overlaps it. Each
+// launch costs ~2-4 us of launch gap and a partly idle tail (16 CTAs take 8 chunks
+// each), ~10% of an eviction's rate: cheap, since evictions are not on a step's
+// critical path. Loads are not cut: the step waits for them, so giving their SMs
+// back would only delay the layer that needs them. tools/bench_transfer.py --gpu
+// (gemm_slowdown_pct_evict, gemm_slowdown_pct_evict+load per bound) is where a GPU
+// settles the default.
+constexpr int64_t kDefaultEvictLaunchBytes = int64_t{2} << 20;
+
+// Chunks with work one bounded launch may hold: launch_bytes in 16 KiB chunks, at
+// least one per CTA of the grid (a smaller launch would leave CTAs idle); 0 (no
+// bound) for launch_bytes <= 0.
+inline int64_t launch_max_work(int64_t launch_bytes, int32_t max_ctas) {
+  if (launch_bytes <= 0) return 0;
+  return std::max<int64_t>(launch_bytes / kChunkBytes, max_ctas);
+}
+
+// Chunk numbers of segment s that hold work in a launch of count ids: every one of
+// a large block's; the first ceil(count / ids_per_chunk) of a gather segment's
+// (the rest are empty numbers, skipped by locate_chunk).
+inline int64_t busy_chunks(const DevSegment& seg, int64_t count) {
+  if (seg.ids_per_chunk > 1) return (count + seg.ids_per_chunk - 1) / seg.ids_per_chunk;
+  return count * seg.chunks_per_block;
+}
+
+// Cuts the chunk numbers [0, launch_chunks) of one launch into consecutive ranges
+// of at most max_work chunks with work each (max_work <= 0: one range); the empty
+// numbers of a gather segment ride with the range before them. `ends` gets each
+// range's end (the next one's start); the last is launch_chunks. Every chunk
+// number lies in exactly one range, and the kernel's grid-stride loop covers a
+// range [begin, end) as it covers [0, launch_chunks), so the ranges' launches
+// move exactly the bytes the single launch would.
+inline void launch_ranges(const DevSegment* segs, int32_t num_segs, int64_t count,
+                          int64_t max_work, std::vector<int64_t>* ends) {
+  ends->clear();
+  const int64_t total = launch_chunks(segs[num_segs - 1], count);
+  if (total == 0) return;
+  if (max_work > 0) {
+    int64_t work = 0;  // chunks with work in the open range
+    for (int32_t s = 0; s < num_segs; ++s) {
+      const int64_t start = count * segs[s].chunk_prefix;
+      const int64_t busy = busy_chunks(segs[s], count);
+      int64_t pos = 0;
+      while (busy - pos > max_work - work) {
+        pos += max_work - work;
+        ends->push_back(start + pos);
+        work = 0;
+      }
+      work += busy - pos;
+    }
+  }
+  if (ends->empty() || ends->back() != total) ends->push_back(total);
+}
+
 // Whether a layout transfer goes out as one launch per staged slot over the whole
 // segment table (chunk prefixes running across every layer) instead of launches
 // per layer: every layer, and no layer event to record between them (what an

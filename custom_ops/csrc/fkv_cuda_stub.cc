@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "fkv_cuda_plan.h"
 #include "fkv_internal.h"
 
 namespace fkv {
@@ -17,6 +18,7 @@ constexpr const char* kNotBuilt =
 
 std::atomic<int64_t> g_memcpy_min_bytes{int64_t{1} << 20};
 std::atomic<int32_t> g_max_ctas{16};
+std::atomic<int64_t> g_evict_launch_bytes{kDefaultEvictLaunchBytes};
 
 int not_built() { return set_error(FKV_ENOTBUILT, "%s", kNotBuilt); }
 
@@ -87,6 +89,17 @@ FKV_API void fkv_cuda_get_tuning(int64_t* memcpy_min_bytes, int32_t* max_ctas) {
   if (memcpy_min_bytes) *memcpy_min_bytes = fkv::g_memcpy_min_bytes.load();
   if (max_ctas) *max_ctas = fkv::g_max_ctas.load();
 }
+
+FKV_API int fkv_cuda_set_evict_launch_bytes(int64_t bytes) {
+  if (bytes < 0) {
+    return fkv::set_error(FKV_EINVAL, "evict_launch_bytes: %lld must be >= 0 (0: no bound)",
+                          static_cast<long long>(bytes));
+  }
+  fkv::g_evict_launch_bytes.store(bytes);
+  return FKV_OK;
+}
+
+FKV_API int64_t fkv_cuda_get_evict_launch_bytes(void) { return fkv::g_evict_launch_bytes.load(); }
 
 // Validates like the real entry point, so a bad call is reported as such on every
 // build, then refuses.

@@ -116,6 +116,8 @@ def _load() -> ctypes.CDLL:
         "fkv_cuda_event_wait": ([ctypes.c_int, _ptr, _i64], ctypes.c_int),
         "fkv_cuda_set_tuning": ([_i64, _i32], ctypes.c_int),
         "fkv_cuda_get_tuning": ([ctypes.POINTER(_i64), ctypes.POINTER(_i32)], None),
+        "fkv_cuda_set_evict_launch_bytes": ([_i64], ctypes.c_int),
+        "fkv_cuda_get_evict_launch_bytes": ([], _i64),
         "fkv_layout_create": (
             [ctypes.POINTER(Segment), _i32, _i32, _i64, _i64, _i32, _pp],
             ctypes.c_int,
@@ -763,3 +765,30 @@ def get_cuda_tuning() -> tuple[int, int]:
     ctas = _i32()
     _lib.fkv_cuda_get_tuning(ctypes.byref(memcpy_min), ctypes.byref(ctas))
     return memcpy_min.value, ctas.value
+
+
+def set_cuda_evict_launch_bytes(nbytes: int) -> None:
+    """Bounds the kernel work of one launch of a device -> host transfer (process-wide).
+
+    A copy-kernel CTA holds its SM until its launch ends (stream priority never
+    preempts it), so an eviction is cut into launches of at most `nbytes` of kernel
+    work and the model's kernels get those SMs back between them. Loads are not cut.
+    Default 2 MiB (FASTKV_CUDA_EVICT_LAUNCH_BYTES); see custom_ops/csrc/fkv_cuda_plan.h.
+
+    Args:
+        nbytes: the bound in bytes, rounded down to 16 KiB chunks and raised to one
+            chunk per CTA of the grid; 0 sends every eviction as one launch.
+
+    Raises:
+        ValueError: nbytes is negative.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes: {nbytes} must be >= 0 (0: no bound)")
+    rc = _lib.fkv_cuda_set_evict_launch_bytes(nbytes)
+    if rc:
+        _raise(rc, "fkv_cuda_set_evict_launch_bytes")
+
+
+def get_cuda_evict_launch_bytes() -> int:
+    """Returns the bound set_cuda_evict_launch_bytes sets (0: none)."""
+    return int(_lib.fkv_cuda_get_evict_launch_bytes())

@@ -34,8 +34,13 @@ enum Mutant {
   kOneLaunchFirstSlotIds = 1,      // one launch per slot, each reading the first slot's ids
   kOneLaunchWithoutRunLen = 2,     // one launch: the kernel also moves copy-engine ids
   kOneLaunchFirstLayerChunks = 3,  // one launch sized by the first layer's chunks only
+  kRangesDropLast = 4,             // a bounded eviction leaves out its last launch
+  kRangesOverlap = 5,              // each bounded launch after the first starts a chunk early
 };
 int g_mutant = kNoMutant;
+// The evict-launch bound the simulated launcher uses (the core's default until a
+// test sets another).
+int64_t g_evict_launch_bytes = kDefaultEvictLaunchBytes;
 
 // Per-byte write counts of the destination regions of one simulated call.
 class Coverage {
@@ -117,6 +122,7 @@ struct Totals {
   // busiest CTA's steps and its chunk lookups (empty ones included).
   int64_t critical_steps = 0;
   int64_t critical_lookups = 0;
+  int64_t most_launch_bytes = 0;  // the most kernel bytes one launch moved
   Coverage cov;
 };
 
@@ -135,27 +141,26 @@ void report(const Totals& t, int64_t* totals) {
   totals[3] = t.misaligned;
   totals[4] = t.critical_steps;
   totals[5] = t.critical_lookups;
+  totals[6] = t.most_launch_bytes;
 }
 
-// One kernel launch, simulated: CTA b takes chunks b, then next_chunk(...), ...;
-// thread t of a chunk moves elements thread_element(base, u) for base = t,
-// t + kThreads * kUnroll, ...: whole pieces as copy_chunk, gathers as copy_gather.
-// `last` is the descriptor the launcher sizes the grid with (launch_kernel's
-// last_desc: the group's last segment).
-void simulate_launch(const DevSegment* segs, int32_t num_segs, const DevSegment& last,
-                     const int64_t* dev_ids, const int64_t* host_ids, const int32_t* run_len,
-                     int64_t count, int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
-  const int64_t chunks = launch_chunks(last, count);
-  if (chunks == 0) return;
+// One kernel launch over chunk numbers [first, end): CTA b takes chunks first + b,
+// then next_chunk(...), ...; thread t of a chunk moves elements
+// thread_element(base, u) for base = t, t + kThreads * kUnroll, ...: whole pieces as
+// copy_chunk, gathers as copy_gather.
+void simulate_grid(const DevSegment* segs, int32_t num_segs, int64_t first, int64_t end,
+                   const int64_t* dev_ids, const int64_t* host_ids, const int32_t* run_len,
+                   int64_t count, int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
   ++t->launches;
-  const int32_t g_size = static_cast<int32_t>(std::min<int64_t>(grid, chunks));
+  const int64_t bytes_before = t->kernel_bytes;
+  const int32_t g_size = static_cast<int32_t>(std::min<int64_t>(grid, end - first));
   int64_t most_steps = 0;
   int64_t most_lookups = 0;
   for (int32_t b = 0; b < g_size; ++b) {
     int64_t steps = 0;
     int64_t lookups = 0;
     ChunkCopy c;
-    for (int64_t g = b; g < chunks; g = next_chunk(g, g_size, c.next)) {
+    for (int64_t g = first + b; g < end; g = next_chunk(g, g_size, c.next)) {
       ++lookups;
       if (!locate_chunk(segs, num_segs, count, g, dev_ids, host_ids, run_len, memcpy_min, h2d,
                         &c)) {
@@ -189,7 +194,28 @@ void simulate_launch(const DevSegment* segs, int32_t num_segs, const DevSegment&
   }
   t->critical_steps += most_steps;
   t->critical_lookups += most_lookups;
+  t->most_launch_bytes = std::max(t->most_launch_bytes, t->kernel_bytes - bytes_before);
 }
+
+// One launch_kernel call: launch_ranges cuts the chunk numbers of descriptors
+// [0, sized) (num_segs, but for a mutant) into ranges of at most max_work chunks
+// with work (an eviction's bound; 0: one range), and each range is one grid.
+void simulate_launch(const DevSegment* segs, int32_t num_segs, int32_t sized,
+                     const int64_t* dev_ids, const int64_t* host_ids, const int32_t* run_len,
+                     int64_t count, int64_t memcpy_min, bool h2d, int32_t grid, Totals* t) {
+  const int64_t max_work = h2d ? 0 : launch_max_work(g_evict_launch_bytes, grid);
+  std::vector<int64_t> ends;
+  launch_ranges(segs, sized, count, max_work, &ends);
+  if (g_mutant == kRangesDropLast && ends.size() > 1) ends.pop_back();
+  int64_t begin = 0;
+  for (const int64_t end : ends) {
+    const int64_t first = g_mutant == kRangesOverlap && begin > 0 ? begin - 1 : begin;
+    simulate_grid(segs, num_segs, first, end, dev_ids, host_ids, run_len, count, memcpy_min, h2d,
+                  grid, t);
+    begin = end;
+  }
+}
+
 
 // Blocks of one segment that go to the copy engine, counted the long way: checks
 // that the launchers' O(1) RunExtent split says the same.
@@ -287,7 +313,7 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
         std::memcpy(slot.data() + sl.run_len, run_len.data() + i0, count * sizeof(int32_t));
       }
       const DevSegment* staged = reinterpret_cast<const DevSegment*>(slot.data() + sl.descs);
-      simulate_launch(staged, group, gdescs[group - 1],
+      simulate_launch(staged, group, group,
                       reinterpret_cast<const int64_t*>(slot.data() + sl.device_ids),
                       reinterpret_cast<const int64_t*>(slot.data() + sl.host_ids),
                       any_skipped ? reinterpret_cast<const int32_t*>(slot.data() + sl.run_len)
@@ -361,14 +387,15 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
     return true;
   };
   // One launch per staged chunk of ids over descriptors [0, nseg) of `table`.
-  auto launches = [&](const DevSegment* table, int32_t nseg, const DevSegment& last,
-                      bool pass_run_len, bool first_slot_ids) {
+  // `sized`: the descriptors the launch is sized by (nseg, but for a mutant).
+  auto launches = [&](const DevSegment* table, int32_t nseg, int32_t sized, bool pass_run_len,
+                      bool first_slot_ids) {
     for (int64_t i0 = 0; i0 < num_ids; i0 += per_slot) {
       const int64_t count = std::min(per_slot, num_ids - i0);
       const SlotLayout sl = slot_layout(0, count, with_run_len);
       if (sl.total > static_cast<size_t>(slot_bytes)) return false;
       const int64_t at = first_slot_ids ? 0 : i0;
-      simulate_launch(table, nseg, last, device_ids + at, host_ids + at,
+      simulate_launch(table, nseg, sized, device_ids + at, host_ids + at,
                       pass_run_len ? run_len.data() + at : nullptr, count, memcpy_min, h2d,
                       grid, &t);
     }
@@ -377,9 +404,10 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
   bool needs_kernel = false;
   if (takes_one_launch(has_events != 0, first_layer, num_layers, layout_layers)) {
     if (!engine_runs(seg_begin, seg_end, &needs_kernel)) return -4;  // split disagrees
-    const int32_t last = g_mutant == kOneLaunchFirstLayerChunks ? spl - 1 : seg_end - 1;
+    const int32_t nseg = seg_end - seg_begin;
+    const int32_t sized = g_mutant == kOneLaunchFirstLayerChunks ? spl : nseg;
     const bool pass = with_run_len && g_mutant != kOneLaunchWithoutRunLen;
-    if (needs_kernel && !launches(descs_all.data(), seg_end - seg_begin, descs_all[last], pass,
+    if (needs_kernel && !launches(descs_all.data(), nseg, sized, pass,
                                   g_mutant == kOneLaunchFirstSlotIds)) {
       return -3;  // overflowed the slot
     }
@@ -387,8 +415,7 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
     for (int32_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
       const int32_t s0 = layer * spl;
       if (!engine_runs(s0, s0 + spl, &needs_kernel)) return -4;  // split disagrees
-      if (needs_kernel &&
-          !launches(&descs[s0], spl, descs[s0 + spl - 1], with_run_len, false)) {
+      if (needs_kernel && !launches(&descs[s0], spl, spl, with_run_len, false)) {
         return -3;  // overflowed the slot
       }
     }
@@ -406,6 +433,9 @@ int64_t sim_div(int64_t a, int64_t b, int32_t* fast) {
 int64_t sim_memcpy_min_run(int64_t memcpy_min_bytes, int64_t block_bytes) {
   return memcpy_min_run(memcpy_min_bytes, block_bytes);
 }
+
+// Sets the evict-launch bound of the simulated launcher (fkv_cuda_set_evict_launch_bytes).
+void sim_set_evict_launch_bytes(int64_t bytes) { g_evict_launch_bytes = bytes; }
 
 // Plants bug `mutant` (see Mutant) in the harness's launchers; 0 removes it.
 void sim_set_mutant(int32_t mutant) { g_mutant = mutant; }

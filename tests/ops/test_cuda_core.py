@@ -59,6 +59,24 @@ def test_cuda_tuning_knobs_round_trip() -> None:
         core.set_cuda_tuning(*before)
 
 
+def test_evict_launch_bound_round_trips_and_refuses_a_negative_bound() -> None:
+    """The bound on one eviction launch's work (issue 26 item 2): 2 MiB unless the
+    environment says otherwise, settable, 0 for no bound, never negative."""
+    before = core.get_cuda_evict_launch_bytes()
+    try:
+        core.set_cuda_evict_launch_bytes(65536)
+        assert core.get_cuda_evict_launch_bytes() == 65536
+        core.set_cuda_evict_launch_bytes(0)
+        assert core.get_cuda_evict_launch_bytes() == 0
+        with pytest.raises(ValueError, match="nbytes: -1 must be >= 0"):
+            core.set_cuda_evict_launch_bytes(-1)
+        assert core.get_cuda_evict_launch_bytes() == 0
+        assert core._lib.fkv_cuda_set_evict_launch_bytes(-3) == 1
+        assert "evict_launch_bytes: -3" in core._lib.fkv_last_error().decode()
+    finally:
+        core.set_cuda_evict_launch_bytes(before)
+
+
 # ------------------------------------------------------------------- GPU only
 
 

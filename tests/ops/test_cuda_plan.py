@@ -53,12 +53,23 @@ def harness(tmp_path_factory) -> ctypes.CDLL:
         p,
     ]
     lib.sim_set_mutant.argtypes = [i32]
+    lib.sim_set_evict_launch_bytes.argtypes = [i64]
     lib.sim_div.argtypes = [i64, i64, ctypes.POINTER(i32)]
     lib.sim_div.restype = i64
     lib.sim_memcpy_min_run.argtypes = [i64, i64]
     lib.sim_memcpy_min_run.restype = i64
     lib.sim_locate.argtypes = [p, i32, i64, i64, i64, p, p, i32, p]
     return lib
+
+
+DEFAULT_EVICT_LAUNCH_BYTES = 2 << 20  # the core's default (fkv_cuda_plan.h)
+
+
+@pytest.fixture
+def evict_bound(harness):
+    """Sets the simulated launcher's evict-launch bound; restores the default."""
+    yield harness.sim_set_evict_launch_bytes
+    harness.sim_set_evict_launch_bytes(DEFAULT_EVICT_LAUNCH_BYTES)
 
 
 class Regions:
@@ -150,7 +161,7 @@ def random_memcpy_min(rng: np.random.Generator, block_sizes: list[int]) -> int:
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_swap_cuda_plan_matches_a_plain_copy(harness, seed: int) -> None:
+def test_swap_cuda_plan_matches_a_plain_copy(harness, evict_bound, seed: int) -> None:
     rng = np.random.default_rng(seed)
     nsegs = int(rng.integers(700, 820)) if seed % 15 == 0 else int(rng.integers(1, 9))
     small = nsegs > 100
@@ -165,8 +176,9 @@ def test_swap_cuda_plan_matches_a_plain_copy(harness, seed: int) -> None:
     grid = int(rng.integers(1, 40))
     slot_bytes = int(rng.choice([1000, 1024, 4096, 64 << 10]))
     max_group = int(rng.choice([0, 1, 3, 7]))
+    evict_bound(int(rng.choice([0, 16 << 10, 64 << 10, 2 << 20])))  # evictions: cut launches
     expected = regions.expected(d, h, direction == H2D, range(nsegs))
-    totals = (ctypes.c_int64 * 6)()
+    totals = (ctypes.c_int64 * 7)()
     rc = harness.sim_swap_cuda(
         regions.segments(),
         nsegs,
@@ -184,7 +196,7 @@ def test_swap_cuda_plan_matches_a_plain_copy(harness, seed: int) -> None:
     )
     assert rc == 0, (rc, core._lib.fkv_last_error())
     regions.check(expected, f"seed {seed}")
-    kernel_bytes, memcpy_bytes, _, misaligned, _, _ = list(totals)
+    kernel_bytes, memcpy_bytes, _, misaligned, _, _, _ = list(totals)
     # Every byte moved exactly once, by the kernel or by the copy engine.
     assert kernel_bytes + memcpy_bytes == d.size * sum(sizes)
     assert misaligned == 0
@@ -214,7 +226,7 @@ def test_layout_plan_matches_a_plain_copy(harness, seed: int) -> None:
     slot_bytes = int(rng.choice([256, 1000, 1024, 1500, 64 << 10]))
     selected = range(first * per_layer, (first + count) * per_layer)
     expected = regions.expected(d, h, direction == H2D, selected)
-    totals = (ctypes.c_int64 * 6)()
+    totals = (ctypes.c_int64 * 7)()
     grid = int(rng.integers(1, 33))
     # Layer events (per-layer launches) or none (one launch when every layer moves).
     has_events = int(rng.integers(0, 2))
@@ -249,7 +261,7 @@ def layout_call(harness, regions: Regions, per_layer: int, d, h, direction: int,
     """sim_layout_swap over every layer of `regions` (first/num layers, has_events,
     memcpy_min, grid and slot_bytes from kw); returns (rc, totals)."""
     nsegs = len(regions.block_sizes)
-    totals = (ctypes.c_int64 * 6)()
+    totals = (ctypes.c_int64 * 7)()
     rc = harness.sim_layout_swap(
         regions.segments(),
         nsegs,
@@ -272,7 +284,9 @@ def layout_call(harness, regions: Regions, per_layer: int, d, h, direction: int,
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_one_launch_eviction_writes_every_destination_byte_once(harness, seed: int) -> None:
+def test_one_launch_eviction_writes_every_destination_byte_once(
+    harness, evict_bound, seed: int
+) -> None:
     """The path every eviction takes when nothing records between layers: one launch
     per staged slot over the whole segment table (chunk prefixes across layers). Each
     destination byte is written exactly once with the right value, and the same call
@@ -294,6 +308,7 @@ def test_one_launch_eviction_writes_every_destination_byte_once(harness, seed: i
         "slot_bytes": int(rng.choice([256, 1000, 1500, 64 << 10])),  # several slots too
     }
     expected = regions.expected(d, h, direction == H2D, range(len(sizes)))
+    evict_bound(0)  # launches not cut, so that they can be counted (cut: the next test)
     rc, one = layout_call(harness, regions, per_layer, d, h, direction, has_events=0, **kw)
     assert rc == 0, (rc, core._lib.fkv_last_error())
     regions.check(expected, f"seed {seed}, one launch")
@@ -305,15 +320,66 @@ def test_one_launch_eviction_writes_every_destination_byte_once(harness, seed: i
     assert per[2] == layers * one[2], (per[2], one[2])
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_one_launch_eviction_bounded_launches_write_every_byte_once(
+    harness, evict_bound, seed: int
+) -> None:
+    """Issue 26 item 2: an eviction is cut into launches of at most the evict-launch
+    bound (in 16 KiB chunks, at least one per CTA), so its CTAs give their SMs back
+    between launches. The cut launches write every destination byte exactly once,
+    none moves more than the bound, and loads are not cut."""
+    rng = np.random.default_rng(5000 + seed)
+    per_layer = int(rng.choice([2, 4]))
+    layers = int(rng.integers(2, 9))
+    kv = random_block_size(rng)
+    layer_sizes = [kv, kv] + [int(rng.choice([4, 16, 32]))] * (per_layer - 2)
+    sizes = layer_sizes * layers
+    ndev, nhost = int(rng.integers(8, 100)), int(rng.integers(8, 100))
+    regions = Regions(rng, sizes, ndev, nhost)
+    d, h = random_ids(rng, int(rng.integers(1, 100)), ndev, nhost)
+    grid = int(rng.integers(1, 33))
+    bound = int(rng.choice([1, 16 << 10, 100 << 10, 256 << 10, 2 << 20]))
+    kw = {
+        "memcpy_min": random_memcpy_min(rng, layer_sizes),
+        "grid": grid,
+        "slot_bytes": int(rng.choice([1000, 64 << 10])),
+        "has_events": int(rng.integers(0, 2)),
+    }
+    max_bytes = max(bound // (16 * KIB), grid) * 16 * KIB
+    for direction in (D2H, H2D):
+        expected = regions.expected(d, h, direction == H2D, range(len(sizes)))
+        evict_bound(0)
+        rc, whole = layout_call(harness, regions, per_layer, d, h, direction, **kw)
+        assert rc == 0, (rc, core._lib.fkv_last_error())
+        evict_bound(bound)
+        rc, cut = layout_call(harness, regions, per_layer, d, h, direction, **kw)
+        assert rc == 0, (rc, core._lib.fkv_last_error())
+        regions.check(expected, f"seed {seed}, direction {direction}")
+        assert cut[:2] == whole[:2]  # the same bytes, by kernel and by copy engine
+        if direction == H2D:
+            assert cut[2] == whole[2]  # loads are not cut
+            continue
+        assert cut[6] <= max_bytes, (cut[6], max_bytes)
+        # As few launches as the bound allows: every launch but the last of a slot
+        # holds a full bound of chunks with work (never more launches than chunks).
+        assert cut[2] >= whole[2] and cut[2] >= -(-cut[0] // max_bytes)
+        if whole[6] > max_bytes:
+            assert cut[2] > whole[2]
+
+
 @pytest.mark.parametrize(
     ("mutant", "verdicts"),
     [
         (1, (WRITTEN_TWICE,)),  # every slot's launch reads the first slot's ids
         (2, (WRITTEN_TWICE,)),  # run lengths dropped: copy-engine blocks moved twice
         (3, (MISSED_OR_STRAY,)),  # the launch sized by the first layer only
+        (4, (MISSED_OR_STRAY,)),  # a bounded eviction leaves out its last launch
+        (5, (WRITTEN_TWICE,)),  # each bounded launch after the first starts a chunk early
     ],
 )
-def test_one_launch_harness_catches_planted_mutants(harness, mutant: int, verdicts) -> None:
+def test_one_launch_harness_catches_planted_mutants(
+    harness, evict_bound, mutant: int, verdicts
+) -> None:
     """Each planted bug of the one-launch path fails the exactly-once check; mutant 2
     writes the right bytes (twice), so a comparison of results alone would pass."""
     rng = np.random.default_rng(99)
@@ -323,6 +389,7 @@ def test_one_launch_harness_catches_planted_mutants(harness, mutant: int, verdic
     h = np.array([5, 6, 7, 8, 9, 1, 30, 2], np.int64)
     # The run of 40 KiB blocks goes to the copy engine; 4 ids per staging slot.
     kw = {"memcpy_min": 3 * 40 * KIB, "grid": 5, "slot_bytes": 128}
+    evict_bound(16 * KIB)  # launches of 5 chunks (one per CTA): ~20 per slot
     expected = regions.expected(d, h, False, range(2 * layers))
     rc, _ = layout_call(harness, regions, per_layer, d, h, D2H, **kw)
     assert rc == 0, rc
@@ -436,7 +503,7 @@ def plan_steps(harness, sizes: list[int], n: int, grid: int = 16) -> tuple[int, 
     regions = Regions(rng, sizes, n, n, aligned=True)
     d = rng.permutation(n).astype(np.int64)
     h = rng.permutation(n).astype(np.int64)
-    totals = (ctypes.c_int64 * 6)()
+    totals = (ctypes.c_int64 * 7)()
     rc = harness.sim_layout_swap(
         regions.segments(),
         len(sizes),

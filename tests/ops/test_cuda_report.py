@@ -80,6 +80,18 @@ def test_cuda_knobs_are_read_from_the_environment_once() -> None:
     assert out == "(4096, 7) (4096, 7)"
 
 
+def test_evict_launch_bound_is_read_from_the_environment_once() -> None:
+    code = (
+        "import os; from fastkv.ops import core\n"
+        "first = core.get_cuda_evict_launch_bytes()\n"
+        "os.environ['FASTKV_CUDA_EVICT_LAUNCH_BYTES'] = '99'\n"
+        "print(first, core.get_cuda_evict_launch_bytes())"
+    )
+    assert _python(code, {"FASTKV_CUDA_EVICT_LAUNCH_BYTES": "65536"}) == "65536 65536"
+    default = "from fastkv.ops import core; print(core.get_cuda_evict_launch_bytes())"
+    assert _python(default, {"FASTKV_CUDA_EVICT_LAUNCH_BYTES": ""}) == str(2 << 20)
+
+
 @pytest.mark.parametrize(
     "pinned",
     # The pinned case is a GPU test: `make gpu-test` (-m gpu) runs it and, there, its
