@@ -232,12 +232,14 @@ int check_device_ordinal(int device, const char* name) {
 
 template <typename V>
 __device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t nbytes) {
+  constexpr int kUnroll = unroll_for(sizeof(V));
   const V* s = reinterpret_cast<const V*>(src);
   V* d = reinterpret_cast<V*>(dst);
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
   for (int64_t base = threadIdx.x; base < n; base += int64_t{kThreads} * kUnroll) {
     // All loads first, then all stores: kUnroll independent PCIe reads in flight
-    // per thread is what hides the ~1-2 us latency of host memory.
+    // per thread (64 bytes, whatever the width) is what hides the ~1-2 us latency
+    // of host memory.
     V r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -259,6 +261,7 @@ __device__ __forceinline__ void copy_chunk(char* dst, const char* src, int64_t n
 template <typename V>
 __device__ __forceinline__ void copy_gather(const ChunkCopy& c, const int64_t* device_ids,
                                             const int64_t* host_ids, const int32_t* run_len) {
+  constexpr int kUnroll = unroll_for(sizeof(V));
   const int64_t n = c.nbytes / static_cast<int64_t>(sizeof(V));
   for (int64_t base = threadIdx.x; base < n; base += int64_t{kThreads} * kUnroll) {
     V r[kUnroll];

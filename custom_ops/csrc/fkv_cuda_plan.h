@@ -45,9 +45,18 @@
 namespace fkv {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
-// One CTA moves kThreads * kUnroll * 16 B = 16 KiB per iteration with 16-byte
-// accesses; blocks larger than a chunk are shared between CTAs.
+// Bytes each thread keeps in flight per unrolled step: its loads of a step are
+// issued together and its steps are its dependent round trips over PCIe. The
+// unroll is per vector width so that every width keeps the same bytes in flight:
+// 4 x 16 B, 8 x 8 B, 16 x 4 B. With one unroll of 4 for every width, a layout
+// only 4-byte aligned kept 16 CTAs x 256 threads x 4 x 4 B = 64 KiB in flight,
+// below PCIe Gen5's bandwidth-delay product (~100-128 KiB at ~1-2 us, ~64 GB/s):
+// about half rate. Now every width keeps 256 KiB in flight (16 CTAs), and one step
+// of a CTA is kThreads x 64 B = 16 KiB, a chunk, whatever the width.
+constexpr int kBytesInFlightPerThread = 64;
+FKV_HD constexpr int unroll_for(int vec_bytes) { return kBytesInFlightPerThread / vec_bytes; }
+// One CTA moves kThreads * kBytesInFlightPerThread = 16 KiB per iteration; blocks
+// larger than a chunk are shared between CTAs.
 constexpr int64_t kChunkBytes = int64_t{16} << 10;
 
 // What the kernel knows of one segment (48 bytes, read from device memory).
@@ -207,7 +216,7 @@ FKV_HD bool chunk_element(const ChunkCopy& c, int64_t k, const int64_t* device_i
 }
 
 // Element k (in vec_bytes units) that thread `tid` moves in unrolled step u of the
-// iteration starting at `base` (base = tid, tid + kThreads * kUnroll, ...).
+// iteration starting at `base` (base = tid, tid + kThreads * unroll_for(vec), ...).
 FKV_HD int64_t thread_element(int64_t base, int u) {
   return base + static_cast<int64_t>(u) * kThreads;
 }

@@ -146,7 +146,8 @@ void report(const Totals& t, int64_t* totals) {
 
 // One kernel launch over chunk numbers [first, end): CTA b takes chunks first + b,
 // then next_chunk(...), ...; thread t of a chunk moves elements
-// thread_element(base, u) for base = t, t + kThreads * kUnroll, ...: whole pieces as
+// thread_element(base, u) for base = t, t + kThreads * unroll, ... (unroll_for the
+// chunk's vector width) and u < unroll: whole pieces as
 // copy_chunk, gathers as copy_gather.
 void simulate_grid(const DevSegment* segs, int32_t num_segs, int64_t first, int64_t end,
                    const int64_t* dev_ids, const int64_t* host_ids, const int32_t* run_len,
@@ -169,11 +170,12 @@ void simulate_grid(const DevSegment* segs, int32_t num_segs, int64_t first, int6
       const int v = c.vec_bytes;
       if (c.nbytes % v) ++t->misaligned;
       const int64_t n = c.nbytes / v;
-      const int64_t step = int64_t{kThreads} * kUnroll;
+      const int unroll = unroll_for(v);
+      const int64_t step = int64_t{kThreads} * unroll;
       steps += (n + step - 1) / step;
       for (int tid = 0; tid < kThreads; ++tid) {
         for (int64_t base = tid; base < n; base += step) {
-          for (int u = 0; u < kUnroll; ++u) {
+          for (int u = 0; u < unroll; ++u) {
             const int64_t k = thread_element(base, u);
             if (k >= n) continue;
             if (c.num_ids == 1) {

@@ -82,6 +82,7 @@ class Regions:
         ndev: int,
         nhost: int,
         aligned: bool = False,
+        shift: int | None = None,
     ):
         self.block_sizes = block_sizes
         self.ndev, self.nhost = ndev, nhost
@@ -91,7 +92,9 @@ class Regions:
         for bb in block_sizes:
             for n, out in ((ndev, self.dev), (nhost, self.host)):
                 # Bases 4-, 8- or 16-byte aligned (16 where asked, as allocators give).
-                shift = 0 if aligned else int(rng.choice([0, 4, 8, 12]))
+                # (or `shift` bytes past 16-byte alignment, every base alike).
+                if shift is None:
+                    shift = 0 if aligned else int(rng.choice([0, 4, 8, 12]))
                 raw = np.empty(n * bb + 64, np.uint8)
                 off = (-raw.ctypes.data) % 16 + shift
                 view = raw[off : off + n * bb].reshape(n, bb)
@@ -496,11 +499,14 @@ def test_offsets_beyond_4_gib_are_computed_in_64_bits(harness) -> None:
             assert locate(harness, raw, nseg, count, g, 0, dev_ids, host_ids, h2d)[4] == 0
 
 
-def plan_steps(harness, sizes: list[int], n: int, grid: int = 16) -> tuple[int, int]:
+def plan_steps(
+    harness, sizes: list[int], n: int, grid: int = 16, shift: int = 0
+) -> tuple[int, int]:
     """(the busiest CTA's dependent load steps, its chunk lookups) for one layer's
-    H2D load of n scattered ids through the layout launcher's plan."""
+    H2D load of n scattered ids through the layout launcher's plan, every base
+    `shift` bytes past 16-byte alignment."""
     rng = np.random.default_rng(7)
-    regions = Regions(rng, sizes, n, n, aligned=True)
+    regions = Regions(rng, sizes, n, n, shift=shift)
     d = rng.permutation(n).astype(np.int64)
     h = rng.permutation(n).astype(np.int64)
     totals = (ctypes.c_int64 * 7)()
@@ -550,3 +556,17 @@ def test_small_blocks_keep_a_ctas_loads_in_flight(harness) -> None:
     for bb in (4096, 8192):
         steps, _ = plan_steps(harness, [bb], total // bb)
         assert steps <= at16k, (bb, steps, at16k)
+
+
+@pytest.mark.parametrize("bb", [4096, 16384, 8200])
+def test_narrow_vectors_keep_as_many_bytes_in_flight(harness, bb: int) -> None:
+    """Issue 26 item 5: a layout only 8- or 4-byte aligned moves its bytes in as many
+    dependent steps as a 16-byte aligned one (the unroll grows as the vector
+    narrows: 64 bytes in flight per thread); with one unroll of 4 for every width,
+    4-byte accesses took four times the round trips (64 KiB in flight, half of
+    PCIe Gen5's bandwidth-delay product)."""
+    n = (8 << 20) // bb
+    wide, _ = plan_steps(harness, [bb], n, shift=0)
+    for shift in (8, 4):
+        narrow, _ = plan_steps(harness, [bb], n, shift=shift)
+        assert narrow == wide, (bb, shift, narrow, wide)
