@@ -1,10 +1,11 @@
 """The CUDA path on a real GPU through the C ABI, with CuPy device arrays and pinned
 host memory (no Paddle needed): a correctness matrix over layouts (odd and aligned
 block sizes, fp8 scale segments, base offsets, kernel / copy-engine / mixed paths,
-both directions), offsets beyond 4 GiB, more than 700 segments, more than 256
-launches in flight, the staging deadline, refusal under CUDA-graph capture,
-explicit initialisation, no hidden contexts, stream priorities, bounded event waits
-and the first-call latency of a fresh process.
+both directions), the one-launch eviction cut into launches of a bounded size,
+offsets beyond 4 GiB, more than 700 segments, more than 256 launches in flight, the
+staging deadline, refusal under CUDA-graph capture, explicit initialisation, no
+hidden contexts, stream priorities, bounded event waits and the first-call latency
+of a fresh process.
 
 Every test here is marked `gpu` and skips with the reason where there is no GPU or
 no CuPy; `make gpu-test` runs them with skips turned into failures.
@@ -197,6 +198,44 @@ def test_layout_round_trips_are_bit_exact(raw_cache, tuning, geometry, shift, pa
         for e in events:
             core.event_destroy(DEVICE, e)
     layout.close()
+
+
+@pytest.fixture
+def evict_launch_bytes():
+    """Sets the evict-launch bound for a test; restores it after."""
+    before = core.get_cuda_evict_launch_bytes()
+    yield core.set_cuda_evict_launch_bytes
+    core.set_cuda_evict_launch_bytes(before)
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+@pytest.mark.parametrize("shift", [0, 4])
+@pytest.mark.parametrize("bound", [0, 1, 2 << 20])
+def test_one_launch_eviction_is_bit_exact_with_its_launches_cut(
+    raw_cache, tuning, evict_launch_bytes, geometry, shift, bound
+) -> None:
+    """The eviction of every layer without layer events (one launch per staged slot
+    over the whole table), cut into launches of at most `bound` bytes of work (0:
+    not cut; 1: one 16 KiB chunk per CTA, the most launches), with 16-byte and only
+    4-byte aligned bases (the widest and the narrowest vector, the longest unroll),
+    kernel and copy engine mixed: every host block lands bit-exact."""
+    tuning(memcpy_min_bytes=PATHS["mixed"])
+    evict_launch_bytes(bound)
+    per_layer = GEOMETRIES[geometry]
+    layers = 5
+    c = raw_cache(per_layer * layers, 64, 80, shift, seed=sum(map(ord, geometry)) + bound)
+    layout = core.Layout(c.segments(), len(per_layer), 64, 80, device=DEVICE)
+    stream = cp.cuda.Stream(non_blocking=True)
+    d, h = mixed_ids(np.random.default_rng(bound + shift), 64, 80)
+    dev0, host0 = c.device(), [x.copy() for x in c.host()]
+    try:
+        layout.swap(d, h, D2H, stream=stream.ptr)
+        stream.synchronize()
+        exp = expected(dev0, host0, range(len(per_layer) * layers), d, h, False)
+        check(c, exp, f"{geometry}, shift {shift}, bound {bound}")
+    finally:
+        stream.synchronize()
+        layout.close()
 
 
 @pytest.mark.parametrize("pinned", ["fastkv", "cupy"])
