@@ -16,13 +16,16 @@ in the same run on the same blocks.
    of contiguous blocks: raw multi-buffer (`*_multi_buffers`, one buffer per
    segment, no header: what Mooncake's per-buffer cost alone does); the backend
    zero-copy (`staging_bytes=0`: one Mooncake buffer per segment) and staged (the
-   default: one contiguous object per block), header and tag on; and zero-copy puts read back
-   (`verify_puts=True`): `put_verify_cost` is 1 - verified / unverified put
-   throughput. Every way has its own object set, the order alternates between
-   repetitions, and each repetition removes what it stored (the segment holds one
-   repetition's sets). Every operation is timed in this thread and every key's
-   answer checked: one that fails (a get answering "not stored") stops the bench
-   with BenchFailure, and each get's bytes are compared with what was put.
+   default: one contiguous object per block), header and tag on; and zero-copy
+   puts read back (`verify_puts=True`): `put_verify_cost` is 1 - verified /
+   unverified put throughput. Every way has its own object set; the ways take
+   turns batch by batch (who goes first rotates), each call timed on its own, so
+   a slow moment of the shared machine falls on all alike; ratios are medians of
+   each repetition's ratios. Each repetition removes what it stored (the segment
+   holds one repetition's sets). Every operation is timed in this thread and
+   every key's answer checked: one that fails (a get answering "not stored")
+   stops the bench with BenchFailure, and each get's bytes are compared with
+   what was put.
 3. Seal: the CPU cost of a block's check alone, one thread, host memory larger than
    the caches: `seal_header` with the CRC (no ring) and with the tag (a ring), GB/s
    and microseconds per block. The disk figures above hide most of it (a helper
@@ -300,17 +303,6 @@ def failed_results(what: str, keys: list[StorageKey], results: list) -> None:
         raise BenchFailure(f"{what}: {len(bad)} of {len(keys)} keys failed: {bad[:8]}")
 
 
-def timed_gbps(what: str, work: Callable[[], int], n: int, block_bytes: int) -> float:
-    """GB/s of `work()`, run in this thread (what fails raises here), which returns the
-    blocks it moved; BenchFailure unless that is all `n`."""
-    t0 = time.perf_counter()
-    done = work()
-    seconds = time.perf_counter() - t0
-    if done != n:
-        raise BenchFailure(f"{what}: moved {done} of {n} blocks")
-    return done * block_bytes / seconds / 1e9
-
-
 def same_bytes(what: str, got: np.ndarray, want: np.ndarray) -> None:
     """After a timed get: the destination must hold what was put (checked untimed)."""
     if not np.array_equal(got, want):
@@ -346,104 +338,106 @@ class MooncakeBench:
             if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise BenchFailure("register_buffer of the bench's raw buffers failed")
 
-    def raw_put(self, names: list[str]) -> int:
+    def raw_put(self, names: list[str], s: int, e: int) -> None:
         bb = self.block_bytes
-        for s in range(0, self.n, BATCH):
-            e = min(self.n, s + BATCH)
-            ptrs = [self.src.ctypes.data + i * bb for i in range(s, e)]
-            codes = self.store.batch_put_from(names[s:e], ptrs, [bb] * (e - s))
-            failed_codes("raw batch_put_from", names[s:e], codes, 0)
-        return self.n
+        ptrs = [self.src.ctypes.data + i * bb for i in range(s, e)]
+        codes = self.store.batch_put_from(names[s:e], ptrs, [bb] * (e - s))
+        failed_codes("raw batch_put_from", names[s:e], codes, 0)
 
-    def raw_get(self, names: list[str]) -> int:
+    def raw_get(self, names: list[str], s: int, e: int) -> None:
         bb = self.block_bytes
-        for s in range(0, self.n, BATCH):
-            e = min(self.n, s + BATCH)
-            ptrs = [self.dst.ctypes.data + i * bb for i in range(s, e)]
-            codes = self.store.batch_get_into(names[s:e], ptrs, [bb] * (e - s))
-            failed_codes("raw batch_get_into", names[s:e], codes, bb)
-        return self.n
+        ptrs = [self.dst.ctypes.data + i * bb for i in range(s, e)]
+        codes = self.store.batch_get_into(names[s:e], ptrs, [bb] * (e - s))
+        failed_codes("raw batch_get_into", names[s:e], codes, bb)
 
-    def multi_args(self, host: HostMemory, s: int, e: int) -> tuple[list, list]:
-        segs = [host.segments(b) for b in range(s, e)]
-        return [[p for p, _ in g] for g in segs], [[n for _, n in g] for g in segs]
+    def multi_put(self, names: list[str], s: int, e: int) -> None:
+        segs = [self.host.segments(b) for b in range(s, e)]
+        ptrs, sizes = [[p for p, _ in g] for g in segs], [[n for _, n in g] for g in segs]
+        codes = self.store.batch_put_from_multi_buffers(names[s:e], ptrs, sizes)
+        failed_codes("raw batch_put_from_multi_buffers", names[s:e], codes, 0)
 
-    def multi_put(self, names: list[str]) -> int:
-        for s in range(0, self.n, BATCH):
-            e = min(self.n, s + BATCH)
-            ptrs, sizes = self.multi_args(self.host, s, e)
-            codes = self.store.batch_put_from_multi_buffers(names[s:e], ptrs, sizes)
-            failed_codes("raw batch_put_from_multi_buffers", names[s:e], codes, 0)
-        return self.n
+    def multi_get(self, names: list[str], s: int, e: int) -> None:
+        segs = [self.dest.segments(b) for b in range(s, e)]
+        ptrs, sizes = [[p for p, _ in g] for g in segs], [[n for _, n in g] for g in segs]
+        codes = self.store.batch_get_into_multi_buffers(names[s:e], ptrs, sizes)
+        failed_codes("raw batch_get_into_multi_buffers", names[s:e], codes, self.block_bytes)
 
-    def multi_get(self, names: list[str]) -> int:
-        for s in range(0, self.n, BATCH):
-            e = min(self.n, s + BATCH)
-            ptrs, sizes = self.multi_args(self.dest, s, e)
-            codes = self.store.batch_get_into_multi_buffers(names[s:e], ptrs, sizes)
-            failed_codes(
-                "raw batch_get_into_multi_buffers", names[s:e], codes, self.block_bytes
-            )
-        return self.n
-
-    def backend_op(self, backend: object, op: str, keys: list[StorageKey]) -> int:
-        """put_from or get_into of every block, BATCH keys a call; blocks counted
-        only when every result is OK (the backend verified each get)."""
+    def backend_op(self, backend: object, op: str, keys: list, s: int, e: int) -> None:
+        """One put_from or get_into call; every result must be OK (a get's object
+        verified by the backend)."""
         call = backend.put_from if op == "put" else backend.get_into
-        for s in range(0, self.n, BATCH):
-            e = min(self.n, s + BATCH)
-            segs = [self.host.segments(b) for b in range(s, e)]
-            failed_results(
-                f"backend {op}", keys[s:e], call(keys[s:e], segs, deadline_after(600))
-            )
-        return self.n
+        segs = [self.host.segments(b) for b in range(s, e)]
+        failed_results(f"backend {op}", keys[s:e], call(keys[s:e], segs, deadline_after(600)))
 
-    def verified_put(self, keys: list[StorageKey]) -> int:
+    def verified_put(self, keys: list, s: int, e: int) -> None:
         self.zero_copy.verify_puts = True  # every put read back
         try:
-            return self.backend_op(self.zero_copy, "put", keys)
+            self.backend_op(self.zero_copy, "put", keys, s, e)
         finally:
             self.zero_copy.verify_puts = False
 
+    def interleaved(self, ways: list[tuple[str, Callable[[int, int], None]]]) -> dict:
+        """GB/s of each way over all n blocks (and `<way>_cpu`: this process's CPU
+        microseconds per block, less sensitive to the machine's load than the wall
+        clock), the ways taking turns batch by batch
+        (who goes first rotates), each call timed on its own in this thread: a
+        slow moment of the machine falls on all of them alike, and a call that
+        fails raises here."""
+        seconds = dict.fromkeys((name for name, _ in ways), 0.0)
+        cpu = dict.fromkeys(seconds, 0.0)
+        for k, s in enumerate(range(0, self.n, BATCH)):
+            e = min(self.n, s + BATCH)
+            turn = k % len(ways)
+            for name, work in ways[turn:] + ways[:turn]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                work(s, e)
+                seconds[name] += time.perf_counter() - t0
+                cpu[name] += time.process_time() - c0
+        out = {name: self.n * self.block_bytes / t / 1e9 for name, t in seconds.items()}
+        # this process's CPU (every thread: Mooncake's transfer threads too) per block
+        return out | {f"{name}_cpu": c / self.n * 1e6 for name, c in cpu.items()}
+
     def repetition(self, rep: int, ns: bytes) -> dict[str, float]:
-        """Every set put, then got (order alternating with `rep`), then removed."""
+        """Every set put, then got, the ways interleaved; each get's bytes compared
+        with what was put; then every set removed."""
         names = {s: [f"bench-{s}-{rep}-{i}" for i in range(self.n)] for s in ("raw", "multi")}
-        keys = {
-            s: keys_for(1000 * i + rep, self.n, ns) for i, s in enumerate(MOONCAKE_SETS[2:])
-        }
-        puts: list[tuple[str, Callable[[], int]]] = [
-            ("rw", lambda: self.raw_put(names["raw"])),
-            ("mw", lambda: self.multi_put(names["multi"])),
-            ("bw", lambda: self.backend_op(self.zero_copy, "put", keys["zero_copy"])),
-            ("vw", lambda: self.verified_put(keys["verified"])),
-            ("sw", lambda: self.backend_op(self.staged, "put", keys["staged"])),
-        ]
-        gets: list[tuple[str, Callable[[], int], np.ndarray, np.ndarray]] = [
-            ("rr", lambda: self.raw_get(names["raw"]), self.dst, self.src),
-            ("mr", lambda: self.multi_get(names["multi"]), self.dest.array, self.want),
-            (
-                "br",
-                lambda: self.backend_op(self.zero_copy, "get", keys["zero_copy"]),
-                self.host.array,
-                self.want,
-            ),
-            (
-                "sr",
-                lambda: self.backend_op(self.staged, "get", keys["staged"]),
-                self.host.array,
-                self.want,
-            ),
-        ]
-        if rep % 2:
-            puts.reverse()
-            gets.reverse()
-        out = {}
-        for name, work in puts:
-            out[name] = timed_gbps(name, work, self.n, self.block_bytes)
-        for name, work, got, want in gets:
-            got[:] = 0
-            out[name] = timed_gbps(name, work, self.n, self.block_bytes)
+        sets = MOONCAKE_SETS[2:]
+        keys = {s: keys_for(1000 * i + rep, self.n, ns) for i, s in enumerate(sets)}
+        zc, st = self.zero_copy, self.staged
+        out = self.interleaved(
+            [
+                ("rw", lambda s, e: self.raw_put(names["raw"], s, e)),
+                ("mw", lambda s, e: self.multi_put(names["multi"], s, e)),
+                ("bw", lambda s, e: self.backend_op(zc, "put", keys["zero_copy"], s, e)),
+                ("vw", lambda s, e: self.verified_put(keys["verified"], s, e)),
+                ("sw", lambda s, e: self.backend_op(st, "put", keys["staged"], s, e)),
+            ]
+        )
+        # the backends' gets land in the same host blocks: one at a time, compared
+        # after each; raw gets in buffers of their own
+        for arr in (self.dst, self.dest.array, self.host.array):
+            arr[:] = 0
+        out |= self.interleaved(
+            [
+                ("rr", lambda s, e: self.raw_get(names["raw"], s, e)),
+                ("mr", lambda s, e: self.multi_get(names["multi"], s, e)),
+                ("br", lambda s, e: self.backend_op(zc, "get", keys["zero_copy"], s, e)),
+            ]
+        )
+        for name, got, want in (
+            ("rr", self.dst, self.src),
+            ("mr", self.dest.array, self.want),
+            ("br", self.host.array, self.want),
+        ):
             same_bytes(name, got, want)
+        self.host.array[:] = 0
+        out |= self.interleaved(
+            [
+                ("rr2", lambda s, e: self.raw_get(names["raw"], s, e)),
+                ("sr", lambda s, e: self.backend_op(st, "get", keys["staged"], s, e)),
+            ]
+        )
+        same_bytes("sr", self.host.array, self.want)
         self.remove(
             names["raw"] + names["multi"] + [k.text() for v in keys.values() for k in v]
         )
@@ -457,30 +451,40 @@ class MooncakeBench:
 
 
 def mooncake_row(store: object, block_bytes: int, n: int, reps: int) -> dict:
-    """The medians of `reps` repetitions of `MooncakeBench` on `store`."""
+    """Medians over `reps` repetitions of `MooncakeBench` on `store`: GB/s, and each
+    ratio the median of its repetitions' ratios (paired: measured interleaved)."""
     bench = MooncakeBench(store, block_bytes, n)
     ns = os.urandom(32)
-    figures: dict[str, list[float]] = {}
-    for rep in range(reps):
-        for k, v in bench.repetition(rep, ns).items():
-            figures.setdefault(k, []).append(v)
-    med = {k: statistics.median(v) for k, v in figures.items()}
+    runs = [bench.repetition(rep, ns) for rep in range(reps)]
+
+    def med(k: str) -> float:
+        return round(statistics.median(r[k] for r in runs), 3)
+
+    def ratio(k: str, base: str) -> float:
+        return round(statistics.median(r[k] / r[base] for r in runs), 3)
+
     return {
         "block_KiB": block_bytes // 1024,
-        "raw_put_GBps": round(med["rw"], 3),
-        "multi_put_ratio": round(med["mw"] / med["rw"], 3),
-        "backend_put_GBps": round(med["bw"], 3),
-        "put_ratio": round(med["bw"] / med["rw"], 3),
-        "verified_put_GBps": round(med["vw"], 3),
-        "put_verify_cost": round(1 - med["vw"] / med["bw"], 3),
-        "raw_get_GBps": round(med["rr"], 3),
-        "multi_get_ratio": round(med["mr"] / med["rr"], 3),
-        "backend_get_GBps": round(med["br"], 3),
-        "get_ratio": round(med["br"] / med["rr"], 3),
-        "staged_put_GBps": round(med["sw"], 3),
-        "staged_put_ratio": round(med["sw"] / med["rw"], 3),
-        "staged_get_GBps": round(med["sr"], 3),
-        "staged_get_ratio": round(med["sr"] / med["rr"], 3),
+        "raw_put_GBps": med("rw"),
+        "multi_put_ratio": ratio("mw", "rw"),
+        "backend_put_GBps": med("bw"),
+        "put_ratio": ratio("bw", "rw"),
+        "verified_put_GBps": med("vw"),
+        "put_verify_cost": round(1 - ratio("vw", "bw"), 3),
+        "raw_get_GBps": med("rr"),
+        "multi_get_ratio": ratio("mr", "rr"),
+        "backend_get_GBps": med("br"),
+        "get_ratio": ratio("br", "rr"),
+        "staged_put_GBps": med("sw"),
+        "staged_put_ratio": ratio("sw", "rw"),
+        "staged_get_GBps": med("sr"),
+        "staged_get_ratio": ratio("sr", "rr2"),
+        "raw_put_cpu_us": med("rw_cpu"),
+        "staged_put_cpu_us": med("sw_cpu"),
+        "raw_get_cpu_us": med("rr2_cpu"),
+        "staged_get_cpu_us": med("sr_cpu"),
+        "zero_copy_put_cpu_us": med("bw_cpu"),
+        "zero_copy_get_cpu_us": med("br_cpu"),
         "blocks": n,
         "reps": reps,
     }
@@ -568,6 +572,19 @@ def print_mooncake(rows: list[dict]) -> None:
             "staged_put_ratio",
             "staged_get_GBps",
             "staged_get_ratio",
+        ],
+    )
+    print_table(
+        "Mooncake: this process's CPU (all threads) per block, microseconds (median)",
+        rows,
+        [
+            "block_KiB",
+            "raw_put_cpu_us",
+            "staged_put_cpu_us",
+            "zero_copy_put_cpu_us",
+            "raw_get_cpu_us",
+            "staged_get_cpu_us",
+            "zero_copy_get_cpu_us",
         ],
     )
 
