@@ -347,7 +347,6 @@ class MooncakeBackend(StorageBackend):
             self._closed = True
         stuck = self._calls.drain(timeout)
         self._calls.shutdown()
-        self._puts.close()
         if stuck:
             log.warning(
                 "MooncakeBackend.close: %d call(s) still inside Mooncake after %.1f s; "

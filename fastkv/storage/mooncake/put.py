@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -115,14 +114,6 @@ class MooncakePuts:
         self.forged_puts = 0
         self.pool_full_retries = 0
         self._lock = threading.Lock()  # the counters
-        # each concurrent call's existence check, while it seals or stages
-        self._lookups = ThreadPoolExecutor(
-            options.max_concurrency, thread_name_prefix="fastkv-mooncake-exist"
-        )
-
-    def close(self) -> None:
-        """Takes no more calls (a check still inside Mooncake keeps its thread)."""
-        self._lookups.shutdown(wait=False)
 
     def part(
         self,
@@ -132,24 +123,15 @@ class MooncakePuts:
         deadline: float,
         call: Call,
     ) -> tuple[list[KeyResult], str | None]:
-        """One batch of puts: every block sealed (or staged) while Mooncake is asked
-        which keys exist; keys that already hold an object are read back (stored
+        """One batch of puts: keys that already hold an object are read back (stored
         only if it is this block; an object that is not is removed and joins the
-        puts); the others are put, those the full pool
+        puts); the others are sealed (or staged) and put, those the full pool
         refused retried; what the put met on the way, and with verify_puts what it
         stored, is read back. Returns the results and the fatal outcome (None if
         Mooncake's master answered every call)."""
         results: list[KeyResult | None] = [None] * len(keys)
         names = [k.text() for k in keys]
-        # the existence check is a round trip to the master: every block is sealed
-        # (or staged) meanwhile, also those that turn out stored already
-        asked = self._lookups.submit(self._store.batch_is_exist, names)
-        try:
-            ptrs = self._buffers(keys, blocks, range(len(keys)), arena, call)
-        finally:
-            exist = asked.result()
-        if ptrs is None:  # the caller was answered before its blocks were staged
-            return [LEFT_BEHIND] * len(keys), None
+        exist = self._store.batch_is_exist(names)
         fatal_code = next((c for c in exist if c in FATAL_CODES), None)
         if fatal_code is not None:
             failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
@@ -161,6 +143,9 @@ class MooncakePuts:
         removed: list[int] = []  # met an object that is not this block, removed it
         fatal = self._read_back(keys, met, results, arena, deadline, None, removed=removed)
         pending = sorted(pending + removed)
+        ptrs = self._buffers(keys, blocks, pending, arena, call)
+        if ptrs is None:  # the caller was answered before its blocks were staged
+            return [LEFT_BEHIND] * len(keys), fatal
         written, appeared, fatal = self._put_with_retries(
             names, pending, ptrs, results, deadline, fatal
         )
@@ -174,7 +159,7 @@ class MooncakePuts:
         self,
         keys: Sequence[StorageKey],
         blocks: Sequence[BlockSegments],
-        pending: Iterable[int],
+        pending: list[int],
         arena: int,
         call: Call,
     ) -> dict[int, object] | None:
