@@ -55,6 +55,9 @@ class FakeMooncakeStore:
         del self.objects[name]
         return 0
 
+    def batch_remove(self, names: list[str], force: bool = False) -> list[int]:
+        return [self.remove(n, force) for n in names]
+
     def _lease(self, name: str) -> None:
         if name in self.objects:
             self._leases[name] = time.monotonic() + self.lease_s

@@ -9,10 +9,15 @@ import pytest
 from fake_mooncake import FakeMooncakeStore
 from storage_helpers import LAYOUTS, TEST_AUTH
 
+from fastkv.storage import BlockLayout
 from fastkv.storage.auth import ENV_KEY_FILE
 from fastkv.storage.block_header import HEADER_BYTES
 from fastkv.storage.mooncake import MooncakeBackend
-from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions
+from fastkv.storage.mooncake.options import (
+    STAGING_CALL_BYTES,
+    MooncakeConnection,
+    MooncakeOptions,
+)
 
 LAYOUT = LAYOUTS["fp8"]
 OBJECT_BYTES = HEADER_BYTES + LAYOUT.payload_bytes
@@ -24,7 +29,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert (options.put_retries, options.retry_backoff_s) == (5, 0.01)
     assert (options.breaker_cooldown_s, options.breaker_max_cooldown_s) == (2.0, 4.0)
     assert options.deadline_margin_s == 0.05
-    assert (options.max_batch, options.max_concurrency, options.staging_bytes) == (64, 4, 0)
+    assert (options.max_batch, options.max_concurrency, options.staging_bytes) == (64, 4, None)
     assert options.allow_unauthenticated is False and options.verify_puts is False
     connection = MooncakeConnection("10.0.0.7:50051")
     assert (connection.local_hostname, connection.protocol) == ("127.0.0.1", "tcp")
@@ -111,5 +116,23 @@ def test_the_backend_checks_what_needs_the_layout_the_environment_or_the_store(
     assert backend.staged and backend.max_batch == 2 and backend.options is staged
     backend.close()
     plain = MooncakeBackend(LAYOUT, MooncakeOptions(allow_unauthenticated=True), store=store)
-    assert plain.auth is None and not plain.staged and plain.max_batch == 64
+    assert plain.auth is None and plain.staged and plain.max_batch == 64  # staged by default
     plain.close()
+    zero_copy = MooncakeOptions(auth=TEST_AUTH, staging_bytes=0)
+    zero_copy_backend = MooncakeBackend(LAYOUT, zero_copy, store=store)
+    assert not zero_copy_backend.staged and zero_copy_backend.max_batch == 64
+    zero_copy_backend.close()
+
+
+def test_the_default_staging_area_holds_what_fits_its_share() -> None:
+    """Issue 27: the default is staged (one contiguous Mooncake buffer per block),
+    each call's share `STAGING_CALL_BYTES`, at most max_batch objects, at least one."""
+    store = FakeMooncakeStore()
+    big = BlockLayout((STAGING_CALL_BYTES // 3,) * 4)  # larger than a share: one object
+    for layout, want in ((LAYOUT, 64), (big, 1)):
+        backend = MooncakeBackend(layout, MooncakeOptions(auth=TEST_AUTH), store=store)
+        assert backend.staged and backend.max_batch == want
+        backend.close()
+    backend = MooncakeBackend(LAYOUT, MooncakeOptions(auth=TEST_AUTH, max_batch=8), store=store)
+    assert backend.max_batch == 8
+    backend.close()

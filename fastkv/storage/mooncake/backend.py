@@ -2,11 +2,14 @@
 
 Object key: `StorageKey.text()` ("fkv1/<namespace digest>/<block hash>/r<rank>").
 Object bytes: the 128-byte block header (fastkv.storage.block_header) followed by
-the block's segments in order, gathered zero-copy from the host cache by
-`batch_put_from_multi_buffers` and scattered back by `batch_get_into_multi_buffers`
-(both need the memory registered: `register_host_memory` once for the whole host
-cache; the headers live in a small registered arena of the backend's own), or
-with `staging_bytes` assembled in a staging area of its own. The settings named
+the block's segments in order. By default (staged) each object is gathered into a
+registered staging area of the backend's own and moved as one contiguous Mooncake
+buffer (`batch_put_from` / `batch_get_into`, as Mooncake's own client moves it).
+With `staging_bytes=0` (zero-copy) Mooncake gathers it from the host cache itself,
+one buffer per segment (`batch_put_from_multi_buffers`, scattered back by
+`batch_get_into_multi_buffers`; the host cache must be registered with
+`register_host_memory`, the headers live in a small registered arena): over TCP
+each buffer costs, so this is for RDMA. The settings named
 below (`put_retries`, `verify_puts`, ...) are fields of the `MooncakeOptions` a
 backend is built from (fastkv.storage.mooncake.options).
 
@@ -81,7 +84,11 @@ from fastkv.storage.deadline_pool import Call, DeadlinePool
 from fastkv.storage.mooncake.codes import FATAL_CODES
 from fastkv.storage.mooncake.get import MooncakeGets
 from fastkv.storage.mooncake.memory import MooncakeMemory
-from fastkv.storage.mooncake.options import MooncakeConnection, MooncakeOptions
+from fastkv.storage.mooncake.options import (
+    STAGING_CALL_BYTES,
+    MooncakeConnection,
+    MooncakeOptions,
+)
 from fastkv.storage.mooncake.put import MooncakePuts
 
 log = logging.getLogger(__name__)
@@ -101,7 +108,8 @@ class MooncakeBackend(StorageBackend):
     Attributes:
         options: what it was built from.
         auth: the key ring in use (`options.auth`, else the environment's), or None.
-        staged: blocks go through the staging area (`options.staging_bytes` > 0).
+        staged: blocks go through the staging area (`options.staging_bytes` None,
+            the default, or > 0).
         max_batch: keys per Mooncake call: `options.max_batch`, or fewer when a
             call's share of the staging area holds fewer objects.
         store: the Mooncake store in use.
@@ -136,6 +144,9 @@ class MooncakeBackend(StorageBackend):
             )
         object_bytes = HEADER_BYTES + layout.payload_bytes
         concurrency, staging_bytes = options.max_concurrency, options.staging_bytes
+        if staging_bytes is None:  # staged, sized for the layout
+            objects = min(options.max_batch, max(1, STAGING_CALL_BYTES // object_bytes))
+            staging_bytes = concurrency * objects * object_bytes
         per_call = staging_bytes // concurrency
         if staging_bytes and per_call < object_bytes:
             raise ValueError(

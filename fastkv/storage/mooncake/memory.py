@@ -14,7 +14,7 @@ deadline keeps it until then). An arena holds:
   - `max_batch` header slots: a zero-copy put seals each block's 128-byte header
     there, a zero-copy get reads it there (the segments go straight to or from
     the host cache);
-  - staged mode only (`staging_bytes` > 0), `max_batch` object slots of the
+  - staged mode only (the default; `staging_bytes` != 0), `max_batch` object slots of the
     staging area: each object (header, then segments) is gathered there before a
     put and read there before it is scattered into the caller's block;
   - `verify_slots` object slots where a put reads objects back (what it met

@@ -31,6 +31,11 @@ from fastkv.storage.auth import StorageAuth
 MAX_SECONDS = 600
 """The upper bound of every duration option: catches milliseconds passed as seconds."""
 
+STAGING_CALL_BYTES = 32 << 20
+"""With `staging_bytes=None` (the default), the staging area of each concurrent call:
+up to `max_batch` objects of the layout, at least one (64 objects of 256 KiB: 16 MiB;
+15 of 2 MiB: 32 MiB)."""
+
 
 @dataclass(frozen=True, slots=True)
 class MooncakeConnection:
@@ -87,13 +92,18 @@ class MooncakeOptions:
         max_batch: keys per Mooncake call (the deadline is checked between calls).
         max_concurrency: calls running at once (each holds max_batch header slots);
             further calls wait for a slot until their deadline.
-        staging_bytes: 0 (default) moves blocks zero-copy, one Mooncake buffer per
-            segment. Above 0, a registered staging area of this size (split among
-            `max_concurrency` calls, at least one object each) gathers each block
-            into one contiguous object first: over TCP, Mooncake's per-buffer cost
-            made multi-buffer transfers 2-4x slower than contiguous ones here
-            (tools/bench_storage.py); with RDMA, zero-copy is the natural choice.
-            Each call then moves at most as many blocks as its share holds.
+        staging_bytes: how blocks move. None (default): staged, with a registered
+            staging area of `STAGING_CALL_BYTES` per concurrent call (at most
+            `max_batch` objects; at least one). Each block is gathered (header,
+            then segments) into one contiguous object there and moved as one
+            Mooncake buffer: over TCP, Mooncake's per-buffer cost made zero-copy
+            transfers of one buffer per segment 2-5x slower than contiguous ones
+            (tools/bench_storage.py --only mooncake, issue 27). Above 0: a staging
+            area of this size, split among `max_concurrency` calls (at least one
+            object each). 0: zero-copy, one Mooncake buffer per segment straight
+            from and into the host cache (`register_host_memory` needed); with
+            RDMA, the natural choice. Each call moves at most as many blocks as its
+            share of the staging area holds.
         auth: the key ring that tags every object put and verifies every object
             read. None: `FASTKV_STORAGE_KEY_FILE` when set.
         allow_unauthenticated: without a ring the backend refuses to start unless
@@ -118,7 +128,7 @@ class MooncakeOptions:
     # how blocks move
     max_batch: int = 64
     max_concurrency: int = 4
-    staging_bytes: int = 0
+    staging_bytes: int | None = None
     # trust
     auth: StorageAuth | None = None
     allow_unauthenticated: bool = False
@@ -134,9 +144,10 @@ class MooncakeOptions:
             ("put_retries", 0, 1000),
             ("max_batch", 1, 4096),
             ("max_concurrency", 1, 256),
-            ("staging_bytes", 0, 1 << 40),
         ):
             _check_int(name, getattr(self, name), low, high)
+        if self.staging_bytes is not None:
+            _check_int("staging_bytes", self.staging_bytes, 0, 1 << 40)
         for name in (
             "retry_backoff_s",
             "breaker_cooldown_s",
@@ -167,4 +178,4 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name}: must be an int in [{low}, {high}], got {value!r}")
 
 
-__all__ = ["MooncakeConnection", "MooncakeOptions"]
+__all__ = ["STAGING_CALL_BYTES", "MooncakeConnection", "MooncakeOptions"]
