@@ -345,6 +345,12 @@ class CudaEvent:
     def known_done(self) -> bool:
         return self._done
 
+    def settle(self) -> None:
+        """Latch the event complete without recording it: for a handle taken for
+        work that was never enqueued (its pooled handle's last record belongs to
+        another transfer and must not be waited on)."""
+        self._done = True
+
     def __del__(self) -> None:
         # Back to the pool, finished or not (see CudaEventPool): no CUDA call here,
         # so a reference dropped mid-capture cannot touch the engine's graph.
@@ -401,7 +407,15 @@ class CudaStream:
         copy_layers: CopyLayers | None = None,
     ) -> list[Event]:
         """With `copy_layers`: one native call enqueues every layer and records one
-        pooled event per layer; otherwise a launch and a record per layer."""
+        pooled event per layer; otherwise a launch and a record per layer.
+
+        A pooled handle still carries its last record (another transfer's), so no
+        event is handed out unless this call recorded it or latched it complete:
+        when `copy_layers` fails with a `LayerCopyError` the core has recorded the
+        events of the failed layer and the later ones on this stream (behind the
+        layers it enqueued); any other failure (bad ids, a capturing stream, an
+        injected fault) enqueued nothing, so every event is latched complete and a
+        waiter sees the failure at once instead of an older transfer's record."""
         if copy_layers is None:
             return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
         events = [CudaEvent(self.pool, self.pool.take()) for _ in range(num_layers)]
@@ -409,9 +423,11 @@ class CudaStream:
         try:
             copy_layers(self.handle, handles)
         except BaseException as e:
-            # The core records the events of the failed layer and the later ones;
-            # an event never recorded reads as complete. Either way nobody hangs.
-            on_error(e, int(getattr(e, "failed_layer", 0)))
+            failed = getattr(e, "failed_layer", None)
+            if failed is None:  # refused before anything was enqueued or recorded
+                for event in events:
+                    event.settle()
+            on_error(e, int(failed or 0))
         return events
 
     def record(self) -> CudaEvent:
