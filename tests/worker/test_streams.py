@@ -277,3 +277,65 @@ def test_a_failed_layer_keeps_the_events_the_core_recorded(fake_cuda) -> None:
     assert not any(e.query() for e in events)  # pending behind the enqueued layers
     fake.pending.clear()
     assert all(e.query() for e in events)
+
+
+def test_a_cuda_load_ordered_after_other_copies_is_one_native_call(fake_cuda) -> None:
+    """Issue 26, item 1: per-layer waits go into the one native call, layer-major,
+    as a LayerWaits; nothing is waited for from Python. A completed event and an
+    event a copy repeats for its next layers (an eviction launched whole) are
+    skipped: the stream already waits for it through the earlier layer."""
+    fake, _pool, stream = fake_cuda
+    per_layer = [stream.record() for _ in range(3)]  # an eviction ordered per layer
+    whole = [stream.record()] * 3  # an eviction launched whole: one end event
+    finished = [stream.record() for _ in range(3)]
+    fake.pending.discard(finished[1].handle)
+    finished[1].query()  # latched complete
+    calls = []
+
+    def copy_layers(handle, events, waits=None) -> None:
+        calls.append((handle, list(events), waits))
+
+    events = stream.launch_layers(
+        3,
+        lambda layer, h: pytest.fail("per-layer path used"),
+        lambda e, layer: pytest.fail(f"failed: {e}"),
+        copy_layers,
+        [per_layer, whole, finished],
+    )
+    assert len(calls) == 1 and fake.waits == []
+    handle, handles, waits = calls[0]
+    assert (handle, handles) == (77, [e.handle for e in events])
+    assert waits.per_layer == 3
+    p, w, f = per_layer, whole[0], finished
+    assert list(waits.handles) == [
+        p[0].handle, w.handle, f[0].handle,
+        p[1].handle, None, None,
+        p[2].handle, None, f[2].handle,
+    ]  # fmt: skip
+
+
+def test_a_cuda_load_with_nothing_left_to_wait_for_passes_no_waits(fake_cuda) -> None:
+    fake, _pool, stream = fake_cuda
+    done = [stream.record() for _ in range(2)]
+    fake.pending.clear()
+    for e in done:
+        e.query()
+    calls = []
+    stream.launch_layers(
+        2, lambda layer, h: None, lambda e, layer: None, lambda *a: calls.append(a), [done]
+    )
+    assert len(calls) == 1 and len(calls[0]) == 2  # (stream, events): no waits
+
+
+def test_a_cuda_stream_refuses_to_wait_on_a_pending_host_event(fake_cuda) -> None:
+    _fake, pool, stream = fake_cuda
+    free = pool.num_free
+    with pytest.raises(TypeError, match="only wait on CUDA events"):
+        stream.launch_layers(
+            2,
+            lambda layer, h: None,
+            lambda e, layer: None,
+            lambda *a: None,
+            [[HostEvent()] * 2],
+        )
+    assert pool.num_free == free  # refused before any event was taken
