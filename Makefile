@@ -111,6 +111,7 @@ gpu-test:
 	rm -f $(STAMP)
 	FASTKV_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
 	@cat build/gpu-test-first-call.json 2>/dev/null || true
+	@cat build/gpu-test-free-behind-stuck-stream.json 2>/dev/null || true
 
 demo: install-venv
 	$(PY) tools/demo.py

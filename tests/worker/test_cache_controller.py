@@ -431,6 +431,41 @@ def test_gpu_controller_initialises_at_construction_on_its_own_device() -> None:
         assert [r.success for r in ctrl.wait_all(10)] == [True]
 
 
+@pytest.mark.gpu
+@paddle_gpu
+def test_free_cache_behind_a_stuck_engine_stream_returns_within_its_bound() -> None:
+    """Issue 26, item 9, through the controller itself (tests/ops/test_cuda_gpu.py
+    probes the same release calls one by one where Paddle is absent): an engine
+    kernel spins on its own stream; free_cache(timeout=2) must return within its
+    documented bound (the layout's cudaFree gives up at the timeout) rather than
+    wait in cudaHostUnregister, or anywhere, for the stuck stream."""
+    import cupy as cp
+    from ops.gpu_support import SpinningKernel
+
+    ctrl = make(device="gpu:0")
+    ctrl.submit_swap_tasks(d2h(0, [3, 1], [10, 2]), None)
+    ctrl.wait_all(10)
+    engine = cp.cuda.Stream(non_blocking=True)
+    spin = SpinningKernel(limit=60.0).launch(engine.ptr, 0)
+    time.sleep(0.2)  # the kernel is resident
+    took: list[float] = []
+
+    def free() -> None:
+        start = time.monotonic()
+        ctrl.free_cache(timeout=2.0)
+        took.append(time.monotonic() - start)
+
+    worker = threading.Thread(target=free, daemon=True)
+    worker.start()
+    worker.join(5.0)  # past the bound: let the kernel go so the test ends
+    spin.release()
+    worker.join(60.0)
+    cp.cuda.Device(0).synchronize()
+    assert took, "free_cache did not return even after the stuck kernel ended"
+    print(f"\nfree_cache(timeout=2) behind a stuck stream: {took[0]:.2f} s")
+    assert took[0] <= 3.0, f"free_cache waited {took[0]:.1f} s for the stuck stream"
+
+
 class NativeHostStream(HostStream):
     """Launches all layers of a swap-in in one call, as a CUDA stream does (also
     when it is ordered after in-flight copies; `native_calls` lists how many copies
