@@ -388,7 +388,9 @@ def launch_cost(cp, runs: int, out: dict) -> None:
             lambda layer, s: layout.swap(d, h, core.Direction.H2D, layer, 1, s),
             (),
             None,
-            lambda s, ev: layout.swap(d, h, core.Direction.H2D, 0, layers, s, ev),
+            lambda s, ev, waits=None: layout.swap(
+                d, h, core.Direction.H2D, 0, layers, s, ev, 0, *_wait_args(waits)
+            ),
         )
 
     results = {}
@@ -411,6 +413,11 @@ def launch_cost(cp, runs: int, out: dict) -> None:
     tm.wait_all(30)
     layout.close()
     host.free()
+
+
+def _wait_args(waits) -> tuple[object, int]:
+    """A `LayerWaits` (or None) as Layout.swap's wait_events, waits_per_layer."""
+    return (None, 0) if waits is None else waits.astuple()
 
 
 def load_after_eviction_cost(cp, runs: int, out: dict) -> None:
@@ -452,8 +459,7 @@ def load_after_eviction_cost(cp, runs: int, out: dict) -> None:
             layout.swap(d, h, direction, layer, 1, s)
 
         def every(s: int, events, waits=None) -> None:
-            wait_events, per_layer = (None, 0) if waits is None else waits.astuple()
-            layout.swap(d, h, direction, 0, layers, s, events, 0, wait_events, per_layer)
+            layout.swap(d, h, direction, 0, layers, s, events, 0, *_wait_args(waits))
 
         return one, every
 
