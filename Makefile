@@ -93,14 +93,17 @@ fd-test: $(FD_STAMP)
 # GPU machine: GPU_PYTHON (default python3) must already import CuPy, numpy and pytest
 # (and paddlepaddle-gpu for the Paddle-op tests); it is used as it is: no venv, nothing
 # installed or fetched (tools/gpu_preflight.py says what is missing). Builds only the
-# core for this GPU too (and the Paddle ops where paddle imports), with the standard
-# library and the compilers, then runs every `gpu` test through the C ABI with skips
-# as failures, except a test that needs more GPUs than the machine has.
+# core (and the Paddle ops where paddle imports), with the standard library and the
+# compilers, for the GPUs nvidia-smi lists plus GPU_ARCHS (e.g. GPU_ARCHS="80"), not
+# every default target: the tests run on this GPU alone. Then runs every `gpu` test
+# through the C ABI with skips as failures, except a test that needs more GPUs than
+# the machine has.
 GPU_PYTHON ?= python3
+GPU_ARCHS ?=
 gpu-test:
 	$(GPU_PYTHON) tools/gpu_preflight.py
-	FASTKV_WITH_CUDA=1 \
-	FASTKV_CUDA_EXTRA_ARCHS="$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | sort -u | tr '\n' ' ')" \
+	archs="$$($(GPU_PYTHON) tools/gpu_preflight.py --archs '$(GPU_ARCHS)')" && \
+	FASTKV_WITH_CUDA=1 FASTKV_CUDA_ARCHS="$$archs" FASTKV_CUDA_EXTRA_ARCHS= \
 		$(GPU_PYTHON) fastkv/ops/native_build.py
 	$(GPU_PYTHON) -c "from fastkv.ops import core; print(core.cuda_info().describe())"
 	@# The in-place libraries were just built for GPU_PYTHON's Paddle (if any): make
@@ -108,6 +111,7 @@ gpu-test:
 	rm -f $(STAMP)
 	FASTKV_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops tests/worker
 	@cat build/gpu-test-first-call.json 2>/dev/null || true
+	@cat build/gpu-test-free-behind-stuck-stream.json 2>/dev/null || true
 
 demo: install-venv
 	$(PY) tools/demo.py

@@ -335,6 +335,7 @@ def gpu_bench(total_bytes: int, runs: int, out: dict) -> None:
             layout.close()
         core.set_cuda_tuning(*saved)
         launch_cost(cp, runs, out)
+        load_after_eviction_cost(cp, runs, out)
         fp8_scales(cp, runs, timed, stream.ptr, out)
         matmul_slowdown(cp, dev, host, seg_bytes, out)
         evict_bound_slowdown(cp, runs, out)
@@ -387,7 +388,9 @@ def launch_cost(cp, runs: int, out: dict) -> None:
             lambda layer, s: layout.swap(d, h, core.Direction.H2D, layer, 1, s),
             (),
             None,
-            lambda s, ev: layout.swap(d, h, core.Direction.H2D, 0, layers, s, ev),
+            lambda s, ev, waits=None: layout.swap(
+                d, h, core.Direction.H2D, 0, layers, s, ev, 0, *_wait_args(waits)
+            ),
         )
 
     results = {}
@@ -410,6 +413,93 @@ def launch_cost(cp, runs: int, out: dict) -> None:
     tm.wait_all(30)
     layout.close()
     host.free()
+
+
+def _wait_args(waits) -> tuple[object, int]:
+    """A `LayerWaits` (or None) as Layout.swap's wait_events, waits_per_layer."""
+    return (None, 0) if waits is None else waits.astuple()
+
+
+def load_after_eviction_cost(cp, runs: int, out: dict) -> None:
+    """Host time to submit one step's swap-in of an 80-layer model (all layers, 32
+    scattered blocks of 16 KiB) right after an eviction ordered per layer (its
+    blocks handed over): into the blocks the eviction still reads (`same_blocks`: ordered
+    after it layer by layer, in one native call with per-layer waits), the same
+    again as the controller used to do it (`same_blocks_per_layer_calls`: a stream wait
+    and a one-layer call per layer), or into other blocks (`other_blocks`: nothing to wait
+    for). Rounds alternate the cases. Also the
+    staging ring's slot count and growth afterwards (one slot per step, not one per
+    layer, so 80 layers need not grow the first 64)."""
+    from fastkv.worker.streams import CudaEventPool, CudaStream
+    from fastkv.worker.transfer_manager import TransferManager
+
+    device, layers, bs, nblocks, nids = 0, 80, 16 * KIB, 128, 32
+    dev = cp.zeros(2 * layers * nblocks * bs, dtype=cp.uint8)
+    host = HostRegion(2 * layers * nblocks * bs, pin=True, device=device)
+    region = nblocks * bs
+    segs = [(dev.data.ptr + i * region, host.ptr + i * region, bs) for i in range(2 * layers)]
+    layout = core.Layout(segs, 2, nblocks, nblocks, device)
+    pool = CudaEventPool(device, prefill=8 * layers)
+    compute = CudaStream.new(device, pool)
+    tm = TransferManager(
+        CudaStream.new(device, pool, priority=1),
+        CudaStream.new(device, pool, priority=-1),
+        compute,
+        layers,
+    )
+    rng = np.random.default_rng(4)
+    blocks = rng.permutation(nblocks).astype(np.int64)
+    evicted, other = blocks[:nids], blocks[nids : 2 * nids]
+    host_out = rng.choice(nblocks // 2, nids, replace=False).astype(np.int64)
+    host_in = (nblocks // 2 + rng.choice(nblocks // 2, nids, replace=False)).astype(np.int64)
+    tid = [0]
+
+    def copies(d: np.ndarray, h: np.ndarray, direction: int):
+        def one(layer: int, s: int) -> None:
+            layout.swap(d, h, direction, layer, 1, s)
+
+        def every(s: int, events, waits=None) -> None:
+            layout.swap(d, h, direction, 0, layers, s, events, 0, *_wait_args(waits))
+
+        return one, every
+
+    def step(into: np.ndarray, native: bool = True) -> float:
+        tid[0] += 2
+        one, every = copies(evicted, host_out, core.Direction.D2H)
+        ev = evicted.tolist()
+        tm.submit_to_host(tid[0], ev, host_out.tolist(), one, compute, every, ev)
+        one, every = copies(into, host_in, core.Direction.H2D)
+        load_all = every if native else None
+        t0 = time.perf_counter()
+        tm.submit_to_device(
+            tid[0] + 1, host_in.tolist(), into.tolist(), one, (), None, load_all
+        )
+        elapsed_s = time.perf_counter() - t0
+        cp.cuda.Device(device).synchronize()
+        tm.wait_all(30)
+        return elapsed_s
+
+    cases = {
+        "same_blocks": lambda: step(evicted),
+        "same_blocks_per_layer_calls": lambda: step(evicted, native=False),
+        "other_blocks": lambda: step(other),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    try:
+        for n in range(max(runs, 20) + 3):
+            for name, case in cases.items():
+                t = case()
+                if n >= 3:  # warm-up rounds
+                    samples[name].append(t)
+        for name, ts in samples.items():
+            out[f"submit_load_us_all_layers_{name}"] = round(statistics.median(ts) * 1e6, 1)
+        slots, _, grows = core.cuda_staging_stats(device)
+        out["staging_ring_slots"] = slots
+        out["staging_ring_grows"] = grows
+    finally:
+        cp.cuda.Device(device).synchronize()
+        layout.close()
+        host.free()
 
 
 def fp8_scales(

@@ -13,6 +13,12 @@ what to do about it, then exits 1. Paddle is optional (the Paddle-op and control
 GPU tests run only where this interpreter has paddlepaddle-gpu).
 
     python tools/gpu_preflight.py        # exit 0: ready, 1: something missing
+
+`--archs REQUESTED` prints the SASS targets `make gpu-test` builds instead: the
+compute capability of every GPU `nvidia-smi` lists, plus REQUESTED (its
+GPU_ARCHS, e.g. "80"). The tests run on this GPU only, so the other defaults are
+not built; when no compute capability can be read and nothing is requested it
+exits 1 rather than fall back to building every target.
 """
 
 from __future__ import annotations
@@ -58,9 +64,46 @@ def list_gpus() -> tuple[list[str], str | None]:
     return gpus, None
 
 
+def gpu_compute_caps() -> tuple[list[str], str | None]:
+    """(compute capabilities of the GPUs here as "90", "120", ...; why there are
+    none, or None)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "nvidia-smi is not installed"
+    query = [smi, "--query-gpu=compute_cap", "--format=csv,noheader"]
+    try:
+        proc = subprocess.run(query, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return [], f"{' '.join(query[1:])} did not run: {e}"
+    caps: list[str] = []
+    for line in proc.stdout.split():
+        major, dot, minor = line.strip().partition(".")
+        if dot and major.isdigit() and minor.isdigit() and f"{major}{minor}" not in caps:
+            caps.append(f"{major}{minor}")
+    if proc.returncode != 0 or not caps:
+        said = (proc.stdout + proc.stderr).strip()[:200] or "nothing"
+        return [], f"nvidia-smi {' '.join(query[1:])} said {said!r} (exit {proc.returncode})"
+    return caps, None
+
+
+def gpu_test_archs(requested: str) -> tuple[str | None, str | None]:
+    """(the targets `make gpu-test` builds: this machine's GPUs and `requested`,
+    space-separated; or None and why not)."""
+    caps, why = gpu_compute_caps()
+    wanted = " ".join([*caps, *requested.replace(",", " ").split()])
+    if not wanted:
+        return None, (
+            f"gpu-test: cannot tell which GPU to build for ({why}); name the targets "
+            'with GPU_ARCHS (e.g. make gpu-test GPU_ARCHS="90")'
+        )
+    return wanted, None
+
+
 def import_versions(names: tuple[str, ...]) -> dict[str, str | None]:
-    """name -> its version ("" when it has none), or None when it does not import.
-    An import that raises something other than ImportError is reported as such."""
+    """name -> its version, "present" when it imports but has no `__version__`
+    (cupyx ships inside the cupy package and has none), or None when it does not
+    import. An import that raises something other than ImportError is reported as
+    such."""
     found: dict[str, str | None] = {}
     for name in names:
         try:
@@ -72,7 +115,8 @@ def import_versions(names: tuple[str, ...]) -> dict[str, str | None]:
             found[name] = None
             print(f"  {name}: import failed: {type(e).__name__}: {e}")
             continue
-        found[name] = str(getattr(module, "__version__", ""))
+        version = getattr(module, "__version__", None)
+        found[name] = str(version) if version else "present"
     return found
 
 
@@ -92,7 +136,7 @@ def main() -> int:
 
     versions = import_versions(REQUIRED)
     missing = [name for name, version in versions.items() if version is None]
-    print("  " + ", ".join(f"{n} {v or '-'}" for n, v in versions.items() if v is not None))
+    print("  " + ", ".join(f"{n} {v}" for n, v in versions.items() if v is not None))
     if missing:
         problems.append(
             f"{sys.executable} does not import {', '.join(missing)}. Run with the "
@@ -127,5 +171,16 @@ def main() -> int:
     return 0
 
 
+def print_archs(requested: str) -> int:
+    archs, why = gpu_test_archs(requested)
+    if archs is None:
+        print(why, file=sys.stderr)
+        return 1
+    print(archs)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--archs"]:
+        sys.exit(print_archs(" ".join(sys.argv[2:])))
     sys.exit(main())

@@ -55,7 +55,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or struct below changes; Python checks it at load. */
-#define FKV_ABI_VERSION 2
+#define FKV_ABI_VERSION 3
 
 #define FKV_H2D 0 /* host -> device: swap-in */
 #define FKV_D2H 1 /* device -> host: evict / back up */
@@ -228,6 +228,24 @@ FKV_API int fkv_layout_swap(fkv_layout* layout, const int64_t* device_ids,
                             int32_t first_layer, int32_t num_layers, void* cuda_stream,
                             void* const* layer_events, int32_t num_threads,
                             int32_t* failed_layer);
+
+/* As fkv_layout_swap, with each layer ordered after other copies' layers: before
+ * layer first_layer + k is enqueued, cuda_stream waits (on the device) for
+ * wait_events[k * waits_per_layer + j], j < waits_per_layer (cudaEvent_t of the
+ * layout's device; NULL entries skipped). A load into blocks that in-flight
+ * evictions still read then starts layer L once their layer L is copied, and the
+ * step stays one call: one validation and one staging of the ids, whatever the
+ * layer count. On a failure the waits of the layers not enqueued intact are still
+ * enqueued before their events are recorded. wait_events and waits_per_layer
+ * (in [0, FKV_MAX_WAITS_PER_LAYER]) are given together or not at all (NULL, 0:
+ * fkv_layout_swap). A CPU layout copies synchronously and ignores both. */
+#define FKV_MAX_WAITS_PER_LAYER 1024
+FKV_API int fkv_layout_swap_ordered(fkv_layout* layout, const int64_t* device_ids,
+                                    const int64_t* host_ids, int64_t num_ids, int32_t direction,
+                                    int32_t first_layer, int32_t num_layers, void* cuda_stream,
+                                    void* const* layer_events, void* const* wait_events,
+                                    int32_t waits_per_layer, int32_t num_threads,
+                                    int32_t* failed_layer);
 
 /* Host memory for a cache tier: anonymous mmap, 2 MiB-aligned with MADV_HUGEPAGE
  * when large, bound to `numa_node` (preferred policy via mbind; -1 = no binding),

@@ -36,6 +36,7 @@
 
 #include "fkv_cuda_plan.h"
 #include "fkv_internal.h"
+#include "fkv_layout_launch.h"
 #include "fkv_staging_ring.h"
 
 #ifndef FKV_CUDA_ARCH_LIST
@@ -659,10 +660,79 @@ void cuda_layout_destroy(CudaLayout* layout) {
   delete layout;
 }
 
+namespace {
+
+// A layout transfer's calls on CUDA (fkv_layout_launch.h), the layout's device
+// current (the caller's guard).
+struct CudaLayoutOps {
+  using Slot = SlotRef;
+  const CudaLayout& layout;
+  const std::vector<BlockRun>& runs;
+  const RunExtent& extent;
+  const int64_t* device_ids;
+  const int64_t* host_ids;
+  const int32_t* run_len;  // NULL: no copy-engine runs to skip
+  int64_t per_slot;
+  int64_t num_ids;
+  int64_t memcpy_min;
+  bool h2d;
+  cudaStream_t stream;
+  Deadline deadline;
+
+  int acquire(SlotRef* out) { return acquire_slot(layout.device, out, deadline); }
+  int upload(const SlotRef& ref, int64_t i0, int64_t count) {
+    return upload_slot(ref, slot_layout(0, count, run_len != nullptr), nullptr, 0,
+                       device_ids + i0, host_ids + i0,
+                       run_len != nullptr ? run_len + i0 : nullptr, count, stream);
+  }
+  int wait(void* event, bool quiet) {
+    const cudaError_t err = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0);
+    if (err == cudaSuccess) return FKV_OK;
+    if (!quiet) return cuda_error(err, "cudaStreamWaitEvent(wait event)");
+    cudaGetLastError();  // the first failure stays the one reported
+    return FKV_ECUDA;
+  }
+  int record(void* event, bool quiet) {
+    const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(event), stream);
+    if (err == cudaSuccess) return FKV_OK;
+    if (!quiet) return cuda_error(err, "cudaEventRecord(layer event)");
+    cudaGetLastError();  // the first failure stays the one reported
+    return FKV_ECUDA;
+  }
+  // One layer: its copy-engine runs per segment, then one kernel per staged slot.
+  int enqueue_layer(int32_t layer, const std::vector<SlotRef>& slots) {
+    const int32_t spl = layout.segments_per_layer;
+    const size_t s0 = static_cast<size_t>(layer) * spl;
+    bool needs_kernel = false;
+    for (int32_t k = 0; k < spl; ++k) {
+      const PlanSegment& seg = layout.segs[s0 + k];
+      const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
+      if (extent.engine_moves_some(min_run)) {
+        const int rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
+        if (rc != FKV_OK) return rc;
+      }
+      needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
+    }
+    for (size_t c = 0; c < slots.size() && needs_kernel; ++c) {
+      const int64_t i0 = static_cast<int64_t>(c) * per_slot;
+      const int64_t count = std::min(per_slot, num_ids - i0);
+      const int rc = launch_kernel(layout.device_descs + s0, layout.descs.data() + s0, spl,
+                                   slots[c].device, slot_layout(0, count, run_len != nullptr),
+                                   run_len != nullptr, count, memcpy_min, h2d, stream);
+      if (rc != FKV_OK) return rc;
+    }
+    return FKV_OK;
+  }
+  void release(const SlotRef& ref) { release_slot(layout.device, ref, stream); }
+};
+
+}  // namespace
+
 int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
                      const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
                      int32_t direction, int32_t first_layer, int32_t num_layers,
-                     void* cuda_stream, void* const* layer_events, int32_t* failed_layer) {
+                     void* cuda_stream, void* const* layer_events, void* const* wait_events,
+                     int32_t waits_per_layer, int32_t* failed_layer) {
   load_env_once();
   *failed_layer = first_layer;
   cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
@@ -688,32 +758,25 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
       break;
     }
   }
-
-  // Stage the ids once for every layer of this call.
-  std::vector<SlotRef>& slots = t_slots;
-  slots.clear();
-  const int64_t per_slot = ids_per_slot(kSlotBytes, 0, with_run_len);
   if (with_run_len) {
     t_run_len.resize(num_ids);
     fill_run_len(runs, t_run_len.data());
   }
-  const Deadline deadline = staging_deadline();
-  for (int64_t i0 = 0; i0 < num_ids && rc == FKV_OK; i0 += per_slot) {
-    const int64_t count = std::min(per_slot, num_ids - i0);
-    SlotRef ref{};
-    rc = acquire_slot(layout->device, &ref, deadline);
-    if (rc != FKV_OK) break;
-    slots.push_back(ref);  // released after every layer's launches
-    rc = upload_slot(ref, slot_layout(0, count, with_run_len), nullptr, 0, device_ids + i0,
-                     host_ids + i0, with_run_len ? t_run_len.data() + i0 : nullptr, count,
-                     stream);
-  }
+  const int64_t per_slot = ids_per_slot(kSlotBytes, 0, with_run_len);
+  const int32_t* run_len = with_run_len ? t_run_len.data() : nullptr;
+  CudaLayoutOps ops{*layout, runs,    extent,     device_ids, host_ids, run_len,
+                    per_slot, num_ids, memcpy_min, h2d,        stream,   staging_deadline()};
+  const LayerOrder order{first_layer, num_layers, layer_events, wait_events, waits_per_layer};
+
+  // Stage the ids once for every layer of this call.
+  std::vector<SlotRef>& slots = t_slots;
+  rc = stage_ids(ops, num_ids, per_slot, &slots);
 
   int32_t layer = first_layer;
-  // Every layer, no layer events: the copy-engine runs per segment, then one kernel
-  // per staged slot over the whole segment table.
-  const bool one_launch =
-      takes_one_launch(layer_events != nullptr, first_layer, num_layers, layout->num_layers);
+  // Every layer, no layer events and no waits: the copy-engine runs per segment,
+  // then one kernel per staged slot over the whole segment table.
+  const bool one_launch = takes_one_launch(layer_events != nullptr || order.ordered(),
+                                           first_layer, num_layers, layout->num_layers);
   if (rc == FKV_OK && one_launch) {
     bool needs_kernel = false;
     for (size_t s = seg_begin; s < seg_end && rc == FKV_OK; ++s) {
@@ -734,51 +797,9 @@ int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
     }
     if (rc == FKV_OK) layer = first_layer + num_layers;
   }
-  if (rc == FKV_OK && !one_launch) {
-    for (; layer < first_layer + num_layers; ++layer) {
-      const size_t s0 = static_cast<size_t>(layer) * spl;
-      bool needs_kernel = false;
-      for (int32_t k = 0; k < spl && rc == FKV_OK; ++k) {
-        const PlanSegment& seg = layout->segs[s0 + k];
-        const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
-        if (extent.engine_moves_some(min_run)) {
-          rc = enqueue_memcpy_runs(seg, runs, min_run, h2d, stream);
-        }
-        needs_kernel = needs_kernel || extent.kernel_moves_some(min_run);
-      }
-      for (size_t c = 0; c < slots.size() && rc == FKV_OK && needs_kernel; ++c) {
-        const int64_t i0 = static_cast<int64_t>(c) * per_slot;
-        const int64_t count = std::min(per_slot, num_ids - i0);
-        rc = launch_kernel(layout->device_descs + s0, layout->descs.data() + s0, spl,
-                           slots[c].device, slot_layout(0, count, with_run_len), with_run_len,
-                           count, memcpy_min, h2d, stream);
-      }
-      if (rc != FKV_OK) break;
-      void* event = layer_events != nullptr ? layer_events[layer - first_layer] : nullptr;
-      if (event != nullptr) {
-        const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(event), stream);
-        if (err != cudaSuccess) {
-          rc = cuda_error(err, "cudaEventRecord(layer event)");
-          break;
-        }
-      }
-    }
-  }
-  if (rc != FKV_OK) {
-    // Complete the events of the layers not enqueued intact, so waiters wake up
-    // (and learn of the failure from the caller) instead of hanging.
-    *failed_layer = layer;
-    for (int32_t l = layer; l < first_layer + num_layers && layer_events != nullptr; ++l) {
-      if (layer_events[l - first_layer] != nullptr) {
-        cudaEventRecord(static_cast<cudaEvent_t>(layer_events[l - first_layer]), stream);
-      }
-    }
-    cudaGetLastError();
-  } else {
-    *failed_layer = -1;
-  }
-  for (const SlotRef& ref : slots) release_slot(layout->device, ref, stream);
-  return rc;
+  // Layer by layer, each after its waits and followed by its event.
+  if (rc == FKV_OK && !one_launch) rc = enqueue_layers(ops, order, slots, &layer);
+  return end_transfer(ops, rc, order, layer, slots, failed_layer);
 }
 
 // -------------------------------------------------------- host registration

@@ -39,7 +39,8 @@ int cuda_layout_create(const fkv_segment*, int32_t, int32_t, int64_t, int, CudaL
 void cuda_layout_destroy(CudaLayout*) {}
 
 int cuda_layout_swap(CudaLayout*, const std::vector<BlockRun>&, const int64_t*, const int64_t*,
-                     int64_t, int32_t, int32_t, int32_t, void*, void* const*, int32_t*) {
+                     int64_t, int32_t, int32_t, int32_t, void*, void* const*, void* const*,
+                     int32_t, int32_t*) {
   return not_built();
 }
 

@@ -79,10 +79,12 @@ int cuda_layout_create(const fkv_segment* segments, int32_t num_segments,
                        int32_t segments_per_layer, int64_t num_host_blocks, int device,
                        CudaLayout** out);
 void cuda_layout_destroy(CudaLayout* layout);
+// wait_events: waits_per_layer per layer (validated by fkv_layout_swap_ordered).
 int cuda_layout_swap(CudaLayout* layout, const std::vector<BlockRun>& runs,
                      const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
                      int32_t direction, int32_t first_layer, int32_t num_layers,
-                     void* cuda_stream, void* const* layer_events, int32_t* failed_layer);
+                     void* cuda_stream, void* const* layer_events, void* const* wait_events,
+                     int32_t waits_per_layer, int32_t* failed_layer);
 
 // ---- host allocation registry (fkv_host_alloc.cc) ----
 

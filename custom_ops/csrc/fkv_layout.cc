@@ -74,6 +74,17 @@ FKV_API int fkv_layout_swap(fkv_layout* layout, const int64_t* device_ids,
                             int32_t first_layer, int32_t num_layers, void* cuda_stream,
                             void* const* layer_events, int32_t num_threads,
                             int32_t* failed_layer) {
+  return fkv_layout_swap_ordered(layout, device_ids, host_ids, num_ids, direction, first_layer,
+                                 num_layers, cuda_stream, layer_events, nullptr, 0, num_threads,
+                                 failed_layer);
+}
+
+FKV_API int fkv_layout_swap_ordered(fkv_layout* layout, const int64_t* device_ids,
+                                    const int64_t* host_ids, int64_t num_ids, int32_t direction,
+                                    int32_t first_layer, int32_t num_layers, void* cuda_stream,
+                                    void* const* layer_events, void* const* wait_events,
+                                    int32_t waits_per_layer, int32_t num_threads,
+                                    int32_t* failed_layer) {
   using namespace fkv;
   int32_t failed_scratch = 0;
   int32_t* failed = failed_layer != nullptr ? failed_layer : &failed_scratch;
@@ -96,13 +107,23 @@ FKV_API int fkv_layout_swap(fkv_layout* layout, const int64_t* device_ids,
     return set_error(FKV_EINVAL, "num_threads: %d out of range [0, %d]", num_threads,
                      FKV_MAX_THREADS);
   }
+  if (waits_per_layer < 0 || waits_per_layer > FKV_MAX_WAITS_PER_LAYER) {
+    return set_error(FKV_EINVAL, "waits_per_layer: %d out of range [0, %d]", waits_per_layer,
+                     FKV_MAX_WAITS_PER_LAYER);
+  }
+  if ((wait_events == nullptr) != (waits_per_layer == 0)) {
+    return set_error(FKV_EINVAL,
+                     "wait_events: %s with waits_per_layer=%d (give both or neither)",
+                     wait_events == nullptr ? "NULL" : "given", waits_per_layer);
+  }
   std::vector<BlockRun>& runs = t_layout_runs;
   int rc = validate_ids(layout->num_device_blocks, layout->num_host_blocks, device_ids,
                         host_ids, num_ids, direction, &runs);
   if (rc != FKV_OK) return rc;
   if (layout->cuda != nullptr) {
     return cuda_layout_swap(layout->cuda, runs, device_ids, host_ids, num_ids, direction,
-                            first_layer, num_layers, cuda_stream, layer_events, failed);
+                            first_layer, num_layers, cuda_stream, layer_events, wait_events,
+                            waits_per_layer, failed);
   }
   const int32_t spl = layout->segments_per_layer;
   copy_cpu(layout->segments.data() + static_cast<size_t>(first_layer) * spl, num_layers * spl,

@@ -29,7 +29,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LIB_PATH = Path(__file__).resolve().with_name("libfastkv_core.so")
-ABI_VERSION = 2
+ABI_VERSION = 3
 MIN_ACCESS_BYTES = 4
 CLOSE_TIMEOUT_S = 10.0
 """How long `Layout.close` waits for its release (a cudaFree) by default."""
@@ -125,6 +125,10 @@ def _load() -> ctypes.CDLL:
         "fkv_layout_destroy": ([_ptr], ctypes.c_int),
         "fkv_layout_swap": (
             [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32, ctypes.POINTER(_i32)],
+            ctypes.c_int,
+        ),
+        "fkv_layout_swap_ordered": (
+            [*[_ptr] * 3, _i64, *[_i32] * 3, *[_ptr] * 3, _i32, _i32, ctypes.POINTER(_i32)],
             ctypes.c_int,
         ),
         "fkv_host_alloc": ([ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int], _ptr),
@@ -588,6 +592,8 @@ class Layout:
         stream: int = 0,
         layer_events: ctypes.Array | None = None,  # type: ignore[type-arg]
         num_threads: int = 0,
+        wait_events: ctypes.Array | None = None,  # type: ignore[type-arg]
+        waits_per_layer: int = 0,
     ) -> None:
         """Copies the blocks of layers [first_layer, first_layer + num_layers).
 
@@ -600,6 +606,11 @@ class Layout:
             layer_events: CUDA: a ctypes array of cudaEvent_t, one per layer, each
                 recorded right after its layer (None: record nothing).
             num_threads: CPU: copy threads (0 = default). CUDA: ignored.
+            wait_events, waits_per_layer: CUDA: a ctypes array of cudaEvent_t,
+                `waits_per_layer` per layer, layer-major (None entries skipped):
+                the stream waits for layer k's before enqueuing layer k, so a load
+                ordered after other copies per layer is still one call, one
+                validation and one staging (fkv_layout_swap_ordered). CPU: ignored.
 
         Raises:
             ValueError: bad ids or arguments; nothing was enqueued.
@@ -612,8 +623,13 @@ class Layout:
         if dev.shape != host.shape:
             raise ValueError(f"host_ids: length {host.size} != device_ids length {dev.size}")
         count = self.num_layers - first_layer if num_layers is None else num_layers
+        if wait_events is not None and len(wait_events) != count * waits_per_layer:
+            raise ValueError(
+                f"wait_events: {len(wait_events)} entries, expected num_layers * "
+                f"waits_per_layer = {count} * {waits_per_layer}"
+            )
         failed = _i32()  # per call: two streams' threads may share a layout
-        rc = _lib.fkv_layout_swap(
+        rc = _lib.fkv_layout_swap_ordered(
             self._handle,
             dev.ctypes.data,
             host.ctypes.data,
@@ -623,6 +639,8 @@ class Layout:
             count,
             stream or None,
             layer_events,
+            wait_events,
+            waits_per_layer,
             num_threads,
             ctypes.byref(failed),
         )

@@ -43,7 +43,13 @@ CORE_CXX = ["fkv_common.cc", "fkv_pool.cc", "fkv_cpu.cc", "fkv_host_alloc.cc", "
 CORE_CUDA = "fkv_cuda.cu"
 CORE_CUDA_STUB = "fkv_cuda_stub.cc"
 PADDLE_OPS = "fastkv_paddle_ops.cc"
-HEADERS = ["fastkv_core.h", "fkv_internal.h", "fkv_cuda_plan.h", "fkv_staging_ring.h"]
+HEADERS = [
+    "fastkv_core.h",
+    "fkv_internal.h",
+    "fkv_cuda_plan.h",
+    "fkv_staging_ring.h",
+    "fkv_layout_launch.h",
+]
 CORE_LIB = "libfastkv_core.so"
 PADDLE_LIB = "libfastkv_paddle_ops.so"
 CUDA_BUILD = HERE / "cuda_build.py"

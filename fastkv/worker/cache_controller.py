@@ -64,6 +64,7 @@ from fastkv.worker.streams import (
     CudaStream,
     HostStream,
     InlineStream,
+    LayerWaits,
     Stream,
 )
 from fastkv.worker.transfer_manager import (
@@ -844,8 +845,17 @@ class CacheController:
             def copy_layer(layer: int, stream: int) -> None:
                 layout.swap(device, host, direction, layer, 1, stream)
 
-            def copy_layers(stream: int, events: ctypes.Array) -> None:  # type: ignore[type-arg]
-                layout.swap(device, host, direction, 0, None, stream, events)
+            def copy_layers(
+                stream: int,
+                events: ctypes.Array,  # type: ignore[type-arg]
+                waits: LayerWaits | None = None,
+            ) -> None:
+                # waits: a load ordered per layer after a same-step eviction,
+                # still one call (one validation, one staging of the ids).
+                handles, per_layer = (None, 0) if waits is None else waits.astuple()
+                layout.swap(
+                    device, host, direction, 0, None, stream, events, 0, handles, per_layer
+                )
 
             return copy_layer, copy_layers
         device_t = paddle_ops.int64_tensor(device, "device_ids")

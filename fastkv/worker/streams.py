@@ -24,7 +24,7 @@ import ctypes
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,32 @@ Launch = Callable[[int], None]
 OnError = Callable[[BaseException], None]
 CopyLayer = Callable[[int, int], None]
 """`copy_layer(layer, stream_handle)`: enqueue (or run) one layer's copy."""
-CopyLayers = Callable[[int, "ctypes.Array[ctypes.c_void_p]"], None]
-"""`copy_layers(stream_handle, events)`: enqueue every layer in one native call,
-recording events[layer] after each; raises `fastkv.ops.core.LayerCopyError` naming
-the first layer not enqueued intact."""
+CopyLayers = Callable[..., None]
+"""`copy_layers(stream_handle, events[, waits])`: enqueue every layer in one native
+call, recording events[layer] after each and, given `waits` (a `LayerWaits`),
+waiting for layer L's wait events before layer L; raises
+`fastkv.ops.core.LayerCopyError` naming the first layer not enqueued intact. It is
+called with `waits` only when there is something to wait for."""
 OnLayerError = Callable[[BaseException, int], None]
+
+MAX_WAITS_PER_LAYER = 1024
+"""The core's FKV_MAX_WAITS_PER_LAYER: a copy ordered after more in-flight copies
+than this goes layer by layer instead of in one native call."""
+
+
+class LayerWaits:
+    """What one native call waits for per layer: `handles` holds `per_layer`
+    cudaEvent_t (or None: nothing to wait for) per layer, layer-major."""
+
+    __slots__ = ("handles", "per_layer")
+
+    def __init__(self, handles: ctypes.Array[ctypes.c_void_p], per_layer: int) -> None:
+        self.handles = handles
+        self.per_layer = per_layer
+
+    def astuple(self) -> tuple[ctypes.Array[ctypes.c_void_p], int]:
+        """(handles, per_layer): `Layout.swap`'s wait_events and waits_per_layer."""
+        return self.handles, self.per_layer
 
 
 class Event(Protocol):
@@ -73,10 +94,13 @@ class Stream(Protocol):
         copy_layer: CopyLayer,
         on_error: OnLayerError,
         copy_layers: CopyLayers | None = None,
+        after: Sequence[Sequence[Event]] = (),
     ) -> list[Event]:
         """Enqueue a layer-by-layer copy; returns one event per layer, each complete
-        once its layer is. A failure goes to `on_error(exc, layer)`; the events of
-        the failed layer and later ones still complete (nothing waits forever)."""
+        once its layer is. Layer L starts after layer L's event of every copy in
+        `after` (per-layer events of in-flight copies it conflicts with). A failure
+        goes to `on_error(exc, layer)`; the events of the failed layer and later
+        ones still complete (nothing waits forever)."""
         ...
 
     def record(self) -> Event: ...
@@ -89,10 +113,16 @@ class Stream(Protocol):
 
 
 def _launch_layers_one_by_one(
-    stream: Stream, num_layers: int, copy_layer: CopyLayer, on_error: OnLayerError
+    stream: Stream,
+    num_layers: int,
+    copy_layer: CopyLayer,
+    on_error: OnLayerError,
+    after: Sequence[Sequence[Event]] = (),
 ) -> list[Event]:
     events: list[Event] = []
     for layer in range(num_layers):
+        for other in after:
+            stream.wait_event(other[layer])
         stream.launch(
             lambda handle, layer=layer: copy_layer(layer, handle),
             lambda e, layer=layer: on_error(e, layer),
@@ -165,9 +195,10 @@ class HostStream:
         copy_layer: CopyLayer,
         on_error: OnLayerError,
         copy_layers: CopyLayers | None = None,
+        after: Sequence[Sequence[Event]] = (),
     ) -> list[Event]:
         """One queued item and one event per layer (`copy_layers` is for CUDA)."""
-        return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
+        return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error, after)
 
     def record(self) -> HostEvent:
         event = HostEvent()
@@ -233,8 +264,9 @@ class InlineStream:
         copy_layer: CopyLayer,
         on_error: OnLayerError,
         copy_layers: CopyLayers | None = None,
+        after: Sequence[Sequence[Event]] = (),
     ) -> list[Event]:
-        return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
+        return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error, after)
 
     def record(self) -> HostEvent:
         return DONE
@@ -345,11 +377,41 @@ class CudaEvent:
     def known_done(self) -> bool:
         return self._done
 
+    def settle(self) -> None:
+        """Latch the event complete without recording it: for a handle taken for
+        work that was never enqueued (its pooled handle's last record belongs to
+        another transfer and must not be waited on)."""
+        self._done = True
+
     def __del__(self) -> None:
         # Back to the pool, finished or not (see CudaEventPool): no CUDA call here,
         # so a reference dropped mid-capture cannot touch the engine's graph.
         with contextlib.suppress(Exception):  # interpreter shutdown, a dead context
             self.pool.give(self.handle)
+
+
+def _layer_waits(num_layers: int, after: Sequence[Sequence[Event]]) -> LayerWaits | None:
+    """`after` as one native call's per-layer waits, or None when nothing is left to
+    wait for. An event known complete, or one a copy repeats for its next layer (an
+    eviction launched whole gives every layer its one end event), is skipped: the
+    stream already waits for it through the earlier layer."""
+    per_layer = len(after)
+    flat: list[int | None] = [None] * (num_layers * per_layer)
+    for j, other in enumerate(after):
+        previous: Event | None = None
+        for layer in range(num_layers):
+            event = other[layer]
+            if event is previous:
+                continue
+            previous = event
+            if isinstance(event, CudaEvent):
+                if not event.known_done:
+                    flat[layer * per_layer + j] = event.handle
+            elif not event.query():  # a host event on a GPU stream: only DONE is expected
+                raise TypeError("a CUDA stream can only wait on CUDA events")
+    if not any(flat):
+        return None
+    return LayerWaits((ctypes.c_void_p * len(flat))(*flat), per_layer)
 
 
 class CudaStream:
@@ -399,19 +461,37 @@ class CudaStream:
         copy_layer: CopyLayer,
         on_error: OnLayerError,
         copy_layers: CopyLayers | None = None,
+        after: Sequence[Sequence[Event]] = (),
     ) -> list[Event]:
-        """With `copy_layers`: one native call enqueues every layer and records one
-        pooled event per layer; otherwise a launch and a record per layer."""
-        if copy_layers is None:
-            return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error)
+        """With `copy_layers`: one native call enqueues every layer, each after its
+        waits in `after` (passed as a `LayerWaits`, so a load ordered after a
+        same-step eviction is still one validation and one staging of its ids),
+        and records one pooled event per layer; otherwise a wait per layer and
+        copy, a launch and a record per layer.
+
+        A pooled handle still carries its last record (another transfer's), so no
+        event is handed out unless this call recorded it or latched it complete:
+        when `copy_layers` fails with a `LayerCopyError` the core has recorded the
+        events of the failed layer and the later ones on this stream (behind the
+        layers it enqueued); any other failure (bad ids, a capturing stream, an
+        injected fault) enqueued nothing, so every event is latched complete and a
+        waiter sees the failure at once instead of an older transfer's record."""
+        if copy_layers is None or len(after) > MAX_WAITS_PER_LAYER:
+            return _launch_layers_one_by_one(self, num_layers, copy_layer, on_error, after)
+        waits = _layer_waits(num_layers, after)
         events = [CudaEvent(self.pool, self.pool.take()) for _ in range(num_layers)]
         handles = (ctypes.c_void_p * num_layers)(*[e.handle for e in events])
         try:
-            copy_layers(self.handle, handles)
+            if waits is None:
+                copy_layers(self.handle, handles)
+            else:
+                copy_layers(self.handle, handles, waits)
         except BaseException as e:
-            # The core records the events of the failed layer and the later ones;
-            # an event never recorded reads as complete. Either way nobody hangs.
-            on_error(e, int(getattr(e, "failed_layer", 0)))
+            failed = getattr(e, "failed_layer", None)
+            if failed is None:  # refused before anything was enqueued or recorded
+                for event in events:
+                    event.settle()
+            on_error(e, int(failed or 0))
         return events
 
     def record(self) -> CudaEvent:

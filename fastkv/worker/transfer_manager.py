@@ -521,7 +521,8 @@ class TransferManager:
         """Enqueue the transfer's layers on `stream`, layer L after the layer-L
         event of every in-flight copy it conflicts with (per layer: a load into a
         block an eviction still reads starts its layer 0 once the eviction's layer
-        0 is copied, not once the whole eviction is)."""
+        0 is copied, not once the whole eviction is). With `copy_layers` a CUDA
+        stream does all of it in one native call."""
         device_reads, device_writes, host_reads, host_writes = transfer.accesses()
         waits = self.device_hazards.conflicts(device_reads, device_writes)
         waits += self.host_hazards.conflicts(host_reads, host_writes)
@@ -532,21 +533,11 @@ class TransferManager:
             if status.error is None:
                 copy_layer(layer, handle)
 
-        if not waits:
-            transfer.events = stream.launch_layers(
-                self.num_layers, run, status.fail, copy_layers
-            )
-            return
-        events: list[Event] = []
-        for layer in range(self.num_layers):
-            for other in waits:
-                stream.wait_event(other.events[layer])
-            stream.launch(
-                lambda handle, layer=layer: run(layer, handle),
-                lambda e, layer=layer: status.fail(e, layer),
-            )
-            events.append(stream.record())
-        transfer.events = events
+        # On a GPU with `copy_layers`, one native call whatever the waits: each
+        # layer's waits are enqueued inside it, before that layer.
+        transfer.events = stream.launch_layers(
+            self.num_layers, run, status.fail, copy_layers, [o.events for o in waits]
+        )
 
     def _launch_whole(self, stream: Stream, transfer: _InFlight, copy_all: Launch) -> None:
         """Enqueue every layer of the transfer at once, after every in-flight copy

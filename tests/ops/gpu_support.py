@@ -169,3 +169,43 @@ def synchronize_all() -> None:
 
 
 Callback = Callable[[], None]
+
+
+_SPIN_SOURCE = r"""
+extern "C" __global__ void fastkv_spin(volatile int* release, unsigned long long limit_ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (*release == 0 && now - start < limit_ns);
+}
+"""
+
+
+class SpinningKernel:
+    """A one-thread kernel that keeps a stream (and the device) busy until
+    `release()` or `limit` seconds: the stand-in for an engine kernel stuck on its
+    stream. Unlike a host function it occupies the GPU, so whatever waits for the
+    device (cudaFree, a synchronizing call) waits for it."""
+
+    def __init__(self, limit: float = 30.0) -> None:
+        import cupy as cp
+
+        self._cp = cp
+        self._flag = cp.zeros(1, dtype=cp.int32)
+        self._kernel = cp.RawKernel(_SPIN_SOURCE, "fastkv_spin")
+        self._limit_ns = int(limit * 1e9)
+        self._setter = cp.cuda.Stream(non_blocking=True)
+
+    def launch(self, stream_ptr: int, device: int = 0) -> SpinningKernel:
+        cp = self._cp
+        with cp.cuda.ExternalStream(stream_ptr, device):
+            self._kernel((1,), (1,), (self._flag, cp.uint64(self._limit_ns)))
+        return self
+
+    def release(self) -> None:
+        """Ends the spin: the flag is written from another stream (a copy engine)."""
+        import numpy as np
+
+        self._flag.set(np.ones(1, dtype=np.int32), stream=self._setter)
+        self._setter.synchronize()

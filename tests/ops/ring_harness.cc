@@ -3,16 +3,23 @@
 // fail or block, and a virtual clock that advances one millisecond per poll. Built
 // and driven by tests/ops/test_staging_ring.py; each scenario returns 0 or the
 // number of the check that failed.
+//
+// The evict_then_load scenarios run a layout transfer's staging and layer order
+// (custom_ops/csrc/fkv_layout_launch.h, as fkv_cuda.cu runs it) over that ring and
+// a scripted stream, counting validations, slot claims and ring growth.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "fkv_cuda_plan.h"
 #include "fkv_internal.h"
+#include "fkv_layout_launch.h"
 #include "fkv_staging_ring.h"
 
 namespace {
@@ -213,6 +220,273 @@ int ring_reuses_a_slot_only_after_its_readers(int64_t* out /* indexes claimed */
   if (ring.acquire(ops, f.epoch + Ms(10), 0, 5, &ref) != FKV_OK) return 2;
   out[0] = static_cast<int64_t>(ref.index);
   if (ring.acquire(ops, f.epoch + Ms(15), 0, 5, &ref) != FKV_ETIMEDOUT) return 3;
+  return 0;
+}
+
+}  // extern "C"
+
+// ------------------------------------------------ a layout transfer's layer order
+
+namespace {
+
+// One scripted stream and its events, with CUDA's semantics: an event's state is
+// its latest record's; a wait waits for the record latest when it was enqueued; a
+// never-recorded event reads complete. Work runs as soon as nothing holds it.
+struct FakeGpu {
+  struct Ev {
+    int64_t recorded = 0;  // records issued
+    int64_t reached = 0;   // records the stream has run
+  };
+  enum Kind { kWait, kUpload, kCopy, kRecord };
+  struct Op {
+    Kind kind;
+    int32_t arg;      // event, or layer for kCopy
+    int64_t target;   // kWait / kRecord: the record it waits for / is
+  };
+  std::vector<Ev> events;
+  std::deque<Op> queue;
+  std::vector<int32_t> copied;  // layers in the order the stream copied them
+  int64_t native_calls = 0, validations = 0, claims = 0, uploads = 0, waits = 0;
+  int32_t fail_at_layer = -1;  // enqueue_layer fails there (a launch error)
+
+  int32_t new_event() {
+    events.push_back({});
+    return static_cast<int32_t>(events.size() - 1);
+  }
+  bool done(int32_t e) const { return events[e].reached >= events[e].recorded; }
+  void run() {
+    while (!queue.empty()) {
+      const Op op = queue.front();
+      if (op.kind == kWait && events[op.arg].reached < op.target) return;
+      if (op.kind == kRecord) events[op.arg].reached = std::max(events[op.arg].reached, op.target);
+      if (op.kind == kCopy) copied.push_back(op.arg);
+      queue.pop_front();
+    }
+  }
+  void push(Kind kind, int32_t arg) {
+    int64_t target = 0;
+    if (kind == kRecord) target = ++events[arg].recorded;
+    if (kind == kWait) target = events[arg].recorded, ++waits;
+    queue.push_back({kind, arg, target});
+    run();
+  }
+  // An event recorded on another stream (the eviction's), pending until complete().
+  void record_elsewhere(int32_t e) { ++events[e].recorded; }
+  void complete(int32_t e) {
+    events[e].reached = events[e].recorded;
+    run();
+  }
+};
+
+void* as_handle(int32_t e) { return reinterpret_cast<void*>(static_cast<intptr_t>(e) + 1); }
+int32_t as_event(void* h) { return static_cast<int32_t>(reinterpret_cast<intptr_t>(h) - 1); }
+
+struct GpuRingOps {
+  FakeGpu& g;
+  int64_t& allocs;
+  int ready_locked() { return FKV_OK; }
+  int query(Event e, bool* done) {
+    *done = g.done(e);
+    return FKV_OK;
+  }
+  int alloc_chunk(RingChunk<Event>* c) {
+    ++allocs;
+    for (int k = 0; k < kSlotsPerChunk; ++k) c->events[k] = g.new_event();
+    return FKV_OK;
+  }
+  Deadline now() { return Deadline{}; }
+  void pause() {}
+};
+
+// fkv_layout_launch.h's calls on the fake: what CudaLayoutOps does on CUDA.
+struct FakeLayoutOps {
+  using Slot = RingSlotRef<Event>;
+  FakeGpu& g;
+  Ring<Event>& ring;
+  int64_t& allocs;
+  int acquire(Slot* out) {
+    ++g.claims;
+    GpuRingOps ops{g, allocs};
+    return ring.acquire(ops, Deadline{} + Ms(1), 0, 1, out);
+  }
+  int upload(const Slot&, int64_t, int64_t) {
+    ++g.uploads;
+    g.push(FakeGpu::kUpload, 0);
+    return FKV_OK;
+  }
+  int wait(void* e, bool) {
+    g.push(FakeGpu::kWait, as_event(e));
+    return FKV_OK;
+  }
+  int enqueue_layer(int32_t layer, const std::vector<Slot>& slots) {
+    if (slots.empty()) return FKV_EINVAL;
+    if (layer == g.fail_at_layer) return set_error(FKV_ECUDA, "swap_kernel launch: injected");
+    g.push(FakeGpu::kCopy, layer);
+    return FKV_OK;
+  }
+  int record(void* e, bool) {
+    g.push(FakeGpu::kRecord, as_event(e));
+    return FKV_OK;
+  }
+  void release(const Slot& s) {
+    g.push(FakeGpu::kRecord, s.event);
+    ring.release(s, true);
+  }
+};
+
+constexpr int64_t kBlocks = int64_t{1} << 20;
+
+// fkv_layout_swap_ordered on the fake: one validation of the ids, then the same
+// staging and layer order as cuda_layout_swap's per-layer path.
+int fake_layout_swap(FakeGpu& g, Ring<Event>& ring, int64_t& allocs, const int64_t* dev,
+                     const int64_t* host, int64_t n, int32_t first, int32_t count,
+                     void* const* layer_events, void* const* waits, int32_t waits_per_layer,
+                     int32_t* failed) {
+  ++g.native_calls;
+  ++g.validations;
+  std::vector<BlockRun> runs;
+  int rc = validate_ids(kBlocks, kBlocks, dev, host, n, FKV_H2D, &runs);
+  if (rc != FKV_OK) return rc;
+  FakeLayoutOps ops{g, ring, allocs};
+  const LayerOrder order{first, count, layer_events, waits, waits_per_layer};
+  std::vector<RingSlotRef<Event>> slots;
+  rc = stage_ids(ops, n, ids_per_slot(kSlotBytes, 0, false), &slots);
+  int32_t layer = first;
+  if (rc == FKV_OK) rc = enqueue_layers(ops, order, slots, &layer);
+  return end_transfer(ops, rc, order, layer, slots, failed);
+}
+
+}  // namespace
+
+extern "C" {
+
+// An eviction of `num_ids` blocks, ordered per layer (its blocks have a new owner),
+// is in flight on another stream: its per-layer events are pending and it holds
+// one staging slot. This step loads into those very blocks. one_call = 0: as the
+// controller did, per layer a stream wait on the eviction's layer event and a
+// one-layer fkv_layout_swap; one_call = 1: one fkv_layout_swap_ordered with the
+// eviction's events as the per-layer waits. fail_at: a layer whose launch fails
+// (-1: none). Then the eviction completes layer by layer, and every layer of the
+// load must copy only after the eviction's same layer, and its event complete
+// only after that copy.
+// out: native calls, validations, slot claims, uploads, ring slots, ring grows,
+//      chunk allocations, stream waits, failed layer.
+int evict_then_load(int32_t one_call, int32_t layers, int32_t num_ids, int32_t fail_at,
+                    int64_t* out) {
+  FakeGpu g;
+  g.fail_at_layer = fail_at;
+  Ring<Event> ring;
+  int64_t allocs = 0;
+  {
+    RingChunk<Event> chunk;  // the ring as a device starts with it: one chunk
+    for (int k = 0; k < kSlotsPerChunk; ++k) chunk.events[k] = g.new_event();
+    ring.add_chunk_locked(chunk);
+    ring.grows = 0;
+  }
+  // The eviction: one slot claimed behind its pending launches, per-layer events.
+  std::vector<int32_t> evicted(layers);
+  for (int32_t l = 0; l < layers; ++l) {
+    evicted[l] = g.new_event();
+    g.record_elsewhere(evicted[l]);
+  }
+  RingSlotRef<Event> eviction_slot{};
+  {
+    GpuRingOps ops{g, allocs};
+    if (ring.acquire(ops, Deadline{} + Ms(1), 0, 1, &eviction_slot) != FKV_OK) return 1;
+    g.record_elsewhere(eviction_slot.event);
+    ring.release(eviction_slot, true);
+  }
+  std::vector<int64_t> dev(num_ids), host(num_ids);
+  for (int32_t i = 0; i < num_ids; ++i) dev[i] = 2 * i, host[i] = 3 * i + 1;
+  std::vector<int32_t> loaded(layers);
+  std::vector<void*> load_events(layers), wait_events(layers);
+  for (int32_t l = 0; l < layers; ++l) {
+    loaded[l] = g.new_event();
+    load_events[l] = as_handle(loaded[l]);
+    wait_events[l] = as_handle(evicted[l]);
+  }
+  int32_t failed = -2;
+  int rc = FKV_OK;
+  if (one_call) {
+    rc = fake_layout_swap(g, ring, allocs, dev.data(), host.data(), num_ids, 0, layers,
+                          load_events.data(), wait_events.data(), 1, &failed);
+  } else {
+    for (int32_t l = 0; l < layers; ++l) {
+      ++g.native_calls;  // fkv_cuda_stream_wait_event
+      g.push(FakeGpu::kWait, evicted[l]);
+      int32_t f = -2;
+      const int r = fake_layout_swap(g, ring, allocs, dev.data(), host.data(), num_ids, l, 1,
+                                     &load_events[l], nullptr, 0, &f);
+      if (r != FKV_OK && rc == FKV_OK) rc = r, failed = f;
+    }
+    if (rc == FKV_OK) failed = -1;
+  }
+  if ((fail_at < 0) != (rc == FKV_OK)) return 2;
+  out[0] = g.native_calls;
+  out[1] = g.validations;
+  out[2] = g.claims;
+  out[3] = g.uploads;
+  out[4] = static_cast<int64_t>(ring.slots.size());
+  out[5] = ring.grows;
+  out[6] = allocs;
+  out[7] = g.waits;
+  out[8] = failed;
+  // Nothing is copied while the eviction's layer 0 is pending.
+  if (!g.copied.empty()) return 3;
+  for (int32_t l = 0; l < layers; ++l) {
+    if (g.done(loaded[l])) return 4;  // layer l's event before the eviction's layer l
+    g.complete(evicted[l]);
+    const bool copies = fail_at < 0 || l < fail_at;
+    if (copies && (g.copied.empty() || g.copied.back() != l)) return 5;
+    if (!g.done(loaded[l])) return 6;  // the layer's event once its copy (or failure) ran
+    if (l + 1 < layers && g.done(loaded[l + 1])) return 7;
+  }
+  if (!g.queue.empty()) return 8;
+  g.complete(eviction_slot.event);  // the eviction's launches are done too
+  // Every slot is free again: as many claims as the ring has slots need no growth.
+  std::vector<RingSlotRef<Event>> again(ring.slots.size());
+  for (auto& ref : again) {
+    GpuRingOps ops{g, allocs};
+    if (ring.acquire(ops, Deadline{} + Ms(1), 0, 1, &ref) != FKV_OK) return 9;
+  }
+  if (ring.grows != out[5]) return 10;
+  return 0;
+}
+
+// Several copies to wait for per layer, some already complete (NULL): every
+// non-NULL wait is enqueued before its layer and none of the NULL ones.
+// out: stream waits, layers copied.
+int evict_then_load_with_several_waits(int32_t layers, int64_t* out) {
+  FakeGpu g;
+  Ring<Event> ring;
+  int64_t allocs = 0;
+  constexpr int32_t kWaits = 3;
+  std::vector<int32_t> evictions(static_cast<size_t>(layers) * kWaits);
+  std::vector<void*> waits(evictions.size(), nullptr);
+  for (size_t k = 0; k < evictions.size(); ++k) {
+    evictions[k] = g.new_event();
+    g.record_elsewhere(evictions[k]);
+    if (k % kWaits != 1) waits[k] = as_handle(evictions[k]);  // copy 1 finished: NULL
+  }
+  std::vector<int32_t> loaded(layers);
+  std::vector<void*> load_events(layers);
+  for (int32_t l = 0; l < layers; ++l) loaded[l] = g.new_event(), load_events[l] = as_handle(loaded[l]);
+  const int64_t dev[2] = {5, 6};
+  const int64_t host[2] = {7, 9};
+  int32_t failed = -2;
+  if (fake_layout_swap(g, ring, allocs, dev, host, 2, 0, layers, load_events.data(),
+                       waits.data(), kWaits, &failed) != FKV_OK) {
+    return 1;
+  }
+  if (failed != -1 || g.claims != 1) return 2;
+  for (int32_t l = 0; l < layers; ++l) {
+    g.complete(evictions[static_cast<size_t>(l) * kWaits]);
+    if (static_cast<int32_t>(g.copied.size()) != l) return 3;  // copy 2 still pending
+    g.complete(evictions[static_cast<size_t>(l) * kWaits + 2]);
+    if (static_cast<int32_t>(g.copied.size()) != l + 1 || !g.done(loaded[l])) return 4;
+  }
+  out[0] = g.waits;
+  out[1] = static_cast<int64_t>(g.copied.size());
   return 0;
 }
 

@@ -548,3 +548,44 @@ def test_a_host_region_past_the_end_of_its_allocation_is_refused() -> None:
         np.testing.assert_array_equal(copied, device[3 * 4096 : 4 * 4096])
     finally:
         core.host_free(host, 2 * 4096, False)
+
+
+def test_a_cpu_layout_ignores_per_layer_waits_and_checks_their_shape() -> None:
+    """Layout.swap's wait_events (fkv_layout_swap_ordered): a CPU layout copies
+    synchronously and ignores them; their count must match layers x waits_per_layer
+    and the bounds are checked before anything is copied."""
+    layers, bs, n = 3, 64, 8
+    dev = [np.zeros(n * bs, np.uint8) for _ in range(layers)]
+    host = [np.arange(n * bs, dtype=np.uint32).astype(np.uint8) + k for k in range(layers)]
+    segs = [(d.ctypes.data, h.ctypes.data, bs) for d, h in zip(dev, host, strict=True)]
+    layout = core.Layout(segs, 1, n, n)
+    ids_d, ids_h = np.array([1, 4], np.int64), np.array([2, 7], np.int64)
+    try:
+        waits = (ctypes.c_void_p * (layers * 2))()
+        layout.swap(ids_d, ids_h, core.Direction.H2D, wait_events=waits, waits_per_layer=2)
+        for k in range(layers):
+            got = dev[k].reshape(n, bs)[[1, 4]]
+            assert np.array_equal(got, host[k].reshape(n, bs)[[2, 7]])
+            dev[k][:] = 0
+        with pytest.raises(ValueError, match=r"wait_events: 5 entries, expected .* 3 \* 2"):
+            layout.swap(
+                ids_d,
+                ids_h,
+                core.Direction.H2D,
+                wait_events=(ctypes.c_void_p * 5)(),
+                waits_per_layer=2,
+            )
+        big = 1025
+        with pytest.raises(ValueError, match=r"waits_per_layer: 1025 out of range \[0, 1024\]"):
+            layout.swap(
+                ids_d,
+                ids_h,
+                core.Direction.H2D,
+                wait_events=(ctypes.c_void_p * (layers * big))(),
+                waits_per_layer=big,
+            )
+        with pytest.raises(ValueError, match="wait_events: NULL with waits_per_layer=2"):
+            layout.swap(ids_d, ids_h, core.Direction.H2D, waits_per_layer=2)
+        assert all(not d.any() for d in dev)  # the refused calls copied nothing
+    finally:
+        layout.close()

@@ -481,6 +481,89 @@ print(json.dumps(dict(import_s=t_import - t0, init_ms=t_init * 1e3,
     assert figures["first_swap_bytes"] == 0  # ... and the first swap allocated nothing
 
 
+FREE_TIMEOUT_S = 2.0
+FREE_SLACK_S = 1.0
+"""free_cache(timeout) is documented to return within its timeout (the layout's
+cudaFree, which waits for the whole device, gives up at what is left of it, at
+least 1 s); the stream and event destroys and cudaHostUnregister after it get this
+much more."""
+
+_FREE_BEHIND_A_STUCK_STREAM = """
+import json, sys, threading, time
+import numpy as np, cupy as cp
+sys.path.insert(0, "tests")
+from ops.gpu_support import SpinningKernel
+from fastkv.ops import core
+from fastkv.worker.streams import CudaEventPool, CudaStream
+
+TIMEOUT, BOUND = {timeout}, {bound}
+bs, n, segs_n = 4096, 64, 4
+nbytes = segs_n * n * bs
+host = core.host_alloc(nbytes, pin=True, device=0)
+dev = cp.zeros(nbytes, cp.uint8)
+segs = [(dev.data.ptr + k * n * bs, host + k * n * bs, bs) for k in range(segs_n)]
+layout = core.Layout(segs, 2, n, n, 0)
+pool = CudaEventPool(0, prefill=8)
+streams = [CudaStream.new(0, pool, priority=p) for p in (1, -1)]
+ids = np.arange(8, dtype=np.int64)
+layout.swap(ids, ids, core.Direction.H2D, stream=streams[0].handle)  # used once
+cp.cuda.Device(0).synchronize()
+engine = cp.cuda.Stream(non_blocking=True)
+spin = SpinningKernel(limit=60.0).launch(engine.ptr, 0)
+time.sleep(0.2)  # the kernel is resident
+times = {{}}
+
+def free():
+    # CacheController.free_cache's GPU release, in its order, each call timed.
+    t0 = time.monotonic()
+    times["layout_released"] = layout.close(max(1.0, t0 + TIMEOUT - time.monotonic()))
+    t1 = time.monotonic()
+    for s in streams:
+        s.close()
+    pool.close()
+    t2 = time.monotonic()
+    core.host_free(host, nbytes, pinned=True)  # cudaHostUnregister, then munmap
+    t3 = time.monotonic()
+    times.update(layout_close_s=t1 - t0, streams_events_s=t2 - t1,
+                 host_unregister_s=t3 - t2, total_s=t3 - t0)
+
+worker = threading.Thread(target=free, daemon=True)
+worker.start()
+worker.join(BOUND + 2.0)  # past the bound: let the kernel go so the probe ends
+times["blocked_past_bound"] = worker.is_alive()
+spin.release()
+worker.join(60.0)
+times["finished"] = not worker.is_alive()
+cp.cuda.Device(0).synchronize()
+print(json.dumps(times))
+"""
+
+
+def test_free_cache_behind_a_stuck_engine_stream_returns_within_its_bound() -> None:
+    """Issue 26, item 9: free_cache's GPU release (the layout's close, bounded by
+    the timeout; the streams and pooled events; cudaHostUnregister of the pinned
+    host tier) while an engine kernel spins on its own stream. cudaFree waits for
+    the device, so the layout's close gives up at its bound and finishes in the
+    background; whether cudaHostUnregister waits for the device too is what this
+    probe settles: every call is timed (printed and saved for `make gpu-test`),
+    and the whole must stay within free_cache(timeout=2)'s documented bound. The
+    probe runs in a child process, so a wait that never ends cannot hold up the
+    other tests."""
+    code = _FREE_BEHIND_A_STUCK_STREAM.format(
+        timeout=FREE_TIMEOUT_S, bound=FREE_TIMEOUT_S + FREE_SLACK_S
+    )
+    figures = json.loads(_run(code, timeout=180).splitlines()[-1])
+    print(f"\nfree_cache's release behind a stuck stream: {figures}")
+    out = ROOT / "build" / "gpu-test-free-behind-stuck-stream.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1))
+    assert figures["finished"], figures  # it ended once the kernel did
+    assert not figures["blocked_past_bound"], (
+        f"a release call waited for the stuck stream past the bound: {figures}"
+    )
+    assert figures["total_s"] <= FREE_TIMEOUT_S + FREE_SLACK_S, figures
+
+
 def test_no_hidden_context_on_threads_without_one(raw_cache) -> None:
     """A thread with no CUDA context calls the core on device 0 and still has none
     afterwards (the old guard made device 0 current for good)."""

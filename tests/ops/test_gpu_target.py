@@ -7,6 +7,7 @@ extensions. On a machine with a GPU `make gpu-test` runs for real instead."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -31,23 +32,44 @@ pytestmark = pytest.mark.skipif(
 FAKE_SMI = """#!/bin/sh
 case "$*" in
   *-L*) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-000000000000)" ;;
-  *compute_cap*) echo "9.0" ;;
+  *compute_cap*) printf "COMPUTE_CAP" ;;
   *) echo "NVIDIA-SMI 580.00  Driver Version: 580.00  CUDA Version: 13.0" ;;
 esac
 """
 
 
+def _fake_smi(folder: Path, compute_cap: str = "9.0\n") -> Path:
+    """A stand-in nvidia-smi in `folder` listing an H100 whose compute-capability
+    query prints `compute_cap`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    smi = folder / "nvidia-smi"
+    smi.write_text(FAKE_SMI.replace("COMPUTE_CAP", compute_cap.replace("\n", "\\n")))
+    smi.chmod(0o755)
+    return folder
+
+
+def _fake_cupy(folder: Path) -> Path:
+    """Stand-in cupy and cupyx packages (cupyx, as the real one, has no version)."""
+    for name in ("cupy", "cupyx"):
+        (folder / name).mkdir(parents=True)
+    (folder / "cupy" / "__init__.py").write_text('__version__ = "0+stand-in"\n')
+    (folder / "cupyx" / "__init__.py").write_text("")
+    return folder
+
+
 def _make_gpu_test(
-    tmp_path: Path, python: Path, extra_pythonpath: Path | None = None, as_python3: bool = False
+    tmp_path: Path,
+    python: Path,
+    extra_pythonpath: Path | None = None,
+    as_python3: bool = False,
+    compute_cap: str = "9.0\n",
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """`make gpu-test` in a copy of the checkout, nvidia-smi listing an H100, with
-    GPU_PYTHON=`python`, or (as_python3) with `python`'s folder first on PATH and
-    GPU_PYTHON left at its default, python3."""
+    """`make gpu-test` in a copy of the checkout, nvidia-smi listing an H100 (its
+    compute-capability query printing `compute_cap`), with GPU_PYTHON=`python`, or
+    (as_python3) with `python`'s folder first on PATH and GPU_PYTHON left at its
+    default, python3."""
     tree = copy_checkout(tmp_path / "checkout")
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "nvidia-smi").write_text(FAKE_SMI)
-    (fake_bin / "nvidia-smi").chmod(0o755)
+    fake_bin = _fake_smi(tmp_path / "bin", compute_cap)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -59,7 +81,6 @@ def _make_gpu_test(
         # Nothing may be fetched: any pip install would fail here.
         PIP_NO_INDEX="1",
         PIP_INDEX_URL="http://127.0.0.1:9/simple",
-        FASTKV_CUDA_ARCHS="75",  # one architecture besides this GPU's: a quicker build
         MAKEFLAGS="",
     )
     env.pop("PYTHONPATH", None)
@@ -111,15 +132,14 @@ def test_the_interpreter_is_used_as_it_is_and_only_the_core_is_built(tmp_path: P
     `cupy` package only so that the check passes: the target goes on with that very
     interpreter (no venv made from it), builds the CUDA core alone for the listed
     GPU, runs the GPU tests with it, and is red because there is no GPU."""
-    fake_cupy = tmp_path / "fake_cupy"
-    for name in ("cupy", "cupyx"):
-        (fake_cupy / name).mkdir(parents=True)
-        (fake_cupy / name / "__init__.py").write_text('__version__ = "0+stand-in"\n')
+    fake_cupy = _fake_cupy(tmp_path / "fake_cupy")
     before = _site_packages(VENV_PYTHON)
     tree, proc = _make_gpu_test(tmp_path, VENV_PYTHON, fake_cupy)
     out = proc.stdout + proc.stderr
     assert f"gpu-test: python {VENV_PYTHON}" in out and "cupy 0+stand-in" in out, out
-    assert "targets sm_75 sm_90 compute_75" in out, out  # this GPU's sm_90 added
+    assert "cupyx present" in out, out
+    # This GPU's target alone (and its PTX), not every default one.
+    assert "targets sm_90 compute_90" in out, out
     assert f"[fastkv] built {tree}/fastkv/ops/libfastkv_core.so (with CUDA)" in out, out
     built = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*.so"))
     paddle = "fastkv/ops/libfastkv_paddle_ops.so"  # .venv has (CPU) paddle
@@ -183,3 +203,55 @@ def test_the_gpu_tests_collect_where_paddle_is_absent(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "error" not in out.lower(), out[-3000:]
     assert "tests/ops/test_cuda_gpu.py::test_cuda_info_reports_this_gpu" in out
+
+
+def test_gpu_test_refuses_to_guess_the_targets_and_builds_nothing(tmp_path: Path) -> None:
+    """nvidia-smi lists a GPU but not its compute capability, and GPU_ARCHS is
+    empty: the target stops and says how to name one, instead of building all."""
+    fake_cupy = _fake_cupy(tmp_path / "fake_cupy")
+    tree, proc = _make_gpu_test(tmp_path, VENV_PYTHON, fake_cupy, compute_cap="[N/A]\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "gpu-test: cannot tell which GPU to build for" in out, out
+    assert 'make gpu-test GPU_ARCHS="90"' in out, out
+    assert "[fastkv] compile" not in out and not list(tree.rglob("*.so")), out
+
+
+def _preflight():
+    path = ROOT / "tools" / "gpu_preflight.py"
+    spec = importlib.util.spec_from_file_location("fastkv_gpu_preflight", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("compute_cap", "requested", "archs"),
+    [
+        ("9.0\n", "", "90"),  # this GPU only
+        ("9.0\n9.0\n8.0\n", "", "90 80"),  # every GPU here, once each
+        ("12.0\n", "80, 90", "120 80 90"),  # plus what GPU_ARCHS asks for
+        ("[N/A]\n", "8.6", "8.6"),  # nothing readable: what was asked for alone
+        ("[N/A]\n", "", None),  # nothing at all: refused, not every target
+    ],
+)
+def test_gpu_test_targets_are_the_gpus_here_plus_those_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compute_cap: str, requested: str, archs
+) -> None:
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path, compute_cap)}{os.pathsep}/usr/bin:/bin")
+    got, why = _preflight().gpu_test_archs(requested)
+    assert got == archs
+    if archs is None:
+        assert "compute_cap" in why and "GPU_ARCHS" in why, why
+
+
+def test_preflight_reports_a_module_without_a_version_as_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cupyx has no __version__; it used to read "cupyx -", as if missing."""
+    monkeypatch.syspath_prepend(str(_fake_cupy(tmp_path)))
+    for name in ("cupy", "cupyx"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    found = _preflight().import_versions(("cupy", "cupyx", "no_such_module_here"))
+    assert found == {"cupy": "0+stand-in", "cupyx": "present", "no_such_module_here": None}

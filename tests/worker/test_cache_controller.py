@@ -431,17 +431,68 @@ def test_gpu_controller_initialises_at_construction_on_its_own_device() -> None:
         assert [r.success for r in ctrl.wait_all(10)] == [True]
 
 
-class NativeHostStream(HostStream):
-    """Launches all layers of a swap-in in one call, as a CUDA stream does."""
+@pytest.mark.gpu
+@paddle_gpu
+def test_free_cache_behind_a_stuck_engine_stream_returns_within_its_bound() -> None:
+    """Issue 26, item 9, through the controller itself (tests/ops/test_cuda_gpu.py
+    probes the same release calls one by one where Paddle is absent): an engine
+    kernel spins on its own stream; free_cache(timeout=2) must return within its
+    documented bound (the layout's cudaFree gives up at the timeout) rather than
+    wait in cudaHostUnregister, or anywhere, for the stuck stream."""
+    import cupy as cp
+    from ops.gpu_support import SpinningKernel
 
-    def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None):
+    ctrl = make(device="gpu:0")
+    ctrl.submit_swap_tasks(d2h(0, [3, 1], [10, 2]), None)
+    ctrl.wait_all(10)
+    engine = cp.cuda.Stream(non_blocking=True)
+    spin = SpinningKernel(limit=60.0).launch(engine.ptr, 0)
+    time.sleep(0.2)  # the kernel is resident
+    took: list[float] = []
+
+    def free() -> None:
+        start = time.monotonic()
+        ctrl.free_cache(timeout=2.0)
+        took.append(time.monotonic() - start)
+
+    worker = threading.Thread(target=free, daemon=True)
+    worker.start()
+    worker.join(5.0)  # past the bound: let the kernel go so the test ends
+    spin.release()
+    worker.join(60.0)
+    cp.cuda.Device(0).synchronize()
+    assert took, "free_cache did not return even after the stuck kernel ended"
+    print(f"\nfree_cache(timeout=2) behind a stuck stream: {took[0]:.2f} s")
+    assert took[0] <= 3.0, f"free_cache waited {took[0]:.1f} s for the stuck stream"
+
+
+class NativeHostStream(HostStream):
+    """Launches all layers of a swap-in in one call, as a CUDA stream does (also
+    when it is ordered after in-flight copies; `native_calls` lists how many copies
+    each call waited for)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.native_calls: list[int] = []
+
+    def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None, after=()):
         if copy_layers is None:
-            return super().launch_layers(num_layers, copy_layer, on_error)
+            return super().launch_layers(num_layers, copy_layer, on_error, after=after)
         import ctypes
 
+        from fastkv.worker.streams import LayerWaits
+
+        self.native_calls.append(len(after))
         handles = (ctypes.c_void_p * num_layers)()  # a CPU layout ignores events
+        args = [handles]
+        if after:  # a CPU layout ignores waits too: wait for every layer first
+            for other in after:
+                for event in other:
+                    self.wait_event(event)
+            per_layer = len(after)
+            args.append(LayerWaits((ctypes.c_void_p * (num_layers * per_layer))(), per_layer))
         self.launch(
-            lambda handle: copy_layers(handle, handles),
+            lambda handle: copy_layers(handle, *args),
             lambda e: on_error(e, getattr(e, "failed_layer", 0)),
         )
         return [self.record() for _ in range(num_layers)]
@@ -475,6 +526,36 @@ def test_the_gpu_controllers_layout_path_round_trips_on_a_cpu_layout(dtype: str)
                     ctrl.device_blocks(i)[[5, 6, 9]], original[i][[3, 1, 7]]
                 )
             assert [r.success for r in ctrl.wait_all(5)] == [True]
+        finally:
+            ctrl._layout.close()
+
+
+def test_a_load_into_blocks_a_same_step_eviction_reads_is_one_call_on_the_layout_path() -> None:
+    """Issue 26, item 1, on a CPU layout: the step evicts device blocks 5 and 6 and
+    loads other KV into them. The load is ordered after the eviction per layer,
+    and still goes out as one native call (it used to be one call per layer);
+    the eviction reads the old bytes, the load lands the new ones."""
+    load_stream = NativeHostStream("h2d")
+    with make(streams=(load_stream, HostStream("d2h"), InlineStream())) as ctrl:
+        segments = [
+            (t.data_ptr(), h, b)
+            for t, h, b in zip(ctrl.caches, ctrl.host_ptrs, ctrl.block_bytes, strict=True)
+        ]
+        spec = ctrl.spec
+        ctrl._layout = core.Layout(
+            segments, spec.tensors_per_layer, spec.num_device_blocks, spec.num_host_blocks
+        )
+        try:
+            fill_random(ctrl, np.random.default_rng(5))
+            device = [ctrl.device_blocks(i).copy() for i in range(len(ctrl.caches))]
+            host = [ctrl.host_blocks(i).copy() for i in range(len(ctrl.caches))]
+            counter = ctrl.submit_swap_tasks(d2h(1, [5, 6], [20, 21]), h2d(2, [2, 31], [5, 6]))
+            counter.wait_all(timeout=5)
+            assert sorted(r.success for r in ctrl.wait_all(5)) == [True, True]
+            assert load_stream.native_calls == [1]  # one call, after one eviction
+            for i in range(len(ctrl.caches)):
+                np.testing.assert_array_equal(ctrl.host_blocks(i)[[20, 21]], device[i][[5, 6]])
+                np.testing.assert_array_equal(ctrl.device_blocks(i)[[5, 6]], host[i][[2, 31]])
         finally:
             ctrl._layout.close()
 

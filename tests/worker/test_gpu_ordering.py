@@ -34,6 +34,11 @@ NDEV, NHOST = 32, 32
 H2D, D2H = core.Direction.H2D, core.Direction.D2H
 
 
+def _waits(waits) -> tuple[object, int]:
+    """A LayerWaits (or None) as Layout.swap's wait_events, waits_per_layer."""
+    return (None, 0) if waits is None else waits.astuple()
+
+
 class Rig:
     """K and V per layer as CuPy arrays, a pinned host tier, a layout, the worker's
     two streams and a CuPy compute stream."""
@@ -64,6 +69,7 @@ class Rig:
         self.cupy_compute = cp.cuda.Stream(non_blocking=True)
         self.compute = CudaStream.external(DEVICE, self.cupy_compute.ptr, self.pool)
         self.tm = TransferManager(self.input, self.output, self.compute, LAYERS)
+        self.native_loads: list[object] = []  # each native load call's LayerWaits
 
     def evict(self, tid: int, d: list[int], h: list[int], reused: list[int] | None = None):
         dev, host = np.asarray(d, np.int64), np.asarray(h, np.int64)
@@ -71,8 +77,8 @@ class Rig:
         def copy_layer(layer: int, s: int) -> None:
             self.layout.swap(dev, host, D2H, layer, 1, s)
 
-        def all_layers(s: int, events) -> None:
-            self.layout.swap(dev, host, D2H, 0, LAYERS, s, events)
+        def all_layers(s: int, events, waits=None) -> None:
+            self.layout.swap(dev, host, D2H, 0, LAYERS, s, events, 0, *_waits(waits))
 
         return self.tm.submit_to_host(
             tid, d, h, copy_layer, self.compute, all_layers, reused or ()
@@ -84,8 +90,9 @@ class Rig:
         def copy_layer(layer: int, s: int) -> None:
             self.layout.swap(dev, host, H2D, layer, 1, s)
 
-        def all_layers(s: int, events) -> None:
-            self.layout.swap(dev, host, H2D, 0, LAYERS, s, events)
+        def all_layers(s: int, events, waits=None) -> None:
+            self.native_loads.append(waits)
+            self.layout.swap(dev, host, H2D, 0, LAYERS, s, events, 0, *_waits(waits))
 
         return self.tm.submit_to_device(
             tid, h, d, copy_layer, (), self.compute, copy_layers or all_layers
@@ -172,6 +179,33 @@ def test_the_models_write_waits_for_an_eviction_still_reading_the_block(rig: Rig
     for k, t in enumerate(rig.dev):
         assert np.array_equal(rig.host[k][20], before[k]), "the eviction saw the new write"
         assert (cp.asnumpy(t[3]) == 0xEE).all()
+
+
+def test_a_load_into_blocks_an_eviction_reads_waits_for_it_in_one_native_call(
+    rig: Rig,
+) -> None:
+    """Issue 26, item 1: the eviction of block 3 is held on its stream; this step
+    loads other KV into block 3. The load goes out as one native call with the
+    eviction's per-layer events as waits, stages its ids in one slot (the ring does
+    not grow), stays behind the held eviction, and lands after it read the block."""
+    before = [cp.asnumpy(t[3]) for t in rig.dev]
+    slots, _, grows = core.cuda_staging_stats(DEVICE)
+    out_gate = StreamGate(rig.output.handle, DEVICE).close()
+    try:
+        rig.evict(5, [3], [20], reused=[3])  # per layer: block 3 has a new owner
+        counter = rig.load(6, [7], [3])
+        time.sleep(0.05)
+        assert not counter.is_layer_done(0)  # behind the held eviction's layer 0
+    finally:
+        out_gate.open()
+    counter.wait_all(timeout=30)
+    assert len(rig.native_loads) == 1 and rig.native_loads[0].per_layer == 1
+    now = core.cuda_staging_stats(DEVICE)
+    assert (now[0], now[2]) == (slots, grows)
+    rig.tm.wait_all(30)
+    for k, t in enumerate(rig.dev):
+        assert np.array_equal(rig.host[k][20], before[k]), "the eviction read the loaded bytes"
+        assert np.array_equal(cp.asnumpy(t[3]), rig.host[k][7])
 
 
 def test_a_failed_layer_fails_its_waits_and_keeps_earlier_layers(rig: Rig) -> None:

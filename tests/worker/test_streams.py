@@ -222,3 +222,120 @@ def test_a_cuda_stream_skips_waits_on_completed_events(fake_cuda) -> None:
     stream.wait_event(DONE)  # a completed host event needs no wait
     with pytest.raises(TypeError):
         stream.wait_event(HostEvent())
+
+
+@pytest.mark.parametrize("refusal", ["bad ids", "capturing stream", "injected fault"])
+def test_a_refused_native_call_hands_out_no_event_still_carrying_an_older_record(
+    fake_cuda, refusal: str
+) -> None:
+    """Pooled handles keep their last record. When copy_layers is refused before the
+    core records anything, the events handed out must read complete at once (the
+    transfer has failed), not wait on the older transfer's record."""
+    from fastkv.ops.core import CudaCaptureError
+
+    fake, _pool, stream = fake_cuda
+    older = [stream.record() for _ in range(3)]  # another transfer, still running
+    handles = {e.handle for e in older}
+    del older  # dropped while pending: back in the pool, their records still pending
+    error = {
+        "bad ids": ValueError("device_ids: 99 out of range"),
+        "capturing stream": CudaCaptureError("cuda_stream: capturing"),
+        "injected fault": RuntimeError("injected"),
+    }[refusal]
+    failures: list[int] = []
+
+    def copy_layers(handle, events) -> None:
+        raise error
+
+    events = stream.launch_layers(
+        3,
+        lambda layer, h: pytest.fail("per-layer path used"),
+        lambda e, layer: failures.append(layer),
+        copy_layers,
+    )
+    assert {e.handle for e in events} == handles  # the pooled handles were reused
+    queries = fake.queries
+    assert all(e.query() and e.known_done for e in events)
+    assert fake.queries == queries  # complete without asking the device
+    assert all(e.synchronize(0.0) for e in events)
+    assert failures == [0]
+
+
+def test_a_failed_layer_keeps_the_events_the_core_recorded(fake_cuda) -> None:
+    """A LayerCopyError comes after the core enqueued the layers before the failed
+    one and recorded the rest behind them: those events are waited on, not latched."""
+    from fastkv.ops.core import LayerCopyError
+
+    fake, _pool, stream = fake_cuda
+
+    def copy_layers(handle, events) -> None:
+        for event in events:
+            fake.event_record(3, event, handle)
+        raise LayerCopyError("layer 1 failed", 1)
+
+    events = stream.launch_layers(3, lambda layer, h: None, lambda e, layer: None, copy_layers)
+    assert not any(e.query() for e in events)  # pending behind the enqueued layers
+    fake.pending.clear()
+    assert all(e.query() for e in events)
+
+
+def test_a_cuda_load_ordered_after_other_copies_is_one_native_call(fake_cuda) -> None:
+    """Issue 26, item 1: per-layer waits go into the one native call, layer-major,
+    as a LayerWaits; nothing is waited for from Python. A completed event and an
+    event a copy repeats for its next layers (an eviction launched whole) are
+    skipped: the stream already waits for it through the earlier layer."""
+    fake, _pool, stream = fake_cuda
+    per_layer = [stream.record() for _ in range(3)]  # an eviction ordered per layer
+    whole = [stream.record()] * 3  # an eviction launched whole: one end event
+    finished = [stream.record() for _ in range(3)]
+    fake.pending.discard(finished[1].handle)
+    finished[1].query()  # latched complete
+    calls = []
+
+    def copy_layers(handle, events, waits=None) -> None:
+        calls.append((handle, list(events), waits))
+
+    events = stream.launch_layers(
+        3,
+        lambda layer, h: pytest.fail("per-layer path used"),
+        lambda e, layer: pytest.fail(f"failed: {e}"),
+        copy_layers,
+        [per_layer, whole, finished],
+    )
+    assert len(calls) == 1 and fake.waits == []
+    handle, handles, waits = calls[0]
+    assert (handle, handles) == (77, [e.handle for e in events])
+    assert waits.per_layer == 3
+    p, w, f = per_layer, whole[0], finished
+    assert list(waits.handles) == [
+        p[0].handle, w.handle, f[0].handle,
+        p[1].handle, None, None,
+        p[2].handle, None, f[2].handle,
+    ]  # fmt: skip
+
+
+def test_a_cuda_load_with_nothing_left_to_wait_for_passes_no_waits(fake_cuda) -> None:
+    fake, _pool, stream = fake_cuda
+    done = [stream.record() for _ in range(2)]
+    fake.pending.clear()
+    for e in done:
+        e.query()
+    calls = []
+    stream.launch_layers(
+        2, lambda layer, h: None, lambda e, layer: None, lambda *a: calls.append(a), [done]
+    )
+    assert len(calls) == 1 and len(calls[0]) == 2  # (stream, events): no waits
+
+
+def test_a_cuda_stream_refuses_to_wait_on_a_pending_host_event(fake_cuda) -> None:
+    _fake, pool, stream = fake_cuda
+    free = pool.num_free
+    with pytest.raises(TypeError, match="only wait on CUDA events"):
+        stream.launch_layers(
+            2,
+            lambda layer, h: None,
+            lambda e, layer: None,
+            lambda *a: None,
+            [[HostEvent()] * 2],
+        )
+    assert pool.num_free == free  # refused before any event was taken

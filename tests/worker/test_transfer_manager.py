@@ -365,7 +365,7 @@ def test_a_native_launch_of_every_layer_reports_its_failed_layer(tm: TransferMan
     from fastkv.ops.core import LayerCopyError
 
     class NativeStream(HostStream):
-        def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None):
+        def launch_layers(self, num_layers, copy_layer, on_error, copy_layers=None, after=()):
             events = [self.record() for _ in range(num_layers)]
             try:
                 copy_layers(self.handle, events)
