@@ -650,6 +650,7 @@ def _recompute(rm: Any, outcome: Outcome, output: Any) -> None:
         request.num_computed_tokens = min(len(request.block_tables) * bs, prompt - 1)
         request.num_cached_tokens = request.num_computed_tokens
         request.status = RequestStatus.RUNNING_PREFILL
+        request.metrics.decode_inference_start_time = time.time()  # as add_prefilled
         rm.tasks_list[request.idx] = request
         rm.running.append(request)
 

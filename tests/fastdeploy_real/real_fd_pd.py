@@ -200,6 +200,8 @@ class PDPair:
             out = RequestOutput.from_dict(d)
             out.finished = False
             rid = out.request_id
+            if rid not in self.d.rm.requests:
+                continue  # D is done with it (FastDeploy's engine keeps it waiting)
             if out.error_code != 200:
                 by_id[rid].first_token_error = out.error_msg
                 self.d.rm.pre_recycle_resource(rid)

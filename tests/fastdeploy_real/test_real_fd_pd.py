@@ -102,3 +102,106 @@ def test_d_reuses_its_own_prefix_and_p_sends_only_the_tail(make_pair: Any) -> No
     pair.wait_idle()
     pair.d.check_clean()
     pair.check_no_leaks()
+
+
+def kill_after_layer(pair: PDPair, fabric: InProcFabric, layer: int) -> None:
+    """P's rank 0 dies once it handed layer `layer` over (its endpoint: later writes
+    and every notice fail; from D's side P is gone)."""
+    ctrl = pair.p.runners[0].cache_controller
+    hook = ctrl.after_layer
+
+    def after_layer(n: int) -> None:
+        hook(n)
+        if n == layer:
+            fabric.kill("p0", land_fraction=1.0)
+
+    ctrl.after_layer = after_layer
+
+
+def test_p_killed_mid_transfer_d_recomputes_after_its_deadline(make_pair: Any) -> None:
+    fabric = InProcFabric()
+    pair = make_pair(fabric=fabric, timeout_s=1.0, fence_grace_s=0.5)
+    kill_after_layer(pair, fabric, 0)
+    served = pair.start(pair.request("a", PROMPT_A, 5))
+    pair.prefill([served])
+    pair.first_tokens.sent = []  # P is dead: its first token never reaches D
+    d_pd = pair.d.cache_manager.pd
+    assert d_pd.counters["committed"] == 0
+    pair.decode()  # D's deadline passes: it recomputes the prompt, samples all tokens
+    assert d_pd.counters["recomputed"] == 1
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()  # receiving blocks freed once fenced (deadline + grace)
+    pair.d.check_clean()
+    assert pair.p.cache_manager.pd.counters["sends_failed"] == 1  # P settles, not hangs
+    pair.check_no_leaks()
+
+
+def test_d_full_answers_error_msg_and_p_asks_again(make_pair: Any) -> None:
+    pair = make_pair(d_config={"num_gpu_blocks": 12})
+    big = list(range(900, 900 + 7 * BS))  # 7 of D's 12 blocks (8 with enc_dec)
+    other = list(range(1000, 1000 + 5 * BS + 3))  # 6 blocks: no room while big runs
+    first = pair.start(pair.request("big", big, 2))
+    pair.prefill([first])
+    second_req = pair.request("other", other, 3)
+    assert pair.p.rm.preallocate_resource_in_p(second_req)
+    info = pair.ask_d(second_req)
+    assert info == {"request_id": "other", "error_msg": "Not enough resources"}
+    d_cm = pair.d.cache_manager
+    assert not d_cm.manager.is_active("other")  # nothing held for it on D
+    assert "other" not in d_cm.pd._accepted
+    pair.deliver_first_tokens([first])  # big decodes and ends: room again
+    pair.decode()
+    info = pair.ask_d(second_req)  # FastDeploy's P asks again
+    assert "dest_block_ids" in info
+    pair.pump()
+    pair.p.rm.add_request_in_p([second_req])
+    from real_fd_pd import Served
+
+    served = Served("other")
+    pair.prefill([served])
+    pair.deliver_first_tokens([served])
+    pair.decode()
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
+
+
+def test_abort_on_d_while_receiving_frees_the_tail_once_fenced(make_pair: Any) -> None:
+    pair = make_pair()
+    served = pair.start(pair.request("a", PROMPT_A, 5))
+    d_cm = pair.d.cache_manager
+    receiving = d_cm.manager.num_receiving_blocks
+    assert receiving == 4
+    pair.d.rm.pre_recycle_resource("a")  # D gives the request up (FastDeploy's call)
+    assert not d_cm.manager.is_active("a")
+    assert d_cm.manager.num_receiving_blocks == receiving  # P may still write: fenced
+    pair.prefill([served])  # P sends; its notice fences D's tail
+    pair.deliver_first_tokens([served])  # "not found" on D: dropped
+    pair.wait_idle()
+    assert d_cm.manager.num_receiving_blocks == 0
+    assert d_cm.pd.counters["aborted"] == 1
+    del pair.d.expected["a"]
+    pair.check_no_leaks()
+
+
+def test_d_deadline_passing_ends_in_recompute_and_p_reports_the_failure(
+    make_pair: Any,
+) -> None:
+    import time
+
+    pair = make_pair(timeout_s=0.5, fence_grace_s=0.3)
+    served = pair.start(pair.request("a", PROMPT_A, 5))
+    time.sleep(0.9)  # P is slow: D's deadline and fence pass before P prefills
+    pair.decode()  # D recomputes the prompt and finishes the request itself
+    assert pair.d.cache_manager.pd.counters["recomputed"] == 1
+    assert pair.d.cache_manager.manager.num_receiving_blocks == 0
+    pair.prefill([served])  # P's send is past its own deadline: reported failed
+    assert pair.p.cache_manager.pd.counters["sends_failed"] == 1
+    out = pair.first_tokens.sent[0]
+    assert out.error_code == 501 and "PD Error" in out.error_msg
+    pair.deliver_first_tokens([served])  # D: the request is done, nothing to recycle
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
