@@ -205,3 +205,48 @@ def test_d_deadline_passing_ends_in_recompute_and_p_reports_the_failure(
     pair.wait_idle()
     pair.d.check_clean()
     pair.check_no_leaks()
+
+
+def test_p_first_token_before_the_commit_waits_outside_running(make_pair: Any) -> None:
+    """add_prefilled_request keeps the request out of running until the transfer's
+    success was applied, whatever P's first-token message says."""
+    fabric = InProcFabric()
+    pair = make_pair(fabric=fabric)
+    fabric.hold_notices = True  # P's notice to D is late: D has not verified
+    served = pair.start(pair.request("a", PROMPT_A, 4))
+    pair.prefill([served])
+    pair.deliver_first_tokens([served])
+    d = pair.d
+    d.step()
+    assert [r.request_id for r in d.rm.running] == []  # held: no KV verified yet
+    assert d.cache_manager.pd.counters["committed"] == 0
+    fabric.hold_notices = False
+    fabric.pump()
+    pair.decode()
+    assert d.cache_manager.pd.counters["committed"] == 1
+    assert d.mismatches() == 0
+    pair.wait_idle()
+    d.check_clean()
+    pair.check_no_leaks()
+
+
+def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
+    make_pair: Any,
+) -> None:
+    pair = make_pair(send_timeout_s=0.5)
+    req = pair.request("a", PROMPT_A, 4)
+    assert pair.p.rm.preallocate_resource_in_p(req)
+    assert "dest_block_ids" in pair.ask_d(req)
+    pair.pump()  # P's ranks started the send (send_to_node)
+    p_cm = pair.p.cache_manager
+    held = p_cm.manager.num_blocks("a")
+    # FastDeploy's P drops a task after its cache info went out (common_engine's
+    # delete_tasks_list: pre_recycle_resource) while the send may read its blocks.
+    pair.p.rm.pre_recycle_resource("a")
+    assert p_cm.manager.is_active("a") and p_cm.manager.num_blocks("a") == held
+    pair.d.rm.pre_recycle_resource("a")
+    del pair.d.expected["a"]
+    pair.wait_idle()  # the send passes its deadline, settles failed, then P frees
+    assert not p_cm.manager.is_active("a")
+    assert pair.finished.get_finished_req()[0][0] == "a"  # reported, not left waiting
+    pair.check_no_leaks()
