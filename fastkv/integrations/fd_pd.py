@@ -292,22 +292,32 @@ class FastDeployPD:
     def cache_info(self, infos: Iterable[dict[str, Any]]) -> None:
         """P: the dicts FastDeploy puts for its messager (`put_cache_info`). D's
         cache_sync answers are applied (an acceptance becomes one send task per P
-        rank; an error_msg unpins); P's own src-block infos carry nothing fastkv
-        needs and are ignored."""
-        assert self.p is not None
-        for info in infos:
+        rank; an error_msg unpins, and P is pinned again for its next ask); P's own
+        src-block infos carry nothing fastkv needs and are ignored.
+
+        Raises:
+            ValueError: an info that is not a dict, or dest_block_ids whose fastkv
+                fields are not an acceptance; nothing is applied then."""
+        answers: list[tuple[Hashable, Acceptance | str, list[Any]]] = []
+        for i, info in enumerate(infos):
+            if not isinstance(info, dict):
+                raise ValueError(f"infos[{i}]: expected a dict, got {info!r:.80}")
             rid = info.get("request_id")
+            dest = info.get("dest_block_ids")
             if rid not in self._sends:
                 continue
             if "error_msg" in info:
-                self.p.on_answer(Rejection(rid, str(info["error_msg"])))
+                answers.append((rid, str(info["error_msg"]), []))
+            elif isinstance(dest, DestBlockIds):
+                hs = list(dest.fastkv.get("handshakes", ()))
+                answers.append((rid, acceptance_from(rid, dest.fastkv), hs))
+        assert self.p is not None
+        for rid, answer, handshakes in answers:
+            if isinstance(answer, str):
+                self.p.on_answer(Rejection(rid, answer))
                 self._reoffer(rid)
-                continue
-            dest = info.get("dest_block_ids")
-            if not isinstance(dest, DestBlockIds):
-                continue  # P's own info for the messager
-            handshakes = list(dest.fastkv.get("handshakes", ()))
-            self._answer(rid, acceptance_from(rid, dest.fastkv), handshakes)
+            else:
+                self._answer(rid, answer, handshakes)
 
     def _reoffer(self, rid: Hashable) -> None:
         """FastDeploy asks D again after an error_msg: pin again for that answer."""
