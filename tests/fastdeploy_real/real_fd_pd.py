@@ -170,7 +170,7 @@ class PDPair:
             served.asks += 1
             info = self.ask_d(req)
             if "error_msg" not in info:
-                served.dest_block_ids = list(info["dest_block_ids"])
+                served.dest_block_ids = info["dest_block_ids"]  # DestBlockIds
                 break
             if served.asks > retries:
                 served.first_token_error = info["error_msg"]

@@ -250,3 +250,41 @@ def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
     assert not p_cm.manager.is_active("a")
     assert pair.finished.get_finished_req()[0][0] == "a"  # reported, not left waiting
     pair.check_no_leaks()
+
+
+@pytest.mark.parametrize("secret", [b"d" * 32, None])
+def test_the_notice_key_rides_the_zmq_message_only_without_a_deployment_secret(
+    make_pair: Any, secret: bytes | None
+) -> None:
+    pair = make_pair(deployment_secret=secret)
+    (served,) = pair.serve([("a", PROMPT_A, 3)])
+    key = served.dest_block_ids.fastkv["secret"]  # as P read it off cache_sync
+    assert (key == b"") == (secret is not None)
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
+
+
+def test_a_malformed_acceptance_from_d_changes_nothing_on_p(make_pair: Any) -> None:
+    from fastkv.integrations.fd_pd import DestBlockIds
+
+    pair = make_pair()
+    req = pair.request("a", PROMPT_A, 3)
+    assert pair.p.rm.preallocate_resource_in_p(req)
+    bad = DestBlockIds([1, 2, 3, 4], {"transfer_id": 1})  # no epoch, blocks, ...
+    with pytest.raises(ValueError, match="not an acceptance"):
+        pair.p.cache_manager.pd_cache_info([{"request_id": "a", "dest_block_ids": bad}])
+    assert pair.p.cache_manager.take_pd_tasks(0) == []  # no send planned
+    assert "dest_block_ids" in pair.ask_d(req)  # the real answer still works
+    pair.pump()
+    pair.p.rm.add_request_in_p([req])
+    from real_fd_pd import Served
+
+    served = Served("a")
+    pair.prefill([served])
+    pair.deliver_first_tokens([served])
+    pair.decode()
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
