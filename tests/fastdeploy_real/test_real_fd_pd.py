@@ -288,3 +288,38 @@ def test_a_malformed_acceptance_from_d_changes_nothing_on_p(make_pair: Any) -> N
     pair.wait_idle()
     pair.d.check_clean()
     pair.check_no_leaks()
+
+
+def test_p_sends_each_layer_from_the_runners_hook_before_computing_the_next(
+    make_pair: Any,
+) -> None:
+    pair = make_pair()
+    served = pair.start(pair.request("a", PROMPT_A, 3))
+    dst = list(served.dest_block_ids)
+    p_req = pair.p.rm.requests["a"]
+    src = list(p_req.block_tables)[: len(dst)]  # P also holds enc_dec blocks past them
+    p_run, d_run = pair.p.runners[0], pair.d.runners[0]
+    roles = p_run.roles
+    seen: list[bool] = []
+    d_layer1_then: list[Any] = []
+    ctrl = p_run.cache_controller
+    hook = ctrl.after_layer
+
+    def after_layer(n: int) -> None:
+        hook(n)
+        if n == 0:  # layer 0 handed over; layer 1 not computed yet on P
+            seen.append(
+                all((d_run.views[r][dst] == p_run.views[r][src]).all() for r in range(roles))
+            )
+            d_layer1_then.extend(d_run.views[roles + r][dst].copy() for r in range(roles))
+
+    ctrl.after_layer = after_layer
+    pair.prefill([served])
+    assert seen == [True]  # D had layer 0's bytes once P's hook for layer 0 ran ...
+    for r, then in enumerate(d_layer1_then):  # ... and none of layer 1's P wrote later
+        assert not (then == p_run.views[roles + r][src]).all(axis=(1, 2, 3)).any()
+    pair.deliver_first_tokens([served])
+    pair.decode()
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
