@@ -118,9 +118,10 @@ def kill_after_layer(pair: PDPair, fabric: InProcFabric, layer: int) -> None:
     ctrl.after_layer = after_layer
 
 
-def test_p_killed_mid_transfer_d_recomputes_after_its_deadline(make_pair: Any) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_p_killed_mid_transfer_d_recomputes_after_its_deadline(make_pair: Any, tp: int) -> None:
     fabric = InProcFabric()
-    pair = make_pair(fabric=fabric, timeout_s=1.0, fence_grace_s=0.5)
+    pair = make_pair(tp=tp, fabric=fabric, timeout_s=1.0, fence_grace_s=0.5)
     kill_after_layer(pair, fabric, 0)
     served = pair.start(pair.request("a", PROMPT_A, 5))
     pair.prefill([served])
@@ -167,8 +168,9 @@ def test_d_full_answers_error_msg_and_p_asks_again(make_pair: Any) -> None:
     pair.check_no_leaks()
 
 
-def test_abort_on_d_while_receiving_frees_the_tail_once_fenced(make_pair: Any) -> None:
-    pair = make_pair()
+@pytest.mark.parametrize("tp", [1, 2])
+def test_abort_on_d_while_receiving_frees_the_tail_once_fenced(make_pair: Any, tp: int) -> None:
+    pair = make_pair(tp=tp)
     served = pair.start(pair.request("a", PROMPT_A, 5))
     d_cm = pair.d.cache_manager
     receiving = d_cm.manager.num_receiving_blocks
