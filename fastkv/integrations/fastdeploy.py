@@ -27,6 +27,7 @@ from fastkv.integrations.fd_config import (
     cache_config_from_fastdeploy,
     results_channel_name,
 )
+from fastkv.integrations.fd_pd import patch_resource_manager, unpatch_resource_manager
 from fastkv.integrations.fd_scheduler import FastDeployCacheManager, FastDeployMatchResult
 from fastkv.integrations.fd_worker import (
     FastDeployCacheController,
@@ -62,6 +63,7 @@ def install() -> list[str]:
     """
     replaced: list[str] = []
     originals: dict[int, Any] = {}
+    _patch_pd()
     for module_name, attr, ours in _TARGETS:
         module = importlib.import_module(module_name)
         current = getattr(module, attr, None)
@@ -83,8 +85,19 @@ def install() -> list[str]:
     return replaced
 
 
+def _patch_pd() -> None:
+    """ResourceManagerV1's PD methods, wrapped (fd_pd); skipped where FastDeploy's
+    engine package does not import."""
+    try:
+        from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+    except ImportError:
+        return
+    patch_resource_manager(ResourceManagerV1)
+
+
 def uninstall() -> None:
     """Put back what `install()` replaced (in modules still imported)."""
+    unpatch_resource_manager()
     for (module_name, attr), original in _originals.items():
         module = sys.modules.get(module_name)
         if module is not None:

@@ -100,6 +100,14 @@ class CommitBook:
             self._commit(tracked)
         self._manager.finish(request_id)
 
+    def forget(self, request_id: Hashable) -> None:
+        """Forget the request without finishing it in the manager (someone else
+        finishes it: prefill/decode, `fd_pd`); a finished one first commits what it
+        proved."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and self._manager.is_active(request_id):
+            self._commit(tracked)
+
     def _check_coverage(self, tracked: _Tracked) -> None:
         """Once a schedule is done, every position a request has been scheduled to
         compute (`num_computed_tokens`) must lie in a block of its table. One that

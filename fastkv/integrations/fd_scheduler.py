@@ -47,6 +47,7 @@ from fastkv.integrations import fd_config as fdc
 from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_extend import ExtendTables
 from fastkv.integrations.fd_metrics import FastDeployMetrics
+from fastkv.integrations.fd_pd import FastDeployPD, PDSettings
 from fastkv.integrations.fd_prefetch import PendingPrefetch, StoragePrefetches
 from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
 from fastkv.integrations.fd_transfers import fastdeploy_metadata_types
@@ -126,6 +127,8 @@ class FastDeployCacheManager:
         self._lock = threading.RLock()
         self._metadata_types = fastdeploy_metadata_types()
         self._counters = AdapterCounters()
+        self.pd: FastDeployPD | None = None  # attach_pd: the splitwise roles
+        self._pd_args: dict[str, Any] | None = None
         self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = bind_channel(name, self.tp_size, self)
@@ -286,6 +289,8 @@ class FastDeployCacheManager:
         with self._lock:
             self._poll()
             mgr = self.manager
+            if self.pd is not None and self.pd.is_pd_request(request):
+                return self.pd.accept(request)  # D: own prefix + receiving tail
             if not mgr.is_active(rid):  # prefix caching off: never matched
                 mgr.match(rid, [], 0)
                 self._book.track(request)
@@ -534,6 +539,8 @@ class FastDeployCacheManager:
             self._book.commit(rid)
             if self.manager.is_active(rid):
                 task.num_cached_blocks = self.manager.num_committed_blocks(rid)
+            if self.pd is not None and self.pd.role == "prefill":
+                self.pd.offer(task)  # pinned until its send settles
 
     def cache_output_blocks(self, request: Any, block_size: int | None = None) -> None:
         """Commit the request's output blocks whose KV exists (FastDeploy's output
@@ -577,6 +584,80 @@ class FastDeployCacheManager:
         """
         with self._lock:
             return self._poll()
+
+    # -- prefill/decode disaggregation (fd_pd) -----------------------------------
+
+    def attach_pd(self, *, role: str, settings: PDSettings, finished_queue: Any = None) -> None:
+        """Serve FastDeploy's splitwise role `role` ("prefill" or "decode") with
+        fastkv's PD path (see `fd_pd`). `settings.layout_digest` is the workers'
+        `KVLayout.digest()`; D's `settings.handshakes` its ranks' handshakes; P's
+        `finished_queue` where its token processor reads finished sends
+        (`put_finished_req`). Idle only.
+
+        Raises:
+            ValueError: a bad role or setting, or requests active (nothing changes).
+        """
+        with self._lock:
+            self._poll()
+            self._require_idle("attach_pd")
+            args = {"role": role, "settings": settings, "finished_queue": finished_queue}
+            self.pd = FastDeployPD(self, **args)
+            self._pd_args = args
+
+    def pd_offer(self, request: Any) -> bool:
+        """P: pin an allocated request for its send (`FastDeployPD.offer`)."""
+        with self._lock:
+            return self.pd is not None and self.pd.role == "prefill" and self.pd.offer(request)
+
+    def pd_cache_info(self, infos: Any) -> None:
+        """P: the cache infos FastDeploy puts for its messager (`put_cache_info`):
+        D's cache_sync answers start the sends."""
+        with self._lock:
+            self._poll()
+            if self.pd is not None and self.pd.role == "prefill":
+                self.pd.cache_info(infos if isinstance(infos, list) else [infos])
+
+    def pd_reports(self, reports: Any) -> None:
+        """The ranks' RankReports (fd_pd_worker), applied at once."""
+        with self._lock:
+            if self.pd is not None:
+                self.pd.on_reports(reports)
+
+    def take_pd_tasks(self, rank: int) -> list[Any]:
+        """The PD tasks of worker `rank` since its last call (`FastDeployPD.take_tasks`)."""
+        with self._lock:
+            self._poll()
+            return [] if self.pd is None else self.pd.take_tasks(rank)
+
+    def pd_rejection(self, request_id: Any) -> str | None:
+        with self._lock:
+            return (
+                None
+                if self.pd is None or self.pd.d is None
+                else self.pd.take_rejection(request_id)
+            )
+
+    def pd_dest_block_ids(self, request_id: Any) -> Any:
+        with self._lock:
+            return None if self.pd is None else self.pd.dest_block_ids(request_id)
+
+    def pd_hold(self, request_output: Any) -> bool:
+        """D: whether P's first token waits for the transfer's outcome."""
+        with self._lock:
+            self._poll()
+            return (
+                self.pd is not None and self.pd.d is not None and self.pd.hold(request_output)
+            )
+
+    def pd_ready(self) -> list[Any]:
+        with self._lock:
+            self._poll()
+            return [] if self.pd is None or self.pd.d is None else self.pd.ready()
+
+    def pd_table(self, request_id: Any) -> list[int]:
+        with self._lock:
+            assert self.pd is not None
+            return self.pd.table(request_id)
 
     # -- configuration and state -----------------------------------------------
 
@@ -693,6 +774,8 @@ class FastDeployCacheManager:
         combined = self.results.poll()
         if combined:
             self._relay.apply(combined)
+        if self.pd is not None:
+            self.pd.tick()
         if self._reset_pending:
             self._finish_owed_reset()
         return len(combined)
@@ -712,7 +795,11 @@ class FastDeployCacheManager:
 
     def _release(self, request: Any, *, finished: bool) -> None:
         self._relay.fail_undispatched(request)
-        self._book.release(request.request_id, finished=finished)
+        rid = request.request_id
+        if self.pd is not None and (self.pd.abort(rid) or self.pd.defer_finish(rid)):
+            self._book.forget(rid)  # D: finished by abort; P: once its send settled
+        else:
+            self._book.release(rid, finished=finished)
         self._extends.release(request.request_id)
 
     def _require_idle(self, what: str) -> None:
@@ -755,6 +842,11 @@ class FastDeployCacheManager:
             request_of=self._book.request_of,
             divert_reads=self._prefetches.queue,
         )
+        if self._pd_args is not None:  # a new manager: PD over it (counters kept)
+            counters = self.pd.counters if self.pd is not None else None
+            self.pd = FastDeployPD(self, **self._pd_args)
+            if counters is not None:
+                self.pd.counters = counters
 
     def _rebuild(self, config: CacheConfig) -> None:
         self._build_rooms(config)

@@ -148,6 +148,7 @@ class FastDeployCacheController:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
+        self.pd: Any = None  # fd_pd_worker.PDWorker, once attach_pd
 
     @property
     def sender(self) -> ResultsSender:
@@ -474,6 +475,56 @@ class FastDeployCacheController:
             )
             return stats
 
+    # -- prefill/decode disaggregation (fd_pd_worker) ------------------------------
+
+    def attach_pd(
+        self,
+        transport: Any,
+        *,
+        role: str,
+        report_to: Any,
+        checksums: bool = True,
+    ) -> Any:
+        """Serve this rank's half of FastDeploy's splitwise role over `transport`
+        (every cache tensor is registered there once). Returns the `PDWorker`; its
+        `handshake()` is what D's scheduler hands P (`fd_pd.PDSettings.handshakes`).
+
+        Raises:
+            RuntimeError: the cache does not exist yet.
+            ValueError: a bad role.
+        """
+        from fastkv.integrations.fd_pd_worker import PDWorker
+        from fastkv.pd.layout import KVLayout
+
+        with self._lock:
+            layout = KVLayout.of_controller(
+                self._require(), tp_rank=self.rank, tp_size=self.tp_size
+            )
+            self.pd = PDWorker(
+                layout, transport, role=role, report_to=report_to, checksums=checksums
+            )
+            return self.pd
+
+    def send_to_node(self, metadata: Any) -> Any:
+        """FastDeploy's name: P sends a request's blocks (`PDWorker.send_to_node`)."""
+        return self._pd_worker().send_to_node(metadata)
+
+    def wait_for_transfer_from_node(self, metadata: Any) -> Any:
+        """FastDeploy's name: D expects a request's blocks from P."""
+        return self._pd_worker().wait_for_transfer_from_node(metadata)
+
+    def after_layer(self, layer: int) -> None:
+        """The one line PD adds to FastDeploy's runner: call it once layer `layer` of
+        the step is written (on a GPU, after that layer's kernel is done)."""
+        pd = self.pd
+        if pd is not None:
+            pd.after_layer(layer)
+
+    def _pd_worker(self) -> Any:
+        if self.pd is None:
+            raise RuntimeError("PD is not attached to this rank (attach_pd first)")
+        return self.pd
+
     # -- internals --------------------------------------------------------------
 
     def _require(self) -> Any:
@@ -559,6 +610,8 @@ class FastDeployCacheController:
         while not self._stop.wait(self.report_interval_s):
             try:
                 self.report_results()
+                if self.pd is not None:
+                    self.pd.poll()
             except Exception:  # never let the reporter die silently mid-run
                 log.exception("fastkv rank %d: reporting results failed", self.rank)
 

@@ -217,6 +217,16 @@ class PrefillTransfers:
         else:
             send.released = True
 
+    def withdraw(self, request_id: Hashable) -> bool:
+        """Unpin an offer D has not accepted (the engine gave the request up before
+        an answer: nothing was sent, nothing can be read). True when withdrawn;
+        False (nothing changes) for a request not offered or already sending."""
+        send = self._sends.get(request_id)
+        if send is None or send.state is not PState.OFFERED:
+            return False
+        del self._sends[request_id]
+        return True
+
     def tick(self) -> None:
         """Unpin sends past their deadline."""
         now = self._clock()

@@ -635,9 +635,10 @@ class CacheManager:
         Returns:
             The block ids, or why there are none now (`AllocStatus` NO_SPACE or
             WAIT_FOR_TRANSFERS, as for `allocate`; nothing is reserved). With
-            `reuse_evicted_blocks` only free blocks are taken (an evicted block's
-            copy is ordered before this instance's writes, not a remote writer's):
-            NO_SPACE when too few are free.
+            `reuse_evicted_blocks` and a host tier only free blocks are taken (an
+            evicted block's copy is ordered before this instance's writes, not a
+            remote writer's): NO_SPACE when too few are free. Without a host tier
+            eviction copies nothing, and cached blocks are evicted for it.
 
         Raises:
             ValueError: `num_blocks` is not an int >= 0, or more than the device pool.

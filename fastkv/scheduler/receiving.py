@@ -30,14 +30,15 @@ class ReceivingBlocks:
     ) -> list[int] | AllocStatus:
         """Take `num_blocks` device blocks (free ones first, then by eviction as
         `allocate` does); `num_blocks` is checked by the caller. With
-        `reuse_evicted_blocks` only free blocks are taken: an evicted block comes
-        with its copy still to run, and only this instance's worker orders that copy
-        before writes, not a remote writer's. Nothing is reserved when it answers
-        an `AllocStatus`."""
+        `reuse_evicted_blocks` and a host tier only free blocks are taken: an
+        evicted block comes with its copy still to run, and only this instance's
+        worker orders that copy before writes, not a remote writer's. Without a host
+        tier an evicted block is discarded, no copy reads it: it is taken. Nothing
+        is reserved when it answers an `AllocStatus`."""
         pool = self._pool
         if num_blocks <= pool.num_free:
             ids: list[int] | AllocStatus = pool.allocate(num_blocks)
-        elif self._reuse_evicted:
+        elif self._reuse_evicted and self._tiers.host_pool.capacity:
             return AllocStatus.NO_SPACE
         else:
             ids = self._tiers.take_device_blocks(num_blocks, is_busy)

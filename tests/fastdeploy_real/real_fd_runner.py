@@ -150,6 +150,9 @@ class StandInRunner:
         self.runner_change = runner_change
         self.handle_extend = False
         self.spec_tokens = 0
+        # A prefill instance (splitwise role "prefill"): a slot stops after its
+        # prefill's token (D decodes the rest).
+        self.prefill_only = fd_config.scheduler_config.splitwise_role == "prefill"
         self.log = RunnerLog()
 
     def _make_backend(self, cls: type) -> Any:
@@ -322,6 +325,8 @@ class StandInRunner:
                 if id(slot) not in dropped:
                     self._attend(slot, layer, start, end)
                     self._write_rejected(slot, layer)
+            if getattr(self.cache_controller, "pd", None) is not None:
+                self.cache_controller.after_layer(layer)  # PD's one runner line
         # The MTP model runs after the main one and, as FastDeploy's proposer,
         # waits for none of its layers (its forward_meta has no layer_done_counter).
         for layer in range(self.num_layers, self.num_layers + self.mtp_layers):
@@ -358,7 +363,7 @@ class StandInRunner:
             slot.num_outputs += 1
             slot.seq.append(token)
             out[idx] = [token] if self.spec_tokens else token  # type: ignore[assignment]
-            if slot.num_outputs >= slot.max_tokens:
+            if slot.num_outputs >= slot.max_tokens or self.prefill_only:
                 del self.slots[idx]  # EOS: the runner's stop flag
         return out
 

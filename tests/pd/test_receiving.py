@@ -74,6 +74,27 @@ def test_reserve_receiving_takes_no_block_an_untaken_eviction_reads() -> None:
     mgr.check_invariants()
 
 
+def test_reserve_receiving_evicts_cached_blocks_when_no_host_copy_reads_them() -> None:
+    """FastDeploy's adapter runs with reuse_evicted_blocks; a D without a host tier
+    discards what it evicts, so its cached blocks serve a transfer (before, only
+    free blocks did: a D full of cached KV refused every transfer)."""
+    mgr = CacheManager(
+        CacheConfig(
+            block_size=BS, num_device_blocks=2, num_host_blocks=0, reuse_evicted_blocks=True
+        )
+    )
+    mgr.match("a", hashes(2), 2 * BS)
+    assert mgr.allocate("a", num_tokens=2 * BS)
+    mgr.commit("a", num_computed_tokens=2 * BS)
+    mgr.finish("a")
+    got = mgr.reserve_receiving(2)
+    assert sorted(got) == [0, 1]  # type: ignore[arg-type]
+    assert mgr.match("b", hashes(2), 2 * BS + 1).num_device_hits == 0
+    mgr.finish("b")
+    mgr.release_receiving(got)  # type: ignore[arg-type]
+    mgr.check_invariants()
+
+
 def _pair(clock: list[float], d_blocks: int = 8) -> tuple[DecodeTransfers, CacheManager]:
     mgr = CacheManager(CacheConfig(block_size=BS, num_device_blocks=d_blocks))
     d = DecodeTransfers(

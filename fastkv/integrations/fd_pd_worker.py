@@ -1,0 +1,228 @@
+"""FastDeploy's prefill/decode disaggregation served by fastkv's PD path (worker side).
+
+One `PDWorker` per rank, made by `FastDeployCacheController.attach_pd` once the cache
+exists: a `PDSender` on a P rank, a `PDReceiver` on a D rank, over the rank's
+transport. FastDeploy's declared names and handler shape:
+
+    send_to_node(PDTransferMetadata) -> AsyncTaskHandler             (P rank)
+        extra_params["fastkv_pd"]: the send plan (`fd_pd.plan_fields`) and D's rank
+        handshakes; block_ids: P's source blocks. The send goes layer by layer from
+        `after_layer(L)` (the runner's one added line, after layer L's attention
+        wrote it); the handler completes when this rank's writes settled and its
+        notices went out (result: the RankReport), or fails with the reason.
+    wait_for_transfer_from_node(PDTransferMetadata) -> AsyncTaskHandler  (D rank)
+        extra_params["fastkv_pd"]: the acceptance (`fd_pd.acceptance_fields`) and
+        P's rank count; completes once P's notice verified (result) or with the
+        reason it did not (error).
+
+`poll()` (the controller's reporter thread calls it) settles handlers and hands
+every RankReport to `report_to` (the scheduler's `FastDeployCacheManager.pd_reports`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fastkv.integrations.fd_pd import FIELD, acceptance_from, plan_from
+from fastkv.metadata import Epoch
+from fastkv.pd.layout import KVLayout
+from fastkv.pd.messages import RankReport
+from fastkv.pd.receiver import PDReceiver
+from fastkv.pd.sender import PDSender
+
+log = logging.getLogger(__name__)
+
+
+class _Handler:
+    """FastDeploy's `AsyncTaskHandler` shape, where FastDeploy is not importable."""
+
+    def __init__(self) -> None:
+        self.is_completed = False
+        self.result: Any = None
+        self.error: str | None = None
+        self._event = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def set_result(self, result: Any) -> None:
+        self.result, self.is_completed = result, True
+        self._event.set()
+
+    def set_error(self, error: str) -> None:
+        self.error, self.is_completed = error, True
+        self._event.set()
+
+
+def new_handler() -> Any:
+    try:
+        from fastdeploy.cache_manager.v1.metadata import AsyncTaskHandler
+    except ImportError:
+        return _Handler()
+    return AsyncTaskHandler()
+
+
+def _fields(metadata: Any, key: str) -> dict[str, Any]:
+    extra = getattr(metadata, "extra_params", None)
+    mine = extra.get(FIELD) if isinstance(extra, dict) else None
+    if not isinstance(mine, dict) or key not in mine:
+        raise ValueError(
+            f"metadata.extra_params[{FIELD!r}][{key!r}]: missing ({metadata!r:.120})"
+        )
+    return mine
+
+
+class PDWorker:
+    """A rank's PD half (one lock: the reporter thread polls, the scheduler's tasks
+    and the runner's hook arrive on others; the hook takes only the sender's).
+
+    Args:
+        layout: the rank's `KVLayout`.
+        transport: the rank's `PDTransport`.
+        role: "prefill" (a sender) or "decode" (a receiver).
+        report_to: gets every RankReport (the scheduler's `pd_reports`).
+        checksums: see `PDSender` / `PDReceiver`.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        transport: Any,
+        *,
+        role: str,
+        report_to: Callable[[list[RankReport]], None],
+        checksums: bool = True,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
+        self.role = role
+        self.layout = layout
+        self.transport = transport
+        self._report_to = report_to
+        self.sender = (
+            PDSender(transport, layout, checksums=checksums) if role == "prefill" else None
+        )
+        self.receiver = (
+            PDReceiver(transport, layout, checksums=checksums) if role == "decode" else None
+        )
+        self._handlers: dict[tuple[Epoch, int], Any] = {}
+        self._connected: set[int] = set()
+        self._lock = threading.Lock()
+
+    def handshake(self) -> tuple[str, KVLayout]:
+        return self.transport.address, self.layout
+
+    def send_to_node(self, metadata: Any) -> Any:
+        """P: start this rank's part of a send (see the module docstring). A send
+        that cannot start fails its handler and is reported failed at once (P's
+        scheduler then settles it without waiting for its deadline)."""
+        handler = new_handler()
+        if self.sender is None:
+            handler.set_error("send_to_node: this rank is not a prefill rank")
+            return handler
+        plan = None
+        try:
+            mine = _fields(metadata, "plan")
+            plan = plan_from(mine["plan"])
+            with self._lock:
+                self._connect(plan.num_d_ranks, mine.get("handshakes", ()))
+                self.sender.start(plan)
+                self._handlers[(plan.epoch, plan.transfer_id)] = handler
+        except (ValueError, KeyError, TypeError) as e:
+            handler.set_error(f"send_to_node: {e}")
+            if plan is not None:
+                rank = self.layout.tp_rank
+                reason = f"send_to_node: {e}"
+                self._report_to([RankReport(plan.transfer_id, plan.epoch, rank, False, reason)])
+        return handler
+
+    def _connect(self, num_d_ranks: int, handshakes: Any) -> None:
+        """Pair with the D ranks this P rank serves (d % p == 0: k of them)."""
+        assert self.sender is not None
+        k = num_d_ranks // self.layout.tp_size
+        mine = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
+        for address, d_layout in handshakes:
+            if d_layout.tp_rank in mine and d_layout.tp_rank not in self._connected:
+                self.sender.connect(address, d_layout)
+                self._connected.add(d_layout.tp_rank)
+
+    def wait_for_transfer_from_node(self, metadata: Any) -> Any:
+        """D: expect P's notice for this rank (see the module docstring)."""
+        handler = new_handler()
+        if self.receiver is None:
+            handler.set_error("wait_for_transfer_from_node: this rank is not a decode rank")
+            return handler
+        try:
+            mine = _fields(metadata, "acceptance")
+            acc = acceptance_from(mine.get("request_id"), mine["acceptance"])
+            with self._lock:
+                self.receiver.expect(acc, int(mine["acceptance"]["num_p_ranks"]))
+                self._handlers[(acc.epoch, acc.transfer_id)] = handler
+        except (ValueError, KeyError, TypeError) as e:
+            handler.set_error(f"wait_for_transfer_from_node: {e}")
+        return handler
+
+    def forget(self, epoch: Epoch, transfer_id: int) -> None:
+        """D: the scheduler is done with the transfer (late notices are dropped)."""
+        with self._lock:
+            if self.receiver is not None:
+                self.receiver.forget(epoch, transfer_id)
+            handler = self._handlers.pop((epoch, transfer_id), None)
+        if handler is not None and not handler.is_completed:
+            handler.set_error("the transfer ended without this rank's notice")
+
+    def run_tasks(self, tasks: list[Any]) -> list[Any]:
+        """The scheduler's tasks for this rank (`take_pd_tasks`): the handlers."""
+        out = []
+        for task in tasks:
+            if isinstance(task, tuple) and task and task[0] == "forget":
+                self.forget(*task[1])
+            elif self.role == "prefill":
+                out.append(self.send_to_node(task))
+            else:
+                out.append(self.wait_for_transfer_from_node(task))
+        return out
+
+    def after_layer(self, layer: int) -> None:
+        """The runner's per-layer hook: layer `layer` of this step is written."""
+        if self.sender is not None:
+            self.sender.after_layer(layer)
+
+    def poll(self) -> int:
+        """Settle what settled: handlers completed, reports handed on."""
+        with self._lock:
+            half = self.sender if self.sender is not None else self.receiver
+            assert half is not None
+            reports = half.poll()
+            done = []
+            for r in reports:
+                handler = self._handlers.get((r.epoch, r.transfer_id))
+                if handler is not None:
+                    if self.sender is not None:
+                        del self._handlers[(r.epoch, r.transfer_id)]
+                    done.append((handler, r))
+        for handler, r in done:
+            if r.ok:
+                handler.set_result(r)
+            else:
+                handler.set_error(r.reason or "failed")
+        if reports:
+            self._report_to(reports)
+        return len(reports)
+
+    @property
+    def num_open(self) -> int:
+        """Sends (P) or expected transfers (D) not settled or forgotten."""
+        if self.sender is not None:
+            return self.sender.num_sends
+        assert self.receiver is not None
+        return self.receiver.num_expected
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+__all__ = ["PDWorker", "new_handler"]

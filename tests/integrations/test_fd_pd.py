@@ -1,0 +1,65 @@
+"""fd_pd without FastDeploy: what rides FastDeploy's messages, and attach_pd's checks
+(the flows run against FastDeploy's real code in tests/fastdeploy_real/test_real_fd_pd.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from fd_standins import FDCacheConfig, FDConfig, ModelConfig, ParallelConfig
+
+from fastkv.integrations.fastdeploy import FastDeployCacheManager
+from fastkv.integrations.fd_pd import DestBlockIds, FinishedQueue, PDSettings, acceptance_from
+
+BS = 4
+
+
+def test_dest_block_ids_pickle_as_a_list_with_the_acceptance() -> None:
+    fields = {
+        "transfer_id": 3,
+        "epoch": 1,
+        "num_tokens": 9,
+        "num_prefix_blocks": 1,
+        "block_ids": [7, 8],
+        "secret": b"",
+        "timeout_s": 5.0,
+        "num_d_ranks": 2,
+    }
+    dest = DestBlockIds([-1, 7, 8], fields)
+    back = pickle.loads(pickle.dumps(dest, protocol=5))
+    assert back == [-1, 7, 8] and isinstance(back, list)
+    acc = acceptance_from("r", back.fastkv)
+    assert (acc.transfer_id, acc.epoch, acc.block_ids, acc.num_prefix_blocks) == (
+        3,
+        1,
+        (7, 8),
+        1,
+    )
+    with pytest.raises(ValueError, match="not an acceptance"):
+        acceptance_from("r", {"transfer_id": 3})
+
+
+def test_attach_pd_refuses_bad_settings_and_changes_nothing(channel: str) -> None:
+    fd_config = FDConfig(
+        FDCacheConfig(block_size=BS, total_block_num=8), ModelConfig(), ParallelConfig()
+    )
+    cm = FastDeployCacheManager(fd_config, channel_name=channel)
+    try:
+        digest = b"L" * 32
+        with pytest.raises(ValueError, match="role"):
+            cm.attach_pd(role="mixed", settings=PDSettings(digest))
+        with pytest.raises(ValueError, match="finished_queue"):
+            cm.attach_pd(role="prefill", settings=PDSettings(digest))
+        with pytest.raises(ValueError, match="handshakes"):
+            cm.attach_pd(role="decode", settings=PDSettings(digest, num_ranks=2))
+        with pytest.raises(ValueError, match="layout_digest"):
+            cm.attach_pd(
+                role="prefill", settings=PDSettings(b"x"), finished_queue=FinishedQueue()
+            )
+        assert cm.pd is None
+        cm.attach_pd(
+            role="prefill", settings=PDSettings(digest), finished_queue=FinishedQueue()
+        )
+        assert cm.pd is not None and cm.pd.role == "prefill"
+    finally:
+        cm.close()
