@@ -224,6 +224,10 @@ class DiskStorage:
         model_kv = ModelKVShape(num_layers=1, num_kv_heads=1, head_dim=1)
         self._namespace = StorageNamespace.of(cache, model_kv).digest()
         self._host = np.zeros((max(1, num_host_blocks), self.PAYLOAD), dtype=np.uint8)
+        self.verified = 0
+        """Blocks loaded whose payload was read back as the one stored for the key."""
+        self.mismatched = 0
+        """Blocks the backend answered OK whose payload is not the key's (failed)."""
 
     def _keys(self, keys: Sequence[bytes]) -> list[object]:
         from fastkv.storage import StorageKey
@@ -239,18 +243,24 @@ class DiskStorage:
         return next((i for i, hit in enumerate(found) if not hit), len(keys))
 
     def load(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
+        self._host[list(host_ids), :32] = 0  # a load that wrote nothing cannot pass below
         results = self.backend.get_into(
             self._keys(keys), self._segments(host_ids), time.monotonic() + 60
         )
         failed = {i for i, r in enumerate(results) if not r.ok}
         for i, (key, h) in enumerate(zip(keys, host_ids, strict=True)):
-            if i not in failed and self._host[h, :8].tobytes() != key.to_bytes(8, "little"):
-                failed.add(i)  # verified by the backend, and the payload is the key's
+            if i in failed:
+                continue
+            if self._host[h, : len(key)].tobytes() == key:
+                self.verified += 1  # verified by the backend, and the payload is the key's
+            else:
+                self.mismatched += 1
+                failed.add(i)
         return failed
 
     def store(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
         for key, h in zip(keys, host_ids, strict=True):
-            self._host[h, :8] = np.frombuffer(key.to_bytes(8, "little"), np.uint8)
+            self._host[h, : len(key)] = np.frombuffer(key, np.uint8)
         results = self.backend.put_from(
             self._keys(keys), self._segments(host_ids), time.monotonic() + 60
         )
