@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import random
 import time
 from collections import OrderedDict
@@ -223,7 +224,10 @@ class DiskStorage:
         )
         model_kv = ModelKVShape(num_layers=1, num_kv_heads=1, head_dim=1)
         self._namespace = StorageNamespace.of(cache, model_kv).digest()
-        self._host = np.zeros((max(1, num_host_blocks), self.PAYLOAD), dtype=np.uint8)
+        # Page-aligned, as a worker's host cache is: blocks move zero-copy (O_DIRECT
+        # stages misaligned memory through a bounce buffer, one slot at a time).
+        self._memory = mmap.mmap(-1, max(1, num_host_blocks) * self.PAYLOAD)
+        self._host = np.frombuffer(self._memory, dtype=np.uint8).reshape(-1, self.PAYLOAD)
         self.verified = 0
         """Blocks loaded whose payload was read back as the one stored for the key."""
         self.mismatched = 0

@@ -682,13 +682,12 @@ class LocalDiskBackend(StorageBackend):
         offsets = np.array([slot * g.slot_bytes for slot, _ in where], dtype=np.int64)
         segs = np.array([blocks[i] for i in todo], dtype=np.int64).reshape(len(todo), -1, 2)
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
-        # otherwise checksums are pipelined with the I/O, and a read keeps each
-        # block's header page until its verification.
+        # otherwise checksums are pipelined with the I/O, every block has a header
+        # page of its own (a write stages the headers of blocks whose slots follow
+        # one another, to move them in one call; a read keeps each until its
+        # verification).
         full = self._needs_full_bounce(segs)
-        if full:
-            bounce = self._bounce(g.slot_bytes)
-        else:
-            bounce = self._bounce(g.header_area * (1 if write else len(todo)))
+        bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
             self._fd,
