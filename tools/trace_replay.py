@@ -10,7 +10,6 @@ which is exactly what `CacheManager.match` returns.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import random
@@ -236,7 +235,8 @@ class DiskStorage:
     def _keys(self, keys: Sequence[bytes]) -> list[object]:
         from fastkv.storage import StorageKey
 
-        return [StorageKey(self._namespace, hashlib.sha256(key).digest()) for key in keys]
+        # a trace key is already a 32-byte digest standing for its chained block hash
+        return [StorageKey(self._namespace, key) for key in keys]
 
     def _segments(self, host_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
         base = self._host.ctypes.data

@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import IntEnum
 
 from fastkv.config import CacheConfig, ModelKVShape, check_identity
@@ -142,6 +142,7 @@ class StorageKey:
     namespace: bytes
     block_hash: bytes
     rank: int = 0
+    _packed: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("namespace", "block_hash"):
@@ -152,11 +153,14 @@ class StorageKey:
             raise ValueError(f"rank: must be an int in [0, {MAX_RANK}], got {self.rank!r}")
         if not 0 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank: {self.rank} is outside [0, {MAX_RANK}]")
+        # made once: the disk index looks a key up by it several times per call
+        packed = self.namespace + self.block_hash + self.rank.to_bytes(2, "little")
+        object.__setattr__(self, "_packed", packed)
 
     @property
     def packed(self) -> bytes:
         """66 bytes that identify the key: namespace, hash, rank (little-endian u16)."""
-        return self.namespace + self.block_hash + self.rank.to_bytes(2, "little")
+        return self._packed
 
     def text(self) -> str:
         """A printable form (Mooncake object keys)."""
