@@ -227,6 +227,8 @@ class DiskStorage:
         # stages misaligned memory through a bounce buffer, one slot at a time).
         self._memory = mmap.mmap(-1, max(1, num_host_blocks) * self.PAYLOAD)
         self._host = np.frombuffer(self._memory, dtype=np.uint8).reshape(-1, self.PAYLOAD)
+        self._bytes = memoryview(self._host.reshape(-1))
+        self._key_objects: dict[bytes, object] = {}
         self.verified = 0
         """Blocks loaded whose payload was read back as the one stored for the key."""
         self.mismatched = 0
@@ -235,8 +237,16 @@ class DiskStorage:
     def _keys(self, keys: Sequence[bytes]) -> list[object]:
         from fastkv.storage import StorageKey
 
-        # a trace key is already a 32-byte digest standing for its chained block hash
-        return [StorageKey(self._namespace, key) for key in keys]
+        # A trace key is already a 32-byte digest standing for its chained block
+        # hash; each gets its StorageKey once, as a worker keeps its blocks' keys.
+        cache, ns = self._key_objects, self._namespace
+        out = []
+        for key in keys:
+            k = cache.get(key)
+            if k is None:
+                k = cache[key] = StorageKey(ns, key)
+            out.append(k)
+        return out
 
     def _segments(self, host_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
         base = self._host.ctypes.data
@@ -255,7 +265,8 @@ class DiskStorage:
         for i, (key, h) in enumerate(zip(keys, host_ids, strict=True)):
             if i in failed:
                 continue
-            if self._host[h, : len(key)].tobytes() == key:
+            at = h * self.PAYLOAD
+            if self._bytes[at : at + len(key)] == key:
                 self.verified += 1  # verified by the backend, and the payload is the key's
             else:
                 self.mismatched += 1
@@ -263,8 +274,9 @@ class DiskStorage:
         return failed
 
     def store(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
+        view = self._bytes
         for key, h in zip(keys, host_ids, strict=True):
-            self._host[h, : len(key)] = np.frombuffer(key, np.uint8)
+            view[h * self.PAYLOAD : h * self.PAYLOAD + len(key)] = key
         results = self.backend.put_from(
             self._keys(keys), self._segments(host_ids), time.monotonic() + 60
         )

@@ -75,6 +75,7 @@
 #define HDR_CRC 124 /* u32, CRC-32C of bytes [0, 124) */
 #define ALIGN 4096
 #define RUN_BYTES (1 << 20) /* the most slot bytes contiguous blocks move in one call */
+#define PIPELINE_BYTES (1 << 20) /* batches smaller than this seal and verify inline */
 #define KEY_BYTES 32  /* HMAC-SHA256 key */
 #define GKEY_BYTES 16 /* AES-128 key of the GMAC, then its H = E(0) and mask = E(J0) */
 #define RING_ENTRY (4 + KEY_BYTES + 3 * GKEY_BYTES) /* u32 key id (little-endian), keys */
@@ -459,12 +460,15 @@ static PyObject *status_list(const int32_t *st, Py_ssize_t n) {
  * with the I/O: a write seals block i+1's header while block i is being written, a
  * read verifies block i while block i+1 is being read. Checksums of cold host
  * memory are memory-bound (about a fifth of an O_DIRECT write's time at 2 MiB
- * here); overlapped, one thread gets close to raw I/O speed.
+ * here); overlapped, one thread gets close to raw I/O speed. A batch of less than
+ * PIPELINE_BYTES seals and verifies inline: starting the thread (~50 us here) would
+ * cost more than the checksums it overlaps.
  */
 
 typedef struct {
     Batch *b;
     int fd, direct, is_write, pipelined;
+    int per_block; /* read: every block has its own header page in the bounce (job_bounce) */
     uint8_t *bounce;
     unsigned long long bounce_len;
     double deadline, delay;
@@ -485,7 +489,7 @@ typedef struct {
 static const int64_t *job_segs(const Job *j, Py_ssize_t i) { return (const int64_t *)j->b->segs.buf + 2 * j->b->nseg * i; }
 
 static uint8_t *job_bounce(const Job *j, Py_ssize_t i) {
-    return j->pipelined && !j->is_write ? j->bounce + i * j->b->header_area : j->bounce;
+    return j->per_block ? j->bounce + i * j->b->header_area : j->bounce;
 }
 
 static void seal(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
@@ -508,7 +512,7 @@ static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
         j->st[i] = ST_BAD_HEADER;
         return;
     }
-    int full_bounce = !j->pipelined && block_iovecs(b, sg, bounce, j->direct, NULL) < 0;
+    int full_bounce = !j->per_block && block_iovecs(b, sg, bounce, j->direct, NULL) < 0;
     for (Py_ssize_t s = 0; s < b->nseg; s++)
         if (full_bounce || so[s] < b->header_area)
             memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
@@ -610,7 +614,7 @@ static int run_io(Job *j, Py_ssize_t i, Py_ssize_t e) {
         int got = block_iovecs(b, job_segs(j, k), run_bounce(j, i, k), j->direct, iov + niov);
         if (got < 0) { /* full bounce (a run of one): the whole slot is staged in `bounce` */
             const int64_t *sg = job_segs(j, i);
-            if (j->pipelined || j->bounce_len < (unsigned long long)b->slot_bytes) {
+            if (j->pipelined || j->per_block || j->bounce_len < (unsigned long long)b->slot_bytes) {
                 j->io_st[i] = j->st[i] = ST_NO_BOUNCE;
                 return -1;
             }
@@ -640,7 +644,7 @@ static void run_job(Job *j) {
     const Batch *b = j->b;
     pthread_t tid;
     if (j->pipelined && pthread_create(&tid, NULL, helper, j) != 0) j->pipelined = 0;
-    if (!j->pipelined && !j->is_write) j->run_cap = 1; /* one header page: one block at a time */
+    if (!j->per_block && !j->is_write) j->run_cap = 1; /* one header page: one block at a time */
     Py_ssize_t i = 0;
     while (i < b->n) {
         if (now_monotonic() >= j->deadline) {
@@ -718,8 +722,11 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     }
     b.header_area = header_area;
     b.slot_bytes = slot_bytes;
-    pipelined = pipelined && b.n >= 2;
-    unsigned long long need = (unsigned long long)header_area * (pipelined && !is_write ? (unsigned long long)b.n : 1);
+    /* zero-copy reads keep each block's header page until it is verified */
+    int per_block = pipelined && !is_write && b.n >= 2;
+    unsigned long long need = (unsigned long long)header_area * (per_block ? (unsigned long long)b.n : 1);
+    /* a helper thread only where its checksums outweigh starting it */
+    pipelined = pipelined && b.n >= 2 && b.n * slot_bytes >= PIPELINE_BYTES;
     if (header_area < HDR_BYTES || slot_bytes < header_area || bounce_len < need) {
         batch_release(&b);
         PyBuffer_Release(&ring_view);
@@ -732,6 +739,7 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     j.direct = direct;
     j.is_write = is_write;
     j.pipelined = pipelined;
+    j.per_block = per_block;
     j.bounce = (uint8_t *)(uintptr_t)bounce_ptr;
     j.bounce_len = bounce_len;
     j.deadline = deadline;

@@ -145,6 +145,21 @@ class StorageKey:
     _packed: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        ns, block_hash, rank = self.namespace, self.block_hash, self.rank
+        if not (
+            isinstance(ns, bytes)
+            and len(ns) == DIGEST_BYTES
+            and isinstance(block_hash, bytes)
+            and len(block_hash) == DIGEST_BYTES
+            and type(rank) is int
+            and 0 <= rank <= MAX_RANK
+        ):
+            self._refuse()  # the checks below, one by one, for the message
+        # made once: the disk index looks a key up by it several times per call
+        object.__setattr__(self, "_packed", ns + block_hash + rank.to_bytes(2, "little"))
+
+    def _refuse(self) -> None:
+        """Raises ValueError naming the first field out of bounds (when one is)."""
         for name in ("namespace", "block_hash"):
             value = getattr(self, name)
             if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
@@ -153,9 +168,6 @@ class StorageKey:
             raise ValueError(f"rank: must be an int in [0, {MAX_RANK}], got {self.rank!r}")
         if not 0 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank: {self.rank} is outside [0, {MAX_RANK}]")
-        # made once: the disk index looks a key up by it several times per call
-        packed = self.namespace + self.block_hash + self.rank.to_bytes(2, "little")
-        object.__setattr__(self, "_packed", packed)
 
     @property
     def packed(self) -> bytes:

@@ -406,21 +406,25 @@ class LocalDiskBackend(StorageBackend):
         todo: list[int] = []
         where: list[tuple[int, int]] = []
         first: dict[bytes, int] = {}
+        repeats = False
+        now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
         with self._lock:
+            index = self._slots.index
             for i, key in enumerate(keys):
                 packed = key.packed
-                if packed in self._slots.index:
-                    self._slots.index.move_to_end(packed)
+                if packed in index:
+                    index.move_to_end(packed)
                     results[i] = ALREADY_STORED
                     continue
                 if packed in first:  # a repeat: answered with its first occurrence below
+                    repeats = True
                     continue
                 slot = self._take_slot()
                 if slot is None:
                     results[i] = self._no_slot_result()
                     continue
                 first[packed] = i
-                self._seq = max(self._seq + 1, time.time_ns())
+                self._seq = max(self._seq + 1, now_ns)
                 todo.append(i)
                 where.append((slot, self._seq))
         statuses: list[int] = []
@@ -432,7 +436,7 @@ class LocalDiskBackend(StorageBackend):
             with self._lock:
                 for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
                     results[i] = self._write_result(keys[i].packed, slot, seq, status)
-        for i, key in enumerate(keys):  # repeats share their first occurrence's fate
+        for i, key in enumerate(keys if repeats else ()):  # repeats share their first's fate
             j = first.get(key.packed)
             if j is not None and j != i:
                 results[i] = ALREADY_STORED if results[j].ok else results[j]
