@@ -24,7 +24,6 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import IntEnum
@@ -382,7 +381,7 @@ class StorageBackend(ABC):
 
     def _count_gets(self, results: Sequence[KeyResult]) -> None:
         """Count a get_into call by its results (the backend counts `corrupt`)."""
-        n = Counter(r.status for r in results)
+        n = _count_statuses(results)
         with self._lock:
             st = self._stats
             st.gets += len(results)
@@ -393,8 +392,8 @@ class StorageBackend(ABC):
 
     def _count_puts(self, results: Sequence[KeyResult]) -> None:
         """Count a put_from call by its results."""
-        n = Counter(r.status for r in results)
-        already = sum(r == ALREADY_STORED for r in results)
+        n = _count_statuses(results)
+        already = sum(r is ALREADY_STORED or r == ALREADY_STORED for r in results)
         with self._lock:
             st = self._stats
             st.puts += len(results)
@@ -418,6 +417,14 @@ class StorageBackend(ABC):
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
         check_segments(blocks, self.layout)
+
+
+def _count_statuses(results: Sequence[KeyResult]) -> list[int]:
+    """How many results have each KeyStatus (indexed by its value)."""
+    n = [0] * len(KeyStatus)
+    for r in results:
+        n[r.status] += 1
+    return n
 
 
 def check_keys(keys: Sequence[StorageKey]) -> None:

@@ -239,6 +239,7 @@ class LocalDiskBackend(StorageBackend):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
         self.layout = layout
         self.geometry = SlotGeometry.of(layout)
+        self._large_segments = [int(s) for s in np.flatnonzero(self.geometry.large)]
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -684,13 +685,18 @@ class LocalDiskBackend(StorageBackend):
             )
         )
         offsets = np.array([slot * g.slot_bytes for slot, _ in where], dtype=np.int64)
-        segs = np.array([blocks[i] for i in todo], dtype=np.int64).reshape(len(todo), -1, 2)
+        nseg = self.layout.num_segments
+        segs = np.fromiter(
+            (x for i in todo for seg in blocks[i] for x in seg),
+            dtype=np.int64,
+            count=2 * nseg * len(todo),
+        ).reshape(len(todo), nseg, 2)
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, every block has a header
         # page of its own (a write stages the headers of blocks whose slots follow
         # one another, to move them in one call; a read keeps each until its
         # verification).
-        full = self._needs_full_bounce(segs)
+        full = self._needs_full_bounce(blocks, todo)
         bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
@@ -711,12 +717,15 @@ class LocalDiskBackend(StorageBackend):
             self._cancel_addr,
         )
 
-    def _needs_full_bounce(self, segs: np.ndarray) -> bool:
+    def _needs_full_bounce(self, blocks: Sequence[BlockSegments], todo: list[int]) -> bool:
         """Whether a block of the batch cannot move zero-copy: a large segment not
         4096-aligned under O_DIRECT. The same test as `block_iovecs` in _disk_io.c,
         made here for the whole batch to size the bounce buffer; were they ever to
         disagree, the C side answers ST_NO_BOUNCE for that block (FAILED)."""
-        return self.direct_io and bool((segs[:, self.geometry.large, 0] % ALIGN).any())
+        if not self.direct_io:
+            return False
+        large = self._large_segments
+        return any(blocks[i][s][0] % ALIGN for i in todo for s in large)
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
         """This thread's page-aligned staging buffer, at least `nbytes` long."""

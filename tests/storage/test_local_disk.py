@@ -88,7 +88,7 @@ def test_a_read_without_a_staging_buffer_fails_and_keeps_the_block(
     keys = make_keys(2)
     with open_backend(tmp_path, layout, direct_io=True) as backend:
         assert put(backend, host, keys, [0, 1]) == ["OK", "OK"]
-        monkeypatch.setattr(backend, "_needs_full_bounce", lambda segs: False)
+        monkeypatch.setattr(backend, "_needs_full_bounce", lambda blocks, todo: False)
         res = backend.get_into(keys, [host.segments(b) for b in (2, 3)], deadline_after(SOON))
         assert statuses(res) == ["FAILED", "FAILED"]
         assert "no staging buffer" in res[0].reason
