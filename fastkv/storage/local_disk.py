@@ -27,14 +27,15 @@ blocks. docs/storage.md has both sets of figures ("Why slots in one file").
 
 A slot: [128-byte header | small segments packed | pad to 4 KiB][large segments].
 Large segments (a multiple of 4096 bytes: K and V of a layer) move zero-copy between
-host memory and the file with one pwritev/preadv per block; small ones (fp8 scales)
-go through a per-thread bounce page with the header. The file is opened with
-O_DIRECT when a probe write succeeds (page-cache copies halved write speed here),
-buffered otherwise. No fsync on the hot path: every read verifies header and
-checksum, so a torn or lost write is a miss, never garbage. A block a read rejects
-is read once more, into the backend's own memory, before it is dropped: only when
-that read rejects it too (a first read can meet bytes in motion); a partial read
-or write goes on from where it stopped.
+host memory and the file with one pwritev/preadv per block, or per run of blocks
+whose slots follow one another (up to 1 MiB: a call costs more than a small block's
+bytes); small ones (fp8 scales) go through a per-thread bounce page with the
+header. The file is opened with O_DIRECT when a probe write succeeds (page-cache
+copies halved write speed here), buffered otherwise. No fsync on the hot path:
+every read verifies header and checksum, so a torn or lost write is a miss, never
+garbage. A block a read rejects is read once more, into the backend's own memory,
+before it is dropped: only when that read rejects it too (a first read can meet
+bytes in motion); a partial read or write goes on from where it stopped.
 
 The index (key -> slot, seq; LRU order) lives in memory. A new process on the same
 directory scans slot headers in the background; until the scan reaches a slot, its
