@@ -11,6 +11,9 @@ in the same run on the same blocks.
    backend authenticating every block (HMAC-SHA256 tag under a key ring instead of
    the CRC): `auth_*_cost` is 1 - authenticated / unauthenticated throughput. Runs
    alternate raw and backends (and which goes first); the median is reported.
+   One block at a time (`--only latency`): a single-key put / get against one raw
+   pwritev / preadv of the same segments, alternating block by block, auth off and
+   on: p50 and p99 in microseconds, raw beside them.
 2. Mooncake Store over TCP loopback to a storage-node process (mooncake_client),
    in a private network namespace, against raw `batch_put_from` / `batch_get_into`
    of contiguous blocks: raw multi-buffer (`*_multi_buffers`, one buffer per
@@ -192,6 +195,100 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
         os.close(raw_fd)
         shutil.rmtree(run_dir, ignore_errors=True)
     return rows
+
+
+def bench_disk_latency(directory: Path, block_bytes: int, count: int) -> list[dict]:
+    """One block at a time: `put_from` / `get_into` of a single key against one raw
+    O_DIRECT `os.pwritev` / `os.preadv` of the same segments, alternating block by
+    block (who goes first rotates), with authentication off and on. Returns one row
+    per auth setting: p50 and p99 latency in microseconds, raw beside them."""
+    layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
+    n = max(8, min(count, (256 * MiB) // block_bytes))
+    host = random_host(layout, n)
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-latency-", dir=directory))
+    backends = {
+        "off": LocalDiskBackend(run_dir / "store", layout, capacity_blocks=n),
+        "on": LocalDiskBackend(run_dir / "authed", layout, capacity_blocks=n, auth=BENCH_AUTH),
+    }
+    raw_fd = os.open(run_dir / "raw", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    os.posix_fallocate(raw_fd, 0, n * block_bytes)
+    ns = os.urandom(32)
+    lat: dict[str, list[int]] = {}
+
+    def timed(name: str, op: Callable[[], object]) -> None:
+        t0 = time.perf_counter_ns()
+        op()
+        lat.setdefault(name, []).append(time.perf_counter_ns() - t0)
+
+    def one(be: LocalDiskBackend, key: StorageKey, b: int, write: bool) -> None:
+        call = be.put_from if write else be.get_into
+        res = call([key], [host.segments(b)], deadline_after(600))
+        if not res[0].ok:
+            raise RuntimeError(f"{'put' if write else 'get'} of block {b} failed: {res[0]}")
+
+    try:
+        for b in range(n):  # warm-up: every slot and raw block written once
+            os.pwritev(raw_fd, host.views(b), b * block_bytes)
+            for be in backends.values():
+                one(be, keys_for(0, n, ns)[b], b, True)
+        for i in range(count):
+            b = i % n
+            key = keys_for(1 + i // n, n, ns)[b]
+            writes = [
+                ("raw_put", lambda b=b: os.pwritev(raw_fd, host.views(b), b * block_bytes)),
+                *(
+                    (f"put_{a}", lambda be=be, b=b, key=key: one(be, key, b, True))
+                    for a, be in backends.items()
+                ),
+            ]
+            reads = [
+                ("raw_get", lambda b=b: os.preadv(raw_fd, host.views(b), b * block_bytes)),
+                *(
+                    (f"get_{a}", lambda be=be, b=b, key=key: one(be, key, b, False))
+                    for a, be in backends.items()
+                ),
+            ]
+            k = i % 3
+            for name, op in writes[k:] + writes[:k] + reads[k:] + reads[:k]:
+                timed(name, op)
+    finally:
+        for be in backends.values():
+            be.close()
+        os.close(raw_fd)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    def pct(name: str, q: float) -> float:
+        return float(np.percentile(np.array(lat[name]) / 1e3, q))
+
+    rows = []
+    for auth in ("off", "on"):
+        row: dict = {"block_KiB": block_bytes // 1024, "auth": auth, "ops": count}
+        for op in ("put", "get"):
+            for q in (50, 99):
+                raw, ours = pct(f"raw_{op}", q), pct(f"{op}_{auth}", q)
+                row[f"raw_{op}_p{q}_us"] = round(raw, 1)
+                row[f"{op}_p{q}_us"] = round(ours, 1)
+                row[f"{op}_p{q}_ratio"] = round(ours / raw, 2)
+        rows.append(row)
+    return rows
+
+
+LATENCY_COLUMNS = [
+    "block_KiB",
+    "auth",
+    "raw_put_p50_us",
+    "put_p50_us",
+    "put_p50_ratio",
+    "raw_put_p99_us",
+    "put_p99_us",
+    "put_p99_ratio",
+    "raw_get_p50_us",
+    "get_p50_us",
+    "get_p50_ratio",
+    "raw_get_p99_us",
+    "get_p99_us",
+    "get_p99_ratio",
+]
 
 
 def bench_seal(block_bytes: int, reps: int) -> dict:
@@ -596,7 +693,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="less data, fewer repetitions")
     parser.add_argument("--recovery-slots", type=int, default=100_000)
     parser.add_argument(
-        "--only", choices=["disk", "seal", "recovery", "mooncake"], help="run one part only"
+        "--only",
+        choices=["disk", "latency", "seal", "recovery", "mooncake"],
+        help="run one part only",
     )
     parser.add_argument(
         "--block-kib", type=int, nargs="+", default=[256, 2048, 8192], help="disk block sizes"
@@ -618,6 +717,11 @@ def main() -> None:
     if args.only in (None, "disk"):
         for kib in args.block_kib:
             disk += bench_disk(directory, kib << 10, total, reps)
+    latency: list[dict] = []
+    if args.only in (None, "latency"):
+        count = 60 if args.quick else 300
+        for kib in args.block_kib:
+            latency += bench_disk_latency(directory, kib << 10, count)
     seal: list[dict] = []
     if args.only in (None, "seal"):
         seal = [bench_seal(kib << 10, reps) for kib in args.block_kib]
@@ -627,7 +731,13 @@ def main() -> None:
     mooncake: list[dict] | None = None
     if args.only in (None, "mooncake"):
         mooncake = bench_mooncake([256 << 10, 2 * MiB], total // 2, reps)
-    result = {"disk": disk, "seal": seal, "recovery": recovery, "mooncake": mooncake}
+    result = {
+        "disk": disk,
+        "latency": latency,
+        "seal": seal,
+        "recovery": recovery,
+        "mooncake": mooncake,
+    }
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -661,6 +771,13 @@ def main() -> None:
                 "auth_read_GBps",
                 "auth_read_cost",
             ],
+        )
+    if latency:
+        print_table(
+            "Local disk, one block at a time (alternating with raw O_DIRECT pwritev/preadv "
+            "of the same segments): latency in microseconds, auth off and on",
+            latency,
+            LATENCY_COLUMNS,
         )
     if seal:
         print_table(

@@ -10,8 +10,8 @@ which is exactly what `CacheManager.match` returns.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import mmap
 import random
 import time
 from collections import OrderedDict
@@ -223,12 +223,30 @@ class DiskStorage:
         )
         model_kv = ModelKVShape(num_layers=1, num_kv_heads=1, head_dim=1)
         self._namespace = StorageNamespace.of(cache, model_kv).digest()
-        self._host = np.zeros((max(1, num_host_blocks), self.PAYLOAD), dtype=np.uint8)
+        # Page-aligned, as a worker's host cache is: blocks move zero-copy (O_DIRECT
+        # stages misaligned memory through a bounce buffer, one slot at a time).
+        self._memory = mmap.mmap(-1, max(1, num_host_blocks) * self.PAYLOAD)
+        self._host = np.frombuffer(self._memory, dtype=np.uint8).reshape(-1, self.PAYLOAD)
+        self._bytes = memoryview(self._host.reshape(-1))
+        self._key_objects: dict[bytes, object] = {}
+        self.verified = 0
+        """Blocks loaded whose payload was read back as the one stored for the key."""
+        self.mismatched = 0
+        """Blocks the backend answered OK whose payload is not the key's (failed)."""
 
     def _keys(self, keys: Sequence[bytes]) -> list[object]:
         from fastkv.storage import StorageKey
 
-        return [StorageKey(self._namespace, hashlib.sha256(key).digest()) for key in keys]
+        # A trace key is already a 32-byte digest standing for its chained block
+        # hash; each gets its StorageKey once, as a worker keeps its blocks' keys.
+        cache, ns = self._key_objects, self._namespace
+        out = []
+        for key in keys:
+            k = cache.get(key)
+            if k is None:
+                k = cache[key] = StorageKey(ns, key)
+            out.append(k)
+        return out
 
     def _segments(self, host_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
         base = self._host.ctypes.data
@@ -239,18 +257,26 @@ class DiskStorage:
         return next((i for i, hit in enumerate(found) if not hit), len(keys))
 
     def load(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
+        self._host[list(host_ids), :32] = 0  # a load that wrote nothing cannot pass below
         results = self.backend.get_into(
             self._keys(keys), self._segments(host_ids), time.monotonic() + 60
         )
         failed = {i for i, r in enumerate(results) if not r.ok}
         for i, (key, h) in enumerate(zip(keys, host_ids, strict=True)):
-            if i not in failed and self._host[h, :8].tobytes() != key.to_bytes(8, "little"):
-                failed.add(i)  # verified by the backend, and the payload is the key's
+            if i in failed:
+                continue
+            at = h * self.PAYLOAD
+            if self._bytes[at : at + len(key)] == key:
+                self.verified += 1  # verified by the backend, and the payload is the key's
+            else:
+                self.mismatched += 1
+                failed.add(i)
         return failed
 
     def store(self, keys: Sequence[bytes], host_ids: Sequence[int]) -> set[int]:
+        view = self._bytes
         for key, h in zip(keys, host_ids, strict=True):
-            self._host[h, :8] = np.frombuffer(key.to_bytes(8, "little"), np.uint8)
+            view[h * self.PAYLOAD : h * self.PAYLOAD + len(key)] = key
         results = self.backend.put_from(
             self._keys(keys), self._segments(host_ids), time.monotonic() + 60
         )

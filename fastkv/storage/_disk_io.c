@@ -74,6 +74,8 @@
 #define TAG_BYTES 16
 #define HDR_CRC 124 /* u32, CRC-32C of bytes [0, 124) */
 #define ALIGN 4096
+#define RUN_BYTES (1 << 20) /* the most slot bytes contiguous blocks move in one call */
+#define PIPELINE_BYTES (1 << 20) /* batches smaller than this seal and verify inline */
 #define KEY_BYTES 32  /* HMAC-SHA256 key */
 #define GKEY_BYTES 16 /* AES-128 key of the GMAC, then its H = E(0) and mask = E(J0) */
 #define RING_ENTRY (4 + KEY_BYTES + 3 * GKEY_BYTES) /* u32 key id (little-endian), keys */
@@ -458,19 +460,23 @@ static PyObject *status_list(const int32_t *st, Py_ssize_t n) {
  * with the I/O: a write seals block i+1's header while block i is being written, a
  * read verifies block i while block i+1 is being read. Checksums of cold host
  * memory are memory-bound (about a fifth of an O_DIRECT write's time at 2 MiB
- * here); overlapped, one thread gets close to raw I/O speed.
+ * here); overlapped, one thread gets close to raw I/O speed. A batch of less than
+ * PIPELINE_BYTES seals and verifies inline: starting the thread (~50 us here) would
+ * cost more than the checksums it overlaps.
  */
 
 typedef struct {
     Batch *b;
     int fd, direct, is_write, pipelined;
+    int per_block; /* read: every block has its own header page in the bounce (job_bounce) */
     uint8_t *bounce;
     unsigned long long bounce_len;
     double deadline, delay;
     int32_t *st;    /* final status per block */
     int32_t *io_st; /* read: outcome of the I/O (ST_OK: to be verified) */
     uint8_t *lanes_main, *lanes_helper;
-    struct iovec *iov; /* nseg + 1 entries, for the main thread */
+    struct iovec *iov; /* (nseg + 1) * run_cap entries, for the main thread */
+    Py_ssize_t run_cap; /* the most blocks one run may hold (header areas in the bounce) */
     Ring ring;
     const int32_t *cancel; /* non-zero: stop before the next block (ST_CLOSED) */
     int32_t *seal_st;      /* write: ST_OK, or ST_BAD_MAC when the tag failed */
@@ -483,7 +489,7 @@ typedef struct {
 static const int64_t *job_segs(const Job *j, Py_ssize_t i) { return (const int64_t *)j->b->segs.buf + 2 * j->b->nseg * i; }
 
 static uint8_t *job_bounce(const Job *j, Py_ssize_t i) {
-    return j->pipelined && !j->is_write ? j->bounce + i * j->b->header_area : j->bounce;
+    return j->per_block ? j->bounce + i * j->b->header_area : j->bounce;
 }
 
 static void seal(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
@@ -506,7 +512,7 @@ static void verify(Job *j, Py_ssize_t i, uint8_t *lanes_buf) {
         j->st[i] = ST_BAD_HEADER;
         return;
     }
-    int full_bounce = !j->pipelined && block_iovecs(b, sg, bounce, j->direct, NULL) < 0;
+    int full_bounce = !j->per_block && block_iovecs(b, sg, bounce, j->direct, NULL) < 0;
     for (Py_ssize_t s = 0; s < b->nseg; s++)
         if (full_bounce || so[s] < b->header_area)
             memcpy((void *)(uintptr_t)sg[2 * s], bounce + so[s], (size_t)sg[2 * s + 1]);
@@ -538,14 +544,109 @@ static void *helper(void *arg) {
     return NULL;
 }
 
-/* The main thread's loop: deadline, injected delay, then one block's I/O. */
-static void run_job(Job *j) {
+/* The end of the run that starts at block i: the blocks after it whose slots follow
+ * it in the file, each zero-copy, move in the same pwritev/preadv (one system call
+ * and one device request instead of one per block: for small blocks the call costs
+ * more than the bytes). A run stops at RUN_BYTES, at IOV_MAX iovecs and at the
+ * room the job has for header areas (`run_cap`); injected delays keep one block
+ * per call (they stand for a slow block). Returns i + 1 when block i moves alone. */
+static Py_ssize_t run_end(const Job *j, Py_ssize_t i) {
+    const Batch *b = j->b;
+    const int64_t *off = (const int64_t *)b->offsets.buf;
+    int per = block_iovecs(b, job_segs(j, i), NULL, j->direct, NULL);
+    if (j->delay > 0 || j->run_cap < 2 || per < 0) return i + 1;
+    Py_ssize_t e = i + 1;
+    int64_t bytes = b->slot_bytes;
+    int niov = per;
+    while (e < b->n && e - i < j->run_cap && off[e] == off[e - 1] + b->slot_bytes &&
+           bytes + b->slot_bytes <= RUN_BYTES && niov + per <= IOV_MAX &&
+           block_iovecs(b, job_segs(j, e), NULL, j->direct, NULL) >= 0) {
+        bytes += b->slot_bytes;
+        niov += per;
+        e++;
+    }
+    return e;
+}
+
+/* The header area of block k of the run starting at i: a write stages each block's
+ * header (and small segments) in its own page of the bounce; a read uses job_bounce. */
+static uint8_t *run_bounce(const Job *j, Py_ssize_t i, Py_ssize_t k) {
+    return j->is_write ? j->bounce + (k - i) * j->b->header_area : job_bounce(j, k);
+}
+
+/* Write: waits for (or makes) the seals of blocks [i, e) and stages their header
+ * areas. Returns the end of the run to write: a block whose tag failed is not
+ * written, and the run stops before it (== i: block i failed, its status set). */
+static Py_ssize_t stage_writes(Job *j, Py_ssize_t i, Py_ssize_t e) {
+    const Batch *b = j->b;
+    const int64_t *so = (const int64_t *)b->seg_off.buf;
+    if (j->pipelined) {
+        pthread_mutex_lock(&j->mu);
+        while (j->ready < e) pthread_cond_wait(&j->cv, &j->mu);
+        pthread_mutex_unlock(&j->mu);
+    } else {
+        for (Py_ssize_t k = i; k < e; k++) seal(j, k, j->lanes_main);
+    }
+    for (Py_ssize_t k = i; k < e; k++) {
+        if (j->seal_st[k] != ST_OK) {
+            if (k == i) j->st[i] = j->seal_st[i];
+            return k;
+        }
+        const int64_t *sg = job_segs(j, k);
+        uint8_t *bounce = run_bounce(j, i, k);
+        memset(bounce, 0, (size_t)b->header_area);
+        memcpy(bounce, (uint8_t *)b->headers.buf + HDR_BYTES * k, HDR_BYTES);
+        for (Py_ssize_t s = 0; s < b->nseg; s++)
+            if (so[s] < b->header_area) memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+    }
+    return e;
+}
+
+/* Moves blocks [i, e) (one run) with one rw_all; sets each block's I/O status. A
+ * block is done only when every byte of its slot moved. Returns 0, or -1 when block
+ * i (alone) needs a full bounce it has no room for (ST_NO_BOUNCE set). */
+static int run_io(Job *j, Py_ssize_t i, Py_ssize_t e) {
     const Batch *b = j->b;
     const int64_t *so = (const int64_t *)b->seg_off.buf;
     struct iovec *iov = j->iov;
+    int niov = 0;
+    for (Py_ssize_t k = i; k < e; k++) {
+        int got = block_iovecs(b, job_segs(j, k), run_bounce(j, i, k), j->direct, iov + niov);
+        if (got < 0) { /* full bounce (a run of one): the whole slot is staged in `bounce` */
+            const int64_t *sg = job_segs(j, i);
+            if (j->pipelined || j->per_block || j->bounce_len < (unsigned long long)b->slot_bytes) {
+                j->io_st[i] = j->st[i] = ST_NO_BOUNCE;
+                return -1;
+            }
+            if (j->is_write)
+                for (Py_ssize_t s = 0; s < b->nseg; s++)
+                    if (so[s] >= b->header_area)
+                        memcpy(j->bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+            iov[0].iov_base = j->bounce;
+            iov[0].iov_len = (size_t)b->slot_bytes;
+            got = 1;
+        }
+        niov += got;
+    }
+    int64_t r = rw_all(j->fd, j->is_write, iov, niov, ((const int64_t *)b->offsets.buf)[i]);
+    for (Py_ssize_t k = i; k < e; k++) {
+        int whole = r >= (k - i + 1) * b->slot_bytes;
+        if (j->is_write)
+            j->st[k] = r < 0 ? (int32_t)r : whole ? ST_OK : -ENOSPC;
+        else
+            j->io_st[k] = r < 0 ? (int32_t)r : whole ? ST_OK : ST_SHORT;
+    }
+    return 0;
+}
+
+/* The main thread's loop: deadline, injected delay, then one run's I/O. */
+static void run_job(Job *j) {
+    const Batch *b = j->b;
     pthread_t tid;
     if (j->pipelined && pthread_create(&tid, NULL, helper, j) != 0) j->pipelined = 0;
-    for (Py_ssize_t i = 0; i < b->n; i++) {
+    if (!j->per_block && !j->is_write) j->run_cap = 1; /* one header page: one block at a time */
+    Py_ssize_t i = 0;
+    while (i < b->n) {
         if (now_monotonic() >= j->deadline) {
             for (Py_ssize_t k = i; k < b->n; k++) j->io_st[k] = j->st[k] = ST_TIMEOUT;
             break;
@@ -555,55 +656,27 @@ static void run_job(Job *j) {
             for (Py_ssize_t k = i; k < b->n; k++) j->io_st[k] = j->st[k] = ST_CLOSED;
             break;
         }
-        const int64_t *sg = job_segs(j, i);
-        uint8_t *bounce = job_bounce(j, i);
+        Py_ssize_t e = run_end(j, i);
         if (j->is_write) {
-            if (j->pipelined) {
-                pthread_mutex_lock(&j->mu);
-                while (j->ready <= i) pthread_cond_wait(&j->cv, &j->mu);
-                pthread_mutex_unlock(&j->mu);
-            } else {
-                seal(j, i, j->lanes_main);
-            }
-            if (j->seal_st[i] != ST_OK) {
-                j->st[i] = j->seal_st[i];
+            e = stage_writes(j, i, e);
+            if (e == i) {
+                i++;
                 continue;
             }
-            memset(bounce, 0, (size_t)b->header_area);
-            memcpy(bounce, (uint8_t *)b->headers.buf + HDR_BYTES * i, HDR_BYTES);
-            for (Py_ssize_t s = 0; s < b->nseg; s++)
-                if (so[s] < b->header_area) memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
-        }
-        int niov = block_iovecs(b, sg, bounce, j->direct, iov);
-        if (niov < 0) { /* full bounce: the whole slot is staged in `bounce` */
-            if (j->pipelined || j->bounce_len < (unsigned long long)b->slot_bytes) {
-                j->io_st[i] = j->st[i] = ST_NO_BOUNCE;
-                goto next;
-            }
-            if (j->is_write)
-                for (Py_ssize_t s = 0; s < b->nseg; s++)
-                    if (so[s] >= b->header_area)
-                        memcpy(bounce + so[s], (void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
-            iov[0].iov_base = bounce;
-            iov[0].iov_len = (size_t)b->slot_bytes;
-            niov = 1;
-        }
-        int64_t r = rw_all(j->fd, j->is_write, iov, niov, ((const int64_t *)b->offsets.buf)[i]);
-        if (j->is_write) {
-            j->st[i] = r < 0 ? (int32_t)r : r == b->slot_bytes ? ST_OK : -ENOSPC;
+            run_io(j, i, e);
+            i = e;
             continue;
         }
-        j->io_st[i] = r < 0 ? (int32_t)r : r == b->slot_bytes ? ST_OK : ST_SHORT;
-    next:
-        if (j->is_write) continue;
+        if (run_io(j, i, e) < 0) e = i + 1;
         if (j->pipelined) {
             pthread_mutex_lock(&j->mu);
-            j->ready = i + 1;
+            j->ready = e;
             pthread_cond_broadcast(&j->cv);
             pthread_mutex_unlock(&j->mu);
         } else {
-            verify(j, i, j->lanes_main);
+            for (Py_ssize_t k = i; k < e; k++) verify(j, k, j->lanes_main);
         }
+        i = e;
     }
     if (j->pipelined) {
         pthread_mutex_lock(&j->mu);
@@ -649,8 +722,11 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     }
     b.header_area = header_area;
     b.slot_bytes = slot_bytes;
-    pipelined = pipelined && b.n >= 2;
-    unsigned long long need = (unsigned long long)header_area * (pipelined && !is_write ? (unsigned long long)b.n : 1);
+    /* zero-copy reads keep each block's header page until it is verified */
+    int per_block = pipelined && !is_write && b.n >= 2;
+    unsigned long long need = (unsigned long long)header_area * (per_block ? (unsigned long long)b.n : 1);
+    /* a helper thread only where its checksums outweigh starting it */
+    pipelined = pipelined && b.n >= 2 && b.n * slot_bytes >= PIPELINE_BYTES;
     if (header_area < HDR_BYTES || slot_bytes < header_area || bounce_len < need) {
         batch_release(&b);
         PyBuffer_Release(&ring_view);
@@ -663,6 +739,7 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     j.direct = direct;
     j.is_write = is_write;
     j.pipelined = pipelined;
+    j.per_block = per_block;
     j.bounce = (uint8_t *)(uintptr_t)bounce_ptr;
     j.bounce_len = bounce_len;
     j.deadline = deadline;
@@ -674,7 +751,11 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     j.io_st = PyMem_Calloc((size_t)b.n + 1, sizeof(int32_t));
     j.lanes_main = PyMem_Malloc((size_t)(12 * b.nseg));
     j.lanes_helper = PyMem_Malloc((size_t)(12 * b.nseg));
-    j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1));
+    /* a write stages one header area per block of a run; a pipelined read keeps one per block */
+    j.run_cap = (Py_ssize_t)(bounce_len / (unsigned long long)header_area);
+    if (j.run_cap > b.n) j.run_cap = b.n;
+    if (j.run_cap < 1) j.run_cap = 1;
+    j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1) * (size_t)j.run_cap);
     PyObject *out = NULL;
     if (!j.seal_st || !j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov) {
         PyErr_NoMemory();

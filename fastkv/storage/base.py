@@ -24,9 +24,8 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import IntEnum
 
 from fastkv.config import CacheConfig, ModelKVShape, check_identity
@@ -142,8 +141,24 @@ class StorageKey:
     namespace: bytes
     block_hash: bytes
     rank: int = 0
+    _packed: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        ns, block_hash, rank = self.namespace, self.block_hash, self.rank
+        if not (
+            isinstance(ns, bytes)
+            and len(ns) == DIGEST_BYTES
+            and isinstance(block_hash, bytes)
+            and len(block_hash) == DIGEST_BYTES
+            and type(rank) is int
+            and 0 <= rank <= MAX_RANK
+        ):
+            self._refuse()  # the checks below, one by one, for the message
+        # made once: the disk index looks a key up by it several times per call
+        object.__setattr__(self, "_packed", ns + block_hash + rank.to_bytes(2, "little"))
+
+    def _refuse(self) -> None:
+        """Raises ValueError naming the first field out of bounds (when one is)."""
         for name in ("namespace", "block_hash"):
             value = getattr(self, name)
             if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
@@ -156,7 +171,7 @@ class StorageKey:
     @property
     def packed(self) -> bytes:
         """66 bytes that identify the key: namespace, hash, rank (little-endian u16)."""
-        return self.namespace + self.block_hash + self.rank.to_bytes(2, "little")
+        return self._packed
 
     def text(self) -> str:
         """A printable form (Mooncake object keys)."""
@@ -366,7 +381,7 @@ class StorageBackend(ABC):
 
     def _count_gets(self, results: Sequence[KeyResult]) -> None:
         """Count a get_into call by its results (the backend counts `corrupt`)."""
-        n = Counter(r.status for r in results)
+        n = _count_statuses(results)
         with self._lock:
             st = self._stats
             st.gets += len(results)
@@ -377,8 +392,8 @@ class StorageBackend(ABC):
 
     def _count_puts(self, results: Sequence[KeyResult]) -> None:
         """Count a put_from call by its results."""
-        n = Counter(r.status for r in results)
-        already = sum(r == ALREADY_STORED for r in results)
+        n = _count_statuses(results)
+        already = sum(r is ALREADY_STORED or r == ALREADY_STORED for r in results)
         with self._lock:
             st = self._stats
             st.puts += len(results)
@@ -402,6 +417,14 @@ class StorageBackend(ABC):
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
         check_segments(blocks, self.layout)
+
+
+def _count_statuses(results: Sequence[KeyResult]) -> list[int]:
+    """How many results have each KeyStatus (indexed by its value)."""
+    n = [0] * len(KeyStatus)
+    for r in results:
+        n[r.status] += 1
+    return n
 
 
 def check_keys(keys: Sequence[StorageKey]) -> None:

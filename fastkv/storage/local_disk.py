@@ -27,14 +27,15 @@ blocks. docs/storage.md has both sets of figures ("Why slots in one file").
 
 A slot: [128-byte header | small segments packed | pad to 4 KiB][large segments].
 Large segments (a multiple of 4096 bytes: K and V of a layer) move zero-copy between
-host memory and the file with one pwritev/preadv per block; small ones (fp8 scales)
-go through a per-thread bounce page with the header. The file is opened with
-O_DIRECT when a probe write succeeds (page-cache copies halved write speed here),
-buffered otherwise. No fsync on the hot path: every read verifies header and
-checksum, so a torn or lost write is a miss, never garbage. A block a read rejects
-is read once more, into the backend's own memory, before it is dropped: only when
-that read rejects it too (a first read can meet bytes in motion); a partial read
-or write goes on from where it stopped.
+host memory and the file with one pwritev/preadv per block, or per run of blocks
+whose slots follow one another (up to 1 MiB: a call costs more than a small block's
+bytes); small ones (fp8 scales) go through a per-thread bounce page with the
+header. The file is opened with O_DIRECT when a probe write succeeds (page-cache
+copies halved write speed here), buffered otherwise. No fsync on the hot path:
+every read verifies header and checksum, so a torn or lost write is a miss, never
+garbage. A block a read rejects is read once more, into the backend's own memory,
+before it is dropped: only when that read rejects it too (a first read can meet
+bytes in motion); a partial read or write goes on from where it stopped.
 
 The index (key -> slot, seq; LRU order) lives in memory. A new process on the same
 directory scans slot headers in the background; until the scan reaches a slot, its
@@ -239,6 +240,7 @@ class LocalDiskBackend(StorageBackend):
             raise ValueError(f"layout: must be a BlockLayout, got {type(layout).__name__}")
         self.layout = layout
         self.geometry = SlotGeometry.of(layout)
+        self._large_segments = [int(s) for s in np.flatnonzero(self.geometry.large)]
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -406,21 +408,25 @@ class LocalDiskBackend(StorageBackend):
         todo: list[int] = []
         where: list[tuple[int, int]] = []
         first: dict[bytes, int] = {}
+        repeats = False
+        now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
         with self._lock:
+            index = self._slots.index
             for i, key in enumerate(keys):
                 packed = key.packed
-                if packed in self._slots.index:
-                    self._slots.index.move_to_end(packed)
+                if packed in index:
+                    index.move_to_end(packed)
                     results[i] = ALREADY_STORED
                     continue
                 if packed in first:  # a repeat: answered with its first occurrence below
+                    repeats = True
                     continue
                 slot = self._take_slot()
                 if slot is None:
                     results[i] = self._no_slot_result()
                     continue
                 first[packed] = i
-                self._seq = max(self._seq + 1, time.time_ns())
+                self._seq = max(self._seq + 1, now_ns)
                 todo.append(i)
                 where.append((slot, self._seq))
         statuses: list[int] = []
@@ -432,7 +438,7 @@ class LocalDiskBackend(StorageBackend):
             with self._lock:
                 for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
                     results[i] = self._write_result(keys[i].packed, slot, seq, status)
-        for i, key in enumerate(keys):  # repeats share their first occurrence's fate
+        for i, key in enumerate(keys if repeats else ()):  # repeats share their first's fate
             j = first.get(key.packed)
             if j is not None and j != i:
                 results[i] = ALREADY_STORED if results[j].ok else results[j]
@@ -680,15 +686,19 @@ class LocalDiskBackend(StorageBackend):
             )
         )
         offsets = np.array([slot * g.slot_bytes for slot, _ in where], dtype=np.int64)
-        segs = np.array([blocks[i] for i in todo], dtype=np.int64).reshape(len(todo), -1, 2)
+        nseg = self.layout.num_segments
+        segs = np.fromiter(
+            (x for i in todo for seg in blocks[i] for x in seg),
+            dtype=np.int64,
+            count=2 * nseg * len(todo),
+        ).reshape(len(todo), nseg, 2)
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
-        # otherwise checksums are pipelined with the I/O, and a read keeps each
-        # block's header page until its verification.
-        full = self._needs_full_bounce(segs)
-        if full:
-            bounce = self._bounce(g.slot_bytes)
-        else:
-            bounce = self._bounce(g.header_area * (1 if write else len(todo)))
+        # otherwise checksums are pipelined with the I/O, every block has a header
+        # page of its own (a write stages the headers of blocks whose slots follow
+        # one another, to move them in one call; a read keeps each until its
+        # verification).
+        full = self._needs_full_bounce(blocks, todo)
+        bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
             self._fd,
@@ -708,12 +718,15 @@ class LocalDiskBackend(StorageBackend):
             self._cancel_addr,
         )
 
-    def _needs_full_bounce(self, segs: np.ndarray) -> bool:
+    def _needs_full_bounce(self, blocks: Sequence[BlockSegments], todo: list[int]) -> bool:
         """Whether a block of the batch cannot move zero-copy: a large segment not
         4096-aligned under O_DIRECT. The same test as `block_iovecs` in _disk_io.c,
         made here for the whole batch to size the bounce buffer; were they ever to
         disagree, the C side answers ST_NO_BOUNCE for that block (FAILED)."""
-        return self.direct_io and bool((segs[:, self.geometry.large, 0] % ALIGN).any())
+        if not self.direct_io:
+            return False
+        large = self._large_segments
+        return any(blocks[i][s][0] % ALIGN for i in todo for s in large)
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
         """This thread's page-aligned staging buffer, at least `nbytes` long."""

@@ -88,7 +88,7 @@ def test_a_read_without_a_staging_buffer_fails_and_keeps_the_block(
     keys = make_keys(2)
     with open_backend(tmp_path, layout, direct_io=True) as backend:
         assert put(backend, host, keys, [0, 1]) == ["OK", "OK"]
-        monkeypatch.setattr(backend, "_needs_full_bounce", lambda segs: False)
+        monkeypatch.setattr(backend, "_needs_full_bounce", lambda blocks, todo: False)
         res = backend.get_into(keys, [host.segments(b) for b in (2, 3)], deadline_after(SOON))
         assert statuses(res) == ["FAILED", "FAILED"]
         assert "no staging buffer" in res[0].reason
@@ -629,3 +629,29 @@ def test_disk_full_puts_fail_fast_and_reads_keep_working(tmp_path: Path) -> None
     assert out["again"] == ["FAILED"] * 4
     assert out["reads"] == ["OK"] * ok + ["MISS"] * (12 - ok)  # every stored block reads
     assert out["exact"] == [True] * ok
+
+
+def _syscalls() -> tuple[int, int]:
+    """(read, write) system calls this process has made (/proc/self/io)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["syscr"]), int(fields["syscw"])
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+def test_blocks_in_consecutive_slots_move_in_one_call(tmp_path: Path, direct_io: bool) -> None:
+    """Small blocks whose slots follow one another are written and read with one
+    pwritev / preadv per run (a few other calls allowed), not one per block (a call
+    costs more than the bytes of a small block); each still round-trips bit-exact."""
+    layout = BlockLayout((4096,))
+    host = HostMemory(layout, 32)
+    want = [host.fill(b, seed=b) for b in range(16)]
+    keys = make_keys(16)
+    with open_backend(tmp_path, layout, capacity=64, direct_io=direct_io) as backend:
+        _, w0 = _syscalls()
+        assert put(backend, host, keys, range(16)) == ["OK"] * 16
+        r1, w1 = _syscalls()
+        assert get(backend, host, keys, range(16, 32)) == ["OK"] * 16
+        r2, _ = _syscalls()
+    assert [host.read(16 + b) for b in range(16)] == want
+    assert w1 - w0 <= 4, f"{w1 - w0} write calls for 16 blocks in consecutive slots"
+    assert r2 - r1 <= 4, f"{r2 - r1} read calls for 16 blocks in consecutive slots"
