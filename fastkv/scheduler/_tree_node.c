@@ -28,24 +28,28 @@
 
 typedef struct LRUListObject LRUListObject;
 
+/* Field order: what a lookup and a lock read (hash, key, parent, state, blocks,
+ * lock count, device-list owner) comes first, in the 64 bytes after the header:
+ * with the allocator's 128-byte blocks starting 48 bytes into a cache line, those
+ * share one line, so a matched block costs its bucket and one line of its node. */
 typedef struct TreeNodeObject {
     PyObject_HEAD
-    PyObject *key;
-    PyObject *parent; /* a TreeNode or None */
-    struct TreeNodeObject *prev[NUM_SLOTS];
-    struct TreeNodeObject *next[NUM_SLOTS];
-    LRUListObject *owner[NUM_SLOTS];
-    struct TreeNodeObject *hnext; /* the next node in its NodeIndex bucket */
     Py_hash_t hash;               /* hash(key), once indexed */
-    int64_t hits;
+    PyObject *key;
+    PyObject *parent;             /* a TreeNode or None */
+    struct TreeNodeObject *hnext; /* the next node in its NodeIndex bucket */
     int32_t device_block;
     int32_t host_block;
     int32_t ref;
-    int32_t num_children;
-    int32_t num_device_children;
     uint8_t state;
     uint8_t storage;
     uint8_t indexed; /* held by a NodeIndex */
+    LRUListObject *owner[NUM_SLOTS];
+    struct TreeNodeObject *prev[NUM_SLOTS];
+    struct TreeNodeObject *next[NUM_SLOTS];
+    int64_t hits;
+    int32_t num_children;
+    int32_t num_device_children;
 } TreeNodeObject;
 
 struct LRUListObject {
@@ -1413,6 +1417,221 @@ done:
     return path;
 }
 
+/* check_digests(hashes, name, size): raises unless `hashes` (a list) holds distinct
+ * `bytes` of exactly `size` bytes each: TypeError naming the first entry that is
+ * not, else ValueError when one repeats. The checks RequestState's hashes pass
+ * (request.checked_hashes), in one pass over the list and a table of its hashes
+ * instead of three sets. */
+static PyObject *
+check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "check_digests(hashes: list, name: str, size: int)");
+        return NULL;
+    }
+    PyObject *list = args[0], *name = args[1];
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject **items = ((PyListObject *)list)->ob_item;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != size) {
+            if (PyBytes_CheckExact(h)) {
+                PyErr_Format(PyExc_TypeError,
+                             "%U[%zd]: expected a %zd-byte digest (bytes), got %zd bytes", name,
+                             i, size, PyBytes_GET_SIZE(h));
+            }
+            else {
+                PyErr_Format(PyExc_TypeError,
+                             "%U[%zd]: expected a %zd-byte digest (bytes), got %s", name, i,
+                             size, Py_TYPE(h)->tp_name);
+            }
+            return NULL;
+        }
+    }
+    if (n < 2) {
+        Py_RETURN_NONE;
+    }
+    /* Distinct: an open-addressing table of the entries, by their (cached) hash. */
+    size_t cap = 8;
+    while (cap < (size_t)n * 2) {
+        cap <<= 1;
+    }
+    PyObject *buf[512], **table = buf;
+    if (cap > 512) {
+        table = PyMem_Calloc(cap, sizeof(PyObject *));
+        if (table == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    else {
+        memset(buf, 0, cap * sizeof(PyObject *));
+    }
+    PyObject *result = Py_None;
+    for (Py_ssize_t i = 0; i < n && result == Py_None; i++) {
+        PyObject *h = items[i];
+        Py_hash_t hash = PyObject_Hash(h); /* bytes: cached, never fails */
+        size_t b = (size_t)hash & (cap - 1);
+        while (table[b] != NULL) {
+            PyObject *other = table[b];
+            if (other == h || memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(h), size) == 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "%U: a hash appears twice (chained hashes never repeat)", name);
+                result = NULL;
+                break;
+            }
+            b = (b + 1) & (cap - 1);
+        }
+        table[b] = h;
+    }
+    if (table != buf) {
+        PyMem_Free(table);
+    }
+    Py_XINCREF(result);
+    return result;
+}
+
+#define STATE_SWAP_TO_DEVICE 3
+#define STATE_PENDING_HOST 5
+#define STATE_LOADING_FROM_STORAGE 7
+
+/* match_path(tree, root, hashes, limit, index, device_lru): RadixTree.match_and_lock's
+ * walk in one call. Follows the path of `hashes` (at most `limit`) from `root`
+ * while each key's node hangs under the previous one and holds a readable copy,
+ * then locks the nodes found: an unlocked device-only node on `device_lru` is
+ * unlinked here, any other unlocked node goes to `tree._unlist(node)` (the general
+ * case: parked sets, a node being evicted) before its lock is counted.
+ *
+ * Returns (nodes, blocks, num_host, waiting): the locked nodes, the device blocks
+ * of those before the first host-only one, how many are host-only, and whether the
+ * walk stopped at a copy in flight. Everything that can fail for want of memory
+ * happens before the first lock; if `_unlist` raises, the locks taken are given
+ * back through `tree.unlock`. */
+static PyObject *
+match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_path(tree, root, hashes, limit, index, device_lru)");
+        return NULL;
+    }
+    if (!TreeNode_Check(args[1]) || !PyList_Check(args[2]) ||
+        !Py_IS_TYPE(args[4], &NodeIndexType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_path: root must be a TreeNode, hashes a list, index a NodeIndex");
+        return NULL;
+    }
+    LRUListObject *device_lru = as_lru(args[5], "device_lru");
+    if (device_lru == NULL) {
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *tree = args[0], *hashes = args[2];
+    NodeIndexObject *index = (NodeIndexObject *)args[4];
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (limit < n) {
+        n = limit < 0 ? 0 : limit;
+    }
+    PyObject *nodes = PyList_New(n);
+    PyObject *blocks = nodes != NULL ? PyList_New(n) : NULL;
+    if (blocks == NULL) {
+        Py_XDECREF(nodes);
+        return NULL;
+    }
+    /* Pass 1: find the path; nothing changes. */
+    TreeNodeObject *parent = (TreeNodeObject *)args[1];
+    Py_ssize_t matched = 0, num_blocks = 0, num_host = 0;
+    int waiting = 0;
+    for (; matched < n; matched++) {
+        PyObject *key = PyList_GET_ITEM(hashes, matched);
+        Py_hash_t h = PyObject_Hash(key);
+        if (h == -1) {
+            goto error;
+        }
+        TreeNodeObject *node = index_find(index, key, h, NULL);
+        if (node == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            break;
+        }
+        if (node->parent != (PyObject *)parent) {
+            break;
+        }
+        uint8_t state = node->state;
+        if (state == STATE_SWAP_TO_DEVICE || state == STATE_PENDING_HOST ||
+            state == STATE_LOADING_FROM_STORAGE) {
+            waiting = 1;
+            break;
+        }
+        Py_INCREF(node);
+        PyList_SET_ITEM(nodes, matched, (PyObject *)node);
+        if (state == STATE_HOST) {
+            num_host++;
+        }
+        else if (num_host == 0) {
+            PyObject *block = PyLong_FromLong(node->device_block);
+            if (block == NULL) {
+                matched++;
+                goto error;
+            }
+            PyList_SET_ITEM(blocks, num_blocks++, block);
+        }
+        parent = node;
+    }
+    Py_SET_SIZE(nodes, matched); /* shrinking never fails */
+    Py_SET_SIZE(blocks, num_blocks);
+    PyObject *result = Py_BuildValue("(OOnO)", nodes, blocks, num_host,
+                                     waiting ? Py_True : Py_False);
+    if (result == NULL) {
+        goto error;
+    }
+    /* Pass 2: lock them. */
+    int ds = device_lru->slot;
+    for (Py_ssize_t i = 0; i < matched; i++) {
+        TreeNodeObject *node = (TreeNodeObject *)PyList_GET_ITEM(nodes, i);
+        if (!node->ref) {
+            if (node->host_block < 0 && node->owner[ds] == device_lru) {
+                Py_DECREF(unlink_node(device_lru, node)); /* the index still holds it */
+            }
+            else {
+                PyObject *r = PyObject_CallMethod(tree, "_unlist", "O", (PyObject *)node);
+                if (r == NULL) {
+                    Py_DECREF(result);
+                    PyObject *type, *value, *tb;
+                    PyErr_Fetch(&type, &value, &tb);
+                    Py_SET_SIZE(nodes, i); /* give back the locks taken */
+                    PyObject *u = PyObject_CallMethod(tree, "unlock", "O", nodes);
+                    Py_XDECREF(u);
+                    Py_SET_SIZE(nodes, matched);
+                    if (u == NULL) {
+                        PyErr_Clear();
+                    }
+                    PyErr_Restore(type, value, tb);
+                    goto error;
+                }
+                Py_DECREF(r);
+            }
+        }
+        node->ref++;
+    }
+    Py_DECREF(nodes);
+    Py_DECREF(blocks);
+    return result;
+error:
+    Py_SET_SIZE(nodes, matched);
+    Py_SET_SIZE(blocks, num_blocks);
+    Py_DECREF(nodes);
+    Py_DECREF(blocks);
+    return NULL;
+}
+
 /* -- module ------------------------------------------------------------------ */
 
 /* Installs `members` (a tuple of n ints equal to their positions: an IntEnum's
@@ -1465,6 +1684,12 @@ static PyMethodDef module_methods[] = {
     {"make_path", (PyCFunction)(void (*)(void))make_path, METH_FASTCALL,
      "make_path(parent, keys, device_blocks, index): new locked DEVICE nodes, one per "
      "key, each the parent of the next, entered in index; returns them."},
+    {"match_path", (PyCFunction)(void (*)(void))match_path, METH_FASTCALL,
+     "match_path(tree, root, hashes, limit, index, device_lru): RadixTree.match_and_lock's "
+     "walk; returns (nodes, blocks, num_host, waiting)."},
+    {"check_digests", (PyCFunction)(void (*)(void))check_digests, METH_FASTCALL,
+     "check_digests(hashes, name, size): raise unless the list holds distinct bytes of "
+     "`size` bytes each (TypeError naming the first that is not; ValueError for a repeat)."},
     {"set_states", set_states, METH_O,
      "set_states(members): the NodeState members, by value, that TreeNode.state returns."},
     {"set_storage_states", set_storage_states, METH_O,

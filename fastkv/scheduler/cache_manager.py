@@ -303,16 +303,10 @@ class CacheManager:
                 f"num_tokens={num_tokens}"
             )
         limit = (num_tokens - 1) // bs if num_tokens else 0
-        nodes, num_host, waiting = self.tree.match_and_lock(hashes, limit)
+        nodes, blocks, num_host, waiting = self.tree.match_and_lock(hashes, limit)
         req = RequestState(request_id, hashes, nodes)
         self._requests[request_id] = req
-        if not num_host:
-            req.blocks = [n.device_block for n in nodes]
-        else:  # the table starts with the device run before the first host copy
-            for node in nodes:
-                if node.state == HOST:
-                    break
-                req.blocks.append(node.device_block)
+        req.blocks = blocks  # the device run before the first host copy
         if self._counts_hits:
             self._tiers.note_hits(nodes)
         storage = self._storage

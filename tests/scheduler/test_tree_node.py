@@ -351,3 +351,85 @@ def test_node_index_survives_keys_whose_eq_changes_it() -> None:
     Key.victim = keys[4]
     assert index.get(Key("0")).key is keys[0]
     assert len(index) == 4 and Key("4") not in index
+
+
+_BAD_HASHES = [
+    (
+        [b"\0" * 32, b"\0" * 31],
+        TypeError,
+        r"^block_hashes\[1\]: expected a 32-byte digest \(bytes\), got 31 bytes$",
+    ),
+    (
+        [b"\1" * 32, "x" * 32],
+        TypeError,
+        r"^block_hashes\[1\]: expected a 32-byte digest \(bytes\), got str$",
+    ),
+    (
+        [bytearray(32)],
+        TypeError,
+        r"^block_hashes\[0\]: expected a 32-byte digest \(bytes\), got bytearray$",
+    ),
+    (
+        [bytes([i]) * 32 for i in range(200)] + [bytes([7]) * 32],
+        ValueError,
+        r"^block_hashes: a hash appears twice \(chained hashes never repeat\)$",
+    ),
+]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("hashes", "error", "message"), _BAD_HASHES)
+def test_digest_checks_are_the_same_in_c_and_python(
+    monkeypatch: pytest.MonkeyPatch, native: bool, hashes: list, error: type, message: str
+) -> None:
+    from fastkv.scheduler import request
+
+    if not native:
+        monkeypatch.setattr(request, "_check_digests", None)
+    with pytest.raises(error, match=message):
+        request.checked_hashes(hashes)
+    good = [i.to_bytes(32, "big") for i in range(1000)]  # past the C stack table
+    assert request.checked_hashes(good) == good
+    assert request.checked_hashes(()) == []
+
+
+def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> None:
+    tree = RadixTree()
+    keys = [i.to_bytes(32, "big") for i in range(6)]
+    path, _ = tree.insert(tree.root, keys, [10, 11, 12, 13, 14, 15])
+    tree.unlock(path)
+    # Block 2 is host-only, block 4 is still loading: the walk stops there.
+    tree.start_eviction(path[5], 5)  # a leaf being evicted: matched, becomes a backup
+    path[2].state, path[2].device_block, path[2].host_block = NodeState.HOST, -1, 2
+    path[4].state = NodeState.SWAP_TO_DEVICE
+    for node in (path[2], path[4]):
+        tree.device_lru.pop(node, None)
+    nodes, blocks, num_host, waiting = tree.match_and_lock(keys, 6)
+    assert nodes == path[:4] and blocks == [10, 11] and num_host == 1 and waiting
+    assert [n.ref for n in path] == [1, 1, 1, 1, 0, 0]
+    assert all(n not in tree.device_lru for n in path[:4])
+    tree.unlock(nodes)
+    nodes, blocks, num_host, waiting = tree.match_and_lock(keys[:2], 1)
+    assert nodes == path[:1] and blocks == [10] and not num_host and not waiting
+    tree.unlock(nodes)
+
+
+def test_native_match_gives_back_its_locks_when_unlisting_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tree = RadixTree()
+    keys = [i.to_bytes(32, "big") for i in range(3)]
+    path, _ = tree.insert(tree.root, keys, [0, 1, 2])
+    tree.unlock(path)
+    tree._device_parked.add(path[2])  # parked: the general case, through _unlist
+    tree.device_lru.pop(path[2])
+
+    def fail(node: object) -> None:
+        raise RuntimeError("unlist failed")
+
+    monkeypatch.setattr(RadixTree, "_unlist", lambda self, node: fail(node))
+    before = list(tree.device_lru)
+    with pytest.raises(RuntimeError, match="unlist failed"):
+        tree.match_and_lock(keys, 3)
+    assert [n.ref for n in path] == [0, 0, 0]
+    assert sorted(map(id, tree.device_lru)) == sorted(map(id, before))
