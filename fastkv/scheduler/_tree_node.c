@@ -28,14 +28,18 @@
 
 typedef struct LRUListObject LRUListObject;
 
-/* Field order: what a lookup and a lock read (hash, key, parent, state, blocks,
- * lock count, device-list owner) comes first, in the 64 bytes after the header:
- * with the allocator's 128-byte blocks starting 48 bytes into a cache line, those
- * share one line, so a matched block costs its bucket and one line of its node. */
+#define DIGEST_SIZE 32
+
+/* Field order: what a lookup and a lock read (parent, state, blocks, lock count,
+ * device-list owner, key) comes first.
+ *
+ * The key: a `bytes` of DIGEST_SIZE bytes (a block hash, the only key the cache
+ * manager uses) is held inline, its 32 bytes in the node, and `node.key` makes a
+ * new bytes object of them when read: no key object per cached block (80 bytes
+ * of a `bytes` each). Any other key (tests, tools) is held by reference, with its
+ * hash once indexed; an inline key's hash is the bytes hash of its contents. */
 typedef struct TreeNodeObject {
     PyObject_HEAD
-    Py_hash_t hash;               /* hash(key), once indexed */
-    PyObject *key;
     PyObject *parent;             /* a TreeNode or None */
     struct TreeNodeObject *hnext; /* the next node in its NodeIndex bucket */
     int32_t device_block;
@@ -43,8 +47,16 @@ typedef struct TreeNodeObject {
     int32_t ref;
     uint8_t state;
     uint8_t storage;
-    uint8_t indexed; /* held by a NodeIndex */
+    uint8_t indexed;    /* held by a NodeIndex */
+    uint8_t inline_key; /* key.digest holds the key */
     LRUListObject *owner[NUM_SLOTS];
+    union {
+        unsigned char digest[DIGEST_SIZE];
+        struct {
+            PyObject *obj;
+            Py_hash_t hash; /* hash(obj), once indexed */
+        } ref;
+    } key;
     struct TreeNodeObject *prev[NUM_SLOTS];
     struct TreeNodeObject *next[NUM_SLOTS];
     int64_t hits;
@@ -157,6 +169,49 @@ ENUM_FIELD(storage, storage_states, NUM_STORAGE)
 /* -- TreeNode --------------------------------------------------------------- */
 
 static int
+is_digest(PyObject *key)
+{
+    return PyBytes_CheckExact(key) && PyBytes_GET_SIZE(key) == DIGEST_SIZE;
+}
+
+/* Stores a new node's key: inline when it is a digest, else a new reference. */
+static void
+node_set_key(TreeNodeObject *node, PyObject *key)
+{
+    if (is_digest(key)) {
+        memcpy(node->key.digest, PyBytes_AS_STRING(key), DIGEST_SIZE);
+        node->inline_key = 1;
+    }
+    else {
+        Py_INCREF(key);
+        node->key.ref.obj = key;
+        node->key.ref.hash = 0;
+        node->inline_key = 0;
+    }
+}
+
+/* The node's key as an object (a new reference; a new bytes for an inline key). */
+static PyObject *
+node_key(TreeNodeObject *node)
+{
+    if (node->inline_key) {
+        return PyBytes_FromStringAndSize((const char *)node->key.digest, DIGEST_SIZE);
+    }
+    Py_INCREF(node->key.ref.obj);
+    return node->key.ref.obj;
+}
+
+/* The hash the node is indexed under (an inline key's: that of its bytes). */
+static Py_hash_t
+node_hash(TreeNodeObject *node)
+{
+    if (node->inline_key) {
+        return _Py_HashBytes(node->key.digest, DIGEST_SIZE);
+    }
+    return node->key.ref.hash;
+}
+
+static int
 check_parent(PyObject *parent)
 {
     if (parent != Py_None && !TreeNode_Check(parent)) {
@@ -191,8 +246,7 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL) {
         return NULL;
     }
-    Py_INCREF(key);
-    self->key = key;
+    node_set_key(self, key);
     Py_INCREF(parent);
     self->parent = parent;
     for (int s = 0; s < NUM_SLOTS; s++) {
@@ -200,7 +254,6 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         self->owner[s] = NULL;
     }
     self->hnext = NULL;
-    self->hash = 0;
     self->indexed = 0;
     self->hits = 0;
     self->device_block = (int32_t)dev;
@@ -221,7 +274,9 @@ node_dealloc(TreeNodeObject *self)
 {
     while (self != NULL) {
         PyObject *parent = self->parent;
-        Py_XDECREF(self->key);
+        if (!self->inline_key) {
+            Py_XDECREF(self->key.ref.obj);
+        }
         PyObject_Free(self);
         self = NULL;
         if (parent == NULL) {
@@ -253,9 +308,15 @@ node_repr(TreeNodeObject *self)
             return NULL;
         }
     }
-    PyObject *r = PyUnicode_FromFormat("TreeNode(%R, %U, dev=%d, host=%d, ref=%d)", self->key,
+    PyObject *key = node_key(self);
+    if (key == NULL) {
+        Py_DECREF(name);
+        return NULL;
+    }
+    PyObject *r = PyUnicode_FromFormat("TreeNode(%R, %U, dev=%d, host=%d, ref=%d)", key,
                                        name, (int)self->device_block, (int)self->host_block,
                                        (int)self->ref);
+    Py_DECREF(key);
     Py_DECREF(name);
     return r;
 }
@@ -263,8 +324,7 @@ node_repr(TreeNodeObject *self)
 static PyObject *
 node_get_key(TreeNodeObject *self, void *closure)
 {
-    Py_INCREF(self->key);
-    return self->key;
+    return node_key(self);
 }
 
 static PyObject *
@@ -726,7 +786,7 @@ index_rehash_step(NodeIndexObject *self, int buckets)
         }
         while (node != NULL) {
             TreeNodeObject *next = node->hnext;
-            size_t b = (size_t)node->hash & self->mask[0];
+            size_t b = (size_t)node_hash(node) & self->mask[0];
             node->hnext = self->table[0][b];
             self->table[0][b] = node;
             node = next;
@@ -794,6 +854,7 @@ keys_equal(PyObject *a, PyObject *b)
 static TreeNodeObject *
 index_find(NodeIndexObject *self, PyObject *key, Py_hash_t h, TreeNodeObject ***pprev)
 {
+    const void *digest = is_digest(key) ? PyBytes_AS_STRING(key) : NULL;
 restart:
     for (int t = 0; t < 2; t++) {
         TreeNodeObject **table = self->table[t];
@@ -802,14 +863,25 @@ restart:
         }
         TreeNodeObject **link = &table[(size_t)h & self->mask[t]];
         for (TreeNodeObject *node = *link; node != NULL; link = &node->hnext, node = *link) {
-            if (node->hash != h) {
+            int eq;
+            if (node->inline_key && digest != NULL) { /* the common case */
+                eq = memcmp(node->key.digest, digest, DIGEST_SIZE) == 0;
+            }
+            else if (node_hash(node) != h) {
                 continue;
             }
-            int eq = keys_equal(node->key, key);
+            else if (!node->inline_key) {
+                eq = keys_equal(node->key.ref.obj, key);
+            }
+            else {
+                eq = -2; /* a digest against some other key: compare as objects */
+            }
             if (eq == -2) { /* an arbitrary __eq__ may change the index */
                 uint64_t version = self->version;
                 Py_INCREF(node);
-                eq = PyObject_RichCompareBool(node->key, key, Py_EQ);
+                PyObject *nkey = node_key(node);
+                eq = nkey == NULL ? -1 : PyObject_RichCompareBool(nkey, key, Py_EQ);
+                Py_XDECREF(nkey);
                 Py_DECREF(node);
                 if (eq >= 0 && version != self->version) {
                     goto restart;
@@ -829,27 +901,40 @@ restart:
     return NULL;
 }
 
-/* Indexes `node` under its key; raises ValueError if that key is indexed. */
+/* Indexes `node` under its key (`key`: that key as an object, or NULL to make
+ * one); raises ValueError if that key is indexed. */
 static int
-index_add(NodeIndexObject *self, TreeNodeObject *node)
+index_add(NodeIndexObject *self, TreeNodeObject *node, PyObject *key)
 {
     if (node->indexed) {
         PyErr_SetString(PyExc_ValueError, "NodeIndex: the node is indexed already");
         return -1;
     }
-    Py_hash_t h = PyObject_Hash(node->key);
+    PyObject *made = NULL;
+    if (key == NULL) {
+        key = made = node_key(node);
+        if (key == NULL) {
+            return -1;
+        }
+    }
+    Py_hash_t h = PyObject_Hash(key);
     if (h == -1) {
+        Py_XDECREF(made);
         return -1;
     }
-    if (index_find(self, node->key, h, NULL) != NULL) {
-        PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is indexed already", node->key);
+    if (index_find(self, key, h, NULL) != NULL) {
+        PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is indexed already", key);
+        Py_XDECREF(made);
         return -1;
     }
+    Py_XDECREF(made);
     if (PyErr_Occurred() || index_reserve(self) < 0) {
         return -1;
     }
     size_t b = (size_t)h & self->mask[0];
-    node->hash = h;
+    if (!node->inline_key) {
+        node->key.ref.hash = h;
+    }
     node->hnext = self->table[0][b];
     self->table[0][b] = node;
     node->indexed = 1;
@@ -883,6 +968,33 @@ index_pop(NodeIndexObject *self, PyObject *key)
     self->size--;
     self->version++;
     return node;
+}
+
+/* Unindexes `node` itself (no key comparison); returns the index's reference. */
+static TreeNodeObject *
+index_unlink(NodeIndexObject *self, TreeNodeObject *node)
+{
+    index_rehash_step(self, REHASH_STEP);
+    Py_hash_t h = node_hash(node);
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (TreeNodeObject **link = &table[(size_t)h & self->mask[t]]; *link != NULL;
+             link = &(*link)->hnext) {
+            if (*link == node) {
+                *link = node->hnext;
+                node->hnext = NULL;
+                node->indexed = 0;
+                self->size--;
+                self->version++;
+                return node;
+            }
+        }
+    }
+    PyErr_SetString(PyExc_KeyError, "NodeIndex: the node is not indexed here");
+    return NULL;
 }
 
 static PyObject *
@@ -986,15 +1098,21 @@ nodeindex_ass_sub(NodeIndexObject *self, PyObject *key, PyObject *value)
     if (node == NULL) {
         return -1;
     }
-    int eq = node->key == key ? 1 : PyObject_RichCompareBool(node->key, key, Py_EQ);
+    PyObject *nkey = node_key(node);
+    if (nkey == NULL) {
+        return -1;
+    }
+    int eq = nkey == key ? 1 : PyObject_RichCompareBool(nkey, key, Py_EQ);
     if (eq <= 0) {
         if (eq == 0) {
             PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is not the node's key %R", key,
-                         node->key);
+                         nkey);
         }
+        Py_DECREF(nkey);
         return -1;
     }
-    return index_add(self, node);
+    Py_DECREF(nkey);
+    return index_add(self, node, key);
 }
 
 static PyObject *
@@ -1061,7 +1179,9 @@ nodeindex_snapshot(NodeIndexObject *self, int pairs)
             for (TreeNodeObject *node = table[b]; node != NULL; node = node->hnext) {
                 PyObject *item;
                 if (pairs) {
-                    item = PyTuple_Pack(2, node->key, (PyObject *)node);
+                    PyObject *key = node_key(node);
+                    item = key == NULL ? NULL : PyTuple_Pack(2, key, (PyObject *)node);
+                    Py_XDECREF(key);
                     if (item == NULL) {
                         Py_DECREF(out);
                         return NULL;
@@ -1094,7 +1214,7 @@ static PyObject *
 nodeindex_add(NodeIndexObject *self, PyObject *arg)
 {
     TreeNodeObject *node = as_node(arg);
-    if (node == NULL || index_add(self, node) < 0) {
+    if (node == NULL || index_add(self, node, NULL) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -1277,7 +1397,7 @@ discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         PyObject *block = PyLong_FromLong(node->device_block);
-        TreeNodeObject *unindexed = block != NULL ? index_pop(index, node->key) : NULL;
+        TreeNodeObject *unindexed = block != NULL ? index_unlink(index, node) : NULL;
         if (unindexed == NULL) {
             Py_XDECREF(block);
             Py_DECREF(node);
@@ -1374,8 +1494,7 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_CLEAR(path);
             goto done_ids;
         }
-        Py_INCREF(kitems[i]);
-        node->key = kitems[i];
+        node_set_key(node, kitems[i]);
         Py_INCREF(parent);
         node->parent = parent;
         for (int s = 0; s < NUM_SLOTS; s++) {
@@ -1383,7 +1502,6 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             node->owner[s] = NULL;
         }
         node->hnext = NULL;
-        node->hash = 0;
         node->indexed = 0;
         node->hits = 0;
         node->device_block = (int32_t)ids[i];
@@ -1396,7 +1514,7 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         parent = (PyObject *)node;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (index_add(index, (TreeNodeObject *)PyList_GET_ITEM(path, i)) < 0) {
+        if (index_add(index, (TreeNodeObject *)PyList_GET_ITEM(path, i), kitems[i]) < 0) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t j = 0; j < i; j++) { /* leave the index as it was */

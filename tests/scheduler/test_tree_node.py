@@ -433,3 +433,26 @@ def test_native_match_gives_back_its_locks_when_unlisting_fails(
         tree.match_and_lock(keys, 3)
     assert [n.ref for n in path] == [0, 0, 0]
     assert sorted(map(id, tree.device_lru)) == sorted(map(id, before))
+
+
+def test_a_digest_key_is_held_inline_and_found_by_any_equal_bytes() -> None:
+    key = bytes(range(32))
+    before = sys.getrefcount(key)
+    node = rt.TreeNode(key, None, 1)
+    assert sys.getrefcount(key) == before  # no reference kept: the bytes live in the node
+    assert node.key == key and type(node.key) is bytes
+    assert repr(node) == f"TreeNode({key!r}, DEVICE, dev=1, host=-1, ref=1)"
+    index = _native().NodeIndex()
+    index[key] = node
+    assert index.get(bytes(range(32))) is node and bytes(range(32)) in index
+    assert index.get(bytes(range(1, 33))) is None
+    assert index.items() == [(key, node)]
+    short = b"k" * 31  # any other key is held by reference
+    other = rt.TreeNode(short, None, 2)
+    assert other.key is short
+    index.add(other)
+    assert index.get(b"k" * 31) is other and len(index) == 2
+    del index[key]
+    assert index.get(key) is None and len(index) == 1
+    # A node holds no per-key object: its size is the header, the fields and 32 bytes.
+    assert _native().NODE_SIZE <= 144
