@@ -14,9 +14,9 @@
  * (assigning a key that is already listed keeps its position).
  *
  * Ownership: a list holds a strong reference to each node it links; the links
- * themselves are borrowed. A node records which list holds it in each slot, so a
- * node can be on at most one list per slot, and a list never unlinks a node that
- * another list holds.
+ * themselves are borrowed. A node records which list holds it in each slot (the
+ * list's one-byte id; at most 255 lists exist at once), so a node can be on at
+ * most one list per slot, and a list never unlinks a node that another list holds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,11 +45,14 @@ typedef struct TreeNodeObject {
     int32_t device_block;
     int32_t host_block;
     int32_t ref;
+    int32_t num_children;
+    int32_t num_device_children;
+    uint32_t hits; /* saturates at UINT32_MAX: only compared with thresholds < 2**31 */
     uint8_t state;
     uint8_t storage;
-    uint8_t indexed;    /* held by a NodeIndex */
-    uint8_t inline_key; /* key.digest holds the key */
-    LRUListObject *owner[NUM_SLOTS];
+    uint8_t indexed;            /* held by a NodeIndex */
+    uint8_t inline_key;         /* key.digest holds the key */
+    uint8_t owner[NUM_SLOTS];   /* per slot, the id of the LRUList holding it; 0: none */
     union {
         unsigned char digest[DIGEST_SIZE];
         struct {
@@ -59,15 +62,18 @@ typedef struct TreeNodeObject {
     } key;
     struct TreeNodeObject *prev[NUM_SLOTS];
     struct TreeNodeObject *next[NUM_SLOTS];
-    int64_t hits;
-    int32_t num_children;
-    int32_t num_device_children;
-} TreeNodeObject;
+} TreeNodeObject; /* 128 bytes: one allocator size class */
+
+/* LRUList ids: a node records which list holds it in one byte per slot. At most
+ * MAX_LISTS lists exist at once (a tree has two). */
+#define MAX_LISTS 255
+static LRUListObject *lists_by_id[MAX_LISTS + 1];
 
 struct LRUListObject {
     PyObject_HEAD
     TreeNodeObject *head; /* oldest */
     TreeNodeObject *tail; /* newest */
+    uint8_t id;           /* its index in lists_by_id (1..MAX_LISTS) */
     Py_ssize_t size;
     uint64_t version; /* changes on every link or unlink: iterators check it */
     int slot;
@@ -134,7 +140,23 @@ INT_FIELD(host_block, -1, INT32_MAX)
 INT_FIELD(ref, 0, INT32_MAX)
 INT_FIELD(num_children, 0, INT32_MAX)
 INT_FIELD(num_device_children, 0, INT32_MAX)
-INT_FIELD(hits, 0, INT64_MAX)
+static PyObject *
+node_get_hits(TreeNodeObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->hits);
+}
+
+/* Takes any count in [0, INT64_MAX] and keeps at most UINT32_MAX of it. */
+static int
+node_set_hits(TreeNodeObject *self, PyObject *value, void *closure)
+{
+    long long v;
+    if (as_bounded(value, "hits", 0, INT64_MAX, &v) < 0) {
+        return -1;
+    }
+    self->hits = v > (long long)UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+    return 0;
+}
 /* An enum-valued uint8 field: reads give the member of `table` (a bare int only
  * before the members are installed), writes take a member or an int in range. */
 #define ENUM_FIELD(field, table, n)                                                 \
@@ -251,7 +273,7 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->parent = parent;
     for (int s = 0; s < NUM_SLOTS; s++) {
         self->prev[s] = self->next[s] = NULL;
-        self->owner[s] = NULL;
+        self->owner[s] = 0;
     }
     self->hnext = NULL;
     self->indexed = 0;
@@ -347,7 +369,7 @@ static PyGetSetDef node_getset[] = {
     GETSET(ref, "Requests holding the node (>= 0, int32)."),
     GETSET(num_children, "Children in the tree (>= 0, int32)."),
     GETSET(num_device_children, "Children that keep a device block (>= 0, int32)."),
-    GETSET(hits, "Matches so far (>= 0, int64)."),
+    GETSET(hits, "Matches so far (>= 0; takes an int64, keeps at most 2**32 - 1)."),
     GETSET(storage, "The StorageState member: where the block stands with the storage tier."),
     {NULL},
 };
@@ -385,7 +407,7 @@ link_node(LRUListObject *self, TreeNodeObject *node, int at_tail)
 {
     int s = self->slot;
     Py_INCREF(node);
-    node->owner[s] = self;
+    node->owner[s] = self->id;
     if (at_tail) {
         node->prev[s] = self->tail;
         node->next[s] = NULL;
@@ -431,7 +453,7 @@ unlink_node(LRUListObject *self, TreeNodeObject *node)
         self->tail = prev;
     }
     node->prev[s] = node->next[s] = NULL;
-    node->owner[s] = NULL;
+    node->owner[s] = 0;
     self->size--;
     self->version++;
     return node;
@@ -450,10 +472,20 @@ lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                      NUM_SLOTS - 1);
         return NULL;
     }
+    int id = 1;
+    while (id <= MAX_LISTS && lists_by_id[id] != NULL) {
+        id++;
+    }
+    if (id > MAX_LISTS) {
+        PyErr_Format(PyExc_RuntimeError, "LRUList: %d lists exist, the most at once", MAX_LISTS);
+        return NULL;
+    }
     LRUListObject *self = PyObject_New(LRUListObject, type);
     if (self == NULL) {
         return NULL;
     }
+    self->id = (uint8_t)id;
+    lists_by_id[id] = self;
     self->head = self->tail = NULL;
     self->size = 0;
     self->version = 0;
@@ -473,6 +505,7 @@ static void
 lru_dealloc(LRUListObject *self)
 {
     lru_clear_all(self);
+    lists_by_id[self->id] = NULL;
     PyObject_Free(self);
 }
 
@@ -485,15 +518,15 @@ lru_len(LRUListObject *self)
 static int
 lru_contains(LRUListObject *self, PyObject *key)
 {
-    return TreeNode_Check(key) && ((TreeNodeObject *)key)->owner[self->slot] == self;
+    return TreeNode_Check(key) && ((TreeNodeObject *)key)->owner[self->slot] == self->id;
 }
 
 /* Raises when `node` is on another list of this slot. */
 static int
 check_free(LRUListObject *self, TreeNodeObject *node)
 {
-    LRUListObject *owner = node->owner[self->slot];
-    if (owner != NULL && owner != self) {
+    uint8_t owner = node->owner[self->slot];
+    if (owner != 0 && owner != self->id) {
         PyErr_SetString(PyExc_ValueError, "LRUList: the node is on another list of this slot");
         return -1;
     }
@@ -510,7 +543,7 @@ lru_ass_sub(LRUListObject *self, PyObject *key, PyObject *value)
         return -1;
     }
     if (value == NULL) {
-        if (node->owner[self->slot] != self) {
+        if (node->owner[self->slot] != self->id) {
             PyErr_SetObject(PyExc_KeyError, key);
             return -1;
         }
@@ -524,7 +557,7 @@ lru_ass_sub(LRUListObject *self, PyObject *key, PyObject *value)
     if (check_free(self, node) < 0) {
         return -1;
     }
-    if (node->owner[self->slot] != self) {
+    if (node->owner[self->slot] != self->id) {
         link_node(self, node, 1);
     }
     return 0;
@@ -1287,8 +1320,7 @@ as_lru(PyObject *obj, const char *name)
 static int
 list_node(LRUListObject *lru, TreeNodeObject *node)
 {
-    LRUListObject *owner = node->owner[lru->slot];
-    if (owner == lru) {
+    if (node->owner[lru->slot] == lru->id) {
         return 0;
     }
     if (check_free(lru, node) < 0) {
@@ -1414,7 +1446,7 @@ discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             }
             if (r == 1) { /* unpark: back to the head */
-                if (parent->owner[s] == lru) {
+                if (parent->owner[s] == lru->id) {
                     Py_DECREF(unlink_node(lru, parent));
                 }
                 if (check_free(lru, parent) < 0) {
@@ -1499,7 +1531,7 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         node->parent = parent;
         for (int s = 0; s < NUM_SLOTS; s++) {
             node->prev[s] = node->next[s] = NULL;
-            node->owner[s] = NULL;
+            node->owner[s] = 0;
         }
         node->hnext = NULL;
         node->indexed = 0;
@@ -1715,7 +1747,7 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < matched; i++) {
         TreeNodeObject *node = (TreeNodeObject *)PyList_GET_ITEM(nodes, i);
         if (!node->ref) {
-            if (node->host_block < 0 && node->owner[ds] == device_lru) {
+            if (node->host_block < 0 && node->owner[ds] == device_lru->id) {
                 Py_DECREF(unlink_node(device_lru, node)); /* the index still holds it */
             }
             else {

@@ -95,7 +95,8 @@ def test_int_fields_take_their_range_and_refuse_beyond(field: str, low: int, hig
     node = rt.TreeNode(b"k", None, 3)
     for value in (low, high):
         setattr(node, field, value)
-        assert getattr(node, field) == value
+        # hits keeps at most 2**32 - 1 (thresholds compared with it are < 2**31)
+        assert getattr(node, field) == (min(value, 2**32 - 1) if field == "hits" else value)
     setattr(node, field, low)
     for bad in (low - 1, high + 1, 2**70, -(2**70)):
         with pytest.raises(
@@ -455,4 +456,26 @@ def test_a_digest_key_is_held_inline_and_found_by_any_equal_bytes() -> None:
     del index[key]
     assert index.get(key) is None and len(index) == 1
     # A node holds no per-key object: its size is the header, the fields and 32 bytes.
-    assert _native().NODE_SIZE <= 144
+    assert _native().NODE_SIZE <= 128
+
+
+def test_hits_saturate_and_lists_have_one_byte_ids() -> None:
+    node = rt.TreeNode(b"k", None, 3)
+    node.hits = 2**32 - 2
+    node.hits += 1
+    node.hits += 1  # a counter that has reached the top stays there
+    assert node.hits == 2**32 - 1
+    lists = [_native().LRUList(0) for _ in range(200)]
+    lists[7][node] = None
+    assert node in lists[7] and all(node not in lst for lst in lists[8:])
+    with pytest.raises(ValueError, match="another list"):
+        lists[8][node] = None
+    del lists  # ids are given back: lists can be made up to the bound again
+    more = []
+    with pytest.raises(RuntimeError, match="255 lists exist"):
+        while len(more) < 300:
+            more.append(_native().LRUList(1))
+    assert 200 < len(more) <= 255  # a few may belong to trees still alive elsewhere
+    more[0][node] = None
+    assert node in more[0]
+    more[0].pop(node)
