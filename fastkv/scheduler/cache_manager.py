@@ -474,8 +474,16 @@ class CacheManager:
                 "take_swap_metadata(), run what it returns on the worker(s) and "
                 "apply_results() their reports before allocating again"
             )
+        num_positions = -(-num_tokens // self.block_size)
+        held = len(req.blocks)
+        if held >= num_positions and held >= len(req.nodes) and req.lookup_id < 0:
+            # The table holds every position asked for and every block matched (a
+            # full hit, a decode step within its last block): nothing to do.
+            req.allocated = True
+            req.waits = 0
+            return Allocation(AllocStatus.ALLOCATED, 0, req.num_cached_blocks * self.block_size)
         self._wait_on_untaken = False
-        alloc = self._allocate(req, -(-num_tokens // self.block_size))
+        alloc = self._allocate(req, num_positions)
         if self._wait_on_untaken:  # a WAIT only untaken transfers can end
             req.waits = req.waits + 1 if req.wait_epoch == self.transfers.num_takes else 1
             req.wait_epoch = self.transfers.num_takes
