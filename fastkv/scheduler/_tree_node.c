@@ -223,12 +223,47 @@ node_key(TreeNodeObject *node)
     return node->key.ref.obj;
 }
 
-/* The hash the node is indexed under (an inline key's: that of its bytes). */
+/* The hash of a digest's 32 bytes: its words multiplied and folded, then
+ * splitmix64's finalizer (every input bit reaches the low bits). A few
+ * instructions where the bytes hash (SipHash) takes a hundred and more: the
+ * index computes it on every eviction and grow, and matching fresh keys costs no
+ * SipHash at all. */
+static Py_hash_t
+digest_hash(const void *digest)
+{
+    const unsigned char *p = digest;
+    uint64_t h = 0x9E3779B97F4A7C15ULL;
+    for (int i = 0; i < DIGEST_SIZE; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
+        h ^= h >> 32;
+    }
+    h ^= h >> 30;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 27;
+    h *= 0x94D049BB133111EBULL;
+    h ^= h >> 31;
+    return (Py_hash_t)h == -1 ? -2 : (Py_hash_t)h;
+}
+
+/* The hash a key is indexed under: digest_hash for any bytes of DIGEST_SIZE
+ * (subclasses too, so that keys equal as bytes share a bucket), else hash(key). */
+static Py_hash_t
+key_hash(PyObject *key)
+{
+    if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) == DIGEST_SIZE) {
+        return digest_hash(PyBytes_AS_STRING(key));
+    }
+    return PyObject_Hash(key);
+}
+
+/* The hash the node is indexed under. */
 static Py_hash_t
 node_hash(TreeNodeObject *node)
 {
     if (node->inline_key) {
-        return _Py_HashBytes(node->key.digest, DIGEST_SIZE);
+        return digest_hash(node->key.digest);
     }
     return node->key.ref.hash;
 }
@@ -950,7 +985,7 @@ index_add(NodeIndexObject *self, TreeNodeObject *node, PyObject *key)
             return -1;
         }
     }
-    Py_hash_t h = PyObject_Hash(key);
+    Py_hash_t h = key_hash(key);
     if (h == -1) {
         Py_XDECREF(made);
         return -1;
@@ -982,7 +1017,7 @@ index_add(NodeIndexObject *self, TreeNodeObject *node, PyObject *key)
 static TreeNodeObject *
 index_pop(NodeIndexObject *self, PyObject *key)
 {
-    Py_hash_t h = PyObject_Hash(key);
+    Py_hash_t h = key_hash(key);
     if (h == -1) {
         return NULL;
     }
@@ -1086,7 +1121,7 @@ nodeindex_len(NodeIndexObject *self)
 static TreeNodeObject *
 nodeindex_lookup(NodeIndexObject *self, PyObject *key)
 {
-    Py_hash_t h = PyObject_Hash(key);
+    Py_hash_t h = key_hash(key);
     if (h == -1) {
         return NULL;
     }
@@ -1623,7 +1658,8 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = Py_None;
     for (Py_ssize_t i = 0; i < n && result == Py_None; i++) {
         PyObject *h = items[i];
-        Py_hash_t hash = PyObject_Hash(h); /* bytes: cached, never fails */
+        Py_hash_t hash = size == DIGEST_SIZE ? digest_hash(PyBytes_AS_STRING(h))
+                                             : PyObject_Hash(h); /* bytes: never fails */
         size_t b = (size_t)hash & (cap - 1);
         while (table[b] != NULL) {
             PyObject *other = table[b];
@@ -1700,7 +1736,7 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int waiting = 0;
     for (; matched < n; matched++) {
         PyObject *key = PyList_GET_ITEM(hashes, matched);
-        Py_hash_t h = PyObject_Hash(key);
+        Py_hash_t h = key_hash(key);
         if (h == -1) {
             goto error;
         }

@@ -479,3 +479,21 @@ def test_hits_saturate_and_lists_have_one_byte_ids() -> None:
     more[0][node] = None
     assert node in more[0]
     more[0].pop(node)
+
+
+def test_digest_keys_and_equal_bytes_subclasses_find_each_other() -> None:
+    class Digest(bytes):
+        pass
+
+    index = _native().NodeIndex()
+    plain, sub = bytes(range(32)), Digest(bytes(range(1, 33)))
+    a, b = rt.TreeNode(plain, None, 1), rt.TreeNode(sub, None, 2)
+    index.add(a)
+    index.add(b)
+    assert index.get(Digest(plain)) is a  # a subclass probe finds the inline key
+    assert index.get(bytes(range(1, 33))) is b  # a plain probe finds the subclass key
+    assert b.key is sub and a.key == plain
+    with pytest.raises(ValueError, match="indexed already"):
+        index.add(rt.TreeNode(Digest(plain), None, 3))
+    del index[Digest(plain)]
+    assert plain not in index and len(index) == 1
