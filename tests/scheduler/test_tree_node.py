@@ -497,3 +497,22 @@ def test_digest_keys_and_equal_bytes_subclasses_find_each_other() -> None:
         index.add(rt.TreeNode(Digest(plain), None, 3))
     del index[Digest(plain)]
     assert plain not in index and len(index) == 1
+
+
+def test_node_index_stays_right_while_a_large_grow_gives_pages_back() -> None:
+    # 40,000 nodes: the grow from 32,768 buckets (256 KiB) releases the emptied
+    # pages of the old array as it moves them, and lookups read them as empty.
+    index = _native().NodeIndex()
+    nodes = [rt.TreeNode(i.to_bytes(32, "big"), None, 1) for i in range(40_000)]
+    grew = False
+    for i, node in enumerate(nodes):
+        index.add(node)
+        grew |= index.growing()
+        if i % 997 == 0:  # mid-grow: every node so far is found
+            assert all(index.get(n.key) is n for n in nodes[: i + 1 : 13])
+    assert grew and len(index) == 40_000
+    assert all(index.get(n.key) is n for n in nodes)
+    assert sorted(map(id, index.values())) == sorted(map(id, nodes))
+    for node in nodes[::2]:
+        del index[node.key]
+    assert len(index) == 20_000 and all(index.get(n.key) is n for n in nodes[1::2])
