@@ -31,7 +31,7 @@ def use_python_radix_tree() -> Callable[[pytest.MonkeyPatch], None]:
         monkeypatch.setattr(rt, "TreeNode", rt._PyTreeNode)
         monkeypatch.setattr(rt, "_new_lru", rt._PyLRUList)
         monkeypatch.setattr(rt, "_new_index", rt._PyNodeIndex)
-        for name in ("_unlock_path", "_discard_leaves", "_make_path"):
+        for name in ("_unlock_path", "_discard_leaves", "_make_path", "_match_path"):
             monkeypatch.setattr(rt, name, None)
 
     return use

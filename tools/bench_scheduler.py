@@ -28,11 +28,18 @@
 (f) Scale (--scale-blocks, default 1M and 4M; 0 skips): requests of 128 distinct
     32-byte digests fill a cache of that many device blocks, then as many blocks
     again go through it (each evicting the oldest). Each side runs in a fresh
-    process: bytes per cached block (RSS growth over the fill, the keys excluded),
-    the longest single garbage collection (timed with gc.callbacks) and the longest
-    single scheduler call (the floor: the longest single request), both in CPU
-    time of the scheduler's thread. The floor is
-    the leaf-first floor above, holding the same keys.
+    process: bytes per cached block, the longest single garbage collection (timed
+    with gc.callbacks) and the longest single request, both in CPU time of the
+    scheduler's thread. The floor is the leaf-first floor above, holding the same
+    keys. Bytes per block twice: RSS growth over the fill with every key made and
+    frozen before the cache is built (the scheduler's own structures), and as an
+    engine lives it ("engine": each request's keys made as it arrives and kept
+    only by the cache, RSS counted from before the cache is built).
+(g) Full hits at the same sizes (one process per size): fastkv and the floor fill
+    with the same keys, then the 2,000 most recently cached 128-block requests are
+    served again, every block a hit, request by request through each side in turn,
+    next to the lookup floor (the floor's dict probed once per block: a full hit at
+    the cost of a dictionary lookup); then a 1,028-block request, cached and hit.
 
 Every figure is the best of --repeats interleaved runs: the machines this runs on
 are shared, and the minimum is the least disturbed run.
@@ -77,6 +84,9 @@ HEADLINE_CAPACITY = 10_000
 DEPTHS = (100, 1_000, 8_000)
 SCALE_BLOCKS = (1_000_000, 4_000_000)
 SCALE_REQUEST_BLOCKS = 128
+SCALE_HIT_REQUESTS = 2_000  # full hits served after the fill
+LONG_REQUEST_BLOCKS = 1_028  # a long prompt, cached and then hit again
+SIDES = ("fastkv", "floor")
 
 
 def leaf_first_floor(trace: Sequence[TraceRequest], capacity: int) -> tuple[float, float]:
@@ -327,14 +337,46 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def scale_child(impl: str, num_blocks: int) -> dict[str, float]:
+class _FastkvCache:
+    """The CacheManager serving one request at a time, as `_FloorCache` does."""
+
+    def __init__(self, capacity: int) -> None:
+        self.mgr = CacheManager(
+            CacheConfig(block_size=16, num_device_blocks=capacity), clock=lambda: 0.0
+        )
+        self.next_id = 0
+
+    def serve(self, ids: Sequence[bytes]) -> int:
+        mgr, rid = self.mgr, self.next_id
+        self.next_id += 1
+        num_tokens = len(ids) * 16
+        hit = mgr.match(rid, ids, num_tokens + 1)
+        if not mgr.allocate(rid, num_tokens=num_tokens):
+            raise AssertionError(f"request {rid}: allocation refused")
+        mgr.commit(rid, num_computed_tokens=num_tokens)
+        mgr.finish(rid)
+        return hit.num_hits
+
+
+def _scale_keys(r: int, per: int) -> list[bytes]:
+    """Request r's keys: `per` distinct 32-byte digests no other request has."""
+    return [(r * per + j).to_bytes(32, "big") for j in range(per)]
+
+
+def scale_child(impl: str, num_blocks: int, keys_made: str = "before") -> dict[str, float]:
     """One side of the scale bench (run in a fresh process): fill `num_blocks`, then
-    push as many blocks again through the full cache."""
+    push as many blocks again through the full cache.
+
+    keys_made "before": every key exists before the manager is built, frozen out
+    of the collector, and bytes per block count from after construction (the
+    scheduler's own structures). "engine": each request's keys are made when it
+    arrives and kept only by the cache, and bytes per block count from before the
+    manager is built (what an engine's process grows by).
+    """
     per = SCALE_REQUEST_BLOCKS
     num_requests = 2 * num_blocks // per
-    keys = [
-        [(r * per + j).to_bytes(32, "big") for j in range(per)] for r in range(num_requests)
-    ]
+    prebuilt = keys_made == "before"
+    keys = [_scale_keys(r, per) for r in range(num_requests)] if prebuilt else []
     gc.collect()
     gc.freeze()  # the keys are the workload, not the scheduler's state
     pauses: list[float] = []
@@ -349,44 +391,27 @@ def scale_child(impl: str, num_blocks: int) -> dict[str, float]:
     # CPU time of this thread: the machines this runs on are shared, and a wall
     # clock would time other processes' turns as pauses.
     clock = time.thread_time
-    longest_call = 0.0
-    hits = 0
     rss0 = _rss_bytes()
+    cache = _FloorCache(num_blocks) if impl == "floor" else _FastkvCache(num_blocks)
+    if prebuilt:
+        rss0 = _rss_bytes()
+    serve = cache.serve
+    longest = 0.0
+    hits = 0
     gc.callbacks.append(on_gc)
     start = clock()
-    fill_seconds = bytes_per_block = 0.0
-    if impl == "floor":
-        floor = _FloorCache(num_blocks)
-        for r, ids in enumerate(keys):
-            t = clock()
-            hits += floor.serve(ids)
-            longest_call = max(longest_call, clock() - t)
-            if r + 1 == num_requests // 2:
-                fill_seconds = clock() - start
-                bytes_per_block = (_rss_bytes() - rss0) / num_blocks
-    else:
-        mgr = CacheManager(
-            CacheConfig(block_size=16, num_device_blocks=num_blocks), clock=lambda: 0.0
-        )
-        num_tokens = per * 16 + 1
-        for r, ids in enumerate(keys):
-            t = clock()
-            hit = mgr.match(r, ids, num_tokens)
-            longest_call = max(longest_call, clock() - t)
-            t = clock()
-            if not mgr.allocate(r, num_tokens=per * 16):
-                raise AssertionError(f"request {r}: allocation refused")
-            longest_call = max(longest_call, clock() - t)
-            t = clock()
-            mgr.commit(r, num_computed_tokens=per * 16)
-            longest_call = max(longest_call, clock() - t)
-            t = clock()
-            mgr.finish(r)
-            longest_call = max(longest_call, clock() - t)
-            hits += hit.num_hits
-            if r + 1 == num_requests // 2:
-                fill_seconds = clock() - start
-                bytes_per_block = (_rss_bytes() - rss0) / num_blocks
+    for r in range(num_requests // 2):  # the fill
+        ids = keys[r] if prebuilt else _scale_keys(r, per)
+        t = clock()
+        hits += serve(ids)
+        longest = max(longest, clock() - t)
+    fill_seconds = clock() - start
+    bytes_per_block = (_rss_bytes() - rss0) / num_blocks
+    for r in range(num_requests // 2, num_requests):  # as many blocks again
+        ids = keys[r] if prebuilt else _scale_keys(r, per)
+        t = clock()
+        hits += serve(ids)
+        longest = max(longest, clock() - t)
     seconds = clock() - start
     gc.callbacks.remove(on_gc)
     return {
@@ -396,10 +421,104 @@ def scale_child(impl: str, num_blocks: int) -> dict[str, float]:
         "gc_collections": len(pauses),
         "gc_seconds": sum(pauses),
         "longest_gc_ms": max(pauses, default=0.0) * 1e3,
-        "longest_call_ms": longest_call * 1e3,
+        "longest_request_ms": longest * 1e3,
         "hit_rate": hits / (num_requests * per),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+class _LookupFloor:
+    """A full hit at the cost of a dictionary lookup per block: the floor's own
+    match loop over its dict of the same keys, and nothing else."""
+
+    def __init__(self, index: dict[bytes, bytes | None]) -> None:
+        self.index = index
+
+    def serve(self, ids: Sequence[bytes]) -> int:
+        index = self.index
+        n = 0
+        for h in ids:
+            if h not in index:
+                break
+            n += 1
+        return n
+
+
+def hit_child(num_blocks: int, rounds: int) -> dict[str, float]:
+    """The full-hit bench at `num_blocks` cached blocks (run in a fresh process):
+    fastkv and the leaf-first floor hold the same keys, and the most recently
+    cached requests are served again, every block a hit, one side after the other
+    (the order reversed every round), then a long request cached before is hit
+    again; the lookup floor is the floor's dict probed once per block. CPU time of
+    this thread; the best round."""
+    per = SCALE_REQUEST_BLOCKS
+    floor = _FloorCache(num_blocks)
+    sides = {
+        "fastkv": _FastkvCache(num_blocks),
+        "floor": floor,
+        "lookup_floor": _LookupFloor(floor.parent_of),
+    }
+    num_requests = num_blocks // per
+    first = num_requests - min(SCALE_HIT_REQUESTS, num_requests // 2)
+    requests = []  # the key objects the caches hold, as an engine's own hashes would be
+    for r in range(num_requests):
+        ids = _scale_keys(r, per)
+        sides["fastkv"].serve(ids)
+        floor.serve(ids)
+        if r >= first:
+            requests.append(ids)
+    long_keys = [(num_blocks * 2 + j).to_bytes(32, "big") for j in range(LONG_REQUEST_BLOCKS)]
+    sides["fastkv"].serve(long_keys)
+    floor.serve(long_keys)
+    gc.collect()
+    gc.freeze()
+    clock = time.thread_time
+    best = dict.fromkeys(sides, float("inf"))
+    best_long = dict.fromkeys(sides, float("inf"))
+    longest = dict.fromkeys(sides, 0.0)
+    order = list(sides.items())
+    for _ in range(rounds):
+        for name, cache in order:  # each side's requests in a row: each runs warm
+            total = 0.0
+            for ids in requests:
+                t = clock()
+                if cache.serve(ids) != per:
+                    raise AssertionError(f"{name}: not a full hit")
+                took = clock() - t
+                total += took
+                longest[name] = max(longest[name], took)
+            best[name] = min(best[name], total)
+            t = clock()
+            if cache.serve(long_keys) != LONG_REQUEST_BLOCKS:
+                raise AssertionError(f"{name}: the long request is not a full hit")
+            best_long[name] = min(best_long[name], clock() - t)
+        order.reverse()
+    blocks = len(requests) * per
+    out = {}
+    for name in sides:
+        prefix = "" if name == "fastkv" else f"{name}_"
+        out[f"{prefix}full_hit_us_per_block"] = best[name] * 1e6 / blocks
+        out[f"{prefix}long_hit_ms"] = best_long[name] * 1e3
+        out[f"{prefix}longest_full_hit_ms"] = longest[name] * 1e3
+        if name != "fastkv":
+            out[f"full_hit_vs_{name}"] = best["fastkv"] / best[name]
+            out[f"long_hit_vs_{name}"] = best_long["fastkv"] / best_long[name]
+    return out
+
+
+def _child(args: list[str]) -> dict:
+    """Run one child of this bench in a fresh process; its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench child {args} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout)
+
+
+def bench_full_hit(sizes: Sequence[int], rounds: int) -> dict[str, dict[str, float]]:
+    """A full hit next to the floor's, at each size in its own process."""
+    return {str(n): _child(["--_hit-child", str(n), str(rounds)]) for n in sizes}
 
 
 def bench_scale(sizes: Sequence[int]) -> dict[str, dict[str, dict[str, float]]]:
@@ -407,19 +526,12 @@ def bench_scale(sizes: Sequence[int]) -> dict[str, dict[str, dict[str, float]]]:
     heap."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for n in sizes:
-        row = {}
-        for impl in ("fastkv", "floor"):
-            proc = subprocess.run(
-                [sys.executable, __file__, "--_scale-child", impl, str(n)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"scale bench ({impl}, {n} blocks) failed:\n{proc.stderr}")
-            row[impl] = json.loads(proc.stdout)
+        row = {impl: _child(["--_scale-child", impl, str(n), "before"]) for impl in SIDES}
         if row["fastkv"]["hit_rate"] != row["floor"]["hit_rate"]:
             raise AssertionError(f"hit rates differ at {n} blocks: {row}")
+        for impl in SIDES:  # the engine's measure: keys made as requests arrive
+            engine = _child(["--_scale-child", impl, str(n), "engine"])
+            row[impl]["engine_bytes_per_block"] = engine["bytes_per_block"]
         out[str(n)] = row
     return out
 
@@ -438,19 +550,29 @@ def main(argv: list[str] | None = None) -> int:
         default=list(SCALE_BLOCKS),
         help="cache sizes of the scale bench (f); none (or 0) skips it",
     )
-    p.add_argument("--scale-only", action="store_true", help="run only the scale bench (f)")
-    p.add_argument("--_scale-child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--scale-only",
+        action="store_true",
+        help="run only the scale (f) and full-hit (g) benches",
+    )
+    p.add_argument("--_scale-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--_hit-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._scale_child:
-        impl, n = args._scale_child
-        print(json.dumps(scale_child(impl, int(n))))
+        impl, n, keys_made = args._scale_child
+        print(json.dumps(scale_child(impl, int(n), keys_made)))
+        return 0
+    if args._hit_child:
+        print(json.dumps(hit_child(*args._hit_child)))
         return 0
     scale_sizes = [n for n in args.scale_blocks if n > 0]
     if args.scale_only:
+        hit_figures = bench_full_hit(scale_sizes, args.repeats)
         scale_figures = bench_scale(scale_sizes)
         if args.json:
-            print(json.dumps({"scale": scale_figures}))
+            print(json.dumps({"full_hit": hit_figures, "scale": scale_figures}))
         else:
+            _print_full_hit(hit_figures)
             _print_scale(scale_figures)
         return 0
 
@@ -466,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     depth_figures = bench_commit_depth(args.repeats)
     lookup_figures = bench_storage_lookups(trace, args.repeats)
     metrics_figures = bench_metrics(trace, args.repeats)
+    hit_figures = bench_full_hit(scale_sizes, args.repeats)
     scale_figures = bench_scale(scale_sizes)
     headline = replay_figures[str(HEADLINE_CAPACITY)]
     result = {
@@ -479,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         **lookup_figures,
         **metrics_figures,
         **hash_figures,
+        "full_hit": hit_figures,
         "scale": scale_figures,
     }
     if args.json:
@@ -526,27 +650,54 @@ def main(argv: list[str] | None = None) -> int:
         f"metrics (10,000 device blocks): off {mf['metrics_off_us_per_block']:.3f} us/block,"
         f" on {mf['metrics_on_us_per_block']:.3f} us/block ({mf['metrics_on_vs_off']:.3f}x)"
     )
+    _print_full_hit(hit_figures)
     _print_scale(scale_figures)
     if not hash_figures["hash_native"]:
         print("(hashing ran the pure-Python loop: fastkv._chain_hash is not built)")
     return 0
 
 
+def _print_full_hit(figures: dict[str, dict[str, float]]) -> None:
+    if not figures:
+        return
+    print(
+        f"\n{'cached blocks':>13} {'fastkv':>8} {'floor':>8} {'ratio':>6} {'lookup':>8}"
+        f" {'ratio':>6}   (full hit of {SCALE_REQUEST_BLOCKS} blocks, us per block, CPU time)"
+    )
+    for n, f in figures.items():
+        print(
+            f"{int(n):>13,} {f['full_hit_us_per_block']:>8.3f}"
+            f" {f['floor_full_hit_us_per_block']:>8.3f} {f['full_hit_vs_floor']:>5.2f}x"
+            f" {f['lookup_floor_full_hit_us_per_block']:>8.3f}"
+            f" {f['full_hit_vs_lookup_floor']:>5.2f}x"
+        )
+    print(
+        f"{'':>13} {'fastkv':>8} {'floor':>8} {'ratio':>6} {'lookup':>8} {'ratio':>6}"
+        f"   (full hit of {LONG_REQUEST_BLOCKS:,} blocks, ms)"
+    )
+    for n, f in figures.items():
+        print(
+            f"{int(n):>13,} {f['long_hit_ms']:>8.3f} {f['floor_long_hit_ms']:>8.3f}"
+            f" {f['long_hit_vs_floor']:>5.2f}x {f['lookup_floor_long_hit_ms']:>8.3f}"
+            f" {f['long_hit_vs_lookup_floor']:>5.2f}x"
+        )
+
+
 def _print_scale(figures: dict[str, dict[str, dict[str, float]]]) -> None:
     if not figures:
         return
     print(
-        f"\n{'cached blocks':>13} {'side':>6} {'bytes/block':>11} {'fill s':>7}"
-        f" {'GCs':>5} {'GC s':>6} {'longest GC ms':>13} {'longest call ms':>15}"
+        f"\n{'cached blocks':>13} {'side':>6} {'bytes/block':>11} {'engine':>7} {'fill s':>7}"
+        f" {'GCs':>5} {'GC s':>6} {'longest GC ms':>13} {'longest request ms':>18}"
         f" {'peak RSS MiB':>12}   (CPU time)"
     )
     for n, row in figures.items():
         for impl, f in row.items():
             print(
                 f"{int(n):>13,} {impl:>6} {f['bytes_per_block']:>11.1f}"
-                f" {f['fill_seconds']:>7.2f} {f['gc_collections']:>5}"
-                f" {f['gc_seconds']:>6.2f} {f['longest_gc_ms']:>13.2f}"
-                f" {f['longest_call_ms']:>15.2f} {f['peak_rss_mib']:>12.0f}"
+                f" {f['engine_bytes_per_block']:>7.1f} {f['fill_seconds']:>7.2f}"
+                f" {f['gc_collections']:>5} {f['gc_seconds']:>6.2f} {f['longest_gc_ms']:>13.2f}"
+                f" {f['longest_request_ms']:>18.2f} {f['peak_rss_mib']:>12.0f}"
             )
 
 

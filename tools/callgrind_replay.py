@@ -2,11 +2,18 @@
 """Noise-free replay cost: instructions (callgrind) of fastkv against the leaf-first floor.
 
     python tools/callgrind_replay.py [--trace FILE] [--requests 4000] [--capacity 10000]
+    python tools/callgrind_replay.py --full-hits [--requests 1000]
 
 Each side runs under `valgrind --tool=callgrind` twice: once replaying the first
 `--requests` requests and once replaying none, in the same process layout (imports,
 trace loading). The difference is the replay's own instruction count, so start-up
 cost cancels out. Prints both counts and their ratio (the issue 16 target is <= 2x).
+
+--full-hits counts full hits instead: `--requests` requests of 128 distinct 32-byte
+keys fill a cache that holds them all, then each is served again, every block a
+hit; the count is that of the fill and the hits less that of the fill alone. Beside
+fastkv: the leaf-first floor, and the lookup floor (the floor's dict probed once per
+block: a full hit at the cost of a dictionary lookup).
 
 Counts are free of timing noise but not identical run to run: nodes in sets hash by
 address, and the address layout differs per process, which moves either count by
@@ -32,6 +39,7 @@ if __package__ in (None, ""):  # run as a file: make `tools` importable
 
 from tools.trace_replay import TRACE_BLOCK_SIZE, load_trace, replay
 
+IMPLS = ("fastkv", "floor", "lookup_floor")
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
 
 
@@ -52,7 +60,35 @@ def _run_one(impl: str, trace_path: str, requests: int, capacity: int) -> None:
         leaf_first_floor(trace, capacity)
 
 
-def _instructions(impl: str, trace: str, requests: int, capacity: int) -> int:
+def _run_hits(impl: str, requests: int, hits: bool) -> None:
+    """The measured body of --full-hits: fill with `requests` requests, then (`hits`)
+    serve each again."""
+    import gc
+
+    from tools.bench_scheduler import (
+        SCALE_REQUEST_BLOCKS,
+        _FastkvCache,
+        _FloorCache,
+        _LookupFloor,
+        _scale_keys,
+    )
+
+    per = SCALE_REQUEST_BLOCKS
+    keys = [_scale_keys(r, per) for r in range(requests)]
+    cache = _FastkvCache(requests * per) if impl == "fastkv" else _FloorCache(requests * per)
+    for ids in keys:
+        cache.serve(ids)
+    if impl == "lookup_floor":
+        cache = _LookupFloor(cache.parent_of)  # type: ignore[union-attr]
+    gc.collect()
+    gc.freeze()
+    if hits:
+        for ids in keys:
+            if cache.serve(ids) != per:
+                raise AssertionError(f"{impl}: not a full hit")
+
+
+def _instructions(impl: str, trace: str, requests: int, capacity: int, mode: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         cmd = [
@@ -69,6 +105,8 @@ def _instructions(impl: str, trace: str, requests: int, capacity: int) -> int:
             str(requests),
             "--capacity",
             str(capacity),
+            "--_mode",
+            mode,
         ]
         # A fixed hash seed: string hashing (dict probes) must not vary between runs.
         env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -81,6 +119,36 @@ def _instructions(impl: str, trace: str, requests: int, capacity: int) -> int:
         return int(match.group(1))
 
 
+def _full_hits(trace: str, requests: int, as_json: bool) -> int:
+    if shutil.which("valgrind") is None:
+        print("valgrind not found (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    counts = {}
+    for impl in IMPLS:
+        full = _instructions(impl, trace, requests, 0, "hits")
+        fill = _instructions(impl, trace, requests, 0, "fill")
+        counts[impl] = full - fill
+    blocks = requests * 128
+    result = {
+        "requests": requests,
+        "blocks": blocks,
+        **{f"{impl}_instructions_per_block": counts[impl] / blocks for impl in IMPLS},
+        "vs_floor": counts["fastkv"] / counts["floor"],
+        "vs_lookup_floor": counts["fastkv"] / counts["lookup_floor"],
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"full hits, {requests:,} requests of 128 blocks, instructions per block: fastkv "
+            f"{result['fastkv_instructions_per_block']:.0f}, floor "
+            f"{result['floor_instructions_per_block']:.0f} ({result['vs_floor']:.3f}x), "
+            f"lookup floor {result['lookup_floor_instructions_per_block']:.0f} "
+            f"({result['vs_lookup_floor']:.3f}x)"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -89,18 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--capacity", type=int, default=10_000)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--_child", choices=("fastkv", "floor"), help=argparse.SUPPRESS)
+    p.add_argument("--full-hits", action="store_true", help="count full hits (see above)")
+    p.add_argument("--_child", choices=IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--_mode", default="replay", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._child:
-        _run_one(args._child, args.trace, args.requests, args.capacity)
+        if args._mode == "replay":
+            _run_one(args._child, args.trace, args.requests, args.capacity)
+        else:
+            _run_hits(args._child, args.requests, args._mode == "hits")
         return 0
+    if args.full_hits:
+        return _full_hits(args.trace, args.requests, args.json)
     if shutil.which("valgrind") is None:
         print("valgrind not found (apt-get install valgrind)", file=sys.stderr)
         return 2
     counts = {}
     for impl in ("fastkv", "floor"):
-        full = _instructions(impl, args.trace, args.requests, args.capacity)
-        empty = _instructions(impl, args.trace, 0, args.capacity)
+        full = _instructions(impl, args.trace, args.requests, args.capacity, "replay")
+        empty = _instructions(impl, args.trace, 0, args.capacity, "replay")
         counts[impl] = full - empty
     result = {
         "requests": args.requests,

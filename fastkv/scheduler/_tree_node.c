@@ -14,13 +14,15 @@
  * (assigning a key that is already listed keeps its position).
  *
  * Ownership: a list holds a strong reference to each node it links; the links
- * themselves are borrowed. A node records which list holds it in each slot, so a
- * node can be on at most one list per slot, and a list never unlinks a node that
- * another list holds.
+ * themselves are borrowed. A node records which list holds it in each slot (the
+ * list's one-byte id; at most 255 lists exist at once), so a node can be on at
+ * most one list per slot, and a list never unlinks a node that another list holds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define NUM_SLOTS 2
 #define NUM_STATES 8
@@ -28,30 +30,52 @@
 
 typedef struct LRUListObject LRUListObject;
 
+#define DIGEST_SIZE 32
+
+/* Field order: what a lookup and a lock read (parent, state, blocks, lock count,
+ * device-list owner, key) comes first.
+ *
+ * The key: a `bytes` of DIGEST_SIZE bytes (a block hash, the only key the cache
+ * manager uses) is held inline, its 32 bytes in the node, and `node.key` makes a
+ * new bytes object of them when read: no key object per cached block (80 bytes
+ * of a `bytes` each). Any other key (tests, tools) is held by reference, with its
+ * hash once indexed; an inline key's hash is the bytes hash of its contents. */
 typedef struct TreeNodeObject {
     PyObject_HEAD
-    PyObject *key;
-    PyObject *parent; /* a TreeNode or None */
-    struct TreeNodeObject *prev[NUM_SLOTS];
-    struct TreeNodeObject *next[NUM_SLOTS];
-    LRUListObject *owner[NUM_SLOTS];
+    PyObject *parent;             /* a TreeNode or None */
     struct TreeNodeObject *hnext; /* the next node in its NodeIndex bucket */
-    Py_hash_t hash;               /* hash(key), once indexed */
-    int64_t hits;
     int32_t device_block;
     int32_t host_block;
     int32_t ref;
     int32_t num_children;
     int32_t num_device_children;
+    uint32_t hits; /* saturates at UINT32_MAX: only compared with thresholds < 2**31 */
     uint8_t state;
     uint8_t storage;
-    uint8_t indexed; /* held by a NodeIndex */
-} TreeNodeObject;
+    uint8_t indexed;            /* held by a NodeIndex */
+    uint8_t inline_key;         /* key.digest holds the key */
+    uint8_t owner[NUM_SLOTS];   /* per slot, the id of the LRUList holding it; 0: none */
+    union {
+        unsigned char digest[DIGEST_SIZE];
+        struct {
+            PyObject *obj;
+            Py_hash_t hash; /* hash(obj), once indexed */
+        } ref;
+    } key;
+    struct TreeNodeObject *prev[NUM_SLOTS];
+    struct TreeNodeObject *next[NUM_SLOTS];
+} TreeNodeObject; /* 128 bytes: one allocator size class */
+
+/* LRUList ids: a node records which list holds it in one byte per slot. At most
+ * MAX_LISTS lists exist at once (a tree has two). */
+#define MAX_LISTS 255
+static LRUListObject *lists_by_id[MAX_LISTS + 1];
 
 struct LRUListObject {
     PyObject_HEAD
     TreeNodeObject *head; /* oldest */
     TreeNodeObject *tail; /* newest */
+    uint8_t id;           /* its index in lists_by_id (1..MAX_LISTS) */
     Py_ssize_t size;
     uint64_t version; /* changes on every link or unlink: iterators check it */
     int slot;
@@ -118,7 +142,23 @@ INT_FIELD(host_block, -1, INT32_MAX)
 INT_FIELD(ref, 0, INT32_MAX)
 INT_FIELD(num_children, 0, INT32_MAX)
 INT_FIELD(num_device_children, 0, INT32_MAX)
-INT_FIELD(hits, 0, INT64_MAX)
+static PyObject *
+node_get_hits(TreeNodeObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->hits);
+}
+
+/* Takes any count in [0, INT64_MAX] and keeps at most UINT32_MAX of it. */
+static int
+node_set_hits(TreeNodeObject *self, PyObject *value, void *closure)
+{
+    long long v;
+    if (as_bounded(value, "hits", 0, INT64_MAX, &v) < 0) {
+        return -1;
+    }
+    self->hits = v > (long long)UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+    return 0;
+}
 /* An enum-valued uint8 field: reads give the member of `table` (a bare int only
  * before the members are installed), writes take a member or an int in range. */
 #define ENUM_FIELD(field, table, n)                                                 \
@@ -151,6 +191,84 @@ ENUM_FIELD(state, states, NUM_STATES)
 ENUM_FIELD(storage, storage_states, NUM_STORAGE)
 
 /* -- TreeNode --------------------------------------------------------------- */
+
+static int
+is_digest(PyObject *key)
+{
+    return PyBytes_CheckExact(key) && PyBytes_GET_SIZE(key) == DIGEST_SIZE;
+}
+
+/* Stores a new node's key: inline when it is a digest, else a new reference. */
+static void
+node_set_key(TreeNodeObject *node, PyObject *key)
+{
+    if (is_digest(key)) {
+        memcpy(node->key.digest, PyBytes_AS_STRING(key), DIGEST_SIZE);
+        node->inline_key = 1;
+    }
+    else {
+        Py_INCREF(key);
+        node->key.ref.obj = key;
+        node->key.ref.hash = 0;
+        node->inline_key = 0;
+    }
+}
+
+/* The node's key as an object (a new reference; a new bytes for an inline key). */
+static PyObject *
+node_key(TreeNodeObject *node)
+{
+    if (node->inline_key) {
+        return PyBytes_FromStringAndSize((const char *)node->key.digest, DIGEST_SIZE);
+    }
+    Py_INCREF(node->key.ref.obj);
+    return node->key.ref.obj;
+}
+
+/* The hash of a digest's 32 bytes: its words multiplied and folded, then
+ * splitmix64's finalizer (every input bit reaches the low bits). A few
+ * instructions where the bytes hash (SipHash) takes a hundred and more: the
+ * index computes it on every eviction and grow, and matching fresh keys costs no
+ * SipHash at all. */
+static Py_hash_t
+digest_hash(const void *digest)
+{
+    const unsigned char *p = digest;
+    uint64_t h = 0x9E3779B97F4A7C15ULL;
+    for (int i = 0; i < DIGEST_SIZE; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
+        h ^= h >> 32;
+    }
+    h ^= h >> 30;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 27;
+    h *= 0x94D049BB133111EBULL;
+    h ^= h >> 31;
+    return (Py_hash_t)h == -1 ? -2 : (Py_hash_t)h;
+}
+
+/* The hash a key is indexed under: digest_hash for any bytes of DIGEST_SIZE
+ * (subclasses too, so that keys equal as bytes share a bucket), else hash(key). */
+static Py_hash_t
+key_hash(PyObject *key)
+{
+    if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) == DIGEST_SIZE) {
+        return digest_hash(PyBytes_AS_STRING(key));
+    }
+    return PyObject_Hash(key);
+}
+
+/* The hash the node is indexed under. */
+static Py_hash_t
+node_hash(TreeNodeObject *node)
+{
+    if (node->inline_key) {
+        return digest_hash(node->key.digest);
+    }
+    return node->key.ref.hash;
+}
 
 static int
 check_parent(PyObject *parent)
@@ -187,16 +305,14 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL) {
         return NULL;
     }
-    Py_INCREF(key);
-    self->key = key;
+    node_set_key(self, key);
     Py_INCREF(parent);
     self->parent = parent;
     for (int s = 0; s < NUM_SLOTS; s++) {
         self->prev[s] = self->next[s] = NULL;
-        self->owner[s] = NULL;
+        self->owner[s] = 0;
     }
     self->hnext = NULL;
-    self->hash = 0;
     self->indexed = 0;
     self->hits = 0;
     self->device_block = (int32_t)dev;
@@ -217,7 +333,9 @@ node_dealloc(TreeNodeObject *self)
 {
     while (self != NULL) {
         PyObject *parent = self->parent;
-        Py_XDECREF(self->key);
+        if (!self->inline_key) {
+            Py_XDECREF(self->key.ref.obj);
+        }
         PyObject_Free(self);
         self = NULL;
         if (parent == NULL) {
@@ -249,9 +367,15 @@ node_repr(TreeNodeObject *self)
             return NULL;
         }
     }
-    PyObject *r = PyUnicode_FromFormat("TreeNode(%R, %U, dev=%d, host=%d, ref=%d)", self->key,
+    PyObject *key = node_key(self);
+    if (key == NULL) {
+        Py_DECREF(name);
+        return NULL;
+    }
+    PyObject *r = PyUnicode_FromFormat("TreeNode(%R, %U, dev=%d, host=%d, ref=%d)", key,
                                        name, (int)self->device_block, (int)self->host_block,
                                        (int)self->ref);
+    Py_DECREF(key);
     Py_DECREF(name);
     return r;
 }
@@ -259,8 +383,7 @@ node_repr(TreeNodeObject *self)
 static PyObject *
 node_get_key(TreeNodeObject *self, void *closure)
 {
-    Py_INCREF(self->key);
-    return self->key;
+    return node_key(self);
 }
 
 static PyObject *
@@ -283,7 +406,7 @@ static PyGetSetDef node_getset[] = {
     GETSET(ref, "Requests holding the node (>= 0, int32)."),
     GETSET(num_children, "Children in the tree (>= 0, int32)."),
     GETSET(num_device_children, "Children that keep a device block (>= 0, int32)."),
-    GETSET(hits, "Matches so far (>= 0, int64)."),
+    GETSET(hits, "Matches so far (>= 0; takes an int64, keeps at most 2**32 - 1)."),
     GETSET(storage, "The StorageState member: where the block stands with the storage tier."),
     {NULL},
 };
@@ -321,7 +444,7 @@ link_node(LRUListObject *self, TreeNodeObject *node, int at_tail)
 {
     int s = self->slot;
     Py_INCREF(node);
-    node->owner[s] = self;
+    node->owner[s] = self->id;
     if (at_tail) {
         node->prev[s] = self->tail;
         node->next[s] = NULL;
@@ -367,7 +490,7 @@ unlink_node(LRUListObject *self, TreeNodeObject *node)
         self->tail = prev;
     }
     node->prev[s] = node->next[s] = NULL;
-    node->owner[s] = NULL;
+    node->owner[s] = 0;
     self->size--;
     self->version++;
     return node;
@@ -386,10 +509,20 @@ lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                      NUM_SLOTS - 1);
         return NULL;
     }
+    int id = 1;
+    while (id <= MAX_LISTS && lists_by_id[id] != NULL) {
+        id++;
+    }
+    if (id > MAX_LISTS) {
+        PyErr_Format(PyExc_RuntimeError, "LRUList: %d lists exist, the most at once", MAX_LISTS);
+        return NULL;
+    }
     LRUListObject *self = PyObject_New(LRUListObject, type);
     if (self == NULL) {
         return NULL;
     }
+    self->id = (uint8_t)id;
+    lists_by_id[id] = self;
     self->head = self->tail = NULL;
     self->size = 0;
     self->version = 0;
@@ -409,6 +542,7 @@ static void
 lru_dealloc(LRUListObject *self)
 {
     lru_clear_all(self);
+    lists_by_id[self->id] = NULL;
     PyObject_Free(self);
 }
 
@@ -421,15 +555,15 @@ lru_len(LRUListObject *self)
 static int
 lru_contains(LRUListObject *self, PyObject *key)
 {
-    return TreeNode_Check(key) && ((TreeNodeObject *)key)->owner[self->slot] == self;
+    return TreeNode_Check(key) && ((TreeNodeObject *)key)->owner[self->slot] == self->id;
 }
 
 /* Raises when `node` is on another list of this slot. */
 static int
 check_free(LRUListObject *self, TreeNodeObject *node)
 {
-    LRUListObject *owner = node->owner[self->slot];
-    if (owner != NULL && owner != self) {
+    uint8_t owner = node->owner[self->slot];
+    if (owner != 0 && owner != self->id) {
         PyErr_SetString(PyExc_ValueError, "LRUList: the node is on another list of this slot");
         return -1;
     }
@@ -446,7 +580,7 @@ lru_ass_sub(LRUListObject *self, PyObject *key, PyObject *value)
         return -1;
     }
     if (value == NULL) {
-        if (node->owner[self->slot] != self) {
+        if (node->owner[self->slot] != self->id) {
             PyErr_SetObject(PyExc_KeyError, key);
             return -1;
         }
@@ -460,7 +594,7 @@ lru_ass_sub(LRUListObject *self, PyObject *key, PyObject *value)
     if (check_free(self, node) < 0) {
         return -1;
     }
-    if (node->owner[self->slot] != self) {
+    if (node->owner[self->slot] != self->id) {
         link_node(self, node, 1);
     }
     return 0;
@@ -696,11 +830,40 @@ typedef struct {
     TreeNodeObject **table[2]; /* [0] the current array; [1] the old one while growing */
     size_t mask[2];
     size_t rehash_idx; /* next bucket of table[1] to move; meaningful while table[1] */
+    size_t released;   /* bytes of table[1], from its first page boundary, given back */
     Py_ssize_t size;
     uint64_t version;
 } NodeIndexObject;
 
 static PyTypeObject NodeIndexType;
+
+#define RELEASE_CHUNK (64 * 1024)
+
+/* Gives the pages of the old array that the grow has emptied back to the system
+ * as it goes (they read as zeros, i.e. empty buckets, if touched again): freeing
+ * a touched array of millions of buckets at once costs its caller milliseconds
+ * (1.6 ms for 16 MiB), the last step of a grow included. Only whole pages inside
+ * the array are released. */
+static void
+index_release_moved(NodeIndexObject *self)
+{
+#ifdef MADV_DONTNEED
+    static uintptr_t page = 0;
+    if (page == 0) {
+        long size = sysconf(_SC_PAGESIZE);
+        page = size > 0 ? (uintptr_t)size : 4096;
+    }
+    uintptr_t start = (uintptr_t)self->table[1];
+    uintptr_t first = (start + page - 1) & ~(page - 1);
+    uintptr_t done = (start + self->rehash_idx * sizeof(TreeNodeObject *)) & ~(page - 1);
+    uintptr_t from = first + self->released;
+    if (done >= from + RELEASE_CHUNK) {
+        if (madvise((void *)from, done - from, MADV_DONTNEED) == 0) {
+            self->released = done - first;
+        }
+    }
+#endif
+}
 
 static void
 index_rehash_step(NodeIndexObject *self, int buckets)
@@ -722,7 +885,7 @@ index_rehash_step(NodeIndexObject *self, int buckets)
         }
         while (node != NULL) {
             TreeNodeObject *next = node->hnext;
-            size_t b = (size_t)node->hash & self->mask[0];
+            size_t b = (size_t)node_hash(node) & self->mask[0];
             node->hnext = self->table[0][b];
             self->table[0][b] = node;
             node = next;
@@ -735,6 +898,10 @@ index_rehash_step(NodeIndexObject *self, int buckets)
         self->table[1] = NULL;
         self->mask[1] = 0;
         self->rehash_idx = 0;
+        self->released = 0;
+    }
+    else {
+        index_release_moved(self);
     }
 }
 
@@ -758,6 +925,7 @@ index_reserve(NodeIndexObject *self)
     self->table[1] = self->table[0];
     self->mask[1] = self->mask[0];
     self->rehash_idx = 0;
+    self->released = 0;
     self->table[0] = bigger;
     self->mask[0] = n - 1;
     self->version++;
@@ -790,6 +958,7 @@ keys_equal(PyObject *a, PyObject *b)
 static TreeNodeObject *
 index_find(NodeIndexObject *self, PyObject *key, Py_hash_t h, TreeNodeObject ***pprev)
 {
+    const void *digest = is_digest(key) ? PyBytes_AS_STRING(key) : NULL;
 restart:
     for (int t = 0; t < 2; t++) {
         TreeNodeObject **table = self->table[t];
@@ -798,14 +967,25 @@ restart:
         }
         TreeNodeObject **link = &table[(size_t)h & self->mask[t]];
         for (TreeNodeObject *node = *link; node != NULL; link = &node->hnext, node = *link) {
-            if (node->hash != h) {
+            int eq;
+            if (node->inline_key && digest != NULL) { /* the common case */
+                eq = memcmp(node->key.digest, digest, DIGEST_SIZE) == 0;
+            }
+            else if (node_hash(node) != h) {
                 continue;
             }
-            int eq = keys_equal(node->key, key);
+            else if (!node->inline_key) {
+                eq = keys_equal(node->key.ref.obj, key);
+            }
+            else {
+                eq = -2; /* a digest against some other key: compare as objects */
+            }
             if (eq == -2) { /* an arbitrary __eq__ may change the index */
                 uint64_t version = self->version;
                 Py_INCREF(node);
-                eq = PyObject_RichCompareBool(node->key, key, Py_EQ);
+                PyObject *nkey = node_key(node);
+                eq = nkey == NULL ? -1 : PyObject_RichCompareBool(nkey, key, Py_EQ);
+                Py_XDECREF(nkey);
                 Py_DECREF(node);
                 if (eq >= 0 && version != self->version) {
                     goto restart;
@@ -825,27 +1005,40 @@ restart:
     return NULL;
 }
 
-/* Indexes `node` under its key; raises ValueError if that key is indexed. */
+/* Indexes `node` under its key (`key`: that key as an object, or NULL to make
+ * one); raises ValueError if that key is indexed. */
 static int
-index_add(NodeIndexObject *self, TreeNodeObject *node)
+index_add(NodeIndexObject *self, TreeNodeObject *node, PyObject *key)
 {
     if (node->indexed) {
         PyErr_SetString(PyExc_ValueError, "NodeIndex: the node is indexed already");
         return -1;
     }
-    Py_hash_t h = PyObject_Hash(node->key);
+    PyObject *made = NULL;
+    if (key == NULL) {
+        key = made = node_key(node);
+        if (key == NULL) {
+            return -1;
+        }
+    }
+    Py_hash_t h = key_hash(key);
     if (h == -1) {
+        Py_XDECREF(made);
         return -1;
     }
-    if (index_find(self, node->key, h, NULL) != NULL) {
-        PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is indexed already", node->key);
+    if (index_find(self, key, h, NULL) != NULL) {
+        PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is indexed already", key);
+        Py_XDECREF(made);
         return -1;
     }
+    Py_XDECREF(made);
     if (PyErr_Occurred() || index_reserve(self) < 0) {
         return -1;
     }
     size_t b = (size_t)h & self->mask[0];
-    node->hash = h;
+    if (!node->inline_key) {
+        node->key.ref.hash = h;
+    }
     node->hnext = self->table[0][b];
     self->table[0][b] = node;
     node->indexed = 1;
@@ -860,7 +1053,7 @@ index_add(NodeIndexObject *self, TreeNodeObject *node)
 static TreeNodeObject *
 index_pop(NodeIndexObject *self, PyObject *key)
 {
-    Py_hash_t h = PyObject_Hash(key);
+    Py_hash_t h = key_hash(key);
     if (h == -1) {
         return NULL;
     }
@@ -879,6 +1072,33 @@ index_pop(NodeIndexObject *self, PyObject *key)
     self->size--;
     self->version++;
     return node;
+}
+
+/* Unindexes `node` itself (no key comparison); returns the index's reference. */
+static TreeNodeObject *
+index_unlink(NodeIndexObject *self, TreeNodeObject *node)
+{
+    index_rehash_step(self, REHASH_STEP);
+    Py_hash_t h = node_hash(node);
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (TreeNodeObject **link = &table[(size_t)h & self->mask[t]]; *link != NULL;
+             link = &(*link)->hnext) {
+            if (*link == node) {
+                *link = node->hnext;
+                node->hnext = NULL;
+                node->indexed = 0;
+                self->size--;
+                self->version++;
+                return node;
+            }
+        }
+    }
+    PyErr_SetString(PyExc_KeyError, "NodeIndex: the node is not indexed here");
+    return NULL;
 }
 
 static PyObject *
@@ -900,6 +1120,7 @@ nodeindex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->table[1] = NULL;
     self->mask[1] = 0;
     self->rehash_idx = 0;
+    self->released = 0;
     self->size = 0;
     self->version = 0;
     return (PyObject *)self;
@@ -937,7 +1158,7 @@ nodeindex_len(NodeIndexObject *self)
 static TreeNodeObject *
 nodeindex_lookup(NodeIndexObject *self, PyObject *key)
 {
-    Py_hash_t h = PyObject_Hash(key);
+    Py_hash_t h = key_hash(key);
     if (h == -1) {
         return NULL;
     }
@@ -982,15 +1203,21 @@ nodeindex_ass_sub(NodeIndexObject *self, PyObject *key, PyObject *value)
     if (node == NULL) {
         return -1;
     }
-    int eq = node->key == key ? 1 : PyObject_RichCompareBool(node->key, key, Py_EQ);
+    PyObject *nkey = node_key(node);
+    if (nkey == NULL) {
+        return -1;
+    }
+    int eq = nkey == key ? 1 : PyObject_RichCompareBool(nkey, key, Py_EQ);
     if (eq <= 0) {
         if (eq == 0) {
             PyErr_Format(PyExc_ValueError, "NodeIndex: key %R is not the node's key %R", key,
-                         node->key);
+                         nkey);
         }
+        Py_DECREF(nkey);
         return -1;
     }
-    return index_add(self, node);
+    Py_DECREF(nkey);
+    return index_add(self, node, key);
 }
 
 static PyObject *
@@ -1057,7 +1284,9 @@ nodeindex_snapshot(NodeIndexObject *self, int pairs)
             for (TreeNodeObject *node = table[b]; node != NULL; node = node->hnext) {
                 PyObject *item;
                 if (pairs) {
-                    item = PyTuple_Pack(2, node->key, (PyObject *)node);
+                    PyObject *key = node_key(node);
+                    item = key == NULL ? NULL : PyTuple_Pack(2, key, (PyObject *)node);
+                    Py_XDECREF(key);
                     if (item == NULL) {
                         Py_DECREF(out);
                         return NULL;
@@ -1090,7 +1319,7 @@ static PyObject *
 nodeindex_add(NodeIndexObject *self, PyObject *arg)
 {
     TreeNodeObject *node = as_node(arg);
-    if (node == NULL || index_add(self, node) < 0) {
+    if (node == NULL || index_add(self, node, NULL) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -1163,8 +1392,7 @@ as_lru(PyObject *obj, const char *name)
 static int
 list_node(LRUListObject *lru, TreeNodeObject *node)
 {
-    LRUListObject *owner = node->owner[lru->slot];
-    if (owner == lru) {
+    if (node->owner[lru->slot] == lru->id) {
         return 0;
     }
     if (check_free(lru, node) < 0) {
@@ -1273,7 +1501,7 @@ discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         PyObject *block = PyLong_FromLong(node->device_block);
-        TreeNodeObject *unindexed = block != NULL ? index_pop(index, node->key) : NULL;
+        TreeNodeObject *unindexed = block != NULL ? index_unlink(index, node) : NULL;
         if (unindexed == NULL) {
             Py_XDECREF(block);
             Py_DECREF(node);
@@ -1290,7 +1518,7 @@ discard_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             }
             if (r == 1) { /* unpark: back to the head */
-                if (parent->owner[s] == lru) {
+                if (parent->owner[s] == lru->id) {
                     Py_DECREF(unlink_node(lru, parent));
                 }
                 if (check_free(lru, parent) < 0) {
@@ -1370,16 +1598,14 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_CLEAR(path);
             goto done_ids;
         }
-        Py_INCREF(kitems[i]);
-        node->key = kitems[i];
+        node_set_key(node, kitems[i]);
         Py_INCREF(parent);
         node->parent = parent;
         for (int s = 0; s < NUM_SLOTS; s++) {
             node->prev[s] = node->next[s] = NULL;
-            node->owner[s] = NULL;
+            node->owner[s] = 0;
         }
         node->hnext = NULL;
-        node->hash = 0;
         node->indexed = 0;
         node->hits = 0;
         node->device_block = (int32_t)ids[i];
@@ -1392,7 +1618,7 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         parent = (PyObject *)node;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (index_add(index, (TreeNodeObject *)PyList_GET_ITEM(path, i)) < 0) {
+        if (index_add(index, (TreeNodeObject *)PyList_GET_ITEM(path, i), kitems[i]) < 0) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t j = 0; j < i; j++) { /* leave the index as it was */
@@ -1411,6 +1637,222 @@ done:
     Py_DECREF(keys);
     Py_DECREF(blocks);
     return path;
+}
+
+/* check_digests(hashes, name, size): raises unless `hashes` (a list) holds distinct
+ * `bytes` of exactly `size` bytes each: TypeError naming the first entry that is
+ * not, else ValueError when one repeats. The checks RequestState's hashes pass
+ * (request.checked_hashes), in one pass over the list and a table of its hashes
+ * instead of three sets. */
+static PyObject *
+check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "check_digests(hashes: list, name: str, size: int)");
+        return NULL;
+    }
+    PyObject *list = args[0], *name = args[1];
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject **items = ((PyListObject *)list)->ob_item;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != size) {
+            if (PyBytes_CheckExact(h)) {
+                PyErr_Format(PyExc_TypeError,
+                             "%U[%zd]: expected a %zd-byte digest (bytes), got %zd bytes", name,
+                             i, size, PyBytes_GET_SIZE(h));
+            }
+            else {
+                PyErr_Format(PyExc_TypeError,
+                             "%U[%zd]: expected a %zd-byte digest (bytes), got %s", name, i,
+                             size, Py_TYPE(h)->tp_name);
+            }
+            return NULL;
+        }
+    }
+    if (n < 2) {
+        Py_RETURN_NONE;
+    }
+    /* Distinct: an open-addressing table of the entries, by their (cached) hash. */
+    size_t cap = 8;
+    while (cap < (size_t)n * 2) {
+        cap <<= 1;
+    }
+    PyObject *buf[512], **table = buf;
+    if (cap > 512) {
+        table = PyMem_Calloc(cap, sizeof(PyObject *));
+        if (table == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    else {
+        memset(buf, 0, cap * sizeof(PyObject *));
+    }
+    PyObject *result = Py_None;
+    for (Py_ssize_t i = 0; i < n && result == Py_None; i++) {
+        PyObject *h = items[i];
+        Py_hash_t hash = size == DIGEST_SIZE ? digest_hash(PyBytes_AS_STRING(h))
+                                             : PyObject_Hash(h); /* bytes: never fails */
+        size_t b = (size_t)hash & (cap - 1);
+        while (table[b] != NULL) {
+            PyObject *other = table[b];
+            if (other == h || memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(h), size) == 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "%U: a hash appears twice (chained hashes never repeat)", name);
+                result = NULL;
+                break;
+            }
+            b = (b + 1) & (cap - 1);
+        }
+        table[b] = h;
+    }
+    if (table != buf) {
+        PyMem_Free(table);
+    }
+    Py_XINCREF(result);
+    return result;
+}
+
+#define STATE_SWAP_TO_DEVICE 3
+#define STATE_PENDING_HOST 5
+#define STATE_LOADING_FROM_STORAGE 7
+
+/* match_path(tree, root, hashes, limit, index, device_lru): RadixTree.match_and_lock's
+ * walk in one call. Follows the path of `hashes` (at most `limit`) from `root`
+ * while each key's node hangs under the previous one and holds a readable copy,
+ * then locks the nodes found: an unlocked device-only node on `device_lru` is
+ * unlinked here, any other unlocked node goes to `tree._unlist(node)` (the general
+ * case: parked sets, a node being evicted) before its lock is counted.
+ *
+ * Returns (nodes, blocks, num_host, waiting): the locked nodes, the device blocks
+ * of those before the first host-only one, how many are host-only, and whether the
+ * walk stopped at a copy in flight. Everything that can fail for want of memory
+ * happens before the first lock; if `_unlist` raises, the locks taken are given
+ * back through `tree.unlock`. */
+static PyObject *
+match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_path(tree, root, hashes, limit, index, device_lru)");
+        return NULL;
+    }
+    if (!TreeNode_Check(args[1]) || !PyList_Check(args[2]) ||
+        !Py_IS_TYPE(args[4], &NodeIndexType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_path: root must be a TreeNode, hashes a list, index a NodeIndex");
+        return NULL;
+    }
+    LRUListObject *device_lru = as_lru(args[5], "device_lru");
+    if (device_lru == NULL) {
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *tree = args[0], *hashes = args[2];
+    NodeIndexObject *index = (NodeIndexObject *)args[4];
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (limit < n) {
+        n = limit < 0 ? 0 : limit;
+    }
+    PyObject *nodes = PyList_New(n);
+    PyObject *blocks = nodes != NULL ? PyList_New(n) : NULL;
+    if (blocks == NULL) {
+        Py_XDECREF(nodes);
+        return NULL;
+    }
+    /* Pass 1: find the path; nothing changes. */
+    TreeNodeObject *parent = (TreeNodeObject *)args[1];
+    Py_ssize_t matched = 0, num_blocks = 0, num_host = 0;
+    int waiting = 0;
+    for (; matched < n; matched++) {
+        PyObject *key = PyList_GET_ITEM(hashes, matched);
+        Py_hash_t h = key_hash(key);
+        if (h == -1) {
+            goto error;
+        }
+        TreeNodeObject *node = index_find(index, key, h, NULL);
+        if (node == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            break;
+        }
+        if (node->parent != (PyObject *)parent) {
+            break;
+        }
+        uint8_t state = node->state;
+        if (state == STATE_SWAP_TO_DEVICE || state == STATE_PENDING_HOST ||
+            state == STATE_LOADING_FROM_STORAGE) {
+            waiting = 1;
+            break;
+        }
+        Py_INCREF(node);
+        PyList_SET_ITEM(nodes, matched, (PyObject *)node);
+        if (state == STATE_HOST) {
+            num_host++;
+        }
+        else if (num_host == 0) {
+            PyObject *block = PyLong_FromLong(node->device_block);
+            if (block == NULL) {
+                matched++;
+                goto error;
+            }
+            PyList_SET_ITEM(blocks, num_blocks++, block);
+        }
+        parent = node;
+    }
+    Py_SET_SIZE(nodes, matched); /* shrinking never fails */
+    Py_SET_SIZE(blocks, num_blocks);
+    PyObject *result = Py_BuildValue("(OOnO)", nodes, blocks, num_host,
+                                     waiting ? Py_True : Py_False);
+    if (result == NULL) {
+        goto error;
+    }
+    /* Pass 2: lock them. */
+    int ds = device_lru->slot;
+    for (Py_ssize_t i = 0; i < matched; i++) {
+        TreeNodeObject *node = (TreeNodeObject *)PyList_GET_ITEM(nodes, i);
+        if (!node->ref) {
+            if (node->host_block < 0 && node->owner[ds] == device_lru->id) {
+                Py_DECREF(unlink_node(device_lru, node)); /* the index still holds it */
+            }
+            else {
+                PyObject *r = PyObject_CallMethod(tree, "_unlist", "O", (PyObject *)node);
+                if (r == NULL) {
+                    Py_DECREF(result);
+                    PyObject *type, *value, *tb;
+                    PyErr_Fetch(&type, &value, &tb);
+                    Py_SET_SIZE(nodes, i); /* give back the locks taken */
+                    PyObject *u = PyObject_CallMethod(tree, "unlock", "O", nodes);
+                    Py_XDECREF(u);
+                    Py_SET_SIZE(nodes, matched);
+                    if (u == NULL) {
+                        PyErr_Clear();
+                    }
+                    PyErr_Restore(type, value, tb);
+                    goto error;
+                }
+                Py_DECREF(r);
+            }
+        }
+        node->ref++;
+    }
+    Py_DECREF(nodes);
+    Py_DECREF(blocks);
+    return result;
+error:
+    Py_SET_SIZE(nodes, matched);
+    Py_SET_SIZE(blocks, num_blocks);
+    Py_DECREF(nodes);
+    Py_DECREF(blocks);
+    return NULL;
 }
 
 /* -- module ------------------------------------------------------------------ */
@@ -1465,6 +1907,12 @@ static PyMethodDef module_methods[] = {
     {"make_path", (PyCFunction)(void (*)(void))make_path, METH_FASTCALL,
      "make_path(parent, keys, device_blocks, index): new locked DEVICE nodes, one per "
      "key, each the parent of the next, entered in index; returns them."},
+    {"match_path", (PyCFunction)(void (*)(void))match_path, METH_FASTCALL,
+     "match_path(tree, root, hashes, limit, index, device_lru): RadixTree.match_and_lock's "
+     "walk; returns (nodes, blocks, num_host, waiting)."},
+    {"check_digests", (PyCFunction)(void (*)(void))check_digests, METH_FASTCALL,
+     "check_digests(hashes, name, size): raise unless the list holds distinct bytes of "
+     "`size` bytes each (TypeError naming the first that is not; ValueError for a repeat)."},
     {"set_states", set_states, METH_O,
      "set_states(members): the NodeState members, by value, that TreeNode.state returns."},
     {"set_storage_states", set_storage_states, METH_O,

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+
+MAX_BLOCKS = 2**31 - 1
+"""The most blocks a pool holds: block ids are int32 (the tree's nodes and the
+pool's free list store them so)."""
 
 
 class OutOfBlocksError(RuntimeError):
@@ -48,13 +53,14 @@ class BlockPool:
     )
 
     def __init__(self, capacity: int, name: str = "pool") -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity: must be >= 0, got {capacity}")
+        if not 0 <= capacity <= MAX_BLOCKS:
+            raise ValueError(f"capacity: must be in [0, {MAX_BLOCKS}], got {capacity}")
         self.capacity = capacity
         self.name = name
         # Reversed so that a fresh pool hands out 0, 1, 2, ...: consecutive ids let
-        # the worker coalesce copies.
-        self._free = list(range(capacity - 1, -1, -1))
+        # the worker coalesce copies. A C array of int32: 4 bytes per block, where a
+        # list of ints held 8 and an int object (32) per id.
+        self._free = array("i", range(capacity - 1, -1, -1))
         # One byte per block, 1 while allocated: far smaller (so cache-resident)
         # than a set of ids, which costs a hash-table probe per id.
         self._allocated = bytearray(capacity)
@@ -87,7 +93,7 @@ class BlockPool:
             raise OutOfBlocksError(
                 f"{self.name}: asked for {n} blocks, {len(free)} of {self.capacity} free"
             )
-        ids = free[-n:]
+        ids = free[-n:].tolist()
         del free[-n:]
         ids.reverse()
         allocated = self._allocated

@@ -303,16 +303,10 @@ class CacheManager:
                 f"num_tokens={num_tokens}"
             )
         limit = (num_tokens - 1) // bs if num_tokens else 0
-        nodes, num_host, waiting = self.tree.match_and_lock(hashes, limit)
+        nodes, blocks, num_host, waiting = self.tree.match_and_lock(hashes, limit)
         req = RequestState(request_id, hashes, nodes)
         self._requests[request_id] = req
-        if not num_host:
-            req.blocks = [n.device_block for n in nodes]
-        else:  # the table starts with the device run before the first host copy
-            for node in nodes:
-                if node.state == HOST:
-                    break
-                req.blocks.append(node.device_block)
+        req.blocks = blocks  # the device run before the first host copy
         if self._counts_hits:
             self._tiers.note_hits(nodes)
         storage = self._storage
@@ -480,8 +474,16 @@ class CacheManager:
                 "take_swap_metadata(), run what it returns on the worker(s) and "
                 "apply_results() their reports before allocating again"
             )
+        num_positions = -(-num_tokens // self.block_size)
+        held = len(req.blocks)
+        if held >= num_positions and held >= len(req.nodes) and req.lookup_id < 0:
+            # The table holds every position asked for and every block matched (a
+            # full hit, a decode step within its last block): nothing to do.
+            req.allocated = True
+            req.waits = 0
+            return Allocation(AllocStatus.ALLOCATED, 0, req.num_cached_blocks * self.block_size)
         self._wait_on_untaken = False
-        alloc = self._allocate(req, -(-num_tokens // self.block_size))
+        alloc = self._allocate(req, num_positions)
         if self._wait_on_untaken:  # a WAIT only untaken transfers can end
             req.waits = req.waits + 1 if req.wait_epoch == self.transfers.num_takes else 1
             req.wait_epoch = self.transfers.num_takes

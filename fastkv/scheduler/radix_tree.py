@@ -167,6 +167,7 @@ _discard_leaves: Callable[[_PyLRUList, set[TreeNode], dict, int], list[int]] | N
 _make_path: (
     Callable[[TreeNode, Sequence[BlockHash], Sequence[int], dict], list[TreeNode]] | None
 )
+_match_path: Callable[..., tuple[list[TreeNode], list[int], int, bool]] | None
 try:
     from fastkv.scheduler import _tree_node
 
@@ -178,11 +179,12 @@ try:
     _unlock_path = _tree_node.unlock_path
     _discard_leaves = _tree_node.discard_leaves
     _make_path = _tree_node.make_path
+    _match_path = _tree_node.match_path
 except ImportError:  # built by `make install`; the pure-Python classes are equivalent
     TreeNode = _PyTreeNode  # type: ignore[misc]
     _new_lru = _PyLRUList
     _new_index = _PyNodeIndex
-    _unlock_path = _discard_leaves = _make_path = None
+    _unlock_path = _discard_leaves = _make_path = _match_path = None
 
 
 class RadixTree:
@@ -229,22 +231,28 @@ class RadixTree:
     # -- lookup and locks -----------------------------------------------------
 
     def match_and_lock(
-        self, hashes: Sequence[BlockHash], limit: int
-    ) -> tuple[list[TreeNode], int, bool]:
+        self, hashes: list[BlockHash], limit: int
+    ) -> tuple[list[TreeNode], list[int], int, bool]:
         """Lock the longest usable cached prefix of `hashes`, at most `limit` nodes.
 
         A node is usable when it holds a valid copy that can be read: DEVICE,
         SWAP_TO_HOST (the device copy is intact while it is read), BACKUP_TO_HOST
         or HOST. Every entry of `hashes` must be hashable (the caller checks).
+        One call into the C extension when it is built (`_tree_node.match_path`).
 
         Returns:
-            The matched nodes (root side first), how many of them are host-only,
-            and whether the walk stopped at a block whose copy is in flight
-            (SWAP_TO_DEVICE, PENDING_HOST): matching after it lands finds more.
+            The matched nodes (root side first); the device blocks of those before
+            the first host-only one (a request's table starts with them); how many
+            are host-only; and whether the walk stopped at a block whose copy is in
+            flight (SWAP_TO_DEVICE, PENDING_HOST, LOADING_FROM_STORAGE): matching
+            after it lands finds more.
         """
+        if _match_path is not None:
+            return _match_path(self, self.root, hashes, limit, self._index, self.device_lru)
         nodes: list[TreeNode] = []
+        blocks: list[int] = []
         num_host = 0
-        index, device_lru = self._index, self.device_lru
+        index = self._index
         waiting = False
         parent = self.root
         for h in hashes if limit >= len(hashes) else hashes[:limit]:
@@ -252,24 +260,17 @@ class RadixTree:
             if node is None or node.parent is not parent:
                 break
             state = node.state
-            if (
-                state is SWAP_TO_DEVICE
-                or state is PENDING_HOST
-                or state is LOADING_FROM_STORAGE
-            ):
+            if state in (SWAP_TO_DEVICE, PENDING_HOST, LOADING_FROM_STORAGE):
                 waiting = True
                 break
             if state == HOST:
                 num_host += 1
-            # The common case inline: an unlocked device-only block, on the list.
-            if not node.ref and (
-                node.host_block >= 0 or device_lru.pop(node, _ABSENT) is _ABSENT
-            ):
-                self._unlist(node)
-            node.ref += 1
+            elif not num_host:
+                blocks.append(node.device_block)
             nodes.append(node)
             parent = node
-        return nodes, num_host, waiting
+        self.lock(nodes)
+        return nodes, blocks, num_host, waiting
 
     def lock(self, nodes: Sequence[TreeNode]) -> None:
         """Add one reference to each node, taking newly locked ones off the lists."""

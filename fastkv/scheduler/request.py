@@ -10,6 +10,11 @@ from fastkv.hashing import BlockHasher
 from fastkv.metadata import DIGEST_BYTES, BlockHash
 from fastkv.scheduler.radix_tree import TreeNode
 
+try:
+    from fastkv.scheduler._tree_node import check_digests as _check_digests
+except ImportError:  # built by `make install`; the checks below are the same
+    _check_digests = None
+
 RequestId = Hashable
 
 
@@ -89,6 +94,9 @@ def checked_hashes(
     ):
         raise TypeError(f"{name}: expected a sequence of block hashes, got {kind.__name__}")
     hashes = list(block_hashes)
+    if _check_digests is not None:  # the same checks in one pass, in C
+        _check_digests(hashes, name, DIGEST_BYTES)
+        return hashes
     if hashes and (
         set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {DIGEST_BYTES}
     ):

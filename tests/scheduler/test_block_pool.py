@@ -201,3 +201,26 @@ def test_free_ids_lists_what_allocate_can_take_as_a_copy() -> None:
     assert free == [3] and set(free).isdisjoint(taken)
     free.clear()  # a copy: the pool is unchanged
     assert pool.num_free == 1 and pool.allocate(1) == [3]
+
+
+def test_a_pool_costs_about_five_bytes_per_block() -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        pool = BlockPool(100_000)
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # int32 free list + one flag byte per block (a list of ints took about 40).
+    assert used < 100_000 * 6, used
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.num_free == 99_997
+
+
+def test_capacity_beyond_int32_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^capacity: must be in \[0, 2147483647\], got -1$"):
+        BlockPool(-1)
+    with pytest.raises(ValueError, match=r"got 2147483648$"):
+        BlockPool(2**31)

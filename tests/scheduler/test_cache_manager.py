@@ -19,6 +19,7 @@ from fastkv.scheduler import (
     Rollback,
     SwapTasks,
 )
+from fastkv.scheduler.block_pool import BlockPool
 from fastkv.scheduler.radix_tree import NodeState, TreeNode
 
 BS = 4
@@ -220,6 +221,29 @@ def test_lifecycle_counts_device_hits() -> None:
     assert (stats.lookup_blocks, stats.device_hit_blocks, stats.host_hit_blocks) == (7, 2, 0)
     assert stats.device_hit_tokens == 2 * BS and stats.hit_rate == pytest.approx(2 / 7)
     assert stats.cached_nodes == 5
+    assert_no_leak(mgr)
+
+
+def test_a_table_that_already_holds_everything_allocates_without_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mgr = make(device=8)
+    serve(mgr, "r1", keys("a", 4))
+    hit = mgr.match("r2", keys("a", 4), prompt(keys("a", 4)))
+    assert hit.num_device_hits == 4
+
+    def no_pool(pool: BlockPool, n: int) -> list[int]:
+        raise AssertionError("a full hit went to the pool")
+
+    monkeypatch.setattr(BlockPool, "allocate", no_pool)
+    for num_tokens in (4 * BS, 3 * BS + 1, 0):  # a full hit; asking for less
+        alloc = mgr.allocate("r2", num_tokens=num_tokens)
+        assert alloc and alloc.num_new_blocks == 0 and alloc.num_cached_tokens == 4 * BS
+    assert mgr.request_state("r2").allocated
+    monkeypatch.undo()
+    alloc = mgr.allocate("r2", num_tokens=4 * BS + 1)  # one more position: the pool
+    assert alloc and alloc.num_new_blocks == 1
+    mgr.finish("r2")
     assert_no_leak(mgr)
 
 

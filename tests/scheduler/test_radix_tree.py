@@ -80,7 +80,7 @@ def test_matching_again_moves_a_node_to_the_tail() -> None:
     tree = RadixTree()
     for i, key in enumerate("abc"):
         cache(tree, [key], [i])
-    nodes, num_host, waiting = tree.match_and_lock(["a"], 1)
+    nodes, _, num_host, waiting = tree.match_and_lock(["a"], 1)
     assert keys_of(nodes) == ["a"] and num_host == 0 and not waiting
     tree.check()
     assert device_order(tree) == ["b", "c"]  # locked: off the list
@@ -115,7 +115,7 @@ def test_chain_is_evicted_tail_first_to_host() -> None:
 def _extend(tree: RadixTree, prefix: list[str], keys: list[str], blocks: list[int]) -> None:
     """A request that matched `prefix` caches `keys` below it and finishes, the way the
     cache manager does it: the whole path is locked, then released deepest first."""
-    nodes, _, _ = tree.match_and_lock(prefix, len(prefix))
+    nodes, _, _, _ = tree.match_and_lock(prefix, len(prefix))
     assert keys_of(nodes) == prefix
     path, _ = tree.insert(nodes[-1], keys, blocks)
     tree.unlock(nodes + path)
@@ -151,7 +151,7 @@ def test_locked_nodes_are_never_victims() -> None:
     held, _ = tree.insert(tree.root, ["held"], [0])
     cache(tree, ["free"], [1])
     chain = cache(tree, ["c0", "c1", "c2"], [2, 3, 4])
-    nodes, _, _ = tree.match_and_lock(["c0", "c1"], 2)  # a request holds the first two
+    nodes, _, _, _ = tree.match_and_lock(["c0", "c1"], 2)  # a request holds the first two
     assert nodes == chain[:2]
     tree.check()
     victims = []
@@ -176,7 +176,7 @@ def test_locked_host_node_is_never_a_host_victim() -> None:
     cache(tree, ["b"], [1])
     move_to_host(tree, 5)  # a
     move_to_host(tree, 6)  # b
-    nodes, num_host, _ = tree.match_and_lock(["a"], 1)
+    nodes, _, num_host, _ = tree.match_and_lock(["a"], 1)
     assert num_host == 1
     tree.check()
     victim = tree.pop_host_victim()
@@ -326,7 +326,7 @@ def test_host_only_parent_is_kept_while_a_child_is_cached() -> None:
     tree.finish_copy_to_host(a, True)
     tree.finish_copy_to_host(b, True)
     tree.check()
-    nodes, num_host, _ = tree.match_and_lock(["a", "b"], 2)  # b is in use
+    nodes, _, num_host, _ = tree.match_and_lock(["a", "b"], 2)  # b is in use
     assert num_host == 2
     tree.unlock(nodes[:1])  # a released, b still held
     tree.check()
@@ -405,13 +405,13 @@ def test_match_stops_at_the_first_missing_or_foreign_key() -> None:
     tree = RadixTree()
     cache(tree, ["a", "b", "c"], [0, 1, 2])
     cache(tree, ["z"], [3])
-    nodes, _, _ = tree.match_and_lock(["a", "b", "x", "c"], 4)
+    nodes, _, _, _ = tree.match_and_lock(["a", "b", "x", "c"], 4)
     assert keys_of(nodes) == ["a", "b"]
     tree.unlock(nodes)
-    nodes, _, _ = tree.match_and_lock(["a", "z"], 2)  # z hangs under the root, not a
+    nodes, _, _, _ = tree.match_and_lock(["a", "z"], 2)  # z hangs under the root, not a
     assert keys_of(nodes) == ["a"]
     tree.unlock(nodes)
-    nodes, _, _ = tree.match_and_lock(["b"], 1)
+    nodes, _, _, _ = tree.match_and_lock(["b"], 1)
     assert nodes == []
     tree.check()
 
@@ -420,7 +420,7 @@ def test_match_counts_host_only_nodes_and_locks_them() -> None:
     tree = RadixTree()
     cache(tree, ["a", "b", "c"], [0, 1, 2])
     move_to_host(tree, 10)  # c
-    nodes, num_host, waiting = tree.match_and_lock(["a", "b", "c"], 3)
+    nodes, _, num_host, waiting = tree.match_and_lock(["a", "b", "c"], 3)
     tree.check()
     assert keys_of(nodes) == ["a", "b", "c"] and num_host == 1 and not waiting
     assert all(n.ref == 1 for n in nodes)
@@ -434,7 +434,7 @@ def test_match_revives_a_node_being_evicted() -> None:
     (a,) = cache(tree, ["a"], [0])
     evict_one(tree, host_block=3)
     assert a.state == NodeState.SWAP_TO_HOST and tree.num_evicting == 1
-    nodes, num_host, _ = tree.match_and_lock(["a"], 1)
+    nodes, _, num_host, _ = tree.match_and_lock(["a"], 1)
     tree.check()
     # Still a device hit; the eviction carries on as a backup.
     assert nodes == [a] and num_host == 0
@@ -451,7 +451,7 @@ def _loading_tree() -> tuple[RadixTree, TreeNode, list[TreeNode]]:
     tree = RadixTree()
     (a,) = cache(tree, ["a"], [0])
     move_to_host(tree, 5)
-    loader, num_host, _ = tree.match_and_lock(["a"], 1)
+    loader, _, num_host, _ = tree.match_and_lock(["a"], 1)
     assert num_host == 1
     tree.attach_device(a, 9, loading=True)
     tree.check()
@@ -477,7 +477,7 @@ def test_swap_in_success_and_failure() -> None:
 
 def test_match_stops_at_a_block_being_loaded() -> None:
     tree, _, _ = _loading_tree()
-    nodes, num_host, waiting = tree.match_and_lock(["a"], 1)
+    nodes, _, num_host, waiting = tree.match_and_lock(["a"], 1)
     assert nodes == [] and num_host == 0 and waiting
 
 
@@ -518,7 +518,7 @@ def test_attach_device_to_host_node_without_loading() -> None:
     tree = RadixTree()
     (a,) = cache(tree, ["a"], [0])
     move_to_host(tree, 5)
-    nodes, _, _ = tree.match_and_lock(["a"], 1)
+    nodes, _, _, _ = tree.match_and_lock(["a"], 1)
     tree.attach_device(a, 3, loading=False)  # a request recomputed it
     tree.unlock(nodes)
     tree.check()

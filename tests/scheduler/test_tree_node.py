@@ -95,7 +95,8 @@ def test_int_fields_take_their_range_and_refuse_beyond(field: str, low: int, hig
     node = rt.TreeNode(b"k", None, 3)
     for value in (low, high):
         setattr(node, field, value)
-        assert getattr(node, field) == value
+        # hits keeps at most 2**32 - 1 (thresholds compared with it are < 2**31)
+        assert getattr(node, field) == (min(value, 2**32 - 1) if field == "hits" else value)
     setattr(node, field, low)
     for bad in (low - 1, high + 1, 2**70, -(2**70)):
         with pytest.raises(
@@ -351,3 +352,167 @@ def test_node_index_survives_keys_whose_eq_changes_it() -> None:
     Key.victim = keys[4]
     assert index.get(Key("0")).key is keys[0]
     assert len(index) == 4 and Key("4") not in index
+
+
+_BAD_HASHES = [
+    (
+        [b"\0" * 32, b"\0" * 31],
+        TypeError,
+        r"^block_hashes\[1\]: expected a 32-byte digest \(bytes\), got 31 bytes$",
+    ),
+    (
+        [b"\1" * 32, "x" * 32],
+        TypeError,
+        r"^block_hashes\[1\]: expected a 32-byte digest \(bytes\), got str$",
+    ),
+    (
+        [bytearray(32)],
+        TypeError,
+        r"^block_hashes\[0\]: expected a 32-byte digest \(bytes\), got bytearray$",
+    ),
+    (
+        [bytes([i]) * 32 for i in range(200)] + [bytes([7]) * 32],
+        ValueError,
+        r"^block_hashes: a hash appears twice \(chained hashes never repeat\)$",
+    ),
+]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("hashes", "error", "message"), _BAD_HASHES)
+def test_digest_checks_are_the_same_in_c_and_python(
+    monkeypatch: pytest.MonkeyPatch, native: bool, hashes: list, error: type, message: str
+) -> None:
+    from fastkv.scheduler import request
+
+    if not native:
+        monkeypatch.setattr(request, "_check_digests", None)
+    with pytest.raises(error, match=message):
+        request.checked_hashes(hashes)
+    good = [i.to_bytes(32, "big") for i in range(1000)]  # past the C stack table
+    assert request.checked_hashes(good) == good
+    assert request.checked_hashes(()) == []
+
+
+def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> None:
+    tree = RadixTree()
+    keys = [i.to_bytes(32, "big") for i in range(6)]
+    path, _ = tree.insert(tree.root, keys, [10, 11, 12, 13, 14, 15])
+    tree.unlock(path)
+    # Block 2 is host-only, block 4 is still loading: the walk stops there.
+    tree.start_eviction(path[5], 5)  # a leaf being evicted: matched, becomes a backup
+    path[2].state, path[2].device_block, path[2].host_block = NodeState.HOST, -1, 2
+    path[4].state = NodeState.SWAP_TO_DEVICE
+    for node in (path[2], path[4]):
+        tree.device_lru.pop(node, None)
+    nodes, blocks, num_host, waiting = tree.match_and_lock(keys, 6)
+    assert nodes == path[:4] and blocks == [10, 11] and num_host == 1 and waiting
+    assert [n.ref for n in path] == [1, 1, 1, 1, 0, 0]
+    assert all(n not in tree.device_lru for n in path[:4])
+    tree.unlock(nodes)
+    nodes, blocks, num_host, waiting = tree.match_and_lock(keys[:2], 1)
+    assert nodes == path[:1] and blocks == [10] and not num_host and not waiting
+    tree.unlock(nodes)
+
+
+def test_native_match_gives_back_its_locks_when_unlisting_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tree = RadixTree()
+    keys = [i.to_bytes(32, "big") for i in range(3)]
+    path, _ = tree.insert(tree.root, keys, [0, 1, 2])
+    tree.unlock(path)
+    tree._device_parked.add(path[2])  # parked: the general case, through _unlist
+    tree.device_lru.pop(path[2])
+
+    def fail(node: object) -> None:
+        raise RuntimeError("unlist failed")
+
+    monkeypatch.setattr(RadixTree, "_unlist", lambda self, node: fail(node))
+    before = list(tree.device_lru)
+    with pytest.raises(RuntimeError, match="unlist failed"):
+        tree.match_and_lock(keys, 3)
+    assert [n.ref for n in path] == [0, 0, 0]
+    assert sorted(map(id, tree.device_lru)) == sorted(map(id, before))
+
+
+def test_a_digest_key_is_held_inline_and_found_by_any_equal_bytes() -> None:
+    key = bytes(range(32))
+    before = sys.getrefcount(key)
+    node = rt.TreeNode(key, None, 1)
+    assert sys.getrefcount(key) == before  # no reference kept: the bytes live in the node
+    assert node.key == key and type(node.key) is bytes
+    assert repr(node) == f"TreeNode({key!r}, DEVICE, dev=1, host=-1, ref=1)"
+    index = _native().NodeIndex()
+    index[key] = node
+    assert index.get(bytes(range(32))) is node and bytes(range(32)) in index
+    assert index.get(bytes(range(1, 33))) is None
+    assert index.items() == [(key, node)]
+    short = b"k" * 31  # any other key is held by reference
+    other = rt.TreeNode(short, None, 2)
+    assert other.key is short
+    index.add(other)
+    assert index.get(b"k" * 31) is other and len(index) == 2
+    del index[key]
+    assert index.get(key) is None and len(index) == 1
+    # A node holds no per-key object: its size is the header, the fields and 32 bytes.
+    assert _native().NODE_SIZE <= 128
+
+
+def test_hits_saturate_and_lists_have_one_byte_ids() -> None:
+    node = rt.TreeNode(b"k", None, 3)
+    node.hits = 2**32 - 2
+    node.hits += 1
+    node.hits += 1  # a counter that has reached the top stays there
+    assert node.hits == 2**32 - 1
+    lists = [_native().LRUList(0) for _ in range(200)]
+    lists[7][node] = None
+    assert node in lists[7] and all(node not in lst for lst in lists[8:])
+    with pytest.raises(ValueError, match="another list"):
+        lists[8][node] = None
+    del lists  # ids are given back: lists can be made up to the bound again
+    more = []
+    with pytest.raises(RuntimeError, match="255 lists exist"):
+        while len(more) < 300:
+            more.append(_native().LRUList(1))
+    assert 200 < len(more) <= 255  # a few may belong to trees still alive elsewhere
+    more[0][node] = None
+    assert node in more[0]
+    more[0].pop(node)
+
+
+def test_digest_keys_and_equal_bytes_subclasses_find_each_other() -> None:
+    class Digest(bytes):
+        pass
+
+    index = _native().NodeIndex()
+    plain, sub = bytes(range(32)), Digest(bytes(range(1, 33)))
+    a, b = rt.TreeNode(plain, None, 1), rt.TreeNode(sub, None, 2)
+    index.add(a)
+    index.add(b)
+    assert index.get(Digest(plain)) is a  # a subclass probe finds the inline key
+    assert index.get(bytes(range(1, 33))) is b  # a plain probe finds the subclass key
+    assert b.key is sub and a.key == plain
+    with pytest.raises(ValueError, match="indexed already"):
+        index.add(rt.TreeNode(Digest(plain), None, 3))
+    del index[Digest(plain)]
+    assert plain not in index and len(index) == 1
+
+
+def test_node_index_stays_right_while_a_large_grow_gives_pages_back() -> None:
+    # 40,000 nodes: the grow from 32,768 buckets (256 KiB) releases the emptied
+    # pages of the old array as it moves them, and lookups read them as empty.
+    index = _native().NodeIndex()
+    nodes = [rt.TreeNode(i.to_bytes(32, "big"), None, 1) for i in range(40_000)]
+    grew = False
+    for i, node in enumerate(nodes):
+        index.add(node)
+        grew |= index.growing()
+        if i % 997 == 0:  # mid-grow: every node so far is found
+            assert all(index.get(n.key) is n for n in nodes[: i + 1 : 13])
+    assert grew and len(index) == 40_000
+    assert all(index.get(n.key) is n for n in nodes)
+    assert sorted(map(id, index.values())) == sorted(map(id, nodes))
+    for node in nodes[::2]:
+        del index[node.key]
+    assert len(index) == 20_000 and all(index.get(n.key) is n for n in nodes[1::2])
