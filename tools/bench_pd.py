@@ -81,7 +81,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastkv.metadata import Epoch
 from fastkv.pd.inproc import InProcFabric
-from fastkv.pd.layout import KVLayout, block_checksums
+from fastkv.pd.layout import KVLayout, layer_checksum
 from fastkv.pd.messages import SendPlan
 from fastkv.pd.receiver import PDReceiver
 from fastkv.pd.sender import PDSender
@@ -192,7 +192,8 @@ def checksum_cost(num_blocks: int, rounds: int = 20) -> dict[str, float]:
     ids = list(range(num_blocks))
     t0 = time.perf_counter()
     for _ in range(rounds):
-        block_checksums(layout.tensors, ids)
+        for layer in range(layout.num_layers):
+            layer_checksum(layout.layer(layer), ids)
     dt = (time.perf_counter() - t0) / rounds
     nbytes = sum(t.block_bytes for t in layout.tensors) * num_blocks
     return {
@@ -226,7 +227,7 @@ def print_hook_section(res: dict[str, object]) -> None:
         )
     c = res["checksum"]
     print(
-        f"block checksum (crc32c-3way): {c['blocks']} blocks of {c['block_mib']:.2f} MiB: "
+        f"layer checksums (crc32c-3way) of {c['blocks']} blocks of {c['block_mib']:.2f} MiB: "
         f"{c['gb_s']:.2f} GB/s"
     )
 
