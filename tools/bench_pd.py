@@ -39,13 +39,14 @@ Runs alternate the variants in every repetition; medians are reported.
 
 fastkv's PD path (`--only pd`), the same namespace and TCP loopback: `PDSender` in
 this process and `PDReceiver` in a child, each over its `MooncakeTransport`, timed
-from P's first `after_layer` to D's `RankReport` (writes, notice, D's checks), with
-the block checksum off and on (`checksums=` on both sides), against raw TE batch
+from P's first `after_layer` to D's `RankReport` (writes, notices, D's checks), with
+the layer checksums off and on (`checksums=` on both sides), against raw TE batch
 writes of exactly the pieces the sender builds (`bench_raw_te`) and against the
 transport's `write` of them alone. Blocks of `--block-kib` over `--layers` layers
 (K and V each: pieces of block / (2 x layers) bytes; D's block ids reversed so no
 run coalesces). Both sides poll every millisecond, as an engine would per step.
-Also reported: D's report minus P's (D's checksum once the notice arrived).
+Also reported: D's report minus P's (D's check of the layers no progress notice
+covered, once the final notice arrived).
 
 End to end (`--only e2e`), the demo engine's P and D instances over Mooncake TE in a
 private network namespace (examples/engine/pd.py; CPU model, one rank each), at 3
