@@ -39,13 +39,14 @@ Runs alternate the variants in every repetition; medians are reported.
 
 fastkv's PD path (`--only pd`), the same namespace and TCP loopback: `PDSender` in
 this process and `PDReceiver` in a child, each over its `MooncakeTransport`, timed
-from P's first `after_layer` to D's `RankReport` (writes, notice, D's checks), with
-the block checksum off and on (`checksums=` on both sides), against raw TE batch
+from P's first `after_layer` to D's `RankReport` (writes, notices, D's checks), with
+the layer checksums off and on (`checksums=` on both sides), against raw TE batch
 writes of exactly the pieces the sender builds (`bench_raw_te`) and against the
 transport's `write` of them alone. Blocks of `--block-kib` over `--layers` layers
 (K and V each: pieces of block / (2 x layers) bytes; D's block ids reversed so no
 run coalesces). Both sides poll every millisecond, as an engine would per step.
-Also reported: D's report minus P's (D's checksum once the notice arrived).
+Also reported: D's report minus P's (D's check of the layers no progress notice
+covered, once the final notice arrived).
 
 End to end (`--only e2e`), the demo engine's P and D instances over Mooncake TE in a
 private network namespace (examples/engine/pd.py; CPU model, one rank each), at 3
@@ -81,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastkv.metadata import Epoch
 from fastkv.pd.inproc import InProcFabric
-from fastkv.pd.layout import KVLayout, block_checksums
+from fastkv.pd.layout import KVLayout, layer_checksum
 from fastkv.pd.messages import SendPlan
 from fastkv.pd.receiver import PDReceiver
 from fastkv.pd.sender import PDSender
@@ -192,7 +193,8 @@ def checksum_cost(num_blocks: int, rounds: int = 20) -> dict[str, float]:
     ids = list(range(num_blocks))
     t0 = time.perf_counter()
     for _ in range(rounds):
-        block_checksums(layout.tensors, ids)
+        for layer in range(layout.num_layers):
+            layer_checksum(layout.layer(layer), ids)
     dt = (time.perf_counter() - t0) / rounds
     nbytes = sum(t.block_bytes for t in layout.tensors) * num_blocks
     return {
@@ -226,7 +228,7 @@ def print_hook_section(res: dict[str, object]) -> None:
         )
     c = res["checksum"]
     print(
-        f"block checksum (crc32c-3way): {c['blocks']} blocks of {c['block_mib']:.2f} MiB: "
+        f"layer checksums (crc32c-3way) of {c['blocks']} blocks of {c['block_mib']:.2f} MiB: "
         f"{c['gb_s']:.2f} GB/s"
     )
 

@@ -23,9 +23,15 @@ import numpy as np
 
 from examples.engine.config import MODEL_ID, EngineConfig
 from examples.engine.scheduler import EngineScheduler, RunResult
-from examples.engine.workload import ConversationSpec, MultiTurnChat, TraceWorkload, Workload
+from examples.engine.workload import (
+    ConversationSpec,
+    MultiTurnChat,
+    TraceWorkload,
+    Workload,
+    trace_sessions,
+)
 from tools.progress import Progress
-from tools.trace_replay import load_trace
+from tools.trace_replay import TraceRequest, load_trace
 
 LOGITS_RTOL = 1e-5
 
@@ -79,7 +85,7 @@ def compare(cached: RunResult, baseline: RunResult) -> Comparison:
 
 def make_workload(args: argparse.Namespace) -> Workload:
     if args.trace:
-        trace = load_trace(args.trace)[: args.trace_requests]
+        trace, _ = select_trace(args)
         return TraceWorkload(
             trace, tokens_per_block=args.tokens_per_block, new_tokens=args.new_tokens
         )
@@ -87,6 +93,81 @@ def make_workload(args: argparse.Namespace) -> Workload:
         conversations=args.conversations, turns=args.turns, new_tokens=args.new_tokens
     )
     return MultiTurnChat(spec)
+
+
+def blocks_needed(tokens: int, new_tokens: int, block_size: int) -> int:
+    """KV blocks a request holds at its end: its prompt and every token it generates."""
+    return -(-(tokens + new_tokens) // block_size)
+
+
+def select_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    """The trace requests the demo serves and a line saying which: the first
+    `--trace-requests`, or with `--trace-sessions N` the requests of the first N
+    multi-turn sessions whose every request fits the device pool (the sessions
+    passed over are counted in the line)."""
+    trace = load_trace(args.trace)
+    if not args.trace_sessions:
+        return trace[: args.trace_requests], f"trace: its first {args.trace_requests} requests"
+    cfg: EngineConfig = args.config
+    sizer = TraceWorkload([], tokens_per_block=args.tokens_per_block)
+    chosen, passed = trace_sessions(
+        trace,
+        args.trace_sessions,
+        fits=lambda r: (
+            blocks_needed(len(sizer.tokens(r)), args.new_tokens, cfg.block_size)
+            <= cfg.num_device_blocks
+        ),
+    )
+    return chosen, (
+        f"trace: its first {args.trace_sessions} multi-turn sessions, {len(chosen)} requests"
+        f" ({passed} sessions passed over: a request larger than the device pool)"
+    )
+
+
+def oversized(workload: Workload, config: EngineConfig) -> list[tuple[str, int, int]]:
+    """(request id, prompt tokens, blocks needed) of every request of a trace workload
+    larger than the device pool: the engine would refuse each (a chat workload's
+    prompts depend on the answers; its refusals fail the verdict instead)."""
+    if not isinstance(workload, TraceWorkload):
+        return []
+    out = []
+    for p in workload.prompts():
+        need = blocks_needed(len(p.tokens), p.max_new_tokens, config.block_size)
+        if need > config.num_device_blocks:
+            out.append((p.request_id, len(p.tokens), need))
+    return out
+
+
+def refuse_oversized(args: argparse.Namespace) -> bool:
+    """With --trace, print to stderr, naming each, the requests larger than the
+    device pool; True if there are any."""
+    if not args.trace:
+        return False
+    cfg: EngineConfig = args.config
+    workload = make_workload(args)
+    big = oversized(workload, cfg)
+    if not big:
+        return False
+    print(
+        f"--trace: {len(big)} of {workload.total_requests} requests are larger than the "
+        f"device pool ({cfg.num_device_blocks} blocks of {cfg.block_size} tokens, "
+        "--device-blocks); the engine cannot serve them:",
+        file=sys.stderr,
+    )
+    for rid, tokens, need in big[:10]:
+        print(
+            f"  request {rid}: {tokens:,} prompt tokens + {args.new_tokens} new need "
+            f"{need} blocks, the pool holds {cfg.num_device_blocks}",
+            file=sys.stderr,
+        )
+    if len(big) > 10:
+        print(f"  ... and {len(big) - 10} more", file=sys.stderr)
+    print(
+        f"serve them with --device-blocks {max(n for _, _, n in big)}, or take fewer "
+        "(--trace-requests) or whole sessions that fit (--trace-sessions N)",
+        file=sys.stderr,
+    )
+    return True
 
 
 def run(
@@ -159,6 +240,7 @@ def table(s: dict[str, object], cached: RunResult) -> str:
     cfg = cached.config
     m = cfg.model
     rows = [
+        *([("workload", str(s["workload"]))] if s.get("workload") else []),
         (
             "device",
             f"{s['device']}  (model: {m.num_layers} layers, hidden {m.hidden}, "
@@ -177,7 +259,7 @@ def table(s: dict[str, object], cached: RunResult) -> str:
             "requests",
             f"{s['requests']}  in {s['steps']} steps"
             + (
-                f", {s['rejected_requests']} rejected (larger than the device pool)"
+                f", {s['rejected_requests']} REFUSED (larger than the device pool)"
                 if s["rejected_requests"]
                 else ""
             ),
@@ -296,6 +378,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", help="Mooncake-format trace instead of the multi-turn chat")
     p.add_argument("--trace-requests", type=int, default=120, help="first N trace requests")
     p.add_argument(
+        "--trace-sessions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --trace: instead of its first requests, the requests of its first N\n"
+        "multi-turn sessions whose every request fits the device pool (each later\n"
+        "turn continues an earlier one: real reuse)",
+    )
+    p.add_argument(
         "--tokens-per-block",
         type=int,
         default=32,
@@ -383,6 +474,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--metrics-linger: must be >= 0 seconds, got {args.metrics_linger}")
     if args.layers < 1:
         p.error(f"--layers: must be >= 1, got {args.layers}")
+    if args.trace_sessions < 0 or (args.trace_sessions and not args.trace):
+        p.error(f"--trace-sessions: {args.trace_sessions}: must be >= 1, and needs --trace")
     if args.pd and not (args.d_tp % args.p_tp == 0 and 2 % args.d_tp == 0):
         p.error(
             f"--p-tp {args.p_tp} --d-tp {args.d_tp}: D's ranks must be a multiple of P's, "
@@ -412,6 +505,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def passed(s: dict[str, Any]) -> bool:
+    """The verdict: identical outputs, clean checksums, ranks in agreement, and no
+    request refused (one larger than the device pool is an error, not a pass)."""
+    return bool(
+        s["identical_outputs"]
+        and s["checksums_ok"]
+        and s["ranks_agree"]
+        and not s["rejected_requests"]
+    )
+
+
 def report(
     s: dict[str, Any], cached: RunResult, baseline: RunResult, cmp: Comparison, ok: bool
 ) -> None:
@@ -427,15 +531,25 @@ def report(
         print(f"  ranks: {problem}")
     for problem in cmp.problems[:10]:
         print(f"  {problem}")
+    for rid, reason in list(cached.rejected.items())[:10]:
+        print(f"  refused {rid}: {reason}")
     print(
         f"\nverdict: {'PASS' if ok else 'FAIL'} - "
-        + ("outputs identical to full recomputation" if ok else "outputs differ"),
+        + (
+            "outputs identical to full recomputation"
+            if ok
+            else "requests refused (larger than the device pool)"
+            if cached.rejected
+            else "outputs differ"
+        ),
         flush=True,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if refuse_oversized(args):
+        return 2
     if args.pd:
         from examples.engine.pd_demo import main_pd
 
@@ -466,11 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         cmp = compare(cached, baseline)
         s = summary(cached, baseline, cmp)
+        s["workload"] = select_trace(args)[1] if args.trace else ""
         if server is not None:
             s["metrics_url"] = url
         if args.plot:
             s["plot"] = args.plot if plot(cached, baseline, Path(args.plot)) else None
-        ok = bool(s["identical_outputs"] and s["checksums_ok"] and s["ranks_agree"])
+        ok = passed(s)
         if args.json:
             print(json.dumps(s), flush=True)
         else:

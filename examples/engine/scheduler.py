@@ -364,7 +364,9 @@ class EngineScheduler:
             except ValueError as e:  # larger than the whole device pool
                 waiting.pop(0)
                 self.mgr.abort(r.id)
-                result.rejected[r.id] = str(e)
+                result.rejected[r.id] = (
+                    f"{prompt_len:,} prompt + {r.prompt.max_new_tokens} new tokens: {e}"
+                )
                 result.prompt_tokens -= prompt_len
                 result.device_hit_tokens -= r.hits[0]
                 result.host_hit_tokens -= r.hits[1]

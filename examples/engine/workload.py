@@ -10,7 +10,7 @@ plus a new message, and it arrives a few steps after the previous answer.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -148,12 +148,23 @@ class TraceWorkload:
     def arrivals(self, step: int) -> list[Prompt]:
         out = []
         while self._next < len(self._queue) and len(out) < self.per_step:
-            request = self._queue[self._next]
-            tokens = [t for h in request.hash_ids for t in self._block(h)]
-            scaled = max(1, request.input_length * self.tokens_per_block // 512)
-            out.append(Prompt(f"r{self._next}", tokens[:scaled], self.new_tokens))
+            out.append(self._prompt(self._next))
             self._next += 1
         return out
+
+    def prompts(self) -> list[Prompt]:
+        """Every request this workload will send, in order (arrivals unchanged)."""
+        return [self._prompt(i) for i in range(len(self._queue))]
+
+    def _prompt(self, index: int) -> Prompt:
+        request = self._queue[index]
+        return Prompt(f"r{index}", self.tokens(request), self.new_tokens)
+
+    def tokens(self, request: TraceRequest) -> list[int]:
+        """The prompt synthesized for `request`: its input length scaled from the
+        trace's 512-token blocks to `tokens_per_block`."""
+        scaled = max(1, request.input_length * self.tokens_per_block // 512)
+        return [t for h in request.hash_ids for t in self._block(h)][:scaled]
 
     def finished(self, request_id: str, output: list[int], step: int) -> None:
         pass
@@ -168,3 +179,45 @@ class TraceWorkload:
             tokens = [rng.randrange(self.vocab_size) for _ in range(self.tokens_per_block)]
             self._blocks[hash_id] = tokens
         return tokens
+
+
+def trace_sessions(
+    trace: Sequence[TraceRequest], count: int, *, fits: Callable[[TraceRequest], bool]
+) -> tuple[list[TraceRequest], int]:
+    """The requests of the trace's first `count` multi-turn sessions whose every
+    request `fits` (the device pool), in trace order, and how many sessions before
+    them were passed over because one of their requests does not fit.
+
+    A trace id names a prefix (the block and every block before it), so a request
+    continues the earlier request that first held the longest of its ids; a
+    session is a request that continues none (by at least two blocks: every
+    request starts with id 0) and the requests that continue it or its
+    continuations. Sessions of one request are not sessions here.
+
+    Raises:
+        ValueError: `count` < 1."""
+    if count < 1:
+        raise ValueError(f"count: must be >= 1, got {count}")
+    first: dict[int, int] = {}  # id -> first request holding it
+    root: list[int] = []
+    for i, r in enumerate(trace):
+        parent = next((first[h] for h in reversed(r.hash_ids[1:]) if h in first), None)
+        root.append(i if parent is None else root[parent])
+        for h in r.hash_ids:
+            first.setdefault(h, i)
+    members: dict[int, list[int]] = {}
+    for i, rt in enumerate(root):
+        members.setdefault(rt, []).append(i)
+    chosen: list[int] = []
+    passed = taken = 0
+    for rt in sorted(members):
+        if taken == count:
+            break
+        if len(members[rt]) < 2:
+            continue
+        if all(fits(trace[i]) for i in members[rt]):
+            chosen += members[rt]
+            taken += 1
+        else:
+            passed += 1
+    return [trace[i] for i in sorted(chosen)], passed

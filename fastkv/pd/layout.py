@@ -13,9 +13,10 @@ with `k = d / p`, D rank `r` holds the `r % k`-th of `k` head slices of P rank
 refused (`check_tp`). A tensor with fewer heads than `k` (MLA's single latent) can
 only pair with `k == 1`.
 
-The block checksum is storage's (`fastkv.storage._disk_io.block_checksum`:
-crc32c-3way over the block's segments, one per tensor, in order), over the bytes D's
-rank holds for the block.
+The layer checksum is storage's block checksum (`fastkv.storage._disk_io.
+block_checksum`: crc32c-3way over segments) taken over one layer's segments of
+every block of a transfer, the bytes D's rank holds for them: one per layer, so
+D can verify a layer as soon as its writes settled.
 """
 
 from __future__ import annotations
@@ -191,31 +192,39 @@ def check_pair(p: KVLayout, d: KVLayout) -> int:
     return d.tp_rank % k
 
 
-def block_checksums(
+def layer_checksum(
     tensors: Sequence[TensorRegion],
     block_ids: Sequence[int],
     *,
     slices: int = 1,
     index: int = 0,
-) -> list[int]:
-    """Per block, the checksum of its bytes over `tensors`: for each tensor the
-    `index`-th of `slices` equal head slices of the block (the whole block by
-    default): what D's rank `index` of a P rank's `slices` holds."""
-    out = []
-    segs = np.empty((len(tensors), 2), dtype=np.int64)
-    segs[:, 1] = [t.block_bytes // slices for t in tensors]
-    bases = np.array([t.ptr for t in tensors], dtype=np.int64) + segs[:, 1] * index
+) -> int:
+    """The checksum of one layer's bytes of `block_ids`: storage's crc32c-3way over
+    the segments block by block, in each block the layer's `tensors` in order, of
+    each the `index`-th of `slices` equal head slices (the whole block by default):
+    what D's rank `index` of a P rank's `slices` holds. One native call with the
+    GIL released (another thread runs meanwhile).
+
+    Raises:
+        ValueError: no blocks, or `index` not in [0, slices)."""
+    if not block_ids or not 0 <= index < slices:
+        raise ValueError(
+            f"block_ids: {len(block_ids)} (need >= 1); index: {index} not in [0, {slices})"
+        )
+    size = np.array([t.block_bytes // slices for t in tensors], dtype=np.int64)
+    bases = np.array([t.ptr for t in tensors], dtype=np.int64) + size * index
     strides = np.array([t.block_bytes for t in tensors], dtype=np.int64)
-    for b in block_ids:
-        segs[:, 0] = bases + strides * b
-        out.append(_disk_io.block_checksum(segs))
-    return out
+    ids = np.asarray(block_ids, dtype=np.int64)
+    segs = np.empty((len(ids), len(tensors), 2), dtype=np.int64)
+    segs[:, :, 0] = bases + ids[:, None] * strides
+    segs[:, :, 1] = size
+    return _disk_io.block_checksum(segs)
 
 
 __all__ = [
     "KVLayout",
     "TensorRegion",
-    "block_checksums",
     "check_pair",
     "check_tp",
+    "layer_checksum",
 ]

@@ -8,22 +8,29 @@
 
 Offers and answers travel over the engines' own channel (whatever carries requests
 from P to D); only notices cross the transport, so only notices are encoded and
-authenticated here. A notice is sent by a P rank after every write it started for
-that D rank has settled (done or failed): its arrival, whatever its status, tells
-D that no write of that rank for that transfer can land any more (D's fence).
+authenticated here. A final notice (done or failed) is sent by a P rank after
+every write it started for that D rank has settled: its arrival, whatever its
+status, tells D that no write of that rank for that transfer can land any more
+(D's fence). A progress notice says only that the writes of layers
+[first_layer, first_layer + len(checksums)) settled done, with those layers'
+checksums, so D can verify them while later layers still land; it fences nothing
+and reports nothing (`fastkv.pd.receiver`).
 
 Notice wire format (little-endian):
 
     offset  field
-         0  magic        8 bytes b"FKVPDN\\0\\1"
+         0  magic        8 bytes b"FKVPDN\\0\\2"
          8  epoch        u64
         16  transfer_id  u64
         24  p_rank, num_p_ranks, d_rank, num_d_ranks   u16 each
-        32  status       u32    0 done, 1 failed
-        36  num_layers   u32
-        40  num_blocks   u32
-        44  checksums    u32 per block: crc32c-3way of the block's bytes as D's rank
-                                receives them (`fastkv.pd.layout`)
+        32  status       u32    0 done, 1 failed, 2 progress
+        36  num_layers   u32    the layout's layers
+        40  first_layer  u32    the first layer the checksums cover (0 unless progress)
+        44  num_sums     u32
+        48  checksums    u32 per layer from first_layer: crc32c-3way of that layer's
+                                bytes of every block, as D's rank receives them
+                                (`fastkv.pd.layout.layer_checksum`); a done notice
+                                carries every layer's or, checksums off, none
          …  mac          32 bytes HMAC-SHA256(key, every byte before it)
 
 The key is the transfer's secret: random per transfer from D's acceptance, or, where
@@ -43,13 +50,14 @@ from dataclasses import dataclass
 
 from fastkv.metadata import Epoch
 
-MAGIC = b"FKVPDN\0\1"
-_HEAD = struct.Struct("<8sQQHHHHIII")
+MAGIC = b"FKVPDN\0\2"
+_HEAD = struct.Struct("<8sQQHHHHIIII")
 MAC_BYTES = 32
 SECRET_BYTES = 32
-MAX_BLOCKS = 1 << 20
+MAX_SUMS = 1 << 16  # one per layer
 STATUS_DONE = 0
 STATUS_FAILED = 1
+STATUS_PROGRESS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +134,9 @@ class RankReport:
 
 @dataclass(frozen=True, slots=True)
 class Notice:
-    """A decoded, authenticated notice (see the module docstring)."""
+    """A decoded, authenticated notice (see the module docstring): final (done, or
+    `failed`), or `progress` (layers from `first_layer` settled done, one checksum
+    each)."""
 
     epoch: Epoch
     transfer_id: int
@@ -137,6 +147,8 @@ class Notice:
     failed: bool
     num_layers: int
     checksums: tuple[int, ...]
+    first_layer: int = 0
+    progress: bool = False
 
 
 class NoticeError(ValueError):
@@ -154,7 +166,16 @@ def transfer_secret(deployment_secret: bytes, epoch: Epoch, transfer_id: int) ->
 
 
 def encode_notice(notice: Notice, key: bytes) -> bytes:
-    """The notice's bytes, authenticated with `key`."""
+    """The notice's bytes, authenticated with `key`.
+
+    Raises:
+        ValueError: a notice both failed and progress, or a progress notice
+            without checksums."""
+    if notice.progress and (notice.failed or not notice.checksums):
+        raise ValueError("notice: a progress notice is not failed and carries checksums")
+    status = (
+        STATUS_FAILED if notice.failed else STATUS_PROGRESS if notice.progress else STATUS_DONE
+    )
     head = _HEAD.pack(
         MAGIC,
         notice.epoch,
@@ -163,8 +184,9 @@ def encode_notice(notice: Notice, key: bytes) -> bytes:
         notice.num_p_ranks,
         notice.d_rank,
         notice.num_d_ranks,
-        STATUS_FAILED if notice.failed else STATUS_DONE,
+        status,
         notice.num_layers,
+        notice.first_layer,
         len(notice.checksums),
     )
     body = head + struct.pack(f"<{len(notice.checksums)}I", *notice.checksums)
@@ -182,26 +204,45 @@ def peek_notice(payload: bytes) -> tuple[Epoch, int]:
     return Epoch(epoch), transfer_id
 
 
+def peek_progress(payload: bytes) -> bool:
+    """Whether a payload shaped as a notice (`peek_notice`) claims to be a progress
+    notice, unauthenticated: D keeps only final notices for a transfer it does not
+    expect yet."""
+    return struct.unpack_from("<I", payload, 32)[0] == STATUS_PROGRESS
+
+
 def decode_notice(payload: bytes, key: bytes) -> Notice:
     """Verify `payload` under `key` and decode it.
 
     Raises:
         NoticeError: wrong shape, length, status or authenticator."""
     peek_notice(payload)
-    (_, epoch, tid, p_rank, num_p, d_rank, num_d, status, layers, nblocks) = _HEAD.unpack_from(
-        payload
+    (_, epoch, tid, p_rank, num_p, d_rank, num_d, status, layers, first, nsums) = (
+        _HEAD.unpack_from(payload)
     )
-    if nblocks > MAX_BLOCKS or len(payload) != _HEAD.size + 4 * nblocks + MAC_BYTES:
-        raise NoticeError(f"notice length {len(payload)} does not fit {nblocks} blocks")
+    if nsums > MAX_SUMS or len(payload) != _HEAD.size + 4 * nsums + MAC_BYTES:
+        raise NoticeError(f"notice length {len(payload)} does not fit {nsums} checksums")
     body = payload[:-MAC_BYTES]
     want = hmac.new(key, body, hashlib.sha256).digest()
     if not hmac.compare_digest(want, payload[-MAC_BYTES:]):
         raise NoticeError("notice authenticator does not verify")
-    if status not in (STATUS_DONE, STATUS_FAILED):
+    if status not in (STATUS_DONE, STATUS_FAILED, STATUS_PROGRESS):
         raise NoticeError(f"notice status {status} unknown")
-    sums = struct.unpack_from(f"<{nblocks}I", payload, _HEAD.size)
+    if status == STATUS_PROGRESS and not nsums:
+        raise NoticeError("progress notice without checksums")
+    sums = struct.unpack_from(f"<{nsums}I", payload, _HEAD.size)
     return Notice(
-        Epoch(epoch), tid, p_rank, num_p, d_rank, num_d, status == STATUS_FAILED, layers, sums
+        Epoch(epoch),
+        tid,
+        p_rank,
+        num_p,
+        d_rank,
+        num_d,
+        status == STATUS_FAILED,
+        layers,
+        sums,
+        first,
+        status == STATUS_PROGRESS,
     )
 
 
@@ -254,5 +295,6 @@ __all__ = [
     "encode_notice",
     "new_secret",
     "peek_notice",
+    "peek_progress",
     "transfer_secret",
 ]

@@ -17,8 +17,11 @@ Read when Prometheus scrapes (nothing on the transfer path). Every family carrie
     fastkv:pd_notices_dropped_total{reason}    P: stale, duplicate reports; D: the
                                                scheduler's stale_epoch, unknown, duplicate,
                                                late reports and the workers' forged,
-                                               duplicate, stale, unknown, late notices and
-                                               bad_checksum
+                                               duplicate, stale, unknown, late notices
+                                               (final or progress), bad_checksum and
+                                               checksum_mismatch (P's and D's checksum
+                                               settings differ)
+    fastkv:pd_layers_verified_early_total      D: layers verified on a progress notice
     fastkv:pd_bytes_total{direction}           P: sent (handed to the transport);
                                                D: received (verified)
 """
@@ -35,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from fastkv.pd.decode import DecodeTransfers, DState
 from fastkv.pd.prefill import PrefillTransfers, PState
+from fastkv.pd.receiver import NOT_DROPS, PDReceiver
 
 
 def watch_pd(
@@ -106,11 +110,10 @@ class _PDCollector(Collector):
                 events.add_metric([*base, name], value)
         yield events
         dropped: dict[str, int] = {n: v for n, v in counters.items() if n in dropped_names}
-        for w in workers:
-            if not hasattr(w, "counters"):  # a sender: it drops nothing
-                continue
+        receivers = [w for w in workers if isinstance(w, PDReceiver)]  # senders drop none
+        for w in receivers:
             for name, value in asdict(w.counters).items():
-                if name != "received":
+                if name not in NOT_DROPS:
                     dropped[name] = dropped.get(name, 0) + value
         drops = self._family(
             CounterMetricFamily,
@@ -121,6 +124,15 @@ class _PDCollector(Collector):
         for name, value in dropped.items():
             drops.add_metric([*base, name], value)
         yield drops
+        if self._role == "decode":
+            early = self._family(
+                CounterMetricFamily,
+                "fastkv:pd_layers_verified_early",
+                "Layers verified on a progress notice, before the final notice",
+                None,
+            )
+            early.add_metric(base, sum(w.counters.layers_early for w in receivers))
+            yield early
         nbytes = self._family(
             CounterMetricFamily, "fastkv:pd_bytes", "KV bytes moved", "direction"
         )

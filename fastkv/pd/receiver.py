@@ -8,22 +8,35 @@
 
 A notice is verified before anything is believed: its authenticator under the
 transfer's secret, then epoch, transfer id, the P rank that serves this rank, rank
-counts, layer count and block count; a done notice's per-block checksums are then
-compared with the checksum of what landed in each destination block. A forged or
-malformed notice is dropped and counted (`forged`), a second one from the same
-transfer too (`duplicate`); a notice of a transfer not expected yet waits (bounded)
-for its `expect`, one of an epoch before the newest expected one is dropped
-(`stale`), one of a forgotten transfer too (`late`). Only a verified notice
-becomes a `RankReport`.
+counts, layer count and checksum count; a done notice's per-layer checksums are then
+compared with the checksum of what landed in each layer of the destination blocks.
+A forged or malformed notice is dropped and counted (`forged`), a second one from
+the same transfer too (`duplicate`); a notice of a transfer not expected yet waits
+(bounded) for its `expect`, one of an epoch before the newest expected one is
+dropped (`stale`), one of a forgotten transfer too (`late`). Only a verified final
+notice becomes a `RankReport`.
+
+Progress notices (P: these layers' writes all settled done) let D check layers
+while later ones still land: `poll` verifies each layer a progress notice names
+and remembers the checksum of those whose landed bytes matched
+(`layers_early`); the final notice's check then skips a layer whose checksum is
+the one remembered and checks every other layer itself. A progress notice
+reports nothing and fences nothing, so one lost, late (the final notice came
+first, `late`), repeated (`duplicate`), forged or of a transfer not expected
+(`unknown`, never kept waiting) changes only how much the final check costs.
+What this gives up: a layer verified early is not checked again, so a foreign
+write into it after that check is not caught; with one final check, a foreign
+write after it (after the commit) was not caught either, and now the window
+opens at the layer's progress notice (docs/pd.md, who can write into D's memory).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastkv.metadata import Epoch
-from fastkv.pd.layout import KVLayout, block_checksums, check_tp
+from fastkv.pd.layout import KVLayout, check_tp, layer_checksum
 from fastkv.pd.messages import (
     Acceptance,
     Notice,
@@ -31,6 +44,7 @@ from fastkv.pd.messages import (
     RankReport,
     decode_notice,
     peek_notice,
+    peek_progress,
 )
 from fastkv.pd.transport import PDTransport
 
@@ -41,6 +55,8 @@ class _Expected:
     p_rank: int
     num_p_ranks: int
     reported: bool = False
+    seen: set[int] = field(default_factory=set)  # layers named by progress notices
+    verified: dict[int, int] = field(default_factory=dict)  # layer -> checksum matched
 
 
 @dataclass(slots=True)
@@ -53,6 +69,11 @@ class ReceiverCounters:
     late: int = 0
     bad_checksum: int = 0
     checksum_mismatch: int = 0  # P's and D's `checksums` settings differ
+    progress: int = 0  # progress notices taken (not drops)
+    layers_early: int = 0  # layers verified on a progress notice (not drops)
+
+
+NOT_DROPS = ("received", "progress", "layers_early")  # the other counters count drops
 
 
 class PDReceiver:
@@ -163,6 +184,11 @@ class PDReceiver:
         if exp is None:
             if key in self._done:
                 self.counters.late += 1
+            elif peek_progress(payload):  # a hint: not worth a place in the buffer
+                if key[0] < self._epoch:
+                    self.counters.stale += 1
+                else:
+                    self.counters.unknown += 1
             else:
                 self._wait(key, payload)
             return None
@@ -174,12 +200,36 @@ class PDReceiver:
         if not self._fits(notice, exp):
             self.counters.forged += 1
             return None
+        if notice.progress:
+            self._progress(notice, exp)
+            return None
         if exp.reported:
             self.counters.duplicate += 1
             return None
         exp.reported = True
         self.counters.received += 1
-        return self._verdict(notice, exp.acceptance)
+        return self._verdict(notice, exp)
+
+    def _progress(self, notice: Notice, exp: _Expected) -> None:
+        """Verify the layers a progress notice names; remember those that match."""
+        layers = range(notice.first_layer, notice.first_layer + len(notice.checksums))
+        if exp.reported:
+            self.counters.late += 1
+            return
+        if any(layer in exp.seen for layer in layers):
+            self.counters.duplicate += 1
+            return
+        exp.seen.update(layers)
+        self.counters.progress += 1
+        if not self.checksums:
+            return  # the final notice is refused (checksum_mismatch)
+        for layer, want in zip(layers, notice.checksums, strict=True):
+            if self._landed(layer, exp.acceptance) == want:
+                exp.verified[layer] = want
+                self.counters.layers_early += 1
+
+    def _landed(self, layer: int, acc: Acceptance) -> int:
+        return layer_checksum(self.layout.layer(layer), acc.block_ids)
 
     def _wait(self, key: tuple[Epoch, int], payload: bytes) -> None:
         if key[0] < self._epoch:
@@ -199,11 +249,15 @@ class PDReceiver:
             and n.d_rank == self.layout.tp_rank
             and n.num_d_ranks == self.layout.tp_size
             and n.num_layers == self.layout.num_layers
-            and (n.failed or len(n.checksums) in (0, len(acc.block_ids)))
+            and (
+                n.first_layer + len(n.checksums) <= n.num_layers and bool(acc.block_ids)
+                if n.progress
+                else n.first_layer == 0 and (n.failed or len(n.checksums) in (0, n.num_layers))
+            )
         )
 
-    def _verdict(self, notice: Notice, acc: Acceptance) -> RankReport:
-        rank = self.layout.tp_rank
+    def _verdict(self, notice: Notice, exp: _Expected) -> RankReport:
+        acc, rank = exp.acceptance, self.layout.tp_rank
         if notice.failed:
             return RankReport(acc.transfer_id, acc.epoch, rank, False, "P reported a failure")
         if acc.block_ids and bool(notice.checksums) != self.checksums:
@@ -219,16 +273,15 @@ class PDReceiver:
         if not self.checksums:
             self.bytes_received += len(acc.block_ids) * self._block_bytes
             return RankReport(acc.transfer_id, acc.epoch, rank, True)
-        landed = block_checksums(self.layout.tensors, acc.block_ids)
-        for i, (want, got) in enumerate(zip(notice.checksums, landed, strict=True)):
-            if want != got:
+        for layer, want in enumerate(notice.checksums):
+            if exp.verified.get(layer) != want and self._landed(layer, acc) != want:
                 self.counters.bad_checksum += 1
                 return RankReport(
                     acc.transfer_id,
                     acc.epoch,
                     rank,
                     False,
-                    f"block {acc.block_ids[i]}: landed bytes do not match P's checksum",
+                    f"layer {layer}: landed bytes do not match P's checksum",
                 )
         self.bytes_received += len(acc.block_ids) * self._block_bytes
         return RankReport(acc.transfer_id, acc.epoch, rank, True)

@@ -11,13 +11,18 @@ written, then one notice per D rank served.
 The hook does only what cannot wait: it hands the layer's pieces (computed at
 `start`) to the transport, for every send whose next layer this is. `poll` finishes
 a send once its last layer was handed over and every write settled: it notifies each
-D rank (done, with the checksums of the blocks as that rank receives them, or failed
-when a write failed or could not start), then reports the send settled to P's
-scheduler. The checksums are taken by the first `poll` after the last layer was
-handed over, while the writes may still be in flight (the blocks are final then and
-pinned), so they overlap the transfer instead of following it. A notice goes out
-only after every write it covers settled, so its arrival tells D no write of this
-rank can land any more.
+D rank (done, with one checksum per layer of the blocks as that rank receives them,
+or failed when a write failed or could not start), then reports the send settled to
+P's scheduler. A final notice goes out only after every write it covers settled, so
+its arrival tells D no write of this rank can land any more.
+
+While a send's writes are in flight, each `poll` takes the checksum of every layer
+handed over since (its blocks are final then and pinned: the last chunk's layer),
+and sends each D rank a progress notice for the layers whose writes all settled
+done since the last one, so D verifies those layers while later ones still land
+(`fastkv.pd.receiver`). Both overlap the transfer instead of following it. A
+progress notice is a hint: one lost or refused costs D a check after the final
+notice, nothing else.
 
 Layers are numbered over the whole layout, extra (speculative) layers last: the
 engine calls the hook for each of them, in order.
@@ -37,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastkv.metadata import Epoch
-from fastkv.pd.layout import KVLayout, block_checksums, check_pair
+from fastkv.pd.layout import KVLayout, check_pair, layer_checksum
 from fastkv.pd.messages import Notice, RankReport, SendPlan, encode_notice
 from fastkv.pd.transport import PDTransport, Piece, TransportError, WriteHandle, WriteState
 
@@ -63,8 +68,11 @@ class _Send:
     finished: bool = False  # every chunk handed over, or the send failed
     sent_upto: int = 0  # blocks of the plan in chunks so far
     handles: list[WriteHandle] = field(default_factory=list)
+    layer_handles: list[list[WriteHandle]] = field(default_factory=list)  # all chunks
+    final_layers: int = 0  # layers of the last chunk handed over: their blocks are final
+    sums: list[dict[int, int]] = field(default_factory=list)  # per layer, per D rank
+    notified: int = 0  # layers covered by progress notices (or skipped)
     failed: str = ""
-    sums: dict[int, list[int]] | None = None  # per D rank, taken before writes settled
 
 
 class PDSender:
@@ -110,6 +118,8 @@ class PDSender:
         self._lock = threading.Lock()
         self.layers_sent = 0
         self.bytes_sent = 0  # handed to the transport (landed or not)
+        self.progress_sent = 0  # progress notices sent (one per D rank)
+        self.progress_failed = 0  # progress notices the transport refused
 
     def connect(self, address: str, d_layout: KVLayout) -> None:
         """Pair with D rank `d_layout.tp_rank` reachable at `address`.
@@ -149,6 +159,7 @@ class PDSender:
         for r in want:
             self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
         send = _Send(plan, k, self._clock() + plan.timeout_s)
+        send.layer_handles = [[] for _ in range(self.layout.num_layers)]
         with self._lock:
             self._sends[(plan.epoch, plan.transfer_id)] = send
             if not chunked:
@@ -196,6 +207,8 @@ class PDSender:
             self._active = [*self._active, send]
         else:
             send.finished = last
+            if last:
+                send.final_layers = self.layout.num_layers
 
     def after_layer(self, layer: int) -> None:
         """The hook: layer `layer` of the step is written; start its writes."""
@@ -216,7 +229,9 @@ class PDSender:
                 continue
             try:
                 for peer, pieces in send.layers[layer]:
-                    send.handles.append(write(peer, pieces))
+                    handle = write(peer, pieces)
+                    send.handles.append(handle)
+                    send.layer_handles[layer].append(handle)
             except TransportError as exc:
                 self._stop(send, f"layer {layer}: {exc}")
                 done = True
@@ -224,6 +239,8 @@ class PDSender:
             self.layers_sent += 1
             self.bytes_sent += send.layer_bytes[layer]
             send.next_layer += 1
+            if send.last:
+                send.final_layers = send.next_layer
             if send.next_layer == len(send.layers):  # the chunk is handed over
                 send.next_layer, send.in_step, send.finished = 0, False, send.last
                 done = True
@@ -244,26 +261,30 @@ class PDSender:
         send.in_step, send.finished = False, True
 
     def poll(self) -> list[RankReport]:
-        """Settle the sends whose writes all settled: notify D, report to P."""
+        """Settle the sends whose writes all settled: notify D, report to P. For
+        the others, checksum the layers handed over since and send D progress
+        notices for the layers whose writes all settled done."""
         now = self._clock()
         settled = []
-        early = []  # handed over, writes in flight: checksum now, not after they land
+        in_flight = []  # handed over in part or whole, writes pending
         with self._lock:  # the hook starts no write for a send stopped here
             for key, send in list(self._sends.items()):
                 if not send.finished:
                     if now < send.deadline:
+                        in_flight.append(send)
                         continue
                     self._stop(send, "deadline passed before the last layer")
                     self._active = [s for s in self._active if s is not send]
                 states = [h.state() for h in send.handles]
                 if WriteState.PENDING in states and now < send.deadline:
-                    if self.checksums and not send.failed and send.sums is None:
-                        early.append(send)
+                    in_flight.append(send)
                     continue
                 del self._sends[key]
                 settled.append((send, states))
-        for send in early:  # outside the lock: the hook does not wait for it
-            send.sums = self._sums(send)
+        for send in in_flight:  # outside the lock: the hook does not wait for it
+            if self.checksums and not send.failed and send.plan.src_block_ids:
+                self._take_sums(send, send.final_layers)
+                self._progress(send)
         return [self._settle(send, states) for send, states in settled]
 
     @property
@@ -292,40 +313,99 @@ class PDSender:
 
     def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
         plan = send.plan
-        k = plan.num_d_ranks // self.layout.tp_size
-        if not (ok and self.checksums):
-            sums: dict[int, list[int]] = {}
-        else:
-            sums = send.sums if send.sums is not None else self._sums(send)
-        out = []
-        for r in range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k):
-            target = self._targets[r]
-            notice = Notice(
-                plan.epoch,
-                plan.transfer_id,
-                self.layout.tp_rank,
-                self.layout.tp_size,
-                r,
-                plan.num_d_ranks,
-                not ok,
-                self.layout.num_layers,
-                tuple(sums.get(r, ())),
+        with_sums = ok and self.checksums and bool(plan.src_block_ids)
+        if with_sums:
+            self._take_sums(send, self.layout.num_layers)
+        return [
+            (
+                self._targets[r].address,
+                self._notice(
+                    send, r, failed=not ok, sums=self._sums_of(send, r, 0) if with_sums else ()
+                ),
             )
-            out.append((target.address, encode_notice(notice, plan.secret)))
-        return out
+            for r in self._served(send)
+        ]
 
-    def _sums(self, send: _Send) -> dict[int, list[int]]:
-        """The checksum of every block of the send as each D rank it serves
-        receives it (its head slice). P's blocks are final once their last layer
-        was handed over and stay pinned until the send settles, so this may run
+    def _served(self, send: _Send) -> range:
+        """The D ranks this rank serves in `send`."""
+        return range(self.layout.tp_rank * send.k, (self.layout.tp_rank + 1) * send.k)
+
+    def _notice(
+        self,
+        send: _Send,
+        d_rank: int,
+        *,
+        failed: bool,
+        sums: tuple[int, ...],
+        first: int = 0,
+        progress: bool = False,
+    ) -> bytes:
+        plan = send.plan
+        notice = Notice(
+            plan.epoch,
+            plan.transfer_id,
+            self.layout.tp_rank,
+            self.layout.tp_size,
+            d_rank,
+            plan.num_d_ranks,
+            failed,
+            self.layout.num_layers,
+            sums,
+            first,
+            progress,
+        )
+        return encode_notice(notice, plan.secret)
+
+    @staticmethod
+    def _sums_of(
+        send: _Send, d_rank: int, first: int, upto: int | None = None
+    ) -> tuple[int, ...]:
+        return tuple(layer[d_rank] for layer in send.sums[first:upto])
+
+    def _take_sums(self, send: _Send, upto: int) -> None:
+        """Checksum layers `len(send.sums)` to `upto` of the send as each D rank it
+        serves receives them (its head slice). A layer of the last chunk is final
+        once handed over and stays pinned until the send settles, so this may run
         while the writes are still in flight."""
         plan, k = send.plan, send.k
-        return {
-            r: block_checksums(
-                self.layout.tensors, plan.src_block_ids, slices=k, index=self._targets[r].index
+        while len(send.sums) < upto:
+            tensors = self.layout.layer(len(send.sums))
+            send.sums.append(
+                {
+                    r: layer_checksum(
+                        tensors, plan.src_block_ids, slices=k, index=self._targets[r].index
+                    )
+                    for r in self._served(send)
+                }
             )
-            for r in range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
-        }
+
+    def _progress(self, send: _Send) -> None:
+        """Tell each D rank served which checksummed layers' writes all settled
+        done since the last progress notice (a hint: a failure to send it only
+        costs D a check after the final notice)."""
+        upto = send.notified
+        while upto < len(send.sums) and all(
+            h.state() is WriteState.DONE for h in send.layer_handles[upto]
+        ):
+            upto += 1
+        if upto == send.notified:
+            return
+        first, send.notified = send.notified, upto
+        for r in self._served(send):
+            payload = self._notice(
+                send,
+                r,
+                failed=False,
+                sums=self._sums_of(send, r, first, upto),
+                first=first,
+                progress=True,
+            )
+            try:
+                self.transport.notify(self._targets[r].address, payload, self.notify_timeout_s)
+            except TransportError:
+                self.progress_failed += 1
+            else:
+                self.progress_sent += 1
 
     def _pieces(
         self, runs: list[tuple[int, int, int]], k: int, layer: int, d_rank: int

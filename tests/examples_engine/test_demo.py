@@ -94,6 +94,7 @@ def test_a_request_larger_than_the_device_pool_is_rejected_not_fatal() -> None:
     )
     assert set(result.rejected) == {"c0t0", "c1t0"}
     assert all("device blocks" in reason for reason in result.rejected.values())
+    assert all(" prompt + 6 new tokens: " in reason for reason in result.rejected.values())
 
 
 def test_demo_cli_prints_json_and_a_plot(tmp_path, capsys) -> None:

@@ -366,7 +366,13 @@ def test_checksum_settings_that_differ_end_in_recompute(p_sums: bool, d_sums: bo
     """A D verifying checksums refuses a notice without them (else a P built with
     them off would switch D's check off), and a D built with them off refuses
     a notice carrying them: the two sides must agree, the request recomputes."""
+    from prometheus_client import CollectorRegistry
+
+    from fastkv.pd.metrics import watch_pd
+
     rig = Rig(p_checksums=p_sums, d_checksums=d_sums)
+    reg = CollectorRegistry()
+    watch_pd(reg, role="decode", scheduler=rig.d_side, workers=lambda: rig.receivers)
     assert isinstance(rig.offer("r", TOKENS), Acceptance)
     rig.prefill("r", TOKENS)
     rig.p_side.release("r")
@@ -374,6 +380,11 @@ def test_checksum_settings_that_differ_end_in_recompute(p_sums: bool, d_sums: bo
     (out,) = rig.outcomes
     assert not out.success and "must agree" in out.reason
     assert rig.receivers[0].counters.checksum_mismatch == 1
+    labels = {"model": "default", "role": "decode", "reason": "checksum_mismatch"}
+    assert reg.get_sample_value("fastkv:pd_notices_dropped_total", labels) == 1
+    for not_a_drop in ("received", "progress", "layers_early"):
+        labels["reason"] = not_a_drop
+        assert reg.get_sample_value("fastkv:pd_notices_dropped_total", labels) is None
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
 

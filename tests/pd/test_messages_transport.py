@@ -3,6 +3,9 @@ in-process transport's own contract (regions, timeouts, kill)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import numpy as np
 import pytest
 
@@ -17,6 +20,7 @@ from fastkv.pd.messages import (
     Offer,
     decode_notice,
     encode_notice,
+    peek_progress,
     transfer_secret,
 )
 from fastkv.pd.prefill import PrefillTransfers
@@ -39,6 +43,26 @@ def test_notice_round_trip_and_every_flipped_byte_refused() -> None:
         decode_notice(raw, b"j" * 32)
     with pytest.raises(NoticeError):
         decode_notice(raw[:-1], key)
+
+
+def test_progress_notice_round_trip_and_malformed_ones_refused() -> None:
+    key = b"k" * 32
+    progress = Notice(Epoch(3), 42, 1, 2, 3, 4, False, 5, (7, 8), 2, True)
+    raw = encode_notice(progress, key)
+    assert decode_notice(raw, key) == progress
+    assert peek_progress(raw) and not peek_progress(encode_notice(NOTICE, key))
+    for bad in (
+        Notice(Epoch(3), 42, 1, 2, 3, 4, True, 5, (7,), 2, True),  # failed and progress
+        Notice(Epoch(3), 42, 1, 2, 3, 4, False, 5, (), 2, True),  # nothing to verify
+    ):
+        with pytest.raises(ValueError, match="progress"):
+            encode_notice(bad, key)
+    empty = bytearray(encode_notice(Notice(Epoch(3), 42, 1, 2, 3, 4, False, 5, ()), key))
+    empty[32] = 2  # a progress status without checksums, authenticated
+    body = bytes(empty[:-32])
+    signed = body + hmac.new(key, body, hashlib.sha256).digest()
+    with pytest.raises(NoticeError, match="progress"):
+        decode_notice(signed, key)
 
 
 def test_deployment_secret_keys_differ_per_transfer_and_never_travel() -> None:
