@@ -637,11 +637,16 @@ static pthread_mutex_t aio_mu = PTHREAD_MUTEX_INITIALIZER;
 static aio_context_t aio_free[AIO_POOL];
 static int aio_nfree;
 static int aio_enabled = 1;
+static pid_t aio_pid; /* the process the pooled contexts belong to (a forked child has none) */
 
 static aio_context_t aio_take(void) {
     aio_context_t c = 0;
     pthread_mutex_lock(&aio_mu);
     int on = aio_enabled;
+    if (aio_pid != getpid()) { /* forked: the parent's contexts are not ours to use */
+        aio_pid = getpid();
+        aio_nfree = 0;
+    }
     if (on && aio_nfree) c = aio_free[--aio_nfree];
     pthread_mutex_unlock(&aio_mu);
     if (on && !c && syscall(SYS_io_setup, AIO_DEPTH, &c) < 0) c = 0;
@@ -651,7 +656,7 @@ static aio_context_t aio_take(void) {
 static void aio_give(aio_context_t c) {
     if (!c) return;
     pthread_mutex_lock(&aio_mu);
-    if (aio_enabled && aio_nfree < AIO_POOL) {
+    if (aio_enabled && aio_pid == getpid() && aio_nfree < AIO_POOL) {
         aio_free[aio_nfree++] = c;
         c = 0;
     }
