@@ -90,11 +90,26 @@ def keys_for(rep: int, n: int, ns: bytes) -> list[StorageKey]:
     ]
 
 
+class BenchFailure(RuntimeError):
+    """A timed operation did not move and verify every block: no figure is printed."""
+
+
 def in_threads(n_threads: int, n: int, work: Callable[[int, int], None]) -> float:
-    """Run work(start, stop) over [0, n) split among threads; returns seconds."""
+    """Run work(start, stop) over [0, n) split among threads; returns seconds.
+
+    Raises BenchFailure when work raised in any thread (its errors chained and
+    named): a failed operation must not be timed as a fast one."""
     bounds = np.linspace(0, n, n_threads + 1).astype(int)
+    errors: list[BaseException] = []
+
+    def run(lo: int, hi: int) -> None:
+        try:
+            work(lo, hi)
+        except BaseException as exc:  # reported after the join
+            errors.append(exc)
+
     threads = [
-        threading.Thread(target=work, args=(int(bounds[i]), int(bounds[i + 1])))
+        threading.Thread(target=run, args=(int(bounds[i]), int(bounds[i + 1])))
         for i in range(n_threads)
     ]
     t0 = time.perf_counter()
@@ -102,7 +117,12 @@ def in_threads(n_threads: int, n: int, work: Callable[[int, int], None]) -> floa
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise BenchFailure(
+            f"{len(errors)} of {n_threads} timing threads failed: {errors!r}"
+        ) from errors[0]
+    return elapsed
 
 
 def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list[dict]:
@@ -145,7 +165,7 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
                         e = min(hi, s + BATCH)
                         segs = [host.segments(b) for b in range(s, e)]
                         res = be.put_from(keys[s:e], segs, deadline_after(600))
-                        assert all(r.ok for r in res), res
+                        failed_results("disk put", keys[s:e], res)
 
                 def get(
                     lo: int, hi: int, keys: list = keys, be: LocalDiskBackend = backend
@@ -154,7 +174,7 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
                         e = min(hi, s + BATCH)
                         segs = [host.segments(b) for b in range(s, e)]
                         res = be.get_into(keys[s:e], segs, deadline_after(600))
-                        assert all(r.ok for r in res), res
+                        failed_results("disk get", keys[s:e], res)
 
                 def aput(lo: int, hi: int, keys: list = keys) -> None:
                     put(lo, hi, keys, authed)
@@ -223,8 +243,7 @@ def bench_disk_latency(directory: Path, block_bytes: int, count: int) -> list[di
     def one(be: LocalDiskBackend, key: StorageKey, b: int, write: bool) -> None:
         call = be.put_from if write else be.get_into
         res = call([key], [host.segments(b)], deadline_after(600))
-        if not res[0].ok:
-            raise RuntimeError(f"{'put' if write else 'get'} of block {b} failed: {res[0]}")
+        failed_results(f"{'put' if write else 'get'} of block {b}", [key], res)
 
     try:
         for b in range(n):  # warm-up: every slot and raw block written once
@@ -371,10 +390,6 @@ def bench_recovery(directory: Path, slots: int) -> dict:
 MOONCAKE_SETS = ("raw", "raw_multi", "zero_copy", "verified", "staged")
 """The object sets each repetition stores (one per way of putting; all removed at the
 end of the repetition): the storage segment is sized for all of them at once."""
-
-
-class BenchFailure(RuntimeError):
-    """A timed operation did not move and verify every block: no figure is printed."""
 
 
 def mooncake_segment_bytes(block_bytes: int, n: int) -> int:

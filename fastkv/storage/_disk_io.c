@@ -47,10 +47,12 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <linux/aio_abi.h>
 #include <pthread.h>
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -484,6 +486,16 @@ typedef struct {
     pthread_cond_t cv;
     Py_ssize_t ready; /* write: headers sealed below this; read: I/O done below this */
     int main_done;    /* the main thread will make no more progress */
+    /* asynchronous submission (aio_* below); ctx 0: every run moves with rw_all */
+    aio_context_t ctx;
+    struct iocb *cbs;       /* n + 1: the run starting at block i uses cbs[i] */
+    struct iocb **queued;   /* runs built but not yet submitted (one io_submit for all) */
+    int nqueued, inflight;
+    int64_t queued_bytes;
+    Py_ssize_t *run_e;      /* the end of the run starting at block i */
+    int *run_niov;          /* its iovec count (a short transfer is redone with rw_all) */
+    uint8_t *io_done;       /* read: block i's I/O status is known */
+    Py_ssize_t done_upto;   /* read: io_done for every block below this */
 } Job;
 
 static const int64_t *job_segs(const Job *j, Py_ssize_t i) { return (const int64_t *)j->b->segs.buf + 2 * j->b->nseg * i; }
@@ -571,7 +583,9 @@ static Py_ssize_t run_end(const Job *j, Py_ssize_t i) {
 /* The header area of block k of the run starting at i: a write stages each block's
  * header (and small segments) in its own page of the bounce; a read uses job_bounce. */
 static uint8_t *run_bounce(const Job *j, Py_ssize_t i, Py_ssize_t k) {
-    return j->is_write ? j->bounce + (k - i) * j->b->header_area : job_bounce(j, k);
+    /* async writes keep every block's header area until its run completes */
+    if (j->is_write) return j->bounce + (j->ctx ? k : k - i) * j->b->header_area;
+    return job_bounce(j, k);
 }
 
 /* Write: waits for (or makes) the seals of blocks [i, e) and stages their header
@@ -602,14 +616,62 @@ static Py_ssize_t stage_writes(Job *j, Py_ssize_t i, Py_ssize_t e) {
     return e;
 }
 
-/* Moves blocks [i, e) (one run) with one rw_all; sets each block's I/O status. A
- * block is done only when every byte of its slot moved. Returns 0, or -1 when block
- * i (alone) needs a full bounce it has no room for (ST_NO_BOUNCE set). */
-static int run_io(Job *j, Py_ssize_t i, Py_ssize_t e) {
+/* ---- asynchronous submission ----------------------------------------------------
+ *
+ * Where the kernel has Linux native AIO (io_setup), a batch does not wait for one
+ * run before starting the next: its runs are submitted together (one io_submit for
+ * several, so the device is told once) and reaped as they finish, and a write
+ * seals and stages the next runs while the earlier ones are in flight. A lone
+ * block's write goes in two requests: its payload first, the header page once the
+ * seal (which reads the payload from host memory) is done, so that the seal runs
+ * during the payload's transfer. The block is stored only when both completed in
+ * full; a pair torn by a crash is a block whose header does not match its payload,
+ * which every read verifies (a miss). Nothing returns while a request is in
+ * flight. A context serves one call at a time and goes back to a small pool. */
+
+#define AIO_DEPTH 64            /* requests one call keeps in flight */
+#define AIO_POOL 32             /* contexts kept for later calls */
+#define AIO_FLUSH_BYTES (256 << 10) /* queued bytes that start a submission */
+
+static pthread_mutex_t aio_mu = PTHREAD_MUTEX_INITIALIZER;
+static aio_context_t aio_free[AIO_POOL];
+static int aio_nfree;
+static int aio_enabled = 1;
+static pid_t aio_pid; /* the process the pooled contexts belong to (a forked child has none) */
+
+static aio_context_t aio_take(void) {
+    aio_context_t c = 0;
+    pthread_mutex_lock(&aio_mu);
+    int on = aio_enabled;
+    if (aio_pid != getpid()) { /* forked: the parent's contexts are not ours to use */
+        aio_pid = getpid();
+        aio_nfree = 0;
+    }
+    if (on && aio_nfree) c = aio_free[--aio_nfree];
+    pthread_mutex_unlock(&aio_mu);
+    if (on && !c && syscall(SYS_io_setup, AIO_DEPTH, &c) < 0) c = 0;
+    return c;
+}
+
+static void aio_give(aio_context_t c) {
+    if (!c) return;
+    pthread_mutex_lock(&aio_mu);
+    if (aio_enabled && aio_pid == getpid() && aio_nfree < AIO_POOL) {
+        aio_free[aio_nfree++] = c;
+        c = 0;
+    }
+    pthread_mutex_unlock(&aio_mu);
+    if (c) syscall(SYS_io_destroy, c);
+}
+
+/* Builds the iovecs of run [i, e) into `iov`; returns their count, or -1 when block
+ * i (alone) needs a full bounce it has no room for (ST_NO_BOUNCE set). *staged: the
+ * run went through the shared full bounce (it must move before anything reuses it). */
+static int run_iovecs(Job *j, Py_ssize_t i, Py_ssize_t e, struct iovec *iov, int *staged) {
     const Batch *b = j->b;
     const int64_t *so = (const int64_t *)b->seg_off.buf;
-    struct iovec *iov = j->iov;
     int niov = 0;
+    *staged = 0;
     for (Py_ssize_t k = i; k < e; k++) {
         int got = block_iovecs(b, job_segs(j, k), run_bounce(j, i, k), j->direct, iov + niov);
         if (got < 0) { /* full bounce (a run of one): the whole slot is staged in `bounce` */
@@ -625,16 +687,181 @@ static int run_io(Job *j, Py_ssize_t i, Py_ssize_t e) {
             iov[0].iov_base = j->bounce;
             iov[0].iov_len = (size_t)b->slot_bytes;
             got = 1;
+            *staged = 1;
         }
         niov += got;
     }
-    int64_t r = rw_all(j->fd, j->is_write, iov, niov, ((const int64_t *)b->offsets.buf)[i]);
+    return niov;
+}
+
+/* Sets the I/O status of every block of run [i, e) that moved `r` bytes (or -errno).
+ * A block is done only when every byte of its slot moved. */
+static void run_moved(Job *j, Py_ssize_t i, Py_ssize_t e, int64_t r) {
+    const Batch *b = j->b;
     for (Py_ssize_t k = i; k < e; k++) {
         int whole = r >= (k - i + 1) * b->slot_bytes;
         if (j->is_write)
             j->st[k] = r < 0 ? (int32_t)r : whole ? ST_OK : -ENOSPC;
         else
             j->io_st[k] = r < 0 ? (int32_t)r : whole ? ST_OK : ST_SHORT;
+    }
+}
+
+static struct iovec *job_iov(const Job *j, Py_ssize_t i) { return j->iov + (j->ctx ? i * (j->b->nseg + 1) : 0); }
+
+/* A read run's I/O is known: verify it here, or hand the done prefix to the helper. */
+static void read_known(Job *j, Py_ssize_t i, Py_ssize_t e) {
+    if (!j->pipelined) {
+        for (Py_ssize_t k = i; k < e; k++) verify(j, k, j->lanes_main);
+        return;
+    }
+    for (Py_ssize_t k = i; k < e; k++) j->io_done[k] = 1;
+    Py_ssize_t d = j->done_upto;
+    while (d < j->b->n && j->io_done[d]) d++;
+    if (d == j->done_upto) return;
+    j->done_upto = d;
+    pthread_mutex_lock(&j->mu);
+    j->ready = d;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* Which request `cb` is: the run starting at block i, or a lone block's halves. */
+#define SPLIT_PAYLOAD (-1)
+#define SPLIT_HEADER (-2)
+static int64_t cb_id(const Job *j, const struct iocb *cb) {
+    int64_t i = (int64_t)(cb - j->cbs);
+    if (i == j->b->n) return SPLIT_HEADER;
+    return j->run_e[i] == 0 ? SPLIT_PAYLOAD : i;
+}
+
+/* One finished request: run `i` (or a lone block's halves, SPLIT_*) moved `r`. */
+static void run_finished(Job *j, int64_t i, int64_t r, int64_t *split) {
+    if (i < 0) {
+        split[-1 - i] = r;
+        return;
+    }
+    Py_ssize_t e = j->run_e[i];
+    int64_t want = (int64_t)(e - i) * j->b->slot_bytes;
+    if (r >= 0 && r < want) /* short (rare): the whole run again, synchronously */
+        r = rw_all(j->fd, j->is_write, job_iov(j, i), j->run_niov[i], ((const int64_t *)j->b->offsets.buf)[i]);
+    run_moved(j, i, e, r);
+    if (!j->is_write) read_known(j, i, e);
+}
+
+/* Waits for at least `min` requests to finish (all of them: min == inflight). */
+static void aio_reap(Job *j, int min, int64_t *split) {
+    struct io_event ev[AIO_DEPTH];
+    while (min > 0 && j->inflight > 0) {
+        long got = syscall(SYS_io_getevents, j->ctx, 1, AIO_DEPTH, ev, NULL);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            /* cannot happen with a valid context; io_destroy waits for what is in flight */
+            syscall(SYS_io_destroy, j->ctx);
+            j->ctx = 0; /* not back to the pool */
+            for (Py_ssize_t i = 0; i <= j->b->n; i++)
+                if (j->cbs[i].aio_data == (uint64_t)i + 1) run_finished(j, cb_id(j, &j->cbs[i]), -EIO, split);
+            j->inflight = 0;
+            return;
+        }
+        for (long k = 0; k < got; k++) {
+            struct iocb *cb = (struct iocb *)(uintptr_t)ev[k].obj;
+            int64_t i = cb_id(j, cb);
+            cb->aio_data = 0;
+            j->inflight--;
+            min--;
+            run_finished(j, i, (int64_t)ev[k].res, split);
+        }
+    }
+}
+
+/* Submits the queued requests (one io_submit); one the kernel refuses moves with rw_all. */
+static void aio_flush(Job *j, int64_t *split) {
+    int done = 0;
+    while (done < j->nqueued) {
+        long r = syscall(SYS_io_submit, j->ctx, (long)(j->nqueued - done), j->queued + done);
+        if (r > 0) {
+            j->inflight += (int)r;
+            done += (int)r;
+            continue;
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == EAGAIN && j->inflight) {
+            aio_reap(j, 1, split);
+            continue;
+        }
+        struct iocb *cb = j->queued[done++];
+        cb->aio_data = 0;
+        int64_t moved = rw_all(j->fd, j->is_write, (struct iovec *)(uintptr_t)cb->aio_buf, (int)cb->aio_nbytes,
+                               (int64_t)cb->aio_offset);
+        run_finished(j, cb_id(j, cb), moved, split);
+    }
+    j->nqueued = 0;
+    j->queued_bytes = 0;
+}
+
+static void aio_queue(Job *j, struct iocb *cb, struct iovec *iov, int niov, int64_t off, int64_t bytes,
+                      int64_t *split) {
+    if (j->inflight + j->nqueued >= AIO_DEPTH) {
+        aio_flush(j, split);
+        aio_reap(j, 1, split);
+    }
+    memset(cb, 0, sizeof(*cb));
+    cb->aio_data = (uint64_t)(cb - j->cbs) + 1; /* non-zero: in flight */
+    cb->aio_lio_opcode = j->is_write ? IOCB_CMD_PWRITEV : IOCB_CMD_PREADV;
+    cb->aio_fildes = (uint32_t)j->fd;
+    cb->aio_buf = (uint64_t)(uintptr_t)iov;
+    cb->aio_nbytes = (uint64_t)niov;
+    cb->aio_offset = off;
+    j->queued[j->nqueued++] = cb;
+    j->queued_bytes += bytes;
+}
+
+/* Moves blocks [i, e) (one run): with rw_all, or queued for submission. Returns 0,
+ * or -1 when block i (alone) needs a full bounce it has no room for. */
+static int run_io(Job *j, Py_ssize_t i, Py_ssize_t e, int64_t *split) {
+    struct iovec *iov = job_iov(j, i);
+    int staged;
+    int niov = run_iovecs(j, i, e, iov, &staged);
+    if (niov < 0) return -1;
+    int64_t off = ((const int64_t *)j->b->offsets.buf)[i];
+    if (!j->ctx || staged) {
+        if (j->ctx) { /* the shared bounce: nothing else may be using it */
+            aio_flush(j, split);
+            aio_reap(j, j->inflight, split);
+        }
+        run_moved(j, i, e, rw_all(j->fd, j->is_write, iov, niov, off));
+        if (!j->is_write) read_known(j, i, e);
+        return 0;
+    }
+    j->run_e[i] = e;
+    j->run_niov[i] = niov;
+    aio_queue(j, &j->cbs[i], iov, niov, off, (int64_t)(e - i) * j->b->slot_bytes, split);
+    if (j->pipelined || j->queued_bytes >= AIO_FLUSH_BYTES) aio_flush(j, split);
+    return 0;
+}
+
+/* A lone block's write in two requests (above): payload, seal, header page. Returns
+ * 0, or -1 when it cannot be split (it then goes the ordinary way). */
+static int write_split(Job *j) {
+    const Batch *b = j->b;
+    struct iovec *iov = j->iov;
+    int got = block_iovecs(b, job_segs(j, 0), j->bounce, j->direct, iov);
+    if (got < 2 || (size_t)iov[0].iov_len != (size_t)b->header_area) return -1;
+    int64_t off = ((const int64_t *)b->offsets.buf)[0];
+    int64_t split[2] = {-EIO, -EIO};
+    j->run_e[0] = 0; /* marks cbs[0] as the payload half */
+    aio_queue(j, &j->cbs[0], iov + 1, got - 1, off + b->header_area, b->slot_bytes - b->header_area, split);
+    aio_flush(j, split);
+    if (stage_writes(j, 0, 1) == 1) {
+        aio_queue(j, &j->cbs[b->n], iov, 1, off, b->header_area, split);
+        aio_flush(j, split);
+        aio_reap(j, j->inflight, split);
+        int64_t p = split[0], h = split[1];
+        j->st[0] = p < 0 ? (int32_t)p : h < 0 ? (int32_t)h
+                   : p == b->slot_bytes - b->header_area && h == b->header_area ? ST_OK : -ENOSPC;
+    } else {
+        aio_reap(j, j->inflight, split); /* the seal failed (its status set): not stored */
     }
     return 0;
 }
@@ -643,6 +870,7 @@ static int run_io(Job *j, Py_ssize_t i, Py_ssize_t e) {
 static void run_job(Job *j) {
     const Batch *b = j->b;
     pthread_t tid;
+    int64_t split[2] = {-EIO, -EIO}; /* only write_split's requests use these */
     if (j->pipelined && pthread_create(&tid, NULL, helper, j) != 0) j->pipelined = 0;
     if (!j->per_block && !j->is_write) j->run_cap = 1; /* one header page: one block at a time */
     Py_ssize_t i = 0;
@@ -656,6 +884,7 @@ static void run_job(Job *j) {
             for (Py_ssize_t k = i; k < b->n; k++) j->io_st[k] = j->st[k] = ST_CLOSED;
             break;
         }
+        if (j->ctx && j->is_write && b->n == 1 && !j->pipelined && write_split(j) == 0) break;
         Py_ssize_t e = run_end(j, i);
         if (j->is_write) {
             e = stage_writes(j, i, e);
@@ -663,20 +892,19 @@ static void run_job(Job *j) {
                 i++;
                 continue;
             }
-            run_io(j, i, e);
+            run_io(j, i, e, split);
             i = e;
             continue;
         }
-        if (run_io(j, i, e) < 0) e = i + 1;
-        if (j->pipelined) {
-            pthread_mutex_lock(&j->mu);
-            j->ready = e;
-            pthread_cond_broadcast(&j->cv);
-            pthread_mutex_unlock(&j->mu);
-        } else {
-            for (Py_ssize_t k = i; k < e; k++) verify(j, k, j->lanes_main);
+        if (run_io(j, i, e, split) < 0) {
+            e = i + 1;
+            read_known(j, i, e);
         }
         i = e;
+    }
+    if (j->ctx) {
+        aio_flush(j, split);
+        aio_reap(j, j->inflight, split);
     }
     if (j->pipelined) {
         pthread_mutex_lock(&j->mu);
@@ -699,6 +927,24 @@ static int ring_get(PyObject *obj, Py_buffer *view, Ring *r) {
     r->buf = view->buf;
     r->n = view->len / RING_ENTRY;
     return 0;
+}
+
+/* Whether every block of the batch moves zero-copy (no full bounce). */
+static int zero_copy_batch(const Batch *b, int direct) {
+    for (Py_ssize_t i = 0; i < b->n; i++)
+        if (block_iovecs(b, (const int64_t *)b->segs.buf + 2 * b->nseg * i, NULL, direct, NULL) < 0) return 0;
+    return 1;
+}
+
+static PyObject *set_async(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    pthread_mutex_lock(&aio_mu);
+    int was = aio_enabled;
+    aio_enabled = on;
+    pthread_mutex_unlock(&aio_mu);
+    return PyBool_FromLong(was);
 }
 
 static PyObject *run_batch(PyObject *args, int is_write) {
@@ -755,9 +1001,17 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     j.run_cap = (Py_ssize_t)(bounce_len / (unsigned long long)header_area);
     if (j.run_cap > b.n) j.run_cap = b.n;
     if (j.run_cap < 1) j.run_cap = 1;
-    j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1) * (size_t)j.run_cap);
+    int use_aio = delay <= 0 && (is_write ? zero_copy_batch(&b, direct) && j.run_cap >= b.n : per_block);
+    if (use_aio) j.ctx = aio_take();
+    j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1) * (size_t)(j.ctx ? b.n : j.run_cap));
+    j.cbs = PyMem_Calloc((size_t)b.n + 1, sizeof(struct iocb));
+    j.queued = PyMem_Malloc(sizeof(struct iocb *) * AIO_DEPTH);
+    j.run_e = PyMem_Calloc((size_t)b.n + 1, sizeof(Py_ssize_t));
+    j.run_niov = PyMem_Calloc((size_t)b.n + 1, sizeof(int));
+    j.io_done = PyMem_Calloc((size_t)b.n + 1, 1);
     PyObject *out = NULL;
-    if (!j.seal_st || !j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov) {
+    if (!j.seal_st || !j.st || !j.io_st || !j.lanes_main || !j.lanes_helper || !j.iov || !j.cbs || !j.queued ||
+        !j.run_e || !j.run_niov || !j.io_done) {
         PyErr_NoMemory();
     } else {
         pthread_mutex_init(&j.mu, NULL);
@@ -775,6 +1029,12 @@ static PyObject *run_batch(PyObject *args, int is_write) {
     PyMem_Free(j.lanes_main);
     PyMem_Free(j.lanes_helper);
     PyMem_Free(j.iov);
+    PyMem_Free(j.cbs);
+    PyMem_Free(j.queued);
+    PyMem_Free(j.run_e);
+    PyMem_Free(j.run_niov);
+    PyMem_Free(j.io_done);
+    aio_give(j.ctx);
     batch_release(&b);
     PyBuffer_Release(&ring_view);
     return out;
@@ -1121,6 +1381,9 @@ static PyMethodDef methods[] = {
     {"unstage_block", unstage_block, METH_VARARGS,
      "unstage_block(src_ptr, want_header, segs, ring) -> int: verify, scatter and check a staged object."},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int"},
+    {"set_async", set_async, METH_VARARGS,
+     "set_async(on) -> the previous setting: submit runs with Linux native AIO where it works (the default), "
+     "or move each with pwritev/preadv (tests of both paths)."},
     {"gmac_subkeys", gmac_subkeys, METH_VARARGS, "gmac_subkeys(k2) -> H || mask (32 bytes)"},
     {"set_gmac_impl", set_gmac_impl, METH_VARARGS, "set_gmac_impl('native' | 'libcrypto') -> the previous one"},
     {"payload_gmac", py_payload_gmac, METH_VARARGS, "payload_gmac(k2 || H || mask, segs) -> G (16 bytes)"},

@@ -117,9 +117,10 @@ _PARTIAL = textwrap.dedent(
     import json, sys
     sys.path[:0] = sys.argv[2:4]
     from storage_helpers import LAYOUTS, HostMemory, make_keys
-    from fastkv.storage import deadline_after
+    from fastkv.storage import _disk_io, deadline_after
     from fastkv.storage.local_disk import LocalDiskBackend
 
+    _disk_io.set_async(False)  # the preload clips pwritev/preadv, which AIO does not call
     layout = LAYOUTS["fp8"]
     host = HostMemory(layout, 8)
     want = [host.fill(b, seed=b) for b in range(4)]

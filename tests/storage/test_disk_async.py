@@ -1,0 +1,87 @@
+"""Issue 27: a batch's runs are submitted together (Linux native AIO) and a lone
+block's payload is written while its header is sealed. Either way of moving
+blocks (AIO, or one pwritev/preadv per run) stores what the other reads back,
+byte for byte, authenticated or not, and a damaged block among many reads in
+flight is the only one refused."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
+
+from fastkv.storage import _disk_io, deadline_after
+from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend
+
+SOON = 30.0
+
+
+@pytest.fixture
+def restore_async() -> Iterator[None]:
+    was = _disk_io.set_async(True)
+    yield
+    _disk_io.set_async(was)
+
+
+@pytest.mark.parametrize("auth", [None, TEST_AUTH], ids=["crc", "tag"])
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+@pytest.mark.parametrize("write_async", [True, False], ids=["aio-write", "sync-write"])
+def test_either_way_reads_back_what_the_other_stored(
+    tmp_path: Path, restore_async: None, write_async: bool, layout: str, auth: object
+) -> None:
+    lay = LAYOUTS[layout]
+    host = HostMemory(lay, 24)
+    want = [host.fill(b, seed=b) for b in range(12)]
+    keys = make_keys(12)
+    with LocalDiskBackend(tmp_path, lay, capacity_blocks=16, auth=auth) as backend:
+        _disk_io.set_async(write_async)
+        # a lone block (split in two requests under AIO), then a batch of runs
+        assert statuses(
+            backend.put_from(keys[:1], [host.segments(0)], deadline_after(SOON))
+        ) == ["OK"]
+        rest = [host.segments(b) for b in range(1, 12)]
+        assert statuses(backend.put_from(keys[1:], rest, deadline_after(SOON))) == ["OK"] * 11
+        _disk_io.set_async(not write_async)
+        # every other block: runs of one, many in flight at once; then one alone
+        picked = list(range(0, 12, 2))
+        segs = [host.segments(12 + b) for b in picked]
+        got = backend.get_into([keys[b] for b in picked], segs, deadline_after(SOON))
+        assert statuses(got) == ["OK"] * len(picked)
+        assert [host.read(12 + b) for b in picked] == [want[b] for b in picked]
+        got = backend.get_into(keys[5:6], [host.segments(23)], deadline_after(SOON))
+        assert statuses(got) == ["OK"] and host.read(23) == want[5]
+
+
+@pytest.mark.parametrize("read_async", [True, False], ids=["aio-read", "sync-read"])
+def test_a_damaged_block_among_reads_in_flight_is_the_only_miss(
+    tmp_path: Path, restore_async: None, read_async: bool
+) -> None:
+    lay = LAYOUTS["bf16"]
+    host = HostMemory(lay, 16)
+    want = [host.fill(b, seed=b) for b in range(8)]
+    keys = make_keys(8)
+    with LocalDiskBackend(tmp_path, lay, capacity_blocks=8, auth=TEST_AUTH) as backend:
+        segs = [host.segments(b) for b in range(8)]
+        assert statuses(backend.put_from(keys, segs, deadline_after(SOON))) == ["OK"] * 8
+        slot, _ = backend._slots.index[keys[5].packed]
+        where = slot * backend.geometry.slot_bytes + backend.geometry.header_area + 4096
+        fd = os.open(tmp_path / DATA_FILE, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, where)
+            os.pwrite(fd, bytes([byte[0] ^ 1]), where)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _disk_io.set_async(read_async)
+        order = [7, 5, 3, 1, 0, 2, 4, 6]  # no two neighbours: a request each
+        got = backend.get_into(
+            [keys[b] for b in order],
+            [host.segments(8 + k) for k in range(8)],
+            deadline_after(SOON),
+        )
+        assert statuses(got) == ["OK", "MISS", "OK", "OK", "OK", "OK", "OK", "OK"]
+        assert "rejected" in got[1].reason
+        assert all(host.read(8 + k) == want[b] for k, b in enumerate(order) if b != 5)
