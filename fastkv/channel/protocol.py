@@ -9,6 +9,11 @@ recursion): a head (version, rank, count) and at most RESULTS_PER_DATAGRAM rows.
   MAX_FAILED_BLOCKS; more go as "every block failed").
 - A storage LookupResult row: the lookup id and the leading blocks a rank's storage
   holds (at most MAX_LOOKUP_HITS).
+- A PD RankReport row (`fastkv.pd.messages`): the transfer id, ok and the reason
+  (cut to MAX_ERROR_CHARS characters). It names no rank: the receiver gives it the
+  rank of the payload's head, which the connection is bound to, so a rank cannot
+  report for another. Reports are not combined over ranks here: the PD scheduler
+  half counts them per rank.
 
 `decode` checks every length against its bound before it reads it, so its work is
 bounded by the payload's size (at most MAX_PAYLOAD_BYTES). A payload of no rows
@@ -24,10 +29,11 @@ from collections.abc import Iterable
 
 from fastkv.config import check_int
 from fastkv.metadata import MAX_EPOCH, LookupResult, TransferResult
+from fastkv.pd.messages import RankReport
 
-Result = TransferResult | LookupResult
+Result = TransferResult | LookupResult | RankReport
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 RESULTS_PER_DATAGRAM = 32
 MAX_ERROR_CHARS = 300
 MAX_ERROR_BYTES = 4 * MAX_ERROR_CHARS  # UTF-8
@@ -36,9 +42,11 @@ MAX_LOOKUP_HITS = (1 << 32) - 1
 _PAYLOAD_HEAD = struct.Struct("!BIH")  # version, rank, count
 _KIND_TRANSFER = 0
 _KIND_LOOKUP = 1
+_KIND_REPORT = 2
 _ROW = struct.Struct("!BqIBHH")  # kind, id, epoch, success, error bytes, failed positions
 _FAILED = struct.Struct("!I")  # one failed block position
 _LOOKUP_ROW = struct.Struct("!BqII")  # kind, lookup_id, epoch, num_hits
+_REPORT_ROW = struct.Struct("!BqIBH")  # kind, transfer_id, epoch, ok, reason bytes
 _ACK = struct.Struct("!Q")  # the stream index every result below was applied
 MAX_PAYLOAD_BYTES = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (
     _ROW.size + MAX_ERROR_BYTES + MAX_FAILED_BLOCKS * _FAILED.size
@@ -53,46 +61,64 @@ def encode(rank: int, results: Iterable[Result]) -> list[bytes]:
     naming more than MAX_FAILED_BLOCKS failed positions goes as "every block
     failed" (no positions, success False): the scheduler then drops the whole
     transfer, never keeps a bad block. A LookupResult row carries the lookup id and
-    the leading blocks found (at most MAX_LOOKUP_HITS).
+    the leading blocks found (at most MAX_LOOKUP_HITS). A RankReport row carries
+    its transfer id, ok and reason (cut to MAX_ERROR_CHARS characters); its rank
+    must be `rank` (a rank reports only for itself).
 
     Raises:
-        ValueError: an id, position or hit count outside what the format holds.
-        TypeError: an entry is neither a TransferResult nor a LookupResult.
+        ValueError: an id, position or hit count outside what the format holds, or
+            a RankReport of another rank.
+        TypeError: an entry is not a TransferResult, LookupResult or RankReport.
     """
     rows = list(results)
     for i, r in enumerate(rows):
-        if isinstance(r, (LookupResult, TransferResult)):
-            check_int(f"results[{i}].epoch", r.epoch, 0, MAX_EPOCH)
-        if isinstance(r, LookupResult):
-            check_int(f"results[{i}].lookup_id", r.lookup_id, 0, (1 << 63) - 1)
-            check_int(f"results[{i}].num_hits", r.num_hits, 0, MAX_LOOKUP_HITS)
-        elif isinstance(r, TransferResult):
-            check_int(f"results[{i}].transfer_id", r.transfer_id, 0, (1 << 63) - 1)
-            for j, pos in enumerate(r.failed_blocks):
-                check_int(f"results[{i}].failed_blocks[{j}]", pos, 0, (1 << 32) - 1)
-        else:
-            raise TypeError(
-                f"results[{i}]: expected TransferResult or LookupResult, got {r!r:.80}"
-            )
+        _check_row(rank, i, r)
     out = []
     for i in range(0, len(rows), RESULTS_PER_DATAGRAM):
         chunk = rows[i : i + RESULTS_PER_DATAGRAM]
         parts = [_PAYLOAD_HEAD.pack(WIRE_VERSION, rank, len(chunk))]
         for r in chunk:
-            if isinstance(r, LookupResult):
-                parts.append(_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.epoch, r.num_hits))
-                continue
-            error = r.error[:MAX_ERROR_CHARS].encode("utf-8", "replace")
-            failed = tuple(r.failed_blocks)
-            if len(failed) > MAX_FAILED_BLOCKS:
-                failed = ()  # with success False: every block failed
-            success = r.success and not r.failed_blocks
-            head = (_KIND_TRANSFER, r.transfer_id, r.epoch, int(success))
-            parts.append(_ROW.pack(*head, len(error), len(failed)))
-            parts.append(error)
-            parts.extend(_FAILED.pack(p) for p in failed)
+            parts += _row(r)
         out.append(b"".join(parts))
     return out
+
+
+def _check_row(rank: int, i: int, r: Result) -> None:
+    """Row `i` of rank `rank`'s payload fits the format (else ValueError/TypeError)."""
+    if isinstance(r, (LookupResult, TransferResult, RankReport)):
+        check_int(f"results[{i}].epoch", r.epoch, 0, MAX_EPOCH)
+    if isinstance(r, RankReport):
+        check_int(f"results[{i}].transfer_id", r.transfer_id, 0, (1 << 63) - 1)
+        check_int(f"results[{i}].rank", r.rank, rank, rank)
+    elif isinstance(r, LookupResult):
+        check_int(f"results[{i}].lookup_id", r.lookup_id, 0, (1 << 63) - 1)
+        check_int(f"results[{i}].num_hits", r.num_hits, 0, MAX_LOOKUP_HITS)
+    elif isinstance(r, TransferResult):
+        check_int(f"results[{i}].transfer_id", r.transfer_id, 0, (1 << 63) - 1)
+        for j, pos in enumerate(r.failed_blocks):
+            check_int(f"results[{i}].failed_blocks[{j}]", pos, 0, (1 << 32) - 1)
+    else:
+        raise TypeError(
+            f"results[{i}]: expected TransferResult, LookupResult or RankReport, got {r!r:.80}"
+        )
+
+
+def _row(r: Result) -> list[bytes]:
+    """The bytes of one checked row."""
+    if isinstance(r, LookupResult):
+        return [_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.epoch, r.num_hits)]
+    if isinstance(r, RankReport):
+        reason = r.reason[:MAX_ERROR_CHARS].encode("utf-8", "replace")
+        row = (_KIND_REPORT, r.transfer_id, r.epoch, int(bool(r.ok)), len(reason))
+        return [_REPORT_ROW.pack(*row), reason]
+    error = r.error[:MAX_ERROR_CHARS].encode("utf-8", "replace")
+    failed = tuple(r.failed_blocks)
+    if len(failed) > MAX_FAILED_BLOCKS:
+        failed = ()  # with success False: every block failed
+    success = r.success and not r.failed_blocks
+    head = (_KIND_TRANSFER, r.transfer_id, r.epoch, int(success))
+    tail = [_FAILED.pack(p) for p in failed]
+    return [_ROW.pack(*head, len(error), len(failed)), error, *tail]
 
 
 def hello(rank: int) -> bytes:
@@ -141,8 +167,10 @@ def decode(data: bytes) -> tuple[int, list[Result]]:
             result, offset = _read_transfer(data, offset, i)
         elif kind == _KIND_LOOKUP:
             result, offset = _read_lookup(data, offset, i)
+        elif kind == _KIND_REPORT:
+            result, offset = _read_report(data, offset, i, rank)
         else:
-            raise ValueError(f"datagram: results[{i}] kind {kind}, expected 0 or 1")
+            raise ValueError(f"datagram: results[{i}] kind {kind}, expected 0, 1 or 2")
         results.append(result)
     if offset != len(data):
         raise ValueError(f"datagram: {len(data) - offset} bytes after the last result")
@@ -172,6 +200,24 @@ def _read_lookup(data: bytes, offset: int, i: int) -> tuple[LookupResult, int]:
     if lookup_id < 0:
         raise ValueError(f"datagram: results[{i}] lookup id {lookup_id} < 0")
     return LookupResult(lookup_id, hits, 1, epoch), offset + _LOOKUP_ROW.size
+
+
+def _read_report(data: bytes, offset: int, i: int, rank: int) -> tuple[RankReport, int]:
+    """Row `i`, a RankReport of `rank` (the payload's), at `offset`; and the offset
+    after it."""
+    if offset + _REPORT_ROW.size > len(data):
+        raise ValueError(f"datagram: results[{i}] cut short")
+    _, transfer_id, epoch, ok, length = _REPORT_ROW.unpack_from(data, offset)
+    offset += _REPORT_ROW.size
+    if ok > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
+        raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short reason)")
+    if offset + length > len(data):
+        raise ValueError(f"datagram: results[{i}] reason cut short")
+    try:
+        reason = data[offset : offset + length].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"datagram: results[{i}] reason is not UTF-8") from None
+    return RankReport(transfer_id, epoch, rank, bool(ok), reason), offset + length
 
 
 def _read_transfer(data: bytes, offset: int, i: int) -> tuple[TransferResult, int]:

@@ -55,6 +55,7 @@ from fastkv.channel.private_dir import (
 )
 from fastkv.channel.protocol import Result, decode, encode_ack
 from fastkv.config import check_int
+from fastkv.pd.messages import RankReport
 from fastkv.tp import RankResults
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class ResultsReceiver:
     ) -> None:
         check_name(name)
         self._ranks = RankResults(tp_size)
+        self._tp_size = tp_size
         if max_connections is None:
             max_connections = 4 * tp_size + 16
         check_int("max_connections", max_connections, 1)
@@ -387,8 +389,23 @@ class ResultsReceiver:
         return rank, opened.first, results
 
     def _combine(self, rank: int, results: list[Result], done: list[Result]) -> None:
-        """Add one rank's results; append to `done` those every rank has reported."""
+        """Add one rank's results; append to `done` those every rank has reported.
+        A PD RankReport goes to `done` as it is (the PD half counts ranks itself),
+        only from a rank in range."""
         for result in results:  # one at a time: a bad one spoils no other
+            if isinstance(result, RankReport):
+                if not 0 <= rank < self._tp_size:
+                    self._bad_results += 1
+                    self._log(
+                        "result",
+                        "results channel %r: dropped a report of rank %d",
+                        self.name,
+                        rank,
+                    )
+                    continue
+                self._results += 1
+                done.append(result)
+                continue
             try:
                 combined = self._ranks.add(rank, [result])
             except ValueError as e:

@@ -57,6 +57,7 @@ from fastkv.integrations.fd_views import (
     FreeBlockList,
     prompt_digests,
 )
+from fastkv.pd.messages import RankReport
 from fastkv.scheduler import CacheManager
 
 log = logging.getLogger(__name__)
@@ -772,6 +773,10 @@ class FastDeployCacheManager:
 
     def _poll(self) -> int:
         combined = self.results.poll()
+        reports = [r for r in combined if isinstance(r, RankReport)]
+        if reports:  # the ranks' PD reports: to the PD half, which counts per rank
+            combined = [r for r in combined if not isinstance(r, RankReport)]
+            self._route_reports(reports)
         if combined:
             self._relay.apply(combined)
         if self.pd is not None:
@@ -779,6 +784,16 @@ class FastDeployCacheManager:
         if self._reset_pending:
             self._finish_owed_reset()
         return len(combined)
+
+    def _route_reports(self, reports: list[RankReport]) -> None:
+        """The PD RankReports polled from the results channel, to the PD half (it
+        drops and counts unknown, stale and repeated ones); with no PD attached
+        they are dropped and counted."""
+        if self.pd is None:
+            self._counters.pd_reports_unrouted += len(reports)
+            log.error("fastkv: dropped %d PD reports: no PD role is attached", len(reports))
+            return
+        self.pd.on_reports(reports)
 
     def _finish_owed_reset(self) -> None:
         """The reset `reset_cache` owes, once nothing is in flight and no request

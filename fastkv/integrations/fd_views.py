@@ -131,6 +131,9 @@ class AdapterCounters:
         uncovered_computes: requests scheduled past the blocks they hold.
         prefetches: storage prefetches started.
         storage_hit_blocks: blocks a prefetch brought from storage, hit since.
+        pd_reports_unrouted: PD RankReports that came over the results channel
+            while no PD role is attached (dropped; the PD halves count the
+            unknown, stale and repeated ones they drop themselves).
     """
 
     results_applied: int = 0
@@ -146,6 +149,7 @@ class AdapterCounters:
     uncovered_computes: int = 0
     prefetches: int = 0
     storage_hit_blocks: int = 0
+    pd_reports_unrouted: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, in declaration order."""

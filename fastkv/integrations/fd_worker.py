@@ -482,12 +482,15 @@ class FastDeployCacheController:
         transport: Any,
         *,
         role: str,
-        report_to: Any,
+        report_to: Any = None,
         checksums: bool = True,
     ) -> Any:
         """Serve this rank's half of FastDeploy's splitwise role over `transport`
         (every cache tensor is registered there once). Returns the `PDWorker`; its
         `handshake()` is what D's scheduler hands P (`fd_pd.PDSettings.handshakes`).
+        The rank's RankReports go to `report_to`; None (a deployment): over the
+        results channel, where the scheduler's result polling hands them to its PD
+        half (`FastDeployCacheManager._poll`).
 
         Raises:
             RuntimeError: the cache does not exist yet.
@@ -500,9 +503,8 @@ class FastDeployCacheController:
             layout = KVLayout.of_controller(
                 self._require(), tp_rank=self.rank, tp_size=self.tp_size
             )
-            self.pd = PDWorker(
-                layout, transport, role=role, report_to=report_to, checksums=checksums
-            )
+            to = self._send_reports if report_to is None else report_to
+            self.pd = PDWorker(layout, transport, role=role, report_to=to, checksums=checksums)
             return self.pd
 
     def send_to_node(self, metadata: Any) -> Any:
@@ -519,6 +521,12 @@ class FastDeployCacheController:
         pd = self.pd
         if pd is not None:
             pd.after_layer(layer)
+
+    def _send_reports(self, reports: list[Any]) -> None:
+        """This rank's PD RankReports over the results channel (acked, resent on
+        trouble: see ResultsSender)."""
+        with self._lock:
+            self.sender.send(reports)
 
     def _pd_worker(self) -> Any:
         if self.pd is None:

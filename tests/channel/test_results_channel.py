@@ -764,3 +764,28 @@ def test_a_process_binding_a_dead_schedulers_socket_gets_no_result(
             conn.close()
         squatter.close()
         sender.close()
+
+
+def test_pd_rank_reports_pass_per_rank_and_name_only_the_sending_rank(rundir: str) -> None:
+    from fastkv.pd.messages import RankReport
+
+    name = f"pd-{os.getpid()}"
+    receiver = ResultsReceiver(name, 2, directory=rundir)
+    s1 = ResultsSender(name, 1, directory=rundir)
+    try:
+        # Not combined over ranks: rank 1's report alone comes out, as rank 1's.
+        s1.send([RankReport(7, 3, 1, False, "x" * (MAX_ERROR_CHARS + 5))])
+        out = collect(receiver, 1, s1)
+        assert out == [RankReport(7, 3, 1, False, "x" * MAX_ERROR_CHARS)]
+        # A rank cannot report for another: refused before anything is queued.
+        with pytest.raises(ValueError, match=r"results\[0\]\.rank"):
+            s1.send([RankReport(8, 3, 0, True)])
+        assert s1.pending == 0
+    finally:
+        s1.close()
+        receiver.close()
+    # The row names no rank: decode gives it the payload's (the connection's).
+    (payload,) = encode(1, [RankReport(9, 2, 1, True, "")])
+    assert decode(payload) == (1, [RankReport(9, 2, 1, True, "")])
+    with pytest.raises(ValueError, match="results\\[0\\] is not"):
+        decode(payload[:-2] + b"\x07" + payload[-1:])  # ok byte 7: not a bool

@@ -37,6 +37,21 @@ def frames(msg_type: str, payload: Any) -> tuple[str, Any]:
     return SplitwiseConnector._deserialize_message(None, [b"identity", *out])  # type: ignore[arg-type]
 
 
+class PolledFinishedQueue(FinishedQueue):
+    """P's engine-worker finished list, read by P's token processor while FastDeploy's
+    engine loop (another thread there) keeps polling the cache manager, so the
+    ranks' reports that arrived over the results channel are applied: each read
+    polls first (this harness runs both on one thread)."""
+
+    def __init__(self, poll: Any) -> None:
+        super().__init__()
+        self._poll = poll
+
+    def get_finished_req(self) -> list[list[Any]]:
+        self._poll()
+        return super().get_finished_req()
+
+
 class FirstTokens:
     """P's `split_connector` as its token processor uses it: `send_first_token`."""
 
@@ -75,19 +90,19 @@ class PDPair:
         **settings: Any,
     ) -> None:
         self.p, self.d = p, d
-        self.finished = FinishedQueue()
+        self.finished = PolledFinishedQueue(p.cache_manager.poll_results)
         self.first_tokens = FirstTokens()
         tp = p.token_processor
         tp.engine_worker_queue = self.finished
         tp.split_connector = self.first_tokens
-        p_report = p.cache_manager.pd_reports
+        # No report_to: each rank's RankReports ride its results channel to its
+        # engine's cache manager, applied by the manager's result polling.
         p_workers = [
-            r.cache_controller.attach_pd(t, role="prefill", report_to=p_report)
+            r.cache_controller.attach_pd(t, role="prefill")
             for r, t in zip(p.runners, transports[0], strict=True)
         ]
-        d_report = d.cache_manager.pd_reports
         d_workers = [
-            r.cache_controller.attach_pd(t, role="decode", report_to=d_report)
+            r.cache_controller.attach_pd(t, role="decode")
             for r, t in zip(d.runners, transports[1], strict=True)
         ]
         digest = p_workers[0].layout.digest()

@@ -63,3 +63,41 @@ def test_attach_pd_refuses_bad_settings_and_changes_nothing(channel: str) -> Non
         assert cm.pd is not None and cm.pd.role == "prefill"
     finally:
         cm.close()
+
+
+def test_rank_reports_over_the_results_channel_reach_the_pd_half_or_are_counted(
+    channel: str,
+) -> None:
+    import time
+
+    from fastkv.channel import ResultsSender
+    from fastkv.pd.messages import RankReport
+
+    fd_config = FDConfig(
+        FDCacheConfig(block_size=BS, total_block_num=8), ModelConfig(), ParallelConfig()
+    )
+    cm = FastDeployCacheManager(fd_config, channel_name=channel)
+    sender = ResultsSender(channel, 0)
+
+    def deliver(report: RankReport) -> None:
+        sender.send([report])
+        deadline = time.monotonic() + 10
+        while sender.flush() and time.monotonic() < deadline:
+            cm.poll_results()
+            time.sleep(0.002)
+        cm.poll_results()
+
+    try:
+        deliver(RankReport(5, 0, 0, True))  # no PD role attached: dropped, counted
+        assert cm.get_stats()["pd_reports_unrouted"] == 1
+        cm.attach_pd(
+            role="prefill", settings=PDSettings(b"L" * 32), finished_queue=FinishedQueue()
+        )
+        assert cm.pd is not None and cm.pd.p is not None
+        deliver(RankReport(6, 0, 0, True))  # an unknown send: the PD half drops it
+        assert cm.pd.p.counters.stale == 1
+        assert cm.get_stats()["pd_reports_unrouted"] == 1
+        assert cm.get_stats()["results_unknown"] == 0  # never reached the relay
+    finally:
+        sender.close()
+        cm.close()
