@@ -18,7 +18,8 @@ What travels where (no channel of fastkv's own between P and D):
     D send_cache_info_to_prefill ── "cache_sync" {request_id, dest_block_ids} ──► P
     P: the cache infos FastDeploy puts for its messager (put_cache_info) go to
         FastDeployCacheManager.pd_cache_info: the acceptance becomes a send plan,
-        one PDTransferMetadata per P rank (take_pd_tasks -> send_to_node)
+        one PDTransferMetadata per P rank, with the batch of the step that
+        prefills the request (fd_pd_tasks -> send_to_node, chunk by chunk)
     P ranks write each layer into D's blocks (worker side, fd_pd_worker), then
         notice D; their RankReports come back (pd_reports); once every rank settled,
         [[request_id, "finished" | reason]] goes to put_finished_req, where P's
@@ -156,6 +157,25 @@ def transfer_metadata(**kw: Any) -> Any:
     return PDTransferMetadata(**kw)
 
 
+@dataclass(slots=True)
+class _Chunks:
+    """P: an accepted send, announced to the ranks chunk by chunk with the steps
+    that prefill its request (`FastDeployPD.on_batch`)."""
+
+    meta: Any  # the PDTransferMetadata of send_to_node
+    epoch: Epoch
+    transfer_id: int
+    prefix: int  # blocks D holds (not sent)
+    total: int  # blocks sent
+    started: bool = False
+    sent: int = 0  # blocks announced so far
+
+
+def _is_prefill(task: Any) -> bool:
+    kind = getattr(task, "task_type", None)
+    return getattr(kind, "name", kind) == "PREFILL" or str(kind).endswith("PREFILL")
+
+
 @dataclass(frozen=True, slots=True)
 class PDSettings:
     """What both roles are built with (`FastDeployCacheManager.attach_pd`).
@@ -219,7 +239,10 @@ class FastDeployPD:
         self.role = role
         self.settings = settings
         self._finished = finished_queue
+        # Per rank: tasks that ride the next step's batch (P's sends and chunks),
+        # and tasks that need no step (the engine loop drains them).
         self._tasks: dict[int, list[Any]] = {r: [] for r in range(settings.num_ranks)}
+        self._drained: dict[int, list[Any]] = {r: [] for r in range(settings.num_ranks)}
         self.p: PrefillTransfers | None = None
         self.d: DecodeTransfers | None = None
         s = settings
@@ -243,6 +266,8 @@ class FastDeployPD:
                 deployment_secret=s.deployment_secret,
                 clock=clock,
             )
+        # P: accepted sends whose last chunk has not gone out with a step yet.
+        self._chunks: dict[Hashable, _Chunks] = {}
         # P: offered request -> {rank: ok} once accepted; results not posted yet.
         self._sends: dict[Hashable, dict[int, tuple[bool, str]]] = {}
         self._send_ids: dict[tuple[Epoch, int], Hashable] = {}
@@ -338,19 +363,55 @@ class FastDeployPD:
                 "plan": plan_fields(plan),
                 "request_id": rid,
                 "handshakes": handshakes,
+                "chunked": True,
             }
         }
-        self._to_ranks(
-            None,
-            transfer_metadata(
-                source_node_id=self.settings.node_id,
-                target_node_id="",
-                block_ids=list(plan.src_block_ids),
-                layer_num=0,
-                timeout=plan.timeout_s,
-                extra_params=extra,
-            ),
+        meta = transfer_metadata(
+            source_node_id=self.settings.node_id,
+            target_node_id="",
+            block_ids=list(plan.src_block_ids),
+            layer_num=0,
+            timeout=plan.timeout_s,
+            extra_params=extra,
         )
+        self._chunks[rid] = _Chunks(
+            meta, plan.epoch, plan.transfer_id, acc.num_prefix_blocks, len(plan.src_block_ids)
+        )
+
+    def on_batch(self, batch: Iterable[Any], block_size: int) -> None:
+        """P: the tasks of the step `batch` is (its ranks read them before the step
+        runs, `fd_pd_tasks`): for each accepted send whose request this step
+        prefills, the send's start (its first step) and the chunk the step writes;
+        a send accepted after its prefill ran whole goes with any step (its blocks
+        are final and pinned)."""
+        prefilled = {}
+        for task in batch:
+            rid = getattr(task, "request_id", None)
+            end = getattr(task, "prefill_end_index", None)
+            if rid in self._chunks and isinstance(end, int) and _is_prefill(task):
+                prefilled[rid] = (
+                    min(end, len(task.prompt_token_ids)) >= len(task.prompt_token_ids),
+                    end,
+                )
+        for rid, c in list(self._chunks.items()):
+            if rid in prefilled:
+                last, end = prefilled[rid]
+            else:
+                request = self.cm._book.request_of(rid)
+                done = getattr(request, "num_computed_tokens", 0) or 0
+                if request is None or done < len(request.prompt_token_ids) or not batch:
+                    continue
+                last, end = True, done
+            blocks = c.total if last else max(0, min(c.total, end // block_size - c.prefix))
+            if blocks < c.sent:
+                continue
+            if not c.started:
+                self._to_ranks(None, ("send", c.meta))
+                c.started = True
+            self._to_ranks(None, ("chunk", (c.epoch, c.transfer_id, blocks, last)))
+            c.sent = blocks
+            if last:
+                del self._chunks[rid]
 
     def on_reports(self, reports: Iterable[RankReport]) -> None:
         """P ranks' or D ranks' reports (their PDSender/PDReceiver polls)."""
@@ -392,6 +453,7 @@ class FastDeployPD:
             return
         for rid, status in done:
             del self._sends[rid]
+            self._chunks.pop(rid, None)  # settled (deadline, refusal): nothing to send
             self.counters["sends_finished" if status == "finished" else "sends_failed"] += 1
         for key in [k for k, rid in self._send_ids.items() if rid not in self._sends]:
             del self._send_ids[key]
@@ -405,8 +467,15 @@ class FastDeployPD:
             return False
         if self.p.withdraw(rid):
             self._sends.pop(rid, None)
+            self._chunks.pop(rid, None)
             return False
         self.p.release(rid)
+        c = self._chunks.pop(rid, None)
+        if c is not None and not c.started:
+            # Accepted but never prefilled: the ranks start and stop the send at
+            # once, so it settles failed and D hears so (and fences) now.
+            for task in (("send", c.meta), ("abort", (c.epoch, c.transfer_id))):
+                self._to_ranks(None, task, step=False)
         return True
 
     # -- D ------------------------------------------------------------------------
@@ -445,13 +514,16 @@ class FastDeployPD:
         for rank in range(self.settings.num_ranks):
             self._to_ranks(
                 rank,
-                transfer_metadata(
-                    source_node_id="",
-                    target_node_id=self.settings.node_id,
-                    block_ids=list(answer.block_ids),
-                    layer_num=0,
-                    timeout=answer.timeout_s,
-                    extra_params={FIELD: {"acceptance": acc, "request_id": rid}},
+                (
+                    "expect",
+                    transfer_metadata(
+                        source_node_id="",
+                        target_node_id=self.settings.node_id,
+                        block_ids=list(answer.block_ids),
+                        layer_num=0,
+                        timeout=answer.timeout_s,
+                        extra_params={FIELD: {"acceptance": acc, "request_id": rid}},
+                    ),
                 ),
             )
         prefix = list(self.cm.manager.block_table(rid).block_ids)
@@ -532,20 +604,20 @@ class FastDeployPD:
 
     # -- both -----------------------------------------------------------------------
 
-    def _to_ranks(self, rank: int | None, task: Any) -> None:
-        for r, queue in self._tasks.items():
+    def _to_ranks(self, rank: int | None, task: Any, *, step: bool = True) -> None:
+        queues = self._tasks if step and self.p is not None else self._drained
+        for r, queue in queues.items():
             if rank is None or r == rank:
                 queue.append(task)
 
-    def take_tasks(self, rank: int) -> list[Any]:
-        """The worker tasks of `rank` since its last call: PDTransferMetadata for
-        send_to_node (P) or wait_for_transfer_from_node (D), and ("forget",
-        (epoch, transfer id)) on D once a transfer holds nothing any more."""
-        queue = self._tasks.get(rank)
-        if queue is None:
-            raise ValueError(f"rank: {rank!r} not in [0, {self.settings.num_ranks})")
-        out = list(queue)
-        queue.clear()
+    def take_tasks(self, *, step: bool) -> dict[int, list[tuple[str, Any]]]:
+        """Every rank's tasks since the last call (`fd_pd_tasks` lists the kinds),
+        in order, ranks with none left out: those for the step's batch (`step`:
+        P's sends and chunks) or those the engine loop drains (the rest)."""
+        queues = self._tasks if step else self._drained
+        out = {r: list(q) for r, q in queues.items() if q}
+        for q in queues.values():
+            q.clear()
         return out
 
     def check_idle(self) -> None:
@@ -605,7 +677,10 @@ def _schedule(self: Any) -> Any:
     pd = _pd_of(self)
     if pd is not None and pd.role == "decode":
         _apply_outcomes(self, _patched["add_prefilled_request"])
-    return _patched["schedule"](self)
+    out = _patched["schedule"](self)
+    if pd is not None and pd.role == "prefill":
+        self.cache_manager.pd_batch(out[0])  # the step's sends and chunks ride it
+    return out
 
 
 _WRAPPERS = {

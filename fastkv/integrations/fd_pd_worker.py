@@ -129,7 +129,7 @@ class PDWorker:
             plan = plan_from(mine["plan"])
             with self._lock:
                 self._connect(plan.num_d_ranks, mine.get("handshakes", ()))
-                self.sender.start(plan)
+                self.sender.start(plan, chunked=bool(mine.get("chunked", False)))
                 self._handlers[(plan.epoch, plan.transfer_id)] = handler
         except (ValueError, KeyError, TypeError) as e:
             handler.set_error(f"send_to_node: {e}")
@@ -174,17 +174,49 @@ class PDWorker:
         if handler is not None and not handler.is_completed:
             handler.set_error("the transfer ended without this rank's notice")
 
-    def run_tasks(self, tasks: list[Any]) -> list[Any]:
-        """The scheduler's tasks for this rank (`take_pd_tasks`): the handlers."""
+    def chunk(self, epoch: Epoch, transfer_id: int, num_blocks: int, last: bool) -> None:
+        """P: the coming step writes a chunk of a chunked send (`PDSender.chunk`). A
+        chunk the sender refuses stops the send: it settles failed, and D
+        recomputes."""
+        if self.sender is None:
+            raise ValueError("chunk: this rank is not a prefill rank")
+        try:
+            self.sender.chunk(epoch, transfer_id, num_blocks, last=last)
+        except ValueError as e:
+            log.error("fastkv PD rank %d: %s", self.layout.tp_rank, e)
+            self.sender.abort(epoch, transfer_id)
+
+    def run_tasks(self, tasks: list[tuple[str, Any]]) -> list[Any]:
+        """The scheduler's tasks for this rank, in order (`fd_pd_tasks`: what rides
+        the step's batch on P and the drained tasks on D). Returns the handlers of
+        the sends and expectations started.
+
+        Raises:
+            ValueError: a task of the other role, or of no known kind (none runs)."""
+        self.check_tasks(tasks)
         out = []
-        for task in tasks:
-            if isinstance(task, tuple) and task and task[0] == "forget":
-                self.forget(*task[1])
-            elif self.role == "prefill":
-                out.append(self.send_to_node(task))
+        for kind, arg in tasks:
+            if kind == "forget":
+                self.forget(*arg)
+            elif kind == "chunk":
+                self.chunk(*arg)
+            elif kind == "abort":
+                assert self.sender is not None
+                self.sender.abort(*arg)
+            elif kind == "send":
+                out.append(self.send_to_node(arg))
             else:
-                out.append(self.wait_for_transfer_from_node(task))
+                out.append(self.wait_for_transfer_from_node(arg))
         return out
+
+    def check_tasks(self, tasks: list[tuple[str, Any]]) -> None:
+        """ValueError unless every task is one of this role's kinds."""
+        kinds = ("send", "chunk", "abort") if self.role == "prefill" else ("expect", "forget")
+        for i, task in enumerate(tasks):
+            if not (isinstance(task, tuple) and len(task) == 2 and task[0] in kinds):
+                raise ValueError(
+                    f"tasks[{i}]: {task!r:.80} is not a {self.role} rank's task {kinds}"
+                )
 
     def after_layer(self, layer: int) -> None:
         """The runner's per-layer hook: layer `layer` of this step is written."""

@@ -44,11 +44,16 @@ from prometheus_client import CollectorRegistry
 
 from fastkv.config import CacheConfig, as_int
 from fastkv.integrations import fd_config as fdc
+from fastkv.integrations import fd_pd_tasks as pd_tasks
 from fastkv.integrations.fd_commits import CommitBook
 from fastkv.integrations.fd_extend import ExtendTables
 from fastkv.integrations.fd_metrics import FastDeployMetrics
 from fastkv.integrations.fd_pd import FastDeployPD, PDSettings
-from fastkv.integrations.fd_prefetch import PendingPrefetch, StoragePrefetches
+from fastkv.integrations.fd_prefetch import (
+    PendingPrefetch,
+    StoragePrefetches,
+    storage_metadata_type,
+)
 from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
 from fastkv.integrations.fd_transfers import fastdeploy_metadata_types
 from fastkv.integrations.fd_views import (
@@ -417,13 +422,24 @@ class FastDeployCacheManager:
     def drain_pending_prefetches(self) -> list[PendingPrefetch]:
         """The storage tasks to send to every worker now (lookups and loads), each
         a `PendingPrefetch(request_id, metadata=StorageMetadata(hash_values,
-        block_ids, direction), host_block_ids)`, in the order they were planned.
-        A worker takes one with `FastDeployCacheController.prefetch_from_storage`.
-        Never waits."""
+        block_ids, direction), host_block_ids)`, in the order they were planned;
+        with PD attached also one with `direction="pd"` carrying the ranks' PD
+        tasks that need no step (`fd_pd_tasks`). A worker takes one with
+        `FastDeployCacheController.prefetch_from_storage`. Never waits."""
         with self._lock:
             self._poll()
             self._prefetches.take_work()
-            return self._prefetches.take_queue()
+            tasks = self._prefetches.take_queue()
+            if self.pd is not None:
+                entries = pd_tasks.encode(self.pd.take_tasks(step=False))
+                if entries:
+                    meta = storage_metadata_type()(
+                        hash_values=entries,
+                        block_ids=[-1] * len(entries),
+                        direction=pd_tasks.PD_DIRECTION,
+                    )
+                    tasks.append(PendingPrefetch("fastkv-pd", meta))
+            return tasks
 
     def update_storage_blocks_to_host(self, host_block_ids: Sequence[int]) -> None:
         """Every rank reported the load of `host_block_ids` (upstream's call). fastkv
@@ -624,11 +640,22 @@ class FastDeployCacheManager:
             if self.pd is not None:
                 self.pd.on_reports(reports)
 
-    def take_pd_tasks(self, rank: int) -> list[Any]:
-        """The PD tasks of worker `rank` since its last call (`FastDeployPD.take_tasks`)."""
+    def pd_batch(self, batch: Any) -> None:
+        """P: the step `batch` (a `BatchRequest`) carries its PD tasks to the ranks:
+        each send's start and the chunk this step writes (`FastDeployPD.on_batch`),
+        as entries of the batch's device-to-host metadata (`fd_pd_tasks`). Called
+        by fastkv's `schedule` wrapper; a batch with no requests carries nothing."""
         with self._lock:
+            if self.pd is None or self.pd.role != "prefill" or not len(batch):
+                return
             self._poll()
-            return [] if self.pd is None else self.pd.take_tasks(rank)
+            self.pd.on_batch(batch, self.config.block_size)
+            entries = pd_tasks.encode(self.pd.take_tasks(step=True))
+            if entries:
+                swap_cls, levels = fastdeploy_metadata_types()
+                batch.append_evict_metadata(
+                    [pd_tasks.as_swap_metadata(entries, swap_cls, levels)]
+                )
 
     def pd_rejection(self, request_id: Any) -> str | None:
         with self._lock:

@@ -39,6 +39,7 @@ from typing import Any
 from fastkv.channel import ResultsSender
 from fastkv.config import as_int, check_int
 from fastkv.integrations import fd_config as fdc
+from fastkv.integrations import fd_pd_tasks as pd_tasks
 from fastkv.integrations.fd_backend import LayerTensors, make_layers
 from fastkv.integrations.fd_routes import ResultRoutes
 from fastkv.integrations.fd_step import (
@@ -283,7 +284,8 @@ class FastDeployCacheController:
         """
         with self._lock:
             try:  # the whole batch is checked before any of it runs
-                evict_rest, work = split_storage(evict_metadata)
+                evict_metadata_rest, pd_work = self._split_pd(evict_metadata)
+                evict_rest, work = split_storage(evict_metadata_rest)
                 evict = parse_merged(evict_rest, "device", "host")
                 swap = parse_merged(swap_in_metadata, "host", "device")
                 step_epoch(evict, swap, work)  # one epoch, stamped on every result
@@ -291,6 +293,8 @@ class FastDeployCacheController:
                 self._refuse_batch((evict_metadata, swap_in_metadata), e)
                 raise
             self._routes.settle_held()
+            if pd_work:  # before the step's layers: a send starts before they are written
+                self.pd.run_tasks(pd_work)
             if self.controller is None:
                 fail_storage(self._routes, work, "the KV cache is not initialized")
                 counter = self._launcher.refuse(evict, swap, "the KV cache is not initialized")
@@ -335,6 +339,17 @@ class FastDeployCacheController:
                 lengths, or entries fastkv's scheduler did not tag (nothing starts).
         """
         direction = getattr(metadata, "direction", None)
+        if direction == pd_tasks.PD_DIRECTION:
+            with self._lock:
+                rest, work = self._split_pd(metadata)
+                if rest is not None:
+                    raise ValueError(
+                        "metadata.hash_values: a PD task list with other entries; was "
+                        "this task made by fastkv's cache manager?"
+                    )
+                if work:
+                    self.pd.run_tasks(work)
+            return
         if direction not in ("load", "lookup"):
             raise ValueError(
                 f"metadata.direction: {direction!r}; fastkv takes 'load' or 'lookup'"
@@ -527,6 +542,19 @@ class FastDeployCacheController:
         trouble: see ResultsSender)."""
         with self._lock:
             self.sender.send(reports)
+
+    def _split_pd(self, meta: Any) -> tuple[Any, list[Any]]:
+        """(`meta` without its PD entries, this rank's PD tasks), all checked: PD
+        tasks on a rank without PD attached, or of the other role, raise
+        ValueError."""
+        rest, work = pd_tasks.split(meta, self.rank)
+        if work:
+            if self.pd is None:
+                raise ValueError(
+                    f"rank {self.rank}: PD tasks for a rank without PD (attach_pd first)"
+                )
+            self.pd.check_tasks(work)
+        return rest, work
 
     def _pd_worker(self) -> Any:
         if self.pd is None:

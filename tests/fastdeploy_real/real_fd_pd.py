@@ -37,6 +37,17 @@ def frames(msg_type: str, payload: Any) -> tuple[str, Any]:
     return SplitwiseConnector._deserialize_message(None, [b"identity", *out])  # type: ignore[arg-type]
 
 
+def dispatch(engine: Engine) -> None:
+    """The engine loop's `drain_pending_prefetches()`: each task's metadata pickled
+    onto the engine-worker queue, read by every rank's `prefetch_from_storage`."""
+    import pickle
+
+    for task in engine.cache_manager.drain_pending_prefetches():
+        blob = pickle.dumps(task.metadata)
+        for runner in engine.runners:
+            runner.receive_storage(blob)
+
+
 class PolledFinishedQueue(FinishedQueue):
     """P's engine-worker finished list, read by P's token processor while FastDeploy's
     engine loop (another thread there) keeps polling the cache manager, so the
@@ -170,8 +181,7 @@ class PDPair:
             }
         else:
             info = {"request_id": dreq.request_id, "error_msg": "Not enough resources"}
-        for rank, worker in enumerate(self.d_workers):  # D's ranks expect the notices
-            worker.run_tasks(self.d.cache_manager.take_pd_tasks(rank))
+        dispatch(self.d)  # D's ranks expect the notices (the drained tasks)
         _, sync = frames("cache_sync", [info])
         self.p.cache_manager.pd_cache_info(sync)  # what P put for its messager
         return sync[0]
@@ -191,8 +201,7 @@ class PDPair:
                 served.first_token_error = info["error_msg"]
                 self.p.rm.pre_recycle_resource(req.request_id)
                 return served
-        for rank, worker in enumerate(self.p_workers):
-            worker.run_tasks(self.p.cache_manager.take_pd_tasks(rank))
+        # P's ranks start the send with the batch of the step that prefills it.
         self.p.rm.add_request_in_p([req])
         return served
 
@@ -227,11 +236,11 @@ class PDPair:
             self.d.rm.add_prefilled_request(out)
 
     def pump(self) -> None:
-        """The scheduler-to-worker tasks (FastDeploy's engine-worker queue) of both
-        sides, handed to their ranks."""
-        for engine, workers in ((self.p, self.p_workers), (self.d, self.d_workers)):
-            for rank, w in enumerate(workers):
-                w.run_tasks(engine.cache_manager.take_pd_tasks(rank))
+        """One engine-loop iteration's drained tasks of both sides, over the
+        engine-worker queue to every rank (D's PD tasks ride them; P's ride the
+        steps' batches)."""
+        dispatch(self.p)
+        dispatch(self.d)
 
     def decode(self, timeout: float = 60.0) -> None:
         """Step D until every request is done."""

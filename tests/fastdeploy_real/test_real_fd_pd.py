@@ -235,11 +235,12 @@ def test_p_first_token_before_the_commit_waits_outside_running(make_pair: Any) -
 def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
     make_pair: Any,
 ) -> None:
-    pair = make_pair(send_timeout_s=0.5)
+    # Deadlines far away: what settles the send here is P's ranks, told at once.
+    pair = make_pair(send_timeout_s=60.0, timeout_s=60.0)
     req = pair.request("a", PROMPT_A, 4)
     assert pair.p.rm.preallocate_resource_in_p(req)
     assert "dest_block_ids" in pair.ask_d(req)
-    pair.pump()  # P's ranks started the send (send_to_node)
+    pair.pump()
     p_cm = pair.p.cache_manager
     held = p_cm.manager.num_blocks("a")
     # FastDeploy's P drops a task after its cache info went out (common_engine's
@@ -248,9 +249,51 @@ def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
     assert p_cm.manager.is_active("a") and p_cm.manager.num_blocks("a") == held
     pair.d.rm.pre_recycle_resource("a")
     del pair.d.expected["a"]
-    pair.wait_idle()  # the send passes its deadline, settles failed, then P frees
+    # Never prefilled: the ranks get the send and its abort with the drained
+    # tasks, settle it failed and tell D, which fences its tail: no deadline waited.
+    pair.wait_idle(timeout=10.0)
     assert not p_cm.manager.is_active("a")
-    assert pair.finished.get_finished_req()[0][0] == "a"  # reported, not left waiting
+    (finished,) = pair.finished.get_finished_req()
+    assert finished[0] == "a" and finished[1] != "finished"  # reported failed
+    assert pair.d.cache_manager.manager.num_receiving_blocks == 0
+    pair.check_no_leaks()
+
+
+def test_a_chunked_prefill_on_p_sends_each_chunk_with_the_step_that_writes_it(
+    make_pair: Any,
+) -> None:
+    """P's token budget is below the prompt: FastDeploy prefills it in chunks, and
+    each chunk's step batch carries the chunk to P's ranks (fd_pd_tasks), so D
+    receives every block once it is final."""
+    import pickle
+
+    from fastkv.integrations import fd_pd_tasks
+
+    prompt = list(range(700, 700 + 5 * BS + 2))  # 6 blocks, 42 tokens
+    pair = make_pair(p_config={"max_num_batched_tokens": 2 * BS})
+    seen: list[tuple[str, Any]] = []
+    runner = pair.p.runners[0]
+    receive = runner.receive
+
+    def spy(blob: bytes) -> None:  # what rank 0 reads off the queue, as it reads it
+        ((batch, _),) = pickle.loads(blob)
+        meta = batch.cache_evict_metadata
+        seen.extend(fd_pd_tasks.split(meta, 0)[1] if meta is not None else [])
+        receive(blob)
+
+    runner.receive = spy
+    served = pair.serve([("c", prompt, 3)])
+    assert served[0].first_token_error is None
+    chunks = [arg for kind, arg in seen if kind == "chunk"]
+    assert [kind for kind, _ in seen].count("send") == 1 and seen[0][0] == "send"
+    assert len(chunks) >= 3, chunks  # 42 tokens at 16 a step
+    assert [c[2] for c in chunks] == sorted(c[2] for c in chunks)  # blocks only grow
+    assert [c[3] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1][2] == 6
+    assert pair.d.mismatches() == 0
+    assert positions_checked(pair.d) >= len(prompt) * 2
+    pair.wait_idle()
+    pair.d.check_clean()
     pair.check_no_leaks()
 
 
@@ -277,7 +320,7 @@ def test_a_malformed_acceptance_from_d_changes_nothing_on_p(make_pair: Any) -> N
     bad = DestBlockIds([1, 2, 3, 4], {"transfer_id": 1})  # no epoch, blocks, ...
     with pytest.raises(ValueError, match="not an acceptance"):
         pair.p.cache_manager.pd_cache_info([{"request_id": "a", "dest_block_ids": bad}])
-    assert pair.p.cache_manager.take_pd_tasks(0) == []  # no send planned
+    assert "a" not in pair.p.cache_manager.pd._chunks  # no send planned
     assert "dest_block_ids" in pair.ask_d(req)  # the real answer still works
     pair.pump()
     pair.p.rm.add_request_in_p([req])
