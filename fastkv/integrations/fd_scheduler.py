@@ -55,7 +55,7 @@ from fastkv.integrations.fd_prefetch import (
     storage_metadata_type,
 )
 from fastkv.integrations.fd_results import TransferRelay, bind_channel, release_channel
-from fastkv.integrations.fd_transfers import fastdeploy_metadata_types
+from fastkv.integrations.fd_transfers import EVICT, IDLE_EVICT, fastdeploy_metadata_types
 from fastkv.integrations.fd_views import (
     AdapterCounters,
     FastDeployMatchResult,
@@ -135,6 +135,8 @@ class FastDeployCacheManager:
         self._counters = AdapterCounters()
         self.pd: FastDeployPD | None = None  # attach_pd: the splitwise roles
         self._pd_args: dict[str, Any] | None = None
+        self._issued = False  # backups issued into the batch of this schedule
+        self._idle_step = False  # the last schedule's batch had no request
         self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = bind_channel(name, self.tp_size, self)
@@ -430,6 +432,9 @@ class FastDeployCacheManager:
             self._poll()
             self._prefetches.take_work()
             tasks = self._prefetches.take_queue()
+            idle = self._idle_copies()
+            if idle is not None:
+                tasks.append(idle)
             if self.pd is not None:
                 entries = pd_tasks.encode(self.pd.take_tasks(step=False))
                 if entries:
@@ -440,6 +445,25 @@ class FastDeployCacheManager:
                     )
                     tasks.append(PendingPrefetch("fastkv-pd", meta))
             return tasks
+
+    def _idle_copies(self) -> PendingPrefetch | None:
+        """After a schedule whose batch had no request (FastDeploy sends no batch
+        then, and issues no backups), the copies and storage writes planned since
+        as one drained task (`direction="evict"`, the metadata a batch would carry
+        in `extra_params["fastkv_evict"]`): a request that waits for the room they
+        free (WAIT_FOR_TRANSFERS) is otherwise never scheduled again. Never an
+        eviction that hands blocks over (that goes with the step that writes
+        them)."""
+        mgr = self.manager
+        if not self._idle_step or mgr.hands_over_queued_blocks:
+            return None
+        meta = self._relay.take_backups()
+        if meta is None:
+            return None
+        storage = storage_metadata_type()(
+            hash_values=[], block_ids=[], direction=IDLE_EVICT, extra_params={EVICT: meta}
+        )
+        return PendingPrefetch("fastkv-idle", storage)
 
     def update_storage_blocks_to_host(self, host_block_ids: Sequence[int]) -> None:
         """Every rank reported the load of `host_block_ids` (upstream's call). fastkv
@@ -580,6 +604,8 @@ class FastDeployCacheManager:
             self._poll()
             self._book.commit_proven()
             self.metrics.update()
+            # FastDeploy issues backups only into a batch with requests in it.
+            self._idle_step, self._issued = not self._issued, False
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
         """The backups planned so far, as one FastDeploy eviction metadata for the
@@ -588,6 +614,7 @@ class FastDeployCacheManager:
         (`drain_pending_prefetches` hands them out)."""
         with self._lock:
             self._poll()
+            self._issued = True
             return self._relay.take_backups()
 
     def get_pending_backup_count(self) -> int:

@@ -116,6 +116,11 @@ def _decimal(text: str, most: int) -> int | None:
 # storage into host block dst (src -1), "W<id>:<hash>" a host block src written to
 # storage (dst -1), "Q<id>:<hash>" a block of storage lookup <id> (src, dst -1).
 STORAGE_LOAD, STORAGE_WRITE, STORAGE_LOOKUP = "L", "W", "Q"
+
+# A drained task (`drain_pending_prefetches`) with this direction carries, in
+# `extra_params[EVICT]`, the device-to-host metadata a batch would have carried had
+# the engine sent one (it sends none when no request is scheduled).
+IDLE_EVICT, EVICT = "evict", "fastkv_evict"
 _STORAGE_KINDS = (STORAGE_LOAD, STORAGE_WRITE, STORAGE_LOOKUP)
 
 

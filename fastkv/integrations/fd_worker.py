@@ -50,6 +50,8 @@ from fastkv.integrations.fd_step import (
     SwapInRetry,
 )
 from fastkv.integrations.fd_transfers import (
+    EVICT,
+    IDLE_EVICT,
     parse_merged,
     split_storage,
     step_epoch,
@@ -349,6 +351,16 @@ class FastDeployCacheController:
                     )
                 if work:
                     self.pd.run_tasks(work)
+            return
+        if direction == IDLE_EVICT:  # the copies no batch carried (engine idle)
+            extra = getattr(metadata, "extra_params", None)
+            evict = extra.get(EVICT) if isinstance(extra, dict) else None
+            if evict is None or metadata.hash_values or metadata.block_ids:
+                raise ValueError(
+                    f"metadata: direction {IDLE_EVICT!r} carries its copies in "
+                    f"extra_params[{EVICT!r}] only"
+                )
+            self.submit_swap_tasks(evict, None)
             return
         if direction not in ("load", "lookup"):
             raise ValueError(

@@ -950,6 +950,13 @@ class CacheManager:
         queued = len(book.to_host.nodes) + len(book.to_device.nodes)
         return queued + (self._storage.num_queued_blocks if self._storage else 0)
 
+    @property
+    def hands_over_queued_blocks(self) -> bool:
+        """Whether the eviction not yet taken hands device blocks to a new owner
+        (`CacheSwapMetadata.reused_block_ids`): then it must go out with the step
+        whose model writes those blocks, never on its own."""
+        return bool(self.transfers.to_host.reused)
+
     def _is_busy(self) -> bool:
         return self.busy
 
