@@ -135,8 +135,7 @@ class FastDeployCacheManager:
         self._counters = AdapterCounters()
         self.pd: FastDeployPD | None = None  # attach_pd: the splitwise roles
         self._pd_args: dict[str, Any] | None = None
-        self._issued = False  # backups issued into the batch of this schedule
-        self._idle_step = False  # the last schedule's batch had no request
+        self._issued = False  # a batch took the queued copies since the last drain
         self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = bind_channel(name, self.tp_size, self)
@@ -447,15 +446,18 @@ class FastDeployCacheManager:
             return tasks
 
     def _idle_copies(self) -> PendingPrefetch | None:
-        """After a schedule whose batch had no request (FastDeploy sends no batch
-        then, and issues no backups), the copies and storage writes planned since
-        as one drained task (`direction="evict"`, the metadata a batch would carry
-        in `extra_params["fastkv_evict"]`): a request that waits for the room they
-        free (WAIT_FOR_TRANSFERS) is otherwise never scheduled again. Never an
-        eviction that hands blocks over (that goes with the step that writes
-        them)."""
-        mgr = self.manager
-        if not self._idle_step or mgr.hands_over_queued_blocks:
+        """When no batch took the queued copies since the last drain (FastDeploy
+        sends no batch while no request is scheduled, and issues backups only into
+        one), those copies and storage writes as one drained task
+        (`direction="evict"`, the metadata a batch would carry, in
+        `extra_params["fastkv_evict"]`): a request that waits for the room they free
+        (WAIT_FOR_TRANSFERS) is otherwise never scheduled again. While batches go
+        out they carry them. Never an eviction that hands blocks over (that goes
+        with the step that writes them); what is queued is safe to run outside a
+        step: backups of KV the scheduler has seen computed, and host blocks, all
+        held until their copies report."""
+        issued, self._issued = self._issued, False
+        if issued or self.manager.hands_over_queued_blocks:
             return None
         meta = self._relay.take_backups()
         if meta is None:
@@ -604,8 +606,6 @@ class FastDeployCacheManager:
             self._poll()
             self._book.commit_proven()
             self.metrics.update()
-            # FastDeploy issues backups only into a batch with requests in it.
-            self._idle_step, self._issued = not self._issued, False
 
     def issue_pending_backup_to_batch_request(self) -> Any | None:
         """The backups planned so far, as one FastDeploy eviction metadata for the

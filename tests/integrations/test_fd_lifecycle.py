@@ -225,10 +225,10 @@ def test_copies_planned_while_no_batch_goes_out_leave_with_the_drained_tasks(
     channel: str,
 ) -> None:
     """FastDeploy issues backups only into a batch with requests in it. A request
-    waiting for room that only those copies free keeps every batch empty, so they
-    leave with the next drained tasks once a schedule's batch was empty (as
-    FastDeploy's engine loop drains every iteration), and never while batches go
-    out (a batch carries them, ordered with its step)."""
+    waiting for room that only those copies free keeps every batch empty, so the
+    copies no batch took since the last drain leave with the next drained tasks
+    (FastDeploy's engine loop drains every iteration); while batches go out they
+    carry them (ordered with their steps)."""
     from fastkv.integrations.fd_transfers import EVICT, IDLE_EVICT
 
     cm = fd.CacheManager(config(write_policy="write_through"), channel_name=channel)
@@ -237,24 +237,21 @@ def test_copies_planned_while_no_batch_goes_out_leave_with_the_drained_tasks(
         hit = request("hit", list(range(2 * BS + 1)))
         cm.match_prefix(hit, skip_storage=True)  # the hit makes 2 blocks owe a backup
         assert cm.get_pending_backup_count() == 2
-        # A schedule that sent a batch: the backups wait for that batch's issue.
-        cm.check_and_add_pending_backup()  # (the first schedule's end, batch unknown)
-        sent = cm.issue_pending_backup_to_batch_request()
-        cm.check_and_add_pending_backup()
+        sent = cm.issue_pending_backup_to_batch_request()  # a batch took them
         assert sent is not None and cm.drain_pending_prefetches() == []
         cm.request_finish(hit)
         cached(cm, list(range(100, 100 + 2 * BS + 1)), "b")
         hit2 = request("hit2", list(range(100, 100 + 2 * BS + 1)))
         cm.match_prefix(hit2, skip_storage=True)
         assert cm.get_pending_backup_count() == 2
-        # A schedule whose batch was empty (no issue): the drain carries them.
-        cm.check_and_add_pending_backup()
+        # No batch since the last drain (every schedule's batch empty): the drain.
         (task,) = cm.drain_pending_prefetches()
         assert task.metadata.direction == IDLE_EVICT and task.host_block_ids == []
         meta = task.metadata.extra_params[EVICT]
         assert len(meta.src_block_ids) == 2 and transfer_ids(meta)
         assert cm.get_pending_backup_count() == 0
-        assert cm.get_stats()["inflight_transfers"] == 2  # sent, and 1 before
+        assert cm.get_stats()["inflight_transfers"] == 2  # this one and the batch's
         assert cm.drain_pending_prefetches() == []  # once
+        assert cm.issue_pending_backup_to_batch_request() is None
     finally:
         cm.close()
