@@ -62,6 +62,7 @@
 #endif
 
 #include "_ghash.h"
+#include "_ghash_copy.h"
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
@@ -268,19 +269,17 @@ static int payload_gmac(const uint8_t *gkeys, const int64_t *segs, Py_ssize_t ns
     return ok ? 0 : -1;
 }
 
-/* The 128-bit tag of a block under `key` (a ring entry's keys: k1 then k2). Returns
- * 0, or -1 when libcrypto failed (the write fails; a read is refused). */
-static int block_tag(const uint8_t *key, const uint8_t *h, const int64_t *segs, Py_ssize_t nseg,
-                     uint8_t tag[TAG_BYTES]) {
-    uint8_t g[16], pad[64], inner[32], full[32];
+/* The tag of header `h` whose payload's GMAC is `g` (block_tag below: G is computed
+ * there, or by a pass that also copies the payload). 0, or -1 when libcrypto failed. */
+static int tag_of_gmac(const uint8_t *key, const uint8_t *h, const uint8_t g[16], uint8_t tag[TAG_BYTES]) {
+    uint8_t pad[64], inner[32], full[32];
     unsigned int len = 0;
-    if (payload_gmac(key + KEY_BYTES, segs, nseg, g) < 0) return -1;
     /* HMAC-SHA256(k1, h[0, HDR_TAG) || g): the key is 32 bytes, padded to the block */
     EVP_MD_CTX *c = EVP_MD_CTX_new();
     memset(pad, 0x36, sizeof(pad));
     for (int i = 0; i < KEY_BYTES; i++) pad[i] ^= key[i];
     int ok = c && EVP_DigestInit_ex(c, sha256_md, NULL) && EVP_DigestUpdate(c, pad, sizeof(pad)) &&
-             EVP_DigestUpdate(c, h, HDR_TAG) && EVP_DigestUpdate(c, g, sizeof(g)) &&
+             EVP_DigestUpdate(c, h, HDR_TAG) && EVP_DigestUpdate(c, g, 16) &&
              EVP_DigestFinal_ex(c, inner, &len) && len == 32;
     memset(pad, 0x5c, sizeof(pad));
     for (int i = 0; i < KEY_BYTES; i++) pad[i] ^= key[i];
@@ -290,6 +289,15 @@ static int block_tag(const uint8_t *key, const uint8_t *h, const int64_t *segs, 
     if (!ok) return -1;
     memcpy(tag, full, TAG_BYTES);
     return 0;
+}
+
+/* The 128-bit tag of a block under `key` (a ring entry's keys: k1 then k2). Returns
+ * 0, or -1 when libcrypto failed (the write fails; a read is refused). */
+static int block_tag(const uint8_t *key, const uint8_t *h, const int64_t *segs, Py_ssize_t nseg,
+                     uint8_t tag[TAG_BYTES]) {
+    uint8_t g[16];
+    if (payload_gmac(key + KEY_BYTES, segs, nseg, g) < 0) return -1;
+    return tag_of_gmac(key, h, g, tag);
 }
 
 static const uint8_t *ring_key(const Ring *r, uint32_t id) {
@@ -1218,6 +1226,74 @@ static PyObject *verify_block(PyObject *self, PyObject *args) {
     return status < 0 ? NULL : PyLong_FromLong(status);
 }
 
+/* ---- staged objects: copy and GMAC in one pass ---------------------------------- */
+
+/* With a ring on a CPU with the native GHASH, a staged object's payload is copied
+ * and hashed in one pass (_ghash_copy.h), G being of the bytes as written at the
+ * destination: the same tag as seal_hdr or payload_status computes over them, for
+ * half the memory traffic. Returns 1 when that pass applies. */
+static int copy_hash_applies(const Ring *r) {
+#if defined(__x86_64__)
+    return r->n && use_native_gmac;
+#else
+    (void)r;
+    return 0;
+#endif
+}
+
+/* G of the payload while it is copied: from the segments to `obj` (gather) or from
+ * `obj` to the segments (scatter). `gkeys`: a ring entry's GMAC keys. Only where
+ * copy_hash_applies. */
+static void copy_hash(const uint8_t *gkeys, uint8_t *obj, const int64_t *sg, Py_ssize_t nseg, int gather,
+                      uint8_t g[16]) {
+#if defined(__x86_64__)
+    Ghash gh;
+    gh_init(&gh, gkeys + GKEY_BYTES);
+    for (Py_ssize_t s = 0; s < nseg; s++) {
+        uint8_t *seg = (uint8_t *)(uintptr_t)sg[2 * s];
+        size_t n = (size_t)sg[2 * s + 1];
+        if (gather)
+            gh_update_copy(&gh, obj, seg, n);
+        else
+            gh_update_copy(&gh, seg, obj, n);
+        obj += n;
+    }
+    gh_final(&gh, gkeys + 2 * GKEY_BYTES, g);
+#else
+    (void)gkeys, (void)obj, (void)sg, (void)nseg, (void)gather;
+    memset(g, 0, 16);
+#endif
+}
+
+/* stage_block's work where copy_hash_applies: the payload gathered behind `dst`,
+ * header `h` sealed (key id of ring entry 0, the tag of what was written, the
+ * header CRC) and copied to `dst`. 0, or -1 when libcrypto failed. */
+static int stage_hashed(uint8_t *dst, uint8_t *h, const int64_t *sg, Py_ssize_t nseg, const Ring *r) {
+    const uint8_t *key = r->buf + 4;
+    uint8_t g[16];
+    copy_hash(key + KEY_BYTES, dst + HDR_BYTES, sg, nseg, 1, g);
+    memset(h + HDR_PAYLOAD_CRC, 0, HDR_CRC - HDR_PAYLOAD_CRC);
+    memcpy(h + HDR_KEY_ID, r->buf, 4);
+    int rc = tag_of_gmac(key, h, g, h + HDR_TAG);
+    put_u32(h + HDR_CRC, crc32c(h, HDR_CRC));
+    memcpy(dst, h, HDR_BYTES);
+    return rc;
+}
+
+/* unstage_block's work where copy_hash_applies, for an object at `src` whose
+ * header matched: ST_UNAUTHENTICATED or ST_UNKNOWN_KEY (nothing scattered), else the
+ * payload scattered into the segments and ST_OK or ST_BAD_MAC for what they hold. */
+static int unstage_hashed(const uint8_t *src, const int64_t *sg, Py_ssize_t nseg, const Ring *r) {
+    uint32_t id = get_u32(src + HDR_KEY_ID);
+    if (!id) return ST_UNAUTHENTICATED;
+    const uint8_t *key = ring_key(r, id);
+    if (!key) return ST_UNKNOWN_KEY;
+    uint8_t g[16], tag[TAG_BYTES];
+    copy_hash(key + KEY_BYTES, (uint8_t *)(uintptr_t)(src + HDR_BYTES), sg, nseg, 0, g);
+    if (tag_of_gmac(key, src, g, tag) < 0) return ST_BAD_MAC;
+    return CRYPTO_memcmp(tag, src + HDR_TAG, TAG_BYTES) == 0 ? ST_OK : ST_BAD_MAC;
+}
+
 /* Gathers a block into one contiguous object at `dst`: the header (sealed here:
  * payload and header CRCs) followed by the segments in order. */
 static PyObject *stage_block(PyObject *self, PyObject *args) {
@@ -1236,12 +1312,16 @@ static PyObject *stage_block(PyObject *self, PyObject *args) {
     const int64_t *sg = a.segs.buf;
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = seal_hdr(h, sg, a.nseg, a.lanes, &a.ring);
-    memcpy(dst, h, HDR_BYTES);
-    size_t off = HDR_BYTES;
-    for (Py_ssize_t s = 0; s < a.nseg; s++) {
-        memcpy(dst + off, (const void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
-        off += (size_t)sg[2 * s + 1];
+    if (copy_hash_applies(&a.ring)) {
+        rc = stage_hashed(dst, h, sg, a.nseg, &a.ring);
+    } else {
+        rc = seal_hdr(h, sg, a.nseg, a.lanes, &a.ring);
+        memcpy(dst, h, HDR_BYTES);
+        size_t off = HDR_BYTES;
+        for (Py_ssize_t s = 0; s < a.nseg; s++) {
+            memcpy(dst + off, (const void *)(uintptr_t)sg[2 * s], (size_t)sg[2 * s + 1]);
+            off += (size_t)sg[2 * s + 1];
+        }
     }
     Py_END_ALLOW_THREADS;
     block_args_release(&a);
@@ -1270,6 +1350,8 @@ static PyObject *unstage_block(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     if (!header_ok(src, a.hdr.buf)) {
         status = ST_BAD_HEADER;
+    } else if (copy_hash_applies(&a.ring)) {
+        status = unstage_hashed(src, sg, a.nseg, &a.ring);
     } else {
         size_t off = HDR_BYTES;
         for (Py_ssize_t s = 0; s < a.nseg; s++) {

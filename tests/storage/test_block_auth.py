@@ -198,3 +198,75 @@ def test_both_gmac_implementations_match_the_reference(impl: str) -> None:
                 assert got == gmac(k2, b"".join(a.tobytes() for a in arrays)), lengths
     finally:
         _disk_io.set_gmac_impl(before)
+
+
+def _native_or_skip() -> str:
+    try:
+        return _disk_io.set_gmac_impl("native")
+    except RuntimeError as e:  # no VPCLMULQDQ: the one-pass copy is not used
+        pytest.skip(str(e))
+
+
+def test_staged_objects_copied_and_hashed_in_one_pass_match_the_two_pass_path() -> None:
+    """stage_block / unstage_block copy and hash the payload in one pass where the
+    native GHASH runs (_ghash_copy.h): the object bytes and tag are those of the
+    libcrypto path (seal, then copy), for segment lengths that split GHASH blocks
+    and 512-byte strides anywhere; the payload scattered back is the block's."""
+    rng = np.random.default_rng(11)
+    ring = StorageAuth([SECRET]).ring
+    before = _native_or_skip()
+    try:
+        for case in range(30):
+            lengths = [int(n) for n in rng.integers(1, 5000, rng.integers(1, 7))]
+            layout = BlockLayout(tuple(lengths))
+            key = StorageKey(b"n" * 32, case.to_bytes(32, "little"), 0)
+            arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+            segs = np.array([[a.ctypes.data, a.size] for a in arrays], dtype=np.int64)
+            objects = {}
+            for impl in ("native", "libcrypto"):
+                _disk_io.set_gmac_impl(impl)
+                obj = np.zeros(128 + sum(lengths) + 1, dtype=np.uint8)
+                header = bytearray(expected_header(key, layout, 0))
+                _disk_io.stage_block(obj.ctypes.data + 1, header, segs, ring)  # unaligned
+                objects[impl] = obj.tobytes()
+            assert objects["native"] == objects["libcrypto"], lengths
+            _disk_io.set_gmac_impl("native")
+            src = np.frombuffer(objects["native"], dtype=np.uint8).copy()
+            outs = [np.zeros(n, dtype=np.uint8) for n in lengths]
+            out_segs = np.array([[a.ctypes.data, a.size] for a in outs], dtype=np.int64)
+            want = expected_header(key, layout, 0)
+            assert _disk_io.unstage_block(src.ctypes.data + 1, want, out_segs, ring) == 0
+            assert all(np.array_equal(a, b) for a, b in zip(outs, arrays, strict=True))
+    finally:
+        _disk_io.set_gmac_impl(before)
+
+
+@pytest.mark.parametrize("impl", ["native", "libcrypto"])
+def test_unstage_refuses_what_the_ring_does_not_vouch_for(impl: str) -> None:
+    """A staged object with one payload bit flipped, under a key the ring lacks, or
+    written without a ring is refused by unstage_block (both GMAC paths)."""
+    before = _disk_io.set_gmac_impl(impl) if impl == "libcrypto" else _native_or_skip()
+    try:
+        payload, segs = block()
+        ring = StorageAuth([SECRET]).ring
+        want = expected_header(KEY, LAYOUT, 7)
+        obj = np.zeros(128 + payload.size, dtype=np.uint8)
+        out = np.zeros(payload.size, dtype=np.uint8)
+        out_segs = np.array([[out.ctypes.data, 4096], [out.ctypes.data + 4096, 32]], np.int64)
+
+        def staged(ring_used: bytes) -> None:
+            _disk_io.stage_block(obj.ctypes.data, bytearray(want), segs, ring_used)
+
+        staged(ring)
+        assert _disk_io.unstage_block(obj.ctypes.data, want, out_segs, ring) == _disk_io.ST_OK
+        obj[128 + 4100] ^= 1
+        got = _disk_io.unstage_block(obj.ctypes.data, want, out_segs, ring)
+        assert got == _disk_io.ST_BAD_MAC
+        staged(StorageAuth([OLD_SECRET]).ring)
+        got = _disk_io.unstage_block(obj.ctypes.data, want, out_segs, ring)
+        assert got == _disk_io.ST_UNKNOWN_KEY
+        staged(NO_AUTH_RING)
+        got = _disk_io.unstage_block(obj.ctypes.data, want, out_segs, ring)
+        assert got == _disk_io.ST_UNAUTHENTICATED
+    finally:
+        _disk_io.set_gmac_impl(before)
