@@ -270,3 +270,21 @@ def test_unstage_refuses_what_the_ring_does_not_vouch_for(impl: str) -> None:
         assert got == _disk_io.ST_UNAUTHENTICATED
     finally:
         _disk_io.set_gmac_impl(before)
+
+
+def test_pack_segments_gives_the_int64_pairs_numpy_gives_and_refuses_bad_shapes() -> None:
+    """The Mooncake backend's per-call segment arrays (pack_segments): the bytes of
+    numpy's int64 array of the same pairs; a block of the wrong segment count, a
+    segment that is not a pair or not ints raises, naming the block."""
+    blocks = [[((1 << 40) + 4096 * s + b, 512 + s) for s in range(5)] for b in range(3)]
+    packed = _disk_io.pack_segments(blocks, 5)
+    assert bytes(packed) == np.asarray(blocks, dtype=np.int64).tobytes()
+    assert bytes(_disk_io.pack_segments([], 5)) == b""
+    with pytest.raises(ValueError, match=r"blocks\[1\] has 4 segments, expected 5"):
+        _disk_io.pack_segments([blocks[0], blocks[1][:4]], 5)
+    with pytest.raises(ValueError, match=r"blocks\[0\]\[2\] is not an \(address"):
+        _disk_io.pack_segments([[*blocks[0][:2], (1, 2, 3), *blocks[0][3:]]], 5)
+    with pytest.raises(TypeError):
+        _disk_io.pack_segments([[(1.5, 2)] * 5], 5)
+    with pytest.raises(ValueError, match="nseg"):
+        _disk_io.pack_segments(blocks, 0)

@@ -23,8 +23,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from fastkv.storage import _disk_io
 from fastkv.storage.base import OK, BlockLayout, BlockSegments, KeyResult, KeyStatus, StorageKey
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
@@ -107,6 +105,8 @@ class MooncakeGets:
         # read answers its size): ask its size, one key at a time, but only while
         # the deadline allows and until a fatal code shows the store is failing.
         ask_size = not self._staged
+        nseg = self._layout.num_segments
+        packed = memoryview(_disk_io.pack_segments(blocks, nseg))
         for j, code in enumerate(codes):
             reason = held[j]
             if reason is not None:
@@ -118,7 +118,8 @@ class MooncakeGets:
             with call.lock:  # staged: scatters into the caller's block
                 if call.abandoned:
                     return [LEFT_BEHIND] * len(keys), fatal
-                result, outcome = self._result(keys[j], blocks[j], arena, j, code, size)
+                segs = packed[16 * nseg * j : 16 * nseg * (j + 1)]
+                result, outcome = self._result(keys[j], segs, arena, j, code, size)
             if outcome == "fatal":
                 fatal = f"get answered {code}"
                 ask_size = False
@@ -156,7 +157,7 @@ class MooncakeGets:
     def _result(
         self,
         key: StorageKey,
-        segs: BlockSegments,
+        segs: memoryview,
         arena: int,
         j: int,
         code: int,
@@ -164,17 +165,17 @@ class MooncakeGets:
     ) -> tuple[KeyResult, str]:
         """The result of one get and its kind: "", "corrupt" (counted), "node" (the
         storage node holding it failed: quarantined) or "fatal" (the master failed:
-        opens the breaker). `size`: what get_size answered for a -800, if asked."""
+        opens the breaker). `segs`: the block's (address, length) pairs as int64s
+        (`_disk_io.pack_segments`). `size`: what get_size answered for a -800, if asked."""
         if code == self._object_bytes:
             want = expected_header(key, self._layout, 0)
-            seg_array = np.asarray(segs, dtype=np.int64)
             if self._staged:
                 status = _disk_io.unstage_block(
-                    self._memory.object_addr(arena, j), want, seg_array, self._ring
+                    self._memory.object_addr(arena, j), want, segs, self._ring
                 )
             else:
                 status = _disk_io.verify_block(
-                    self._memory.header_view(arena, j), want, seg_array, self._ring
+                    self._memory.header_view(arena, j), want, segs, self._ring
                 )
             if status == _disk_io.ST_OK:
                 return OK, ""

@@ -168,9 +168,11 @@ class MooncakePuts:
         sealed in the arena, then the block's own segments. None when `call` was
         answered before every block was staged (its blocks are the caller's again)."""
         ptrs: dict[int, object] = {}
-        for j in pending:
+        nseg = self._layout.num_segments
+        packed = memoryview(_disk_io.pack_segments([blocks[j] for j in pending], nseg))
+        for i, j in enumerate(pending):
             key, segs = keys[j], blocks[j]
-            seg_array = np.asarray(segs, dtype=np.int64)
+            seg_array = packed[16 * nseg * i : 16 * nseg * (i + 1)]
             if self._staged:
                 header = bytearray(expected_header(key, self._layout, 0))
                 with call.lock:  # the caller's block, while the caller still waits
