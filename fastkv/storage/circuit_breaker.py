@@ -97,6 +97,8 @@ class KeyQuarantine:
     def reasons(self, names: Sequence[str]) -> list[str | None]:
         """Per name: why it is not to be asked now, or None (a hold that has
         ended is forgotten)."""
+        if not self._until:  # nothing held (the usual case): no lock, no lookups
+            return [None] * len(names)
         now = time.monotonic()
         out: list[str | None] = []
         with self._lock:
