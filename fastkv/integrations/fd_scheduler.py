@@ -435,7 +435,7 @@ class FastDeployCacheManager:
             if idle is not None:
                 tasks.append(idle)
             if self.pd is not None:
-                entries = pd_tasks.encode(self.pd.take_tasks(step=False))
+                entries = self.pd.take_entries(step=False)
                 if entries:
                     meta = storage_metadata_type()(
                         hash_values=entries,
@@ -677,7 +677,7 @@ class FastDeployCacheManager:
                 return
             self._poll()
             self.pd.on_batch(batch, self.config.block_size)
-            entries = pd_tasks.encode(self.pd.take_tasks(step=True))
+            entries = self.pd.take_entries(step=True)
             if entries:
                 swap_cls, levels = fastdeploy_metadata_types()
                 batch.append_evict_metadata(

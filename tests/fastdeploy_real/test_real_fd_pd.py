@@ -278,7 +278,7 @@ def test_a_chunked_prefill_on_p_sends_each_chunk_with_the_step_that_writes_it(
     def spy(blob: bytes) -> None:  # what rank 0 reads off the queue, as it reads it
         ((batch, _),) = pickle.loads(blob)
         meta = batch.cache_evict_metadata
-        seen.extend(fd_pd_tasks.split(meta, 0)[1] if meta is not None else [])
+        seen.extend(t for _, t in fd_pd_tasks.split(meta, 0, 1)[1] if meta is not None)
         receive(blob)
 
     runner.receive = spy
