@@ -259,6 +259,41 @@ def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
     pair.check_no_leaks()
 
 
+def test_a_batch_delivered_twice_is_refused_on_p_and_starts_nothing_twice(
+    make_pair: Any,
+) -> None:
+    """A step's payload read twice off the queue (a replay): P's rank refuses the
+    second copy whole, naming the task it expected; the send it started once
+    decodes on D as if nothing happened."""
+    import pickle
+
+    from fastkv.integrations import fd_pd_tasks
+
+    pair = make_pair()
+    runner = pair.p.runners[0]
+    receive = runner.receive
+    refused: list[str] = []
+
+    def twice(blob: bytes) -> None:
+        receive(blob)
+        ((batch, _),) = pickle.loads(blob)
+        meta = batch.cache_evict_metadata
+        if meta is not None and any(fd_pd_tasks.is_pd_entry(h) for h in meta.hash_values):
+            with pytest.raises(ValueError, match="batch route: expected task") as e:
+                receive(blob)
+            refused.append(str(e.value))
+
+    runner.receive = twice
+    (served,) = pair.serve([("a", PROMPT_A, 4)])
+    assert served.first_token_error is None
+    assert refused and "ran already" in refused[0], refused
+    assert pair.p.cache_manager.pd.counters["sends_finished"] == 1
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
+
+
 def test_a_chunked_prefill_on_p_sends_each_chunk_with_the_step_that_writes_it(
     make_pair: Any,
 ) -> None:
