@@ -623,6 +623,12 @@ class FastDeployPD:
             q.clear()
         return out
 
+    def carry_counts(self, old: FastDeployPD) -> None:
+        """Go on with `old`'s counters and task numbers (a cache reset rebuilds the
+        PD half; the ranks' counts of the tasks they ran go on)."""
+        self.counters = old.counters
+        self._counts = old._counts
+
     def take_entries(self, *, step: bool) -> list[str]:
         """`take_tasks` as numbered entries for FastDeploy's metadata (`fd_pd_tasks`),
         each rank's count on that route carried on."""

@@ -911,11 +911,11 @@ class FastDeployCacheManager:
             request_of=self._book.request_of,
             divert_reads=self._prefetches.queue,
         )
-        if self._pd_args is not None:  # a new manager: PD over it (counters kept)
-            counters = self.pd.counters if self.pd is not None else None
+        if self._pd_args is not None:  # a new manager: PD over it (counts kept)
+            old = self.pd
             self.pd = FastDeployPD(self, **self._pd_args)
-            if counters is not None:
-                self.pd.counters = counters
+            if old is not None:
+                self.pd.carry_counts(old)
 
     def _rebuild(self, config: CacheConfig) -> None:
         self._build_rooms(config)

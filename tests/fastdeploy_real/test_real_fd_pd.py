@@ -259,6 +259,29 @@ def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
     pair.check_no_leaks()
 
 
+def test_a_chunked_prefill_whose_first_chunk_d_holds_sends_only_the_tail(
+    make_pair: Any,
+) -> None:
+    """D holds the system prompt, P does not (its cache was reset): P prefills in
+    chunks of 2 blocks, the first of them all inside D's prefix, so its step
+    announces no block to send; the later chunks send the tail, and D decodes."""
+    pair = make_pair(p_config={"max_num_batched_tokens": 2 * BS})
+    pair.serve([("first", SYSTEM + list(range(700, 700 + BS + 2)), 3)])
+    pair.wait_idle()
+    assert pair.p.cache_manager.reset_cache() is True  # P forgets the prefix
+    sent_before = sum(w.sender.bytes_sent for w in pair.p_workers)
+    (served,) = pair.serve([("second", SYSTEM + list(range(800, 800 + 2 * BS + 3)), 4)])
+    assert served.first_token_error is None
+    assert served.dest_block_ids[:2] == [-1, -1] and len(served.dest_block_ids) == 5
+    assert pair.p.log.chunked_prefills >= 2
+    sent = sum(w.sender.bytes_sent for w in pair.p_workers) - sent_before
+    assert sent == 3 * (sent_before // 4)  # 3 tail blocks; the first request sent 4
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
+
+
 def test_a_batch_delivered_twice_is_refused_on_p_and_starts_nothing_twice(
     make_pair: Any,
 ) -> None:
