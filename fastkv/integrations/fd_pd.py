@@ -624,10 +624,12 @@ class FastDeployPD:
         return out
 
     def carry_counts(self, old: FastDeployPD) -> None:
-        """Go on with `old`'s counters and task numbers (a cache reset rebuilds the
-        PD half; the ranks' counts of the tasks they ran go on)."""
+        """Go on with `old`'s counters, task numbers and tasks not sent yet (a cache
+        reset rebuilds the PD half; the ranks' counts of the tasks they ran go on,
+        and a D rank's pending forget still reaches it)."""
         self.counters = old.counters
         self._counts = old._counts
+        self._tasks, self._drained = old._tasks, old._drained
 
     def take_entries(self, *, step: bool) -> list[str]:
         """`take_tasks` as numbered entries for FastDeploy's metadata (`fd_pd_tasks`),

@@ -212,3 +212,27 @@ def test_a_malformed_task_refuses_its_whole_payload(
     assert ran == []  # the good task before it did not run either
     worker.prefetch_from_storage(drained(encode({1: [FORGET]})))  # the count did not move
     assert ran == [[FORGET]]
+
+
+def test_a_cache_reset_keeps_the_numbers_and_the_tasks_not_sent_yet(channel: str) -> None:
+    from fastkv.integrations.fastdeploy import FastDeployCacheManager
+    from fastkv.integrations.fd_pd import FinishedQueue, PDSettings
+
+    cm = FastDeployCacheManager(fd_config(), channel_name=channel)
+    try:
+        cm.attach_pd(
+            role="prefill", settings=PDSettings(b"L" * 32), finished_queue=FinishedQueue()
+        )
+        abort = ("abort", (0, 1))
+        cm.pd._to_ranks(None, abort, step=False)  # as a send given up before its prefill
+        (task,) = cm.drain_pending_prefetches()
+        assert fd_pd_tasks.split(task.metadata, 0, 1)[1] == [(0, abort)]
+        cm.pd._to_ranks(None, abort, step=False)
+        old = cm.pd
+        assert cm.reset_cache() is True
+        assert cm.pd is not old  # rebuilt over the new manager
+        cm.pd._to_ranks(None, FORGET, step=False)
+        (task,) = cm.drain_pending_prefetches()
+        assert fd_pd_tasks.split(task.metadata, 0, 1)[1] == [(1, abort), (2, FORGET)]
+    finally:
+        cm.close()
