@@ -48,6 +48,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastkv.integrations import fd_pd_tasks as pd_tasks
 from fastkv.integrations.fd_views import prompt_digests
 from fastkv.metadata import Epoch
 from fastkv.pd.decode import DecodeTransfers, Outcome
@@ -243,6 +244,8 @@ class FastDeployPD:
         # and tasks that need no step (the engine loop drains them).
         self._tasks: dict[int, list[Any]] = {r: [] for r in range(settings.num_ranks)}
         self._drained: dict[int, list[Any]] = {r: [] for r in range(settings.num_ranks)}
+        # Per route (step or not), per rank: tasks numbered so far (exactly once).
+        self._counts: dict[bool, dict[int, int]] = {True: {}, False: {}}
         self.p: PrefillTransfers | None = None
         self.d: DecodeTransfers | None = None
         s = settings
@@ -619,6 +622,19 @@ class FastDeployPD:
         for q in queues.values():
             q.clear()
         return out
+
+    def carry_counts(self, old: FastDeployPD) -> None:
+        """Go on with `old`'s counters, task numbers and tasks not sent yet (a cache
+        reset rebuilds the PD half; the ranks' counts of the tasks they ran go on,
+        and a D rank's pending forget still reaches it)."""
+        self.counters = old.counters
+        self._counts = old._counts
+        self._tasks, self._drained = old._tasks, old._drained
+
+    def take_entries(self, *, step: bool) -> list[str]:
+        """`take_tasks` as numbered entries for FastDeploy's metadata (`fd_pd_tasks`),
+        each rank's count on that route carried on."""
+        return pd_tasks.encode(self.take_tasks(step=step), self._counts[step])
 
     def check_idle(self) -> None:
         """Nothing held: no send, no transfer, no held token (AssertionError)."""

@@ -65,6 +65,18 @@ def new_handler() -> Any:
     return AsyncTaskHandler()
 
 
+_MORE = {"chunk": ", blocks, last", "abort": "", "forget": ""}
+
+
+def _ids_shaped(arg: object, n: int) -> bool:
+    """(epoch, transfer id[, blocks >= 0, last]) of ints (and a bool)."""
+    if not (isinstance(arg, tuple) and len(arg) == n):
+        return False
+    ints = arg[:3]
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints)
+    return ok and (n == 2 or isinstance(arg[3], bool))
+
+
 def _fields(metadata: Any, key: str) -> dict[str, Any]:
     extra = getattr(metadata, "extra_params", None)
     mine = extra.get(FIELD) if isinstance(extra, dict) else None
@@ -210,13 +222,20 @@ class PDWorker:
         return out
 
     def check_tasks(self, tasks: list[tuple[str, Any]]) -> None:
-        """ValueError unless every task is one of this role's kinds."""
+        """ValueError unless every task is one of this role's kinds with its
+        argument's shape (`fd_pd_tasks`): the whole list is checked before any of
+        it runs."""
         kinds = ("send", "chunk", "abort") if self.role == "prefill" else ("expect", "forget")
         for i, task in enumerate(tasks):
             if not (isinstance(task, tuple) and len(task) == 2 and task[0] in kinds):
                 raise ValueError(
                     f"tasks[{i}]: {task!r:.80} is not a {self.role} rank's task {kinds}"
                 )
+            kind, arg = task
+            if kind in ("send", "expect"):
+                _fields(arg, "plan" if kind == "send" else "acceptance")
+            elif not _ids_shaped(arg, 4 if kind == "chunk" else 2):
+                raise ValueError(f"tasks[{i}]: {kind} takes (epoch, transfer id{_MORE[kind]})")
 
     def after_layer(self, layer: int) -> None:
         """The runner's per-layer hook: layer `layer` of this step is written."""

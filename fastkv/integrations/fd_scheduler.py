@@ -435,7 +435,7 @@ class FastDeployCacheManager:
             if idle is not None:
                 tasks.append(idle)
             if self.pd is not None:
-                entries = pd_tasks.encode(self.pd.take_tasks(step=False))
+                entries = self.pd.take_entries(step=False)
                 if entries:
                     meta = storage_metadata_type()(
                         hash_values=entries,
@@ -677,7 +677,7 @@ class FastDeployCacheManager:
                 return
             self._poll()
             self.pd.on_batch(batch, self.config.block_size)
-            entries = pd_tasks.encode(self.pd.take_tasks(step=True))
+            entries = self.pd.take_entries(step=True)
             if entries:
                 swap_cls, levels = fastdeploy_metadata_types()
                 batch.append_evict_metadata(
@@ -911,11 +911,11 @@ class FastDeployCacheManager:
             request_of=self._book.request_of,
             divert_reads=self._prefetches.queue,
         )
-        if self._pd_args is not None:  # a new manager: PD over it (counters kept)
-            counters = self.pd.counters if self.pd is not None else None
+        if self._pd_args is not None:  # a new manager: PD over it (counts kept)
+            old = self.pd
             self.pd = FastDeployPD(self, **self._pd_args)
-            if counters is not None:
-                self.pd.counters = counters
+            if old is not None:
+                self.pd.carry_counts(old)
 
     def _rebuild(self, config: CacheConfig) -> None:
         self._build_rooms(config)

@@ -152,6 +152,7 @@ class FastDeployCacheController:
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
         self.pd: Any = None  # fd_pd_worker.PDWorker, once attach_pd
+        self._pd_next = {"batch": 0, "drain": 0}  # PD tasks run per route (fd_pd_tasks)
 
     @property
     def sender(self) -> ResultsSender:
@@ -286,7 +287,7 @@ class FastDeployCacheController:
         """
         with self._lock:
             try:  # the whole batch is checked before any of it runs
-                evict_metadata_rest, pd_work = self._split_pd(evict_metadata)
+                evict_metadata_rest, pd_work, pd_next = self._split_pd(evict_metadata, "batch")
                 evict_rest, work = split_storage(evict_metadata_rest)
                 evict = parse_merged(evict_rest, "device", "host")
                 swap = parse_merged(swap_in_metadata, "host", "device")
@@ -296,6 +297,7 @@ class FastDeployCacheController:
                 raise
             self._routes.settle_held()
             if pd_work:  # before the step's layers: a send starts before they are written
+                self._pd_next["batch"] = pd_next
                 self.pd.run_tasks(pd_work)
             if self.controller is None:
                 fail_storage(self._routes, work, "the KV cache is not initialized")
@@ -343,13 +345,14 @@ class FastDeployCacheController:
         direction = getattr(metadata, "direction", None)
         if direction == pd_tasks.PD_DIRECTION:
             with self._lock:
-                rest, work = self._split_pd(metadata)
+                rest, work, pd_next = self._split_pd(metadata, "drain")
                 if rest is not None:
                     raise ValueError(
                         "metadata.hash_values: a PD task list with other entries; was "
                         "this task made by fastkv's cache manager?"
                     )
                 if work:
+                    self._pd_next["drain"] = pd_next
                     self.pd.run_tasks(work)
             return
         if direction == IDLE_EVICT:  # the copies no batch carried (engine idle)
@@ -555,18 +558,21 @@ class FastDeployCacheController:
         with self._lock:
             self.sender.send(reports)
 
-    def _split_pd(self, meta: Any) -> tuple[Any, list[Any]]:
-        """(`meta` without its PD entries, this rank's PD tasks), all checked: PD
-        tasks on a rank without PD attached, or of the other role, raise
-        ValueError."""
-        rest, work = pd_tasks.split(meta, self.rank)
+    def _split_pd(self, meta: Any, route: str) -> tuple[Any, list[Any], int]:
+        """(`meta` without its PD entries, this rank's PD tasks, the route's count
+        after them), all checked, nothing changed: PD tasks on a rank without PD
+        attached, of the other role, for a rank this instance lacks, or out of
+        the route's order (a payload twice, or one lost) raise ValueError."""
+        rest, numbered = pd_tasks.split(meta, self.rank, self.tp_size)
+        work = [task for _, task in numbered]
+        after = pd_tasks.in_order(numbered, self._pd_next[route], route)
         if work:
             if self.pd is None:
                 raise ValueError(
                     f"rank {self.rank}: PD tasks for a rank without PD (attach_pd first)"
                 )
             self.pd.check_tasks(work)
-        return rest, work
+        return rest, work, after
 
     def _pd_worker(self) -> Any:
         if self.pd is None:

@@ -114,6 +114,9 @@ class Engine:
             step (the config must have `speculative_tokens` as many); the token
             processor then reads the speculative output layout.
         runner_change: the runners make docs/fastdeploy.md's change for failed loads.
+        runners: builds the ranks' runners from the FDConfig instead (after the
+            cache manager, which binds the results channel, exists): ranks in
+            another process (`real_fd_procs.RemoteRunner`), initialized there.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class Engine:
         mtp_layers: int = 0,
         runner_change: bool = False,
         spec_tokens: int = 0,
+        runners: Any = None,
     ) -> None:
         from fastdeploy.cache_manager.v1.cache_utils import get_request_block_hasher
         from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
@@ -142,14 +146,19 @@ class Engine:
         assert isinstance(self.cache_manager, FastDeployCacheManager), (
             f"ResourceManagerV1 built {type(self.cache_manager)}: fastkv is not installed"
         )
-        self.runners = [
-            StandInRunner(fd_config, rank, mtp_layers=mtp_layers, runner_change=runner_change)
-            for rank in range(pc.tensor_parallel_size)
-        ]
-        for runner in self.runners:
-            runner.spec_tokens = spec_tokens
-            runner.cache_controller.fail_rate = fail_rate
-            runner.initialize_kv_cache()
+        if runners is not None:
+            self.runners = runners(fd_config)
+        else:
+            self.runners = [
+                StandInRunner(
+                    fd_config, rank, mtp_layers=mtp_layers, runner_change=runner_change
+                )
+                for rank in range(pc.tensor_parallel_size)
+            ]
+            for runner in self.runners:
+                runner.spec_tokens = spec_tokens
+                runner.cache_controller.fail_rate = fail_rate
+                runner.initialize_kv_cache()
         self.results = Results()
         self.token_processor = TokenProcessor(fd_config, self.results, None, None)
         self.token_processor.set_resource_manager(self.rm)

@@ -259,6 +259,64 @@ def test_request_finish_on_p_settles_instead_of_freeing_blocks_a_send_reads(
     pair.check_no_leaks()
 
 
+def test_a_chunked_prefill_whose_first_chunk_d_holds_sends_only_the_tail(
+    make_pair: Any,
+) -> None:
+    """D holds the system prompt, P does not (its cache was reset): P prefills in
+    chunks of 2 blocks, the first of them all inside D's prefix, so its step
+    announces no block to send; the later chunks send the tail, and D decodes."""
+    pair = make_pair(p_config={"max_num_batched_tokens": 2 * BS})
+    pair.serve([("first", SYSTEM + list(range(700, 700 + BS + 2)), 3)])
+    pair.wait_idle()
+    assert pair.p.cache_manager.reset_cache() is True  # P forgets the prefix
+    sent_before = sum(w.sender.bytes_sent for w in pair.p_workers)
+    (served,) = pair.serve([("second", SYSTEM + list(range(800, 800 + 2 * BS + 3)), 4)])
+    assert served.first_token_error is None
+    assert served.dest_block_ids[:2] == [-1, -1] and len(served.dest_block_ids) == 5
+    assert pair.p.log.chunked_prefills >= 2
+    sent = sum(w.sender.bytes_sent for w in pair.p_workers) - sent_before
+    assert sent == 3 * (sent_before // 4)  # 3 tail blocks; the first request sent 4
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
+
+
+def test_a_batch_delivered_twice_is_refused_on_p_and_starts_nothing_twice(
+    make_pair: Any,
+) -> None:
+    """A step's payload read twice off the queue (a replay): P's rank refuses the
+    second copy whole, naming the task it expected; the send it started once
+    decodes on D as if nothing happened."""
+    import pickle
+
+    from fastkv.integrations import fd_pd_tasks
+
+    pair = make_pair()
+    runner = pair.p.runners[0]
+    receive = runner.receive
+    refused: list[str] = []
+
+    def twice(blob: bytes) -> None:
+        receive(blob)
+        ((batch, _),) = pickle.loads(blob)
+        meta = batch.cache_evict_metadata
+        if meta is not None and any(fd_pd_tasks.is_pd_entry(h) for h in meta.hash_values):
+            with pytest.raises(ValueError, match="batch route: expected task") as e:
+                receive(blob)
+            refused.append(str(e.value))
+
+    runner.receive = twice
+    (served,) = pair.serve([("a", PROMPT_A, 4)])
+    assert served.first_token_error is None
+    assert refused and "ran already" in refused[0], refused
+    assert pair.p.cache_manager.pd.counters["sends_finished"] == 1
+    assert pair.d.mismatches() == 0
+    pair.wait_idle()
+    pair.d.check_clean()
+    pair.check_no_leaks()
+
+
 def test_a_chunked_prefill_on_p_sends_each_chunk_with_the_step_that_writes_it(
     make_pair: Any,
 ) -> None:
@@ -278,7 +336,7 @@ def test_a_chunked_prefill_on_p_sends_each_chunk_with_the_step_that_writes_it(
     def spy(blob: bytes) -> None:  # what rank 0 reads off the queue, as it reads it
         ((batch, _),) = pickle.loads(blob)
         meta = batch.cache_evict_metadata
-        seen.extend(fd_pd_tasks.split(meta, 0)[1] if meta is not None else [])
+        seen.extend(t for _, t in fd_pd_tasks.split(meta, 0, 1)[1] if meta is not None)
         receive(blob)
 
     runner.receive = spy
