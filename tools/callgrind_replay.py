@@ -4,20 +4,25 @@
     python tools/callgrind_replay.py [--trace FILE] [--requests 4000] [--capacity 10000]
     python tools/callgrind_replay.py --full-hits [--requests 1000]
 
-Each side runs under `valgrind --tool=callgrind` twice: once replaying the first
-`--requests` requests and once replaying none, in the same process layout (imports,
-trace loading). The difference is the replay's own instruction count, so start-up
-cost cancels out. Prints both counts and their ratio (the issue 16 target is <= 2x).
+Each side runs under `valgrind --tool=callgrind` in a fresh process that counts
+only the measured part: the workload is called through `sys.call_tracing`, and
+callgrind collects inside that C function alone (`--collect-atstart=no
+--toggle-collect=sys_call_tracing`), so start-up, imports, trace loading and
+the fill are never counted and no two processes' counts are subtracted. Prints
+both counts and their ratio (the issue 16 target is <= 2x).
 
 --full-hits counts full hits instead: `--requests` requests of 128 distinct 32-byte
-keys fill a cache that holds them all, then each is served again, every block a
-hit; the count is that of the fill and the hits less that of the fill alone. Beside
-fastkv: the leaf-first floor, and the lookup floor (the floor's dict probed once per
-block: a full hit at the cost of a dictionary lookup).
+keys fill a cache that holds them all; each is served once more uncounted (a
+warm-up: the interpreter specializes its hot code, every lazily built structure
+exists), then once more counted, every block a hit. Beside fastkv: the leaf-first
+floor, and the lookup floor (the floor's dict probed once per block: a full hit at
+the cost of a dictionary lookup).
 
-Counts are free of timing noise but not identical run to run: nodes in sets hash by
-address, and the address layout differs per process, which moves either count by
-up to about 2%. To compare two versions, run both side by side, several times.
+Counts are nearly identical run to run: string and bytes hashing is seeded
+(PYTHONHASHSEED=0), and what still depends on the address layout (objects that
+hash by address) moves a count by well under 1%. Counting whole processes and
+subtracting a baseline process, as this tool once did, swung the full-hit figure
+by 2x: a few percent of a process's start-up is more than the measured part.
 
 Needs valgrind on PATH (`apt-get install valgrind`).
 """
@@ -32,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make `tools` importable
@@ -43,6 +49,12 @@ IMPLS = ("fastkv", "floor", "lookup_floor")
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
 
 
+def _counted(fn: Callable[..., object], *args: object) -> None:
+    """Calls fn(*args) as the counted part: callgrind collects only inside
+    `sys.call_tracing` (see `_instructions`)."""
+    sys.call_tracing(fn, args)
+
+
 def _run_one(impl: str, trace_path: str, requests: int, capacity: int) -> None:
     """The measured body (run under callgrind): replay `requests` requests."""
     import gc
@@ -51,18 +63,18 @@ def _run_one(impl: str, trace_path: str, requests: int, capacity: int) -> None:
     from tools.bench_scheduler import leaf_first_floor
 
     trace = load_trace(trace_path)[:requests]
+    config = CacheConfig(block_size=TRACE_BLOCK_SIZE, num_device_blocks=capacity)
+    gc.collect()
     gc.freeze()
-    if not trace:  # the baseline run: imports and trace loading only
-        return
     if impl == "fastkv":
-        replay(trace, CacheConfig(block_size=TRACE_BLOCK_SIZE, num_device_blocks=capacity))
+        _counted(replay, trace, config)
     else:
-        leaf_first_floor(trace, capacity)
+        _counted(leaf_first_floor, trace, capacity)
 
 
-def _run_hits(impl: str, requests: int, hits: bool) -> None:
-    """The measured body of --full-hits: fill with `requests` requests, then (`hits`)
-    serve each again."""
+def _run_hits(impl: str, requests: int) -> None:
+    """The measured body of --full-hits: fill with `requests` requests, serve each
+    again (warm-up), then serve each again, counted."""
     import gc
 
     from tools.bench_scheduler import (
@@ -80,12 +92,17 @@ def _run_hits(impl: str, requests: int, hits: bool) -> None:
         cache.serve(ids)
     if impl == "lookup_floor":
         cache = _LookupFloor(cache.parent_of)  # type: ignore[union-attr]
+    serve = cache.serve
+
+    def hit_all() -> None:
+        for ids in keys:
+            if serve(ids) != per:
+                raise AssertionError(f"{impl}: not a full hit")
+
+    hit_all()  # warm-up
     gc.collect()
     gc.freeze()
-    if hits:
-        for ids in keys:
-            if cache.serve(ids) != per:
-                raise AssertionError(f"{impl}: not a full hit")
+    _counted(hit_all)
 
 
 def _instructions(impl: str, trace: str, requests: int, capacity: int, mode: str) -> int:
@@ -94,6 +111,8 @@ def _instructions(impl: str, trace: str, requests: int, capacity: int, mode: str
         cmd = [
             "valgrind",
             "--tool=callgrind",
+            "--collect-atstart=no",
+            "--toggle-collect=sys_call_tracing",
             f"--callgrind-out-file={out}",
             sys.executable,
             __file__,
@@ -114,8 +133,10 @@ def _instructions(impl: str, trace: str, requests: int, capacity: int, mode: str
         if proc.returncode != 0:
             raise RuntimeError(f"{impl}: callgrind failed:\n{proc.stderr[-2000:]}")
         match = re.search(r"^summary:\s+(\d+)", out.read_text(), re.MULTILINE)
-        if match is None:
-            raise RuntimeError(f"{impl}: no summary line in {out}")
+        if match is None or int(match.group(1)) == 0:
+            # Nothing collected: sys_call_tracing not found by name (a stripped
+            # interpreter) would otherwise read as a free workload.
+            raise RuntimeError(f"{impl}: callgrind counted nothing in {out}")
         return int(match.group(1))
 
 
@@ -123,11 +144,7 @@ def _full_hits(trace: str, requests: int, as_json: bool) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind not found (apt-get install valgrind)", file=sys.stderr)
         return 2
-    counts = {}
-    for impl in IMPLS:
-        full = _instructions(impl, trace, requests, 0, "hits")
-        fill = _instructions(impl, trace, requests, 0, "fill")
-        counts[impl] = full - fill
+    counts = {impl: _instructions(impl, trace, requests, 0, "hits") for impl in IMPLS}
     blocks = requests * 128
     result = {
         "requests": requests,
@@ -165,18 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         if args._mode == "replay":
             _run_one(args._child, args.trace, args.requests, args.capacity)
         else:
-            _run_hits(args._child, args.requests, args._mode == "hits")
+            _run_hits(args._child, args.requests)
         return 0
     if args.full_hits:
         return _full_hits(args.trace, args.requests, args.json)
     if shutil.which("valgrind") is None:
         print("valgrind not found (apt-get install valgrind)", file=sys.stderr)
         return 2
-    counts = {}
-    for impl in ("fastkv", "floor"):
-        full = _instructions(impl, args.trace, args.requests, args.capacity, "replay")
-        empty = _instructions(impl, args.trace, 0, args.capacity, "replay")
-        counts[impl] = full - empty
+    counts = {
+        impl: _instructions(impl, args.trace, args.requests, args.capacity, "replay")
+        for impl in ("fastkv", "floor")
+    }
     result = {
         "requests": args.requests,
         "capacity": args.capacity,

@@ -225,27 +225,25 @@ node_key(TreeNodeObject *node)
     return node->key.ref.obj;
 }
 
-/* The hash of a digest's 32 bytes: its words multiplied and folded, then
- * splitmix64's finalizer (every input bit reaches the low bits). A few
- * instructions where the bytes hash (SipHash) takes a hundred and more: the
- * index computes it on every eviction and grow, and matching fresh keys costs no
- * SipHash at all. */
-static Py_hash_t
+/* The hash of a digest's 32 bytes: each 64-bit word times its own odd constant
+ * (a bijection: keys that differ in one word never collide before the fold),
+ * the products xored, then folded and mixed so that every input bit reaches the
+ * low bits a bucket is picked by. Four independent multiplies and a short
+ * finalizer: about 15 instructions where the bytes hash (SipHash) takes a
+ * hundred and more; the index computes it on every lookup, eviction and grow. */
+_Static_assert(DIGEST_SIZE == 4 * sizeof(uint64_t), "a digest is four 64-bit words");
+
+static inline Py_hash_t
 digest_hash(const void *digest)
 {
     const unsigned char *p = digest;
-    uint64_t h = 0x9E3779B97F4A7C15ULL;
-    for (int i = 0; i < DIGEST_SIZE; i += 8) {
-        uint64_t w;
-        memcpy(&w, p + i, 8);
-        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
-        h ^= h >> 32;
-    }
-    h ^= h >> 30;
+    uint64_t w[4];
+    memcpy(w, p, sizeof w);
+    uint64_t h = (w[0] * 0x9E3779B97F4A7C15ULL) ^ (w[1] * 0xBF58476D1CE4E5B9ULL) ^
+                 (w[2] * 0x94D049BB133111EBULL) ^ (w[3] * 0xD6E8FEB86659FD93ULL);
+    h ^= h >> 32;
     h *= 0xBF58476D1CE4E5B9ULL;
-    h ^= h >> 27;
-    h *= 0x94D049BB133111EBULL;
-    h ^= h >> 31;
+    h ^= h >> 29;
     return (Py_hash_t)h == -1 ? -2 : (Py_hash_t)h;
 }
 
@@ -832,6 +830,7 @@ typedef struct {
     size_t rehash_idx; /* next bucket of table[1] to move; meaningful while table[1] */
     size_t released;   /* bytes of table[1], from its first page boundary, given back */
     Py_ssize_t size;
+    Py_ssize_t num_ref_keys; /* nodes whose key is held by reference (not a digest) */
     uint64_t version;
 } NodeIndexObject;
 
@@ -1005,6 +1004,27 @@ restart:
     return NULL;
 }
 
+/* index_find for a digest when every indexed key is a digest held inline
+ * (num_ref_keys == 0): no other key can equal it, so bytes comparisons alone
+ * decide, and nothing can fail. */
+static inline TreeNodeObject *
+index_find_digest(NodeIndexObject *self, const unsigned char *digest, Py_hash_t h)
+{
+    for (int t = 0; t < 2; t++) {
+        TreeNodeObject **table = self->table[t];
+        if (table == NULL) {
+            continue;
+        }
+        for (TreeNodeObject *node = table[(size_t)h & self->mask[t]]; node != NULL;
+             node = node->hnext) {
+            if (memcmp(node->key.digest, digest, DIGEST_SIZE) == 0) {
+                return node;
+            }
+        }
+    }
+    return NULL;
+}
+
 /* Indexes `node` under its key (`key`: that key as an object, or NULL to make
  * one); raises ValueError if that key is indexed. */
 static int
@@ -1044,6 +1064,7 @@ index_add(NodeIndexObject *self, TreeNodeObject *node, PyObject *key)
     node->indexed = 1;
     Py_INCREF(node);
     self->size++;
+    self->num_ref_keys += !node->inline_key;
     self->version++;
     return 0;
 }
@@ -1070,6 +1091,7 @@ index_pop(NodeIndexObject *self, PyObject *key)
     node->hnext = NULL;
     node->indexed = 0;
     self->size--;
+    self->num_ref_keys -= !node->inline_key;
     self->version++;
     return node;
 }
@@ -1092,6 +1114,7 @@ index_unlink(NodeIndexObject *self, TreeNodeObject *node)
                 node->hnext = NULL;
                 node->indexed = 0;
                 self->size--;
+                self->num_ref_keys -= !node->inline_key;
                 self->version++;
                 return node;
             }
@@ -1122,6 +1145,7 @@ nodeindex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->rehash_idx = 0;
     self->released = 0;
     self->size = 0;
+    self->num_ref_keys = 0;
     self->version = 0;
     return (PyObject *)self;
 }
@@ -1639,25 +1663,11 @@ done:
     return path;
 }
 
-/* check_digests(hashes, name, size): raises unless `hashes` (a list) holds distinct
- * `bytes` of exactly `size` bytes each: TypeError naming the first entry that is
- * not, else ValueError when one repeats. The checks RequestState's hashes pass
- * (request.checked_hashes), in one pass over the list and a table of its hashes
- * instead of three sets. */
-static PyObject *
-check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* Raises TypeError naming the first entry of `items` that is not a `bytes` of
+ * exactly `size` bytes (`name` names the list). */
+static int
+check_digest_types(PyObject **items, Py_ssize_t n, PyObject *name, Py_ssize_t size)
 {
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyUnicode_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "check_digests(hashes: list, name: str, size: int)");
-        return NULL;
-    }
-    PyObject *list = args[0], *name = args[1];
-    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
-    if (size == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    PyObject **items = ((PyListObject *)list)->ob_item;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = items[i];
         if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != size) {
@@ -1671,13 +1681,20 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                              "%U[%zd]: expected a %zd-byte digest (bytes), got %s", name, i,
                              size, Py_TYPE(h)->tp_name);
             }
-            return NULL;
+            return -1;
         }
     }
+    return 0;
+}
+
+/* Raises ValueError when an entry of `items` (bytes of `size` bytes each, checked)
+ * repeats: one pass over them and an open-addressing table of their hashes. */
+static int
+check_digests_distinct(PyObject **items, Py_ssize_t n, PyObject *name, Py_ssize_t size)
+{
     if (n < 2) {
-        Py_RETURN_NONE;
+        return 0;
     }
-    /* Distinct: an open-addressing table of the entries, by their (cached) hash. */
     size_t cap = 8;
     while (cap < (size_t)n * 2) {
         cap <<= 1;
@@ -1686,14 +1703,15 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (cap > 512) {
         table = PyMem_Calloc(cap, sizeof(PyObject *));
         if (table == NULL) {
-            return PyErr_NoMemory();
+            PyErr_NoMemory();
+            return -1;
         }
     }
     else {
         memset(buf, 0, cap * sizeof(PyObject *));
     }
-    PyObject *result = Py_None;
-    for (Py_ssize_t i = 0; i < n && result == Py_None; i++) {
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         PyObject *h = items[i];
         Py_hash_t hash = size == DIGEST_SIZE ? digest_hash(PyBytes_AS_STRING(h))
                                              : PyObject_Hash(h); /* bytes: never fails */
@@ -1703,7 +1721,7 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (other == h || memcmp(PyBytes_AS_STRING(other), PyBytes_AS_STRING(h), size) == 0) {
                 PyErr_Format(PyExc_ValueError,
                              "%U: a hash appears twice (chained hashes never repeat)", name);
-                result = NULL;
+                rc = -1;
                 break;
             }
             b = (b + 1) & (cap - 1);
@@ -1713,16 +1731,46 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (table != buf) {
         PyMem_Free(table);
     }
-    Py_XINCREF(result);
-    return result;
+    return rc;
+}
+
+/* check_digests(hashes, name, size, distinct=True): raises unless `hashes` (a
+ * list) holds `bytes` of exactly `size` bytes each (TypeError naming the first
+ * entry that is not) and, with `distinct`, no entry repeats (ValueError). The
+ * checks RequestState's hashes pass (request.checked_hashes), in one pass over
+ * the list and a table of its hashes instead of three sets. */
+static PyObject *
+check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if ((nargs != 3 && nargs != 4) || !PyList_Check(args[0]) || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "check_digests(hashes: list, name: str, size: int, distinct=True)");
+        return NULL;
+    }
+    PyObject *list = args[0], *name = args[1];
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    if (size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int distinct = nargs == 4 ? PyObject_IsTrue(args[3]) : 1;
+    if (distinct < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject **items = ((PyListObject *)list)->ob_item;
+    if (check_digest_types(items, n, name, size) < 0 ||
+        (distinct && check_digests_distinct(items, n, name, size) < 0)) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 #define STATE_SWAP_TO_DEVICE 3
 #define STATE_PENDING_HOST 5
 #define STATE_LOADING_FROM_STORAGE 7
 
-/* match_path(tree, root, hashes, limit, index, device_lru): RadixTree.match_and_lock's
- * walk in one call. Follows the path of `hashes` (at most `limit`) from `root`
+/* match_path(tree, root, hashes, limit, index, device_lru, name=None):
+ * RadixTree.match_and_lock's walk in one call. Follows the path of `hashes` (at most `limit`) from `root`
  * while each key's node hangs under the previous one and holds a readable copy,
  * then locks the nodes found: an unlocked device-only node on `device_lru` is
  * unlinked here, any other unlocked node goes to `tree._unlist(node)` (the general
@@ -1732,19 +1780,26 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * of those before the first host-only one, how many are host-only, and whether the
  * walk stopped at a copy in flight. Everything that can fail for want of memory
  * happens before the first lock; if `_unlist` raises, the locks taken are given
- * back through `tree.unlock`. */
+ * back through `tree.unlock`.
+ *
+ * With `name` (a str), `hashes` must be distinct digests, else TypeError or
+ * ValueError naming it, raised before anything is locked: checked only when
+ * the walk stopped before the end of `hashes`, since a path of the tree never
+ * repeats a key (each key indexes one node, and parent links have no cycles). */
 static PyObject *
 match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
+    if (nargs != 6 && nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
-                        "match_path(tree, root, hashes, limit, index, device_lru)");
+                        "match_path(tree, root, hashes, limit, index, device_lru, name=None)");
         return NULL;
     }
+    PyObject *name = nargs == 7 && args[6] != Py_None ? args[6] : NULL;
     if (!TreeNode_Check(args[1]) || !PyList_Check(args[2]) ||
-        !Py_IS_TYPE(args[4], &NodeIndexType)) {
+        !Py_IS_TYPE(args[4], &NodeIndexType) || (name != NULL && !PyUnicode_Check(name))) {
         PyErr_SetString(PyExc_TypeError,
-                        "match_path: root must be a TreeNode, hashes a list, index a NodeIndex");
+                        "match_path: root must be a TreeNode, hashes a list, index a NodeIndex, "
+                        "name a str or None");
         return NULL;
     }
     LRUListObject *device_lru = as_lru(args[5], "device_lru");
@@ -1773,15 +1828,22 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int waiting = 0;
     for (; matched < n; matched++) {
         PyObject *key = PyList_GET_ITEM(hashes, matched);
-        Py_hash_t h = key_hash(key);
-        if (h == -1) {
-            goto error;
+        TreeNodeObject *node;
+        if (index->num_ref_keys == 0 && is_digest(key)) { /* the cache manager's keys */
+            const unsigned char *digest = (const unsigned char *)PyBytes_AS_STRING(key);
+            node = index_find_digest(index, digest, digest_hash(digest));
         }
-        TreeNodeObject *node = index_find(index, key, h, NULL);
-        if (node == NULL) {
-            if (PyErr_Occurred()) {
+        else {
+            Py_hash_t h = key_hash(key);
+            if (h == -1) {
                 goto error;
             }
+            node = index_find(index, key, h, NULL);
+            if (node == NULL && PyErr_Occurred()) {
+                goto error;
+            }
+        }
+        if (node == NULL) {
             break;
         }
         if (node->parent != (PyObject *)parent) {
@@ -1810,6 +1872,14 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_SET_SIZE(nodes, matched); /* shrinking never fails */
     Py_SET_SIZE(blocks, num_blocks);
+    if (name != NULL && matched < PyList_GET_SIZE(hashes)) {
+        PyObject **items = ((PyListObject *)hashes)->ob_item;
+        Py_ssize_t size = PyList_GET_SIZE(hashes);
+        if (check_digest_types(items, size, name, DIGEST_SIZE) < 0 ||
+            check_digests_distinct(items, size, name, DIGEST_SIZE) < 0) {
+            goto error;
+        }
+    }
     PyObject *result = Py_BuildValue("(OOnO)", nodes, blocks, num_host,
                                      waiting ? Py_True : Py_False);
     if (result == NULL) {
@@ -1908,11 +1978,13 @@ static PyMethodDef module_methods[] = {
      "make_path(parent, keys, device_blocks, index): new locked DEVICE nodes, one per "
      "key, each the parent of the next, entered in index; returns them."},
     {"match_path", (PyCFunction)(void (*)(void))match_path, METH_FASTCALL,
-     "match_path(tree, root, hashes, limit, index, device_lru): RadixTree.match_and_lock's "
+     "match_path(tree, root, hashes, limit, index, device_lru, name=None): "
+     "RadixTree.match_and_lock's "
      "walk; returns (nodes, blocks, num_host, waiting)."},
     {"check_digests", (PyCFunction)(void (*)(void))check_digests, METH_FASTCALL,
-     "check_digests(hashes, name, size): raise unless the list holds distinct bytes of "
-     "`size` bytes each (TypeError naming the first that is not; ValueError for a repeat)."},
+     "check_digests(hashes, name, size, distinct=True): raise unless the list holds bytes "
+     "of `size` bytes each (TypeError naming the first that is not) and, with `distinct`, "
+     "none repeats (ValueError)."},
     {"set_states", set_states, METH_O,
      "set_states(members): the NodeState members, by value, that TreeNode.state returns."},
     {"set_storage_states", set_storage_states, METH_O,

@@ -294,7 +294,7 @@ class CacheManager:
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already active")
-        hashes = checked_hashes(block_hashes)
+        hashes = checked_hashes(block_hashes, distinct=False)  # match_and_lock: distinct
         num_tokens = check_count("num_tokens", num_tokens)
         bs = self.block_size
         if len(hashes) * bs > num_tokens:
@@ -303,7 +303,9 @@ class CacheManager:
                 f"num_tokens={num_tokens}"
             )
         limit = (num_tokens - 1) // bs if num_tokens else 0
-        nodes, blocks, num_host, waiting = self.tree.match_and_lock(hashes, limit)
+        nodes, blocks, num_host, waiting = self.tree.match_and_lock(
+            hashes, limit, "block_hashes"
+        )
         req = RequestState(request_id, hashes, nodes)
         self._requests[request_id] = req
         req.blocks = blocks  # the device run before the first host copy

@@ -231,7 +231,7 @@ class RadixTree:
     # -- lookup and locks -----------------------------------------------------
 
     def match_and_lock(
-        self, hashes: list[BlockHash], limit: int
+        self, hashes: list[BlockHash], limit: int, distinct_name: str | None = None
     ) -> tuple[list[TreeNode], list[int], int, bool]:
         """Lock the longest usable cached prefix of `hashes`, at most `limit` nodes.
 
@@ -239,6 +239,11 @@ class RadixTree:
         SWAP_TO_HOST (the device copy is intact while it is read), BACKUP_TO_HOST
         or HOST. Every entry of `hashes` must be hashable (the caller checks).
         One call into the C extension when it is built (`_tree_node.match_path`).
+
+        With `distinct_name`, `hashes` (32-byte digests: the caller checks) must be
+        distinct: ValueError naming it otherwise, before anything is locked.
+        Checked only when the walk stops short of the end of `hashes`: a path of
+        the tree never repeats a key, so a full match needs no check of its own.
 
         Returns:
             The matched nodes (root side first); the device blocks of those before
@@ -248,7 +253,9 @@ class RadixTree:
             after it lands finds more.
         """
         if _match_path is not None:
-            return _match_path(self, self.root, hashes, limit, self._index, self.device_lru)
+            return _match_path(
+                self, self.root, hashes, limit, self._index, self.device_lru, distinct_name
+            )
         nodes: list[TreeNode] = []
         blocks: list[int] = []
         num_host = 0
@@ -269,6 +276,14 @@ class RadixTree:
                 blocks.append(node.device_block)
             nodes.append(node)
             parent = node
+        if (
+            distinct_name is not None
+            and len(nodes) < len(hashes)
+            and len(set(hashes)) < len(hashes)
+        ):
+            raise ValueError(
+                f"{distinct_name}: a hash appears twice (chained hashes never repeat)"
+            )
         self.lock(nodes)
         return nodes, blocks, num_host, waiting
 

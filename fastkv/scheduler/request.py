@@ -79,11 +79,12 @@ class RequestState:
 
 
 def checked_hashes(
-    block_hashes: Sequence[BlockHash], name: str = "block_hashes"
+    block_hashes: Sequence[BlockHash], name: str = "block_hashes", *, distinct: bool = True
 ) -> list[BlockHash]:
     """A request's hashes as a new list, checked: distinct 32-byte digests (the
     chained SHA-256 digests `fastkv.hashing` makes; FastDeploy's hex digests become
-    these with `bytes.fromhex`)."""
+    these with `bytes.fromhex`). `distinct=False` leaves distinctness to the caller
+    (`RadixTree.match_and_lock` checks it, and only where its walk cannot vouch)."""
     kind = type(block_hashes)
     if (
         kind is not list
@@ -95,7 +96,7 @@ def checked_hashes(
         raise TypeError(f"{name}: expected a sequence of block hashes, got {kind.__name__}")
     hashes = list(block_hashes)
     if _check_digests is not None:  # the same checks in one pass, in C
-        _check_digests(hashes, name, DIGEST_BYTES)
+        _check_digests(hashes, name, DIGEST_BYTES, distinct)
         return hashes
     if hashes and (
         set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {DIGEST_BYTES}
@@ -111,7 +112,7 @@ def checked_hashes(
         raise TypeError(
             f"{name}[{bad}]: expected a {DIGEST_BYTES}-byte digest (bytes), got {what}"
         )
-    if len(set(hashes)) != len(hashes):
+    if distinct and len(set(hashes)) != len(hashes):
         raise ValueError(f"{name}: a hash appears twice (chained hashes never repeat)")
     return hashes
 

@@ -415,6 +415,53 @@ def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> No
     tree.unlock(nodes)
 
 
+def test_digest_checks_can_leave_distinctness_to_the_match() -> None:
+    from fastkv.scheduler import request
+
+    twice = [b"\1" * 32, b"\2" * 32, b"\1" * 32]
+    assert request.checked_hashes(twice, distinct=False) == twice
+    with pytest.raises(TypeError, match=r"^block_hashes\[1\]: expected a 32-byte digest"):
+        request.checked_hashes([b"\1" * 32, b"x"], distinct=False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    ("tail", "num_tokens"),
+    [
+        ([0], 17),  # the tail repeats a matched key
+        ([0], 16),  # the same, the walk stopped by the limit (the last block computed)
+        ([7, 8, 7], 25),  # the tail repeats itself
+    ],
+)
+def test_match_refuses_repeated_hashes_before_locking_anything(
+    monkeypatch: pytest.MonkeyPatch, native: bool, tail: list[int], num_tokens: int
+) -> None:
+    """Distinctness is checked in the match walk, and only when the walk stops
+    short of the end (a tree path never repeats a key): every repeat that stops it
+    short is refused, and nothing is locked or reordered."""
+    from fastkv.scheduler import CacheManager
+
+    if not native:
+        monkeypatch.setattr(rt, "_match_path", None)
+    mgr = CacheManager(CacheConfig(block_size=4, num_device_blocks=16), clock=lambda: 0.0)
+    keys = [i.to_bytes(32, "big") for i in range(3)]
+    mgr.match("a", keys, 13)
+    mgr.allocate("a", num_tokens=12)
+    mgr.commit("a", num_computed_tokens=12)
+    mgr.finish("a")
+    tree = mgr.tree
+    path = [tree._index[k] for k in keys]
+    order = [n.key for n in tree.device_lru]
+    hashes = keys + [i.to_bytes(32, "big") for i in tail]
+    with pytest.raises(ValueError, match=r"^block_hashes: a hash appears twice"):
+        mgr.match("b", hashes, num_tokens)
+    assert [n.ref for n in path] == [0, 0, 0] and not mgr.is_active("b")
+    assert [n.key for n in tree.device_lru] == order
+    # The same keys, all matched: a full hit, accepted without a check of its own.
+    hit = mgr.match("c", keys, 13)
+    assert hit.num_hits == 3 and [n.ref for n in path] == [1, 1, 1]
+
+
 def test_native_match_gives_back_its_locks_when_unlisting_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
