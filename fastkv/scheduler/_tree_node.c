@@ -71,7 +71,7 @@ typedef struct TreeNodeObject {
  *
  * Nodes live in slabs of SLAB_BYTES, each aligned to its size, of SLAB_SLOTS
  * node-sized slots; slot 0 of each slab holds the slab's header. A node's arena id
- * is its slab's index times SLAB_SLOTS plus its slot, a 32-bit number (0, slab 0's
+ * is its slab's index and its offset in the slab, a 32-bit number (0, slab 0's
  * header, is never a node: it means none), so the eviction lists link nodes with
  * 4-byte ids instead of 8-byte pointers; the slab a node lives in is its address
  * rounded down to SLAB_BYTES. Freed slots are reused, most recently freed first,
@@ -80,9 +80,12 @@ typedef struct TreeNodeObject {
  * memory (the slab is mapped, not written). Only the holder of the GIL uses it. */
 #define SLAB_SHIFT 22
 #define SLAB_BYTES ((size_t)1 << SLAB_SHIFT)
-#define SLOT_SHIFT 15
-#define SLAB_SLOTS ((uint32_t)1 << SLOT_SHIFT)
-#define MAX_SLABS ((uint32_t)1 << (32 - SLOT_SHIFT))
+#define SLAB_SLOTS ((uint32_t)32768)
+/* An id is the slab's index above UNIT_BITS bits of the node's offset in its slab
+ * in 16-byte units: a shift and a mask each way, no multiply. */
+#define UNIT_SHIFT 4
+#define UNIT_BITS (SLAB_SHIFT - UNIT_SHIFT)
+#define MAX_SLABS ((uint32_t)1 << (32 - UNIT_BITS))
 
 typedef struct Slab {
     uint32_t index;           /* in arena_slabs */
@@ -97,6 +100,7 @@ typedef struct Slab {
 _Static_assert(sizeof(TreeNodeObject) == 112, "TreeNode: 112 bytes");
 _Static_assert(sizeof(Slab) <= sizeof(TreeNodeObject), "a slab header fits slot 0");
 _Static_assert(SLAB_SLOTS * sizeof(TreeNodeObject) <= SLAB_BYTES, "a slab holds its slots");
+_Static_assert(sizeof(TreeNodeObject) % (1 << UNIT_SHIFT) == 0, "nodes start on 16-byte units");
 
 static char **arena_slabs;     /* by index; NULL where given back */
 static uint32_t arena_num_slabs; /* indices in use so far */
@@ -104,8 +108,8 @@ static uint32_t arena_cap_slabs;
 static Slab *arena_open;        /* the slab to allocate from next */
 
 #define NODE_AT(id) \
-    ((TreeNodeObject *)(arena_slabs[(id) >> SLOT_SHIFT] + \
-                        (size_t)((id) & (SLAB_SLOTS - 1)) * sizeof(TreeNodeObject)))
+    ((TreeNodeObject *)(arena_slabs[(id) >> UNIT_BITS] + \
+                        ((size_t)((id) & (((uint32_t)1 << UNIT_BITS) - 1)) << UNIT_SHIFT)))
 #define SLAB_OF(node) ((Slab *)((uintptr_t)(node) & ~(uintptr_t)(SLAB_BYTES - 1)))
 
 /* The node's arena id (never 0). */
@@ -113,8 +117,7 @@ static inline uint32_t
 node_id(TreeNodeObject *node)
 {
     Slab *slab = SLAB_OF(node);
-    uint32_t slot = (uint32_t)(((char *)node - (char *)slab) / sizeof(TreeNodeObject));
-    return (slab->index << SLOT_SHIFT) | slot;
+    return (slab->index << UNIT_BITS) | (uint32_t)(((char *)node - (char *)slab) >> UNIT_SHIFT);
 }
 
 /* The node an id names, NULL for 0. */
@@ -248,6 +251,8 @@ struct LRUListObject {
     PyObject_HEAD
     TreeNodeObject *head; /* oldest */
     TreeNodeObject *tail; /* newest */
+    uint32_t head_id;     /* their arena ids (0 when empty) */
+    uint32_t tail_id;
     uint8_t id;           /* its index in lists_by_id (1..MAX_LISTS) */
     Py_ssize_t size;
     uint64_t version; /* changes on every link or unlink: iterators check it */
@@ -611,7 +616,7 @@ as_node(PyObject *obj)
 }
 
 /* Links an unlisted node at the tail (newest) or head (oldest); takes a reference. */
-static void
+static inline __attribute__((always_inline)) void
 link_node(LRUListObject *self, TreeNodeObject *node, int at_tail)
 {
     int s = self->slot;
@@ -619,33 +624,37 @@ link_node(LRUListObject *self, TreeNodeObject *node, int at_tail)
     Py_INCREF(node);
     node->owner[s] = self->id;
     if (at_tail) {
-        node->prev[s] = self->tail != NULL ? node_id(self->tail) : 0;
+        node->prev[s] = self->tail_id;
         node->next[s] = 0;
         if (self->tail != NULL) {
             self->tail->next[s] = id;
         }
         else {
             self->head = node;
+            self->head_id = id;
         }
         self->tail = node;
+        self->tail_id = id;
     }
     else {
-        node->next[s] = self->head != NULL ? node_id(self->head) : 0;
+        node->next[s] = self->head_id;
         node->prev[s] = 0;
         if (self->head != NULL) {
             self->head->prev[s] = id;
         }
         else {
             self->tail = node;
+            self->tail_id = id;
         }
         self->head = node;
+        self->head_id = id;
     }
     self->size++;
     self->version++;
 }
 
 /* Unlinks a node this list holds; returns the list's reference to the caller. */
-static TreeNodeObject *
+static inline __attribute__((always_inline)) TreeNodeObject *
 unlink_node(LRUListObject *self, TreeNodeObject *node)
 {
     int s = self->slot;
@@ -656,12 +665,14 @@ unlink_node(LRUListObject *self, TreeNodeObject *node)
     }
     else {
         self->head = next;
+        self->head_id = next_id;
     }
     if (next != NULL) {
         next->prev[s] = prev_id;
     }
     else {
         self->tail = prev;
+        self->tail_id = prev_id;
     }
     node->prev[s] = node->next[s] = 0;
     node->owner[s] = 0;
@@ -698,6 +709,7 @@ lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->id = (uint8_t)id;
     lists_by_id[id] = self;
     self->head = self->tail = NULL;
+    self->head_id = self->tail_id = 0;
     self->size = 0;
     self->version = 0;
     self->slot = slot;
