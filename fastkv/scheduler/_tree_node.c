@@ -29,6 +29,7 @@
 #define NUM_STORAGE 3
 
 typedef struct LRUListObject LRUListObject;
+static PyTypeObject TreeNodeType;
 
 #define DIGEST_SIZE 32
 
@@ -62,9 +63,184 @@ typedef struct TreeNodeObject {
             Py_hash_t hash; /* hash(obj), once indexed */
         } ref;
     } key;
-    struct TreeNodeObject *prev[NUM_SLOTS];
-    struct TreeNodeObject *next[NUM_SLOTS];
-} TreeNodeObject; /* 128 bytes: one allocator size class */
+    uint32_t prev[NUM_SLOTS]; /* per slot, the arena ids of the list neighbours; 0: none */
+    uint32_t next[NUM_SLOTS];
+} TreeNodeObject; /* 112 bytes, allocated from the node arena below */
+
+/* -- the node arena ----------------------------------------------------------
+ *
+ * Nodes live in slabs of SLAB_BYTES, each aligned to its size, of SLAB_SLOTS
+ * node-sized slots; slot 0 of each slab holds the slab's header. A node's arena id
+ * is its slab's index and its offset in the slab, a 32-bit number (0, slab 0's
+ * header, is never a node: it means none), so the eviction lists link nodes with
+ * 4-byte ids instead of 8-byte pointers; the slab a node lives in is its address
+ * rounded down to SLAB_BYTES. Freed slots are reused, most recently freed first,
+ * from the slab with free slots that was opened last; an emptied slab goes back to
+ * the system, as pymalloc gives back its empty arenas. Untouched slots cost no
+ * memory (the slab is mapped, not written). Only the holder of the GIL uses it. */
+#define SLAB_SHIFT 22
+#define SLAB_BYTES ((size_t)1 << SLAB_SHIFT)
+#define SLAB_SLOTS ((uint32_t)32768)
+/* An id is the slab's index above UNIT_BITS bits of the node's offset in its slab
+ * in 16-byte units: a shift and a mask each way, no multiply. */
+#define UNIT_SHIFT 4
+#define UNIT_BITS (SLAB_SHIFT - UNIT_SHIFT)
+#define MAX_SLABS ((uint32_t)1 << (32 - UNIT_BITS))
+
+typedef struct Slab {
+    uint32_t index;           /* in arena_slabs */
+    uint32_t live;            /* nodes allocated from it */
+    uint32_t bump;            /* its next never-used slot */
+    void *free;               /* freed slots, linked through their first word */
+    struct Slab *open_prev;   /* the open list: slabs with a free slot */
+    struct Slab *open_next;
+    int open;
+} Slab;
+
+_Static_assert(sizeof(TreeNodeObject) == 112, "TreeNode: 112 bytes");
+_Static_assert(sizeof(Slab) <= sizeof(TreeNodeObject), "a slab header fits slot 0");
+_Static_assert(SLAB_SLOTS * sizeof(TreeNodeObject) <= SLAB_BYTES, "a slab holds its slots");
+_Static_assert(sizeof(TreeNodeObject) % (1 << UNIT_SHIFT) == 0, "nodes start on 16-byte units");
+
+static char **arena_slabs;     /* by index; NULL where given back */
+static uint32_t arena_num_slabs; /* indices in use so far */
+static uint32_t arena_cap_slabs;
+static Slab *arena_open;        /* the slab to allocate from next */
+
+#define NODE_AT(id) \
+    ((TreeNodeObject *)(arena_slabs[(id) >> UNIT_BITS] + \
+                        ((size_t)((id) & (((uint32_t)1 << UNIT_BITS) - 1)) << UNIT_SHIFT)))
+#define SLAB_OF(node) ((Slab *)((uintptr_t)(node) & ~(uintptr_t)(SLAB_BYTES - 1)))
+
+/* The node's arena id (never 0). */
+static inline uint32_t
+node_id(TreeNodeObject *node)
+{
+    Slab *slab = SLAB_OF(node);
+    return (slab->index << UNIT_BITS) | (uint32_t)(((char *)node - (char *)slab) >> UNIT_SHIFT);
+}
+
+/* The node an id names, NULL for 0. */
+static inline TreeNodeObject *
+node_at(uint32_t id)
+{
+    return id == 0 ? NULL : NODE_AT(id);
+}
+
+static void
+open_push(Slab *slab)
+{
+    slab->open = 1;
+    slab->open_prev = NULL;
+    slab->open_next = arena_open;
+    if (arena_open != NULL) {
+        arena_open->open_prev = slab;
+    }
+    arena_open = slab;
+}
+
+static void
+open_remove(Slab *slab)
+{
+    if (slab->open_prev != NULL) {
+        slab->open_prev->open_next = slab->open_next;
+    }
+    else {
+        arena_open = slab->open_next;
+    }
+    if (slab->open_next != NULL) {
+        slab->open_next->open_prev = slab->open_prev;
+    }
+    slab->open = 0;
+}
+
+/* Maps a new slab aligned to its size and opens it; -1 with MemoryError set. */
+static int
+arena_grow(void)
+{
+    uint32_t index = 0;
+    while (index < arena_num_slabs && arena_slabs[index] != NULL) {
+        index++;
+    }
+    if (index == MAX_SLABS) {
+        PyErr_Format(PyExc_MemoryError, "TreeNode: the arena holds at most %llu nodes",
+                     (unsigned long long)MAX_SLABS * (SLAB_SLOTS - 1));
+        return -1;
+    }
+    if (index == arena_cap_slabs) {
+        uint32_t cap = arena_cap_slabs ? arena_cap_slabs * 2 : 64;
+        char **bigger = PyMem_RawRealloc(arena_slabs, cap * sizeof(char *));
+        if (bigger == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        arena_slabs = bigger;
+        arena_cap_slabs = cap;
+    }
+    char *raw = mmap(NULL, 2 * SLAB_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+    if (raw == MAP_FAILED) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    char *base = (char *)(((uintptr_t)raw + SLAB_BYTES - 1) & ~(uintptr_t)(SLAB_BYTES - 1));
+    if (base > raw) {
+        munmap(raw, (size_t)(base - raw));
+    }
+    munmap(base + SLAB_BYTES, (size_t)(raw + 2 * SLAB_BYTES - (base + SLAB_BYTES)));
+    Slab *slab = (Slab *)base;
+    slab->index = index;
+    slab->live = 0;
+    slab->bump = 1;
+    slab->free = NULL;
+    arena_slabs[index] = base;
+    if (index == arena_num_slabs) {
+        arena_num_slabs++;
+    }
+    open_push(slab);
+    return 0;
+}
+
+/* A new TreeNode with its header set and every other field unset. */
+static TreeNodeObject *
+node_alloc(void)
+{
+    if (arena_open == NULL && arena_grow() < 0) {
+        return NULL;
+    }
+    Slab *slab = arena_open;
+    void *mem = slab->free;
+    if (mem != NULL) {
+        slab->free = *(void **)mem;
+    }
+    else {
+        mem = (char *)slab + (size_t)slab->bump++ * sizeof(TreeNodeObject);
+    }
+    slab->live++;
+    if (slab->free == NULL && slab->bump == SLAB_SLOTS) {
+        open_remove(slab);
+    }
+    return (TreeNodeObject *)PyObject_Init((PyObject *)mem, &TreeNodeType);
+}
+
+/* Gives a node's slot back; an emptied slab goes back to the system unless it is
+ * the only one open (a tree that fills and empties one slab keeps it). */
+static void
+node_free(TreeNodeObject *node)
+{
+    Slab *slab = SLAB_OF(node);
+    *(void **)node = slab->free;
+    slab->free = node;
+    slab->live--;
+    if (!slab->open) {
+        open_push(slab);
+    }
+    if (slab->live == 0 && (slab->open_prev != NULL || slab->open_next != NULL)) {
+        open_remove(slab);
+        arena_slabs[slab->index] = NULL;
+        munmap(slab, SLAB_BYTES);
+    }
+}
 
 /* LRUList ids: a node records which list holds it in one byte per slot. At most
  * MAX_LISTS lists exist at once (a tree has two). */
@@ -75,13 +251,14 @@ struct LRUListObject {
     PyObject_HEAD
     TreeNodeObject *head; /* oldest */
     TreeNodeObject *tail; /* newest */
+    uint32_t head_id;     /* their arena ids (0 when empty) */
+    uint32_t tail_id;
     uint8_t id;           /* its index in lists_by_id (1..MAX_LISTS) */
     Py_ssize_t size;
     uint64_t version; /* changes on every link or unlink: iterators check it */
     int slot;
 };
 
-static PyTypeObject TreeNodeType;
 static PyTypeObject LRUListType;
 static PyTypeObject LRUIterType;
 
@@ -299,7 +476,7 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         as_bounded(num_children, "num_children", 0, INT32_MAX, &children) < 0) {
         return NULL;
     }
-    TreeNodeObject *self = PyObject_New(TreeNodeObject, type);
+    TreeNodeObject *self = node_alloc();
     if (self == NULL) {
         return NULL;
     }
@@ -307,7 +484,7 @@ node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_INCREF(parent);
     self->parent = parent;
     for (int s = 0; s < NUM_SLOTS; s++) {
-        self->prev[s] = self->next[s] = NULL;
+        self->prev[s] = self->next[s] = 0;
         self->owner[s] = 0;
     }
     self->hnext = NULL;
@@ -334,7 +511,7 @@ node_dealloc(TreeNodeObject *self)
         if (!self->inline_key) {
             Py_XDECREF(self->key.ref.obj);
         }
-        PyObject_Free(self);
+        node_free(self);
         self = NULL;
         if (parent == NULL) {
             break;
@@ -437,57 +614,65 @@ as_node(PyObject *obj)
 }
 
 /* Links an unlisted node at the tail (newest) or head (oldest); takes a reference. */
-static void
+static inline __attribute__((always_inline)) void
 link_node(LRUListObject *self, TreeNodeObject *node, int at_tail)
 {
     int s = self->slot;
+    uint32_t id = node_id(node);
     Py_INCREF(node);
     node->owner[s] = self->id;
     if (at_tail) {
-        node->prev[s] = self->tail;
-        node->next[s] = NULL;
+        node->prev[s] = self->tail_id;
+        node->next[s] = 0;
         if (self->tail != NULL) {
-            self->tail->next[s] = node;
+            self->tail->next[s] = id;
         }
         else {
             self->head = node;
+            self->head_id = id;
         }
         self->tail = node;
+        self->tail_id = id;
     }
     else {
-        node->next[s] = self->head;
-        node->prev[s] = NULL;
+        node->next[s] = self->head_id;
+        node->prev[s] = 0;
         if (self->head != NULL) {
-            self->head->prev[s] = node;
+            self->head->prev[s] = id;
         }
         else {
             self->tail = node;
+            self->tail_id = id;
         }
         self->head = node;
+        self->head_id = id;
     }
     self->size++;
     self->version++;
 }
 
 /* Unlinks a node this list holds; returns the list's reference to the caller. */
-static TreeNodeObject *
+static inline __attribute__((always_inline)) TreeNodeObject *
 unlink_node(LRUListObject *self, TreeNodeObject *node)
 {
     int s = self->slot;
-    TreeNodeObject *prev = node->prev[s], *next = node->next[s];
+    uint32_t prev_id = node->prev[s], next_id = node->next[s];
+    TreeNodeObject *prev = node_at(prev_id), *next = node_at(next_id);
     if (prev != NULL) {
-        prev->next[s] = next;
+        prev->next[s] = next_id;
     }
     else {
         self->head = next;
+        self->head_id = next_id;
     }
     if (next != NULL) {
-        next->prev[s] = prev;
+        next->prev[s] = prev_id;
     }
     else {
         self->tail = prev;
+        self->tail_id = prev_id;
     }
-    node->prev[s] = node->next[s] = NULL;
+    node->prev[s] = node->next[s] = 0;
     node->owner[s] = 0;
     self->size--;
     self->version++;
@@ -522,6 +707,7 @@ lru_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->id = (uint8_t)id;
     lists_by_id[id] = self;
     self->head = self->tail = NULL;
+    self->head_id = self->tail_id = 0;
     self->size = 0;
     self->version = 0;
     self->slot = slot;
@@ -794,7 +980,7 @@ lru_iter_next(LRUIterObject *it)
         return NULL;
     }
     TreeNodeObject *node = it->next; /* the reference passes to the caller */
-    it->next = node->next[it->list->slot];
+    it->next = node_at(node->next[it->list->slot]);
     Py_XINCREF(it->next);
     return (PyObject *)node;
 }
@@ -1617,7 +1803,7 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done_ids;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        TreeNodeObject *node = PyObject_New(TreeNodeObject, &TreeNodeType);
+        TreeNodeObject *node = node_alloc();
         if (node == NULL) {
             Py_CLEAR(path);
             goto done_ids;
@@ -1626,7 +1812,7 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(parent);
         node->parent = parent;
         for (int s = 0; s < NUM_SLOTS; s++) {
-            node->prev[s] = node->next[s] = NULL;
+            node->prev[s] = node->next[s] = 0;
             node->owner[s] = 0;
         }
         node->hnext = NULL;
@@ -1969,7 +2155,23 @@ set_storage_states(PyObject *module, PyObject *members)
                            "StorageState");
 }
 
+/* The arena's live nodes and mapped slabs (what a leak or a kept slab shows in). */
+static PyObject *
+arena_stats(PyObject *module, PyObject *unused)
+{
+    unsigned long long live = 0, slabs = 0;
+    for (uint32_t i = 0; i < arena_num_slabs; i++) {
+        if (arena_slabs[i] != NULL) {
+            live += ((Slab *)arena_slabs[i])->live;
+            slabs++;
+        }
+    }
+    return Py_BuildValue("(KK)", live, slabs);
+}
+
 static PyMethodDef module_methods[] = {
+    {"arena_stats", arena_stats, METH_NOARGS,
+     "arena_stats(): (live nodes, mapped slabs) of the TreeNode arena."},
     {"unlock_path", (PyCFunction)(void (*)(void))unlock_path, METH_FASTCALL,
      "unlock_path(nodes, device_lru, host_lru): RadixTree.unlock's loop."},
     {"discard_leaves", (PyCFunction)(void (*)(void))discard_leaves, METH_FASTCALL,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+import os
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -322,6 +323,78 @@ def test_a_dropped_tree_frees_its_nodes() -> None:
         churn()
     gc.collect()
     assert sys.getallocatedblocks() - before < 100  # 3,000 nodes per tree
+
+
+def test_a_dropped_tree_gives_its_nodes_back_to_the_arena() -> None:
+    gc.collect()
+    live_before, _ = _native().arena_stats()
+    tree = RadixTree()
+    _fill(tree, num_paths=50, depth=100)
+    assert _native().arena_stats()[0] == live_before + 5_001  # and the root
+    del tree
+    gc.collect()
+    assert _native().arena_stats()[0] == live_before
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_node_costs_at_most_112_bytes() -> None:
+    # 200,000 nodes with inline digest keys: the arena's 112-byte slots (pymalloc's
+    # 128-byte size class before), counted as the process grows.
+    n = 200_000
+    keys = [i.to_bytes(32, "big") for i in range(n)]
+    nodes: list[object] = [None] * n
+    gc.collect()
+    before = _rss()
+    for i, key in enumerate(keys):
+        nodes[i] = rt.TreeNode(key, None, i)
+    per_node = (_rss() - before) / n
+    assert rt.TreeNode.__basicsize__ == 112
+    assert per_node <= 114, per_node
+    assert all(nodes[i].key == keys[i] for i in range(0, n, 997))  # type: ignore[union-attr]
+
+
+def test_lru_lists_link_nodes_across_slabs_and_emptied_slabs_go_back() -> None:
+    native = _native()
+    gc.collect()
+    live0, slabs0 = native.arena_stats()
+    n = 80_000  # three slabs of 32,767 nodes
+    nodes = [rt.TreeNode(i.to_bytes(32, "big"), None, i) for i in range(n)]
+    live, slabs = native.arena_stats()
+    assert live == live0 + n and slabs >= slabs0 + 2
+    lists = (native.LRUList(0), native.LRUList(1))
+    refs: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())
+    for lru, ref in zip(lists, refs, strict=True):
+        for node in nodes[::3] + nodes[1::3] + nodes[2::3]:  # neighbours in other slabs
+            lru[node] = ref[node] = None
+    for lru, ref in zip(lists, refs, strict=True):
+        for node in nodes[5::7]:
+            del lru[node]
+            del ref[node]
+        for node in nodes[::11]:
+            if node in ref:
+                lru.move_to_end(node, last=False)
+                ref.move_to_end(node, last=False)
+        assert list(lru) == list(ref)
+    del nodes  # the lists hold the rest: freed slots are reused by new nodes
+    refilled = [rt.TreeNode(i.to_bytes(32, "little"), None, i) for i in range(n // 7)]
+    assert native.arena_stats()[1] <= slabs
+    for lru, ref in zip(lists, refs, strict=True):
+        for node in refilled:
+            lru[node] = ref[node] = None
+        assert list(lru) == list(ref)
+        while ref:
+            assert lru.pop_oldest() is ref.popitem(last=False)[0]
+        assert len(lru) == 0
+    refs[0].clear()
+    refs[1].clear()
+    del refilled, lru, ref, node
+    gc.collect()
+    live, slabs = native.arena_stats()
+    assert live == live0 and slabs <= max(slabs0, 1)
 
 
 def test_node_index_survives_keys_whose_eq_changes_it() -> None:
