@@ -124,7 +124,11 @@ tree_node = Extension(
 disk_io = Extension(
     "fastkv.storage._disk_io",
     sources=["fastkv/storage/_disk_io.c"],
-    depends=["fastkv/storage/_ghash.h", "fastkv/storage/_ghash_copy.h"],
+    depends=[
+        "fastkv/storage/_ghash.h",
+        "fastkv/storage/_ghash_copy.h",
+        "fastkv/storage/_crc32c.h",
+    ],
     libraries=["crypto"],  # HMAC-SHA256 of authenticated blocks (OpenSSL)
     extra_compile_args=["-O3", "-Wall", "-Wextra"],
 )

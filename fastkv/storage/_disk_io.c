@@ -16,10 +16,9 @@
  *
  * Checksum ("crc32c-3way"): per segment, three CRC-32C lanes over its 8-byte
  * words (word i feeds lane i % 3; trailing bytes feed lane 0 after its words); the
- * block checksum is CRC-32C over the little-endian lanes of all segments in order.
- * Three independent lanes keep the CPU's crc32 unit busy (latency 3, throughput 1),
- * about 3x one lane. fastkv.storage.block_header.reference_checksum is the same
- * definition in Python.
+ * block checksum is CRC-32C over the little-endian lanes of all segments in order
+ * (_crc32c.h: its definition and implementations).
+ * fastkv.storage.block_header.reference_checksum is the same definition in Python.
  *
  * Authentication: with a key ring (entries of a u32 key id and a 32-byte key; the
  * first entry signs writes) a header carries the key id at HDR_KEY_ID and a 128-bit
@@ -96,126 +95,9 @@ enum {
     ST_CLOSED = 9,          /* the backend closed before this block started */
 };
 
-/* ---- CRC-32C ---------------------------------------------------------------- */
+/* ---- CRC-32C and the block checksum: _crc32c.h ---------------------------------- */
 
-static uint32_t crc_table[8][256];
-static int have_sse42;
-
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-        crc_table[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int t = 1; t < 8; t++)
-            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    have_sse42 = __builtin_cpu_supports("sse4.2") != 0;
-#endif
-}
-
-static inline uint32_t sw_u8(uint32_t c, uint8_t b) { return (c >> 8) ^ crc_table[0][(c ^ b) & 0xff]; }
-
-static inline uint32_t sw_u64(uint32_t c, uint64_t w) {
-    w ^= c;
-    return crc_table[7][w & 0xff] ^ crc_table[6][(w >> 8) & 0xff] ^ crc_table[5][(w >> 16) & 0xff] ^
-           crc_table[4][(w >> 24) & 0xff] ^ crc_table[3][(w >> 32) & 0xff] ^
-           crc_table[2][(w >> 40) & 0xff] ^ crc_table[1][(w >> 48) & 0xff] ^ crc_table[0][w >> 56];
-}
-
-static inline uint64_t load64(const uint8_t *p) {
-    uint64_t w;
-    memcpy(&w, p, 8);
-    return w;
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) static void lanes_hw(const uint8_t *p, size_t n, uint32_t out[3]) {
-    uint64_t c0 = 0xffffffffu, c1 = 0xffffffffu, c2 = 0xffffffffu;
-    size_t nw = n / 8, i = 0;
-    for (; i + 12 <= nw; i += 12) { /* unrolled: same lanes, fewer loop branches */
-        const uint8_t *q = p + 8 * i;
-        c0 = _mm_crc32_u64(c0, load64(q));
-        c1 = _mm_crc32_u64(c1, load64(q + 8));
-        c2 = _mm_crc32_u64(c2, load64(q + 16));
-        c0 = _mm_crc32_u64(c0, load64(q + 24));
-        c1 = _mm_crc32_u64(c1, load64(q + 32));
-        c2 = _mm_crc32_u64(c2, load64(q + 40));
-        c0 = _mm_crc32_u64(c0, load64(q + 48));
-        c1 = _mm_crc32_u64(c1, load64(q + 56));
-        c2 = _mm_crc32_u64(c2, load64(q + 64));
-        c0 = _mm_crc32_u64(c0, load64(q + 72));
-        c1 = _mm_crc32_u64(c1, load64(q + 80));
-        c2 = _mm_crc32_u64(c2, load64(q + 88));
-    }
-    for (; i + 3 <= nw; i += 3) {
-        c0 = _mm_crc32_u64(c0, load64(p + 8 * i));
-        c1 = _mm_crc32_u64(c1, load64(p + 8 * i + 8));
-        c2 = _mm_crc32_u64(c2, load64(p + 8 * i + 16));
-    }
-    if (i < nw) c0 = _mm_crc32_u64(c0, load64(p + 8 * i++));
-    if (i < nw) c1 = _mm_crc32_u64(c1, load64(p + 8 * i++));
-    uint32_t t0 = (uint32_t)c0;
-    for (size_t b = nw * 8; b < n; b++) t0 = _mm_crc32_u8(t0, p[b]);
-    out[0] = ~t0;
-    out[1] = ~(uint32_t)c1;
-    out[2] = ~(uint32_t)c2;
-}
-
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) {
-    uint64_t c64 = c;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) c64 = _mm_crc32_u64(c64, load64(p + i));
-    c = (uint32_t)c64;
-    for (; i < n; i++) c = _mm_crc32_u8(c, p[i]);
-    return c;
-}
-#endif
-
-static void lanes_sw(const uint8_t *p, size_t n, uint32_t out[3]) {
-    uint32_t c[3] = {0xffffffffu, 0xffffffffu, 0xffffffffu};
-    size_t nw = n / 8;
-    for (size_t i = 0; i < nw; i++) c[i % 3] = sw_u64(c[i % 3], load64(p + 8 * i));
-    for (size_t b = nw * 8; b < n; b++) c[0] = sw_u8(c[0], p[b]);
-    for (int k = 0; k < 3; k++) out[k] = ~c[k];
-}
-
-static uint32_t crc32c(const uint8_t *p, size_t n) {
-#if defined(__x86_64__)
-    if (have_sse42) return ~crc_hw(0xffffffffu, p, n);
-#endif
-    uint32_t c = 0xffffffffu;
-    for (size_t i = 0; i < n; i++) c = sw_u8(c, p[i]);
-    return ~c;
-}
-
-static void lanes(const uint8_t *p, size_t n, uint32_t out[3]) {
-#if defined(__x86_64__)
-    if (have_sse42) {
-        lanes_hw(p, n, out);
-        return;
-    }
-#endif
-    lanes_sw(p, n, out);
-}
-
-/* The block checksum over `nseg` segments; lanes_buf has room for 12 * nseg bytes. */
-static uint32_t block_checksum(const int64_t *segs, Py_ssize_t nseg, uint8_t *lanes_buf) {
-    for (Py_ssize_t s = 0; s < nseg; s++) {
-        uint32_t l[3];
-        lanes((const uint8_t *)(uintptr_t)segs[2 * s], (size_t)segs[2 * s + 1], l);
-        for (int k = 0; k < 3; k++) {
-            uint8_t *d = lanes_buf + 12 * s + 4 * k;
-            d[0] = (uint8_t)l[k];
-            d[1] = (uint8_t)(l[k] >> 8);
-            d[2] = (uint8_t)(l[k] >> 16);
-            d[3] = (uint8_t)(l[k] >> 24);
-        }
-    }
-    return crc32c(lanes_buf, (size_t)(12 * nseg));
-}
+#include "_crc32c.h"
 
 static void put_u32(uint8_t *p, uint32_t v) {
     p[0] = (uint8_t)v;
@@ -1517,6 +1399,7 @@ static PyMethodDef methods[] = {
      "scan_headers(fd, offsets, out, bounce_ptr, bounce_len) -> list[int]: read slot headers that verify."},
     {"block_checksum", py_block_checksum, METH_VARARGS,
      "block_checksum(segs) -> int: the crc32c-3way checksum of int64 (ptr, len) segments."},
+    {"set_crc_impl", set_crc_impl, METH_VARARGS, "set_crc_impl('vector' | 'hw' | 'sw') -> the previous one"},
     {"seal_header", seal_header, METH_VARARGS, "seal_header(header, segs, ring): fill payload CRC or key id and tag, and the header CRC."},
     {"verify_block", verify_block, METH_VARARGS,
      "verify_block(got, want, segs, ring) -> int: ST_OK or why not."},

@@ -39,6 +39,61 @@ def test_native_block_checksum_matches_reference(lengths: tuple[int, ...]) -> No
     assert _disk_io.block_checksum(segs) != want
 
 
+def _impls() -> list[str]:
+    """The block checksum implementations this CPU runs (`set_crc_impl`)."""
+    have = []
+    for impl in ("vector", "hw", "sw"):
+        try:
+            before = _disk_io.set_crc_impl(impl)
+        except RuntimeError:
+            continue
+        _disk_io.set_crc_impl(before)
+        have.append(impl)
+    return have
+
+
+@pytest.mark.parametrize("impl", ["vector", "hw", "sw"])
+def test_every_checksum_implementation_matches_the_reference(impl: str) -> None:
+    """Random segment counts, lengths (around the vector path's 768-byte minimum,
+    its 192-byte steps and word tails) and misaligned addresses, scattered over one
+    buffer in any order: each implementation gives the reference's value."""
+    if impl not in _impls():
+        pytest.skip(f"this CPU has no {impl!r} checksum (has {_impls()})")
+    rng = np.random.default_rng(22)
+    buf = rng.integers(0, 256, 1 << 21, dtype=np.uint8)
+    before = _disk_io.set_crc_impl(impl)
+    try:
+        for _ in range(150):
+            segs = []
+            for _ in range(int(rng.integers(1, 7))):
+                n = int(
+                    rng.choice(
+                        [
+                            rng.integers(1, 40),
+                            rng.integers(760, 800),
+                            192 * int(rng.integers(4, 40)) + int(rng.integers(0, 24)),
+                            rng.integers(1, 300_000),
+                        ]
+                    )
+                )
+                segs.append((int(rng.integers(0, buf.size - n)), n))
+            arr = np.array([[buf.ctypes.data + o, n] for o, n in segs], dtype=np.int64)
+            want = reference_checksum([buf[o : o + n].tobytes() for o, n in segs])
+            assert _disk_io.block_checksum(arr) == want, (impl, segs)
+    finally:
+        _disk_io.set_crc_impl(before)
+
+
+def test_set_crc_impl_refuses_an_unknown_name_and_keeps_the_current_one() -> None:
+    before = _disk_io.set_crc_impl("sw")
+    try:
+        with pytest.raises(ValueError, match="'vector', 'hw' or 'sw'"):
+            _disk_io.set_crc_impl("fast")
+        assert _disk_io.set_crc_impl("sw") == "sw"
+    finally:
+        _disk_io.set_crc_impl(before)
+
+
 def test_checksum_depends_on_segment_boundaries() -> None:
     data = np.arange(64, dtype=np.uint8)
     one = np.array([[data.ctypes.data, 64]], dtype=np.int64)
