@@ -424,8 +424,9 @@ class FastDeployCacheManager:
         """The storage tasks to send to every worker now (lookups and loads), each
         a `PendingPrefetch(request_id, metadata=StorageMetadata(hash_values,
         block_ids, direction), host_block_ids)`, in the order they were planned;
-        with PD attached also one with `direction="pd"` carrying the ranks' PD
-        tasks that need no step (`fd_pd_tasks`). A worker takes one with
+        the copies no batch took since the last call (`direction="evict"`, see
+        `_idle_copies`); with PD attached also one with `direction="pd"` carrying
+        the ranks' PD tasks that need no step (`fd_pd_tasks`). A worker takes one with
         `FastDeployCacheController.prefetch_from_storage`. Never waits."""
         with self._lock:
             self._poll()
