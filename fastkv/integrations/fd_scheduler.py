@@ -136,6 +136,7 @@ class FastDeployCacheManager:
         self.pd: FastDeployPD | None = None  # attach_pd: the splitwise roles
         self._pd_args: dict[str, Any] | None = None
         self._issued = False  # a batch took the queued copies since the last drain
+        self._promised = False  # can_allocate said yes; its allocation has not come
         self._build_rooms(self.config)
         name = channel_name if channel_name is not None else fdc.results_channel_name(fd_config)
         self.results = bind_channel(name, self.tp_size, self)
@@ -200,7 +201,11 @@ class FastDeployCacheManager:
             mgr = self.manager
             if num_blocks > mgr.num_free_device_blocks + mgr.num_evictable_device_blocks:
                 return False  # O(1): more than every unheld block
-            return mgr.num_obtainable_device_blocks(max(0, num_blocks)) >= num_blocks
+            yes = mgr.num_obtainable_device_blocks(max(0, num_blocks)) >= num_blocks
+            # A yes holds until the allocation it promises (or the schedule's end):
+            # a storage prefetch, on another thread, waits rather than lock them.
+            self._promised = yes and num_blocks > 0
+            return yes
 
     can_allocate_gpu_blocks = can_allocate_device_blocks
 
@@ -294,6 +299,7 @@ class FastDeployCacheManager:
         num_blocks = _check_blocks(num_blocks)
         rid = request.request_id
         with self._lock:
+            self._promised = False
             self._poll()
             mgr = self.manager
             if self.pd is not None and self.pd.is_pd_request(request):
@@ -376,7 +382,9 @@ class FastDeployCacheManager:
         takes between polls. The loads the answer plans are queued the same way.
         Called on the thread that drains (nobody drains meanwhile), it gives up
         after the timeout and returns False; a lookup given up is answered into
-        nothing.
+        nothing. Its match waits (within the same bound) while a yes of
+        `can_allocate_gpu_blocks` waits for its allocation, so it never locks the
+        cached blocks that yes counted on.
 
         Returns:
             True only when storage holds some of the request's blocks (their loads
@@ -386,18 +394,14 @@ class FastDeployCacheManager:
         _clear_match_result(request)
         if not self.enable_prefix_caching or self.config.storage is None:
             return False
-        with self._lock:
-            self._poll()
-            if self._reset_pending:
-                return False
-            rid = request.request_id
-            try:
-                if not self._prefetches.begin(request):
-                    return False
-            except (ValueError, TypeError) as e:
-                log.error("fastkv prefetch_storage(%r) failed: %s", rid, e)
-                return False
         deadline = time.monotonic() + self.prefetch_lookup_timeout_s
+        rid = request.request_id
+        while (started := self._begin_prefetch(request)) is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        if not started:
+            return False
         while True:
             with self._lock:
                 self._poll()
@@ -419,6 +423,24 @@ class FastDeployCacheManager:
                     self._prefetches.end(rid)
                     return False
             time.sleep(_POLL_S)
+
+    def _begin_prefetch(self, request: Any) -> bool | None:
+        """Start the request's prefetch (True) or not (False: refused, nothing to
+        look up, a reset pending); None while a yes of `can_allocate_device_blocks`
+        waits for its allocation: the prefetch's match would lock cached blocks
+        that yes counted on (ResourceManagerV1 asks and allocates under its own
+        lock; this runs on its preprocess thread)."""
+        with self._lock:
+            if self._promised:
+                return None
+            self._poll()
+            if self._reset_pending:
+                return False
+            try:
+                return self._prefetches.begin(request)
+            except (ValueError, TypeError) as e:
+                log.error("fastkv prefetch_storage(%r) failed: %s", request.request_id, e)
+                return False
 
     def drain_pending_prefetches(self) -> list[PendingPrefetch]:
         """The storage tasks to send to every worker now (lookups and loads), each
@@ -604,6 +626,7 @@ class FastDeployCacheManager:
         requests have proven computed (write-through backups are planned by those
         commits and leave with the next step), update the metrics."""
         with self._lock:
+            self._promised = False  # the schedule is over: a yes it did not use lapses
             self._poll()
             self._book.commit_proven()
             self.metrics.update()

@@ -481,3 +481,40 @@ def test_the_worker_takes_a_drained_task_without_a_step(
     finally:
         worker.free_cache()
         receiver.close()
+
+
+def test_a_prefetch_started_between_a_yes_and_its_allocation_takes_no_promised_block(
+    channel: str,
+) -> None:
+    """ResourceManagerV1 asks `can_allocate_gpu_blocks`, then allocates, under its own
+    lock; upstream's preprocess thread calls `prefetch_storage` without it. A
+    prefetch whose match would lock the cached blocks the yes counted on waits for
+    that allocation, so the allocation gets them (it found none: 1 run in 60 of the
+    crowded-tiers real-code test)."""
+    import threading
+
+    cm = fd.CacheManager(config(), channel_name=channel, prefetch_lookup_timeout_s=1.0)
+    try:
+        head = list(range(2 * BS))
+        a = request("a", [*head, 99])
+        cm.match_prefix(a, skip_storage=True)
+        a.block_tables = cm.allocate_gpu_blocks(a, 3)
+        a.output_token_ids = [1]
+        cm.request_finish(a)  # 2 cached blocks, evictable
+        b = request("b", list(range(500, 500 + 6 * BS)))
+        cm.match_prefix(b, skip_storage=True)
+        b.block_tables = cm.allocate_gpu_blocks(b, 6)
+        assert cm.num_free_device_blocks == 0
+        r = request("r", list(range(900, 900 + 2 * BS)))
+        cm.match_prefix(r, skip_storage=True)
+        assert cm.can_allocate_gpu_blocks(2)  # by evicting a's 2 blocks
+        # The preprocess thread: a prompt sharing a's blocks, with a tail to look up.
+        p = request("p", [*head, *range(700, 700 + 3 * BS)])
+        thread = threading.Thread(target=cm.prefetch_storage, args=(p,), daemon=True)
+        thread.start()
+        thread.join(0.3)  # its match ran by now, unless it waits for the allocation
+        assert len(cm.allocate_gpu_blocks(r, 2)) == 2
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        cm.close()
