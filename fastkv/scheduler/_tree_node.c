@@ -1255,6 +1255,20 @@ index_add(NodeIndexObject *self, TreeNodeObject *node, PyObject *key)
     return 0;
 }
 
+/* Takes `node`, which `*link` points at, out of its bucket; returns the index's
+ * reference. */
+static TreeNodeObject *
+index_detach(NodeIndexObject *self, TreeNodeObject **link, TreeNodeObject *node)
+{
+    *link = node->hnext;
+    node->hnext = NULL;
+    node->indexed = 0;
+    self->size--;
+    self->num_ref_keys -= !node->inline_key;
+    self->version++;
+    return node;
+}
+
 /* Unindexes the node under `key`; returns the index's reference, or NULL (KeyError
  * when absent). */
 static TreeNodeObject *
@@ -1273,13 +1287,7 @@ index_pop(NodeIndexObject *self, PyObject *key)
         }
         return NULL;
     }
-    *link = node->hnext;
-    node->hnext = NULL;
-    node->indexed = 0;
-    self->size--;
-    self->num_ref_keys -= !node->inline_key;
-    self->version++;
-    return node;
+    return index_detach(self, link, node);
 }
 
 /* Unindexes `node` itself (no key comparison); returns the index's reference. */
@@ -1296,13 +1304,7 @@ index_unlink(NodeIndexObject *self, TreeNodeObject *node)
         for (TreeNodeObject **link = &table[(size_t)h & self->mask[t]]; *link != NULL;
              link = &(*link)->hnext) {
             if (*link == node) {
-                *link = node->hnext;
-                node->hnext = NULL;
-                node->indexed = 0;
-                self->size--;
-                self->num_ref_keys -= !node->inline_key;
-                self->version++;
-                return node;
+                return index_detach(self, link, node);
             }
         }
     }

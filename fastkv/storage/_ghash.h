@@ -77,15 +77,20 @@ GH_TGT static inline void gh_block(Ghash *g, const uint8_t *p) {
     g->y = gh_mul(_mm_xor_si128(g->y, gh_bswap(_mm_loadu_si128((const __m128i *)p))), g->h);
 }
 
-/* n blocks of 16 bytes, 32 at a time with one reduction */
-GH_TGT static void gh_blocks(Ghash *g, const uint8_t *p, size_t n) {
+/* n blocks of 16 bytes from p, 32 at a time with one reduction; with dst, also
+ * copied there, in the same pass (the hash is of the bytes as stored at dst). A
+ * constant NULL dst compiles to the hash alone. */
+GH_TGT static inline __attribute__((always_inline)) void gh_blocks_into(Ghash *g, uint8_t *dst, const uint8_t *p,
+                                                                     size_t n) {
     const __m512i rev = _mm512_broadcast_i32x4(_mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     __m512i pp[8];
     for (int i = 0; i < 8; i++) pp[i] = _mm512_loadu_si512(&g->pw[4 * i]);
     while (n >= 32) {
         __m512i L = _mm512_setzero_si512(), H = _mm512_setzero_si512(), M = _mm512_setzero_si512();
         for (int i = 0; i < 8; i++) {
-            __m512i x = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 64 * i), rev);
+            __m512i v = _mm512_loadu_si512(p + 64 * i);
+            if (dst) _mm512_storeu_si512(dst + 64 * i, v);
+            __m512i x = _mm512_shuffle_epi8(v, rev);
             if (i == 0) x = _mm512_xor_si512(x, _mm512_zextsi128_si512(g->y)); /* Y joins block 0 */
             L = _mm512_xor_si512(L, _mm512_clmulepi64_epi128(x, pp[i], 0x00));
             H = _mm512_xor_si512(H, _mm512_clmulepi64_epi128(x, pp[i], 0x11));
@@ -100,10 +105,17 @@ GH_TGT static void gh_blocks(Ghash *g, const uint8_t *p, size_t n) {
                                   _mm_xor_si128(_mm512_extracti32x4_epi32(H, 2), _mm512_extracti32x4_epi32(H, 3)));
         g->y = gh_reduce(h, l);
         p += 512;
+        if (dst) dst += 512;
         n -= 32;
+    }
+    if (dst && n) {
+        memcpy(dst, p, 16 * n);
+        p = dst; /* the rest hashed as stored */
     }
     for (; n; n--, p += 16) gh_block(g, p);
 }
+
+GH_TGT static void gh_blocks(Ghash *g, const uint8_t *p, size_t n) { gh_blocks_into(g, NULL, p, n); }
 
 GH_TGT static void gh_update(Ghash *g, const uint8_t *p, size_t n) {
     g->total += n;
