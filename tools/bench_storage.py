@@ -665,8 +665,9 @@ def print_mooncake(rows: list[dict]) -> None:
         "every get compared with what was put): raw multi-buffer (one buffer per "
         "segment, no header); the backend zero-copy (staging_bytes=0, one buffer per "
         "segment) and staged (the default: one contiguous object), authenticated "
-        "(HMAC-SHA256 tag, existence check "
-        "before each put; verified: every put also read back, verify_puts=True)",
+        "(HMAC-SHA256 tag; staged puts replace what is under the key (upsert), "
+        "zero-copy ones check existence first; verified: every zero-copy put also read "
+        "back, verify_puts=True)",
         rows,
         [
             "block_KiB",

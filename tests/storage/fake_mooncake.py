@@ -78,6 +78,15 @@ class FakeMooncakeStore:
         time.sleep(self.put_delay_s)
         return [self._put(n, [p], [s]) for n, p, s in zip(names, ptrs, sizes, strict=True)]
 
+    def batch_upsert_from(
+        self, names: list[str], ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        time.sleep(self.put_delay_s)
+        for n in names:
+            if n not in self.fail_put:
+                self.objects.pop(n, None)  # replaced whatever its size, lease or not
+        return [self._put(n, [p], [s]) for n, p, s in zip(names, ptrs, sizes, strict=True)]
+
     def batch_put_from_multi_buffers(
         self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
     ) -> list[int]:

@@ -138,8 +138,18 @@ def bad_objects(cluster: Cluster, staged: bool = False) -> dict:
         host.clear(b)
     got = backend.get_into(keys[:4], [host.segments(b) for b in range(4)], deadline_after(10))
     good = backend.get_into(keys[4:], [host.segments(5)], deadline_after(10))
+    # every key now under the gets' read lease: a put stores the block over each
+    # (staged: replaced unread, whatever its size; zero-copy: read back, removed)
+    block = host.fill(6, seed=6)
+    replaced = backend.put_from(keys[:4], [host.segments(6)] * 4, deadline_after(10))
+    for b in range(4):
+        host.clear(b, 0x5A)
+    again = backend.get_into(keys[:4], [host.segments(b) for b in range(4)], deadline_after(10))
     return {
         "raw_codes": codes,
+        "replaced": names(replaced),
+        "replaced_get": names(again),
+        "replaced_exact": [host.read(b) == block for b in range(4)],
         "get": names(got),
         "reasons": [r.reason for r in got],
         "good": names(good),
@@ -367,15 +377,16 @@ os._exit(0)
 """
 
 
-def forged(cluster: Cluster) -> dict:
+def forged(cluster: Cluster, zero_copy: bool = False) -> dict:
     """Another user (uid 65534, a client of the same cluster) puts objects under the
     victim's keys first: with a valid CRC header (no secret), or tagged under
     another deployment's secret. The victim's puts must not count them as stored,
-    and its gets must never serve them."""
+    and its gets must never serve them. Staged (the default), the victim's put
+    replaces them (upsert); zero-copy, it reads them back and removes them."""
     cluster.lease_ttl_ms = 300  # short, so that only a forced remove explains success
     cluster.start_master()
     cluster.start_node()
-    backend = backend_for(cluster)
+    backend = backend_for(cluster, staging_bytes=0 if zero_copy else None)
     host = HostMemory(LAYOUT, 8)
     backend.register_host_memory(host.base, host.nbytes)
     want = host.fill(0, seed=0)
@@ -424,7 +435,7 @@ def forged(cluster: Cluster) -> dict:
     }
 
 
-def forged_hot_key(cluster: Cluster) -> dict:
+def forged_hot_key(cluster: Cluster, zero_copy: bool = False) -> dict:
     """Issue 25 item 11: a forged object under a hot key (a shared system prompt:
     looked up, read and put again every few hundred ms). Every lookup and read
     renews Mooncake's read lease, so a remove that waits for the lease to end never
@@ -434,7 +445,7 @@ def forged_hot_key(cluster: Cluster) -> dict:
     cluster.lease_ttl_ms = int(lease_s * 1000)
     cluster.start_master()
     cluster.start_node()
-    backend = backend_for(cluster)
+    backend = backend_for(cluster, staging_bytes=0 if zero_copy else None)
     host = HostMemory(LAYOUT, 4)
     backend.register_host_memory(host.base, host.nbytes)
     want = host.fill(0, seed=7)
@@ -558,7 +569,9 @@ CASES = {
     "master_killed_mid_get": lambda c: master_killed(c, "get"),
     "node_killed": node_killed,
     "forged": forged,
+    "forged_zero_copy": lambda c: forged(c, zero_copy=True),
     "forged_hot_key": forged_hot_key,
+    "forged_hot_key_zero_copy": lambda c: forged_hot_key(c, zero_copy=True),
     "node_killed_locality": node_killed_locality,
 }
 

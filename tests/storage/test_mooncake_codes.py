@@ -261,6 +261,40 @@ def test_a_put_replaces_an_object_that_is_not_its_block_under_a_held_lease() -> 
     assert host.read(1) == host.read(0) and host.read(2) == host.read(0)
 
 
+def test_a_staged_put_replaces_whatever_is_under_its_keys_unread() -> None:
+    """Issue 27 item 1: a staged put is one Mooncake call per batch (an upsert):
+    no existence check, nothing read back; objects that are not the block (any
+    size, under a read lease) are replaced, not trusted, and a block already
+    stored is stored again."""
+    backend, store, host = open_backend(staged=True)
+    keys = make_keys(4)
+    assert backend.put_from(keys[3:], [host.segments(0)], deadline_after(SOON))[0].ok
+    store.objects[keys[0].text()] = bytes(OBJECT_BYTES)
+    store.objects[keys[1].text()] = bytes(100)
+    store.objects[keys[2].text()] = bytes(OBJECT_BYTES + 4096)
+    got = backend.get_into(keys, [host.segments(b) for b in (1, 2, 3, 4)], deadline_after(SOON))
+    assert statuses(got) == ["MISS", "MISS", "MISS", "OK"]  # every key under a read lease
+    calls: list[str] = []
+    for name in ("batch_is_exist", "batch_get_into", "batch_upsert_from", "remove"):
+        honest = getattr(store, name)
+
+        def counted(*args, _name=name, _honest=honest, **kw):
+            calls.append(_name)
+            return _honest(*args, **kw)
+
+        setattr(store, name, counted)
+    res = backend.put_from(keys, [host.segments(0)] * 4, deadline_after(SOON))
+    assert statuses(res) == ["OK"] * 4, [r.reason for r in res]
+    assert calls == ["batch_upsert_from"]
+    assert backend.forged_puts == 0 and store.removed == []
+    assert backend.stats().put_already_stored == 0
+    for b in (1, 2, 3, 4):
+        host.clear(b)
+    got = backend.get_into(keys, [host.segments(b) for b in (1, 2, 3, 4)], deadline_after(SOON))
+    assert statuses(got) == ["OK"] * 4
+    assert all(host.read(b) == host.read(0) for b in (1, 2, 3, 4))
+
+
 def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) -> None:
     """Read-backs go three objects per Mooncake call here; in one put of 8 keys, two
     of which met an object planted in the window, each key gets its own answer."""
@@ -301,23 +335,42 @@ def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) ->
 def test_a_staged_call_left_behind_never_touches_the_callers_block_again(call: str) -> None:
     """Staged mode: only the backend's own copies touch the caller's block. Once
     the caller is answered TIMEOUT it may reuse the block: a put left behind
-    stores nothing from it, a get left behind writes nothing into it."""
+    stores at most the block as it was when put_from was called (gathered on the
+    caller's thread before it waited), never what the caller wrote afterwards; a
+    get left behind writes nothing into it."""
     backend, store, host = open_backend(staged=True)
     keys = make_keys(2)
     assert backend.put_from(keys[:1], [host.segments(0)], deadline_after(SOON))[0].ok
     if call == "put":
-        store.exist_delay_s = 0.5  # stuck before it gathers the block
+        was = host.fill(1, seed=98)
+        store.put_delay_s = 0.5  # stuck inside Mooncake's put
         res = backend.put_from(keys[1:], [host.segments(1)], time.monotonic() + 0.1)
     else:
         store.get_delay_s = 0.5  # stuck before it scatters into the block
         res = backend.get_into(keys[:1], [host.segments(1)], time.monotonic() + 0.1)
     assert statuses(res) == ["TIMEOUT"]
     reused = host.fill(1, seed=99)  # the caller reuses its block at once
-    store.exist_delay_s = store.get_delay_s = 0.0
+    store.put_delay_s = store.get_delay_s = 0.0
     assert backend.close(5.0)  # waits for the call left behind to end
     assert host.read(1) == reused
     if call == "put":
-        assert keys[1].text() not in store.objects
+        stored = store.objects[keys[1].text()][OBJECT_BYTES - LAYOUT.payload_bytes :]
+        assert stored == was != reused
+
+
+def test_a_put_whose_caller_was_answered_before_it_ran_stores_nothing() -> None:
+    """A zero-copy put stuck in its existence check past the deadline: the caller
+    is answered TIMEOUT and reuses its block, and the put, when Mooncake returns,
+    puts nothing (it would read the block as the caller now has it)."""
+    backend, store, host = open_backend()
+    keys = make_keys(1)
+    host.fill(0, seed=5)
+    store.exist_delay_s = 0.5
+    res = backend.put_from(keys, [host.segments(0)], time.monotonic() + 0.1)
+    assert statuses(res) == ["TIMEOUT"]
+    store.exist_delay_s = 0.0
+    assert backend.close(5.0)
+    assert keys[0].text() not in store.objects
 
 
 def test_close_waits_for_calls_left_behind_and_keeps_a_stuck_store_open() -> None:

@@ -31,8 +31,9 @@ public root). Every object therefore carries a tag (HMAC-SHA256 under the
 deployment's key ring, fastkv.storage.auth) that a get verifies before anything is
 served; a backend without a ring must be asked for explicitly
 (`allow_unauthenticated=True`) and then accepts whatever any client stored. What
-a put does about an object already under its key (one that is not its block is
-removed), the window that remains and `verify_puts`, which closes it at a cost:
+a put does about an object already under its key (staged: replaced unread, in
+the put itself; zero-copy: read back, and one that is not its block removed), the
+window that remains for zero-copy and `verify_puts`, which closes it at a cost:
 fastkv.storage.mooncake.put.
 
 Failures stay local to what failed: a dead storage node fails its own keys (a
@@ -56,7 +57,8 @@ caller's memory:
   - zero-copy put: Mooncake reads it until its call returns; memory changed
     meanwhile makes the stored object fail verification: never served.
   - staged calls: only this backend's own copies touch it, and none starts once
-    the caller has been answered (deadline_pool's `Call`).
+    the caller has been answered (a put gathers its blocks on the caller's thread
+    before it waits; a get scatters under deadline_pool's `Call`).
 """
 
 from __future__ import annotations
@@ -370,7 +372,10 @@ class MooncakeBackend(StorageBackend):
         path: MooncakeGets | MooncakePuts,
     ) -> list[KeyResult]:
         """Runs `path.part` on the pool for each batch of up to max_batch keys,
-        holding one arena, while the deadline and the breaker allow."""
+        holding one arena, while the deadline and the breaker allow. A put's batch
+        is prepared first on this thread (`path.prepare`: staged into the arena,
+        or its headers sealed): bounded work (one batch's copy), done before the
+        caller can be answered."""
         results: list[KeyResult] = [
             KeyResult(KeyStatus.TIMEOUT, "deadline passed before the call")
         ] * len(keys)
@@ -392,9 +397,11 @@ class MooncakeBackend(StorageBackend):
                     break
                 stop = min(len(keys), start + self.max_batch)
                 call = Call()
-                args = (path.part, keys[start:stop], blocks[start:stop], arena, deadline, call)
+                part_keys, part_blocks = keys[start:stop], blocks[start:stop]
+                prep = path.prepare(part_keys, part_blocks, arena)  # on this thread
+                args = (path.part, part_keys, part_blocks, arena, deadline, call, prep)
                 fut = self._calls.submit(self._run_part, *args)
-                writes = blocks[start:stop] if path.writes_host else ()
+                writes = part_blocks if path.writes_host else ()
                 part = self._calls.wait(
                     fut, deadline, lambda a=arena: self._memory.give(a), call, writes
                 )
@@ -426,10 +433,11 @@ class MooncakeBackend(StorageBackend):
         arena: int,
         deadline: float,
         call: Call,
+        prep: object,
     ) -> list[KeyResult]:
         """One batch of Mooncake calls; reports its outcome to the breaker."""
         try:
-            part, fatal = run_part(keys, blocks, arena, deadline, call)
+            part, fatal = run_part(keys, blocks, arena, deadline, call, prep)
         except Exception as e:  # the binding raised: a failure, never a hang
             fatal = f"{type(e).__name__}: {e}"
             part = [KeyResult(KeyStatus.FAILED, f"Mooncake call raised {fatal}")] * len(keys)

@@ -6,6 +6,8 @@ Return codes, as measured on mooncake-transfer-engine-non-cuda 0.3.13.post1:
     put   0, -705 (exists)      stored (an existing key keeps its old value); -705
                                 answers ALREADY_STORED once the stored object
                                 verifies (fastkv.storage.mooncake.put)
+  upsert  0                     stored, replacing any object under the key (any
+                                size, read lease or not): staged puts
           -200 (pool full)      retried with a short backoff, at most `put_retries`
                                 times and never past the deadline; then FAILED
     get   == object size        verified (header + checksum) -> OK, else MISS (corrupt)

@@ -78,6 +78,12 @@ class MooncakeGets:
             hold_s, "its storage node failed a read (-800) moments ago", _MAX_QUARANTINED
         )
 
+    def prepare(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], arena: int
+    ) -> None:
+        """A get prepares nothing on the caller's thread (a put stages its objects)."""
+        return None
+
     def part(
         self,
         keys: Sequence[StorageKey],
@@ -85,6 +91,7 @@ class MooncakeGets:
         arena: int,
         deadline: float,
         call: Call,
+        prep: None = None,
     ) -> tuple[list[KeyResult], str | None]:
         """One batch of gets: the keys not held back by the quarantine in one
         Mooncake call, then each object verified (staged: scattered into the

@@ -1,40 +1,51 @@
 """One batch of `MooncakeBackend` puts, and what it does about objects already
 under its keys.
 
-Zero-copy (the default), each block's header is sealed in the call's header slot
-and Mooncake gathers the object from that slot and the block's own segments
-(`batch_put_from_multi_buffers`): it reads the caller's memory until its call
-returns, also for a put left behind at its deadline; memory changed meanwhile
-makes the stored object fail verification, so it is never served. Staged, each
-object is gathered (header, then segments) into the call's staging slot first,
-under the call's lock and only while the caller still waits. A put refused for a
-full pool (-200) is retried with a short backoff, at most `put_retries` times and
-never past the deadline.
+Every batch is prepared on the caller's own thread before it goes to a pool
+thread (`prepare`), so no copy from the caller's memory can start once the caller
+has been answered: staged (the default), each object is gathered (header, then
+segments) into the call's staging slot; zero-copy, each block's header is sealed
+in the call's header slot and Mooncake gathers the object from that slot and the
+block's own segments (`batch_put_from_multi_buffers`): it reads the caller's
+memory until its call returns, also for a put left behind at its deadline; memory
+changed meanwhile makes the stored object fail verification, so it is never
+served. A batch whose caller was answered (TIMEOUT) before its pool thread got to
+it puts nothing. A put refused for a full pool (-200) is retried with a short
+backoff, at most `put_retries` times and never past the deadline.
 
 Objects already there: any client that reaches the master can put any key, and
-keys are predictable, so an object under a key need not be this block. Mooncake
-keeps the old value when a key is put again (answering 0 or -705), so a put first
-asks which keys exist and reads those objects back: one that verifies is
-ALREADY_STORED; one that does not (forged, or another deployment's) is removed at
-once and the block put in its place, in the same call (counted in
-`forged_puts`). The remove is forced: every existence check, size query and read
-of a key renews Mooncake's read lease on it (measured: is_exist, get_size and get
-all do), and a plain remove is refused (-706) while the lease runs, so on a key
-in use (a shared system prompt, looked up every few hundred ms) a remove that
-waited for the lease would never come. Forcing it is safe for fastkv: a reader
-whose object vanishes mid-transfer reads bytes that fail verification (a miss),
-never a wrong block. A -705 from the put itself (a key that appeared since the
-existence check), or with verify_puts an object that does not verify after the
-put, is removed the same way and answers FAILED: the next put stores the block.
+keys are predictable, so an object under a key need not be this block.
 
-What remains: this Mooncake answers 0 for a put of a key that already holds an
-object (and keeps that object), so an object another client plants between the
-existence check and the put passes for the block: that put counts as stored; its
+Staged, a put replaces whatever is under its keys (`batch_upsert_from`): a forged
+object, or another deployment's, does not survive it, and nothing that was there is
+read, let alone trusted. Measured on the venv's Mooncake (0.3.13.post1, real master,
+tests/storage/test_mooncake.py): an upsert replaces an object of any size under a
+read lease (which a plain remove must wait out, -706), and a put answers 0 for a key
+that holds an object and keeps that object: with upsert that object cannot pass for
+the block. The cost: a block already stored is sent again (no existence check, no
+read-back), and a read of the key while it is replaced in place can see a mix of
+old and new bytes, which fails verification: a miss, never a wrong block.
+
+Zero-copy (Mooncake has no multi-buffer upsert), a put first asks which keys exist
+and reads those objects back: one that verifies is ALREADY_STORED; one that does
+not is removed at once and the block put in its place, in the same call (counted in
+`forged_puts`). The remove is forced: every existence check, size query and read of
+a key renews Mooncake's read lease on it (measured: is_exist, get_size and get all
+do), and a plain remove is refused (-706) while the lease runs, so on a key in use
+(a shared system prompt, looked up every few hundred ms) a remove that waited for
+the lease would never come. Forcing it is safe for fastkv: a reader whose object
+vanishes mid-transfer reads bytes that fail verification (a miss), never a wrong
+block. A -705 from the put itself (a key that appeared since the existence check),
+or with verify_puts an object that does not verify after the put, is removed the
+same way and answers FAILED: the next put stores the block. What remains there: an
+object another client plants between the existence check and the put passes for
+the block (this Mooncake answers 0 and keeps it): that put counts as stored; its
 reads still refuse it. It adds nothing to what any client can do anyway (replace
 or delete any object at any time: misses, never wrong KV, as reads verify).
-`verify_puts=True` closes it: every put is read back and counts as stored only if
-the object verifies. It is off by default because a read-back costs a get (17-45 %
-of put throughput measured over TCP loopback) and a get takes the master's read
+
+`verify_puts=True` (either way) reads every put back and counts it as stored only
+if the object verifies. It is off by default because a read-back costs a get (17-45
+% of put throughput measured over TCP loopback) and a get takes the master's read
 lease (10 s by default), so objects just written cannot be evicted for that long:
 on a pool smaller than write rate x lease, puts fail with -200.
 """
@@ -115,6 +126,18 @@ class MooncakePuts:
         self.pool_full_retries = 0
         self._lock = threading.Lock()  # the counters
 
+    def prepare(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], arena: int
+    ) -> list[object] | Exception:
+        """On the caller's thread, before the batch goes to the pool: what Mooncake
+        puts for each key (staged: the object gathered into the staging area;
+        zero-copy: the header sealed in the arena, then the block's segments), or
+        the error preparing raised (answered by `part` as a failure)."""
+        try:
+            return self._buffers(keys, blocks, arena)
+        except Exception as e:  # raised again on the pool thread, as a failed call
+            return e
+
     def part(
         self,
         keys: Sequence[StorageKey],
@@ -122,78 +145,93 @@ class MooncakePuts:
         arena: int,
         deadline: float,
         call: Call,
+        prep: list[object] | Exception,
     ) -> tuple[list[KeyResult], str | None]:
-        """One batch of puts: keys that already hold an object are read back (stored
-        only if it is this block; an object that is not is removed and joins the
-        puts); the others are sealed (or staged) and put, those the full pool
-        refused retried; what the put met on the way, and with verify_puts what it
-        stored, is read back. Returns the results and the fatal outcome (None if
-        Mooncake's master answered every call)."""
+        """One batch of puts of the objects `prepare` made: staged, each replaces
+        whatever is under its key; zero-copy, keys that already hold an object are
+        read back first (stored only if it is this block; one that is not is
+        removed and joins the puts). Those the full pool refused are retried; what
+        a put met on the way, and with verify_puts what it stored, is read back.
+        Returns the results and the fatal outcome (None if Mooncake's master
+        answered every call)."""
+        if isinstance(prep, Exception):
+            raise RuntimeError(f"preparing the objects failed: {prep}") from prep
         results: list[KeyResult | None] = [None] * len(keys)
         names = [k.text() for k in keys]
+        pending = list(range(len(keys)))
+        fatal: str | None = None
+        if not self._staged:
+            found, fatal = self._existing(keys, names, results, arena, deadline)
+            if found is None:  # is_exist answered a fatal code: every key failed
+                return results, fatal  # type: ignore[return-value]
+            pending = found
+        with call.lock:
+            if call.abandoned:  # the caller was answered: its put stores nothing
+                return [LEFT_BEHIND] * len(keys), fatal
+        written, appeared, fatal = self._put_with_retries(
+            names, pending, prep, results, deadline, fatal
+        )
+        # 0 also answers a plain put that met an object: stored only if what is
+        # there now is this block.
+        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
+        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
+        return results, fatal  # type: ignore[return-value]
+
+    def _existing(
+        self,
+        keys: Sequence[StorageKey],
+        names: list[str],
+        results: list[KeyResult | None],
+        arena: int,
+        deadline: float,
+    ) -> tuple[list[int] | None, str | None]:
+        """Zero-copy: which keys already hold an object; those are read back (results
+        set: ALREADY_STORED when it is this block) and one that is not is removed.
+        Returns the keys to put (None, every result FAILED, when is_exist answered
+        a fatal code) and the fatal outcome."""
         exist = self._store.batch_is_exist(names)
         fatal_code = next((c for c in exist if c in FATAL_CODES), None)
         if fatal_code is not None:
             failed = KeyResult(KeyStatus.FAILED, f"Mooncake is_exist answered {fatal_code}")
-            return [failed] * len(keys), f"is_exist answered {fatal_code}"
+            results[:] = [failed] * len(keys)
+            return None, f"is_exist answered {fatal_code}"
         pending = []
         met: list[int] = []  # keys holding an object: stored only if it is this block
         for j, code in enumerate(exist):
             (met if code == 1 else pending).append(j)
         removed: list[int] = []  # met an object that is not this block, removed it
         fatal = self._read_back(keys, met, results, arena, deadline, None, removed=removed)
-        pending = sorted(pending + removed)
-        ptrs = self._buffers(keys, blocks, pending, arena, call)
-        if ptrs is None:  # the caller was answered before its blocks were staged
-            return [LEFT_BEHIND] * len(keys), fatal
-        written, appeared, fatal = self._put_with_retries(
-            names, pending, ptrs, results, deadline, fatal
-        )
-        # 0 also answers a put that met an object: stored only if what is there now
-        # is this block.
-        fatal = self._read_back(keys, appeared, results, arena, deadline, fatal)
-        fatal = self._read_back(keys, written, results, arena, deadline, fatal, stored=OK)
-        return results, fatal  # type: ignore[return-value]
+        return sorted(pending + removed), fatal
 
     def _buffers(
-        self,
-        keys: Sequence[StorageKey],
-        blocks: Sequence[BlockSegments],
-        pending: list[int],
-        arena: int,
-        call: Call,
-    ) -> dict[int, object] | None:
-        """What Mooncake puts for each key in `pending`: staged, the object gathered
-        (header, then segments) into the staging area; zero-copy, the header
-        sealed in the arena, then the block's own segments. None when `call` was
-        answered before every block was staged (its blocks are the caller's again)."""
-        ptrs: dict[int, object] = {}
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], arena: int
+    ) -> list[object]:
+        """What Mooncake puts for each key: staged, the object gathered (header,
+        then segments) into the staging area; zero-copy, the header sealed in the
+        arena, then the block's own segments."""
         nseg = self._layout.num_segments
-        packed = memoryview(_disk_io.pack_segments([blocks[j] for j in pending], nseg))
-        for i, j in enumerate(pending):
-            key, segs = keys[j], blocks[j]
-            seg_array = packed[16 * nseg * i : 16 * nseg * (i + 1)]
+        packed = memoryview(_disk_io.pack_segments(blocks, nseg))
+        memory, layout, ring = self._memory, self._layout, self._ring
+        ptrs: list[object] = []
+        for j, key in enumerate(keys):
+            seg_array = packed[16 * nseg * j : 16 * nseg * (j + 1)]
             if self._staged:
-                header = bytearray(expected_header(key, self._layout, 0))
-                with call.lock:  # the caller's block, while the caller still waits
-                    if call.abandoned:
-                        return None
-                    _disk_io.stage_block(
-                        self._memory.object_addr(arena, j), header, seg_array, self._ring
-                    )
-                ptrs[j] = self._memory.object_addr(arena, j)
+                addr = memory.object_addr(arena, j)
+                header = bytearray(expected_header(key, layout, 0))
+                _disk_io.stage_block(addr, header, seg_array, ring)
+                ptrs.append(addr)
                 continue
-            header_view = self._memory.header_view(arena, j)
-            header_view[:] = expected_header(key, self._layout, 0)
-            _disk_io.seal_header(header_view, seg_array, self._ring)
-            ptrs[j] = [self._memory.header_addr(arena, j), *(p for p, _ in segs)]
+            header_view = memory.header_view(arena, j)
+            header_view[:] = expected_header(key, layout, 0)
+            _disk_io.seal_header(header_view, seg_array, ring)
+            ptrs.append([memory.header_addr(arena, j), *(p for p, _ in blocks[j])])
         return ptrs
 
     def _put_with_retries(
         self,
         names: list[str],
         pending: list[int],
-        ptrs: dict[int, object],
+        ptrs: list[object],
         results: list[KeyResult | None],
         deadline: float,
         fatal: str | None,
@@ -225,9 +263,10 @@ class MooncakePuts:
         return written, appeared, fatal
 
     def _objects(self, names: list[str], ptrs: list[object]) -> list[int]:
-        """One Mooncake put call for these objects; its codes."""
+        """One Mooncake put call for these objects (staged: replacing whatever is
+        under their keys); its codes."""
         if self._staged:
-            return self._store.batch_put_from(names, ptrs, [self._object_bytes] * len(names))
+            return self._store.batch_upsert_from(names, ptrs, [self._object_bytes] * len(names))
         return self._store.batch_put_from_multi_buffers(
             names, ptrs, [self._lengths] * len(names)
         )
