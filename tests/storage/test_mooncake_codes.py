@@ -295,6 +295,35 @@ def test_a_staged_put_replaces_whatever_is_under_its_keys_unread() -> None:
     assert all(host.read(b) == host.read(0) for b in (1, 2, 3, 4))
 
 
+def test_a_staged_put_with_verify_puts_refuses_what_it_reads_back() -> None:
+    """Staged puts upsert; with verify_puts each is still read back, and one whose
+    object is not the block by then (another client's upsert won) is FAILED and
+    removed; the next put stores the block."""
+    store = FakeMooncakeStore()
+    options = MooncakeOptions(auth=TEST_AUTH, verify_puts=True)
+    backend = MooncakeBackend(LAYOUT, options, store=store)
+    assert backend.staged
+    host = HostMemory(LAYOUT, 2)
+    host.fill(0, seed=4)
+    keys = make_keys(2)
+    honest_put = store._put
+
+    def overwritten(name: str, ptrs: list[int], sizes: list[int]) -> int:
+        code = honest_put(name, ptrs, sizes)
+        if name == keys[1].text():
+            store.objects[name] = bytes(OBJECT_BYTES)  # the other client's upsert
+        return code
+
+    store._put = overwritten  # type: ignore[method-assign]
+    res = backend.put_from(keys, [host.segments(0)] * 2, deadline_after(SOON))
+    store._put = honest_put  # type: ignore[method-assign]
+    assert statuses(res) == ["OK", "FAILED"] and "not this block" in res[1].reason
+    assert keys[1].text() not in store.objects and backend.forged_puts == 1
+    assert backend.put_from(keys[1:], [host.segments(0)], deadline_after(SOON))[0].ok
+    got = backend.get_into(keys[1:], [host.segments(1)], deadline_after(SOON))
+    assert statuses(got) == ["OK"] and host.read(1) == host.read(0)
+
+
 def test_puts_are_read_back_in_batches_and_each_key_judged_alone(monkeypatch) -> None:
     """Read-backs go three objects per Mooncake call here; in one put of 8 keys, two
     of which met an object planted in the window, each key gets its own answer."""

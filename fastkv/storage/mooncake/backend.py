@@ -214,7 +214,9 @@ class MooncakeBackend(StorageBackend):
 
     @property
     def forged_puts(self) -> int:
-        """Objects a put found under its key that were not its block (removed)."""
+        """Objects a put found under its key that were not its block (removed):
+        zero-copy puts, and with verify_puts any put whose read-back failed (a
+        staged put replaces what is under its key unread)."""
         return self._puts.forged_puts
 
     @property
