@@ -753,6 +753,12 @@ class _PDRun:
             "pd_sum_on_GBps": round(gbps["on"], 2),
             "off_vs_raw": round(gbps["off"] / gbps["raw"], 2),
             "on_vs_raw": round(gbps["on"] / gbps["raw"], 2),
+            # the same ratio per repetition (raw and PD side by side in it),
+            # median over repetitions: steadier when the load moves between them
+            "on_vs_raw_paired": round(
+                statistics.median(r / o for r, o in zip(runs["raw"], runs["on"], strict=True)),
+                2,
+            ),
             "raw_ms": round(statistics.median(runs["raw"]) * 1e3, 1),
             "d_after_p_off_ms": round(statistics.median(tails["off"]) * 1e3, 1),
             "d_after_p_on_ms": round(statistics.median(tails["on"]) * 1e3, 1),
