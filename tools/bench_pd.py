@@ -731,20 +731,18 @@ class _PDRun:
         bench_raw_te(self.engine, self.peer, raw)  # warm the connection
         runs: dict[str, list[float]] = {"raw": [], "write": [], "off": [], "on": []}
         tails: dict[str, list[float]] = {"off": [], "on": []}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}  # P's process CPU seconds
         for r in range(reps):
             for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
-                if name == "raw":
-                    runs[name].append(bench_raw_te(self.engine, self.peer, raw))
-                    continue
-                if name == "write":  # the transport alone: one `write` per layer
-                    runs[name].append(
-                        bench_te_transport(self.transport, self.peer, pieces, True)
-                    )
-                    continue
-                total_s, tail_s = self.pd_once(senders[name == "on"], src_ids, dst_ids)
-                runs[name].append(total_s)
-                tails[name].append(tail_s)
+                c0 = time.process_time()
+                self.run_one(name, runs, tails, senders, pieces, raw, src_ids, dst_ids)
+                cpu[name].append(time.process_time() - c0)
         gbps = {k: blocks * block / statistics.median(v) / 1e9 for k, v in runs.items()}
+        # P's CPU per GB moved: the engine's own wait spins a core throughout a
+        # raw transfer; fastkv's peer thread sleeps through most of it
+        cpu_ms_gb = {
+            k: statistics.median(v) * 1e3 / (blocks * block / 1e9) for k, v in cpu.items()
+        }
         return {
             "block_KiB": block >> 10,
             "piece_KiB": round(block / (2 * layers) / 1024, 1),
@@ -755,10 +753,29 @@ class _PDRun:
             "pd_sum_on_GBps": round(gbps["on"], 2),
             "off_vs_raw": round(gbps["off"] / gbps["raw"], 2),
             "on_vs_raw": round(gbps["on"] / gbps["raw"], 2),
+            # the same ratio per repetition (raw and PD side by side in it),
+            # median over repetitions: steadier when the load moves between them
+            "on_vs_raw_paired": round(
+                statistics.median(r / o for r, o in zip(runs["raw"], runs["on"], strict=True)),
+                2,
+            ),
             "raw_ms": round(statistics.median(runs["raw"]) * 1e3, 1),
             "d_after_p_off_ms": round(statistics.median(tails["off"]) * 1e3, 1),
             "d_after_p_on_ms": round(statistics.median(tails["on"]) * 1e3, 1),
+            "P_cpu_ms_per_GB_raw": round(cpu_ms_gb["raw"]),
+            "P_cpu_ms_per_GB_on": round(cpu_ms_gb["on"]),
         }
+
+    def run_one(self, name, runs, tails, senders, pieces, raw, src_ids, dst_ids) -> None:
+        """One timed transfer of series `name`, appended to `runs` (and `tails`)."""
+        if name == "raw":
+            runs[name].append(bench_raw_te(self.engine, self.peer, raw))
+        elif name == "write":  # the transport alone: one `write` per layer
+            runs[name].append(bench_te_transport(self.transport, self.peer, pieces, True))
+        else:
+            total_s, tail_s = self.pd_once(senders[name == "on"], src_ids, dst_ids)
+            runs[name].append(total_s)
+            tails[name].append(tail_s)
 
 
 def bench_pd_inside(block_sizes: list[int], total: int, layers: int, reps: int) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -272,7 +273,34 @@ class PDWorker:
         assert self.receiver is not None
         return self.receiver.num_expected
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop serving this layout and close the transport, which lets go of every
+        region registered in it; call it before the KV tensors are freed (the
+        controller's `free_gpu_cache` does). P: every send starts no more writes
+        and its writes, which read the KV, are waited on (at most `timeout_s`);
+        each settles as usual (D told, the scheduler sent its report). D: every
+        expected transfer is forgotten (the scheduler fences its blocks); with
+        the regions gone, a late write from P is refused by the transport
+        instead of landing in freed memory."""
+        if self.sender is not None:
+            self.sender.abort_all("the KV cache was freed on P")
+            end = time.monotonic() + timeout_s
+            while True:
+                self.poll()
+                if not self.sender.num_sends or time.monotonic() >= end:
+                    break
+                time.sleep(0.002)
+            if self.sender.num_sends:
+                log.error(
+                    "fastkv PD rank %d: %d sends still writing after %.1f s; closing",
+                    self.layout.tp_rank,
+                    self.sender.num_sends,
+                    timeout_s,
+                )
+        else:
+            assert self.receiver is not None
+            for epoch, transfer_id in self.receiver.expected():
+                self.forget(epoch, transfer_id)
         self.transport.close()
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -64,6 +65,7 @@ from fastkv.worker.transfer_manager import DEFAULT_TIMEOUT
 log = logging.getLogger(__name__)
 
 DEFAULT_SWAP_IN_RETRIES = 8
+FREE_FLUSH_S = 2.0  # free_gpu_cache waits this long at most for the scheduler's acks
 """Copies of a failed swap-in at most, inside the layer's wait (see `swap_in_retries`)."""
 
 
@@ -451,11 +453,17 @@ class FastDeployCacheController:
         """Let go of every KV tensor: stop reporting, wait for in-flight copies
         (reporting them), drop the controller (and its host tier) and every
         reference fastkv holds to the tensors (`cache_kvs_map` is emptied: it is
-        the dict the runner got from `get_kv_caches`). FastDeploy's runner calls
+        the dict the runner got from `get_kv_caches`), and flush the results
+        channel (at most `FREE_FLUSH_S`). FastDeploy's runner calls
         this after its profiling run, at `clear_parameters` and when the KV cache
-        sleeps; `initialize_kv_cache` may run again afterwards. No-op without a
-        cache."""
+        sleeps; `initialize_kv_cache` may run again afterwards. With PD attached,
+        first `PDWorker.close` (P's writes settle, the transport lets go of the
+        tensors): PD serves again once `attach_pd` is called on the new cache. No-op
+        without a cache."""
         self.stop()
+        pd, self.pd = self.pd, None
+        if pd is not None:  # before the tensors go: its writes read them
+            pd.close()
         with self._lock:
             ctrl, self.controller = self.controller, None
             if ctrl is not None:
@@ -468,6 +476,11 @@ class FastDeployCacheController:
             self.cache_kvs_map.clear()
             self._caches = []
             self.swap_layer_done_counter = None
+        # The reporter is stopped: hand the scheduler what the free produced
+        # (copies' results, PD reports) now rather than at the next cache.
+        end = time.monotonic() + FREE_FLUSH_S
+        while self.sender.flush() and time.monotonic() < end:
+            time.sleep(0.005)
 
     def free_cache(self, clear_storage: bool = False) -> bool:
         """`free_gpu_cache`, then close the results sender (shutdown). Returns True,

@@ -22,6 +22,11 @@ What it does on top of the engine:
   transport rejects pieces past its per-peer queue and then fails every later
   batch to that peer (0.3.13). A larger write, or one behind others, goes in
   chunks as earlier batches settle (`_Peer`).
+- The engine's wait spins: a peer's thread that called it at submission would
+  burn a core for the whole transfer, the core a TCP transfer and the checksums
+  need on a small host, and the engine loop's core on a large one. So the thread
+  first sleeps until shortly before the batch's estimated end, estimated from the
+  rate this peer's batches have measured, and spins only for the rest (`_Peer`).
 - The engine's submit costs the submitting thread about 2 µs per piece here, so
   by default the peer's thread submits and `write` only checks and queues (about
   15-25 µs for 64 pieces); `submit_in_caller=True` submits on the calling thread.
@@ -68,6 +73,10 @@ NOTIFY_THREADS = 2
 QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
+WAKE_EARLY = 0.15  # a peer's thread wakes this share of a batch's estimate early
+RATE_WEIGHT = 0.3  # weight of a newly timed batch in a peer's rate
+RATE_STEP = 1.5  # a peer's rate grows by this when a batch ended before the wake
+SPUN = 100e-6  # an engine wait shorter than this found its batch already over
 
 
 def _check_unsigned(*lists: list) -> None:
@@ -142,7 +151,21 @@ class _Peer:
     pieces in flight within `cap`, by this peer's thread as earlier batches settle
     (with `inline`, what fits at once by the caller's thread). The same thread
     waits for every batch (the engine's wait blocks and spins a core) in
-    submission order."""
+    submission order.
+
+    Paced waiting: the engine takes one peer's pieces in order, so a batch
+    starts about when the one before it was seen to end (or when submitted, if
+    later) and takes `bytes / rate`, `rate` being this peer's measured rate.
+    The thread sleeps through `1 - WAKE_EARLY` of that estimate, then spins in
+    the engine's wait for the rest. A batch the wait had to spin on was timed,
+    and moves the rate by `RATE_WEIGHT` toward what it measured. A batch already
+    over at the wake ran faster than estimated by an unknown amount: the rate
+    grows by `RATE_STEP` at once, so a faster link (larger blocks, a quieter
+    host) costs a few late wakes, not a slow drift. An estimate that runs short
+    (a slower link, batches sharing the engine) only means a longer spin. Until
+    one batch was timed there is no rate and the thread spins throughout, as
+    the engine's own callers do. A handle's deadline does not depend on any of
+    this (`MooncakeWriteHandle.state`), and `close` wakes a sleeper."""
 
     def __init__(self, engine: Any, peer: str, cap: int) -> None:
         self._engine = engine
@@ -150,7 +173,10 @@ class _Peer:
         self._cap = cap
         self._in_flight = 0  # pieces submitted whose batch is not yet waited on
         self._backlog: deque[_Job] = deque()  # jobs with pieces not yet submitted
-        self._waiting: deque[tuple[int, int, _Job]] = deque()  # (batch, pieces, job)
+        # (batch, pieces, job, bytes, submitted at)
+        self._waiting: deque[tuple[int, int, _Job, int, float]] = deque()
+        self._rate = 0.0  # measured bytes per second; 0 until a batch was timed
+        self._last_end = 0.0  # when the previous batch was seen to settle
         self._cond = threading.Condition()
         self._current: _Job | None = None  # the job whose batch the thread waits on
         self._closed = False
@@ -176,7 +202,7 @@ class _Peer:
             self._closed = True
             for job in self._backlog:
                 job.handle._settle(WriteState.FAILED)
-            for _, _, job in self._waiting:
+            for _, _, job, *_ in self._waiting:
                 job.handle._settle(WriteState.FAILED)
             if self._current is not None:
                 self._current.handle._settle(WriteState.FAILED)
@@ -201,7 +227,8 @@ class _Peer:
             end = job.next + (left if left <= room else min(room, max(1, self._cap // 2)))
             batch, why = self._submit(job, end)
             if batch:
-                self._waiting.append((batch, end - job.next, job))
+                nbytes = sum(job.lengths[job.next : end])
+                self._waiting.append((batch, end - job.next, job, nbytes, time.monotonic()))
                 self._in_flight += end - job.next
                 job.outstanding += 1
                 job.next = end
@@ -211,6 +238,33 @@ class _Peer:
                 raise TransportError(f"peer={self._peer!r}: {why}; nothing was started")
             if not batch:
                 job.handle._settle(WriteState.FAILED)
+
+    def _pace(self, nbytes: int, start: float) -> float:
+        """Sleep until `WAKE_EARLY` of the batch's estimated time before its
+        estimated end, submitting queued chunks as they fit (lock held).
+        Returns when it woke."""
+        if self._rate:
+            wake = start + (1 - WAKE_EARLY) * nbytes / self._rate
+            while not self._closed and (left := wake - time.monotonic()) > 0:
+                self._cond.wait(left)
+                self._fill()
+        return time.monotonic()
+
+    def _measured(self, nbytes: int, start: float, woke: float) -> None:
+        """Fold a batch that settled now into the rate (lock held): a batch the
+        engine's wait had to spin on was timed; one already over when the thread
+        woke ran faster than the estimate by an unknown amount, so the rate
+        grows by `RATE_STEP` at once."""
+        now = self._last_end = time.monotonic()
+        if (took := now - start) <= 0:
+            return
+        sample = nbytes / took
+        if not self._rate:
+            self._rate = sample
+        elif now - woke < SPUN:
+            self._rate = max(sample, self._rate * RATE_STEP)
+        else:
+            self._rate += RATE_WEIGHT * (sample - self._rate)
 
     def _submit(self, job: _Job, end: int) -> tuple[int, str]:
         """Pieces [job.next, end) to the engine: (batch id, "") or (0, why not)."""
@@ -238,13 +292,17 @@ class _Peer:
                     self._fill()
                 if not self._waiting:
                     continue
-                batch, count, job = self._waiting.popleft()
+                batch, count, job, nbytes, submitted = self._waiting.popleft()
                 self._current = job
+                start = max(submitted, self._last_end)  # FIFO: after the one before
+                woke = self._pace(nbytes, start)
             # blocks (GIL released) until the batch completed, failed or hit the
             # engine's timeout; the engine frees the batch on every outcome
             rc = self._engine.get_batch_transfer_status([batch])
             with self._cond:
                 self._current = None
+                if rc == 0:
+                    self._measured(nbytes, start, woke)
                 self._in_flight -= count
                 job.outstanding -= 1
                 if rc != 0:

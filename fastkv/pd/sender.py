@@ -255,6 +255,16 @@ class PDSender:
                 self._stop(send, "aborted on P")
                 self._active = [s for s in self._active if s is not send]
 
+    def abort_all(self, reason: str) -> int:
+        """`abort` every send not finished handing over, with `reason`; returns
+        how many were still open (each settles as usual, failed if stopped)."""
+        with self._lock:
+            for send in self._sends.values():
+                if not send.finished:
+                    self._stop(send, reason)
+            self._active = []
+            return len(self._sends)
+
     @staticmethod
     def _stop(send: _Send, reason: str) -> None:
         send.failed = send.failed or reason

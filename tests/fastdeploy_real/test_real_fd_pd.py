@@ -6,6 +6,8 @@ between the ranks (Mooncake TE: `test_real_fd_pd_te.py`)."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -426,3 +428,61 @@ def test_p_sends_each_layer_from_the_runners_hook_before_computing_the_next(
     pair.wait_idle()
     pair.d.check_clean()
     pair.check_no_leaks()
+
+
+def test_freeing_the_kv_cache_mid_send_waits_for_p_s_writes_and_detaches_pd(
+    make_pair: Any,
+) -> None:
+    """FastDeploy's KV sleep (the runner's `clear_cache`: free_gpu_cache) while P's
+    writes of a send are in flight (here: while P's token processor waits for the
+    send, as a sleep from another thread would find it). The writes read the KV,
+    so they settle before the tensors go; the send's report reaches the scheduler
+    (the reporter thread is stopped by then); the rank's transport is closed (it
+    lets go of the registered tensors) and the rank has no PD until `attach_pd` on
+    the new cache. D decodes from what landed. On D the same drops what it
+    expected."""
+    from fastkv.pd.transport import Piece, TransportError
+
+    fab = InProcFabric(write_timeout_s=30.0)
+    pair = make_pair(fabric=fab, send_timeout_s=30.0, timeout_s=30.0)
+    p_run, worker = pair.p.runners[0], pair.p_workers[0]
+    seen: list[tuple[int, int, int]] = []
+    wait_for_send = pair.finished.get_finished_req
+
+    def sleep_while_waiting() -> list[list[Any]]:
+        if fab.num_queued and not seen:  # the send's writes are in flight
+            open_before = worker.num_open
+            stop = threading.Event()
+
+            def others() -> None:  # the transport and P's engine loop run meanwhile
+                while not stop.wait(0.005):
+                    fab.pump()
+                    pair.p.cache_manager.poll_results()
+
+            thread = threading.Thread(target=others)
+            thread.start()
+            try:
+                p_run.clear_cache()
+            finally:
+                stop.set()
+                thread.join()
+            seen.append((open_before, worker.num_open, fab.num_queued))
+        return wait_for_send()
+
+    pair.finished.get_finished_req = sleep_while_waiting
+    served = pair.start(pair.request("a", PROMPT_A, 3))
+    fab.hold_writes = True
+    t0 = time.monotonic()
+    pair.prefill([served])
+    assert time.monotonic() - t0 < 10  # the report came, not the 30 s deadline
+    assert seen == [(1, 0, 0)]  # open, then settled with no write left, before the free
+    assert p_run.cache_controller.pd is None
+    with pytest.raises(TransportError, match="closed"):
+        worker.transport.write(pair.d_workers[0].transport.address, [Piece(1, 1, 1)])
+    fab.hold_writes = False
+    pair.deliver_first_tokens([served])
+    pair.decode()  # D's runner checks every KV position it reads
+    assert served.first_token_error is None
+    d_run, d_worker = pair.d.runners[0], pair.d_workers[0]
+    d_run.clear_cache()
+    assert d_run.cache_controller.pd is None and d_worker.num_open == 0
