@@ -1953,6 +1953,24 @@ check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* array.array: the type of the block tables match_path hands back. */
+static PyObject *array_type;
+static PyObject *int32_code; /* "i": a C int */
+_Static_assert(sizeof(int) == sizeof(int32_t), "array('i') holds int32");
+
+/* A new array('i') of the n int32 values at ids: one copy, no int object per value. */
+static PyObject *
+int32_array(const int32_t *ids, Py_ssize_t n)
+{
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)ids, n * (Py_ssize_t)sizeof(int32_t));
+    if (raw == NULL) {
+        return NULL;
+    }
+    PyObject *arr = PyObject_CallFunctionObjArgs(array_type, int32_code, raw, NULL);
+    Py_DECREF(raw);
+    return arr;
+}
+
 #define STATE_SWAP_TO_DEVICE 3
 #define STATE_PENDING_HOST 5
 #define STATE_LOADING_FROM_STORAGE 7
@@ -2005,11 +2023,17 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         n = limit < 0 ? 0 : limit;
     }
     PyObject *nodes = PyList_New(n);
-    PyObject *blocks = nodes != NULL ? PyList_New(n) : NULL;
-    if (blocks == NULL) {
-        Py_XDECREF(nodes);
+    if (nodes == NULL) {
         return NULL;
     }
+    /* The device blocks as int32, an array('i') at the end: no int object per
+     * block (block ids are int32, see block_pool.MAX_BLOCKS). */
+    int32_t ids_buf[256], *block_ids = ids_buf;
+    if (n > 256 && (block_ids = PyMem_Malloc(n * sizeof(int32_t))) == NULL) {
+        Py_DECREF(nodes);
+        return PyErr_NoMemory();
+    }
+    PyObject *blocks = NULL;
     /* Pass 1: find the path; nothing changes. */
     TreeNodeObject *parent = (TreeNodeObject *)args[1];
     Py_ssize_t matched = 0, num_blocks = 0, num_host = 0;
@@ -2049,17 +2073,11 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             num_host++;
         }
         else if (num_host == 0) {
-            PyObject *block = PyLong_FromLong(node->device_block);
-            if (block == NULL) {
-                matched++;
-                goto error;
-            }
-            PyList_SET_ITEM(blocks, num_blocks++, block);
+            block_ids[num_blocks++] = node->device_block;
         }
         parent = node;
     }
     Py_SET_SIZE(nodes, matched); /* shrinking never fails */
-    Py_SET_SIZE(blocks, num_blocks);
     if (name != NULL && matched < PyList_GET_SIZE(hashes)) {
         PyObject **items = ((PyListObject *)hashes)->ob_item;
         Py_ssize_t size = PyList_GET_SIZE(hashes);
@@ -2067,6 +2085,10 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             check_digests_distinct(items, size, name, DIGEST_SIZE) < 0) {
             goto error;
         }
+    }
+    blocks = int32_array(block_ids, num_blocks);
+    if (blocks == NULL) {
+        goto error;
     }
     PyObject *result = Py_BuildValue("(OOnO)", nodes, blocks, num_host,
                                      waiting ? Py_True : Py_False);
@@ -2104,12 +2126,17 @@ match_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_DECREF(nodes);
     Py_DECREF(blocks);
+    if (block_ids != ids_buf) {
+        PyMem_Free(block_ids);
+    }
     return result;
 error:
     Py_SET_SIZE(nodes, matched);
-    Py_SET_SIZE(blocks, num_blocks);
     Py_DECREF(nodes);
-    Py_DECREF(blocks);
+    Py_XDECREF(blocks);
+    if (block_ids != ids_buf) {
+        PyMem_Free(block_ids);
+    }
     return NULL;
 }
 
@@ -2211,6 +2238,18 @@ PyInit__tree_node(void)
     if (PyType_Ready(&TreeNodeType) < 0 || PyType_Ready(&LRUListType) < 0 ||
         PyType_Ready(&LRUIterType) < 0 || PyType_Ready(&NodeIndexType) < 0) {
         return NULL;
+    }
+    if (array_type == NULL) {
+        PyObject *array_module = PyImport_ImportModule("array");
+        if (array_module == NULL) {
+            return NULL;
+        }
+        array_type = PyObject_GetAttrString(array_module, "array");
+        Py_DECREF(array_module);
+        int32_code = PyUnicode_InternFromString("i");
+        if (array_type == NULL || int32_code == NULL) {
+            return NULL;
+        }
     }
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) {

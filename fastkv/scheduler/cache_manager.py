@@ -29,9 +29,10 @@ is on no eviction list, so nothing evicts it before the result.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, as_int
 from fastkv.hashing import (
     BlockHasher,
     ExtraKey,
@@ -530,7 +531,7 @@ class CacheManager:
             self._tiers.plan_swap_in(req, nodes[before:], ids)
         elif keep > before:
             blocks.extend(n.device_block for n in nodes[before:])
-        blocks += ids[num_swap:]
+        blocks.extend(ids[num_swap:])
         req.allocated = True
         return Allocation(
             AllocStatus.ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
@@ -748,6 +749,19 @@ class CacheManager:
             ValueError: unknown request, or `start` not an int in [0, table length].
         """
         return BlockTable.of(self._get(request_id), self.block_size, start)
+
+    def block_ids(self, request_id: RequestId, start: int = 0) -> array[int]:
+        """The device blocks of `block_table(request_id, start)` as a new int32
+        `array`: for an engine that copies them into an int32 table of its own
+        (`numpy.frombuffer(..., dtype=numpy.int32)`) without an int object per
+        block. The slots (and so where to compute from) come from `block_table`.
+        O(positions returned).
+
+        Raises:
+            ValueError: unknown request, or `start` not an int in [0, table length].
+        """
+        blocks = self._get(request_id).blocks
+        return blocks[as_int("start", start, 0, len(blocks)) :]
 
     def num_blocks(self, request_id: RequestId) -> int:
         """The length of the request's block table (O(1))."""

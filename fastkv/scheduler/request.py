@@ -3,6 +3,7 @@ engine passes in for a request (its hashes, its counts)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 
 from fastkv.config import as_int
@@ -54,7 +55,10 @@ class RequestState:
         self.hash_set: set[BlockHash] | None = None  # made at the first append_hashes
         self.hasher: BlockHasher | None = None  # the manager hashes its tokens (add_request)
         self.nodes = nodes  # locked path; position i holds block i's node
-        self.blocks: list[int] = []  # device block table
+        # The device block table: int32 ids, no int object per block (a full hit
+        # hands out its table without making one; an engine reads it through
+        # `BlockTable` or `CacheManager.block_ids`).
+        self.blocks: array[int] = array("i")
         self.loading = 0  # blocks of its swap-in whose result has not arrived
         self.rolled_back: list[int] = []  # positions whose swap-in failed
         # Set once some position below len(nodes) holds a block its node does not

@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import os
 import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -467,7 +468,14 @@ def test_digest_checks_are_the_same_in_c_and_python(
     assert request.checked_hashes(()) == []
 
 
-def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """Both walks lock the same nodes and hand back the same device blocks, as an
+    int32 array: no int object per matched block."""
+    if not native:
+        monkeypatch.setattr(rt, "_match_path", None)
     tree = RadixTree()
     keys = [i.to_bytes(32, "big") for i in range(6)]
     path, _ = tree.insert(tree.root, keys, [10, 11, 12, 13, 14, 15])
@@ -479,12 +487,13 @@ def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> No
     for node in (path[2], path[4]):
         tree.device_lru.pop(node, None)
     nodes, blocks, num_host, waiting = tree.match_and_lock(keys, 6)
-    assert nodes == path[:4] and blocks == [10, 11] and num_host == 1 and waiting
+    assert type(blocks) is array and blocks.typecode == "i"
+    assert nodes == path[:4] and blocks.tolist() == [10, 11] and num_host == 1 and waiting
     assert [n.ref for n in path] == [1, 1, 1, 1, 0, 0]
     assert all(n not in tree.device_lru for n in path[:4])
     tree.unlock(nodes)
     nodes, blocks, num_host, waiting = tree.match_and_lock(keys[:2], 1)
-    assert nodes == path[:1] and blocks == [10] and not num_host and not waiting
+    assert nodes == path[:1] and blocks == array("i", [10]) and not num_host and not waiting
     tree.unlock(nodes)
 
 
