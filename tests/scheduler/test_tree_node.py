@@ -628,6 +628,29 @@ def test_digest_keys_and_equal_bytes_subclasses_find_each_other() -> None:
     assert plain not in index and len(index) == 1
 
 
+def test_a_node_added_during_a_grow_goes_where_the_move_has_not_reached() -> None:
+    """Issue 27: while the index grows, a key lives in one array only: the old one
+    until the move reaches its bucket, the new one after. Keys added mid-grow
+    whose buckets the move has not reached go to the old array (they once all went
+    to the new one, a page fault per key in its untouched pages), every key stays
+    found, and once the grow ends every key is in the new array."""
+    index = _native().NodeIndex()
+    nodes = [rt.TreeNode(i.to_bytes(32, "big"), None, 1) for i in range(5_000)]
+    added_to_old = 0
+    for i, node in enumerate(nodes):
+        growing = index.growing()
+        index.add(node)
+        added_to_old += growing and index._array_of(node.key) == 1
+        if index.growing():
+            assert all(index.get(n.key) is n for n in nodes[: i + 1 : 7])
+    assert added_to_old > 0
+    while index.growing():  # each operation moves a few buckets
+        del index[nodes[-1].key]
+        index.add(nodes[-1])
+    assert {index._array_of(n.key) for n in nodes} == {0}
+    assert all(index.get(n.key) is n for n in nodes)
+
+
 def test_node_index_stays_right_while_a_large_grow_gives_pages_back() -> None:
     # 40,000 nodes: the grow from 32,768 buckets (256 KiB) releases the emptied
     # pages of the old array as it moves them, and lookups read them as empty.
