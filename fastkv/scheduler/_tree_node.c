@@ -1811,16 +1811,38 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (keys == NULL) {
         return NULL;
     }
-    PyObject *blocks = PySequence_Fast(args[2], "make_path: device_blocks must be a sequence");
-    if (blocks == NULL) {
-        Py_DECREF(keys);
-        return NULL;
+    /* The device blocks: an int32 buffer (a request's table, an array('i')) is read
+     * as it is, any other sequence item by item; either way as int32 ids. */
+    Py_buffer view = {0};
+    PyObject *blocks = NULL;
+    Py_ssize_t num_blocks = 0;
+    int as_buffer = 0;
+    if (PyObject_CheckBuffer(args[2])) {
+        if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear(); /* read as a sequence below */
+        }
+        else if (view.itemsize == sizeof(int32_t) && view.format != NULL &&
+                 strcmp(view.format, "i") == 0) {
+            as_buffer = 1;
+            num_blocks = view.len / (Py_ssize_t)sizeof(int32_t);
+        }
+        else {
+            PyBuffer_Release(&view);
+        }
+    }
+    if (!as_buffer) {
+        blocks = PySequence_Fast(args[2], "make_path: device_blocks must be a sequence");
+        if (blocks == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        num_blocks = PySequence_Fast_GET_SIZE(blocks);
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
     PyObject *path = NULL;
-    if (PySequence_Fast_GET_SIZE(blocks) < n) {
+    if (num_blocks < n) {
         PyErr_Format(PyExc_ValueError, "make_path: %zd keys but %zd device blocks", n,
-                     PySequence_Fast_GET_SIZE(blocks));
+                     num_blocks);
         goto done;
     }
     /* Validate every block id before creating anything. */
@@ -1832,9 +1854,19 @@ make_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    PyObject **bitems = PySequence_Fast_ITEMS(blocks), **kitems = PySequence_Fast_ITEMS(keys);
+    PyObject **kitems = PySequence_Fast_ITEMS(keys);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (as_bounded(bitems[i], "device_block", -1, INT32_MAX, &ids[i]) < 0) {
+        if (blocks == NULL) {
+            ids[i] = ((const int32_t *)view.buf)[i];
+            if (ids[i] < -1) {
+                PyErr_Format(PyExc_OverflowError,
+                             "TreeNode.device_block: %lld is out of range [-1, %lld]", ids[i],
+                             (long long)INT32_MAX);
+                goto done_ids;
+            }
+        }
+        else if (as_bounded(PySequence_Fast_GET_ITEM(blocks, i), "device_block", -1, INT32_MAX,
+                            &ids[i]) < 0) {
             goto done_ids;
         }
     }
@@ -1885,7 +1917,12 @@ done_ids:
     }
 done:
     Py_DECREF(keys);
-    Py_DECREF(blocks);
+    if (blocks != NULL) {
+        Py_DECREF(blocks);
+    }
+    else {
+        PyBuffer_Release(&view);
+    }
     return path;
 }
 
@@ -2007,6 +2044,61 @@ int32_array(const int32_t *ids, Py_ssize_t n)
     PyObject *arr = PyObject_CallFunctionObjArgs(array_type, int32_code, raw, NULL);
     Py_DECREF(raw);
     return arr;
+}
+
+/* append_ids(table, ids): table.fromlist(ids) for a list of block ids, converted
+ * in one pass (array's own conversion parses every item as a format): an
+ * array('i') table, a list of ints in [-1, INT32_MAX]. Raises TypeError or
+ * OverflowError naming the first bad id, with nothing appended. */
+static PyObject *
+append_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyObject_TypeCheck(args[0], (PyTypeObject *)array_type) ||
+        !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "append_ids(table: array, ids: list)");
+        return NULL;
+    }
+    PyObject *code = PyObject_GetAttrString(args[0], "typecode");
+    int is_int32 = code != NULL && PyUnicode_Check(code) && PyUnicode_Compare(code, int32_code) == 0;
+    Py_XDECREF(code);
+    if (!is_int32) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "append_ids: table must be an array('i')");
+        }
+        return NULL;
+    }
+    PyObject *list = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *raw = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    if (raw == NULL) {
+        return NULL;
+    }
+    int32_t *out = (int32_t *)PyBytes_AS_STRING(raw);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v;
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyLong_CheckExact(item)) {
+            PyErr_Format(PyExc_TypeError, "ids[%zd]: a block id must be an int, got %.100s", i,
+                         Py_TYPE(item)->tp_name);
+            Py_DECREF(raw);
+            return NULL;
+        }
+        int overflow;
+        v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || v < -1 || v > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "ids[%zd]: block id %R is out of range [-1, %lld]",
+                         i, item, (long long)INT32_MAX);
+            Py_DECREF(raw);
+            return NULL;
+        }
+        out[i] = (int32_t)v;
+    }
+    PyObject *r = PyObject_CallMethod(args[0], "frombytes", "O", raw);
+    Py_DECREF(raw);
+    return r;
 }
 
 #define STATE_SWAP_TO_DEVICE 3
@@ -2250,6 +2342,9 @@ static PyMethodDef module_methods[] = {
      "match_path(tree, root, hashes, limit, index, device_lru, name=None): "
      "RadixTree.match_and_lock's "
      "walk; returns (nodes, blocks, num_host, waiting)."},
+    {"append_ids", (PyCFunction)(void (*)(void))append_ids, METH_FASTCALL,
+     "append_ids(table, ids): append a list of block ids to an array('i') table in one "
+     "pass; TypeError or OverflowError naming the first bad id, nothing appended."},
     {"check_digests", (PyCFunction)(void (*)(void))check_digests, METH_FASTCALL,
      "check_digests(hashes, name, size, distinct=True): raise unless the list holds bytes "
      "of `size` bytes each (TypeError naming the first that is not) and, with `distinct`, "

@@ -68,7 +68,13 @@ from fastkv.scheduler.radix_tree import (
     TreeNode,
 )
 from fastkv.scheduler.receiving import ReceivingBlocks
-from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
+from fastkv.scheduler.request import (
+    RequestId,
+    RequestState,
+    append_ids,
+    check_count,
+    checked_hashes,
+)
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
 from fastkv.scheduler.storage_tier import (
     first_loading,
@@ -531,7 +537,7 @@ class CacheManager:
             self._tiers.plan_swap_in(req, nodes[before:], ids)
         elif keep > before:
             blocks.extend(n.device_block for n in nodes[before:])
-        blocks.extend(ids[num_swap:])
+        append_ids(blocks, ids[num_swap:])
         req.allocated = True
         return Allocation(
             AllocStatus.ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size

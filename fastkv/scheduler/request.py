@@ -12,9 +12,15 @@ from fastkv.metadata import DIGEST_BYTES, BlockHash
 from fastkv.scheduler.radix_tree import TreeNode
 
 try:
+    from fastkv.scheduler._tree_node import append_ids
     from fastkv.scheduler._tree_node import check_digests as _check_digests
 except ImportError:  # built by `make install`; the checks below are the same
     _check_digests = None
+
+    def append_ids(table: array[int], ids: list[int]) -> None:
+        """Append the block ids `ids` to the int32 table `table`."""
+        table.fromlist(ids)
+
 
 RequestId = Hashable
 
@@ -132,4 +138,4 @@ def check_count(name: str, value: object) -> int:
     return value
 
 
-__all__ = ["RequestId", "RequestState", "check_count", "checked_hashes"]
+__all__ = ["RequestId", "RequestState", "append_ids", "check_count", "checked_hashes"]

@@ -668,3 +668,36 @@ def test_node_index_stays_right_while_a_large_grow_gives_pages_back() -> None:
     for node in nodes[::2]:
         del index[node.key]
     assert len(index) == 20_000 and all(index.get(n.key) is n for n in nodes[1::2])
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="the C extension is not built")
+def test_append_ids_appends_int32_ids_or_nothing() -> None:
+    """A request's table takes the ids an allocation hands out in one pass; a bad
+    id is refused by position, value and bound, and nothing is appended."""
+    append_ids = _native().append_ids
+    table = array("i", [3])
+    append_ids(table, [4, 2**31 - 1, -1])
+    assert table.tolist() == [3, 4, 2**31 - 1, -1]
+    with pytest.raises(
+        OverflowError, match=r"ids\[1\]: block id 2147483648 is out of range \[-1, 2147483647\]"
+    ):
+        append_ids(table, [5, 2**31])
+    with pytest.raises(TypeError, match=r"ids\[0\]: a block id must be an int, got str"):
+        append_ids(table, ["7"])
+    with pytest.raises(TypeError, match=r"array\('i'\)"):
+        append_ids(array("q"), [1])
+    assert table.tolist() == [3, 4, 2**31 - 1, -1]
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="the C extension is not built")
+def test_make_path_reads_an_int32_table_as_a_list() -> None:
+    """make_path takes a request's int32 table as it is, with the same bound."""
+    tree = RadixTree()
+    keys = [i.to_bytes(32, "big") for i in range(3)]
+    path, _ = tree.insert(tree.root, keys, array("i", [7, 8, 9]))
+    assert [n.device_block for n in path] == [7, 8, 9]
+    with pytest.raises(
+        OverflowError, match=r"device_block: -2 is out of range \[-1, 2147483647\]"
+    ):
+        tree.insert(tree.root, [b"\xff" * 32], array("i", [-2]))
+    assert len(tree._index) == 3
