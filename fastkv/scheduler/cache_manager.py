@@ -85,6 +85,9 @@ from fastkv.scheduler.table import BlockTable
 from fastkv.scheduler.tiers import CacheTiers
 from fastkv.scheduler.transfers import DeviceTransfer, TransferBook
 
+_ALLOCATED = AllocStatus.ALLOCATED  # a global read, not an enum class lookup
+_MAX_UNCHANGED = 4096  # cached-token counts whose unchanged Allocation is kept
+
 
 def _count_matched(nodes: list[TreeNode], start: int, end: int) -> tuple[int, int, bool]:
     """Of the matched nodes [start, end) not in the table yet: how many are host
@@ -176,6 +179,7 @@ class CacheManager:
         self.epoch = epoch
         config, clock = self.config, self._clock
         self._wait_on_untaken = False  # set by _allocate: its WAIT needs an untaken copy
+        self._unchanged: dict[int, Allocation] = {}  # see _nothing_to_allocate
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
@@ -313,9 +317,8 @@ class CacheManager:
         nodes, blocks, num_host, waiting = self.tree.match_and_lock(
             hashes, limit, "block_hashes"
         )
-        req = RequestState(request_id, hashes, nodes)
+        req = RequestState(request_id, hashes, nodes, blocks)
         self._requests[request_id] = req
-        req.blocks = blocks  # the device run before the first host copy
         if self._counts_hits:
             self._tiers.note_hits(nodes)
         storage = self._storage
@@ -490,7 +493,7 @@ class CacheManager:
             # full hit, a decode step within its last block): nothing to do.
             req.allocated = True
             req.waits = 0
-            return Allocation(AllocStatus.ALLOCATED, 0, req.num_cached_blocks * self.block_size)
+            return self._nothing_to_allocate(req.num_cached_blocks * self.block_size)
         self._wait_on_untaken = False
         alloc = self._allocate(req, num_positions)
         if self._wait_on_untaken:  # a WAIT only untaken transfers can end
@@ -540,8 +543,19 @@ class CacheManager:
         append_ids(blocks, ids[num_swap:])
         req.allocated = True
         return Allocation(
-            AllocStatus.ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
+            _ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
         )
+
+    def _nothing_to_allocate(self, num_cached_tokens: int) -> Allocation:
+        """ALLOCATED with no new block: one shared (frozen) object per count of
+        cached tokens, as a full hit or a decode step within its block gets it
+        every time (making an Allocation costs more than the rest of that path)."""
+        alloc = self._unchanged.get(num_cached_tokens)
+        if alloc is None:
+            alloc = Allocation(_ALLOCATED, 0, num_cached_tokens)
+            if len(self._unchanged) < _MAX_UNCHANGED:
+                self._unchanged[num_cached_tokens] = alloc
+        return alloc
 
     def _cannot_allocate(self, status: AllocStatus) -> Allocation:
         if status is AllocStatus.WAIT_FOR_TRANSFERS:

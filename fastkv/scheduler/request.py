@@ -54,17 +54,22 @@ class RequestState:
     )
 
     def __init__(
-        self, request_id: RequestId, hashes: list[BlockHash], nodes: list[TreeNode]
+        self,
+        request_id: RequestId,
+        hashes: list[BlockHash],
+        nodes: list[TreeNode],
+        blocks: array[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.hashes = hashes  # block i's hash, as far as the request has full blocks
         self.hash_set: set[BlockHash] | None = None  # made at the first append_hashes
         self.hasher: BlockHasher | None = None  # the manager hashes its tokens (add_request)
         self.nodes = nodes  # locked path; position i holds block i's node
-        # The device block table: int32 ids, no int object per block (a full hit
-        # hands out its table without making one; an engine reads it through
+        # The device block table (match starts it with the device run before the
+        # first host copy): int32 ids, no int object per block (a full hit hands
+        # out its table without making one; an engine reads it through
         # `BlockTable` or `CacheManager.block_ids`).
-        self.blocks: array[int] = array("i")
+        self.blocks: array[int] = array("i") if blocks is None else blocks
         self.loading = 0  # blocks of its swap-in whose result has not arrived
         self.rolled_back: list[int] = []  # positions whose swap-in failed
         # Set once some position below len(nodes) holds a block its node does not
