@@ -382,3 +382,25 @@ def test_block_ids_are_the_tables_blocks_as_an_int32_array() -> None:
         mgr.block_ids("s", 6)
     mgr.finish("s")
     assert_no_leak(mgr)
+
+
+def test_an_allocation_that_adds_nothing_reports_each_requests_own_cached_tokens() -> None:
+    """Issue 27: allocations that add no block share one frozen result per count of
+    cached tokens; each request still reads its own count, and a decode step within
+    its block reads the same as the full hit before it."""
+    mgr = make(device=8)
+    serve(mgr, "r", keys("a", 3))
+    mgr.match("two", keys("a", 2), 2 * BS + 1)
+    mgr.match("three", keys("a", 3), 3 * BS + 1)
+    two = mgr.allocate("two", num_tokens=2 * BS)
+    three = mgr.allocate("three", num_tokens=3 * BS)
+    assert (two.status, two.num_new_blocks, two.num_cached_tokens) == (
+        AllocStatus.ALLOCATED,
+        0,
+        2 * BS,
+    )
+    assert three.num_cached_tokens == 3 * BS and three.num_new_blocks == 0 and three
+    assert mgr.allocate("two", num_tokens=2 * BS) == two
+    for rid in ("two", "three"):
+        mgr.finish(rid)
+    assert_no_leak(mgr)
