@@ -59,6 +59,11 @@ class AllocStatus(StrEnum):
     of them, or wait for one to finish, then call `allocate` again."""
 
 
+# A module global: reading a member off the enum class costs a metaclass lookup,
+# several times a global read, on every allocation an engine tests.
+_ALLOCATED = AllocStatus.ALLOCATED
+
+
 @dataclass(frozen=True, slots=True)
 class Allocation:
     """What `allocate` did; true exactly when the table covers the tokens asked for.
@@ -80,7 +85,7 @@ class Allocation:
     num_cached_tokens: int = 0
 
     def __bool__(self) -> bool:
-        return self.status is AllocStatus.ALLOCATED
+        return self.status is _ALLOCATED
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,10 @@ is on no eviction list, so nothing evicts it before the result.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from fastkv.config import CacheConfig
+from fastkv.config import CacheConfig, as_int
 from fastkv.hashing import (
     BlockHasher,
     ExtraKey,
@@ -67,7 +68,13 @@ from fastkv.scheduler.radix_tree import (
     TreeNode,
 )
 from fastkv.scheduler.receiving import ReceivingBlocks
-from fastkv.scheduler.request import RequestId, RequestState, check_count, checked_hashes
+from fastkv.scheduler.request import (
+    RequestId,
+    RequestState,
+    append_ids,
+    check_count,
+    checked_hashes,
+)
 from fastkv.scheduler.stats import CacheStats, ManagerCounters
 from fastkv.scheduler.storage_tier import (
     first_loading,
@@ -77,6 +84,9 @@ from fastkv.scheduler.storage_tier import (
 from fastkv.scheduler.table import BlockTable
 from fastkv.scheduler.tiers import CacheTiers
 from fastkv.scheduler.transfers import DeviceTransfer, TransferBook
+
+_ALLOCATED = AllocStatus.ALLOCATED  # a global read, not an enum class lookup
+_MAX_UNCHANGED = 4096  # cached-token counts whose unchanged Allocation is kept
 
 
 def _count_matched(nodes: list[TreeNode], start: int, end: int) -> tuple[int, int, bool]:
@@ -169,6 +179,7 @@ class CacheManager:
         self.epoch = epoch
         config, clock = self.config, self._clock
         self._wait_on_untaken = False  # set by _allocate: its WAIT needs an untaken copy
+        self._unchanged: dict[int, Allocation] = {}  # see _nothing_to_allocate
         self.device_pool = BlockPool(config.num_device_blocks, "device")
         self.host_pool = BlockPool(config.num_host_blocks, "host")
         self.tree = RadixTree()
@@ -306,9 +317,8 @@ class CacheManager:
         nodes, blocks, num_host, waiting = self.tree.match_and_lock(
             hashes, limit, "block_hashes"
         )
-        req = RequestState(request_id, hashes, nodes)
+        req = RequestState(request_id, hashes, nodes, blocks)
         self._requests[request_id] = req
-        req.blocks = blocks  # the device run before the first host copy
         if self._counts_hits:
             self._tiers.note_hits(nodes)
         storage = self._storage
@@ -483,7 +493,7 @@ class CacheManager:
             # full hit, a decode step within its last block): nothing to do.
             req.allocated = True
             req.waits = 0
-            return Allocation(AllocStatus.ALLOCATED, 0, req.num_cached_blocks * self.block_size)
+            return self._nothing_to_allocate(req.num_cached_blocks * self.block_size)
         self._wait_on_untaken = False
         alloc = self._allocate(req, num_positions)
         if self._wait_on_untaken:  # a WAIT only untaken transfers can end
@@ -530,11 +540,22 @@ class CacheManager:
             self._tiers.plan_swap_in(req, nodes[before:], ids)
         elif keep > before:
             blocks.extend(n.device_block for n in nodes[before:])
-        blocks += ids[num_swap:]
+        append_ids(blocks, ids[num_swap:])
         req.allocated = True
         return Allocation(
-            AllocStatus.ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
+            _ALLOCATED, len(blocks) - before, req.num_cached_blocks * self.block_size
         )
+
+    def _nothing_to_allocate(self, num_cached_tokens: int) -> Allocation:
+        """ALLOCATED with no new block: one shared (frozen) object per count of
+        cached tokens, as a full hit or a decode step within its block gets it
+        every time (making an Allocation costs more than the rest of that path)."""
+        alloc = self._unchanged.get(num_cached_tokens)
+        if alloc is None:
+            alloc = Allocation(_ALLOCATED, 0, num_cached_tokens)
+            if len(self._unchanged) < _MAX_UNCHANGED:
+                self._unchanged[num_cached_tokens] = alloc
+        return alloc
 
     def _cannot_allocate(self, status: AllocStatus) -> Allocation:
         if status is AllocStatus.WAIT_FOR_TRANSFERS:
@@ -748,6 +769,19 @@ class CacheManager:
             ValueError: unknown request, or `start` not an int in [0, table length].
         """
         return BlockTable.of(self._get(request_id), self.block_size, start)
+
+    def block_ids(self, request_id: RequestId, start: int = 0) -> array[int]:
+        """The device blocks of `block_table(request_id, start)` as a new int32
+        `array`: for an engine that copies them into an int32 table of its own
+        (`numpy.frombuffer(..., dtype=numpy.int32)`) without an int object per
+        block. The slots (and so where to compute from) come from `block_table`.
+        O(positions returned).
+
+        Raises:
+            ValueError: unknown request, or `start` not an int in [0, table length].
+        """
+        blocks = self._get(request_id).blocks
+        return blocks[as_int("start", start, 0, len(blocks)) :]
 
     def num_blocks(self, request_id: RequestId) -> int:
         """The length of the request's block table (O(1))."""

@@ -40,6 +40,7 @@ by `make install`) the pure-Python `TreeNode` and OrderedDicts below do the same
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
@@ -167,7 +168,7 @@ _discard_leaves: Callable[[_PyLRUList, set[TreeNode], dict, int], list[int]] | N
 _make_path: (
     Callable[[TreeNode, Sequence[BlockHash], Sequence[int], dict], list[TreeNode]] | None
 )
-_match_path: Callable[..., tuple[list[TreeNode], list[int], int, bool]] | None
+_match_path: Callable[..., tuple[list[TreeNode], array[int], int, bool]] | None
 try:
     from fastkv.scheduler import _tree_node
 
@@ -232,7 +233,7 @@ class RadixTree:
 
     def match_and_lock(
         self, hashes: list[BlockHash], limit: int, distinct_name: str | None = None
-    ) -> tuple[list[TreeNode], list[int], int, bool]:
+    ) -> tuple[list[TreeNode], array[int], int, bool]:
         """Lock the longest usable cached prefix of `hashes`, at most `limit` nodes.
 
         A node is usable when it holds a valid copy that can be read: DEVICE,
@@ -247,7 +248,8 @@ class RadixTree:
 
         Returns:
             The matched nodes (root side first); the device blocks of those before
-            the first host-only one (a request's table starts with them); how many
+            the first host-only one, as an int32 `array` (a request's table starts
+            with them; no int object per block); how many
             are host-only; and whether the walk stopped at a block whose copy is in
             flight (SWAP_TO_DEVICE, PENDING_HOST, LOADING_FROM_STORAGE): matching
             after it lands finds more.
@@ -257,7 +259,7 @@ class RadixTree:
                 self, self.root, hashes, limit, self._index, self.device_lru, distinct_name
             )
         nodes: list[TreeNode] = []
-        blocks: list[int] = []
+        blocks = array("i")
         num_host = 0
         index = self._index
         waiting = False

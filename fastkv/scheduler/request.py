@@ -3,6 +3,7 @@ engine passes in for a request (its hashes, its counts)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 
 from fastkv.config import as_int
@@ -11,9 +12,15 @@ from fastkv.metadata import DIGEST_BYTES, BlockHash
 from fastkv.scheduler.radix_tree import TreeNode
 
 try:
+    from fastkv.scheduler._tree_node import append_ids
     from fastkv.scheduler._tree_node import check_digests as _check_digests
 except ImportError:  # built by `make install`; the checks below are the same
     _check_digests = None
+
+    def append_ids(table: array[int], ids: list[int]) -> None:
+        """Append the block ids `ids` to the int32 table `table`."""
+        table.fromlist(ids)
+
 
 RequestId = Hashable
 
@@ -47,14 +54,22 @@ class RequestState:
     )
 
     def __init__(
-        self, request_id: RequestId, hashes: list[BlockHash], nodes: list[TreeNode]
+        self,
+        request_id: RequestId,
+        hashes: list[BlockHash],
+        nodes: list[TreeNode],
+        blocks: array[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.hashes = hashes  # block i's hash, as far as the request has full blocks
         self.hash_set: set[BlockHash] | None = None  # made at the first append_hashes
         self.hasher: BlockHasher | None = None  # the manager hashes its tokens (add_request)
         self.nodes = nodes  # locked path; position i holds block i's node
-        self.blocks: list[int] = []  # device block table
+        # The device block table (match starts it with the device run before the
+        # first host copy): int32 ids, no int object per block (a full hit hands
+        # out its table without making one; an engine reads it through
+        # `BlockTable` or `CacheManager.block_ids`).
+        self.blocks: array[int] = array("i") if blocks is None else blocks
         self.loading = 0  # blocks of its swap-in whose result has not arrived
         self.rolled_back: list[int] = []  # positions whose swap-in failed
         # Set once some position below len(nodes) holds a block its node does not
@@ -128,4 +143,4 @@ def check_count(name: str, value: object) -> int:
     return value
 
 
-__all__ = ["RequestId", "RequestState", "check_count", "checked_hashes"]
+__all__ = ["RequestId", "RequestState", "append_ids", "check_count", "checked_hashes"]

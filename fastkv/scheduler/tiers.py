@@ -229,9 +229,11 @@ class CacheTiers:
         nodes, blocks = req.nodes, req.blocks
         private = blocks[len(nodes) :]
         if req.owns_matched_positions:
-            private += [b for n, b in zip(nodes, blocks, strict=False) if n.device_block != b]
+            own = zip(nodes, blocks, strict=False)
+            private.extend(b for n, b in own if n.device_block != b)
         self.tree.unlock(nodes)
-        self.device_pool.free(private)
+        if private:
+            self.device_pool.free(private)
         if self.duplicates:  # a node it held may be held by one other alone now
             self.fold_duplicates()
 

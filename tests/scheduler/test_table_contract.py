@@ -360,3 +360,47 @@ def test_waits_on_a_copy_already_taken_never_raise() -> None:
     for rid in ("r1", "r2", "r3"):
         mgr.finish(rid)
     assert_no_leak(mgr)
+
+
+def test_block_ids_are_the_tables_blocks_as_an_int32_array() -> None:
+    """Issue 27: an engine that fills an int32 table of its own reads the window's
+    device blocks as an int32 array (no int object per block), equal to the
+    table's; a bad window is refused, naming `start` and its bound."""
+    mgr = make(device=8)
+    hashes = keys("a", 3)
+    serve(mgr, "r", hashes)
+    mgr.match("s", [*hashes, H("tail")], 4 * BS + 1)
+    assert mgr.allocate("s", num_tokens=4 * BS + 1)
+    table = mgr.block_table("s")
+    ids = mgr.block_ids("s")
+    assert ids.typecode == "i" and ids.itemsize == 4
+    assert tuple(ids) == table.block_ids and len(ids) == 5
+    assert tuple(mgr.block_ids("s", 3)) == mgr.block_table("s", 3).block_ids
+    ids[0] = -7  # a copy: the manager's table does not change
+    assert mgr.block_table("s").block_ids == table.block_ids
+    with pytest.raises(ValueError, match=r"start.*6"):
+        mgr.block_ids("s", 6)
+    mgr.finish("s")
+    assert_no_leak(mgr)
+
+
+def test_an_allocation_that_adds_nothing_reports_each_requests_own_cached_tokens() -> None:
+    """Issue 27: allocations that add no block share one frozen result per count of
+    cached tokens; each request still reads its own count, and a decode step within
+    its block reads the same as the full hit before it."""
+    mgr = make(device=8)
+    serve(mgr, "r", keys("a", 3))
+    mgr.match("two", keys("a", 2), 2 * BS + 1)
+    mgr.match("three", keys("a", 3), 3 * BS + 1)
+    two = mgr.allocate("two", num_tokens=2 * BS)
+    three = mgr.allocate("three", num_tokens=3 * BS)
+    assert (two.status, two.num_new_blocks, two.num_cached_tokens) == (
+        AllocStatus.ALLOCATED,
+        0,
+        2 * BS,
+    )
+    assert three.num_cached_tokens == 3 * BS and three.num_new_blocks == 0 and three
+    assert mgr.allocate("two", num_tokens=2 * BS) == two
+    for rid in ("two", "three"):
+        mgr.finish(rid)
+    assert_no_leak(mgr)

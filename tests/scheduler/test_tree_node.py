@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import os
 import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -467,7 +468,14 @@ def test_digest_checks_are_the_same_in_c_and_python(
     assert request.checked_hashes(()) == []
 
 
-def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """Both walks lock the same nodes and hand back the same device blocks, as an
+    int32 array: no int object per matched block."""
+    if not native:
+        monkeypatch.setattr(rt, "_match_path", None)
     tree = RadixTree()
     keys = [i.to_bytes(32, "big") for i in range(6)]
     path, _ = tree.insert(tree.root, keys, [10, 11, 12, 13, 14, 15])
@@ -479,12 +487,13 @@ def test_native_match_locks_the_same_nodes_and_blocks_as_the_python_walk() -> No
     for node in (path[2], path[4]):
         tree.device_lru.pop(node, None)
     nodes, blocks, num_host, waiting = tree.match_and_lock(keys, 6)
-    assert nodes == path[:4] and blocks == [10, 11] and num_host == 1 and waiting
+    assert type(blocks) is array and blocks.typecode == "i"
+    assert nodes == path[:4] and blocks.tolist() == [10, 11] and num_host == 1 and waiting
     assert [n.ref for n in path] == [1, 1, 1, 1, 0, 0]
     assert all(n not in tree.device_lru for n in path[:4])
     tree.unlock(nodes)
     nodes, blocks, num_host, waiting = tree.match_and_lock(keys[:2], 1)
-    assert nodes == path[:1] and blocks == [10] and not num_host and not waiting
+    assert nodes == path[:1] and blocks == array("i", [10]) and not num_host and not waiting
     tree.unlock(nodes)
 
 
@@ -619,6 +628,29 @@ def test_digest_keys_and_equal_bytes_subclasses_find_each_other() -> None:
     assert plain not in index and len(index) == 1
 
 
+def test_a_node_added_during_a_grow_goes_where_the_move_has_not_reached() -> None:
+    """Issue 27: while the index grows, a key lives in one array only: the old one
+    until the move reaches its bucket, the new one after. Keys added mid-grow
+    whose buckets the move has not reached go to the old array (they once all went
+    to the new one, a page fault per key in its untouched pages), every key stays
+    found, and once the grow ends every key is in the new array."""
+    index = _native().NodeIndex()
+    nodes = [rt.TreeNode(i.to_bytes(32, "big"), None, 1) for i in range(5_000)]
+    added_to_old = 0
+    for i, node in enumerate(nodes):
+        growing = index.growing()
+        index.add(node)
+        added_to_old += growing and index._array_of(node.key) == 1
+        if index.growing():
+            assert all(index.get(n.key) is n for n in nodes[: i + 1 : 7])
+    assert added_to_old > 0
+    while index.growing():  # each operation moves a few buckets
+        del index[nodes[-1].key]
+        index.add(nodes[-1])
+    assert {index._array_of(n.key) for n in nodes} == {0}
+    assert all(index.get(n.key) is n for n in nodes)
+
+
 def test_node_index_stays_right_while_a_large_grow_gives_pages_back() -> None:
     # 40,000 nodes: the grow from 32,768 buckets (256 KiB) releases the emptied
     # pages of the old array as it moves them, and lookups read them as empty.
@@ -636,3 +668,36 @@ def test_node_index_stays_right_while_a_large_grow_gives_pages_back() -> None:
     for node in nodes[::2]:
         del index[node.key]
     assert len(index) == 20_000 and all(index.get(n.key) is n for n in nodes[1::2])
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="the C extension is not built")
+def test_append_ids_appends_int32_ids_or_nothing() -> None:
+    """A request's table takes the ids an allocation hands out in one pass; a bad
+    id is refused by position, value and bound, and nothing is appended."""
+    append_ids = _native().append_ids
+    table = array("i", [3])
+    append_ids(table, [4, 2**31 - 1, -1])
+    assert table.tolist() == [3, 4, 2**31 - 1, -1]
+    with pytest.raises(
+        OverflowError, match=r"ids\[1\]: block id 2147483648 is out of range \[-1, 2147483647\]"
+    ):
+        append_ids(table, [5, 2**31])
+    with pytest.raises(TypeError, match=r"ids\[0\]: a block id must be an int, got str"):
+        append_ids(table, ["7"])
+    with pytest.raises(TypeError, match=r"array\('i'\)"):
+        append_ids(array("q"), [1])
+    assert table.tolist() == [3, 4, 2**31 - 1, -1]
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="the C extension is not built")
+def test_make_path_reads_an_int32_table_as_a_list() -> None:
+    """make_path takes a request's int32 table as it is, with the same bound."""
+    tree = RadixTree()
+    keys = [i.to_bytes(32, "big") for i in range(3)]
+    path, _ = tree.insert(tree.root, keys, array("i", [7, 8, 9]))
+    assert [n.device_block for n in path] == [7, 8, 9]
+    with pytest.raises(
+        OverflowError, match=r"device_block: -2 is out of range \[-1, 2147483647\]"
+    ):
+        tree.insert(tree.root, [b"\xff" * 32], array("i", [-2]))
+    assert len(tree._index) == 3
