@@ -1384,7 +1384,114 @@ static PyObject *pack_segments(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* One block's segments checked against the layout's `want` lengths and packed into
+ * o[0, 2 * nseg); *misaligned set when a segment whose length is a multiple of
+ * ALIGN (one that moves zero-copy) starts off a page. The messages are
+ * fastkv.storage.base.check_segments'. 0, or -1 with ValueError set. */
+static int check_block(PyObject *segs, const int64_t *want, Py_ssize_t nseg, Py_ssize_t b, int64_t *o,
+                       int *misaligned) {
+    PyObject *sf = PySequence_Fast(segs, "");
+    if (!sf) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "blocks[%zd]: must be a sequence of (address, length) pairs, got %R", b, segs);
+        return -1;
+    }
+    int rc = 0;
+    if (PySequence_Fast_GET_SIZE(sf) != nseg) {
+        PyErr_Format(PyExc_ValueError, "blocks[%zd]: %zd segments, the layout has %zd", b,
+                     PySequence_Fast_GET_SIZE(sf), nseg);
+        rc = -1;
+    }
+    for (Py_ssize_t s = 0; !rc && s < nseg; s++) {
+        PyObject *pair = PySequence_Fast(PySequence_Fast_GET_ITEM(sf, s), "");
+        if (!pair || PySequence_Fast_GET_SIZE(pair) != 2) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: must be an (address, length) pair", b, s);
+            Py_XDECREF(pair);
+            rc = -1;
+            break;
+        }
+        PyObject *ptr = PySequence_Fast_GET_ITEM(pair, 0), *len = PySequence_Fast_GET_ITEM(pair, 1);
+        long long p = PyLong_Check(ptr) && !PyBool_Check(ptr) ? PyLong_AsLongLong(ptr) : 0;
+        if (p == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: address %R does not fit in 64 bits", b, s, ptr);
+            rc = -1;
+        } else if (p <= 0) {
+            PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: address must be a positive int, got %R", b, s, ptr);
+            rc = -1;
+        } else {
+            /* any length equal to the layout's (as the Python check compares) is that length */
+            int same = PyLong_CheckExact(len) ? PyLong_AsLongLong(len) == want[s] : -1;
+            if (same < 0 || (same == 0 && PyErr_Occurred())) {
+                PyErr_Clear();
+                PyObject *w = PyLong_FromLongLong(want[s]);
+                same = w ? PyObject_RichCompareBool(len, w, Py_EQ) : -1;
+                Py_XDECREF(w);
+            }
+            if (same < 0) {
+                rc = -1;
+            } else if (!same) {
+                PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: length %S != layout length %lld", b, s, len,
+                             (long long)want[s]);
+                rc = -1;
+            } else {
+                o[2 * s] = p;
+                o[2 * s + 1] = want[s];
+                if (want[s] % ALIGN == 0 && p % ALIGN) *misaligned = 1;
+            }
+        }
+        Py_DECREF(pair);
+    }
+    Py_DECREF(sf);
+    return rc;
+}
+
+/* The local-disk backend's input check and packing in one pass: `blocks` (each a
+ * sequence of (address, length) pairs) against the layout's segment lengths
+ * (`want`: int64s). Returns (bytearray of int64 pairs, block after block; whether
+ * a zero-copy segment is misaligned), or raises ValueError naming the first block
+ * or segment that does not match (fastkv.storage.base.check_segments' messages). */
+static PyObject *check_pack(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *blocks;
+    Py_buffer want;
+    if (!PyArg_ParseTuple(args, "Oy*", &blocks, &want)) return NULL;
+    Py_ssize_t nseg = want.len / 8;
+    PyObject *bf = NULL, *out = NULL;
+    if (want.len % 8 || nseg < 1) {
+        PyErr_SetString(PyExc_ValueError, "check_pack: the layout's lengths are int64s, at least one");
+    } else if (!(bf = PySequence_Fast(blocks, ""))) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "blocks: must be a sequence of blocks, got %R", blocks);
+    } else {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(bf);
+        int misaligned = 0;
+        if (n > PY_SSIZE_T_MAX / 16 / nseg) {
+            PyErr_NoMemory();
+        } else if ((out = PyByteArray_FromStringAndSize(NULL, n * nseg * 16))) {
+            int64_t *o = (int64_t *)(void *)PyByteArray_AS_STRING(out);
+            for (Py_ssize_t b = 0; b < n; b++) {
+                if (check_block(PySequence_Fast_GET_ITEM(bf, b), want.buf, nseg, b, o + 2 * nseg * b, &misaligned) < 0) {
+                    Py_CLEAR(out);
+                    break;
+                }
+            }
+        }
+        if (out) {
+            PyObject *t = Py_BuildValue("(NO)", out, misaligned ? Py_True : Py_False);
+            out = t;
+        }
+        Py_DECREF(bf);
+    }
+    PyBuffer_Release(&want);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"check_pack", check_pack, METH_VARARGS,
+     "check_pack(blocks, lengths) -> (bytearray, misaligned): blocks checked against the layout's int64 "
+     "lengths and packed as int64 (address, length) pairs."},
     {"pack_segments", pack_segments, METH_VARARGS,
      "pack_segments(blocks, nseg) -> bytearray: each block's (address, length) pairs as int64s."},
     {"write_batch", write_batch, METH_VARARGS,

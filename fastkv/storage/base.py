@@ -393,7 +393,10 @@ class StorageBackend(ABC):
     def _count_puts(self, results: Sequence[KeyResult]) -> None:
         """Count a put_from call by its results."""
         n = _count_statuses(results)
-        already = sum(r is ALREADY_STORED or r == ALREADY_STORED for r in results)
+        # `is OK` first: a dataclass == per result cost more than the rest of the count
+        already = sum(
+            1 for r in results if r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
+        )
         with self._lock:
             st = self._stats
             st.puts += len(results)
