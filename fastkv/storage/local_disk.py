@@ -452,7 +452,8 @@ class LocalDiskBackend(StorageBackend):
         repeats = False
         now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
         with self._lock:
-            index = self._slots.index
+            index, free = self._slots.index, self._slots.free
+            seq = max(self._seq, now_ns - 1)
             for i, key in enumerate(keys):
                 packed = key.packed
                 if packed in index:
@@ -462,14 +463,15 @@ class LocalDiskBackend(StorageBackend):
                 if packed in first:  # a repeat: answered with its first occurrence below
                     repeats = True
                     continue
-                slot = self._take_slot()
+                slot = free.pop() if free else self._take_slot()
                 if slot is None:
                     results[i] = self._no_slot_result()
                     continue
                 first[packed] = i
-                self._seq = max(self._seq + 1, now_ns)
+                seq += 1
                 todo.append(i)
-                where.append((slot, self._seq))
+                where.append((slot, seq))
+            self._seq = seq
         statuses: list[int] = []
         try:
             statuses = self._run(True, keys, segs, todo, where, deadline) if todo else []
@@ -477,8 +479,12 @@ class LocalDiskBackend(StorageBackend):
             if len(statuses) != len(todo):  # raised: nothing was stored
                 statuses = [-errno.EIO] * len(todo)
             with self._lock:
-                for i, (slot, seq), status in zip(todo, where, statuses, strict=True):
-                    results[i] = self._write_result(keys[i].packed, slot, seq, status)
+                for i, entry, status in zip(todo, where, statuses, strict=True):
+                    packed = keys[i].packed
+                    if status == _disk_io.ST_OK and packed not in index:
+                        index[packed] = entry  # stored (the common case, inline)
+                    else:
+                        results[i] = self._write_result(packed, *entry, status)
         for i, key in enumerate(keys if repeats else ()):  # repeats share their first's fate
             j = first.get(key.packed)
             if j is not None and j != i:
