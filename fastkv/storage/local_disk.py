@@ -52,6 +52,7 @@ was closed, so nothing is ever written into a file the process opens later.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
@@ -175,7 +176,9 @@ class _Slots:
         self.capacity = capacity
         self.index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, seq)
         self.free: list[int] = []
-        self.pins = np.zeros(capacity, dtype=np.int32)  # reads in flight per slot
+        # reads in flight per slot: an array of C ints (4 bytes a slot, as numpy's,
+        # but its items are plain ints: no numpy scalar per look on the put path)
+        self.pins = array.array("i", bytes(4 * capacity))
         self.retired: set[int] = set()  # dropped from the index, free once unpinned
         self.allocated = 0  # slots backed by the file
         self.held = 0  # slots of blocks signed by keys the ring lacks: never reused
