@@ -141,7 +141,10 @@ class StorageKey:
     namespace: bytes
     block_hash: bytes
     rank: int = 0
-    _packed: bytes = field(init=False, repr=False, compare=False)
+    packed: bytes = field(init=False, repr=False, compare=False)
+    """66 bytes that identify the key: namespace, hash, rank (little-endian u16);
+    made once (an attribute, not a property: the disk index reads it several times
+    per block)."""
 
     def __post_init__(self) -> None:
         ns, block_hash, rank = self.namespace, self.block_hash, self.rank
@@ -155,7 +158,7 @@ class StorageKey:
         ):
             self._refuse()  # the checks below, one by one, for the message
         # made once: the disk index looks a key up by it several times per call
-        object.__setattr__(self, "_packed", ns + block_hash + rank.to_bytes(2, "little"))
+        object.__setattr__(self, "packed", ns + block_hash + rank.to_bytes(2, "little"))
 
     def _refuse(self) -> None:
         """Raises ValueError naming the first field out of bounds (when one is)."""
@@ -167,11 +170,6 @@ class StorageKey:
             raise ValueError(f"rank: must be an int in [0, {MAX_RANK}], got {self.rank!r}")
         if not 0 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank: {self.rank} is outside [0, {MAX_RANK}]")
-
-    @property
-    def packed(self) -> bytes:
-        """66 bytes that identify the key: namespace, hash, rank (little-endian u16)."""
-        return self._packed
 
     def text(self) -> str:
         """A printable form (Mooncake object keys)."""
@@ -393,7 +391,10 @@ class StorageBackend(ABC):
     def _count_puts(self, results: Sequence[KeyResult]) -> None:
         """Count a put_from call by its results."""
         n = _count_statuses(results)
-        already = sum(r is ALREADY_STORED or r == ALREADY_STORED for r in results)
+        # `is OK` first: a dataclass == per result cost more than the rest of the count
+        already = sum(
+            1 for r in results if r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
+        )
         with self._lock:
             st = self._stats
             st.puts += len(results)

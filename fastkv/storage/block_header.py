@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -64,9 +65,34 @@ def expected_header(key: StorageKey, layout: BlockLayout, seq: int) -> bytes:
 _PAD = bytes(HEADER_BYTES - MATCHED_BYTES)
 
 
+def expected_headers(
+    keys: Sequence[StorageKey], layout: BlockLayout, seqs: Sequence[int]
+) -> bytes:
+    """`expected_header` of each key with its seq, back to back (one call for a
+    batch: a block's header costs a third of packing it field by field)."""
+    head, tail = _layout_parts(layout)
+    return b"".join(
+        [
+            head + key.packed + tail + seq.to_bytes(8, "little") + _PAD
+            for key, seq in zip(keys, seqs, strict=True)
+        ]
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def _layout_fields(layout: BlockLayout) -> tuple[int, int, int]:
     return layout.num_segments, layout.digest32(), layout.payload_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_parts(layout: BlockLayout) -> tuple[bytes, bytes]:
+    """The header bytes around a key's `packed` form (namespace, hash, rank as a
+    u16): magic, version and segment count before; the rank's two high bytes,
+    layout digest and payload length after. The seq and _PAD follow."""
+    nseg, digest, length = _layout_fields(layout)
+    head = struct.pack("<8sII", MAGIC, VERSION, nseg)
+    tail = struct.pack("<HIQ", 0, digest, length)
+    return head, tail
 
 
 def parse_header(
@@ -104,6 +130,7 @@ __all__ = [
     "HEADER_BYTES",
     "MATCHED_BYTES",
     "expected_header",
+    "expected_headers",
     "parse_header",
     "reference_checksum",
 ]

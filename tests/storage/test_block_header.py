@@ -15,6 +15,7 @@ from fastkv.storage.block_header import (
     HEADER_BYTES,
     MATCHED_BYTES,
     expected_header,
+    expected_headers,
     parse_header,
     reference_checksum,
 )
@@ -129,6 +130,23 @@ def test_header_round_trip_and_seal() -> None:
     assert _disk_io.verify_block(
         bytes(header), expected_header(key, layout, 42), segs, b""
     ) == (_disk_io.ST_BAD_HEADER)
+
+
+def test_a_batch_of_expected_headers_is_each_keys_header_back_to_back() -> None:
+    """expected_headers builds the header around a key's packed form: the same
+    bytes as expected_header, field by field, for every rank and seq width."""
+    layout = BlockLayout((4096, 32))
+    keys = [
+        StorageKey(bytes([r % 251]) * 32, bytes([7 + r % 13]) * 32, r)
+        for r in (0, 1, 258, 65535)
+    ]
+    seqs = [0, 1, 2**40 + 3, 2**64 - 1]
+    got = expected_headers(keys, layout, seqs)
+    assert got == b"".join(
+        expected_header(k, layout, s) for k, s in zip(keys, seqs, strict=True)
+    )
+    assert [parse_header(got[i * HEADER_BYTES :])[0] for i in range(4)] == keys
+    assert expected_headers([], layout, []) == b""
 
 
 def test_storage_imports_without_the_crc32c_package() -> None:

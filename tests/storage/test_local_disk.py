@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 from storage_helpers import LAYOUTS, HostMemory, make_keys, make_namespace, statuses
 
-from fastkv.storage import BlockLayout, KeyStatus, StorageKey, deadline_after, local_disk
+from fastkv.storage import (
+    BlockLayout,
+    KeyStatus,
+    StorageKey,
+    _disk_io,
+    deadline_after,
+    local_disk,
+)
+from fastkv.storage.base import check_segments
 from fastkv.storage.local_disk import (
     DATA_FILE,
     LocalDiskBackend,
@@ -459,6 +467,63 @@ def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> Non
         LocalDiskBackend(tmp_path / "x", layout, capacity_blocks=1, capacity_bytes=1 << 30)
     with pytest.raises(ValueError, match="rank"):
         StorageKey(b"n" * 32, b"h" * 32, 70000)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda s: s[:-1],
+        lambda s: [*s[:-1], (s[-1][0], 31)],
+        lambda s: [*s[:-1], (s[-1][0], 32.5)],
+        lambda s: [*s[:-1], (s[-1][0], "32")],
+        lambda s: [(0, s[0][1]), *s[1:]],
+        lambda s: [(-4096, s[0][1]), *s[1:]],
+        lambda s: [(True, s[0][1]), *s[1:]],
+        lambda s: [(float(s[0][0]), s[0][1]), *s[1:]],
+        lambda s: [(s[0][0],), *s[1:]],
+        lambda s: [(s[0][0], s[0][1], 0), *s[1:]],
+        lambda s: [5, *s[1:]],
+    ],
+)
+def test_the_disk_backend_refuses_segments_as_check_segments_does(tmp_path: Path, bad) -> None:
+    """The backend checks and packs a call's segments in one C pass
+    (`_disk_io.check_pack`): it refuses what base.check_segments refuses, with the
+    same message, and leaves everything as it was."""
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 2)
+    blocks = [host.segments(0), bad(host.segments(1))]
+    with pytest.raises(ValueError) as want:
+        check_segments(blocks, layout)
+    with open_backend(tmp_path, layout) as backend:
+        for call in (backend.put_from, backend.get_into):
+            with pytest.raises(ValueError) as got:
+                call(make_keys(2), blocks, deadline_after(1))
+            assert str(got.value) == str(want.value)
+        assert backend.stats().puts == backend.stats().gets == 0
+
+
+def test_check_pack_packs_what_numpy_packs_and_flags_misaligned_zero_copy_segments() -> None:
+    layout = LAYOUTS["fp8"]
+    lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
+    host = HostMemory(layout, 3)
+    blocks = [host.segments(b) for b in range(3)]
+    pairs, misaligned = _disk_io.check_pack(blocks, lengths)
+    assert np.array_equal(np.frombuffer(pairs, dtype=np.int64), np.array(blocks).reshape(-1))
+    assert not misaligned
+    # a length equal to the layout's (numpy int) is that length
+    same = [[(p, np.int32(n)) for p, n in blocks[0]]]
+    assert _disk_io.check_pack(same, lengths)[0] == _disk_io.check_pack(blocks[:1], lengths)[0]
+    small = [i for i, n in enumerate(layout.segment_lengths) if n % 4096]
+    large = [i for i, n in enumerate(layout.segment_lengths) if n % 4096 == 0]
+    assert small and large
+    with pytest.raises(
+        ValueError, match=r"blocks\[0\]\[0\]: address 18446744073709551616 does not"
+    ):
+        _disk_io.check_pack([[(2**64, blocks[0][0][1]), *blocks[0][1:]]], lengths)
+    for i, flagged in ((small[0], False), (large[0], True)):
+        shifted = [list(b) for b in blocks]
+        shifted[2][i] = (shifted[2][i][0] + 64, shifted[2][i][1])
+        assert _disk_io.check_pack(shifted, lengths)[1] is flagged
 
 
 def test_a_bool_is_not_a_number_of_seconds(tmp_path: Path) -> None:
