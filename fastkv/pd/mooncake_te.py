@@ -74,7 +74,7 @@ QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
 WAKE_EARLY = 0.15  # a peer's thread wakes this share of a batch's estimate early
-RATE_WEIGHT = 0.3  # weight of a newly timed batch in a peer's rate
+RATE_DECAY = 0.9  # a peer's rate falls at most this much per batch timed
 RATE_STEP = 1.5  # a peer's rate grows by this when a batch ended before the wake
 SPUN = 100e-6  # an engine wait shorter than this found its batch already over
 
@@ -155,17 +155,21 @@ class _Peer:
 
     Paced waiting: the engine takes one peer's pieces in order, so a batch
     starts about when the one before it was seen to end (or when submitted, if
-    later) and takes `bytes / rate`, `rate` being this peer's measured rate.
-    The thread sleeps through `1 - WAKE_EARLY` of that estimate, then spins in
-    the engine's wait for the rest. A batch the wait had to spin on was timed,
-    and moves the rate by `RATE_WEIGHT` toward what it measured. A batch already
-    over at the wake ran faster than estimated by an unknown amount: the rate
-    grows by `RATE_STEP` at once, so a faster link (larger blocks, a quieter
-    host) costs a few late wakes, not a slow drift. An estimate that runs short
-    (a slower link, batches sharing the engine) only means a longer spin. Until
-    one batch was timed there is no rate and the thread spins throughout, as
-    the engine's own callers do. A handle's deadline does not depend on any of
-    this (`MooncakeWriteHandle.state`), and `close` wakes a sleeper."""
+    later) and takes about `bytes / rate`, `rate` being this peer's measured
+    rate. The thread sleeps through `1 - WAKE_EARLY` of that estimate (never
+    past the write's deadline), then spins in the engine's wait for the rest.
+    Every rule leans to waking early, since waking early costs a longer spin
+    and waking late delays the write and every one behind it:
+    - the rate is optimistic: a timed batch (one the wait spun on) raises it to
+      its own rate, and lowers it by at most `RATE_DECAY` (a batch's fixed
+      costs make small batches look slow);
+    - no sleep without a rate, nor for a batch over twice the largest one
+      timed: that batch spins and is timed;
+    - a batch already over at the wake ran faster than estimated by an unknown
+      amount: the rate grows by `RATE_STEP` at once, and the batches submitted
+      before that wake (most likely over too) are not slept on.
+    The handle's own deadline does not depend on any of this
+    (`MooncakeWriteHandle.state`), and `close` wakes a sleeper."""
 
     def __init__(self, engine: Any, peer: str, cap: int) -> None:
         self._engine = engine
@@ -176,7 +180,9 @@ class _Peer:
         # (batch, pieces, job, bytes, submitted at)
         self._waiting: deque[tuple[int, int, _Job, int, float]] = deque()
         self._rate = 0.0  # measured bytes per second; 0 until a batch was timed
+        self._timed_bytes = 0  # the largest batch timed
         self._last_end = 0.0  # when the previous batch was seen to settle
+        self._late_at = 0.0  # the last wake that found its batch already over
         self._cond = threading.Condition()
         self._current: _Job | None = None  # the job whose batch the thread waits on
         self._closed = False
@@ -239,32 +245,39 @@ class _Peer:
             if not batch:
                 job.handle._settle(WriteState.FAILED)
 
-    def _pace(self, nbytes: int, start: float) -> float:
+    def _pace(self, nbytes: int, start: float, submitted: float, deadline: float) -> bool:
         """Sleep until `WAKE_EARLY` of the batch's estimated time before its
-        estimated end, submitting queued chunks as they fit (lock held).
-        Returns when it woke."""
-        if self._rate:
-            wake = start + (1 - WAKE_EARLY) * nbytes / self._rate
-            while not self._closed and (left := wake - time.monotonic()) > 0:
-                self._cond.wait(left)
-                self._fill()
-        return time.monotonic()
+        estimated end (never past its deadline), submitting queued chunks as they
+        fit (lock held). Returns whether it slept: not without a rate, not for a
+        batch over twice the largest one timed (a rate says nothing about a much
+        larger batch, whose fixed costs weigh less), and not for one submitted
+        before a wake that came late (it is most likely over)."""
+        if not self._rate or nbytes > 2 * self._timed_bytes or submitted < self._late_at:
+            return False
+        wake = min(start + (1 - WAKE_EARLY) * nbytes / self._rate, deadline - 1e-3)
+        while not self._closed and (left := wake - time.monotonic()) > 0:
+            self._cond.wait(left)
+            self._fill()
+        return True
 
-    def _measured(self, nbytes: int, start: float, woke: float) -> None:
-        """Fold a batch that settled now into the rate (lock held): a batch the
-        engine's wait had to spin on was timed; one already over when the thread
-        woke ran faster than the estimate by an unknown amount, so the rate
-        grows by `RATE_STEP` at once."""
+    def _measured(self, nbytes: int, start: float, woke: float, paced: bool) -> None:
+        """Fold a batch that settled now into the rate (lock held). A batch the
+        engine's wait had to spin on was timed: the rate is the larger of its
+        rate and the old one decayed by `RATE_DECAY` (optimistic: too high a
+        rate costs spinning, too low a late wake). A paced batch already over at
+        the wake ran faster than estimated by an unknown amount: the rate grows
+        by `RATE_STEP`. An unpaced one already over tells nothing."""
         now = self._last_end = time.monotonic()
+        if now - woke < SPUN:
+            if paced:
+                self._late_at = woke
+                self._rate *= RATE_STEP
+            return
         if (took := now - start) <= 0:
             return
         sample = nbytes / took
-        if not self._rate:
-            self._rate = sample
-        elif now - woke < SPUN:
-            self._rate = max(sample, self._rate * RATE_STEP)
-        else:
-            self._rate += RATE_WEIGHT * (sample - self._rate)
+        self._timed_bytes = max(self._timed_bytes, nbytes)
+        self._rate = max(sample, self._rate * RATE_DECAY)
 
     def _submit(self, job: _Job, end: int) -> tuple[int, str]:
         """Pieces [job.next, end) to the engine: (batch id, "") or (0, why not)."""
@@ -295,14 +308,15 @@ class _Peer:
                 batch, count, job, nbytes, submitted = self._waiting.popleft()
                 self._current = job
                 start = max(submitted, self._last_end)  # FIFO: after the one before
-                woke = self._pace(nbytes, start)
+                paced = self._pace(nbytes, start, submitted, job.handle._deadline)
+                woke = time.monotonic()
             # blocks (GIL released) until the batch completed, failed or hit the
             # engine's timeout; the engine frees the batch on every outcome
             rc = self._engine.get_batch_transfer_status([batch])
             with self._cond:
                 self._current = None
                 if rc == 0:
-                    self._measured(nbytes, start, woke)
+                    self._measured(nbytes, start, woke, paced)
                 self._in_flight -= count
                 job.outstanding -= 1
                 if rc != 0:

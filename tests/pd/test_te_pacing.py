@@ -150,3 +150,58 @@ def test_a_link_that_got_faster_costs_a_few_late_wakes_not_a_slow_drift() -> Non
     late = [t for t in engine.late if t > 0.002]
     assert len(late) <= 5, late  # 1.5 ** 4 > 4
     assert took < 1.4 * ideal + 0.05, (took, ideal)
+
+
+class LatencyEngine(SimEngine):
+    """FIFO at `rate` plus a fixed cost per batch, and `first_extra` more on the
+    peer's first batch (a connection set up)."""
+
+    def __init__(self, latency: float, first_extra: float = 0.0) -> None:
+        super().__init__(True)
+        self.latency, self.first_extra = latency, first_extra
+
+    def batch_transfer_async_write(self, peer, srcs, dsts, lengths) -> int:
+        with self.lock:
+            now = time.monotonic()
+            b, self.next_id = self.next_id, self.next_id + 1
+            cost = self.latency + (self.first_extra if b == 1 else 0.0)
+            self.free_at = max(now, self.free_at) + cost + sum(lengths) / self.rate
+            self.ends[b] = self.free_at
+            return b
+
+
+def sized_write(peer: _Peer, n: int, piece: int, deadline_s: float) -> MooncakeWriteHandle:
+    handle = MooncakeWriteHandle(time.monotonic() + deadline_s, threading.Lock())
+    peer.start(_Job(handle, [0] * n, [0] * n, [piece] * n), False)
+    return handle
+
+
+@pytest.mark.parametrize(
+    ("latency", "first_extra", "warm", "big", "cap"),
+    [
+        (0.0, 0.05, [(1, 16 << 10)], [(64, PIECE), (1, PIECE)], 64),  # slow first batch
+        (0.001, 0.0, [(1, 16 << 10)] * 10, [(64, 256 << 10)] * 8, 64),  # small then large
+        (0.001, 0.0, [(1, 16 << 10)] * 10, [(64, 256 << 10)] * 32, 1024),  # all in flight
+    ],
+    ids=["slow-first-batch", "small-then-large", "all-in-flight"],
+)
+def test_small_or_slow_batches_before_large_ones_never_make_the_thread_sleep_long(
+    latency: float, first_extra: float, warm: list, big: list, cap: int
+) -> None:
+    """A rate measured on small batches (their fixed cost makes them look slow)
+    or on a slow first one must not put the thread to sleep past a large batch's
+    end: the writes take about the engine's time, and none fails its deadline."""
+    engine = LatencyEngine(latency, first_extra)
+    peer = _Peer(engine, "h:1", cap=cap)
+    try:
+        for n, piece in warm:
+            assert sized_write(peer, n, piece, 30).wait(30) is WriteState.DONE
+        t0 = time.monotonic()
+        handles = [sized_write(peer, n, piece, 2.0 + 0.1 * len(big)) for n, piece in big]
+        states = [h.wait(30) for h in handles]
+        took = time.monotonic() - t0
+    finally:
+        peer.close()
+    assert states == [WriteState.DONE] * len(big)
+    ideal = sum(latency + n * piece / engine.rate for n, piece in big)
+    assert took < 1.3 * ideal + 0.05, (took, ideal)
