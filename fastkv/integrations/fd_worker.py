@@ -461,9 +461,15 @@ class FastDeployCacheController:
         tensors): PD serves again once `attach_pd` is called on the new cache. No-op
         without a cache."""
         self.stop()
-        pd, self.pd = self.pd, None
+        with self._lock:  # a batch or drained task holds it from its PD check to its use
+            pd, self.pd = self.pd, None
         if pd is not None:  # before the tensors go: its writes read them
-            pd.close()
+            try:
+                pd.close()  # outside the lock: the reports it sends take it
+            except BaseException:
+                with self._lock:  # nothing was freed: attached as before, to retry
+                    self.pd = pd
+                raise
         with self._lock:
             ctrl, self.controller = self.controller, None
             if ctrl is not None:
@@ -479,7 +485,10 @@ class FastDeployCacheController:
         # The reporter is stopped: hand the scheduler what the free produced
         # (copies' results, PD reports) now rather than at the next cache.
         end = time.monotonic() + FREE_FLUSH_S
-        while self.sender.flush() and time.monotonic() < end:
+        while time.monotonic() < end:
+            with self._lock:  # the sender is the adapter's: one caller at a time
+                if not self.sender.flush():
+                    break
             time.sleep(0.005)
 
     def free_cache(self, clear_storage: bool = False) -> bool:

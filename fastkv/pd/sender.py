@@ -257,13 +257,13 @@ class PDSender:
 
     def abort_all(self, reason: str) -> int:
         """`abort` every send not finished handing over, with `reason`; returns
-        how many were still open (each settles as usual, failed if stopped)."""
+        how many it stopped (every send settles as usual: a stopped one failed)."""
         with self._lock:
-            for send in self._sends.values():
-                if not send.finished:
-                    self._stop(send, reason)
+            stopped = [send for send in self._sends.values() if not send.finished]
+            for send in stopped:
+                self._stop(send, reason)
             self._active = []
-            return len(self._sends)
+            return len(stopped)
 
     @staticmethod
     def _stop(send: _Send, reason: str) -> None:

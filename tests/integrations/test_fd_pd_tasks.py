@@ -5,6 +5,7 @@ FastDeploy's real code in tests/fastdeploy_real/test_real_fd_pd.py)."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 from fd_standins import AttentionBackend, FDCacheConfig, FDConfig, ModelConfig, ParallelConfig
@@ -236,3 +237,47 @@ def test_a_cache_reset_keeps_the_numbers_and_the_tasks_not_sent_yet(channel: str
         assert fd_pd_tasks.split(task.metadata, 0, 1)[1] == [(1, abort), (2, FORGET)]
     finally:
         cm.close()
+
+
+def test_a_kv_free_on_another_thread_waits_for_a_pd_task_run_between_check_and_use(
+    channel: str,
+) -> None:
+    """free_gpu_cache detaches PD under the adapter's lock: a drained PD task list
+    another thread is running (PD checked, its tasks not run yet) finishes first,
+    instead of meeting `pd` gone (AttributeError after the route's count moved)."""
+    worker = FastDeployCacheController(fd_config(tp=2), 1, 1, channel_name=channel)
+    worker.initialize_kv_cache(attn_backend=AttentionBackend(2, 8, 4), num_gpu_blocks=8)
+    pd = worker.attach_pd(InProcFabric().endpoint("d1"), role="decode", report_to=list)
+    checked, go = threading.Event(), threading.Event()
+    check = pd.check_tasks
+
+    def slow_check(tasks: list) -> None:
+        check(tasks)
+        checked.set()
+        go.wait(5)  # the running thread sits between the check and run_tasks
+
+    pd.check_tasks = slow_check
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.prefetch_from_storage(drained(encode({1: [FORGET]})))
+        except BaseException as e:
+            errors.append(e)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        assert checked.wait(5)
+        freer = threading.Thread(target=worker.free_gpu_cache)
+        freer.start()
+        freer.join(0.3)
+        assert freer.is_alive() and worker.pd is pd  # waiting for the adapter's lock
+        go.set()
+        runner.join(5)
+        freer.join(10)
+        assert not errors, repr(errors)
+        assert worker.pd is None and not freer.is_alive()
+    finally:
+        go.set()
+        worker.stop()
