@@ -482,12 +482,7 @@ class LocalDiskBackend(StorageBackend):
             if len(statuses) != len(todo):  # raised: nothing was stored
                 statuses = [-errno.EIO] * len(todo)
             with self._lock:
-                for i, entry, status in zip(todo, where, statuses, strict=True):
-                    packed = keys[i].packed
-                    if status == _disk_io.ST_OK and packed not in index:
-                        index[packed] = entry  # stored (the common case, inline)
-                    else:
-                        results[i] = self._write_result(packed, *entry, status)
+                self._settle_writes(keys, todo, where, statuses, results)
         for i, key in enumerate(keys if repeats else ()):  # repeats share their first's fate
             j = first.get(key.packed)
             if j is not None and j != i:
@@ -555,6 +550,27 @@ class LocalDiskBackend(StorageBackend):
             if self._closed:
                 raise RuntimeError("the storage backend is closed")
             self._users += 1
+
+    def _settle_writes(
+        self,
+        keys: Sequence[StorageKey],
+        todo: list[int],
+        where: list[tuple[int, int]],
+        statuses: list[int],
+        results: list[KeyResult],
+    ) -> None:
+        """Index each written block, or give its slot back with the failure in
+        `results` (lock held; one call per put, no call per block)."""
+        index, free = self._slots.index, self._slots.free
+        for i, entry, status in zip(todo, where, statuses, strict=True):
+            packed = keys[i].packed
+            if status != _disk_io.ST_OK:
+                free.append(entry[0])
+                results[i] = _write_failure(status)
+            elif packed in index:  # a concurrent put stored it first
+                free.append(entry[0])
+            else:
+                index[packed] = entry
 
     def _leave(self) -> None:
         with self._lock:
@@ -668,21 +684,6 @@ class LocalDiskBackend(StorageBackend):
         else:
             reason = "every slot is being read or written"
         return KeyResult(KeyStatus.FAILED, reason)
-
-    def _write_result(self, packed: bytes, slot: int, seq: int, status: int) -> KeyResult:
-        slots = self._slots
-        if status != _disk_io.ST_OK:
-            slots.free.append(slot)
-            if status == _disk_io.ST_TIMEOUT:
-                return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the write")
-            if status == _disk_io.ST_CLOSED:
-                return KeyResult(KeyStatus.FAILED, "the backend closed before the write")
-            return KeyResult(KeyStatus.FAILED, f"write failed: {_describe(status)}")
-        if packed in slots.index:  # a concurrent put stored it first
-            slots.free.append(slot)
-        else:
-            slots.index[packed] = (slot, seq)
-        return OK
 
     def _read_result(
         self, key: StorageKey, slot: int, seq: int, status: int, again: int
@@ -1188,6 +1189,15 @@ def _probe_direct(dir_fd: int, directory: Path) -> bool:
 
 def _address(buf: mmap.mmap) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def _write_failure(status: int) -> KeyResult:
+    """What a put answers for a block whose write ended in `status` (not ST_OK)."""
+    if status == _disk_io.ST_TIMEOUT:
+        return KeyResult(KeyStatus.TIMEOUT, "deadline passed before the write")
+    if status == _disk_io.ST_CLOSED:
+        return KeyResult(KeyStatus.FAILED, "the backend closed before the write")
+    return KeyResult(KeyStatus.FAILED, f"write failed: {_describe(status)}")
 
 
 def _describe(status: int) -> str:
