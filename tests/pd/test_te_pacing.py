@@ -79,6 +79,16 @@ class SimEngine:
                     return 0
 
 
+def layer_writes(peer: _Peer, n: int) -> float:
+    """`n` rounds of 4 writes of 16 pieces (64 MiB) in flight, each round waited
+    on; returns the seconds they took."""
+    t0 = time.monotonic()
+    for _ in range(n):
+        handles = [write(peer, 16) for _ in range(4)]
+        assert [h.wait(10) for h in handles] == [WriteState.DONE] * 4
+    return time.monotonic() - t0
+
+
 def write(peer: _Peer, n_pieces: int) -> MooncakeWriteHandle:
     handle = MooncakeWriteHandle(time.monotonic() + 30, threading.Lock())
     peer.start(_Job(handle, [0] * n_pieces, [0] * n_pieces, [PIECE] * n_pieces), False)
@@ -95,11 +105,7 @@ def test_the_peer_thread_sleeps_through_most_of_a_transfer_and_wakes_before_its_
         # warm-up: the first write spins throughout (no rate yet) and sets the rate
         assert write(peer, 8).wait(10) is WriteState.DONE
         engine.spun, engine.late = 0.0, []
-        t0 = time.monotonic()
-        for _ in range(6):  # each write: 4 batches of 16 pieces in flight (64 MiB)
-            handles = [write(peer, 16) for _ in range(4)]
-            assert [h.wait(10) for h in handles] == [WriteState.DONE] * 4
-        took = time.monotonic() - t0
+        took = layer_writes(peer, 6)
     finally:
         peer.close()
     ideal = 6 * 64 * PIECE / RATE
@@ -130,8 +136,8 @@ def test_a_closed_peer_wakes_its_sleeping_thread_at_once() -> None:
 
 def test_a_link_that_got_faster_costs_a_few_late_wakes_not_a_slow_drift() -> None:
     """A peer's rate measured on a slow link, then the link runs 4x faster: the
-    thread wakes late a few times, then on time again (the rate grows by
-    RATE_STEP per late wake, instead of creeping toward the new rate)."""
+    thread wakes late a few times, then on time again, instead of creeping
+    toward the new rate over many batches."""
     engine = SimEngine(True)
     peer = _Peer(engine, "h:1", cap=64)
     try:
@@ -139,16 +145,12 @@ def test_a_link_that_got_faster_costs_a_few_late_wakes_not_a_slow_drift() -> Non
         for _ in range(2):
             assert write(peer, 8).wait(10) is WriteState.DONE
         engine.rate, engine.late = RATE, []
-        t0 = time.monotonic()
-        for _ in range(8):
-            handles = [write(peer, 16) for _ in range(4)]
-            assert [h.wait(10) for h in handles] == [WriteState.DONE] * 4
-        took = time.monotonic() - t0
+        took = layer_writes(peer, 8)
     finally:
         peer.close()
     ideal = 8 * 64 * PIECE / RATE
-    late = [t for t in engine.late if t > 0.002]
-    assert len(late) <= 5, late  # 1.5 ** 4 > 4
+    late = [t for t in engine.late if t > 0.01]  # a batch takes 42 ms
+    assert len(late) <= 5, late
     assert took < 1.4 * ideal + 0.05, (took, ideal)
 
 
