@@ -11,13 +11,15 @@ What it does on top of the engine:
   checks its side, and refuses a write outside its registered memory by failing
   the batch (pieces before the refused one may have landed: FAILED means "trust
   nothing of it").
-- A deadline on every write: a handle is FAILED once `write_timeout_s` passed
-  without the engine reporting the batch complete. The engine's own wait
+- A deadline on every write: once `write_timeout_s` passed without the engine
+  reporting the write complete, nothing more of it is submitted, and its handle is
+  FAILED as soon as no batch of it is inside the engine. The engine's own wait
   (`get_batch_transfer_status`) blocks, spins a core until the batch settles and
-  frees the batch, so one thread per peer does that wait, in submission order;
-  a handle past its deadline is FAILED at once whatever that thread is still
-  waiting on (the engine's own timeout, `MC_TRANSFER_TIMEOUT`, at least 5 s,
-  then ends that wait).
+  frees the batch, so one thread per peer does that wait, in submission order; the
+  engine's own timeout (`MC_TRANSFER_TIMEOUT`, 30 s by default, at least 5 s, plus
+  a nanosecond per byte) ends it. A handle does not fail earlier than that because
+  a settled handle lets P's notice go out, and the notice tells D that no byte of
+  the write can land any more, so D may reuse the blocks at once.
 - At most `max_pieces_in_flight` pieces queued in the engine per peer: its TCP
   transport rejects pieces past its per-peer queue and then fails every later
   batch to that peer (0.3.13). A larger write, or one behind others, goes in
@@ -94,38 +96,73 @@ def _check_peer(peer: Any) -> None:
 
 
 class MooncakeWriteHandle:
-    """One batch in flight. Settles once: DONE when the engine reported every byte
-    written, FAILED when the engine failed it, the transport closed, or the
-    deadline passed first; never changes after that."""
+    """One write in flight. Settles once: DONE when the engine reported every byte
+    written, FAILED when the engine failed a batch of it, the transport closed, or
+    its deadline passed; never changes after that.
 
-    __slots__ = ("_deadline", "_latch", "_lock", "_state")
+    Past the deadline nothing more of it goes to the engine, and it fails only once
+    no batch of it is inside the engine any more (the engine's own timeout,
+    `MC_TRANSFER_TIMEOUT`, ends that wait): a settled handle is one whose bytes this
+    end no longer moves, which is what a notice sent after it tells D."""
+
+    __slots__ = ("_deadline", "_in_engine", "_latch", "_lock", "_state")
 
     def __init__(self, deadline: float, lock: threading.Lock) -> None:
         self._deadline = deadline
         self._lock = lock
         self._state = WriteState.PENDING
+        self._in_engine = 0  # batches submitted whose engine wait has not returned
         self._latch = threading.Lock()  # held while PENDING: a cheap one-shot event
         self._latch.acquire()
 
     def _settle(self, state: WriteState) -> None:
         with self._lock:
-            if self._state is WriteState.PENDING:
-                self._state = state
-                self._latch.release()
+            self._settle_locked(state)
+
+    def _settle_locked(self, state: WriteState) -> None:
+        if self._state is WriteState.PENDING:
+            self._state = state
+            self._latch.release()
+
+    def _enter(self) -> bool:
+        """Count a batch about to go to the engine; False (nothing counted) once
+        the handle settled or its deadline passed."""
+        with self._lock:
+            if self._state is not WriteState.PENDING or time.monotonic() >= self._deadline:
+                return False
+            self._in_engine += 1
+            return True
+
+    def _leave(self, state: WriteState | None) -> None:
+        """A batch came back from the engine (or was never started): settle to
+        `state` if given, else FAILED if past the deadline with none left inside."""
+        with self._lock:
+            self._in_engine -= 1
+            if state is not None:
+                self._settle_locked(state)
+            elif not self._in_engine and time.monotonic() >= self._deadline:
+                self._settle_locked(WriteState.FAILED)
 
     def state(self) -> WriteState:
-        """The batch's state now; never blocks (a PENDING handle past its deadline
-        becomes FAILED here)."""
+        """The write's state now; never blocks (a PENDING handle past its deadline
+        with no batch inside the engine becomes FAILED here)."""
         if self._state is WriteState.PENDING and time.monotonic() >= self._deadline:
-            self._settle(WriteState.FAILED)
+            with self._lock:
+                if not self._in_engine:
+                    self._settle_locked(WriteState.FAILED)
         return self._state
 
     def wait(self, timeout_s: float) -> WriteState:
-        """Block at most `timeout_s` (and never past the handle's deadline)."""
+        """Block at most `timeout_s`: until the write settles, or its deadline when
+        no batch of it is inside the engine then."""
         timeout_s = _check_timeout("timeout_s", timeout_s)
-        remaining = min(timeout_s, self._deadline - time.monotonic())
-        if remaining > 0 and self._latch.acquire(timeout=remaining):
-            self._latch.release()  # let other waiters through
+        end = time.monotonic() + timeout_s
+        for until in (min(end, self._deadline), end):
+            if self.state() is not WriteState.PENDING:
+                break
+            left = until - time.monotonic()
+            if left > 0 and self._latch.acquire(timeout=left):
+                self._latch.release()  # let other waiters through
         return self.state()
 
 
@@ -224,15 +261,18 @@ class _Peer:
         `TransportError` if `first`'s first chunk is refused (nothing started)."""
         while self._backlog and self._in_flight < self._cap:
             job = self._backlog[0]
-            if job.handle.state() is not WriteState.PENDING:  # failed, or past deadline
+            if not job.handle._enter():  # failed, or past its deadline: no more of it
                 self._backlog.popleft()
+                job.handle.state()  # fails it now if no batch of it is in the engine
                 continue
             left, room = len(job.srcs) - job.next, self._cap - self._in_flight
             # whole if it fits; else chunks of half the queue, so that one chunk
             # streams while the thread waits on the one before
             end = job.next + (left if left <= room else min(room, max(1, self._cap // 2)))
             batch, why = self._submit(job, end)
-            if batch:
+            if not batch:
+                job.handle._leave(WriteState.FAILED)
+            else:
                 nbytes = sum(job.lengths[job.next : end])
                 self._waiting.append((batch, end - job.next, job, nbytes, time.monotonic()))
                 self._in_flight += end - job.next
@@ -242,8 +282,6 @@ class _Peer:
                 self._backlog.popleft()
             if not batch and job is first and job.next == 0:
                 raise TransportError(f"peer={self._peer!r}: {why}; nothing was started")
-            if not batch:
-                job.handle._settle(WriteState.FAILED)
 
     def _pace(self, nbytes: int, start: float, submitted: float, deadline: float) -> bool:
         """Sleep until `WAKE_EARLY` of the batch's estimated time before its
@@ -320,9 +358,11 @@ class _Peer:
                 self._in_flight -= count
                 job.outstanding -= 1
                 if rc != 0:
-                    job.handle._settle(WriteState.FAILED)
+                    job.handle._leave(WriteState.FAILED)
                 elif job.outstanding == 0 and job.next == len(job.srcs):
-                    job.handle._settle(WriteState.DONE)
+                    job.handle._leave(WriteState.DONE)
+                else:  # more to come, or past its deadline with nothing left inside
+                    job.handle._leave(None)
 
 
 class MooncakeTransport:
@@ -331,8 +371,10 @@ class MooncakeTransport:
     Args:
         host: the address peers use to reach this end (the configured PD address;
             "127.0.0.1" in tests). The engine picks its handshake port itself.
-        write_timeout_s: a write handle is FAILED once this long passed without
-            the engine reporting the batch complete.
+        write_timeout_s: once this long passed without the engine reporting a
+            write complete, no more of it is submitted, and its handle is FAILED
+            when no batch of it is left inside the engine (at most the engine's
+            own `MC_TRANSFER_TIMEOUT` later).
         protocol: the engine's transport ("tcp"; "rdma" where the hardware is).
         device: the engine's device filter ("" for none).
         require_private_listen: raise `TransportError` if the engine listens on a

@@ -211,8 +211,12 @@ def receiver_killed(logdir: Path) -> dict:
 
 
 def receiver_frozen(logdir: Path) -> dict:
-    """A receiver that stops answering: the write is FAILED at the transport's
-    deadline, the notice raises by its timeout, and neither changes afterwards."""
+    """A receiver that stops answering: past the transport's deadline the write
+    stays PENDING while its batch is inside the engine (its bytes sit in the
+    frozen receiver's socket and would land once it runs again), and is FAILED
+    once the engine's own timeout (5 s here) ends the batch; the notice raises by
+    its timeout; neither changes afterwards."""
+    os.environ["MC_TRANSFER_TIMEOUT"] = "5"  # read when an engine is made
     size = 64 << 20
     src = np.ones(size, dtype=np.uint8)
     peer = Peer(logdir, "receiver", size)
@@ -229,6 +233,7 @@ def receiver_frozen(logdir: Path) -> dict:
         pieces = [Piece(src.ctypes.data + i * n, base + i * n, n) for i in range(16)]
         t0 = time.monotonic()
         handle = t.write(address, pieces)
+        at_deadline = handle.wait(1.5)  # past write_timeout_s, the batch still inside
         state = handle.wait(30)
         failed_after_s = time.monotonic() - t0
         t0 = time.monotonic()
@@ -248,6 +253,7 @@ def receiver_frozen(logdir: Path) -> dict:
         peer.signal(signal.SIGCONT)
         time.sleep(1.0)  # the batch may now complete inside the engine
         return {
+            "at_deadline": at_deadline.name,
             "state": state.name,
             "failed_after_s": failed_after_s,
             "notify": notify,

@@ -1,0 +1,121 @@
+"""A `MooncakeTransport` write handle past its deadline settles only once no batch
+of it is inside the engine: a settled handle lets P's notice go out, and the
+notice tells D that no byte of the write can land any more (D then reuses the
+blocks at once). Past the deadline nothing more of the write is submitted. The
+engine here is a stand-in whose batches end when the test says so."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastkv.pd.mooncake_te import MooncakeWriteHandle, _Job, _Peer
+from fastkv.pd.transport import WriteState
+
+PIECE = 1 << 20
+
+
+class HeldEngine:
+    """Every batch stays inside until `end(batch, rc)`; the status call blocks
+    until then (as the engine's does, up to its own timeout)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.submitted: list[int] = []  # pieces per batch, in order
+        self.rc: dict[int, int] = {}
+        self.ended = threading.Condition(self.lock)
+
+    def batch_transfer_async_write(self, peer, srcs, dsts, lengths) -> int:
+        with self.lock:
+            self.submitted.append(len(srcs))
+            return len(self.submitted)
+
+    def get_batch_transfer_status(self, ids: list[int]) -> int:
+        with self.ended:
+            self.ended.wait_for(lambda: ids[0] in self.rc, timeout=10)
+            return self.rc.get(ids[0], -1)
+
+    def end(self, batch: int, rc: int) -> None:
+        with self.ended:
+            self.rc[batch] = rc
+            self.ended.notify_all()
+
+
+def start(peer: _Peer, pieces: int, deadline_s: float) -> MooncakeWriteHandle:
+    handle = MooncakeWriteHandle(time.monotonic() + deadline_s, threading.Lock())
+    peer.start(_Job(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), False)
+    return handle
+
+
+def until(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+def test_past_its_deadline_a_write_inside_the_engine_stays_pending_until_it_returns() -> None:
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 8, 0.1)
+        until(lambda: engine.submitted == [8])
+        assert handle.wait(0.3) is WriteState.PENDING  # past the deadline, still inside
+        assert handle.state() is WriteState.PENDING
+        engine.end(1, -1)  # the engine's own timeout, or its failure
+        assert handle.wait(2) is WriteState.FAILED
+    finally:
+        peer.close()
+
+
+def test_a_write_the_engine_completes_after_the_deadline_is_done() -> None:
+    """Every byte landed, as the engine says: DONE, however late."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 8, 0.05)
+        until(lambda: engine.submitted == [8])
+        time.sleep(0.1)
+        engine.end(1, 0)
+        assert handle.wait(2) is WriteState.DONE
+    finally:
+        peer.close()
+
+
+def test_past_its_deadline_no_more_of_a_write_goes_to_the_engine() -> None:
+    """A write in two chunks (128 pieces over a 64-piece queue): the deadline
+    passes with the first chunk inside; when it returns done, the second is never
+    submitted and the write fails (not all of it landed)."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 128, 0.1)
+        until(lambda: len(engine.submitted) == 2)  # two chunks of 32 fill the queue
+        time.sleep(0.15)  # past the deadline
+        engine.end(1, 0)
+        engine.end(2, 0)
+        assert handle.wait(2) is WriteState.FAILED
+        time.sleep(0.05)
+        assert engine.submitted == [32, 32]
+    finally:
+        peer.close()
+
+
+def test_a_write_with_nothing_inside_the_engine_fails_at_its_deadline() -> None:
+    """Queued behind another write's full queue, nothing of it started: it fails at
+    its deadline, not when the engine lets go of the other write."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        first = start(peer, 64, 30)
+        until(lambda: engine.submitted == [64])
+        second = start(peer, 8, 0.1)
+        t0 = time.monotonic()
+        assert second.wait(2) is WriteState.FAILED
+        assert time.monotonic() - t0 < 0.5
+        engine.end(1, 0)
+        assert first.wait(2) is WriteState.DONE
+        time.sleep(0.05)
+        assert engine.submitted == [64]  # the failed write never went in
+    finally:
+        peer.close()
