@@ -238,10 +238,12 @@ class PDWorker:
             elif not _ids_shaped(arg, 4 if kind == "chunk" else 2):
                 raise ValueError(f"tasks[{i}]: {kind} takes (epoch, transfer id{_MORE[kind]})")
 
-    def after_layer(self, layer: int) -> None:
-        """The runner's per-layer hook: layer `layer` of this step is written."""
+    def after_layer(self, layer: int, stream: int | None = None) -> None:
+        """The runner's per-layer hook: layer `layer` of this step is written, or,
+        on a GPU, its kernel was launched on `stream` (None: Paddle's current
+        stream): the sender's writes wait for that (`PDSender.after_layer`)."""
         if self.sender is not None:
-            self.sender.after_layer(layer)
+            self.sender.after_layer(layer, stream)
 
     def poll(self) -> int:
         """Settle what settled: handlers completed, reports handed on."""
@@ -284,6 +286,7 @@ class PDWorker:
         instead of landing in freed memory."""
         if self.sender is not None:
             self.sender.abort_all("the KV cache was freed on P")
+            self.sender.close()  # no write starts from now on, pending fences or not
             end = time.monotonic() + timeout_s
             while True:
                 self.poll()
