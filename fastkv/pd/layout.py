@@ -31,8 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastkv.storage import _disk_io
-
 
 @dataclass(frozen=True, slots=True)
 class TensorRegion:
@@ -259,6 +257,10 @@ def layer_checksum(
     segs[:, :, 0] = bases + ids[:, None] * strides
     segs[:, :, 1] = size
     if device is None:
+        # Imported here: a GPU-only build (`make gpu-test`) has the core and not
+        # storage's extension.
+        from fastkv.storage import _disk_io
+
         return _disk_io.block_checksum(segs)
     from fastkv.ops import core
 

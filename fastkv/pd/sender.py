@@ -209,8 +209,8 @@ class PDSender:
 
         Raises:
             ValueError: a D rank this rank serves is not connected, a block id out of
-                range, source and destination lists of different lengths, or the
-                transfer is sending already."""
+                range, source and destination lists of different lengths, the
+                transfer is sending already, or the sender was closed."""
         k = plan.num_d_ranks // self.layout.tp_size if plan.num_d_ranks else 0
         want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
         if (
@@ -226,6 +226,8 @@ class PDSender:
             raise ValueError("plan: src_block_ids and dst_block_ids differ in length")
         if (plan.epoch, plan.transfer_id) in self._sends:
             raise ValueError(f"plan.transfer_id: {plan.transfer_id} is already sending")
+        if self._closed:
+            raise ValueError(f"plan.transfer_id: {plan.transfer_id}: the sender was closed")
         self._check_ids("src_block_ids", plan.src_block_ids, self.layout.num_blocks)
         for r in want:
             self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)

@@ -10,9 +10,20 @@ import ctypes
 import numpy as np
 import pytest
 
-from fastkv.storage import _disk_io
-
+from . import crc_reference
 from .native_harness import build_harness
+
+# storage's extension, imported in the tests: `make gpu-test` collects this module
+# (and runs none of it) in a checkout where only the core is built.
+_disk_io = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _storage() -> None:
+    global _disk_io
+    from fastkv.storage import _disk_io as ext
+
+    _disk_io = ext
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +107,12 @@ def test_folding_two_parts_is_the_crc_of_both(lib: ctypes.CDLL) -> None:
         # from the standard initial state: the finished CRC of both
         state = lib.crc_harness_fold(0xFFFFFFFF, _raw(a), na)
         assert lib.crc_harness_fold(state, _raw(b), nb) ^ 0xFFFFFFFF == _disk_io.crc32c(a + b)
+
+
+def test_the_python_reference_the_gpu_tests_use_is_storages_checksum() -> None:
+    rng = np.random.default_rng(9)
+    buf = rng.integers(0, 256, size=1 << 14, dtype=np.uint8)
+    for spans in ([(0, 0)], [(1, 7)], [(3, 25), (100, 192)], [(5, 4099), (0, 1000), (9, 9)]):
+        segs = _segs(buf, spans)
+        want = _disk_io.block_checksum(segs)
+        assert crc_reference.checksum([buf[o : o + n].tobytes() for o, n in spans]) == want

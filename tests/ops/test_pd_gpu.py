@@ -20,8 +20,8 @@ from fastkv.pd.layout import KVLayout, TensorRegion, layer_checksum
 from fastkv.pd.messages import SendPlan
 from fastkv.pd.sender import PDSender
 from fastkv.pd.transport import WriteState
-from fastkv.storage import _disk_io
 
+from . import crc_reference
 from .gpu_support import GPU_REASON, gpu, needs_gpu
 
 if GPU_REASON is None:
@@ -39,45 +39,53 @@ extern "C" __global__ void spin_write(unsigned char* p, long long n, long long c
 }
 """
 
-SIZES = [1, 7, 8, 9, 24, 25, 191, 192, 1536, 1537, 4099, 65536 + 13, (1 << 20) + 5]
+SIZES = [1, 7, 8, 9, 24, 25, 191, 192, 1536, 1537, 4099, 65536 + 13]
 
 
 @gpu
 @needs_gpu
-def test_device_checksum_equals_storages_on_random_data() -> None:
+def test_device_checksum_equals_the_definitions_on_random_data() -> None:
     rng = np.random.default_rng(11)
     host = rng.integers(0, 256, size=(4 << 20) + 64, dtype=np.uint8)
     dev = cupy.asarray(host)
-    for n in SIZES:
-        for off in (0, 1, 8, 13):
-            segs = np.array([[dev.data.ptr + off, n]], np.int64)
-            want = _disk_io.block_checksum(np.array([[host.ctypes.data + off, n]], np.int64))
-            assert core.crc3way_cuda(0, segs) == want, (n, off)
-    for _ in range(10):  # scattered segments, one call
-        spans = [(int(rng.integers(0, 3 << 20)), int(rng.choice(SIZES))) for _ in range(50)]
-        d = np.array([[dev.data.ptr + o, n] for o, n in spans], np.int64)
-        h = np.array([[host.ctypes.data + o, n] for o, n in spans], np.int64)
-        assert core.crc3way_cuda(0, d) == _disk_io.block_checksum(h)
-    zero = np.array([[dev.data.ptr, 0], [dev.data.ptr + 5, 3]], np.int64)
-    assert core.crc3way_cuda(0, zero) == _disk_io.block_checksum(
-        np.array([[host.ctypes.data, 0], [host.ctypes.data + 5, 3]], np.int64)
-    )
+    base = dev.data.ptr
+
+    def ref(spans: list[tuple[int, int]]) -> int:
+        return crc_reference.checksum([host[o : o + n].tobytes() for o, n in spans])
+
+    for n in [*SIZES, (1 << 20) + 5, (4 << 20) + 3]:  # up to 2,731 chunks a segment
+        for off in (0, 1, 8, 13) if n < 1 << 20 else (5,):
+            segs = np.array([[base + off, n]], np.int64)
+            assert core.crc3way_cuda(0, segs) == ref([(off, n)]), (n, off)
+    for _ in range(5):  # scattered segments, one call
+        spans = [(int(rng.integers(0, 3 << 20)), int(rng.choice(SIZES))) for _ in range(20)]
+        segs = np.array([[base + o, n] for o, n in spans], np.int64)
+        assert core.crc3way_cuda(0, segs) == ref(spans)
+    spans = [(0, 0), (5, 3)]  # an empty segment, trailing bytes only
+    segs = np.array([[base + o, n] for o, n in spans], np.int64)
+    assert core.crc3way_cuda(0, segs) == ref(spans)
 
 
 @gpu
 @needs_gpu
 def test_layer_checksum_of_a_gpu_layout_equals_the_host_copys() -> None:
     rng = np.random.default_rng(5)
-    host = [rng.integers(0, 256, size=(16, 4, 4096), dtype=np.uint8) for _ in range(4)]
+    host = [rng.integers(0, 256, size=(16, 4, 1024), dtype=np.uint8) for _ in range(4)]
     dev = [cupy.asarray(a) for a in host]
-    h_lay = KVLayout.of_arrays(host, tensors_per_layer=2, block_size=16)
     regions = tuple(TensorRegion(int(d.data.ptr), 16, d.nbytes // 16, 4, "uint8") for d in dev)
-    d_lay = KVLayout(regions, 2, 16, 16, device=0)
+    lay = KVLayout(regions, 2, 16, 16, device=0)
     ids = [3, 0, 15, 7, 8]
     for layer in range(2):
         for slices, index in ((1, 0), (2, 1), (4, 3)):
-            want = layer_checksum(h_lay.layer(layer), ids, slices=slices, index=index)
-            got = layer_checksum(d_lay.layer(layer), ids, slices=slices, index=index, device=0)
+            per = 4 // slices  # heads per slice
+            want = crc_reference.checksum(
+                [
+                    host[2 * layer + t][b, index * per : (index + 1) * per].tobytes()
+                    for b in ids
+                    for t in range(2)
+                ]
+            )
+            got = layer_checksum(lay.layer(layer), ids, slices=slices, index=index, device=0)
             assert got == want, (layer, slices, index)
 
 

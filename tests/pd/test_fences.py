@@ -181,6 +181,8 @@ def test_close_with_a_pending_fence_starts_no_write() -> None:
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
     rig.senders[0].close()  # idempotent
+    with pytest.raises(ValueError, match="the sender was closed"):
+        rig.offer("r2", TOKENS)
 
 
 def test_a_failing_fence_fails_the_send_and_starts_no_write() -> None:
@@ -256,3 +258,44 @@ def test_host_memory_takes_no_fence_and_a_gpu_layout_needs_a_device_transport() 
     for bad in (-1, True, "0"):
         with pytest.raises(ValueError, match=r"device: .* must be None"):
             KVLayout(lay.tensors, 2, 4, lay.num_blocks, device=bad)  # type: ignore[arg-type]
+
+
+class _Place:
+    def __init__(self, gpu: int | None) -> None:
+        self.gpu = gpu
+
+    def is_gpu_place(self) -> bool:
+        return self.gpu is not None
+
+    def gpu_device_id(self) -> int:
+        assert self.gpu is not None
+        return self.gpu
+
+
+class _Tensor:
+    """What of_controller reads of a Paddle tensor."""
+
+    def __init__(self, gpu: int | None, ptr: int) -> None:
+        self.place = _Place(gpu)
+        self.shape = (4, 2, 16)
+        self.dtype = "paddle.float16"
+        self._ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+class _Controller:
+    def __init__(self, places: list[int | None]) -> None:
+        from types import SimpleNamespace
+
+        self.caches = [_Tensor(g, 1 << 20 + i * 4096) for i, g in enumerate(places)]
+        self.block_bytes = [64] * len(places)
+        self.shape = SimpleNamespace(tensors_per_layer=2, block_size=4, num_device_blocks=4)
+
+
+def test_of_controller_reads_the_tensors_place() -> None:
+    assert KVLayout.of_controller(_Controller([1, 1])).device == 1
+    assert KVLayout.of_controller(_Controller([None, None])).device is None
+    with pytest.raises(ValueError, match="on one GPU or all on the host"):
+        KVLayout.of_controller(_Controller([0, None]))
