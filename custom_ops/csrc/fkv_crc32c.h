@@ -17,9 +17,10 @@
 // (a CRC register is linear in its state and its data; feeding zero bytes
 // multiplies the state by x^8 mod P). Folding is associative, so a thread may fold
 // a run of chunks from state 0 into one partial and the partials are folded again:
-// the kernel's two levels (fkv_crc_cuda.cuh). `segment_lanes_chunked` below runs
-// the same functions, the same way, on the host: the CPU tests compare it with
-// storage's implementation on random data and odd sizes.
+// the kernel's two levels (fkv_crc_cuda.cuh). Each kernel thread's work is a
+// function here (`chunk_thread`, `fold_thread`, `finish_segment`);
+// `checksum_emulated` runs them thread by thread on the host, and the CPU tests
+// compare it with storage's implementation on random data and odd sizes.
 //
 // Polynomials are in the reflected order of CRC-32C: bit 31 holds x^0, bit 0
 // x^31 (so 0x80000000 is 1, and multiplying by x is a right shift with a
@@ -197,9 +198,69 @@ FKV_CRC_HD void fold_parts(const uint32_t (*part)[3], const uint64_t (*len)[3], 
   }
 }
 
-// ---- host side ---------------------------------------------------------------
+// ---- the kernels' threads (fkv_crc_cuda.cuh), and their host emulation -------
 
-// The block checksum from the finished lanes of `num_segments` segments.
+// A segment of a call: `first_chunk` numbers its first chunk among all
+// segments' chunks (one after another, in order).
+struct Segment {
+  const uint8_t* p;
+  uint64_t n;
+  uint64_t first_chunk;
+};
+
+// Sets every segment's first_chunk; returns the chunks of all of them.
+inline uint64_t plan_segments(Segment* segs, int64_t num_segs, uint64_t chunk_words) {
+  uint64_t total = 0;
+  for (int64_t i = 0; i < num_segs; i++) {
+    segs[i].first_chunk = total;
+    total += num_chunks(segs[i].n, chunk_words);
+  }
+  return total;
+}
+
+// The segment of global chunk g: the last whose first chunk is <= g.
+FKV_CRC_HD int64_t segment_of(const Segment* segs, int64_t num_segs, uint64_t g) {
+  int64_t lo = 0, hi = num_segs - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (segs[mid].first_chunk <= g) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Kernel 1, thread g (< all chunks): its chunk's raw lanes into raw[3 g ..].
+FKV_CRC_HD void chunk_thread(const Table t, const Segment* segs, int64_t num_segs,
+                             uint64_t chunk_words, uint64_t g, uint32_t* raw) {
+  const Segment s = segs[segment_of(segs, num_segs, g)];
+  chunk_lanes(t, s.p, s.n, chunk_words, g - s.first_chunk, raw + 3 * g);
+}
+
+// Kernel 2, thread `th` of `threads` on segment s: the partial of its equal run
+// of the segment's chunks (zero, of no bytes, past the last chunk).
+FKV_CRC_HD void fold_thread(const Segment& s, const uint32_t* raw, uint64_t chunk_words,
+                            uint64_t th, uint64_t threads, uint32_t part[3], uint64_t len[3]) {
+  for (int k = 0; k < 3; k++) part[k] = 0, len[k] = 0;
+  const uint64_t chunks = num_chunks(s.n, chunk_words);
+  const uint64_t per = (chunks + threads - 1) / threads;
+  const uint64_t first = th * per;
+  if (first >= chunks) return;
+  const uint64_t count = chunks - first < per ? chunks - first : per;
+  fold_chunks(raw + 3 * s.first_chunk, s.n, chunk_words, first, count, part, len);
+}
+
+// Kernel 2, thread 0 after the others: the segment's finished lanes.
+FKV_CRC_HD void finish_segment(const uint32_t (*part)[3], const uint64_t (*len)[3],
+                               uint64_t threads, uint32_t lanes[3]) {
+  uint32_t state[3] = {0xffffffffu, 0xffffffffu, 0xffffffffu};
+  fold_parts(part, len, threads, state);
+  for (int k = 0; k < 3; k++) lanes[k] = ~state[k];
+}
+
+// The block checksum from the finished lanes of `num_segments` segments (host).
 inline uint32_t checksum_of_lanes(const Table t, const uint32_t* lanes, int64_t num_segments) {
   uint32_t c = 0xffffffffu;
   for (int64_t i = 0; i < 3 * num_segments; i++) {
@@ -211,27 +272,23 @@ inline uint32_t checksum_of_lanes(const Table t, const uint32_t* lanes, int64_t 
   return ~c;
 }
 
-// One segment's finished lanes the way the kernel computes them: every chunk's
-// raw lanes, then `threads` partials over equal runs of chunks, then the partials
-// folded from ~0. `raw` has room for 3 * num_chunks(n, chunk_words).
-inline void segment_lanes_chunked(const Table t, const uint8_t* p, uint64_t n,
-                                  uint64_t chunk_words, uint64_t threads, uint32_t* raw,
-                                  uint32_t out[3]) {
-  const uint64_t chunks = num_chunks(n, chunk_words);
-  for (uint64_t c = 0; c < chunks; c++) chunk_lanes(t, p, n, chunk_words, c, raw + 3 * c);
-  const uint64_t per = (chunks + threads - 1) / threads;
-  std::vector<uint32_t> part(3 * threads, 0);
-  std::vector<uint64_t> len(3 * threads, 0);
-  for (uint64_t th = 0; th < threads; th++) {  // the kernel's threads, one at a time
-    const uint64_t first = th * per;
-    if (first >= chunks) continue;  // a thread without chunks: a zero partial
-    const uint64_t count = chunks - first < per ? chunks - first : per;
-    fold_chunks(raw, n, chunk_words, first, count, &part[3 * th], &len[3 * th]);
+// Both kernels run thread by thread on the host (segs: p and n set), then the
+// lanes' checksum: what fkv_cuda_crc3way computes, for the CPU tests.
+inline uint32_t checksum_emulated(const Table t, Segment* segs, int64_t num_segs,
+                                  uint64_t chunk_words, uint64_t threads) {
+  const uint64_t total = plan_segments(segs, num_segs, chunk_words);
+  std::vector<uint32_t> raw(3 * total), lanes(3 * num_segs);
+  for (uint64_t g = 0; g < total; g++) chunk_thread(t, segs, num_segs, chunk_words, g, raw.data());
+  std::vector<uint32_t> part(3 * threads);
+  std::vector<uint64_t> len(3 * threads);
+  for (int64_t b = 0; b < num_segs; b++) {
+    for (uint64_t th = 0; th < threads; th++) {
+      fold_thread(segs[b], raw.data(), chunk_words, th, threads, &part[3 * th], &len[3 * th]);
+    }
+    finish_segment(reinterpret_cast<const uint32_t(*)[3]>(part.data()),
+                   reinterpret_cast<const uint64_t(*)[3]>(len.data()), threads, &lanes[3 * b]);
   }
-  uint32_t state[3] = {0xffffffffu, 0xffffffffu, 0xffffffffu};
-  fold_parts(reinterpret_cast<const uint32_t(*)[3]>(part.data()),
-             reinterpret_cast<const uint64_t(*)[3]>(len.data()), threads, state);
-  for (int k = 0; k < 3; k++) out[k] = ~state[k];
+  return checksum_of_lanes(t, lanes.data(), num_segs);
 }
 
 }  // namespace crc

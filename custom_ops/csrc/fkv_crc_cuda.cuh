@@ -1,8 +1,9 @@
 // fkv_cuda_crc3way: storage's crc32c-3way checksum of device memory (PD's layer
 // checksums on GPU caches). Included at the end of fkv_cuda.cu, whose helpers it
 // uses (DeviceGuard, check_device_ordinal, cuda_error, sleep_us). The math, and
-// the two-level fold both kernels below run, is fkv_crc32c.h's: the CPU tests run
-// the same functions the same way against storage's implementation.
+// each kernel thread's work, is fkv_crc32c.h's (chunk_thread, fold_thread,
+// finish_segment): the CPU tests run those functions thread by thread
+// (checksum_emulated) against storage's implementation.
 //
 // 1. crc_chunks_kernel: one thread per chunk of kCrcChunkWords words of a segment
 //    (segments' chunks numbered one after another), its three lanes from state 0.
@@ -26,11 +27,7 @@ namespace {
 constexpr uint64_t kCrcChunkWords = 192;  // 1536 bytes a thread; a multiple of 3
 constexpr int kCrcThreads = 128;
 
-struct CrcSeg {
-  const uint8_t* p;
-  uint64_t n;
-  uint64_t first_chunk;  // of all segments' chunks
-};
+using CrcSeg = crc::Segment;
 
 __device__ void crc_load_table(crc::Table t) {
   for (int i = threadIdx.x; i < 256; i += blockDim.x) t[0][i] = crc::table0(i);
@@ -46,43 +43,16 @@ __global__ void crc_chunks_kernel(const CrcSeg* segs, int64_t num_segs, uint64_t
   __shared__ uint32_t table[8][256];
   crc_load_table(table);
   const uint64_t g = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= total) return;
-  int64_t lo = 0, hi = num_segs - 1;  // the last segment whose first chunk is <= g
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (segs[mid].first_chunk <= g) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const CrcSeg s = segs[lo];
-  crc::chunk_lanes(table, s.p, s.n, kCrcChunkWords, g - s.first_chunk, raw + 3 * g);
+  if (g < total) crc::chunk_thread(table, segs, num_segs, kCrcChunkWords, g, raw);
 }
 
 __global__ void crc_fold_kernel(const CrcSeg* segs, const uint32_t* raw, uint32_t* lanes) {
   __shared__ uint32_t part[kCrcThreads][3];
   __shared__ uint64_t len[kCrcThreads][3];
-  const CrcSeg s = segs[blockIdx.x];
-  const uint64_t chunks = crc::num_chunks(s.n, kCrcChunkWords);
-  const uint64_t per = (chunks + kCrcThreads - 1) / kCrcThreads;
-  const uint64_t first = threadIdx.x * per;
-  uint32_t st[3] = {0, 0, 0};
-  uint64_t ln[3] = {0, 0, 0};
-  if (first < chunks) {
-    const uint64_t count = chunks - first < per ? chunks - first : per;
-    crc::fold_chunks(raw + 3 * s.first_chunk, s.n, kCrcChunkWords, first, count, st, ln);
-  }
-  for (int k = 0; k < 3; k++) {
-    part[threadIdx.x][k] = st[k];
-    len[threadIdx.x][k] = ln[k];
-  }
+  crc::fold_thread(segs[blockIdx.x], raw, kCrcChunkWords, threadIdx.x, kCrcThreads,
+                   part[threadIdx.x], len[threadIdx.x]);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t state[3] = {0xffffffffu, 0xffffffffu, 0xffffffffu};
-    crc::fold_parts(part, len, kCrcThreads, state);
-    for (int k = 0; k < 3; k++) lanes[3 * blockIdx.x + k] = ~state[k];
-  }
+  if (threadIdx.x == 0) crc::finish_segment(part, len, kCrcThreads, lanes + 3 * blockIdx.x);
 }
 
 const crc::Table& crc_host_table() {
@@ -127,7 +97,6 @@ int crc_check_args(const int64_t* segments, int64_t num_segments, int64_t timeou
     return set_error(FKV_EINVAL, "timeout_ns: %lld must be > 0", static_cast<long long>(timeout_ns));
   }
   descs->resize(num_segments);
-  *total = 0;
   for (int64_t i = 0; i < num_segments; i++) {
     const int64_t ptr = segments[2 * i], n = segments[2 * i + 1];
     if (n < 0 || (ptr == 0 && n > 0)) {
@@ -136,9 +105,9 @@ int crc_check_args(const int64_t* segments, int64_t num_segments, int64_t timeou
                        static_cast<long long>(n));
     }
     (*descs)[i] = CrcSeg{reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(ptr)),
-                         static_cast<uint64_t>(n), *total};
-    *total += crc::num_chunks(static_cast<uint64_t>(n), kCrcChunkWords);
+                         static_cast<uint64_t>(n), 0};
   }
+  *total = crc::plan_segments(descs->data(), num_segments, kCrcChunkWords);
   return FKV_OK;
 }
 

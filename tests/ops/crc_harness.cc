@@ -9,15 +9,12 @@ extern "C" uint32_t crc_harness_checksum(const int64_t* segs, int64_t num_segmen
   static fkv::crc::Table table;
   static const bool filled = (fkv::crc::fill_table(table), true);
   (void)filled;
-  std::vector<uint32_t> lanes(3 * num_segments);
-  for (int64_t s = 0; s < num_segments; s++) {
-    const auto* p = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(segs[2 * s]));
-    const auto n = static_cast<uint64_t>(segs[2 * s + 1]);
-    std::vector<uint32_t> raw(3 * fkv::crc::num_chunks(n, chunk_words));
-    fkv::crc::segment_lanes_chunked(table, p, n, chunk_words, threads, raw.data(),
-                                    lanes.data() + 3 * s);
+  std::vector<fkv::crc::Segment> s(num_segments);
+  for (int64_t i = 0; i < num_segments; i++) {
+    s[i].p = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(segs[2 * i]));
+    s[i].n = static_cast<uint64_t>(segs[2 * i + 1]);
   }
-  return fkv::crc::checksum_of_lanes(table, lanes.data(), num_segments);
+  return fkv::crc::checksum_emulated(table, s.data(), num_segments, chunk_words, threads);
 }
 
 extern "C" uint32_t crc_harness_xpow8n(uint64_t n) { return fkv::crc::xpow8n(n); }
