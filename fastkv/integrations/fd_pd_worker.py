@@ -98,6 +98,8 @@ class PDWorker:
         role: "prefill" (a sender) or "decode" (a receiver).
         report_to: gets every RankReport (the scheduler's `pd_reports`).
         checksums: see `PDSender` / `PDReceiver`.
+        fences: the sender's fence source (`PDSender`; default: none on host
+            memory, CUDA events on Paddle's current stream on a GPU).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class PDWorker:
         role: str,
         report_to: Callable[[list[RankReport]], None],
         checksums: bool = True,
+        fences: Any = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
@@ -116,7 +119,9 @@ class PDWorker:
         self.transport = transport
         self._report_to = report_to
         self.sender = (
-            PDSender(transport, layout, checksums=checksums) if role == "prefill" else None
+            PDSender(transport, layout, checksums=checksums, fences=fences)
+            if role == "prefill"
+            else None
         )
         self.receiver = (
             PDReceiver(transport, layout, checksums=checksums) if role == "decode" else None

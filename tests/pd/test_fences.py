@@ -299,3 +299,44 @@ def test_of_controller_reads_the_tensors_place() -> None:
     assert KVLayout.of_controller(_Controller([None, None])).device is None
     with pytest.raises(ValueError, match="on one GPU or all on the host"):
         KVLayout.of_controller(_Controller([0, None]))
+
+
+def test_the_workers_hook_passes_the_stream_and_close_starts_no_queued_write() -> None:
+    from fastkv.integrations.fd_pd_worker import PDWorker
+
+    rig = Rig()
+    fences = FakeFences()
+    reports: list = []
+    worker = PDWorker(
+        rig.p.layouts[0],
+        rig.fabric.endpoint("p-worker"),
+        role="prefill",
+        report_to=reports.extend,
+        fences=fences,
+    )
+    sender = worker.sender
+    assert sender is not None
+    sender._fence_slice_s = 0.01
+    sender.connect(*rig.receivers[0].handshake())
+    rig.senders[0] = sender  # P's rank 0 is the worker's sender now
+    writes = _spy_writes(rig)
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    table = list(rig.p.mgr.block_table("r").block_ids)
+    rig.p.write_layer(table, TOKENS, 0, 0)
+    worker.after_layer(0, stream=7)
+    (fence,) = fences.recorded
+    assert fence.stream == 7
+    worker.close(timeout_s=5.0)  # the send settles (D told), then the transport closes
+    fence.complete()
+    time.sleep(0.05)
+    assert writes == [] and sender.num_sends == 0
+    assert not sender._waiter.is_alive()  # type: ignore[union-attr]
+    assert [r.ok for r in reports] == [False]
+    rig.p_side.on_reports(reports)
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    (out,) = rig.outcomes  # P's failure notice went out before the transport closed
+    assert not out.success and "P reported a failure" in out.reason
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
