@@ -114,10 +114,21 @@ class CudaFences:
         self._streams: dict[int, Any] = {}
 
     def record(self, stream: int | None) -> Fence:
+        """An event recorded on the stream.
+
+        Raises:
+            RuntimeError: the stream is capturing a CUDA graph (an event recorded
+                there would be a node of the graph, not a point the writes can
+                wait for: the hook then fails the send), or a CUDA error."""
         handle = self._current() if stream is None else stream
         s = self._streams.get(handle)
         if s is None:
             s = self._streams[handle] = self._stream_of(self.device, handle, self._pool)
+        if s.capturing():
+            raise RuntimeError(
+                f"stream {handle:#x} is capturing a CUDA graph: PD's hook needs the "
+                "layer's kernels launched outside a capture (the send fails)"
+            )
         return s.record()
 
 

@@ -164,6 +164,23 @@ def test_a_layers_write_starts_only_after_the_kernel_that_wrote_it() -> None:
     assert [r.ok for r in reports] == [True], reports
 
 
+@gpu
+@needs_gpu
+def test_a_fence_on_a_capturing_stream_is_refused() -> None:
+    from fastkv.pd.fence import CudaFences
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    fences = CudaFences(0, current_stream=lambda: stream.ptr)
+    stream.begin_capture()
+    try:
+        with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+            fences.record(None)
+    finally:
+        stream.end_capture()
+    fence = fences.record(None)  # outside the capture: an event, complete at once
+    assert fence.synchronize(5.0) and fence.query()
+
+
 @pytest.mark.skipif(core.cuda_device_count() > 0, reason="checks the no-GPU failure mode")
 def test_without_a_gpu_the_device_checksum_and_fences_say_why() -> None:
     host = np.zeros(64, np.uint8)
