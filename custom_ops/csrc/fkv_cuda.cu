@@ -1178,3 +1178,5 @@ FKV_API int fkv_swap_cuda(const fkv_segment* segments, int32_t num_segments,
 }
 
 }  // extern "C"
+
+#include "fkv_crc_cuda.cuh"  // PD checksums of device memory

@@ -98,6 +98,8 @@ class PDWorker:
         role: "prefill" (a sender) or "decode" (a receiver).
         report_to: gets every RankReport (the scheduler's `pd_reports`).
         checksums: see `PDSender` / `PDReceiver`.
+        fences: the sender's fence source (`PDSender`; default: none on host
+            memory, CUDA events on Paddle's current stream on a GPU).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class PDWorker:
         role: str,
         report_to: Callable[[list[RankReport]], None],
         checksums: bool = True,
+        fences: Any = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
@@ -116,7 +119,9 @@ class PDWorker:
         self.transport = transport
         self._report_to = report_to
         self.sender = (
-            PDSender(transport, layout, checksums=checksums) if role == "prefill" else None
+            PDSender(transport, layout, checksums=checksums, fences=fences)
+            if role == "prefill"
+            else None
         )
         self.receiver = (
             PDReceiver(transport, layout, checksums=checksums) if role == "decode" else None
@@ -238,10 +243,12 @@ class PDWorker:
             elif not _ids_shaped(arg, 4 if kind == "chunk" else 2):
                 raise ValueError(f"tasks[{i}]: {kind} takes (epoch, transfer id{_MORE[kind]})")
 
-    def after_layer(self, layer: int) -> None:
-        """The runner's per-layer hook: layer `layer` of this step is written."""
+    def after_layer(self, layer: int, stream: int | None = None) -> None:
+        """The runner's per-layer hook: layer `layer` of this step is written, or,
+        on a GPU, its kernel was launched on `stream` (None: Paddle's current
+        stream): the sender's writes wait for that (`PDSender.after_layer`)."""
         if self.sender is not None:
-            self.sender.after_layer(layer)
+            self.sender.after_layer(layer, stream)
 
     def poll(self) -> int:
         """Settle what settled: handlers completed, reports handed on."""
@@ -284,6 +291,7 @@ class PDWorker:
         instead of landing in freed memory."""
         if self.sender is not None:
             self.sender.abort_all("the KV cache was freed on P")
+            self.sender.close()  # no write starts from now on, pending fences or not
             end = time.monotonic() + timeout_s
             while True:
                 self.poll()

@@ -567,12 +567,14 @@ class FastDeployCacheController:
         """FastDeploy's name: D expects a request's blocks from P."""
         return self._pd_worker().wait_for_transfer_from_node(metadata)
 
-    def after_layer(self, layer: int) -> None:
+    def after_layer(self, layer: int, stream: int | None = None) -> None:
         """The one line PD adds to FastDeploy's runner: call it once layer `layer` of
-        the step is written (on a GPU, after that layer's kernel is done)."""
+        the step is written, or on a GPU right after launching that layer's kernel
+        on `stream` (None: Paddle's current stream): the writes wait for a CUDA
+        event recorded there (`PDSender.after_layer`)."""
         pd = self.pd
         if pd is not None:
-            pd.after_layer(layer)
+            pd.after_layer(layer, stream)
 
     def _send_reports(self, reports: list[Any]) -> None:
         """This rank's PD RankReports over the results channel (acked, resent on

@@ -134,6 +134,10 @@ def _load() -> ctypes.CDLL:
         "fkv_host_alloc": ([ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int], _ptr),
         "fkv_host_free": ([_ptr, ctypes.c_size_t, ctypes.c_int], ctypes.c_int),
         "fkv_numa_node_of": ([_ptr], ctypes.c_int),
+        "fkv_cuda_crc3way": (
+            [ctypes.c_int, _ptr, _i64, _ptr, _i64, ctypes.POINTER(ctypes.c_uint32)],
+            ctypes.c_int,
+        ),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -810,3 +814,48 @@ def set_cuda_evict_launch_bytes(nbytes: int) -> None:
 def get_cuda_evict_launch_bytes() -> int:
     """Returns the bound set_cuda_evict_launch_bytes sets (0: none)."""
     return int(_lib.fkv_cuda_get_evict_launch_bytes())
+
+
+CRC_TIMEOUT_S = 30.0
+"""How long `crc3way_cuda` waits for its kernels by default."""
+_crc_streams = threading.local()
+
+
+def crc3way_cuda(
+    device: int, segments: np.ndarray, timeout: float = CRC_TIMEOUT_S, stream: int | None = None
+) -> int:
+    """Storage's crc32c-3way block checksum (`fastkv.storage._disk_io.block_checksum`,
+    the same value bit for bit) of device memory: `segments` are int64 (pointer,
+    length) rows into CUDA device `device`'s memory.
+
+    The kernels run on `stream`, by default a low-priority non-blocking stream of
+    the calling thread's own on that device (created at its first call, kept for
+    the thread's life), so they never wait for the engine's work: the caller
+    orders the call after whatever wrote the bytes. The calling thread waits at
+    most `timeout` seconds, the GIL released.
+
+    Raises:
+        ValueError: `segments` not a non-empty (n, 2) array of lengths >= 0, or a
+            timeout outside (0, 3600].
+        CudaTimeoutError: the kernels did not finish in time (they finish and free
+            their memory in the background).
+        RuntimeError: no CUDA (core built without it, no such device) or a CUDA
+            error (an invalid pointer among them).
+    """
+    segs = np.ascontiguousarray(segments, dtype=np.int64)
+    if segs.ndim != 2 or segs.shape[1:] != (2,) or not len(segs) or (segs[:, 1] < 0).any():
+        raise ValueError(f"segments: shape {segs.shape}: need (n >= 1, 2), lengths >= 0")
+    if not 0 < timeout <= 3600:
+        raise ValueError(f"timeout: {timeout!r} s not in (0, 3600]")
+    if stream is None:
+        streams = _crc_streams.__dict__.setdefault("by_device", {})
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = stream_create(device, -1)
+    out = ctypes.c_uint32()
+    rc = _lib.fkv_cuda_crc3way(
+        device, segs.ctypes.data, len(segs), stream, int(timeout * 1e9), ctypes.byref(out)
+    )
+    if rc:
+        _raise(rc, "fkv_cuda_crc3way")
+    return int(out.value)

@@ -49,6 +49,9 @@ HEADERS = [
     "fkv_cuda_plan.h",
     "fkv_staging_ring.h",
     "fkv_layout_launch.h",
+    "fkv_crc32c.h",
+    "fkv_crc_cuda.h",
+    "fkv_crc_cuda.cuh",
 ]
 CORE_LIB = "libfastkv_core.so"
 PADDLE_LIB = "libfastkv_paddle_ops.so"

@@ -16,7 +16,10 @@ only pair with `k == 1`.
 The layer checksum is storage's block checksum (`fastkv.storage._disk_io.
 block_checksum`: crc32c-3way over segments) taken over one layer's segments of
 every block of a transfer, the bytes D's rank holds for them: one per layer, so
-D can verify a layer as soon as its writes settled.
+D can verify a layer as soon as its writes settled. A layout knows whether its
+memory is host memory (`device` None) or a GPU's (its CUDA ordinal): there the
+same value is computed by a CUDA kernel of the fastkv core (`fastkv.ops.core.
+crc3way_cuda`), so a P and a D on different kinds of memory agree.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from fastkv.storage import _disk_io
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +62,15 @@ class KVLayout:
     num_blocks: int
     tp_rank: int = 0
     tp_size: int = 1
+    device: int | None = None
+    """None: every tensor is host memory; else the CUDA ordinal holding them all
+    (not part of the digest: a P and a D on different memory pair)."""
 
     def __post_init__(self) -> None:
+        if self.device is not None and (
+            isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0
+        ):
+            raise ValueError(f"device: {self.device!r} must be None (host) or a CUDA ordinal")
         if not 1 <= self.tensors_per_layer <= 16 or len(self.tensors) % self.tensors_per_layer:
             raise ValueError(
                 f"tensors_per_layer: {self.tensors_per_layer!r} must be in [1, 16] and "
@@ -105,9 +113,19 @@ class KVLayout:
         cls, controller: object, *, tp_rank: int = 0, tp_size: int = 1
     ) -> KVLayout:
         """The layout of a `fastkv.worker.CacheController`'s cache tensors (its
-        public `caches`, `block_bytes` and `shape`), scales and extra layers included.
-        The controller must outlive every transfer that uses it."""
+        public `caches`, `block_bytes` and `shape`), scales and extra layers included;
+        `device` from the tensors' place (`device_of`). The controller must outlive
+        every transfer that uses it.
+
+        Raises:
+            ValueError: the tensors are not all on one device (or all on the host)."""
         caches = controller.caches  # type: ignore[attr-defined]
+        devices = {device_of(t) for t in caches}
+        if len(devices) > 1:
+            raise ValueError(
+                f"controller.caches: on {sorted(map(str, devices))}: PD needs every cache "
+                "tensor of a rank on one GPU or all on the host"
+            )
         shape = controller.shape  # type: ignore[attr-defined]
         tensors = tuple(
             TensorRegion(
@@ -126,6 +144,7 @@ class KVLayout:
             shape.num_device_blocks,
             tp_rank,
             tp_size,
+            devices.pop() if devices else None,
         )
 
     @classmethod
@@ -156,6 +175,20 @@ class KVLayout:
             tp_rank,
             tp_size,
         )
+
+
+def device_of(tensor: object) -> int | None:
+    """The CUDA ordinal a tensor lives on, None for host memory: a Paddle tensor's
+    `place`, a CuPy array's `device`, a PyTorch tensor's `device` (numpy: host)."""
+    place = getattr(tensor, "place", None)
+    if place is not None and hasattr(place, "is_gpu_place"):
+        return int(place.gpu_device_id()) if place.is_gpu_place() else None
+    if type(tensor).__module__.startswith("cupy"):
+        return int(tensor.device.id)  # type: ignore[attr-defined]
+    dev = getattr(tensor, "device", None)
+    if getattr(dev, "type", None) == "cuda":
+        return int(dev.index or 0)  # type: ignore[union-attr]
+    return None
 
 
 def check_tp(p_size: int, d_size: int) -> int:
@@ -198,15 +231,20 @@ def layer_checksum(
     *,
     slices: int = 1,
     index: int = 0,
+    device: int | None = None,
 ) -> int:
     """The checksum of one layer's bytes of `block_ids`: storage's crc32c-3way over
     the segments block by block, in each block the layer's `tensors` in order, of
     each the `index`-th of `slices` equal head slices (the whole block by default):
     what D's rank `index` of a P rank's `slices` holds. One native call with the
-    GIL released (another thread runs meanwhile).
+    GIL released (another thread runs meanwhile). `device`: the tensors are on
+    that GPU (`KVLayout.device`); the core's CUDA kernel computes the same value
+    (bounded wait: `fastkv.ops.core.crc3way_cuda`).
 
     Raises:
-        ValueError: no blocks, or `index` not in [0, slices)."""
+        ValueError: no blocks, or `index` not in [0, slices).
+        RuntimeError: `device` given and the core cannot run there (built without
+            CUDA, no such device, a CUDA error or the wait ran out)."""
     if not block_ids or not 0 <= index < slices:
         raise ValueError(
             f"block_ids: {len(block_ids)} (need >= 1); index: {index} not in [0, {slices})"
@@ -218,7 +256,15 @@ def layer_checksum(
     segs = np.empty((len(ids), len(tensors), 2), dtype=np.int64)
     segs[:, :, 0] = bases + ids[:, None] * strides
     segs[:, :, 1] = size
-    return _disk_io.block_checksum(segs)
+    if device is None:
+        # Imported here: a GPU-only build (`make gpu-test`) has the core and not
+        # storage's extension.
+        from fastkv.storage import _disk_io
+
+        return _disk_io.block_checksum(segs)
+    from fastkv.ops import core
+
+    return core.crc3way_cuda(device, segs.reshape(-1, 2))
 
 
 __all__ = [
@@ -226,5 +272,6 @@ __all__ = [
     "TensorRegion",
     "check_pair",
     "check_tp",
+    "device_of",
     "layer_checksum",
 ]

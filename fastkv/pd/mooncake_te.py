@@ -365,6 +365,17 @@ class _Peer:
                     job.handle._leave(None)
 
 
+def _cuda_wheel() -> bool:
+    """Is Mooncake's CUDA wheel the one installed (not `-non-cuda`)?"""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("mooncake-transfer-engine")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 class MooncakeTransport:
     """A `PDTransport` over one Mooncake `TransferEngine` (see the module docstring).
 
@@ -449,6 +460,13 @@ class MooncakeTransport:
             )
 
     # -- facts -----------------------------------------------------------
+
+    @property
+    def device_memory(self) -> bool:
+        """Can this engine move GPU memory? Only Mooncake's CUDA wheel
+        (`mooncake-transfer-engine`) can; the non-CUDA one copies every piece
+        with the CPU, so a GPU layout over it is refused (`check_transport_memory`)."""
+        return _cuda_wheel()
 
     @property
     def address(self) -> str:

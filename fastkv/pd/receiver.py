@@ -46,7 +46,7 @@ from fastkv.pd.messages import (
     peek_notice,
     peek_progress,
 )
-from fastkv.pd.transport import PDTransport
+from fastkv.pd.transport import PDTransport, check_transport_memory
 
 
 @dataclass(slots=True)
@@ -89,6 +89,9 @@ class PDReceiver:
             checksums is refused here, as one without them is by a D with them on)
             and D trusts whatever landed once a done notice arrived: for
             measurement and trusted fabrics only (docs/pd.md).
+
+    Raises:
+        ValueError: a GPU layout over a transport without `device_memory`.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class PDReceiver:
             raise ValueError(f"checksums: must be a bool, got {checksums!r}")
         self.transport = transport
         self.checksums = checksums
+        check_transport_memory(transport, layout.device)
         self.layout = layout
         self.max_waiting = max_waiting
         for t in layout.tensors:
@@ -229,7 +233,9 @@ class PDReceiver:
                 self.counters.layers_early += 1
 
     def _landed(self, layer: int, acc: Acceptance) -> int:
-        return layer_checksum(self.layout.layer(layer), acc.block_ids)
+        return layer_checksum(
+            self.layout.layer(layer), acc.block_ids, device=self.layout.device
+        )
 
     def _wait(self, key: tuple[Epoch, int], payload: bytes) -> None:
         if key[0] < self._epoch:

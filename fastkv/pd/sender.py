@@ -27,6 +27,20 @@ notice, nothing else.
 Layers are numbered over the whole layout, extra (speculative) layers last: the
 engine calls the hook for each of them, in order.
 
+Fences (`fastkv.pd.fence`): with a fence source (the default where the layout is
+GPU memory: `CudaFences`, CUDA events on the engine's stream), the hook does the
+same bookkeeping but, instead of starting the layer's writes, records one fence
+on the engine's stream (or the one it passes) and queues the layer behind it. A
+waiter thread waits for the queued fences in the order the hook recorded them,
+each in slices bounded by the earliest deadline of the sends it holds, and hands
+a layer's writes to the transport only once its fence completed, under the same
+lock as the hook's: so a layer's write never reads KV its kernel has not written,
+layers stay in order, and a send stopped meanwhile (abort, its deadline, `close`)
+starts none of its queued layers. A layer whose fence fails (a device error) or
+does not complete by the send's deadline stops the send, which then settles
+failed as any stopped send. Checksums and progress notices cover only the layers
+whose writes were started (their fence completed).
+
 A chunked prefill: `start(plan, chunked=True)`, then before each step that writes
 a chunk `chunk(epoch, transfer_id, num_blocks, last=...)`: that step's hooks send
 the blocks that became full since the last chunk (a block split between chunks goes
@@ -38,13 +52,22 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastkv.metadata import Epoch
+from fastkv.pd.fence import Fence, FenceSource
 from fastkv.pd.layout import KVLayout, check_pair, layer_checksum
 from fastkv.pd.messages import Notice, RankReport, SendPlan, encode_notice
-from fastkv.pd.transport import PDTransport, Piece, TransportError, WriteHandle, WriteState
+from fastkv.pd.transport import (
+    PDTransport,
+    Piece,
+    TransportError,
+    WriteHandle,
+    WriteState,
+    check_transport_memory,
+)
 
 
 @dataclass(slots=True)
@@ -73,6 +96,28 @@ class _Send:
     sums: list[dict[int, int]] = field(default_factory=list)  # per layer, per D rank
     notified: int = 0  # layers covered by progress notices (or skipped)
     failed: str = ""
+    queued: int = 0  # layers handed over behind a fence, writes not started yet
+
+
+@dataclass(slots=True)
+class _Layer:
+    """One send's layer, as the hook handed it over (the chunk may move on before
+    its fence completes)."""
+
+    send: _Send
+    layer: int
+    writes: list[tuple[str, list[Piece]]]
+    nbytes: int
+    last: bool  # of the send's last chunk
+
+
+@dataclass(slots=True)
+class _Fenced:
+    """The layers one hook call handed over behind one fence."""
+
+    fence: Fence
+    layer: int
+    layers: list[_Layer]
 
 
 class PDSender:
@@ -89,6 +134,17 @@ class PDSender:
             notices without them, which a D refuses unless its `PDReceiver` was
             built with `checksums=False` too: D then trusts whatever landed (for
             measurement and trusted fabrics only, docs/pd.md).
+        fences: orders each layer's writes after the engine's work on its stream
+            (module docstring). Default: none on host memory; `CudaFences` on the
+            layout's GPU.
+        fence_slice_s: the longest single wait of the waiter thread on a fence
+            (it rechecks deadlines and `close` between slices).
+
+    Raises:
+        ValueError: a bad argument, or a GPU layout over a transport that does
+            not declare `device_memory` (it would copy device pointers on the CPU).
+        RuntimeError: a GPU layout and no fence source can be made (the core
+            has no CUDA or no framework is imported to read the stream from).
     """
 
     def __init__(
@@ -99,9 +155,20 @@ class PDSender:
         notify_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         checksums: bool = True,
+        fences: FenceSource | None = None,
+        fence_slice_s: float = 0.05,
     ) -> None:
         if not isinstance(checksums, bool):
             raise ValueError(f"checksums: must be a bool, got {checksums!r}")
+        if not 0 < fence_slice_s <= 60:
+            raise ValueError(f"fence_slice_s: {fence_slice_s!r} must be in (0, 60] s")
+        check_transport_memory(transport, layout.device)
+        if fences is None and layout.device is not None:
+            from fastkv.pd.fence import CudaFences
+
+            fences = CudaFences(layout.device)
+        self._fences = fences
+        self._fence_slice_s = fence_slice_s
         self.transport = transport
         self.checksums = checksums
         self.layout = layout
@@ -116,6 +183,10 @@ class PDSender:
         # Held by the hook while it hands layers over, and by whatever changes which
         # sends it sees (start, chunk, abort, poll's settling).
         self._lock = threading.Lock()
+        self._fenced: deque[_Fenced] = deque()  # the waiter's queue, in hook order
+        self._wake = threading.Condition(self._lock)
+        self._waiter: threading.Thread | None = None
+        self._closed = False
         self.layers_sent = 0
         self.bytes_sent = 0  # handed to the transport (landed or not)
         self.progress_sent = 0  # progress notices sent (one per D rank)
@@ -138,8 +209,8 @@ class PDSender:
 
         Raises:
             ValueError: a D rank this rank serves is not connected, a block id out of
-                range, source and destination lists of different lengths, or the
-                transfer is sending already."""
+                range, source and destination lists of different lengths, the
+                transfer is sending already, or the sender was closed."""
         k = plan.num_d_ranks // self.layout.tp_size if plan.num_d_ranks else 0
         want = range(self.layout.tp_rank * k, (self.layout.tp_rank + 1) * k)
         if (
@@ -155,6 +226,8 @@ class PDSender:
             raise ValueError("plan: src_block_ids and dst_block_ids differ in length")
         if (plan.epoch, plan.transfer_id) in self._sends:
             raise ValueError(f"plan.transfer_id: {plan.transfer_id} is already sending")
+        if self._closed:
+            raise ValueError(f"plan.transfer_id: {plan.transfer_id}: the sender was closed")
         self._check_ids("src_block_ids", plan.src_block_ids, self.layout.num_blocks)
         for r in want:
             self._check_ids("dst_block_ids", plan.dst_block_ids, self._d_layouts[r].num_blocks)
@@ -210,16 +283,25 @@ class PDSender:
             if last:
                 send.final_layers = self.layout.num_layers
 
-    def after_layer(self, layer: int) -> None:
-        """The hook: layer `layer` of the step is written; start its writes."""
+    def after_layer(self, layer: int, stream: int | None = None) -> None:
+        """The hook: layer `layer` of the step is written (host memory) or its
+        kernel was launched on `stream` (None: the engine's current stream; with
+        a fence source only): start its writes, or queue them behind a fence."""
         if not self._active:
             return
         with self._lock:
-            self._hand_over(layer)
+            taken = self._hand_over(layer)
+            if not taken:
+                return
+            if self._fences is None:
+                for lay in taken:
+                    self._issue(lay)
+            else:
+                self._queue_fenced(layer, taken, stream)
 
-    def _hand_over(self, layer: int) -> None:
+    def _hand_over(self, layer: int) -> list[_Layer]:
         done = False
-        write = self.transport.write
+        taken = []
         for send in self._active:
             if send.next_layer == 0 and layer != 0:
                 continue  # started during a step: its chunk goes with the next step
@@ -227,31 +309,103 @@ class PDSender:
                 self._stop(send, f"hook called for layer {layer}, expected {send.next_layer}")
                 done = True
                 continue
-            try:
-                for peer, pieces in send.layers[layer]:
-                    handle = write(peer, pieces)
-                    send.handles.append(handle)
-                    send.layer_handles[layer].append(handle)
-            except TransportError as exc:
-                self._stop(send, f"layer {layer}: {exc}")
-                done = True
-                continue
-            self.layers_sent += 1
-            self.bytes_sent += send.layer_bytes[layer]
+            nbytes = send.layer_bytes[layer]
+            taken.append(_Layer(send, layer, send.layers[layer], nbytes, send.last))
             send.next_layer += 1
-            if send.last:
-                send.final_layers = send.next_layer
             if send.next_layer == len(send.layers):  # the chunk is handed over
                 send.next_layer, send.in_step, send.finished = 0, False, send.last
                 done = True
         if done:
             self._active = [s for s in self._active if s.in_step]
+        return taken
+
+    def _issue(self, lay: _Layer) -> None:
+        """Start one layer's writes (the lock held; the send not stopped)."""
+        send, layer = lay.send, lay.layer
+        try:
+            for peer, pieces in lay.writes:
+                handle = self.transport.write(peer, pieces)
+                send.handles.append(handle)
+                send.layer_handles[layer].append(handle)
+        except TransportError as exc:
+            self._stop(send, f"layer {layer}: {exc}")
+            self._active = [s for s in self._active if s is not send]
+            return
+        self.layers_sent += 1
+        self.bytes_sent += lay.nbytes
+        if lay.last:
+            send.final_layers = layer + 1
+
+    def _queue_fenced(self, layer: int, taken: list[_Layer], stream: int | None) -> None:
+        """One fence after the engine's work so far; the layers wait behind it."""
+        assert self._fences is not None
+        try:
+            fence = self._fences.record(stream)
+        except Exception as exc:
+            for lay in taken:
+                self._stop(lay.send, f"layer {layer}: recording its fence failed: {exc}")
+            self._active = [s for s in self._active if not s.failed]
+            return
+        for lay in taken:
+            lay.send.queued += 1
+        self._fenced.append(_Fenced(fence, layer, taken))
+        if self._waiter is None:
+            self._waiter = threading.Thread(
+                target=self._wait_fences, name="fastkv-pd-fences", daemon=True
+            )
+            self._waiter.start()
+        self._wake.notify()
+
+    def _wait_fences(self) -> None:
+        """The waiter thread: the queued fences in order; a layer's writes start
+        once its fence completed, under the lock, unless its send was stopped."""
+        while True:
+            with self._lock:
+                while not self._fenced and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                item = self._fenced[0]
+            start = self._await(item)
+            with self._lock:
+                self._fenced.popleft()
+                for lay in item.layers:
+                    lay.send.queued -= 1
+                    if start and not lay.send.failed and not self._closed:
+                        self._issue(lay)
+
+    def _await(self, item: _Fenced) -> bool:
+        """Wait for `item`'s fence while a send behind it is live; False when
+        none is any more (stopped, or stopped here: its deadline passed or the
+        fence failed)."""
+        while True:
+            with self._lock:
+                live = [lay.send for lay in item.layers if not lay.send.failed]
+                if self._closed or not live:
+                    return False
+                deadline = min(send.deadline for send in live)
+            left = deadline - self._clock()
+            reason = ""
+            if left <= 0:
+                reason = f"deadline passed with layer {item.layer}'s fence pending"
+            else:
+                try:
+                    if item.fence.synchronize(min(left, self._fence_slice_s)):
+                        return True
+                except Exception as exc:
+                    reason = f"layer {item.layer}: its fence failed: {exc}"
+            if reason:
+                with self._lock:
+                    for send in live:
+                        self._stop(send, reason)
+                    self._active = [s for s in self._active if not s.failed]
+                return False
 
     def abort(self, epoch: Epoch, transfer_id: int) -> None:
         """Start no more writes for the transfer; it settles (failed) as usual."""
         with self._lock:
             send = self._sends.get((epoch, transfer_id))
-            if send is not None and not send.finished:
+            if send is not None and (not send.finished or send.queued):
                 self._stop(send, "aborted on P")
                 self._active = [s for s in self._active if s is not send]
 
@@ -259,11 +413,30 @@ class PDSender:
         """`abort` every send not finished handing over, with `reason`; returns
         how many it stopped (every send settles as usual: a stopped one failed)."""
         with self._lock:
-            stopped = [send for send in self._sends.values() if not send.finished]
+            stopped = [s for s in self._sends.values() if not s.finished or s.queued]
             for send in stopped:
                 self._stop(send, reason)
             self._active = []
             return len(stopped)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every send (`abort_all`) and the fence waiter: no write starts once
+        this returns, whatever fence is still pending. The sends still settle
+        through `poll`. Idempotent.
+
+        Raises:
+            ValueError: `timeout_s` not in (0, 3600]."""
+        if not 0 < timeout_s <= 3600:
+            raise ValueError(f"timeout_s: {timeout_s!r} must be in (0, 3600] s")
+        self.abort_all("the sender was closed")
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            waiter = self._waiter
+        if waiter is not None and waiter is not threading.current_thread():
+            # The waiter is at most one fence slice away from seeing `_closed`, and
+            # it starts writes only under the lock, after checking it.
+            waiter.join(timeout_s)
 
     @staticmethod
     def _stop(send: _Send, reason: str) -> None:
@@ -279,11 +452,12 @@ class PDSender:
         in_flight = []  # handed over in part or whole, writes pending
         with self._lock:  # the hook starts no write for a send stopped here
             for key, send in list(self._sends.items()):
-                if not send.finished:
+                if not send.finished or (send.queued and not send.failed):
                     if now < send.deadline:
                         in_flight.append(send)
                         continue
-                    self._stop(send, "deadline passed before the last layer")
+                    why = "a layer's fence completed" if send.finished else "the last layer"
+                    self._stop(send, f"deadline passed before {why}")
                     self._active = [s for s in self._active if s is not send]
                 states = [h.state() for h in send.handles]
                 if WriteState.PENDING in states and now < send.deadline:
@@ -383,7 +557,11 @@ class PDSender:
             send.sums.append(
                 {
                     r: layer_checksum(
-                        tensors, plan.src_block_ids, slices=k, index=self._targets[r].index
+                        tensors,
+                        plan.src_block_ids,
+                        slices=k,
+                        index=self._targets[r].index,
+                        device=self.layout.device,
                     )
                     for r in self._served(send)
                 }

@@ -23,6 +23,10 @@ Contract (every implementation):
   order relative to other notices, or raises `TransportError`; it may also be lost
   silently (a dead peer): senders and receivers keep their own deadlines.
 - Nothing here blocks longer than its `timeout_s`.
+- A transport that can read and write GPU memory (registered device pointers)
+  says so with a true `device_memory` attribute; one without it is given host
+  memory only (`check_transport_memory`: the senders and receivers refuse a GPU
+  layout over it, since it would dereference device pointers on the CPU).
 """
 
 from __future__ import annotations
@@ -50,6 +54,20 @@ def check_timeout(field: str, value: float) -> float:
     ):
         raise TransportError(f"{field}={value!r}: must be a number in (0, {MAX_TIMEOUT_S}] s")
     return float(value)
+
+
+def check_transport_memory(transport: object, device: int | None) -> None:
+    """Refuse GPU memory (`device` a CUDA ordinal) over a transport that does not
+    declare `device_memory`; host memory (None) goes over any.
+
+    Raises:
+        ValueError: naming the transport and the device."""
+    if device is not None and not getattr(transport, "device_memory", False):
+        raise ValueError(
+            f"layout.device: {device}: {type(transport).__name__} moves host memory "
+            "only (no device_memory); GPU caches need a transport that reads and "
+            "writes GPU memory (Mooncake TE's CUDA wheel)"
+        )
 
 
 class WriteState(Enum):

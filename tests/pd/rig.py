@@ -112,6 +112,7 @@ class Rig:
     now: float = 0.0
     p_checksums: bool = True
     d_checksums: bool = True
+    fences: object = None  # P's senders' fence source (fastkv.pd.fence)
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -121,7 +122,11 @@ class Rig:
         self.d = make_instance(self.d_tp, self.layers, self.d_blocks)
         self.senders = [
             PDSender(
-                self.fabric.endpoint(f"p{r}"), lay, clock=clock, checksums=self.p_checksums
+                self.fabric.endpoint(f"p{r}"),
+                lay,
+                clock=clock,
+                checksums=self.p_checksums,
+                fences=self.fences,  # type: ignore[arg-type]
             )
             for r, lay in enumerate(self.p.layouts)
         ]

@@ -66,9 +66,9 @@ def test_d_verifies_a_layer_on_its_progress_notice_and_not_again(
     checked: list[int] = []
     real = receiver_mod.layer_checksum
 
-    def spy(tensors, block_ids):
+    def spy(tensors, block_ids, **kwargs):
         checked.append(tensors[0].ptr)
-        return real(tensors, block_ids)
+        return real(tensors, block_ids, **kwargs)
 
     monkeypatch.setattr(receiver_mod, "layer_checksum", spy)
     _finish(rig)
