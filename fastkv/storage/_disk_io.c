@@ -51,6 +51,8 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -1498,7 +1500,33 @@ static PyObject *check_pack(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- same_file ------------------------------------------------------------------ */
+
+/* same_file(dir_fd, name, ino, dev): whether `name` in the directory (not followed
+ * if a symlink) is still the file (ino, dev): 0 it is, 1 another file has the name,
+ * 2 the name is gone. Raises OSError for any other failure. The put path's check
+ * that its slot file is still linked, with no stat_result built per call. */
+static PyObject *same_file(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd;
+    const char *name;
+    unsigned long long ino, dev;
+    if (!PyArg_ParseTuple(args, "isKK", &dir_fd, &name, &ino, &dev)) return NULL;
+    struct stat st;
+    int r;
+    Py_BEGIN_ALLOW_THREADS;
+    r = fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW);
+    Py_END_ALLOW_THREADS;
+    if (r < 0) {
+        if (errno == ENOENT) return PyLong_FromLong(2);
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+    }
+    return PyLong_FromLong((unsigned long long)st.st_ino == ino && (unsigned long long)st.st_dev == dev ? 0 : 1);
+}
+
 static PyMethodDef methods[] = {
+    {"same_file", same_file, METH_VARARGS,
+     "same_file(dir_fd, name, ino, dev) -> 0 (the same file), 1 (another file) or 2 (no such name)."},
     {"check_pack", check_pack, METH_VARARGS,
      "check_pack(blocks, lengths) -> (bytearray, misaligned): blocks checked against the layout's int64 "
      "lengths and packed as int64 (address, length) pairs."},

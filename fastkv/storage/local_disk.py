@@ -84,8 +84,15 @@ from fastkv.storage.base import (
     StorageBackend,
     StorageKey,
     StorageStats,
+    check_deadline,
+    check_keys,
 )
-from fastkv.storage.block_header import HEADER_BYTES, expected_headers, parse_header
+from fastkv.storage.block_header import (
+    HEADER_BYTES,
+    header_parts,
+    headers_around,
+    parse_header,
+)
 from fastkv.storage.disk_keys import (
     ENV_RECLAIM,
     FREE,
@@ -267,6 +274,8 @@ class LocalDiskBackend(StorageBackend):
         self.geometry = SlotGeometry.of(layout)
         self._large_segments = [int(s) for s in np.flatnonzero(self.geometry.large)]
         self._lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
+        self._payload_bytes = layout.payload_bytes
+        self._header_parts = header_parts(layout)
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -330,11 +339,7 @@ class LocalDiskBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         segs = self._checked(keys, blocks, deadline)
-        self._enter()
-        try:
-            return self._get_into(keys, segs, deadline)
-        finally:
-            self._leave()
+        return self._get_into(keys, segs, deadline)
 
     def _checked(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -342,7 +347,15 @@ class LocalDiskBackend(StorageBackend):
         """The checks of `_check_batch` (keys, deadline, one block per key, each
         block's segments against the layout: the same errors), the segments packed
         for the C batch on the way."""
-        self._check_batch(keys, None, deadline)
+        # the common argument types checked inline; anything else goes through
+        # check_keys / check_deadline (the same errors, one function call less
+        # per check on the one-block path)
+        if type(keys) is not list or (
+            type(keys[0]) is not StorageKey if len(keys) == 1 else len(keys) > 1
+        ):
+            check_keys(keys)
+        if type(deadline) is not float or deadline != deadline:
+            check_deadline(deadline)
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
         packed, misaligned = _disk_io.check_pack(blocks, self._lengths)
@@ -351,34 +364,46 @@ class LocalDiskBackend(StorageBackend):
     def _get_into(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
     ) -> list[KeyResult]:
+        """A checked get: two sections under the lock, one before the reads (the
+        call counted in, slots looked up and pinned) and one after (unpinned,
+        answered, counted, counted out)."""
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
         with self._lock:
+            self._enter_held()
+            index, pins = self._slots.index, self._slots.pins
             for i, key in enumerate(keys):
-                entry = self._slots.index.get(key.packed)
+                entry = index.get(key.packed)
                 if entry is None:
                     results[i] = KeyResult(KeyStatus.MISS, "not stored")
                     continue
-                self._slots.index.move_to_end(key.packed)
-                self._slots.pins[entry[0]] += 1
+                index.move_to_end(key.packed)
+                pins[entry[0]] += 1
                 todo.append(i)
                 where.append(entry)
+        statuses: list[int] = []
         rereads: list[int] = []
+        answered = release = False
         try:
             statuses = self._run(False, keys, segs, todo, where, deadline) if todo else []
             rereads = self._reread_rejected(keys, todo, where, statuses, deadline)
+            answered = True
         finally:
             with self._lock:
                 for slot, _ in where:
                     self._slots.unpin(slot)
-        with self._lock:
-            for k, (i, (slot, seq), status) in enumerate(
-                zip(todo, where, statuses, strict=True)
-            ):
-                again = rereads[k] if rereads else _disk_io.ST_OK
-                results[i] = self._read_result(keys[i], slot, seq, status, again)
-        self._count_gets(results)
+                if answered:
+                    for k, (i, (slot, seq), status) in enumerate(
+                        zip(todo, where, statuses, strict=True)
+                    ):
+                        if status != _disk_io.ST_OK:
+                            again = rereads[k] if rereads else _disk_io.ST_OK
+                            results[i] = self._read_result(keys[i], slot, seq, status, again)
+                    self._tally_gets(results)
+                release = self._leave_held()
+            if release:
+                self._release_late()
         return results
 
     def _reread_rejected(
@@ -437,57 +462,66 @@ class LocalDiskBackend(StorageBackend):
         self._enter()
         try:
             gone = _READ_ONLY if self.read_only else self._slot_file_gone()
-            if gone:
-                results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
-                self._count_puts(results)
-                return results
-            return self._put_from(keys, segs, deadline)
-        finally:
+        except BaseException:
             self._leave()
+            raise
+        if gone:
+            results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
+            self._leave(results)
+            return results
+        return self._put_from(keys, segs, deadline)
 
     def _put_from(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
     ) -> list[KeyResult]:
+        """A checked put by a call counted in (`_enter`): counted out on return."""
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
         first: dict[bytes, int] = {}
         repeats = False
         now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
-        with self._lock:
-            index, free = self._slots.index, self._slots.free
-            seq = max(self._seq, now_ns - 1)
-            for i, key in enumerate(keys):
-                packed = key.packed
-                if packed in index:
-                    index.move_to_end(packed)
-                    results[i] = ALREADY_STORED
-                    continue
-                if packed in first:  # a repeat: answered with its first occurrence below
-                    repeats = True
-                    continue
-                slot = free.pop() if free else self._take_slot()
-                if slot is None:
-                    results[i] = self._no_slot_result()
-                    continue
-                first[packed] = i
-                seq += 1
-                todo.append(i)
-                where.append((slot, seq))
-            self._seq = seq
         statuses: list[int] = []
-        try:
+        answered = release = False
+        try:  # slots taken before a raise go back in the finally (settled as failed)
+            with self._lock:
+                index, free = self._slots.index, self._slots.free
+                seq = max(self._seq, now_ns - 1)
+                for i, key in enumerate(keys):
+                    packed = key.packed
+                    if packed in index:
+                        index.move_to_end(packed)
+                        results[i] = ALREADY_STORED
+                        continue
+                    if packed in first:  # a repeat: answered with its first occurrence below
+                        repeats = True
+                        continue
+                    slot = free.pop() if free else self._take_slot()
+                    if slot is None:
+                        results[i] = self._no_slot_result()
+                        continue
+                    first[packed] = i
+                    seq += 1
+                    todo.append(i)
+                    where.append((slot, seq))
+                self._seq = seq
             statuses = self._run(True, keys, segs, todo, where, deadline) if todo else []
+            answered = True
         finally:
-            if len(statuses) != len(todo):  # raised: nothing was stored
+            if not answered:  # raised: nothing was stored
                 statuses = [-errno.EIO] * len(todo)
             with self._lock:
                 self._settle_writes(keys, todo, where, statuses, results)
-        for i, key in enumerate(keys if repeats else ()):  # repeats share their first's fate
-            j = first.get(key.packed)
-            if j is not None and j != i:
-                results[i] = ALREADY_STORED if results[j].ok else results[j]
-        self._count_puts(results)
+                if answered:
+                    # repeats share their first occurrence's fate
+                    for i, key in enumerate(keys if repeats else ()):
+                        j = first.get(key.packed)
+                        if j is not None and j != i:
+                            results[i] = ALREADY_STORED if results[j].ok else results[j]
+                    self._tally_puts(results)
+                release = self._leave_held()
+            if release:
+                self._release_late()
         return results
 
     @property
@@ -547,9 +581,13 @@ class LocalDiskBackend(StorageBackend):
     def _enter(self) -> None:
         """Count a call that uses the files (refused once closed)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the storage backend is closed")
-            self._users += 1
+            self._enter_held()
+
+    def _enter_held(self) -> None:
+        """`_enter`, the lock held."""
+        if self._closed:
+            raise RuntimeError("the storage backend is closed")
+        self._users += 1
 
     def _settle_writes(
         self,
@@ -572,19 +610,69 @@ class LocalDiskBackend(StorageBackend):
             else:
                 index[packed] = entry
 
-    def _leave(self) -> None:
+    def _leave(self, puts: list[KeyResult] | None = None) -> None:
+        """Count a call out (and count the puts it answered, when given)."""
         with self._lock:
-            self._users -= 1
-            if self._users or not self._closed:  # only close() waits for the calls
-                return
-            self._idle.notify_all()
-            release = self._release_when_idle
-            self._release_when_idle = False
+            if puts is not None:
+                self._tally_puts(puts)
+            release = self._leave_held()
         if release:
-            self._release_files()
-            log.warning(
-                "fastkv storage: %s closed after its last call returned", self.directory
-            )
+            self._release_late()
+
+    def _leave_held(self) -> bool:
+        """Count a call out, the lock held; True when the caller must then (the lock
+        released) close the files: close() gave up waiting for this last call."""
+        self._users -= 1
+        if self._users or not self._closed:  # only close() waits for the calls
+            return False
+        self._idle.notify_all()
+        release = self._release_when_idle
+        self._release_when_idle = False
+        return release
+
+    def _release_late(self) -> None:
+        self._release_files()
+        log.warning("fastkv storage: %s closed after its last call returned", self.directory)
+
+    def _tally_puts(self, results: list[KeyResult]) -> None:
+        """`_count_puts` with the lock held (the put's last section counts it)."""
+        st = self._stats
+        n = len(results)
+        ok = results.count(OK)  # identity first: no comparison for the usual answer
+        if ok == n:
+            st.puts += n
+            st.put_bytes += n * self._payload_bytes
+            return
+        n_ok = already = timeouts = 0
+        for r in results:
+            if r.status == KeyStatus.OK:
+                n_ok += 1
+                already += r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
+            elif r.status == KeyStatus.TIMEOUT:
+                timeouts += 1
+        st.puts += n
+        st.put_failures += n - n_ok
+        st.put_already_stored += already
+        st.timeouts += timeouts
+        st.put_bytes += (n_ok - already) * self._payload_bytes
+
+    def _tally_gets(self, results: list[KeyResult]) -> None:
+        """`_count_gets` with the lock held."""
+        st = self._stats
+        n = len(results)
+        st.gets += n
+        if results.count(OK) == n:  # identity first: no comparison for the usual answer
+            st.get_bytes += n * self._payload_bytes
+            return
+        for r in results:
+            if r.status == KeyStatus.OK:
+                st.get_bytes += self._payload_bytes
+            elif r.status == KeyStatus.MISS:
+                st.misses += 1
+            elif r.status == KeyStatus.FAILED:
+                st.get_failures += 1
+            elif r.status == KeyStatus.TIMEOUT:
+                st.timeouts += 1
 
     def _release_files(self) -> None:
         """Close the files (no call uses them any more) and unlock the directory."""
@@ -605,15 +693,11 @@ class LocalDiskBackend(StorageBackend):
         finds). Logged once."""
         # One lstat of the name: it names this very file (device and inode) only
         # while the file is linked there; deleted, it is missing (or names another).
-        reason = ""
-        try:
-            st = os.stat(DATA_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
-            if (st.st_ino, st.st_dev) != self._data_id:
-                reason = "was replaced by another file"
-        except FileNotFoundError:
-            reason = "was deleted"
-        if not reason:
+        # (_disk_io.same_file: the same lstat, without a stat_result per put)
+        which = _disk_io.same_file(self._dir_fd, DATA_FILE, *self._data_id)
+        if not which:
             return ""
+        reason = "was replaced by another file" if which == 1 else "was deleted"
         text = (
             f"the slot file {self.directory / DATA_FILE} {reason} while open: a block "
             "written now would be lost on restart; reopen the backend"
@@ -729,19 +813,27 @@ class LocalDiskBackend(StorageBackend):
         deadline: float,
     ) -> list[int]:
         g = self.geometry
-        headers = bytearray(
-            expected_headers([keys[i] for i in todo], self.layout, [seq for _, seq in where])
-        )
         size = g.slot_bytes
-        offsets = b"".join((slot * size).to_bytes(8, "little") for slot, _ in where)
-        segs = packed.rows(todo, len(keys))
+        if len(keys) == 1:  # the lone block: no per-block lists (a tenth of its Python)
+            slot, seq = where[0]
+            headers = bytearray(headers_around(self._header_parts, keys, (seq,)))
+            offsets = (slot * size).to_bytes(8, "little")
+            segs = packed.pairs
+        else:
+            headers = bytearray(
+                headers_around(
+                    self._header_parts, [keys[i] for i in todo], [seq for _, seq in where]
+                )
+            )
+            offsets = b"".join((slot * size).to_bytes(8, "little") for slot, _ in where)
+            segs = packed.rows(todo, len(keys))
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, every block has a header
         # page of its own (a write stages the headers of blocks whose slots follow
         # one another, to move them in one call; a read keeps each until its
         # verification).
-        full = self._needs_full_bounce(packed, todo)
-        bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
+        full = packed.misaligned and self._needs_full_bounce(packed, todo)
+        bounce = self._bounce(size if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
             self._fd,
@@ -776,12 +868,11 @@ class LocalDiskBackend(StorageBackend):
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
         """This thread's page-aligned staging buffer, at least `nbytes` long."""
-        buf = getattr(self._local, "bounce", None)
-        if buf is None or len(buf) < nbytes:
+        have = getattr(self._local, "bounce", None)  # (address, length, the map)
+        if have is None or have[1] < nbytes:
             buf = mmap.mmap(-1, _align(nbytes))
-            self._local.bounce = buf
-            self._local.addr = _address(buf)
-        return self._local.addr, len(buf)
+            have = self._local.bounce = (_address(buf), len(buf), buf)
+        return have[0], have[1]
 
     # -- recovery -------------------------------------------------------------------
 

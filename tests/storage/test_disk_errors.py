@@ -92,3 +92,24 @@ def test_replaced_slot_file_stops_acknowledging_puts(tmp_path: Path) -> None:
         (tmp_path / DATA_FILE).write_bytes(b"")
         res = backend.put_from(make_keys(1), [host.segments(0)], deadline_after(10))
         assert statuses(res) == ["FAILED"] and "was replaced" in res[0].reason
+
+
+def test_same_file_tells_the_file_from_another_and_from_none(tmp_path: Path) -> None:
+    """The put path's check that its slot file is still linked (_disk_io.same_file)."""
+    import os
+
+    from fastkv.storage import _disk_io
+
+    (tmp_path / "f").write_bytes(b"x")
+    st = os.stat(tmp_path / "f")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert _disk_io.same_file(fd, "f", st.st_ino, st.st_dev) == 0
+        assert _disk_io.same_file(fd, "f", st.st_ino + 1, st.st_dev) == 1
+        assert _disk_io.same_file(fd, "missing", st.st_ino, st.st_dev) == 2
+        os.symlink("f", tmp_path / "link")  # a symlink is its own file, never followed
+        assert _disk_io.same_file(fd, "link", st.st_ino, st.st_dev) == 1
+        with pytest.raises(NotADirectoryError):
+            _disk_io.same_file(fd, "f/x", st.st_ino, st.st_dev)
+    finally:
+        os.close(fd)
