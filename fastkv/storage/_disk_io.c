@@ -96,6 +96,8 @@ enum {
     ST_UNKNOWN_KEY = 7,     /* signed by a key id this reader does not hold */
     ST_UNAUTHENTICATED = 8, /* no tag, and this reader requires one */
     ST_CLOSED = 9,          /* the backend closed before this block started */
+    ST_FILE_REPLACED = 10,  /* write: the slot file's name now names another file */
+    ST_FILE_DELETED = 11,   /* write: the slot file's name is gone (it was deleted) */
 };
 
 /* ---- CRC-32C and the block checksum: _crc32c.h ---------------------------------- */
@@ -841,16 +843,45 @@ static PyObject *set_async(PyObject *self, PyObject *args) {
     return PyBool_FromLong(was);
 }
 
+/* The slot file a write checks after its blocks moved: the name `name` in directory
+ * `dir_fd` must still be the file (ino, dev) the blocks went to. */
+typedef struct {
+    int dir_fd;
+    const char *name;
+    unsigned long long ino, dev;
+} FileCheck;
+
+/* Every block written OK answers ST_FILE_DELETED / ST_FILE_REPLACED (or -errno when
+ * the name cannot be looked up) unless the slot file is still linked under its
+ * name: a block written into a file no later process finds is not stored. Checked
+ * after the writes, so a file deleted while they ran is caught too. */
+static void check_file(const FileCheck *c, int32_t *st, Py_ssize_t n) {
+    struct stat sb;
+    int32_t gone = 0;
+    if (fstatat(c->dir_fd, c->name, &sb, AT_SYMLINK_NOFOLLOW) < 0)
+        gone = errno == ENOENT ? ST_FILE_DELETED : -errno;
+    else if ((unsigned long long)sb.st_ino != c->ino || (unsigned long long)sb.st_dev != c->dev)
+        gone = ST_FILE_REPLACED;
+    for (Py_ssize_t i = 0; gone && i < n; i++)
+        if (st[i] == ST_OK) st[i] = gone;
+}
+
 static PyObject *run_batch(PyObject *args, int is_write) {
     int fd, direct, pipelined;
-    PyObject *headers, *offsets, *segs, *seg_off, *ring_obj;
+    PyObject *headers, *offsets, *segs, *seg_off, *ring_obj, *check_obj = Py_None;
     unsigned long long bounce_ptr, bounce_len, cancel_ptr;
     long long header_area, slot_bytes;
     double deadline, delay;
-    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddpOK", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
-                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined, &ring_obj,
-                          &cancel_ptr))
+    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddpOK|O", &fd, &direct, &headers, &offsets, &segs, &seg_off,
+                          &header_area, &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined,
+                          &ring_obj, &cancel_ptr, &check_obj))
         return NULL;
+    FileCheck check = {-1, NULL, 0, 0};
+    if (check_obj != Py_None &&
+        (!is_write || !PyArg_ParseTuple(check_obj, "isKK", &check.dir_fd, &check.name, &check.ino, &check.dev))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_disk_io: only a write checks its file");
+        return NULL;
+    }
     if (!cancel_ptr) return PyErr_Format(PyExc_ValueError, "_disk_io: cancel_ptr must point to an int32 flag");
     Py_buffer ring_view;
     Ring ring;
@@ -920,6 +951,7 @@ static PyObject *run_batch(PyObject *args, int is_write) {
         pthread_cond_init(&j.cv, NULL);
         Py_BEGIN_ALLOW_THREADS;
         run_job(&j);
+        if (check.name) check_file(&check, j.st, b.n);
         Py_END_ALLOW_THREADS;
         pthread_mutex_destroy(&j.mu);
         pthread_cond_destroy(&j.cv);
@@ -1500,33 +1532,7 @@ static PyObject *check_pack(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- same_file ------------------------------------------------------------------ */
-
-/* same_file(dir_fd, name, ino, dev): whether `name` in the directory (not followed
- * if a symlink) is still the file (ino, dev): 0 it is, 1 another file has the name,
- * 2 the name is gone. Raises OSError for any other failure. The put path's check
- * that its slot file is still linked, with no stat_result built per call. */
-static PyObject *same_file(PyObject *self, PyObject *args) {
-    (void)self;
-    int dir_fd;
-    const char *name;
-    unsigned long long ino, dev;
-    if (!PyArg_ParseTuple(args, "isKK", &dir_fd, &name, &ino, &dev)) return NULL;
-    struct stat st;
-    int r;
-    Py_BEGIN_ALLOW_THREADS;
-    r = fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW);
-    Py_END_ALLOW_THREADS;
-    if (r < 0) {
-        if (errno == ENOENT) return PyLong_FromLong(2);
-        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
-    }
-    return PyLong_FromLong((unsigned long long)st.st_ino == ino && (unsigned long long)st.st_dev == dev ? 0 : 1);
-}
-
 static PyMethodDef methods[] = {
-    {"same_file", same_file, METH_VARARGS,
-     "same_file(dir_fd, name, ino, dev) -> 0 (the same file), 1 (another file) or 2 (no such name)."},
     {"check_pack", check_pack, METH_VARARGS,
      "check_pack(blocks, lengths) -> (bytearray, misaligned): blocks checked against the layout's int64 "
      "lengths and packed as int64 (address, length) pairs."},
@@ -1534,8 +1540,9 @@ static PyMethodDef methods[] = {
      "pack_segments(blocks, nseg) -> bytearray: each block's (address, length) pairs as int64s."},
     {"write_batch", write_batch, METH_VARARGS,
      "write_batch(fd, direct, headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
-     "bounce_len, deadline, delay, pipelined, ring, cancel_ptr) -> list[int]: seal each header and write each "
-     "block to its slot."},
+     "bounce_len, deadline, delay, pipelined, ring, cancel_ptr, check=None) -> list[int]: seal each header and "
+     "write each block to its slot; check (dir_fd, name, ino, dev): then fail the blocks written unless that "
+     "name is still the file (ST_FILE_DELETED, ST_FILE_REPLACED)."},
     {"read_batch", read_batch, METH_VARARGS,
      "read_batch(fd, direct, expected_headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
      "bounce_len, deadline, delay, pipelined, ring, cancel_ptr) -> list[int]: read and verify each block into "
@@ -1589,7 +1596,9 @@ PyMODINIT_FUNC PyInit__disk_io(void) {
         PyModule_AddIntConstant(m, "ST_BAD_MAC", ST_BAD_MAC) < 0 ||
         PyModule_AddIntConstant(m, "ST_UNKNOWN_KEY", ST_UNKNOWN_KEY) < 0 ||
         PyModule_AddIntConstant(m, "ST_UNAUTHENTICATED", ST_UNAUTHENTICATED) < 0 ||
-        PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED) < 0 || PyModule_AddIntConstant(m, "HDR_TAG", HDR_TAG) < 0 ||
+        PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED) < 0 ||
+        PyModule_AddIntConstant(m, "ST_FILE_REPLACED", ST_FILE_REPLACED) < 0 ||
+        PyModule_AddIntConstant(m, "ST_FILE_DELETED", ST_FILE_DELETED) < 0 || PyModule_AddIntConstant(m, "HDR_TAG", HDR_TAG) < 0 ||
         PyModule_AddIntConstant(m, "HDR_KEY_ID", HDR_KEY_ID) < 0 ||
         PyModule_AddIntConstant(m, "RING_ENTRY", RING_ENTRY) < 0) {
         Py_DECREF(m);

@@ -308,7 +308,7 @@ class LocalDiskBackend(StorageBackend):
                 self.directory,
                 "FASTKV_STORAGE_KEY_FILE",
             )
-        self._slab_warned = False
+        self._file_gone = ""  # why puts fail: the slot file was deleted or replaced
         self._grow_error: OSError | None = None
         self._grow_retry_at = 0.0
         self._seq = time.time_ns()
@@ -459,13 +459,9 @@ class LocalDiskBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         segs = self._checked(keys, blocks, deadline)
-        self._enter()
-        try:
-            gone = _READ_ONLY if self.read_only else self._slot_file_gone()
-        except BaseException:
-            self._leave()
-            raise
+        gone = _READ_ONLY if self.read_only else self._file_gone
         if gone:
+            self._enter()
             results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
             self._leave(results)
             return results
@@ -474,7 +470,10 @@ class LocalDiskBackend(StorageBackend):
     def _put_from(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
     ) -> list[KeyResult]:
-        """A checked put by a call counted in (`_enter`): counted out on return."""
+        """A checked put: two sections under the lock, one before the writes (the
+        call counted in, slots taken) and one after (settled, counted, counted
+        out). The C batch checks after its writes that the slot file is still
+        linked under its name (`_file_gone`)."""
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
@@ -485,6 +484,7 @@ class LocalDiskBackend(StorageBackend):
         answered = release = False
         try:  # slots taken before a raise go back in the finally (settled as failed)
             with self._lock:
+                self._enter_held()
                 index, free = self._slots.index, self._slots.free
                 seq = max(self._seq, now_ns - 1)
                 for i, key in enumerate(keys):
@@ -604,7 +604,11 @@ class LocalDiskBackend(StorageBackend):
             packed = keys[i].packed
             if status != _disk_io.ST_OK:
                 free.append(entry[0])
-                results[i] = _write_failure(status)
+                results[i] = (
+                    KeyResult(KeyStatus.FAILED, self._slot_file_gone(status))
+                    if status in _FILE_GONE
+                    else _write_failure(status)
+                )
             elif packed in index:  # a concurrent put stored it first
                 free.append(entry[0])
             else:
@@ -687,25 +691,20 @@ class LocalDiskBackend(StorageBackend):
             os.close(self._dir_fd)
             self._dir_fd = -1
 
-    def _slot_file_gone(self) -> str:
-        """Why puts cannot be kept ("" when they can): blocks.fkv was deleted or
-        replaced under the backend (writes would land in a file no later process
-        finds). Logged once."""
-        # One lstat of the name: it names this very file (device and inode) only
-        # while the file is linked there; deleted, it is missing (or names another).
-        # (_disk_io.same_file: the same lstat, without a stat_result per put)
-        which = _disk_io.same_file(self._dir_fd, DATA_FILE, *self._data_id)
-        if not which:
-            return ""
-        reason = "was replaced by another file" if which == 1 else "was deleted"
-        text = (
-            f"the slot file {self.directory / DATA_FILE} {reason} while open: a block "
-            "written now would be lost on restart; reopen the backend"
-        )
-        if not self._slab_warned:
-            self._slab_warned = True
+    def _slot_file_gone(self, status: int) -> str:
+        """A write found blocks.fkv deleted or replaced under the backend (status
+        ST_FILE_DELETED or ST_FILE_REPLACED: the name no longer names the file
+        written, so no later process would find the block): why puts fail from now
+        on (`_file_gone`, kept), logged once."""
+        if not self._file_gone:
+            deleted = status == _disk_io.ST_FILE_DELETED
+            reason = "was deleted" if deleted else "was replaced by another file"
+            self._file_gone = text = (
+                f"the slot file {self.directory / DATA_FILE} {reason} while open: a block "
+                "written now would be lost on restart; reopen the backend"
+            )
             log.error("fastkv storage: %s (puts fail from now on; reads still verify)", text)
-        return text
+        return self._file_gone
 
     def _live_stats(self, snap: StorageStats) -> None:
         snap.stored_blocks = len(self._slots.index)
@@ -851,6 +850,7 @@ class LocalDiskBackend(StorageBackend):
             not full,
             self._ring,
             self._cancel_addr,
+            self._file_check if write else None,
         )
 
     def _needs_full_bounce(self, packed: _Packed, todo: list[int]) -> bool:
@@ -1055,7 +1055,9 @@ class LocalDiskBackend(StorageBackend):
             flags = os.O_RDWR | os.O_CREAT
         self._fd = _open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
         st = os.fstat(self._fd)
-        self._data_id = (st.st_ino, st.st_dev)
+        # what each write checks after its blocks moved: the name still names this
+        # very file (device and inode) only while it is linked there
+        self._file_check = (self._dir_fd, DATA_FILE, st.st_ino, st.st_dev)
         self._slots = _Slots(capacity)
         self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
         self._open_existing(recover)
@@ -1307,6 +1309,8 @@ def _describe(status: int) -> str:
 
 
 _READ_ONLY = "the cache directory is read-only: nothing is written"
+
+_FILE_GONE = frozenset({_disk_io.ST_FILE_DELETED, _disk_io.ST_FILE_REPLACED})
 
 _REJECTED = frozenset(
     {

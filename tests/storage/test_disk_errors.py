@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,27 @@ def test_deleted_slot_file_stops_acknowledging_puts(
         assert backend.stats().put_failures == 3
 
 
+def test_a_slot_file_deleted_while_a_put_writes_fails_that_put(tmp_path: Path) -> None:
+    """The slot file is checked after the writes, not before: a file deleted while
+    a put's block was moving (into a file no later process finds) fails that put."""
+    host = HostMemory(LAYOUT, 1)
+    host.fill(0, seed=0)
+    backend = LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=4, io_delay_s=0.5)
+    with backend:
+        out: list = []
+        put = threading.Thread(
+            target=lambda: out.append(
+                backend.put_from(make_keys(1), [host.segments(0)], deadline_after(10))
+            )
+        )
+        put.start()
+        time.sleep(0.1)  # the put is in its injected delay, before the write
+        (tmp_path / DATA_FILE).unlink()
+        put.join(10)
+        assert statuses(out[0]) == ["FAILED"] and "was deleted while open" in out[0][0].reason
+        assert backend.stats().stored_blocks == 0 and backend.stats().put_failures == 1
+
+
 def test_replaced_slot_file_stops_acknowledging_puts(tmp_path: Path) -> None:
     host = HostMemory(LAYOUT, 1)
     host.fill(0, seed=0)
@@ -92,24 +115,3 @@ def test_replaced_slot_file_stops_acknowledging_puts(tmp_path: Path) -> None:
         (tmp_path / DATA_FILE).write_bytes(b"")
         res = backend.put_from(make_keys(1), [host.segments(0)], deadline_after(10))
         assert statuses(res) == ["FAILED"] and "was replaced" in res[0].reason
-
-
-def test_same_file_tells_the_file_from_another_and_from_none(tmp_path: Path) -> None:
-    """The put path's check that its slot file is still linked (_disk_io.same_file)."""
-    import os
-
-    from fastkv.storage import _disk_io
-
-    (tmp_path / "f").write_bytes(b"x")
-    st = os.stat(tmp_path / "f")
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        assert _disk_io.same_file(fd, "f", st.st_ino, st.st_dev) == 0
-        assert _disk_io.same_file(fd, "f", st.st_ino + 1, st.st_dev) == 1
-        assert _disk_io.same_file(fd, "missing", st.st_ino, st.st_dev) == 2
-        os.symlink("f", tmp_path / "link")  # a symlink is its own file, never followed
-        assert _disk_io.same_file(fd, "link", st.st_ino, st.st_dev) == 1
-        with pytest.raises(NotADirectoryError):
-            _disk_io.same_file(fd, "f/x", st.st_ino, st.st_dev)
-    finally:
-        os.close(fd)
