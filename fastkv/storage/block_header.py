@@ -69,16 +69,9 @@ def expected_headers(
     keys: Sequence[StorageKey], layout: BlockLayout, seqs: Sequence[int]
 ) -> bytes:
     """`expected_header` of each key with its seq, back to back (one call for a
-    batch: a block's header costs a third of packing it field by field)."""
-    return headers_around(header_parts(layout), keys, seqs)
-
-
-def headers_around(
-    parts: tuple[bytes, bytes], keys: Sequence[StorageKey], seqs: Sequence[int]
-) -> bytes:
-    """`expected_headers` with the layout's `header_parts` already made (a backend
-    keeps them: no layout hash per call)."""
-    head, tail = parts
+    batch: a block's header costs a third of packing it field by field; the disk
+    backend's C batch makes the same bytes from `header_parts`)."""
+    head, tail = header_parts(layout)
     return b"".join(
         [
             head + key.packed + tail + seq.to_bytes(8, "little") + _PAD
@@ -140,7 +133,6 @@ __all__ = [
     "expected_header",
     "expected_headers",
     "header_parts",
-    "headers_around",
     "parse_header",
     "reference_checksum",
 ]

@@ -90,7 +90,6 @@ from fastkv.storage.base import (
 from fastkv.storage.block_header import (
     HEADER_BYTES,
     header_parts,
-    headers_around,
     parse_header,
 )
 from fastkv.storage.disk_keys import (
@@ -812,33 +811,23 @@ class LocalDiskBackend(StorageBackend):
         deadline: float,
     ) -> list[int]:
         g = self.geometry
-        size = g.slot_bytes
-        if len(keys) == 1:  # the lone block: no per-block lists (a tenth of its Python)
-            slot, seq = where[0]
-            headers = bytearray(headers_around(self._header_parts, keys, (seq,)))
-            offsets = (slot * size).to_bytes(8, "little")
-            segs = packed.pairs
-        else:
-            headers = bytearray(
-                headers_around(
-                    self._header_parts, [keys[i] for i in todo], [seq for _, seq in where]
-                )
-            )
-            offsets = b"".join((slot * size).to_bytes(8, "little") for slot, _ in where)
-            segs = packed.rows(todo, len(keys))
+        # The C batch makes each block's header (the layout's parts around the key's
+        # packed form, then its seq) and slot offset from these, in one pass.
+        headers = (*self._header_parts, keys, todo, where)
+        segs = packed.rows(todo, len(keys))
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, every block has a header
         # page of its own (a write stages the headers of blocks whose slots follow
         # one another, to move them in one call; a read keeps each until its
         # verification).
         full = packed.misaligned and self._needs_full_bounce(packed, todo)
-        bounce = self._bounce(size if full else g.header_area * len(todo))
+        bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
             self._fd,
             self.direct_io,
             headers,
-            offsets,
+            None,
             segs,
             g.segment_offsets,
             g.header_area,
