@@ -13,7 +13,8 @@ in the same run on the same blocks.
    alternate raw and backends (and which goes first); the median is reported.
    One block at a time (`--only latency`): a single-key put / get against one raw
    pwritev / preadv of the same segments, alternating block by block, auth off and
-   on: p50 and p99 in microseconds, raw beside them; with 16 segments per block
+   on: p50 and p99 in microseconds, raw beside them (1000 each, `--latency-ops`);
+   with 16 segments per block
    (a host tier per layer tensor) and 1 (a block in one contiguous region),
    `--segments`.
 2. Mooncake Store over TCP loopback to a storage-node process (mooncake_client),
@@ -749,6 +750,12 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=None, help="repetitions (median)")
     parser.add_argument(
+        "--latency-ops",
+        type=int,
+        default=1000,
+        help="puts and gets per way in the latency part (p99 is the 10th slowest of 1000)",
+    )
+    parser.add_argument(
         "--segments",
         type=int,
         nargs="+",
@@ -774,7 +781,7 @@ def main() -> None:
             disk += bench_disk(directory, kib << 10, total, reps)
     latency: list[dict] = []
     if args.only in (None, "latency"):
-        count = 60 if args.quick else 300
+        count = 60 if args.quick else args.latency_ops
         for kib in args.block_kib:
             for segments in args.segments:
                 latency += bench_disk_latency(directory, kib << 10, count, segments)

@@ -80,7 +80,7 @@
 #define ALIGN 4096
 #define RUN_BYTES (1 << 20) /* the most slot bytes contiguous blocks move in one call */
 #define PIPELINE_BYTES (1 << 20) /* batches smaller than this seal and verify inline */
-#define SPLIT_BYTES (1 << 20)    /* a lone block this large writes its payload while it is sealed */
+#define SPLIT_BYTES (256 << 10)  /* a lone block this large writes its payload while it is sealed */
 #define KEY_BYTES 32  /* HMAC-SHA256 key */
 #define GKEY_BYTES 16 /* AES-128 key of the GMAC, then its H = E(0) and mask = E(J0) */
 #define RING_ENTRY (4 + KEY_BYTES + 3 * GKEY_BYTES) /* u32 key id (little-endian), keys */
@@ -1001,9 +1001,12 @@ static PyObject *run_batch(PyObject *args, int is_write) {
      * AIO costs it: the kernel completes an asynchronous O_DIRECT write from a
      * workqueue (where it converts unwritten extents), a second request (the split
      * header) costs the device a round trip. Measured here: a 17-block run of 8 KiB
-     * slots 190 us with pwritev against 220-290 with AIO; a lone 256 KiB block 7-20
-     * us faster with pwritev, a lone 2 MiB block (its seal ~100 us) ~50 us slower.
-     * So one run moves with pwritev, unless it is a lone block of SPLIT_BYTES or more. */
+     * slots 190 us with pwritev against 220-290 with AIO; a lone 2 MiB block (its
+     * seal ~100 us) ~50 us slower with pwritev. A lone 256 KiB block was once 7-20
+     * us faster with pwritev; once the call's Python was cut, split it was faster
+     * (put p50 1.18-1.38x raw against 1.35-1.46x, 16 segments, 4 rounds
+     * alternating; even with 1 segment). So one run moves with pwritev, unless it
+     * is a lone block of SPLIT_BYTES or more. */
     if (use_aio && is_write && run_end(&j, 0) >= b.n) use_aio = b.n == 1 && slot_bytes >= SPLIT_BYTES;
     if (use_aio) j.ctx = aio_take();
     j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1) * (size_t)(j.ctx ? b.n : j.run_cap));
@@ -1671,7 +1674,8 @@ PyMODINIT_FUNC PyInit__disk_io(void) {
         PyModule_AddIntConstant(m, "ST_FILE_REPLACED", ST_FILE_REPLACED) < 0 ||
         PyModule_AddIntConstant(m, "ST_FILE_DELETED", ST_FILE_DELETED) < 0 || PyModule_AddIntConstant(m, "HDR_TAG", HDR_TAG) < 0 ||
         PyModule_AddIntConstant(m, "HDR_KEY_ID", HDR_KEY_ID) < 0 ||
-        PyModule_AddIntConstant(m, "RING_ENTRY", RING_ENTRY) < 0) {
+        PyModule_AddIntConstant(m, "RING_ENTRY", RING_ENTRY) < 0 ||
+        PyModule_AddIntConstant(m, "SPLIT_BYTES", SPLIT_BYTES) < 0) {
         Py_DECREF(m);
         return NULL;
     }
