@@ -13,7 +13,10 @@ in the same run on the same blocks.
    alternate raw and backends (and which goes first); the median is reported.
    One block at a time (`--only latency`): a single-key put / get against one raw
    pwritev / preadv of the same segments, alternating block by block, auth off and
-   on: p50 and p99 in microseconds, raw beside them.
+   on: p50 and p99 in microseconds, raw beside them (1000 each, `--latency-ops`);
+   with 16 segments per block
+   (a host tier per layer tensor) and 1 (a block in one contiguous region),
+   `--segments`.
 2. Mooncake Store over TCP loopback to a storage-node process (mooncake_client),
    in a private network namespace, against raw `batch_put_from` / `batch_get_into`
    of contiguous blocks: raw multi-buffer (`*_multi_buffers`, one buffer per
@@ -219,12 +222,17 @@ def bench_disk(directory: Path, block_bytes: int, total: int, reps: int) -> list
     return rows
 
 
-def bench_disk_latency(directory: Path, block_bytes: int, count: int) -> list[dict]:
+def bench_disk_latency(
+    directory: Path, block_bytes: int, count: int, segments: int = SEGMENTS
+) -> list[dict]:
     """One block at a time: `put_from` / `get_into` of a single key against one raw
     O_DIRECT `os.pwritev` / `os.preadv` of the same segments, alternating block by
     block (who goes first rotates), with authentication off and on. Returns one row
-    per auth setting: p50 and p99 latency in microseconds, raw beside them."""
-    layout = BlockLayout((block_bytes // SEGMENTS,) * SEGMENTS)
+    per auth setting: p50 and p99 latency in microseconds, raw beside them.
+    `segments` per block: 16 is a host tier laid out per layer tensor (the
+    controller's layout until it gave each block one region), 1 a host tier whose
+    block is one contiguous region."""
+    layout = BlockLayout((block_bytes // segments,) * segments)
     n = max(8, min(count, (256 * MiB) // block_bytes))
     host = random_host(layout, n)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-latency-", dir=directory))
@@ -295,7 +303,12 @@ def bench_disk_latency(directory: Path, block_bytes: int, count: int) -> list[di
 
     rows = []
     for auth in ("off", "on"):
-        row: dict = {"block_KiB": block_bytes // 1024, "auth": auth, "ops": count}
+        row: dict = {
+            "block_KiB": block_bytes // 1024,
+            "segments": segments,
+            "auth": auth,
+            "ops": count,
+        }
         for op in ("put", "get"):
             for q in (50, 99):
                 raw, ours = pct(f"raw_{op}", q), pct(f"{op}_{auth}", q)
@@ -308,6 +321,7 @@ def bench_disk_latency(directory: Path, block_bytes: int, count: int) -> list[di
 
 LATENCY_COLUMNS = [
     "block_KiB",
+    "segments",
     "auth",
     "raw_put_p50_us",
     "put_p50_us",
@@ -735,6 +749,20 @@ def main() -> None:
         "--block-kib", type=int, nargs="+", default=[256, 2048, 8192], help="disk block sizes"
     )
     parser.add_argument("--reps", type=int, default=None, help="repetitions (median)")
+    parser.add_argument(
+        "--latency-ops",
+        type=int,
+        default=1000,
+        help="puts and gets per way in the latency part (p99 is the 10th slowest of 1000)",
+    )
+    parser.add_argument(
+        "--segments",
+        type=int,
+        nargs="+",
+        default=[SEGMENTS, 1],
+        help="segments per block in the latency part (16: one per layer tensor; 1: one "
+        "contiguous region per block)",
+    )
     parser.add_argument("--mooncake-inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("GLOG_minloglevel", "2")
@@ -753,9 +781,10 @@ def main() -> None:
             disk += bench_disk(directory, kib << 10, total, reps)
     latency: list[dict] = []
     if args.only in (None, "latency"):
-        count = 60 if args.quick else 300
+        count = 60 if args.quick else args.latency_ops
         for kib in args.block_kib:
-            latency += bench_disk_latency(directory, kib << 10, count)
+            for segments in args.segments:
+                latency += bench_disk_latency(directory, kib << 10, count, segments)
     seal: list[dict] = []
     if args.only in (None, "seal"):
         seal = [bench_seal(kib << 10, reps) for kib in args.block_kib]

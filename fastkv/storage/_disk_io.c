@@ -51,6 +51,8 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -78,7 +80,7 @@
 #define ALIGN 4096
 #define RUN_BYTES (1 << 20) /* the most slot bytes contiguous blocks move in one call */
 #define PIPELINE_BYTES (1 << 20) /* batches smaller than this seal and verify inline */
-#define SPLIT_BYTES (1 << 20)    /* a lone block this large writes its payload while it is sealed */
+#define SPLIT_BYTES (256 << 10)  /* a lone block this large writes its payload while it is sealed */
 #define KEY_BYTES 32  /* HMAC-SHA256 key */
 #define GKEY_BYTES 16 /* AES-128 key of the GMAC, then its H = E(0) and mask = E(J0) */
 #define RING_ENTRY (4 + KEY_BYTES + 3 * GKEY_BYTES) /* u32 key id (little-endian), keys */
@@ -94,6 +96,8 @@ enum {
     ST_UNKNOWN_KEY = 7,     /* signed by a key id this reader does not hold */
     ST_UNAUTHENTICATED = 8, /* no tag, and this reader requires one */
     ST_CLOSED = 9,          /* the backend closed before this block started */
+    ST_FILE_REPLACED = 10,  /* write: the slot file's name now names another file */
+    ST_FILE_DELETED = 11,   /* write: the slot file's name is gone (it was deleted) */
 };
 
 /* ---- CRC-32C and the block checksum: _crc32c.h ---------------------------------- */
@@ -283,6 +287,8 @@ typedef struct {
     Py_buffer seg_off; /* nseg int64: segment offset inside the slot */
     Py_ssize_t n, nseg;
     int64_t header_area, slot_bytes;
+    uint8_t *own_headers; /* headers and offsets made by batch_build (else NULL) */
+    int64_t *own_offsets;
 } Batch;
 
 static void batch_release(Batch *b) {
@@ -290,13 +296,81 @@ static void batch_release(Batch *b) {
     if (b->offsets.obj) PyBuffer_Release(&b->offsets);
     if (b->segs.obj) PyBuffer_Release(&b->segs);
     if (b->seg_off.obj) PyBuffer_Release(&b->seg_off);
+    PyMem_Free(b->own_headers);
+    PyMem_Free(b->own_offsets);
+    b->own_headers = NULL;
+    b->own_offsets = NULL;
 }
 
+#define KEY_PACKED 66 /* StorageKey.packed: namespace, block hash, rank (u16) */
+#define HDR_SEQ 96    /* u64 write sequence; the header's fields before it come from Python */
+static PyObject *str_packed; /* "packed", interned at import */
+
+/* Headers and slot offsets made here, in one pass, rather than as per-block bytes
+ * and lists in Python: `spec` is (head, tail, keys, todo, where); block i's
+ * header is head + keys[todo[i]].packed + tail + where[i][1] (the seq, u64) and
+ * zeros to HDR_BYTES (block_header.expected_header's layout), its slot offset
+ * where[i][0] * slot_bytes. 0, or -1 with an exception set. */
+static int batch_build(Batch *b, PyObject *spec, int64_t slot_bytes) {
+    PyObject *head, *tail, *keys, *todo, *where;
+    if (!PyArg_ParseTuple(spec, "SSOO!O!", &head, &tail, &keys, &PyList_Type, &todo, &PyList_Type, &where))
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(where), hl = PyBytes_GET_SIZE(head);
+    if (!PySequence_Check(keys) || PyList_GET_SIZE(todo) != n || hl + KEY_PACKED + PyBytes_GET_SIZE(tail) != HDR_SEQ) {
+        PyErr_SetString(PyExc_ValueError, "_disk_io: a header spec is (head, tail, keys, todo, where), "
+                                          "todo and where of one length, head + packed key + tail of 96 bytes");
+        return -1;
+    }
+    b->own_headers = PyMem_Calloc((size_t)(n ? n : 1), HDR_BYTES);
+    b->own_offsets = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    if (!b->own_headers || !b->own_offsets) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t *h = b->own_headers + HDR_BYTES * i;
+        Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(todo, i));
+        PyObject *w = PyList_GET_ITEM(where, i);
+        if (k == -1 && PyErr_Occurred()) return -1;
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 2) {
+            PyErr_SetString(PyExc_ValueError, "_disk_io: where[i] must be a (slot, seq) tuple");
+            return -1;
+        }
+        long long slot = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 0));
+        unsigned long long seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(w, 1));
+        if (PyErr_Occurred()) return -1;
+        PyObject *key = PySequence_GetItem(keys, k);
+        PyObject *packed = key ? PyObject_GetAttr(key, str_packed) : NULL;
+        Py_XDECREF(key);
+        if (!packed) return -1;
+        if (!PyBytes_Check(packed) || PyBytes_GET_SIZE(packed) != KEY_PACKED) {
+            Py_DECREF(packed);
+            PyErr_Format(PyExc_ValueError, "_disk_io: a key's packed form must be %d bytes", KEY_PACKED);
+            return -1;
+        }
+        memcpy(h, PyBytes_AS_STRING(head), (size_t)hl);
+        memcpy(h + hl, PyBytes_AS_STRING(packed), KEY_PACKED);
+        memcpy(h + hl + KEY_PACKED, PyBytes_AS_STRING(tail), (size_t)(HDR_SEQ - hl - KEY_PACKED));
+        Py_DECREF(packed);
+        for (int byte = 0; byte < 8; byte++) h[HDR_SEQ + byte] = (uint8_t)(seq >> (8 * byte));
+        b->own_offsets[i] = (int64_t)slot * slot_bytes;
+    }
+    b->headers.buf = b->own_headers;
+    b->headers.len = n * HDR_BYTES;
+    b->offsets.buf = b->own_offsets;
+    b->offsets.len = n * (Py_ssize_t)sizeof(int64_t);
+    return 0;
+}
+
+/* `headers` is the blocks' headers back to back and `offsets` their slot offsets
+ * (int64), or `headers` a spec for batch_build and `offsets` None. */
 static int batch_parse(Batch *b, PyObject *headers, PyObject *offsets, PyObject *segs, PyObject *seg_off,
-                       int headers_writable) {
+                       int headers_writable, int64_t slot_bytes) {
     memset(b, 0, sizeof(*b));
-    if (PyObject_GetBuffer(headers, &b->headers, headers_writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0 ||
-        PyObject_GetBuffer(offsets, &b->offsets, PyBUF_SIMPLE) < 0 ||
+    int built = PyTuple_Check(headers) && offsets == Py_None;
+    if ((built ? batch_build(b, headers, slot_bytes) < 0
+               : (PyObject_GetBuffer(headers, &b->headers, headers_writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0 ||
+                  PyObject_GetBuffer(offsets, &b->offsets, PyBUF_SIMPLE) < 0)) ||
         PyObject_GetBuffer(segs, &b->segs, PyBUF_SIMPLE) < 0 ||
         PyObject_GetBuffer(seg_off, &b->seg_off, PyBUF_SIMPLE) < 0) {
         batch_release(b);
@@ -839,22 +913,51 @@ static PyObject *set_async(PyObject *self, PyObject *args) {
     return PyBool_FromLong(was);
 }
 
+/* The slot file a write checks after its blocks moved: the name `name` in directory
+ * `dir_fd` must still be the file (ino, dev) the blocks went to. */
+typedef struct {
+    int dir_fd;
+    const char *name;
+    unsigned long long ino, dev;
+} FileCheck;
+
+/* Every block written OK answers ST_FILE_DELETED / ST_FILE_REPLACED (or -errno when
+ * the name cannot be looked up) unless the slot file is still linked under its
+ * name: a block written into a file no later process finds is not stored. Checked
+ * after the writes, so a file deleted while they ran is caught too. */
+static void check_file(const FileCheck *c, int32_t *st, Py_ssize_t n) {
+    struct stat sb;
+    int32_t gone = 0;
+    if (fstatat(c->dir_fd, c->name, &sb, AT_SYMLINK_NOFOLLOW) < 0)
+        gone = errno == ENOENT ? ST_FILE_DELETED : -errno;
+    else if ((unsigned long long)sb.st_ino != c->ino || (unsigned long long)sb.st_dev != c->dev)
+        gone = ST_FILE_REPLACED;
+    for (Py_ssize_t i = 0; gone && i < n; i++)
+        if (st[i] == ST_OK) st[i] = gone;
+}
+
 static PyObject *run_batch(PyObject *args, int is_write) {
     int fd, direct, pipelined;
-    PyObject *headers, *offsets, *segs, *seg_off, *ring_obj;
+    PyObject *headers, *offsets, *segs, *seg_off, *ring_obj, *check_obj = Py_None;
     unsigned long long bounce_ptr, bounce_len, cancel_ptr;
     long long header_area, slot_bytes;
     double deadline, delay;
-    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddpOK", &fd, &direct, &headers, &offsets, &segs, &seg_off, &header_area,
-                          &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined, &ring_obj,
-                          &cancel_ptr))
+    if (!PyArg_ParseTuple(args, "ipOOOOLLKKddpOK|O", &fd, &direct, &headers, &offsets, &segs, &seg_off,
+                          &header_area, &slot_bytes, &bounce_ptr, &bounce_len, &deadline, &delay, &pipelined,
+                          &ring_obj, &cancel_ptr, &check_obj))
         return NULL;
+    FileCheck check = {-1, NULL, 0, 0};
+    if (check_obj != Py_None &&
+        (!is_write || !PyArg_ParseTuple(check_obj, "isKK", &check.dir_fd, &check.name, &check.ino, &check.dev))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_disk_io: only a write checks its file");
+        return NULL;
+    }
     if (!cancel_ptr) return PyErr_Format(PyExc_ValueError, "_disk_io: cancel_ptr must point to an int32 flag");
     Py_buffer ring_view;
     Ring ring;
     if (ring_get(ring_obj, &ring_view, &ring) < 0) return NULL;
     Batch b;
-    if (batch_parse(&b, headers, offsets, segs, seg_off, is_write) < 0) {
+    if (batch_parse(&b, headers, offsets, segs, seg_off, is_write, slot_bytes) < 0) {
         PyBuffer_Release(&ring_view);
         return NULL;
     }
@@ -898,9 +1001,12 @@ static PyObject *run_batch(PyObject *args, int is_write) {
      * AIO costs it: the kernel completes an asynchronous O_DIRECT write from a
      * workqueue (where it converts unwritten extents), a second request (the split
      * header) costs the device a round trip. Measured here: a 17-block run of 8 KiB
-     * slots 190 us with pwritev against 220-290 with AIO; a lone 256 KiB block 7-20
-     * us faster with pwritev, a lone 2 MiB block (its seal ~100 us) ~50 us slower.
-     * So one run moves with pwritev, unless it is a lone block of SPLIT_BYTES or more. */
+     * slots 190 us with pwritev against 220-290 with AIO; a lone 2 MiB block (its
+     * seal ~100 us) ~50 us slower with pwritev. A lone 256 KiB block was once 7-20
+     * us faster with pwritev; once the call's Python was cut, split it was faster
+     * (put p50 1.18-1.38x raw against 1.35-1.46x, 16 segments, 4 rounds
+     * alternating; even with 1 segment). So one run moves with pwritev, unless it
+     * is a lone block of SPLIT_BYTES or more. */
     if (use_aio && is_write && run_end(&j, 0) >= b.n) use_aio = b.n == 1 && slot_bytes >= SPLIT_BYTES;
     if (use_aio) j.ctx = aio_take();
     j.iov = PyMem_Malloc(sizeof(struct iovec) * (size_t)(b.nseg + 1) * (size_t)(j.ctx ? b.n : j.run_cap));
@@ -918,6 +1024,7 @@ static PyObject *run_batch(PyObject *args, int is_write) {
         pthread_cond_init(&j.cv, NULL);
         Py_BEGIN_ALLOW_THREADS;
         run_job(&j);
+        if (check.name) check_file(&check, j.st, b.n);
         Py_END_ALLOW_THREADS;
         pthread_mutex_destroy(&j.mu);
         pthread_cond_destroy(&j.cv);
@@ -1505,11 +1612,12 @@ static PyMethodDef methods[] = {
     {"pack_segments", pack_segments, METH_VARARGS,
      "pack_segments(blocks, nseg) -> bytearray: each block's (address, length) pairs as int64s."},
     {"write_batch", write_batch, METH_VARARGS,
-     "write_batch(fd, direct, headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
-     "bounce_len, deadline, delay, pipelined, ring, cancel_ptr) -> list[int]: seal each header and write each "
-     "block to its slot."},
+     "write_batch(fd, direct, headers | (head, tail, keys, todo, where), offsets | None, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
+     "bounce_len, deadline, delay, pipelined, ring, cancel_ptr, check=None) -> list[int]: seal each header and "
+     "write each block to its slot; check (dir_fd, name, ino, dev): then fail the blocks written unless that "
+     "name is still the file (ST_FILE_DELETED, ST_FILE_REPLACED)."},
     {"read_batch", read_batch, METH_VARARGS,
-     "read_batch(fd, direct, expected_headers, offsets, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
+     "read_batch(fd, direct, expected_headers | (head, tail, keys, todo, where), offsets | None, segs, seg_offsets, header_area, slot_bytes, bounce_ptr, "
      "bounce_len, deadline, delay, pipelined, ring, cancel_ptr) -> list[int]: read and verify each block into "
      "its segments (pipelined reads need a bounce of header_area per block)."},
     {"scan_headers", scan_headers, METH_VARARGS,
@@ -1548,6 +1656,7 @@ PyMODINIT_FUNC PyInit__disk_io(void) {
     use_native_gmac = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 #endif
+    if (!str_packed && !(str_packed = PyUnicode_InternFromString("packed"))) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HDR_BYTES", HDR_BYTES) < 0 ||
@@ -1561,9 +1670,12 @@ PyMODINIT_FUNC PyInit__disk_io(void) {
         PyModule_AddIntConstant(m, "ST_BAD_MAC", ST_BAD_MAC) < 0 ||
         PyModule_AddIntConstant(m, "ST_UNKNOWN_KEY", ST_UNKNOWN_KEY) < 0 ||
         PyModule_AddIntConstant(m, "ST_UNAUTHENTICATED", ST_UNAUTHENTICATED) < 0 ||
-        PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED) < 0 || PyModule_AddIntConstant(m, "HDR_TAG", HDR_TAG) < 0 ||
+        PyModule_AddIntConstant(m, "ST_CLOSED", ST_CLOSED) < 0 ||
+        PyModule_AddIntConstant(m, "ST_FILE_REPLACED", ST_FILE_REPLACED) < 0 ||
+        PyModule_AddIntConstant(m, "ST_FILE_DELETED", ST_FILE_DELETED) < 0 || PyModule_AddIntConstant(m, "HDR_TAG", HDR_TAG) < 0 ||
         PyModule_AddIntConstant(m, "HDR_KEY_ID", HDR_KEY_ID) < 0 ||
-        PyModule_AddIntConstant(m, "RING_ENTRY", RING_ENTRY) < 0) {
+        PyModule_AddIntConstant(m, "RING_ENTRY", RING_ENTRY) < 0 ||
+        PyModule_AddIntConstant(m, "SPLIT_BYTES", SPLIT_BYTES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

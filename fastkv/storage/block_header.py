@@ -69,8 +69,9 @@ def expected_headers(
     keys: Sequence[StorageKey], layout: BlockLayout, seqs: Sequence[int]
 ) -> bytes:
     """`expected_header` of each key with its seq, back to back (one call for a
-    batch: a block's header costs a third of packing it field by field)."""
-    head, tail = _layout_parts(layout)
+    batch: a block's header costs a third of packing it field by field; the disk
+    backend's C batch makes the same bytes from `header_parts`)."""
+    head, tail = header_parts(layout)
     return b"".join(
         [
             head + key.packed + tail + seq.to_bytes(8, "little") + _PAD
@@ -85,7 +86,7 @@ def _layout_fields(layout: BlockLayout) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _layout_parts(layout: BlockLayout) -> tuple[bytes, bytes]:
+def header_parts(layout: BlockLayout) -> tuple[bytes, bytes]:
     """The header bytes around a key's `packed` form (namespace, hash, rank as a
     u16): magic, version and segment count before; the rank's two high bytes,
     layout digest and payload length after. The seq and _PAD follow."""
@@ -131,6 +132,7 @@ __all__ = [
     "MATCHED_BYTES",
     "expected_header",
     "expected_headers",
+    "header_parts",
     "parse_header",
     "reference_checksum",
 ]

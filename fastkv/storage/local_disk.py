@@ -84,8 +84,14 @@ from fastkv.storage.base import (
     StorageBackend,
     StorageKey,
     StorageStats,
+    check_deadline,
+    check_keys,
 )
-from fastkv.storage.block_header import HEADER_BYTES, expected_headers, parse_header
+from fastkv.storage.block_header import (
+    HEADER_BYTES,
+    header_parts,
+    parse_header,
+)
 from fastkv.storage.disk_keys import (
     ENV_RECLAIM,
     FREE,
@@ -267,6 +273,8 @@ class LocalDiskBackend(StorageBackend):
         self.geometry = SlotGeometry.of(layout)
         self._large_segments = [int(s) for s in np.flatnonzero(self.geometry.large)]
         self._lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
+        self._payload_bytes = layout.payload_bytes
+        self._header_parts = header_parts(layout)
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -299,7 +307,7 @@ class LocalDiskBackend(StorageBackend):
                 self.directory,
                 "FASTKV_STORAGE_KEY_FILE",
             )
-        self._slab_warned = False
+        self._file_gone = ""  # why puts fail: the slot file was deleted or replaced
         self._grow_error: OSError | None = None
         self._grow_retry_at = 0.0
         self._seq = time.time_ns()
@@ -330,11 +338,7 @@ class LocalDiskBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         segs = self._checked(keys, blocks, deadline)
-        self._enter()
-        try:
-            return self._get_into(keys, segs, deadline)
-        finally:
-            self._leave()
+        return self._get_into(keys, segs, deadline)
 
     def _checked(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
@@ -342,7 +346,15 @@ class LocalDiskBackend(StorageBackend):
         """The checks of `_check_batch` (keys, deadline, one block per key, each
         block's segments against the layout: the same errors), the segments packed
         for the C batch on the way."""
-        self._check_batch(keys, None, deadline)
+        # the common argument types checked inline; anything else goes through
+        # check_keys / check_deadline (the same errors, one function call less
+        # per check on the one-block path)
+        if type(keys) is not list or (
+            type(keys[0]) is not StorageKey if len(keys) == 1 else len(keys) > 1
+        ):
+            check_keys(keys)
+        if type(deadline) is not float or deadline != deadline:
+            check_deadline(deadline)
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
         packed, misaligned = _disk_io.check_pack(blocks, self._lengths)
@@ -351,34 +363,46 @@ class LocalDiskBackend(StorageBackend):
     def _get_into(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
     ) -> list[KeyResult]:
+        """A checked get: two sections under the lock, one before the reads (the
+        call counted in, slots looked up and pinned) and one after (unpinned,
+        answered, counted, counted out)."""
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
         with self._lock:
+            self._enter_held()
+            index, pins = self._slots.index, self._slots.pins
             for i, key in enumerate(keys):
-                entry = self._slots.index.get(key.packed)
+                entry = index.get(key.packed)
                 if entry is None:
                     results[i] = KeyResult(KeyStatus.MISS, "not stored")
                     continue
-                self._slots.index.move_to_end(key.packed)
-                self._slots.pins[entry[0]] += 1
+                index.move_to_end(key.packed)
+                pins[entry[0]] += 1
                 todo.append(i)
                 where.append(entry)
+        statuses: list[int] = []
         rereads: list[int] = []
+        answered = release = False
         try:
             statuses = self._run(False, keys, segs, todo, where, deadline) if todo else []
             rereads = self._reread_rejected(keys, todo, where, statuses, deadline)
+            answered = True
         finally:
             with self._lock:
                 for slot, _ in where:
                     self._slots.unpin(slot)
-        with self._lock:
-            for k, (i, (slot, seq), status) in enumerate(
-                zip(todo, where, statuses, strict=True)
-            ):
-                again = rereads[k] if rereads else _disk_io.ST_OK
-                results[i] = self._read_result(keys[i], slot, seq, status, again)
-        self._count_gets(results)
+                if answered:
+                    for k, (i, (slot, seq), status) in enumerate(
+                        zip(todo, where, statuses, strict=True)
+                    ):
+                        if status != _disk_io.ST_OK:
+                            again = rereads[k] if rereads else _disk_io.ST_OK
+                            results[i] = self._read_result(keys[i], slot, seq, status, again)
+                    self._tally_gets(results)
+                release = self._leave_held()
+            if release:
+                self._release_late()
         return results
 
     def _reread_rejected(
@@ -434,60 +458,69 @@ class LocalDiskBackend(StorageBackend):
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
         segs = self._checked(keys, blocks, deadline)
-        self._enter()
-        try:
-            gone = _READ_ONLY if self.read_only else self._slot_file_gone()
-            if gone:
-                results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
-                self._count_puts(results)
-                return results
-            return self._put_from(keys, segs, deadline)
-        finally:
-            self._leave()
+        gone = _READ_ONLY if self.read_only else self._file_gone
+        if gone:
+            self._enter()
+            results = [KeyResult(KeyStatus.FAILED, gone)] * len(keys)
+            self._leave(results)
+            return results
+        return self._put_from(keys, segs, deadline)
 
     def _put_from(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
     ) -> list[KeyResult]:
+        """A checked put: two sections under the lock, one before the writes (the
+        call counted in, slots taken) and one after (settled, counted, counted
+        out). The C batch checks after its writes that the slot file is still
+        linked under its name (`_file_gone`)."""
         results: list[KeyResult] = [OK] * len(keys)
         todo: list[int] = []
         where: list[tuple[int, int]] = []
         first: dict[bytes, int] = {}
         repeats = False
         now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
-        with self._lock:
-            index, free = self._slots.index, self._slots.free
-            seq = max(self._seq, now_ns - 1)
-            for i, key in enumerate(keys):
-                packed = key.packed
-                if packed in index:
-                    index.move_to_end(packed)
-                    results[i] = ALREADY_STORED
-                    continue
-                if packed in first:  # a repeat: answered with its first occurrence below
-                    repeats = True
-                    continue
-                slot = free.pop() if free else self._take_slot()
-                if slot is None:
-                    results[i] = self._no_slot_result()
-                    continue
-                first[packed] = i
-                seq += 1
-                todo.append(i)
-                where.append((slot, seq))
-            self._seq = seq
         statuses: list[int] = []
-        try:
+        answered = release = False
+        try:  # slots taken before a raise go back in the finally (settled as failed)
+            with self._lock:
+                self._enter_held()
+                index, free = self._slots.index, self._slots.free
+                seq = max(self._seq, now_ns - 1)
+                for i, key in enumerate(keys):
+                    packed = key.packed
+                    if packed in index:
+                        index.move_to_end(packed)
+                        results[i] = ALREADY_STORED
+                        continue
+                    if packed in first:  # a repeat: answered with its first occurrence below
+                        repeats = True
+                        continue
+                    slot = free.pop() if free else self._take_slot()
+                    if slot is None:
+                        results[i] = self._no_slot_result()
+                        continue
+                    first[packed] = i
+                    seq += 1
+                    todo.append(i)
+                    where.append((slot, seq))
+                self._seq = seq
             statuses = self._run(True, keys, segs, todo, where, deadline) if todo else []
+            answered = True
         finally:
-            if len(statuses) != len(todo):  # raised: nothing was stored
+            if not answered:  # raised: nothing was stored
                 statuses = [-errno.EIO] * len(todo)
             with self._lock:
                 self._settle_writes(keys, todo, where, statuses, results)
-        for i, key in enumerate(keys if repeats else ()):  # repeats share their first's fate
-            j = first.get(key.packed)
-            if j is not None and j != i:
-                results[i] = ALREADY_STORED if results[j].ok else results[j]
-        self._count_puts(results)
+                if answered:
+                    # repeats share their first occurrence's fate
+                    for i, key in enumerate(keys if repeats else ()):
+                        j = first.get(key.packed)
+                        if j is not None and j != i:
+                            results[i] = ALREADY_STORED if results[j].ok else results[j]
+                    self._tally_puts(results)
+                release = self._leave_held()
+            if release:
+                self._release_late()
         return results
 
     @property
@@ -547,9 +580,13 @@ class LocalDiskBackend(StorageBackend):
     def _enter(self) -> None:
         """Count a call that uses the files (refused once closed)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the storage backend is closed")
-            self._users += 1
+            self._enter_held()
+
+    def _enter_held(self) -> None:
+        """`_enter`, the lock held."""
+        if self._closed:
+            raise RuntimeError("the storage backend is closed")
+        self._users += 1
 
     def _settle_writes(
         self,
@@ -566,25 +603,79 @@ class LocalDiskBackend(StorageBackend):
             packed = keys[i].packed
             if status != _disk_io.ST_OK:
                 free.append(entry[0])
-                results[i] = _write_failure(status)
+                results[i] = (
+                    KeyResult(KeyStatus.FAILED, self._slot_file_gone(status))
+                    if status in _FILE_GONE
+                    else _write_failure(status)
+                )
             elif packed in index:  # a concurrent put stored it first
                 free.append(entry[0])
             else:
                 index[packed] = entry
 
-    def _leave(self) -> None:
+    def _leave(self, puts: list[KeyResult] | None = None) -> None:
+        """Count a call out (and count the puts it answered, when given)."""
         with self._lock:
-            self._users -= 1
-            if self._users or not self._closed:  # only close() waits for the calls
-                return
-            self._idle.notify_all()
-            release = self._release_when_idle
-            self._release_when_idle = False
+            if puts is not None:
+                self._tally_puts(puts)
+            release = self._leave_held()
         if release:
-            self._release_files()
-            log.warning(
-                "fastkv storage: %s closed after its last call returned", self.directory
-            )
+            self._release_late()
+
+    def _leave_held(self) -> bool:
+        """Count a call out, the lock held; True when the caller must then (the lock
+        released) close the files: close() gave up waiting for this last call."""
+        self._users -= 1
+        if self._users or not self._closed:  # only close() waits for the calls
+            return False
+        self._idle.notify_all()
+        release = self._release_when_idle
+        self._release_when_idle = False
+        return release
+
+    def _release_late(self) -> None:
+        self._release_files()
+        log.warning("fastkv storage: %s closed after its last call returned", self.directory)
+
+    def _tally_puts(self, results: list[KeyResult]) -> None:
+        """`_count_puts` with the lock held (the put's last section counts it)."""
+        st = self._stats
+        n = len(results)
+        ok = results.count(OK)  # identity first: no comparison for the usual answer
+        if ok == n:
+            st.puts += n
+            st.put_bytes += n * self._payload_bytes
+            return
+        n_ok = already = timeouts = 0
+        for r in results:
+            if r.status == KeyStatus.OK:
+                n_ok += 1
+                already += r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
+            elif r.status == KeyStatus.TIMEOUT:
+                timeouts += 1
+        st.puts += n
+        st.put_failures += n - n_ok
+        st.put_already_stored += already
+        st.timeouts += timeouts
+        st.put_bytes += (n_ok - already) * self._payload_bytes
+
+    def _tally_gets(self, results: list[KeyResult]) -> None:
+        """`_count_gets` with the lock held."""
+        st = self._stats
+        n = len(results)
+        st.gets += n
+        if results.count(OK) == n:  # identity first: no comparison for the usual answer
+            st.get_bytes += n * self._payload_bytes
+            return
+        for r in results:
+            if r.status == KeyStatus.OK:
+                st.get_bytes += self._payload_bytes
+            elif r.status == KeyStatus.MISS:
+                st.misses += 1
+            elif r.status == KeyStatus.FAILED:
+                st.get_failures += 1
+            elif r.status == KeyStatus.TIMEOUT:
+                st.timeouts += 1
 
     def _release_files(self) -> None:
         """Close the files (no call uses them any more) and unlock the directory."""
@@ -599,29 +690,20 @@ class LocalDiskBackend(StorageBackend):
             os.close(self._dir_fd)
             self._dir_fd = -1
 
-    def _slot_file_gone(self) -> str:
-        """Why puts cannot be kept ("" when they can): blocks.fkv was deleted or
-        replaced under the backend (writes would land in a file no later process
-        finds). Logged once."""
-        # One lstat of the name: it names this very file (device and inode) only
-        # while the file is linked there; deleted, it is missing (or names another).
-        reason = ""
-        try:
-            st = os.stat(DATA_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
-            if (st.st_ino, st.st_dev) != self._data_id:
-                reason = "was replaced by another file"
-        except FileNotFoundError:
-            reason = "was deleted"
-        if not reason:
-            return ""
-        text = (
-            f"the slot file {self.directory / DATA_FILE} {reason} while open: a block "
-            "written now would be lost on restart; reopen the backend"
-        )
-        if not self._slab_warned:
-            self._slab_warned = True
+    def _slot_file_gone(self, status: int) -> str:
+        """A write found blocks.fkv deleted or replaced under the backend (status
+        ST_FILE_DELETED or ST_FILE_REPLACED: the name no longer names the file
+        written, so no later process would find the block): why puts fail from now
+        on (`_file_gone`, kept), logged once."""
+        if not self._file_gone:
+            deleted = status == _disk_io.ST_FILE_DELETED
+            reason = "was deleted" if deleted else "was replaced by another file"
+            self._file_gone = text = (
+                f"the slot file {self.directory / DATA_FILE} {reason} while open: a block "
+                "written now would be lost on restart; reopen the backend"
+            )
             log.error("fastkv storage: %s (puts fail from now on; reads still verify)", text)
-        return text
+        return self._file_gone
 
     def _live_stats(self, snap: StorageStats) -> None:
         snap.stored_blocks = len(self._slots.index)
@@ -729,25 +811,23 @@ class LocalDiskBackend(StorageBackend):
         deadline: float,
     ) -> list[int]:
         g = self.geometry
-        headers = bytearray(
-            expected_headers([keys[i] for i in todo], self.layout, [seq for _, seq in where])
-        )
-        size = g.slot_bytes
-        offsets = b"".join((slot * size).to_bytes(8, "little") for slot, _ in where)
+        # The C batch makes each block's header (the layout's parts around the key's
+        # packed form, then its seq) and slot offset from these, in one pass.
+        headers = (*self._header_parts, keys, todo, where)
         segs = packed.rows(todo, len(keys))
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, every block has a header
         # page of its own (a write stages the headers of blocks whose slots follow
         # one another, to move them in one call; a read keeps each until its
         # verification).
-        full = self._needs_full_bounce(packed, todo)
+        full = packed.misaligned and self._needs_full_bounce(packed, todo)
         bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
             self._fd,
             self.direct_io,
             headers,
-            offsets,
+            None,
             segs,
             g.segment_offsets,
             g.header_area,
@@ -759,6 +839,7 @@ class LocalDiskBackend(StorageBackend):
             not full,
             self._ring,
             self._cancel_addr,
+            self._file_check if write else None,
         )
 
     def _needs_full_bounce(self, packed: _Packed, todo: list[int]) -> bool:
@@ -776,12 +857,11 @@ class LocalDiskBackend(StorageBackend):
 
     def _bounce(self, nbytes: int) -> tuple[int, int]:
         """This thread's page-aligned staging buffer, at least `nbytes` long."""
-        buf = getattr(self._local, "bounce", None)
-        if buf is None or len(buf) < nbytes:
+        have = getattr(self._local, "bounce", None)  # (address, length, the map)
+        if have is None or have[1] < nbytes:
             buf = mmap.mmap(-1, _align(nbytes))
-            self._local.bounce = buf
-            self._local.addr = _address(buf)
-        return self._local.addr, len(buf)
+            have = self._local.bounce = (_address(buf), len(buf), buf)
+        return have[0], have[1]
 
     # -- recovery -------------------------------------------------------------------
 
@@ -964,7 +1044,9 @@ class LocalDiskBackend(StorageBackend):
             flags = os.O_RDWR | os.O_CREAT
         self._fd = _open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
         st = os.fstat(self._fd)
-        self._data_id = (st.st_ino, st.st_dev)
+        # what each write checks after its blocks moved: the name still names this
+        # very file (device and inode) only while it is linked there
+        self._file_check = (self._dir_fd, DATA_FILE, st.st_ino, st.st_dev)
         self._slots = _Slots(capacity)
         self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
         self._open_existing(recover)
@@ -1216,6 +1298,8 @@ def _describe(status: int) -> str:
 
 
 _READ_ONLY = "the cache directory is read-only: nothing is written"
+
+_FILE_GONE = frozenset({_disk_io.ST_FILE_DELETED, _disk_io.ST_FILE_REPLACED})
 
 _REJECTED = frozenset(
     {

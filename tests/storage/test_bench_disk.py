@@ -67,3 +67,14 @@ def test_a_timed_one_block_put_that_fails_fails_the_latency_bench(
     monkeypatch.setattr(LocalDiskBackend, "put_from", failing_put)
     with pytest.raises(bench.BenchFailure, match="put of block"):
         bench.bench_disk_latency(tmp_path, BLOCK, 8)
+
+
+@pytest.mark.parametrize("segments", [16, 1])
+def test_the_latency_bench_labels_each_row_with_its_segments_per_block(
+    tmp_path, segments: int
+) -> None:
+    """Both host layouts are measured and told apart: 16 segments per block (one
+    per layer tensor) and 1 (a block in one contiguous region)."""
+    rows = bench.bench_disk_latency(tmp_path, BLOCK, 8, segments)
+    assert [(r["segments"], r["auth"]) for r in rows] == [(segments, "off"), (segments, "on")]
+    assert all(r["put_p50_us"] > 0 and r["raw_put_p50_us"] > 0 for r in rows)

@@ -107,3 +107,38 @@ def test_close_with_a_stuck_call_waits_bounded_and_never_closes_under_it(
     with LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=4) as again:
         assert again.wait_recovered(10)
         assert statuses(again.get_into(keys, [host.segments(1)] * 2, 1e12)) == ["MISS"] * 2
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_a_call_whose_io_raises_counts_out_and_gives_its_slots_back(
+    tmp_path: Path, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put or get whose batch raises leaves nothing behind: its slot is free
+    again (a put) or unpinned (a get), and close() finds no call in flight."""
+    from fastkv.storage import local_disk
+
+    host = HostMemory(LAYOUT, 2)
+    host.fill(0, seed=0)
+    keys = make_keys(2)
+    backend = LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=1)
+    assert statuses(backend.put_from(keys[:1], [host.segments(0)], deadline_after(10))) == [
+        "OK"
+    ]
+
+    def broken(*args: object) -> list[int]:
+        raise OSError(5, "injected")
+
+    name = "write_batch" if op == "put" else "read_batch"
+    monkeypatch.setattr(local_disk._disk_io, name, broken)
+    call = backend.put_from if op == "put" else backend.get_into
+    with pytest.raises(OSError, match="injected"):
+        call(keys[1:] if op == "put" else keys[:1], [host.segments(1)], deadline_after(10))
+    monkeypatch.undo()
+    # the one slot: a put's failed write gave it back (it evicted keys[0] to take
+    # it); a get's pin is gone, so a new put may evict keys[0] and reuse it
+    assert statuses(backend.put_from(keys[1:], [host.segments(1)], deadline_after(10))) == [
+        "OK"
+    ]
+    t0 = time.monotonic()
+    assert backend.close(timeout=5.0) is True
+    assert time.monotonic() - t0 < 1.0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,27 @@ def test_deleted_slot_file_stops_acknowledging_puts(
         assert statuses(backend.get_into(keys[:1], [host.segments(1)], 1e12)) == ["OK"]
         assert host.read(1) == want
         assert backend.stats().put_failures == 3
+
+
+def test_a_slot_file_deleted_while_a_put_writes_fails_that_put(tmp_path: Path) -> None:
+    """The slot file is checked after the writes, not before: a file deleted while
+    a put's block was moving (into a file no later process finds) fails that put."""
+    host = HostMemory(LAYOUT, 1)
+    host.fill(0, seed=0)
+    backend = LocalDiskBackend(tmp_path, LAYOUT, capacity_blocks=4, io_delay_s=0.5)
+    with backend:
+        out: list = []
+        put = threading.Thread(
+            target=lambda: out.append(
+                backend.put_from(make_keys(1), [host.segments(0)], deadline_after(10))
+            )
+        )
+        put.start()
+        time.sleep(0.1)  # the put is in its injected delay, before the write
+        (tmp_path / DATA_FILE).unlink()
+        put.join(10)
+        assert statuses(out[0]) == ["FAILED"] and "was deleted while open" in out[0][0].reason
+        assert backend.stats().stored_blocks == 0 and backend.stats().put_failures == 1
 
 
 def test_replaced_slot_file_stops_acknowledging_puts(tmp_path: Path) -> None:

@@ -720,3 +720,34 @@ def test_blocks_in_consecutive_slots_move_in_one_call(tmp_path: Path, direct_io:
     assert [host.read(16 + b) for b in range(16)] == want
     assert w1 - w0 <= 4, f"{w1 - w0} write calls for 16 blocks in consecutive slots"
     assert r2 - r1 <= 4, f"{r2 - r1} read calls for 16 blocks in consecutive slots"
+
+
+@pytest.mark.parametrize("rank", [0, 258, 65535])
+def test_the_header_the_c_batch_writes_is_expected_header(tmp_path: Path, rank: int) -> None:
+    """The C batch makes each header from the layout's parts, the key and its seq:
+    on disk it is `expected_header`'s bytes, and a read made the same way finds it."""
+    from fastkv.storage.block_header import HEADER_BYTES, MATCHED_BYTES, expected_header
+
+    layout = LAYOUTS["fp8"]
+    host = HostMemory(layout, 3)
+    for b in range(3):
+        host.fill(b, seed=b)
+    keys = [StorageKey(bytes([9]) * 32, bytes([b + 1]) * 32, rank) for b in range(3)]
+    with LocalDiskBackend(tmp_path, layout, capacity_blocks=4) as backend:
+        # a call whose middle key is stored already: the C batch takes keys[todo[i]]
+        assert statuses(backend.put_from(keys[1:2], [host.segments(1)], 1e12)) == ["OK"]
+        assert (
+            statuses(backend.put_from(keys, [host.segments(b) for b in range(3)], 1e12))
+            == ["OK"] * 3
+        )
+        slot_bytes = backend.geometry.slot_bytes
+        with open(tmp_path / DATA_FILE, "rb") as f:
+            for key in keys:
+                slot, seq = backend._slots.index[key.packed]
+                f.seek(slot * slot_bytes)
+                got = f.read(HEADER_BYTES)
+                assert got[:MATCHED_BYTES] == expected_header(key, layout, seq)[:MATCHED_BYTES]
+        assert (
+            statuses(backend.get_into(keys[::-1], [host.segments(b) for b in range(3)], 1e12))
+            == ["OK"] * 3
+        )
