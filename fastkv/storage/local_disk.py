@@ -81,9 +81,11 @@ from fastkv.storage.base import (
     BlockSegments,
     KeyResult,
     KeyStatus,
+    Segment,
     StorageBackend,
     StorageKey,
     StorageStats,
+    check_segments,
 )
 from fastkv.storage.block_header import HEADER_BYTES, expected_headers, parse_header
 from fastkv.storage.disk_keys import (
@@ -267,6 +269,7 @@ class LocalDiskBackend(StorageBackend):
         self.geometry = SlotGeometry.of(layout)
         self._large_segments = [int(s) for s in np.flatnonzero(self.geometry.large)]
         self._lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
+        self._segment_starts = [0, *np.cumsum(layout.segment_lengths)[:-1].tolist()]
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -345,8 +348,21 @@ class LocalDiskBackend(StorageBackend):
         self._check_batch(keys, None, deadline)
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
+        if len(self.layout.lengths_for(blocks)) != self.layout.num_segments:
+            # One contiguous segment per block (the host tier's): checked as such,
+            # then cut into the layout's segments, which the slot places apart
+            # (misaligned ones go through the packing path as ever).
+            check_segments(blocks, self.layout)
+            blocks = [self._split(block[0][0]) for block in blocks]
         packed, misaligned = _disk_io.check_pack(blocks, self._lengths)
         return _Packed(packed, misaligned, blocks)
+
+    def _split(self, address: int) -> list[Segment]:
+        """The layout's segments of the contiguous block at `address`."""
+        return [
+            (address + start, n)
+            for start, n in zip(self._segment_starts, self.layout.segment_lengths, strict=True)
+        ]
 
     def _get_into(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
