@@ -21,8 +21,9 @@ in the same run on the same blocks.
    in a private network namespace, against raw `batch_put_from` / `batch_get_into`
    of contiguous blocks: raw multi-buffer (`*_multi_buffers`, one buffer per
    segment, no header: what Mooncake's per-buffer cost alone does); the backend
-   zero-copy (`staging_bytes=0`: one Mooncake buffer per segment) and staged (the
-   default: one contiguous object per block), header and tag on; and zero-copy
+   on blocks laid out as the host tier's, zero-copy (`staging_bytes=0`: two Mooncake
+   buffers per block, the header and the host block) and staged (the default: one
+   contiguous object per block), header and tag on; and zero-copy
    puts read back (`verify_puts=True`): `put_verify_cost` is 1 - verified /
    unverified put throughput. Every way has its own object set; the ways take
    turns batch by batch (who goes first rotates), each call timed on its own, so
@@ -80,7 +81,8 @@ BENCH_AUTH = StorageAuth([os.urandom(32)])
 
 def random_host(layout: BlockLayout, n: int) -> HostMemory:
     """Page-aligned host memory for `n` blocks of `layout`, laid out as the host
-    cache (one region per segment index), filled with random bytes."""
+    tier (host block b one contiguous region of every segment), filled with random
+    bytes."""
     host = HostMemory(layout, n)
     host.array[:] = np.random.default_rng(0).integers(0, 256, host.nbytes, dtype=np.uint8)
     return host
@@ -495,13 +497,13 @@ class MooncakeBench:
         failed_codes("raw batch_get_into", names[s:e], codes, bb)
 
     def multi_put(self, names: list[str], s: int, e: int) -> None:
-        segs = [self.host.segments(b) for b in range(s, e)]
+        segs = [self.host.tensor_segments(b) for b in range(s, e)]  # one buffer each
         ptrs, sizes = [[p for p, _ in g] for g in segs], [[n for _, n in g] for g in segs]
         codes = self.store.batch_put_from_multi_buffers(names[s:e], ptrs, sizes)
         failed_codes("raw batch_put_from_multi_buffers", names[s:e], codes, 0)
 
     def multi_get(self, names: list[str], s: int, e: int) -> None:
-        segs = [self.dest.segments(b) for b in range(s, e)]
+        segs = [self.dest.tensor_segments(b) for b in range(s, e)]
         ptrs, sizes = [[p for p, _ in g] for g in segs], [[n for _, n in g] for g in segs]
         codes = self.store.batch_get_into_multi_buffers(names[s:e], ptrs, sizes)
         failed_codes("raw batch_get_into_multi_buffers", names[s:e], codes, self.block_bytes)
@@ -695,8 +697,8 @@ def print_mooncake(rows: list[dict]) -> None:
         "Mooncake over TCP loopback (storage-node process), GB/s and ratios to raw "
         "batch_put_from/batch_get_into of contiguous blocks (median; every key checked, "
         "every get compared with what was put): raw multi-buffer (one buffer per "
-        "segment, no header); the backend zero-copy (staging_bytes=0, one buffer per "
-        "segment) and staged (the default: one contiguous object), authenticated "
+        "segment, no header); the backend zero-copy (staging_bytes=0, two buffers: "
+        "header, host block) and staged (the default: one contiguous object), authenticated "
         "(HMAC-SHA256 tag; staged puts replace what is under the key (upsert), "
         "zero-copy ones check existence first; verified: every zero-copy put also read "
         "back, verify_puts=True)",

@@ -10,9 +10,15 @@
  * size `block_bytes`:
  *   device side: block b of segment s is at  segments[s].device_base + b * block_bytes
  *                for b in [0, num_device_blocks)
- *   host side:   block b of segment s is at  segments[s].host_base   + b * block_bytes
+ *   host side:   block b of segment s is at  segments[s].host_base   + b * host_stride
  *                for b in [0, num_host_blocks)
- * (a caller carves one pinned allocation per tier into one region per segment).
+ * host_stride >= block_bytes. fastkv's host tier interleaves its segments: host block
+ * b is one contiguous region of S = sum of every segment's block_bytes at
+ * tier_base + b * S, segment s's part of it at prefix_s = sum of block_bytes of
+ * segments [0, s) (no padding), so host_base = tier_base + prefix_s and
+ * host_stride = S for every segment. host_stride == block_bytes is a region of
+ * its own per segment. A segment's host region spans
+ *   [host_base, host_base + (num_host_blocks - 1) * host_stride + block_bytes).
  * A swap copies, for every segment s and every i in [0, num_ids),
  *   direction FKV_H2D (0): host block host_ids[i]     -> device block device_ids[i]
  *   direction FKV_D2H (1): device block device_ids[i] -> host block host_ids[i]
@@ -23,9 +29,13 @@
  *   every device_base / host_base non-NULL and FKV_MIN_ACCESS_BYTES-aligned;
  *   every block_bytes > 0 and a multiple of FKV_MIN_ACCESS_BYTES (the narrowest
  *     access the CUDA kernel makes; the CPU path shares the rule so a layout that
- *     works on CPU works on GPU);
+ *     works on CPU works on GPU); every host_stride >= block_bytes and a multiple
+ *     of FKV_MIN_ACCESS_BYTES;
  *   num_device_blocks, num_host_blocks >= 0 and the regions fit the address space;
- *   no destination region overlaps another segment's region;
+ *   no destination region overlaps another segment's region (host regions that
+ *     interleave, as the host tier's do, must share one stride, start within one
+ *     stride of each other and fit their blocks side by side in it; the region
+ *     check against a fkv_host_alloc allocation uses the span above);
  *   num_ids >= 0, id arrays non-NULL when num_ids > 0;
  *   device_ids[i] in [0, num_device_blocks), host_ids[i] in [0, num_host_blocks);
  *   no duplicate destination id (device_ids for H2D, host_ids for D2H);
@@ -55,7 +65,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or struct below changes; Python checks it at load. */
-#define FKV_ABI_VERSION 3
+#define FKV_ABI_VERSION 4
 
 #define FKV_H2D 0 /* host -> device: swap-in */
 #define FKV_D2H 1 /* device -> host: evict / back up */
@@ -80,6 +90,7 @@ typedef struct fkv_segment {
   void* device_base;
   void* host_base;
   int64_t block_bytes;
+  int64_t host_stride; /* bytes from host block b to b + 1 of this segment */
 } fkv_segment;
 
 FKV_API int fkv_abi_version(void);

@@ -80,10 +80,13 @@ struct Call {
   bool gpu = false;
 };
 
-// Segments for caches[first, first + count) with host bases host_ptrs[first, ...).
+// Segments for caches[first, first + count) with host bases host_ptrs[first, ...),
+// host blocks host_stride apart (0: each tensor's own block size, a region per tensor).
 void build_segments(const char* op, const std::vector<paddle::Tensor>& caches, size_t first,
-                    size_t count, const paddle::Tensor& host_ptrs, Call* call) {
+                    size_t count, const paddle::Tensor& host_ptrs, int64_t host_stride,
+                    Call* call) {
   check_host_tensor(op, "host_ptrs", host_ptrs);
+  if (host_stride < 0) FKV_INVALID(op, "host_stride: ", host_stride, " is negative");
   if (host_ptrs.numel() != static_cast<int64_t>(caches.size())) {
     FKV_INVALID(op, "host_ptrs: length ", host_ptrs.numel(), " != number of cache tensors ",
                 caches.size());
@@ -119,7 +122,7 @@ void build_segments(const char* op, const std::vector<paddle::Tensor>& caches, s
     const int64_t block_bytes =
         t.numel() / t.dims()[0] * static_cast<int64_t>(phi::SizeOf(t.dtype()));
     call->segments[k] = {const_cast<void*>(t.data()), reinterpret_cast<void*>(ptrs[i]),
-                         block_bytes};
+                         block_bytes, host_stride == 0 ? block_bytes : host_stride};
   }
   call->first = first;
   call->num_device_blocks = ref.dims()[0];
@@ -154,17 +157,18 @@ thread_local Call t_call;
 
 void SwapAllLayers(std::vector<paddle::Tensor>& caches, const paddle::Tensor& device_ids,
                    const paddle::Tensor& host_ids, const paddle::Tensor& host_ptrs,
-                   int64_t num_host_blocks, int direction, int64_t stream, int num_threads) {
+                   int64_t num_host_blocks, int64_t host_stride, int direction, int64_t stream,
+                   int num_threads) {
   const char* op = "fastkv_swap_all_layers";
   if (caches.empty()) FKV_INVALID(op, "caches: empty list");
-  build_segments(op, caches, 0, caches.size(), host_ptrs, &t_call);
+  build_segments(op, caches, 0, caches.size(), host_ptrs, host_stride, &t_call);
   run_swap(op, t_call, device_ids, host_ids, num_host_blocks, direction, stream, num_threads);
 }
 
 void SwapLayer(std::vector<paddle::Tensor>& caches, const paddle::Tensor& device_ids,
                const paddle::Tensor& host_ids, const paddle::Tensor& host_ptrs, int layer,
-               int tensors_per_layer, int64_t num_host_blocks, int direction, int64_t stream,
-               int num_threads) {
+               int tensors_per_layer, int64_t num_host_blocks, int64_t host_stride,
+               int direction, int64_t stream, int num_threads) {
   const char* op = "fastkv_swap_layer";
   if (tensors_per_layer <= 0) {
     FKV_INVALID(op, "tensors_per_layer: ", tensors_per_layer, " must be > 0");
@@ -178,7 +182,7 @@ void SwapLayer(std::vector<paddle::Tensor>& caches, const paddle::Tensor& device
     FKV_INVALID(op, "layer: ", layer, " out of range [0, ", num_layers, ")");
   }
   build_segments(op, caches, static_cast<size_t>(layer) * tensors_per_layer, tensors_per_layer,
-                 host_ptrs, &t_call);
+                 host_ptrs, host_stride, &t_call);
   run_swap(op, t_call, device_ids, host_ids, num_host_blocks, direction, stream, num_threads);
 }
 
@@ -210,15 +214,16 @@ std::vector<paddle::DataType> Int64Dtype() { return {paddle::DataType::INT64}; }
 PD_BUILD_OP(fastkv_swap_all_layers)
     .Inputs({paddle::Vec("Caches"), "DeviceIds", "HostIds", "HostPtrs"})
     .Outputs({paddle::Vec("CachesOut")})
-    .Attrs({"num_host_blocks: int64_t", "direction: int", "stream: int64_t", "num_threads: int"})
+    .Attrs({"num_host_blocks: int64_t", "host_stride: int64_t", "direction: int",
+            "stream: int64_t", "num_threads: int"})
     .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
     .SetKernelFn(PD_KERNEL(SwapAllLayers));
 
 PD_BUILD_OP(fastkv_swap_layer)
     .Inputs({paddle::Vec("Caches"), "DeviceIds", "HostIds", "HostPtrs"})
     .Outputs({paddle::Vec("CachesOut")})
-    .Attrs({"layer: int", "tensors_per_layer: int", "num_host_blocks: int64_t", "direction: int",
-            "stream: int64_t", "num_threads: int"})
+    .Attrs({"layer: int", "tensors_per_layer: int", "num_host_blocks: int64_t",
+            "host_stride: int64_t", "direction: int", "stream: int64_t", "num_threads: int"})
     .SetInplaceMap({{paddle::Vec("Caches"), paddle::Vec("CachesOut")}})
     .SetKernelFn(PD_KERNEL(SwapLayer));
 

@@ -21,6 +21,8 @@ struct Region {
   int32_t segment;
   bool is_host;
   bool is_destination;
+  int64_t stride;       // host: host_stride; device: block_bytes
+  int64_t block_bytes;
 };
 
 const char* side_name(bool is_host) { return is_host ? "host" : "device"; }
@@ -30,9 +32,74 @@ const char* side_name(bool is_host) { return is_host ? "host" : "device"; }
 // sorted by start, remembering the furthest-reaching region and the
 // furthest-reaching destination seen so far; every overlapping pair with a
 // destination in it is caught by one of the two.
+bool by_begin(const Region& a, const Region& b) { return a.begin < b.begin; }
+
+// Host regions whose spans overlap (the host tier's segments interleave: block b of
+// every segment lies in [tier + b * S, tier + (b + 1) * S)) are one cluster. A
+// destination cluster is disjoint iff its regions share one stride, their block 0s
+// (sorted by start) do not overlap and all end within one stride of the first's
+// start: then block b of every region lies in its own slice of row b. The cluster
+// then takes part in the sweep as one region spanning all of them.
+int check_cluster(const Region* r, size_t n) {
+  const Region& first = r[0];
+  for (size_t k = 1; k < n; ++k) {
+    const Region& prev = r[k - 1];
+    const Region& cur = r[k];
+    if (cur.begin < prev.begin + static_cast<uintptr_t>(prev.block_bytes)) {
+      return set_error(FKV_EINVAL,
+                       "segments[%d].host_base: host region overlaps the host region of "
+                       "segments[%d] (its block 0 ends at %#" PRIxPTR ")",
+                       cur.segment, prev.segment,
+                       prev.begin + static_cast<uintptr_t>(prev.block_bytes));
+    }
+    if (cur.stride != first.stride) {
+      return set_error(FKV_EINVAL,
+                       "segments[%d].host_stride: %" PRId64 " differs from host_stride %" PRId64
+                       " of segments[%d], whose host region it interleaves with",
+                       cur.segment, cur.stride, first.stride, first.segment);
+    }
+  }
+  const Region& last = r[n - 1];
+  const uintptr_t row_end = first.begin + static_cast<uintptr_t>(first.stride);
+  if (last.begin + static_cast<uintptr_t>(last.block_bytes) > row_end) {
+    return set_error(FKV_EINVAL,
+                     "segments[%d].host_base: host region overlaps the host region of "
+                     "segments[%d] (its block 0 ends at %#" PRIxPTR
+                     ", past one host_stride %" PRId64 " from segments[%d].host_base)",
+                     last.segment, first.segment,
+                     last.begin + static_cast<uintptr_t>(last.block_bytes), first.stride,
+                     first.segment);
+  }
+  return FKV_OK;
+}
+
+// Replaces the host regions of `regions` by one region per cluster, each checked.
+int merge_host_clusters(std::vector<Region>& regions) {
+  std::vector<Region> host;
+  std::vector<Region> out;
+  for (const Region& r : regions) (r.is_host ? host : out).push_back(r);
+  std::sort(host.begin(), host.end(), by_begin);
+  for (size_t i = 0; i < host.size();) {
+    size_t j = i + 1;
+    uintptr_t end = host[i].end;
+    while (j < host.size() && host[j].begin < end) end = std::max(end, host[j++].end);
+    if (j - i > 1 && host[i].is_destination) {
+      const int rc = check_cluster(&host[i], j - i);
+      if (rc != FKV_OK) return rc;
+    }
+    Region merged = host[i];
+    merged.end = end;
+    out.push_back(merged);
+    i = j;
+  }
+  regions.swap(out);
+  return FKV_OK;
+}
+
 int check_overlaps(std::vector<Region>& regions) {
-  std::sort(regions.begin(), regions.end(),
-            [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  const int rc = merge_host_clusters(regions);
+  if (rc != FKV_OK) return rc;
+  std::sort(regions.begin(), regions.end(), by_begin);
   const Region* reach_any = nullptr;
   const Region* reach_dst = nullptr;
   for (const Region& r : regions) {
@@ -55,8 +122,10 @@ int check_overlaps(std::vector<Region>& regions) {
   return FKV_OK;
 }
 
+// A region of num_blocks blocks of block_bytes, `stride` bytes apart: it spans
+// (num_blocks - 1) * stride + block_bytes bytes (none for no blocks).
 int check_region(const char* side, int32_t s, const void* base, int64_t num_blocks,
-                 int64_t block_bytes, uintptr_t* end) {
+                 int64_t block_bytes, int64_t stride, uintptr_t* end) {
   if (base == nullptr) return set_error(FKV_EINVAL, "segments[%d].%s_base: NULL", s, side);
   if (reinterpret_cast<uintptr_t>(base) % FKV_MIN_ACCESS_BYTES != 0) {
     return set_error(FKV_EINVAL, "segments[%d].%s_base: %p is not %d-byte aligned", s, side,
@@ -64,7 +133,12 @@ int check_region(const char* side, int32_t s, const void* base, int64_t num_bloc
   }
   int64_t bytes = 0;
   uintptr_t last = 0;
-  if (__builtin_mul_overflow(num_blocks, block_bytes, &bytes) ||
+  if (num_blocks > 0 &&
+      (__builtin_mul_overflow(num_blocks - 1, stride, &bytes) ||
+       __builtin_add_overflow(bytes, block_bytes, &bytes))) {
+    bytes = -1;
+  }
+  if (bytes < 0 ||
       __builtin_add_overflow(reinterpret_cast<uintptr_t>(base), static_cast<uintptr_t>(bytes),
                              &last)) {
     return set_error(FKV_EINVAL,
@@ -168,26 +242,38 @@ int validate_segments(const fkv_segment* segments, int32_t num_segments,
                        " is not a positive multiple of %d",
                        s, seg.block_bytes, FKV_MIN_ACCESS_BYTES);
     }
+    if (seg.host_stride < seg.block_bytes || seg.host_stride % FKV_MIN_ACCESS_BYTES != 0) {
+      return set_error(FKV_EINVAL,
+                       "segments[%d].host_stride: %" PRId64
+                       " is not a multiple of %d at least block_bytes %" PRId64,
+                       s, seg.host_stride, FKV_MIN_ACCESS_BYTES, seg.block_bytes);
+    }
     uintptr_t dev_end = 0;
     uintptr_t host_end = 0;
     rc = check_region("device", s, seg.device_base, num_device_blocks, seg.block_bytes,
-                          &dev_end);
+                      seg.block_bytes, &dev_end);
     if (rc != FKV_OK) return rc;
-    rc = check_region("host", s, seg.host_base, num_host_blocks, seg.block_bytes, &host_end);
+    rc = check_region("host", s, seg.host_base, num_host_blocks, seg.block_bytes,
+                      seg.host_stride, &host_end);
     if (rc != FKV_OK) return rc;
-    size_t available = 0;
-    if (registry_overrun(seg.host_base, host_end - reinterpret_cast<uintptr_t>(seg.host_base),
-                         &available)) {
-      return set_error(FKV_EINVAL,
-                       "num_host_blocks: %" PRId64 " blocks of %" PRId64
-                       " bytes at segments[%d].host_base run past the end of its "
-                       "fkv_host_alloc allocation (%zu bytes left there)",
-                       num_host_blocks, seg.block_bytes, s, available);
-    }
     const uintptr_t dev = reinterpret_cast<uintptr_t>(seg.device_base);
     const uintptr_t host = reinterpret_cast<uintptr_t>(seg.host_base);
-    if (dev_end > dev) regions.push_back({dev, dev_end, s, false, device_dst});
-    if (host_end > host) regions.push_back({host, host_end, s, true, host_dst});
+    size_t available = 0;
+    if (registry_overrun(seg.host_base, host_end - host, &available)) {
+      return set_error(FKV_EINVAL,
+                       "num_host_blocks: %" PRId64 " blocks of %" PRId64
+                       " bytes, host_stride %" PRId64
+                       " apart, at segments[%d].host_base run past the end of its "
+                       "fkv_host_alloc allocation (%zu bytes needed, %zu left there)",
+                       num_host_blocks, seg.block_bytes, seg.host_stride, s,
+                       static_cast<size_t>(host_end - host), available);
+    }
+    if (dev_end > dev) {
+      regions.push_back({dev, dev_end, s, false, device_dst, seg.block_bytes, seg.block_bytes});
+    }
+    if (host_end > host) {
+      regions.push_back({host, host_end, s, true, host_dst, seg.host_stride, seg.block_bytes});
+    }
   }
   return check_overlaps(regions);
 }

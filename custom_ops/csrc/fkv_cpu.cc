@@ -154,14 +154,30 @@ Cursor locate(const CopyPlan& plan, int64_t pos) {
   return {seg, run, in_seg - run_begin * bb};
 }
 
-inline void run_pointers(const CopyPlan& plan, int32_t seg, int64_t run, char** dst,
-                         const char** src) {
+// The contiguous piece of segment `seg`'s bytes of run `run` that starts `offset`
+// bytes into them (the run's blocks in order), at most `max` bytes: the rest of the
+// run where host blocks lie back to back (host_stride == block_bytes), else the
+// rest of one block (the host tier's blocks are host_stride apart). Sets the
+// piece's destination and source and returns its length.
+inline int64_t run_piece(const CopyPlan& plan, int32_t seg, int64_t run, int64_t offset,
+                         int64_t max, char** dst, const char** src) {
   const fkv_segment& s = plan.segments[seg];
   const BlockRun& r = plan.runs[run];
-  char* dev = static_cast<char*>(s.device_base) + r.device_id * s.block_bytes;
-  char* host = static_cast<char*>(s.host_base) + r.host_id * s.block_bytes;
+  const int64_t bb = s.block_bytes;
+  int64_t len = r.num_blocks * bb - offset;
+  char* dev = static_cast<char*>(s.device_base) + r.device_id * bb + offset;
+  char* host;
+  if (s.host_stride == bb) {
+    host = static_cast<char*>(s.host_base) + r.host_id * bb + offset;
+  } else {
+    const int64_t k = offset / bb;
+    const int64_t in_block = offset - k * bb;
+    host = static_cast<char*>(s.host_base) + (r.host_id + k) * s.host_stride + in_block;
+    len = bb - in_block;
+  }
   *dst = plan.h2d ? dev : host;
   *src = plan.h2d ? host : dev;
+  return std::min(len, max);
 }
 
 inline Cursor next_run(const CopyPlan& plan, Cursor c) {
@@ -170,6 +186,15 @@ inline Cursor next_run(const CopyPlan& plan, Cursor c) {
     ++c.seg;
   }
   c.offset = 0;
+  return c;
+}
+
+// Moves the cursor `bytes` on within its run, to the next run at the run's end.
+inline Cursor advance(const CopyPlan& plan, Cursor c, int64_t bytes) {
+  c.offset += bytes;
+  if (c.offset == plan.runs[c.run].num_blocks * plan.segments[c.seg].block_bytes) {
+    return next_run(plan, c);
+  }
   return c;
 }
 
@@ -193,13 +218,9 @@ struct Prefetcher {
   void issue(int64_t bytes) {
     while (bytes > 0 && left > 0) {
       if (avail == 0) {
-        const int64_t bb = plan->segments[at.seg].block_bytes;
         char* dst;
-        const char* src;
-        run_pointers(*plan, at.seg, at.run, &dst, &src);
-        p = src + at.offset;
-        avail = std::min(plan->runs[at.run].num_blocks * bb - at.offset, left);
-        at = next_run(*plan, at);
+        avail = run_piece(*plan, at.seg, at.run, at.offset, left, &dst, &p);
+        at = advance(*plan, at, avail);
       }
       const int64_t take = std::min(avail, bytes);
       prefetch_once(p, take);
@@ -221,20 +242,16 @@ void copy_part(void* raw, int part) {
   Prefetcher ahead{&plan, c, left};
   ahead.issue(kPrefetchDistance);
   while (left > 0) {
-    const int64_t run_bytes = plan.runs[c.run].num_blocks * plan.segments[c.seg].block_bytes;
-    const int64_t take = std::min(run_bytes - c.offset, left);
     char* dst;
     const char* src;
-    run_pointers(plan, c.seg, c.run, &dst, &src);
-    dst += c.offset;
-    src += c.offset;
+    const int64_t take = run_piece(plan, c.seg, c.run, c.offset, left, &dst, &src);
     for (int64_t off = 0; off < take; off += kPieceBytes) {
       const int64_t piece = std::min(kPieceBytes, take - off);
       ahead.issue(piece);
       plan.copy(dst + off, src + off, static_cast<size_t>(piece));
     }
     left -= take;
-    c = next_run(plan, c);
+    c = advance(plan, c, take);
   }
   if (plan.streaming) store_fence();
 }

@@ -494,7 +494,11 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments, int64_t 
       return set_error(FKV_EINVAL, "segments[%d].device_base: %p is on device %d, not %d", s,
                        seg.device_base, attr.device, device);
     }
-    const size_t host_bytes = static_cast<size_t>(num_host_blocks * seg.block_bytes);
+    // The region's span (validated not to overflow): its blocks are host_stride apart.
+    const size_t host_bytes =
+        num_host_blocks > 0
+            ? static_cast<size_t>((num_host_blocks - 1) * seg.host_stride + seg.block_bytes)
+            : 0;
     bool pinned = false;
     void* attr_device_ptr = nullptr;
     if (!registry_lookup(seg.host_base, host_bytes, &pinned)) {
@@ -527,25 +531,35 @@ int resolve_segments(const fkv_segment* segments, int32_t num_segments, int64_t 
                        s, seg.host_base);
     }
     (*out)[s] = {static_cast<char*>(seg.device_base), static_cast<char*>(seg.host_base),
-                 static_cast<char*>(kernel_addr), seg.block_bytes};
+                 static_cast<char*>(kernel_addr), seg.block_bytes, seg.host_stride};
   }
   return FKV_OK;
 }
 
 int64_t memcpy_min_bytes_now() { return g_memcpy_min_bytes.load(std::memory_order_relaxed); }
 
-// One segment's copy-engine runs.
+// One segment's copy-engine runs: one cudaMemcpyAsync per run where the host blocks
+// lie back to back, else one cudaMemcpy2DAsync (rows of block_bytes, host rows
+// host_stride apart: the host tier's blocks interleave their segments).
 int enqueue_memcpy_runs(const PlanSegment& seg, const std::vector<BlockRun>& runs, int64_t min_run,
                         bool h2d, cudaStream_t stream) {
   const int64_t bb = seg.block_bytes;
+  const size_t row = static_cast<size_t>(bb);
+  const size_t pitch = static_cast<size_t>(seg.host_stride);
   for (const BlockRun& run : runs) {
     if (run.num_blocks < min_run) continue;
     char* dev = seg.device + run.device_id * bb;
-    char* host = seg.host + run.host_id * bb;
-    const size_t bytes = static_cast<size_t>(run.num_blocks * bb);
-    const cudaError_t err =
-        h2d ? cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream)
-            : cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream);
+    char* host = seg.host + run.host_id * seg.host_stride;
+    const size_t n = static_cast<size_t>(run.num_blocks);
+    cudaError_t err;
+    if (pitch == row) {
+      err = h2d ? cudaMemcpyAsync(dev, host, n * row, cudaMemcpyHostToDevice, stream)
+                : cudaMemcpyAsync(host, dev, n * row, cudaMemcpyDeviceToHost, stream);
+    } else {
+      err = h2d ? cudaMemcpy2DAsync(dev, row, host, pitch, row, n, cudaMemcpyHostToDevice, stream)
+                : cudaMemcpy2DAsync(host, pitch, dev, row, row, n, cudaMemcpyDeviceToHost,
+                                    stream);
+    }
     if (err != cudaSuccess) return cuda_error(err, "cudaMemcpyAsync(run)");
   }
   return FKV_OK;

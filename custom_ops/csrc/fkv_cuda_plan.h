@@ -59,11 +59,12 @@ FKV_HD constexpr int unroll_for(int vec_bytes) { return kBytesInFlightPerThread 
 // larger than a chunk are shared between CTAs.
 constexpr int64_t kChunkBytes = int64_t{16} << 10;
 
-// What the kernel knows of one segment (48 bytes, read from device memory).
+// What the kernel knows of one segment (56 bytes, read from device memory).
 struct DevSegment {
   char* device;              // device_base
   char* host;                // the kernel's address of host_base on this device
   int64_t block_bytes;
+  int64_t host_stride;       // host block b at host + b * host_stride
   int64_t chunks_per_block;
   int64_t chunk_prefix;      // chunks per id of the earlier segments of the group
   int32_t vec_bytes;         // 16, 8 or 4
@@ -96,9 +97,14 @@ FKV_HD int32_t ids_per_chunk(int64_t block_bytes) {
   return block_bytes <= kChunkBytes / 2 ? static_cast<int32_t>(kChunkBytes / block_bytes) : 1;
 }
 
-// The widest access every block start of both regions is aligned to.
-FKV_HD int32_t vec_bytes_for(uintptr_t device, uintptr_t host_kernel, int64_t block_bytes) {
-  const uintptr_t bits = device | host_kernel | static_cast<uintptr_t>(block_bytes);
+// The widest access every block start of both regions is aligned to. The host
+// tier's blocks are host_stride apart and its segments start at prefix sums of
+// block sizes, so a segment behind a 4-byte fp8 scale block (or a stride that is
+// not a multiple of 16) copies with narrower accesses.
+FKV_HD int32_t vec_bytes_for(uintptr_t device, uintptr_t host_kernel, int64_t block_bytes,
+                             int64_t host_stride) {
+  const uintptr_t bits = device | host_kernel | static_cast<uintptr_t>(block_bytes) |
+                         static_cast<uintptr_t>(host_stride);
   if (bits % 16 == 0) return 16;
   if (bits % 8 == 0) return 8;
   return 4;
@@ -189,7 +195,7 @@ FKV_HD bool locate_chunk(const DevSegment* segs, int32_t num_segs, int64_t count
   const int64_t off = seg.ids_per_chunk > 1 ? 0 : (local - i * seg.chunks_per_block) * kChunkBytes;
   const int64_t rest = seg.block_bytes - off;
   char* dev = seg.device + device_ids[i] * seg.block_bytes + off;
-  char* host = seg.host + host_ids[i] * seg.block_bytes + off;
+  char* host = seg.host + host_ids[i] * seg.host_stride + off;
   out->dst = h2d ? dev : host;
   out->src = h2d ? host : dev;
   out->nbytes = rest < kChunkBytes ? rest : kChunkBytes;
@@ -209,7 +215,7 @@ FKV_HD bool chunk_element(const ChunkCopy& c, int64_t k, const int64_t* device_i
   if (run_len != nullptr && run_len[i] >= c.min_run) return false;
   const int64_t off = (k - j * per_block) * c.vec_bytes;
   char* dev = c.seg->device + device_ids[i] * c.seg->block_bytes + off;
-  char* host = c.seg->host + host_ids[i] * c.seg->block_bytes + off;
+  char* host = c.seg->host + host_ids[i] * c.seg->host_stride + off;
   *dst = c.h2d ? dev : host;
   *src = c.h2d ? host : dev;
   return true;
@@ -311,6 +317,7 @@ struct PlanSegment {
   char* host;
   char* host_kernel;
   int64_t block_bytes;
+  int64_t host_stride;
 };
 
 inline DevSegment make_dev_segment(const PlanSegment& s) {
@@ -318,10 +325,12 @@ inline DevSegment make_dev_segment(const PlanSegment& s) {
   d.device = s.device;
   d.host = s.host_kernel;
   d.block_bytes = s.block_bytes;
+  d.host_stride = s.host_stride;
   d.chunks_per_block = chunks_per_block(s.block_bytes);
   d.chunk_prefix = 0;
   d.vec_bytes = vec_bytes_for(reinterpret_cast<uintptr_t>(s.device),
-                              reinterpret_cast<uintptr_t>(s.host_kernel), s.block_bytes);
+                              reinterpret_cast<uintptr_t>(s.host_kernel), s.block_bytes,
+                              s.host_stride);
   d.ids_per_chunk = ids_per_chunk(s.block_bytes);
   return d;
 }

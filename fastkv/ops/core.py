@@ -8,8 +8,12 @@ native call, so a copy on one Python thread runs concurrently with the others.
 Layout contract (see custom_ops/csrc/fastkv_core.h): a segment is one cache tensor
 (layer L's K, layer L's V, a scale tensor, ...). Device block b of segment s is at
 `device_base + b * block_bytes` for b < num_device_blocks; host block b is at
-`host_base + b * block_bytes` for b < num_host_blocks. A swap copies, for every
-segment and every i, device block `device_ids[i]` <-> host block `host_ids[i]`.
+`host_base + b * host_stride` for b < num_host_blocks (host_stride >= block_bytes).
+The worker's host tier interleaves its segments: host block b is one contiguous
+region of S = sum(block_bytes) bytes, segment s's part at prefix_s =
+sum(block_bytes[:s]), so host_base = tier + prefix_s and host_stride = S. A swap
+copies, for every segment and every i, device block `device_ids[i]` <-> host block
+`host_ids[i]`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LIB_PATH = Path(__file__).resolve().with_name("libfastkv_core.so")
-ABI_VERSION = 3
+ABI_VERSION = 4
 MIN_ACCESS_BYTES = 4
 CLOSE_TIMEOUT_S = 10.0
 """How long `Layout.close` waits for its release (a cudaFree) by default."""
@@ -69,12 +73,14 @@ class _CudaInfo(ctypes.Structure):
 
 
 class Segment(ctypes.Structure):
-    """One `fkv_segment`: a cache tensor's device base, host base and block size."""
+    """One `fkv_segment`: a cache tensor's device base, host base, block size and
+    host block stride."""
 
     _fields_ = (
         ("device_base", ctypes.c_void_p),
         ("host_base", ctypes.c_void_p),
         ("block_bytes", ctypes.c_int64),
+        ("host_stride", ctypes.c_int64),
     )
 
 
@@ -165,31 +171,38 @@ def _raise(rc: int, what: str) -> None:
     raise RuntimeError(msg)
 
 
-SegmentsLike = ctypes.Array | Sequence[tuple[int, int, int]]  # type: ignore[type-arg]
+SegmentEntry = tuple[int, int, int] | tuple[int, int, int, int]
+SegmentsLike = ctypes.Array | Sequence[SegmentEntry]  # type: ignore[type-arg]
 
 
-def make_segments(segments: Sequence[tuple[int, int, int]]) -> ctypes.Array:  # type: ignore[type-arg]
+def make_segments(segments: Sequence[SegmentEntry]) -> ctypes.Array:  # type: ignore[type-arg]
     """Builds the segment table once, so repeated swaps skip the conversion.
 
     Args:
-        segments: (device_base, host_base, block_bytes) per cache tensor, as ints
-            (raw addresses: `tensor.data_ptr()`, `array.ctypes.data`, `cupy_array.data.ptr`).
+        segments: (device_base, host_base, block_bytes, host_stride) per cache
+            tensor, as ints (raw addresses: `tensor.data_ptr()`, `array.ctypes.data`,
+            `cupy_array.data.ptr`); a triple without host_stride has its host
+            blocks back to back (host_stride = block_bytes).
 
     Returns:
         A ctypes array of `Segment`, accepted by `swap_cpu` and `swap_cuda`.
 
     Raises:
-        ValueError: an entry is not a triple of ints.
+        ValueError: an entry is not a triple or quadruple of ints.
     """
     table = (Segment * len(segments))()
     for i, entry in enumerate(segments):
         try:
-            dev, host, block_bytes = (int(v) for v in entry)
+            values = [int(v) for v in entry]
+            if len(values) == 3:
+                values.append(values[2])
+            dev, host, block_bytes, stride = values
         except (TypeError, ValueError):
             raise ValueError(
-                f"segments[{i}]: expected (device_base, host_base, block_bytes), got {entry!r}"
+                f"segments[{i}]: expected (device_base, host_base, block_bytes[, "
+                f"host_stride]), got {entry!r}"
             ) from None
-        table[i] = Segment(dev, host, block_bytes)
+        table[i] = Segment(dev, host, block_bytes, stride)
     return table
 
 
@@ -548,7 +561,8 @@ class Layout:
     layer it covers from one native call, recording one event per layer.
 
     Args:
-        segments: (device_base, host_base, block_bytes) per tensor, layer-major.
+        segments: (device_base, host_base, block_bytes[, host_stride]) per
+            tensor, layer-major (see `make_segments`).
         segments_per_layer: tensors per layer, dividing len(segments).
         num_device_blocks, num_host_blocks: blocks per segment on each side.
         device: CUDA device ordinal, or -1 for the CPU core.

@@ -13,9 +13,12 @@ Paddle's eager custom-op call releases the GIL while the kernel runs (measured b
 tools/bench_transfer.py: another Python thread keeps running during a long swap),
 so the worker's H2D and D2H threads copy concurrently.
 
-Host layout contract: cache tensor i has a host region at `host_ptrs[i]` holding
-`num_host_blocks` blocks of that tensor's block size (bytes of one `[i, ...]`
-slice); host block b of tensor i is at `host_ptrs[i] + b * block_bytes_i`.
+Host layout contract: host block b of cache tensor i is the `block_bytes_i` bytes
+(one `[i, ...]` slice) at `host_ptrs[i] + b * host_stride`, for b < num_host_blocks.
+The worker's host tier interleaves its tensors: host block b is one contiguous
+region of S = sum(block_bytes) bytes, tensor i's part at prefix_i =
+sum(block_bytes[:i]), so `host_ptrs[i] = base + prefix_i` and `host_stride = S`.
+`host_stride=0` gives each tensor a region of its own (its blocks back to back).
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ def swap_all_layers(
     direction: core.Direction | int,
     stream: int = 0,
     num_threads: int = 0,
+    *,
+    host_stride: int = 0,
 ) -> None:
     """Copies the given blocks of every cache tensor in one call.
 
@@ -121,6 +126,8 @@ def swap_all_layers(
         direction: `Direction.H2D` (0, host -> device) or `Direction.D2H` (1).
         stream: cudaStream_t as int for GPU tensors (ignored on CPU).
         num_threads: CPU threads for CPU tensors, 0 = default (ignored on GPU).
+        host_stride: bytes from one host block to the next, the same for every
+            tensor (the host tier's block size); 0: each tensor's own block size.
 
     Raises:
         ValueError: an argument fails validation (names it); no memory was touched.
@@ -134,6 +141,7 @@ def swap_all_layers(
         int64_tensor(host_ids, "host_ids"),
         int64_tensor(host_ptrs, "host_ptrs"),
         int(num_host_blocks),
+        int(host_stride),
         int(direction),
         int(stream),
         int(num_threads),
@@ -151,6 +159,8 @@ def swap_layer(
     direction: core.Direction | int,
     stream: int = 0,
     num_threads: int = 0,
+    *,
+    host_stride: int = 0,
 ) -> None:
     """Copies the given blocks of one layer's tensors:
     `caches[layer * tensors_per_layer : (layer + 1) * tensors_per_layer]`.
@@ -160,7 +170,8 @@ def swap_layer(
 
     Args:
         caches, device_ids, host_ids, host_ptrs, num_host_blocks, direction, stream,
-            num_threads: as for `swap_all_layers` (host_ptrs covers all of caches).
+            num_threads, host_stride: as for `swap_all_layers` (host_ptrs covers all
+            of caches).
         layer: index in [0, len(caches) // tensors_per_layer).
         tensors_per_layer: tensors per layer, > 0, dividing len(caches).
 
@@ -179,6 +190,7 @@ def swap_layer(
         int(layer),
         int(tensors_per_layer),
         int(num_host_blocks),
+        int(host_stride),
         int(direction),
         int(stream),
         int(num_threads),

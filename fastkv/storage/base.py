@@ -35,6 +35,12 @@ Segment = tuple[int, int]
 """(address, length in bytes) of one piece of a block in host memory."""
 
 BlockSegments = Sequence[Segment]
+"""One block's host memory, in one of two forms (every block of a call in the same
+one, the first block's): the layout's segments, one per cache tensor with the
+layout's lengths; or ONE contiguous segment of `layout.payload_bytes` holding them
+back to back in order (the worker's host tier, whose block is one region). Both
+store the same bytes under the same header: the layout is the block's, not the
+form's."""
 
 MAX_RANK = (1 << 16) - 1
 
@@ -232,6 +238,18 @@ class BlockLayout:
     def payload_bytes(self) -> int:
         return sum(self.segment_lengths)
 
+    def lengths_for(self, blocks: Sequence[BlockSegments]) -> tuple[int, ...]:
+        """The segment lengths of a call's blocks (see `BlockSegments`): one
+        contiguous segment of the payload when the first block is given as one
+        segment, else the layout's (checked by `check_segments`)."""
+        if self.num_segments > 1 and blocks:
+            try:
+                if len(blocks[0]) == 1:
+                    return (self.payload_bytes,)
+            except TypeError:
+                pass
+        return self.segment_lengths
+
     def digest32(self) -> int:
         """A 32-bit fingerprint of the lengths (stored in each header)."""
         raw = b"".join(n.to_bytes(8, "little") for n in self.segment_lengths)
@@ -314,7 +332,8 @@ class StorageBackend(ABC):
 
         Args:
             keys: blocks to read.
-            blocks: per key, the destination segments (lengths = `layout`).
+            blocks: per key, the destination segments (`BlockSegments`: the
+                layout's, or one contiguous segment of its payload).
             deadline: absolute `time.monotonic()` time.
 
         Returns:
@@ -460,11 +479,13 @@ def check_wait(
 
 def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None:
     """Raises ValueError naming the first block or segment that does not match
-    `layout` (count, lengths) or has a null address."""
-    want = layout.segment_lengths
+    `layout` in the call's form (`BlockSegments`: count, lengths) or has a null
+    address."""
+    want = layout.lengths_for(blocks)
     for b, segs in enumerate(blocks):
         if len(segs) != len(want):
-            raise ValueError(f"blocks[{b}]: {len(segs)} segments, the layout has {len(want)}")
+            form = "layout" if len(want) == layout.num_segments else "call (as blocks[0])"
+            raise ValueError(f"blocks[{b}]: {len(segs)} segments, the {form} has {len(want)}")
         for s, seg in enumerate(segs):
             try:
                 ptr, length = seg

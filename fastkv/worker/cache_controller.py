@@ -4,10 +4,12 @@ the scheduler's swap metadata on them.
 Layout. The flat list `caches` is layer-major (model layers, then extra layers),
 each layer's tensors together: K0, V0, (K0 scale, V0 scale), K1, ... (see
 `KVCacheSpec` for the tensors a controller makes). The host cache is one allocation
-per tier, pinned and bound to the GPU's NUMA node on a CUDA machine,
-carved into one region per cache tensor: host block b of tensor i sits at
-`host_ptrs[i] + b * block_bytes[i]`, so the blocks of one layer are contiguous and
-consecutive ids coalesce into one copy.
+per tier, pinned and bound to the GPU's NUMA node on a CUDA machine. Host block b
+is one contiguous region of `host_stride` = sum(block_bytes) bytes at
+`host_base + b * host_stride`, holding every tensor's block in tensor order with no
+padding: tensor i's part is at `host_ptrs[i] + b * host_stride`, host_ptrs[i] =
+host_base + sum(block_bytes[:i]). So a host block is exactly the bytes storage
+stores for it (one buffer to a backend, not one per tensor).
 
 On a GPU the controller initialises the CUDA path when it is created (staging ring,
 kernel module, events, streams: nothing is allocated at the first swap, after an
@@ -49,7 +51,7 @@ from fastkv.worker.cache_shape import (
     MemoryPlan,
     adopted_shape,
     check_memory,
-    host_region_bytes,
+    host_block_bytes,
     tensor_block_bytes,
 )
 from fastkv.worker.device import init_cuda, paddle_stream_handle, parse_device
@@ -280,15 +282,19 @@ class CacheController:
     def value_caches(self) -> list[paddle.Tensor]:
         return self.caches[1 :: self.shape.tensors_per_layer]
 
-    def host_blocks(self, tensor_index: int) -> np.ndarray:
-        """A zero-copy uint8 view `[num_host_blocks, block_bytes]` of one tensor's
-        host region (for checks and the storage tier)."""
+    def host_tier(self) -> np.ndarray:
+        """A zero-copy uint8 view `[num_host_blocks, host_stride]` of the host tier:
+        row b is host block b, every tensor's block in tensor order."""
         self._check_live()
-        nbytes = self.shape.num_host_blocks * self.block_bytes[tensor_index]
-        raw = (ctypes.c_uint8 * nbytes).from_address(self.host_ptrs[tensor_index])
-        return np.ctypeslib.as_array(raw).reshape(
-            self.shape.num_host_blocks, self.block_bytes[tensor_index]
-        )
+        n, stride = self.shape.num_host_blocks, self.host_stride
+        raw = (ctypes.c_uint8 * (n * stride)).from_address(self._host_base)
+        return np.ctypeslib.as_array(raw).reshape(n, stride)
+
+    def host_blocks(self, tensor_index: int) -> np.ndarray:
+        """A zero-copy (strided) uint8 view `[num_host_blocks, block_bytes]` of one
+        tensor's part of every host block (for checks and the storage tier)."""
+        start = self.host_ptrs[tensor_index] - self._host_base
+        return self.host_tier()[:, start : start + self.block_bytes[tensor_index]]
 
     def device_blocks(self, tensor_index: int) -> np.ndarray:
         """The bytes of one device tensor as `[num_device_blocks, block_bytes]` uint8:
@@ -651,7 +657,7 @@ class CacheController:
 
     def _make_layout(self, gpu_index: int) -> core.Layout:
         segments = [
-            (t.data_ptr(), host, block_bytes)
+            (t.data_ptr(), host, block_bytes, self.host_stride)
             for t, host, block_bytes in zip(
                 self.caches, self.host_ptrs, self.block_bytes, strict=True
             )
@@ -665,8 +671,8 @@ class CacheController:
         )
 
     def _allocate_host(self, gpu_index: int | None, numa_node: int | None) -> None:
-        sizes = host_region_bytes(self.block_bytes, self.shape.num_host_blocks)
-        self._host_bytes = sum(sizes)
+        self.host_stride = host_block_bytes(self.block_bytes)
+        self._host_bytes = self.host_stride * self.shape.num_host_blocks
         self.numa_node = host_numa_node(gpu_index) if numa_node is None else numa_node
         self._host_pinned = gpu_index is not None
         self._host_base = 0
@@ -693,7 +699,7 @@ class CacheController:
                     pin=self._host_pinned,
                     device=-1 if gpu_index is None else gpu_index,
                 )
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(self.block_bytes)[:-1]]).astype(np.int64)
         self.host_ptrs = [self._host_base + int(o) for o in offsets]
         self._host_ptrs_tensor = paddle_ops.int64_tensor(np.asarray(self.host_ptrs, np.int64))
 
@@ -829,6 +835,7 @@ class CacheController:
                 Direction.D2H,
                 stream,
                 self.num_threads,
+                host_stride=self.host_stride,
             )
 
         return copy_cpu
@@ -874,6 +881,7 @@ class CacheController:
                 direction,
                 stream,
                 self.num_threads,
+                host_stride=self.host_stride,
             )
 
         return copy_one, None
@@ -885,9 +893,7 @@ class CacheController:
         self._storage_counts = StorageCounters()
         if storage is None:
             return
-        host = HostTier(
-            tuple(self.host_ptrs), tuple(self.block_bytes), self.shape.num_host_blocks
-        )
+        host = HostTier(self._host_base, tuple(self.block_bytes), self.shape.num_host_blocks)
         try:
             self._storage = StorageBridge.open(storage, host, namespace, tp_rank)
         except BaseException:

@@ -17,7 +17,6 @@ paddle = paddle_ops.paddle
 
 KV_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "uint8"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
-_HOST_REGION_ALIGN = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +191,7 @@ class MemoryPlan:
         """The plan of a cache whose tensors have blocks of `block_bytes` each."""
         return cls(
             sum(block_bytes) * num_device_blocks,
-            sum(host_region_bytes(block_bytes, num_host_blocks)),
+            host_block_bytes(block_bytes) * num_host_blocks,
             allocates_device,
         )
 
@@ -218,10 +217,10 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def host_region_bytes(block_bytes: Sequence[int], num_host_blocks: int) -> list[int]:
-    """Bytes of each cache tensor's host region (aligned, so each region starts on
-    a page of the one host allocation)."""
-    return [_align(num_host_blocks * b) for b in block_bytes]
+def host_block_bytes(block_bytes: Sequence[int]) -> int:
+    """Bytes of one host block: every cache tensor's block, back to back in tensor
+    order (no padding), so a host block is one contiguous region."""
+    return sum(block_bytes)
 
 
 def _available_host_bytes() -> int | None:
@@ -409,10 +408,6 @@ def _place_name(tensor: paddle.Tensor) -> str:
 def tensor_block_bytes(tensor: paddle.Tensor) -> int:
     """Bytes of one block (one `[b, ...]` slice) of a cache tensor."""
     return int(np.prod(tensor.shape[1:])) * tensor.element_size()
-
-
-def _align(n: int) -> int:
-    return (n + _HOST_REGION_ALIGN - 1) // _HOST_REGION_ALIGN * _HOST_REGION_ALIGN
 
 
 __all__ = ["KV_DTYPES", "CacheShape", "KVCacheSpec", "MemoryPlan"]

@@ -63,33 +63,36 @@ class Tag(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class HostTier:
-    """Where the host tier's blocks are: cache tensor i has its region at
-    `ptrs[i]`, and host block b of it is the `block_bytes[i]` bytes at
-    `ptrs[i] + b * block_bytes[i]`.
+    """Where the host tier's blocks are: host block b is one contiguous region of
+    `stride` = sum(block_bytes) bytes at `base + b * stride`, every cache tensor's
+    block in tensor order (the bytes a backend stores for it).
 
     Raises:
-        ValueError: `ptrs` and `block_bytes` differ in length.
+        ValueError: no tensors, or a block size that is not a positive int.
     """
 
-    ptrs: tuple[int, ...]
+    base: int
     block_bytes: tuple[int, ...]
     num_blocks: int
 
     def __post_init__(self) -> None:
-        if len(self.ptrs) != len(self.block_bytes):
-            raise ValueError(
-                f"ptrs: {len(self.ptrs)} regions, but block_bytes names "
-                f"{len(self.block_bytes)} tensors"
-            )
+        BlockLayout(self.block_bytes)  # validates the sizes
+
+    @property
+    def stride(self) -> int:
+        """Bytes of one host block."""
+        return sum(self.block_bytes)
 
     @property
     def layout(self) -> BlockLayout:
-        """A host block's layout: one segment per cache tensor."""
+        """A host block's layout: one segment per cache tensor (the header's
+        layout; a block is handed to a backend as one segment of all of them)."""
         return BlockLayout(self.block_bytes)
 
     def segments(self, block: int) -> list[Segment]:
-        """(address, length) of each tensor's part of host block `block`."""
-        return [(p + block * b, b) for p, b in zip(self.ptrs, self.block_bytes, strict=True)]
+        """Host block `block` as a backend takes it: one (address, length) segment."""
+        stride = self.stride
+        return [(self.base + block * stride, stride)]
 
 
 @dataclass(slots=True)

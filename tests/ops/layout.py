@@ -1,4 +1,9 @@
-"""Test helpers: KV-cache layouts (segments, device arrays, carved host regions)."""
+"""Test helpers: KV-cache layouts (segments, device arrays, the host tier).
+
+The host tier is the worker's: host block b is one contiguous region of S bytes
+(every segment's block, in segment order, no padding), segment s's part at the sum
+of the earlier segments' block sizes; `interleaved=False` carves a region per
+segment instead (blocks back to back), which the core also accepts."""
 
 from __future__ import annotations
 
@@ -63,15 +68,17 @@ class Cache:
     device: list[np.ndarray] = field(default_factory=list)
     host: list[np.ndarray] = field(default_factory=list)
     host_ptrs: list[int] = field(default_factory=list)
+    host_stride: int = 0  # 0: a host region per segment
+    host_tier: np.ndarray | None = None  # interleaved: [num_host_blocks, S] uint8
 
     @property
     def tensors_per_layer(self) -> int:
         return len(KINDS[self.kind])
 
-    def segments(self, device_ptrs: list[int] | None = None) -> list[tuple[int, int, int]]:
+    def segments(self, device_ptrs: list[int] | None = None) -> list[tuple[int, int, int, int]]:
         ptrs = device_ptrs or [d.ctypes.data for d in self.device]
         return [
-            (p, h, d[0].nbytes)
+            (p, h, d[0].nbytes, self.host_stride or d[0].nbytes)
             for p, h, d in zip(ptrs, self.host_ptrs, self.device, strict=True)
         ]
 
@@ -81,12 +88,20 @@ class Cache:
 
 
 def host_bytes_needed(
-    kind: str, layers: int, num_host_blocks: int, heads: int, tokens: int, head_dim: int
+    kind: str,
+    layers: int,
+    num_host_blocks: int,
+    heads: int,
+    tokens: int,
+    head_dim: int,
+    interleaved: bool = True,
 ) -> int:
     total = 0
     for _, dtype, role in KINDS[kind]:
         per_block = heads * tokens * (head_dim if role == "kv" else 1) * dtype.itemsize
-        total += _align(num_host_blocks * per_block)
+        total += (
+            num_host_blocks * per_block if interleaved else _align(num_host_blocks * per_block)
+        )
     return total * layers
 
 
@@ -104,10 +119,13 @@ def make_cache(
     heads: int = 2,
     tokens: int = 4,
     head_dim: int = 8,
+    interleaved: bool = True,
 ) -> Cache:
-    """Random device arrays and host regions carved from `host` (which must hold
+    """Random device arrays and the host tier in `host` (which must hold
     `host_bytes_needed(...)` bytes), in layer-major order."""
     cache = Cache(kind, layers, num_device_blocks, num_host_blocks)
+    if interleaved:
+        return _make_interleaved(rng, cache, host, (heads, tokens, head_dim))
     offset = 0
     for _ in range(layers):
         for _, dtype, role in KINDS[kind]:
@@ -120,6 +138,32 @@ def make_cache(
             cache.host_ptrs.append(host.ptr + offset)
             offset += _align(nbytes)
     assert offset <= host.array.size
+    return cache
+
+
+def _make_interleaved(
+    rng: np.random.Generator, cache: Cache, host: HostBuffer, kv: tuple[int, int, int]
+) -> Cache:
+    n = cache.num_host_blocks
+    suffixes = []
+    for _ in range(cache.layers):
+        for _, dtype, role in KINDS[cache.kind]:
+            suffix = kv if role == "kv" else kv[:2]
+            cache.device.append(random_blocks(rng, (cache.num_device_blocks, *suffix), dtype))
+            suffixes.append((suffix, dtype))
+    stride = sum(int(np.prod(sfx)) * dt.itemsize for sfx, dt in suffixes)
+    tier = host.array[: n * stride].reshape(n, stride)
+    tier[:] = rng.integers(0, 256, tier.shape, dtype=np.uint8)
+    prefix = 0
+    for suffix, dtype in suffixes:
+        bb = int(np.prod(suffix)) * dtype.itemsize
+        part = tier[:, prefix : prefix + bb].view(dtype).reshape(n, *suffix)
+        assert np.shares_memory(part, tier)  # a view into the tier, never a copy
+        cache.host.append(part)
+        cache.host_ptrs.append(host.ptr + prefix)
+        prefix += bb
+    cache.host_stride = stride
+    cache.host_tier = tier
     return cache
 
 

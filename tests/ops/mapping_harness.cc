@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "fkv_cuda_plan.h"
@@ -98,16 +99,30 @@ void plan_coverage(const fkv_segment* segments, int32_t num_segments, int32_t s_
                    int32_t s_end, int64_t num_device_blocks, int64_t num_host_blocks,
                    const int64_t* device_ids, const int64_t* host_ids, int64_t num_ids,
                    bool h2d, Coverage* cov) {
+  // Each segment's destination span; the host tier's interleave, so overlapping
+  // spans are merged into one region (writes are counted per byte).
+  std::vector<std::pair<const char*, const char*>> spans;
   for (int32_t s = 0; s < num_segments; ++s) {
     const fkv_segment& f = segments[s];
     const char* base = static_cast<const char*>(h2d ? f.device_base : f.host_base);
-    cov->add_region(base, (h2d ? num_device_blocks : num_host_blocks) * f.block_bytes);
+    const int64_t n = h2d ? num_device_blocks : num_host_blocks;
+    const int64_t stride = h2d ? f.block_bytes : f.host_stride;
+    if (n > 0) spans.push_back({base, base + (n - 1) * stride + f.block_bytes});
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 0; i < spans.size();) {
+    const char* end = spans[i].second;
+    size_t j = i + 1;
+    while (j < spans.size() && spans[j].first < end) end = std::max(end, spans[j++].second);
+    cov->add_region(spans[i].first, end - spans[i].first);
+    i = j;
   }
   for (int32_t s = s_begin; s < s_end; ++s) {
     const fkv_segment& f = segments[s];
     const char* base = static_cast<const char*>(h2d ? f.device_base : f.host_base);
+    const int64_t stride = h2d ? f.block_bytes : f.host_stride;
     for (int64_t i = 0; i < num_ids; ++i) {
-      cov->expect(base + (h2d ? device_ids[i] : host_ids[i]) * f.block_bytes, f.block_bytes);
+      cov->expect(base + (h2d ? device_ids[i] : host_ids[i]) * stride, f.block_bytes);
     }
   }
 }
@@ -238,18 +253,22 @@ bool extent_agrees(const RunExtent& e, const std::vector<BlockRun>& runs, int64_
 
 int copy_runs(const PlanSegment& seg, const std::vector<BlockRun>& runs, int64_t min_run,
               bool h2d, Totals* t) {
+  // As the launcher: one copy per run, rows of block_bytes host_stride apart on the
+  // host (cudaMemcpy2DAsync where they are not back to back).
   for (const BlockRun& run : runs) {
     if (run.num_blocks < min_run) continue;
-    char* dev = seg.device + run.device_id * seg.block_bytes;
-    char* host = seg.host + run.host_id * seg.block_bytes;
-    const size_t bytes = static_cast<size_t>(run.num_blocks * seg.block_bytes);
-    if (h2d) {
-      std::memcpy(dev, host, bytes);
-    } else {
-      std::memcpy(host, dev, bytes);
+    for (int64_t k = 0; k < run.num_blocks; ++k) {
+      char* dev = seg.device + (run.device_id + k) * seg.block_bytes;
+      char* host = seg.host + (run.host_id + k) * seg.host_stride;
+      const size_t bytes = static_cast<size_t>(seg.block_bytes);
+      if (h2d) {
+        std::memcpy(dev, host, bytes);
+      } else {
+        std::memcpy(host, dev, bytes);
+      }
+      t->cov.write(h2d ? dev : host, static_cast<int64_t>(bytes));
+      t->memcpy_bytes += static_cast<int64_t>(bytes);
     }
-    t->cov.write(h2d ? dev : host, static_cast<int64_t>(bytes));
-    t->memcpy_bytes += static_cast<int64_t>(bytes);
   }
   return 0;
 }
@@ -278,7 +297,7 @@ int sim_swap_cuda(const fkv_segment* segments, int32_t num_segments, int64_t num
   for (int32_t s = 0; s < num_segments; ++s) {
     const fkv_segment& f = segments[s];
     PlanSegment seg{static_cast<char*>(f.device_base), static_cast<char*>(f.host_base),
-                    static_cast<char*>(f.host_base), f.block_bytes};
+                    static_cast<char*>(f.host_base), f.block_bytes, f.host_stride};
     const int64_t min_run = memcpy_min_run(memcpy_min, seg.block_bytes);
     if (!extent_agrees(extent, runs, num_ids, min_run)) return -4;  // split disagrees
     const bool by_engine = extent.engine_moves_some(min_run);
@@ -352,7 +371,7 @@ int sim_layout_swap(const fkv_segment* segments, int32_t num_segments, int32_t s
   for (int32_t s = 0; s < num_segments; ++s) {
     const fkv_segment& f = segments[s];
     segs[s] = {static_cast<char*>(f.device_base), static_cast<char*>(f.host_base),
-               static_cast<char*>(f.host_base), f.block_bytes};
+               static_cast<char*>(f.host_base), f.block_bytes, f.host_stride};
     descs[s] = make_dev_segment(segs[s]);
   }
   for (int32_t l = 0; l < layout_layers; ++l) set_chunk_prefixes(&descs[l * spl], spl);
@@ -444,17 +463,17 @@ void sim_set_mutant(int32_t mutant) { g_mutant = mutant; }
 
 // The addresses element k (in vector units) of chunk g of a launch would touch,
 // without touching them: lets the test check 64-bit offsets (beyond 4 GiB) and
-// vector widths on made-up base addresses. `triples` holds (device base, kernel
-// host base, block bytes) per segment. out: dst, src, chunk bytes, vector width,
+// vector widths on made-up base addresses. `quads` holds (device base, kernel
+// host base, block bytes, host stride) per segment. out: dst, src, chunk bytes, vector width,
 // ids in the chunk (0: an empty chunk, nothing else set).
-int sim_locate(const int64_t* triples, int32_t num_segs, int64_t count, int64_t g, int64_t k,
+int sim_locate(const int64_t* quads, int32_t num_segs, int64_t count, int64_t g, int64_t k,
                const int64_t* device_ids, const int64_t* host_ids, int32_t h2d,
                uint64_t* out) {
   std::vector<DevSegment> copy(num_segs);
   for (int32_t s = 0; s < num_segs; ++s) {
-    char* dev = reinterpret_cast<char*>(static_cast<uintptr_t>(triples[3 * s]));
-    char* host = reinterpret_cast<char*>(static_cast<uintptr_t>(triples[3 * s + 1]));
-    copy[s] = make_dev_segment(PlanSegment{dev, host, host, triples[3 * s + 2]});
+    char* dev = reinterpret_cast<char*>(static_cast<uintptr_t>(quads[4 * s]));
+    char* host = reinterpret_cast<char*>(static_cast<uintptr_t>(quads[4 * s + 1]));
+    copy[s] = make_dev_segment(PlanSegment{dev, host, host, quads[4 * s + 2], quads[4 * s + 3]});
   }
   set_chunk_prefixes(copy.data(), num_segs);
   if (g < 0 || g >= launch_chunks(copy[num_segs - 1], count)) return -1;

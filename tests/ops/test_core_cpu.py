@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -530,7 +531,7 @@ print(os.waitstatus_to_exitcode(status))
 
 def test_ctypes_binding_exposes_the_documented_abi() -> None:
     assert core._lib.fkv_abi_version() == core.ABI_VERSION
-    assert ctypes.sizeof(core.Segment) == 24
+    assert ctypes.sizeof(core.Segment) == 32
     assert core.MIN_ACCESS_BYTES == 4
 
 
@@ -589,3 +590,124 @@ def test_a_cpu_layout_ignores_per_layer_waits_and_checks_their_shape() -> None:
         assert all(not d.any() for d in dev)  # the refused calls copied nothing
     finally:
         layout.close()
+
+
+@pytest.mark.parametrize(("kind", "heads", "tokens"), [("bf16", 2, 4), ("uint8", 1, 1)])
+@pytest.mark.parametrize("via", ["swap_cpu", "layout"])
+def test_a_host_block_is_its_tensors_device_blocks_back_to_back(
+    kind: str, heads: int, tokens: int, via: str
+) -> None:
+    """The host tier's layout: after a swap-out, host block h is ONE contiguous
+    region whose bytes are the concatenation of every tensor's device block, in
+    tensor order (what storage stores and checksums). uint8 with 1 head and 1
+    token: 8-byte K/V blocks and 4-byte fp8 scale blocks, so tensor prefixes are
+    only 4-byte aligned. A swap-in restores every device block from it."""
+    rng = np.random.default_rng(41)
+    layers, ndev, nhost = 3, 12, 10
+    nbytes = host_bytes_needed(kind, layers, nhost, heads, tokens, 8)
+    host = HostBuffer.numpy(nbytes)
+    cache = make_cache(rng, kind, layers, ndev, nhost, host, heads, tokens, 8)
+    sizes = [d[0].nbytes for d in cache.device]
+    assert cache.host_stride == sum(sizes) and nbytes == nhost * sum(sizes)
+    assert [p - host.ptr for p in cache.host_ptrs] == list(np.cumsum([0, *sizes[:-1]]))
+    dev_ids = np.array([7, 0, 11, 3, 4], np.int64)
+    host_ids = np.array([9, 2, 0, 5, 6], np.int64)  # a run of two (3,4 -> 5,6)
+    segs = cache.segments()
+    layout = (
+        core.Layout(segs, cache.tensors_per_layer, ndev, nhost) if via == "layout" else None
+    )
+    if layout is None:
+        core.swap_cpu(segs, ndev, nhost, dev_ids, host_ids, D2H)
+    else:
+        layout.swap(dev_ids, host_ids, D2H)
+    tier = host.array[:nbytes].reshape(nhost, -1)
+    for d, h in zip(dev_ids, host_ids, strict=True):
+        want = b"".join(dev[d].tobytes() for dev in cache.device)
+        assert tier[h].tobytes() == want, (d, h)
+    originals = [dev.copy() for dev in cache.device]
+    for dev in cache.device:
+        dev[:] = 0
+    back = np.array([1, 2, 5, 6, 8], np.int64)
+    if layout is None:
+        core.swap_cpu(segs, ndev, nhost, back, host_ids, H2D)
+    else:
+        layout.swap(back, host_ids, H2D)
+        layout.close()
+    for s, dev in enumerate(cache.device):
+        assert_bytes_equal(dev[back], originals[s][dev_ids], f"segment {s}")
+
+
+def _tier_segments(tier: int, dev: np.ndarray, sizes: list[int], stride: int) -> list:
+    prefix = np.cumsum([0, *sizes[:-1]])
+    return [
+        (dev.ctypes.data + int(p) * 64, tier + int(p), bb, stride)
+        for p, bb in zip(prefix, sizes, strict=True)
+    ]
+
+
+def test_a_host_stride_that_runs_past_the_allocation_is_refused() -> None:
+    """The registry check of a strided region uses its span, (n - 1) * stride +
+    block_bytes: one host block too many is refused naming the stride, what the
+    region needs and what the allocation has left, and nothing is copied."""
+    sizes = [64, 64, 16]
+    stride = sum(sizes)
+    dev = np.random.default_rng(3).integers(0, 256, 64 * stride, dtype=np.uint8)
+    tier = core.host_alloc(4 * stride)
+    try:
+        segs = _tier_segments(tier, dev, sizes, stride)
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * (4 * stride)).from_address(tier))
+        view[:] = 0
+        with pytest.raises(ValueError) as info:
+            core.swap_cpu(segs, 64, 5, [0], [4], D2H)
+        msg = str(info.value)
+        assert "num_host_blocks: 5 blocks of 64 bytes, host_stride 144 apart" in msg
+        assert "at segments[0].host_base run past the end" in msg
+        assert f"({4 * stride + 64} bytes needed, {4 * stride} left there)" in msg
+        assert not view.any()
+        core.swap_cpu(segs, 64, 4, [0], [3], D2H)  # the last block that fits: fine
+        assert view[3 * stride : 3 * stride + 64].tobytes() == dev[:64].tobytes()
+    finally:
+        core.host_free(tier, 4 * stride, False)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"stride1": 60},
+            "segments[1].host_stride: 60 is not a multiple of 4 at least block_bytes 64",
+        ),
+        ({"stride1": 146}, "segments[1].host_stride: 146 is not a multiple of 4"),
+        (
+            {"stride1": 148},
+            "segments[1].host_stride: 148 differs from host_stride 144 of segments[0]",
+        ),
+        (
+            {"shift1": -4},
+            "segments[1].host_base: host region overlaps the host region of segments[0]",
+        ),
+        (
+            {"shift2": 4},
+            "segments[2].host_base: host region overlaps the host region of "
+            "segments[0] (its block 0 ends at",
+        ),
+    ],
+)
+def test_interleaved_host_regions_must_tile_one_stride(change: dict, message: str) -> None:
+    """Interleaved host regions are destinations side by side in every host block:
+    a shared stride, block 0s that do not overlap and fit one stride. Each
+    violation is refused before any byte moves, naming the field and its bound."""
+    sizes = [64, 64, 16]
+    stride = sum(sizes)
+    dev = np.random.default_rng(4).integers(0, 256, 8 * stride, dtype=np.uint8)
+    host = HostBuffer.numpy(4 * stride + 64)
+    segs = [list(s) for s in _tier_segments(host.ptr, dev, sizes, stride)]
+    for key, value in change.items():
+        field, s = key[:-1], int(key[-1])
+        if field == "stride":
+            segs[s][3] = value
+        else:
+            segs[s][1] += value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        core.swap_cpu([tuple(s) for s in segs], 8, 4, [0, 1], [2, 3], D2H)
+    assert not host.array.any()

@@ -83,29 +83,44 @@ class Regions:
         nhost: int,
         aligned: bool = False,
         shift: int | None = None,
+        interleaved: bool = True,
     ):
+        # interleaved: the host tier's layout, host block b one contiguous region of
+        # S = sum(block_sizes) bytes holding every segment's part at its prefix sum
+        # (bases only as aligned as those sums); else a host region per segment.
         self.block_sizes = block_sizes
         self.ndev, self.nhost = ndev, nhost
         self.dev: list[np.ndarray] = []
         self.host: list[np.ndarray] = []
         self._keep: list[np.ndarray] = []
+        if shift is None:
+            # Bases 4-, 8- or 16-byte aligned (16 where asked, as allocators give),
+            # or `shift` bytes past 16-byte alignment, every base alike.
+            shift = 0 if aligned else int(rng.choice([0, 4, 8, 12]))
+        self.host_stride = sum(block_sizes) if interleaved else 0
+        sides = [(ndev, self.dev)] + ([] if interleaved else [(nhost, self.host)])
         for bb in block_sizes:
-            for n, out in ((ndev, self.dev), (nhost, self.host)):
-                # Bases 4-, 8- or 16-byte aligned (16 where asked, as allocators give).
-                # (or `shift` bytes past 16-byte alignment, every base alike).
-                if shift is None:
-                    shift = 0 if aligned else int(rng.choice([0, 4, 8, 12]))
-                raw = np.empty(n * bb + 64, np.uint8)
-                off = (-raw.ctypes.data) % 16 + shift
-                view = raw[off : off + n * bb].reshape(n, bb)
-                view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
-                out.append(view)
-                self._keep.append(raw)
+            for n, out in sides:
+                out.append(self._array(rng, n, bb, shift))
+        if interleaved:
+            tier = self._array(rng, nhost, self.host_stride, shift)
+            prefix = 0
+            for bb in block_sizes:
+                self.host.append(tier[:, prefix : prefix + bb])
+                prefix += bb
+
+    def _array(self, rng: np.random.Generator, n: int, bb: int, shift: int) -> np.ndarray:
+        raw = np.empty(n * bb + 64, np.uint8)
+        off = (-raw.ctypes.data) % 16 + shift
+        view = raw[off : off + n * bb].reshape(n, bb)
+        view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+        self._keep.append(raw)
+        return view
 
     def segments(self) -> ctypes.Array:
         return core.make_segments(
             [
-                (d.ctypes.data, h.ctypes.data, bb)
+                (d.ctypes.data, h.ctypes.data, bb, self.host_stride or bb)
                 for d, h, bb in zip(self.dev, self.host, self.block_sizes, strict=True)
             ]
         )
@@ -172,7 +187,7 @@ def test_swap_cuda_plan_matches_a_plain_copy(harness, evict_bound, seed: int) ->
     if not small:
         sizes = [random_block_size(rng) for _ in range(nsegs)]
     ndev, nhost = int(rng.integers(4, 100)), int(rng.integers(4, 100))
-    regions = Regions(rng, sizes, ndev, nhost)
+    regions = Regions(rng, sizes, ndev, nhost, interleaved=seed % 2 == 0)
     d, h = random_ids(rng, int(rng.integers(1, 100)), ndev, nhost)
     direction = int(rng.integers(0, 2))
     memcpy_min = random_memcpy_min(rng, sizes)
@@ -437,13 +452,21 @@ def locate(harness, raw: np.ndarray, nseg: int, count: int, g: int, k: int, d, h
 
 def test_vector_width_follows_the_alignment_of_both_sides(harness) -> None:
     """16-byte accesses only where both bases and the block size allow them."""
-    cases = [((0, 0, 4096), 16), ((8, 0, 4096), 8), ((0, 4, 4096), 4), ((0, 0, 4104), 8)]
+    cases = [
+        ((0, 0, 4096, 4096), 16),
+        ((8, 0, 4096, 4096), 8),
+        ((0, 4, 4096, 4096), 4),
+        ((0, 0, 4104, 4104), 8),
+        ((0, 0, 4096, 4096 + 8200), 8),  # an interleaved tier whose block is 8-aligned
+        ((0, 0, 4096, 4096 + 4100), 4),
+    ]
     ids = np.array([3], np.int64)
-    for (dev_shift, host_shift, bb), vec in cases:
-        seg = np.array([1 << 40 | dev_shift, 1 << 41 | host_shift, bb], np.int64)
+    for (dev_shift, host_shift, bb, stride), vec in cases:
+        seg = np.array([1 << 40 | dev_shift, 1 << 41 | host_shift, bb, stride], np.int64)
         dst, src, _, width, _ = locate(harness, seg, 1, 1, 0, 0, ids, ids, 0)
-        assert width == vec, (dev_shift, host_shift, bb)
+        assert width == vec, (dev_shift, host_shift, bb, stride)
         assert dst % vec == 0 and src % vec == 0
+        assert dst == (1 << 41 | host_shift) + 3 * stride
 
 
 def test_offsets_beyond_4_gib_are_computed_in_64_bits(harness) -> None:
@@ -452,19 +475,20 @@ def test_offsets_beyond_4_gib_are_computed_in_64_bits(harness) -> None:
     (nothing is dereferenced)."""
     bb = [40 * 1024 + 4, 8192, 4]  # three segments: multi-chunk, 2 ids/chunk, 4096 ids/chunk
     nseg = len(bb)
-    raw = np.zeros(3 * nseg, np.int64)
+    stride = 1 << 16  # host blocks of an interleaved tier (its S, 16-aligned) and a gap
+    raw = np.zeros(4 * nseg, np.int64)
     bases = [
         (0x7F0000000000 + s * (1 << 36), 0x100000000000 + s * (1 << 38)) for s in range(nseg)
     ]
     for s, (dev, host) in enumerate(bases):
-        raw[3 * s : 3 * s + 3] = (dev, host, bb[s])
+        raw[4 * s : 4 * s + 4] = (dev, host, bb[s], stride)
     count = 3
     dev_ids = np.array([(1 << 21) + 5, 7, (1 << 22) - 1], np.int64)  # x 40 KiB: > 64 GiB
     host_ids = np.array([(1 << 23) + 1, (1 << 20) * 3, 11], np.int64)
 
     def expect(s: int, i: int, off: int, h2d: int) -> tuple[int, int]:
         dev = bases[s][0] + int(dev_ids[i]) * bb[s] + off
-        host = bases[s][1] + int(host_ids[i]) * bb[s] + off
+        host = bases[s][1] + int(host_ids[i]) * stride + off
         return (dev, host) if h2d else (host, dev)
 
     for h2d in (0, 1):
@@ -506,7 +530,9 @@ def plan_steps(
     H2D load of n scattered ids through the layout launcher's plan, every base
     `shift` bytes past 16-byte alignment."""
     rng = np.random.default_rng(7)
-    regions = Regions(rng, sizes, n, n, shift=shift)
+    # A host region per segment: the model counts steps of bases `shift` past
+    # alignment, not the prefix sums of an interleaved tier.
+    regions = Regions(rng, sizes, n, n, shift=shift, interleaved=False)
     d = rng.permutation(n).astype(np.int64)
     h = rng.permutation(n).astype(np.int64)
     totals = (ctypes.c_int64 * 7)()

@@ -53,6 +53,7 @@ class PaddleCache:
         )
         self.tensors = [_to_paddle(d, kind) for d in self.np.device]
         self.host_ptrs = ops.int64_tensor(self.np.host_ptrs, "host_ptrs")
+        self.stride = self.np.host_stride  # the host tier's block: every tensor's, in order
         self.kind = kind
 
     def free(self) -> None:
@@ -86,7 +87,7 @@ def test_all_layers_round_trip_is_bit_exact(make_cache_fixture, kind: str, seed:
     original = [d[src].copy() for d in c.device()]
     host_before = snapshot(c.np.host)
 
-    ops.swap_all_layers(c.tensors, src, hid, c.host_ptrs, 40, D2H)
+    ops.swap_all_layers(c.tensors, src, hid, c.host_ptrs, 40, D2H, host_stride=c.stride)
     for s, h in enumerate(c.np.host):
         expected = host_before[s].copy()
         expected[hid] = original[s]
@@ -95,7 +96,15 @@ def test_all_layers_round_trip_is_bit_exact(make_cache_fixture, kind: str, seed:
     dst = random_ids(rng, n, 32)
     dev_before = c.device()
     ops.swap_all_layers(
-        c.tensors, paddle.from_dlpack(dst), paddle.from_dlpack(hid), c.host_ptrs, 40, H2D, 0, 2
+        c.tensors,
+        paddle.from_dlpack(dst),
+        paddle.from_dlpack(hid),
+        c.host_ptrs,
+        40,
+        H2D,
+        0,
+        2,
+        host_stride=c.stride,
     )
     for s, d in enumerate(c.device()):
         expected = dev_before[s].copy()
@@ -113,7 +122,9 @@ def test_layer_by_layer_swaps_touch_only_their_layer(make_cache_fixture, kind: s
     hid = random_ids(rng, 6, 40)
     dev_before, host_before = c.device(), snapshot(c.np.host)
     for layer in layers:
-        ops.swap_layer(c.tensors, dev, hid, c.host_ptrs, layer, tpl, 40, D2H)
+        ops.swap_layer(
+            c.tensors, dev, hid, c.host_ptrs, layer, tpl, 40, D2H, host_stride=c.stride
+        )
     touched = {layer * tpl + k for layer in layers for k in range(tpl)}
     for s, h in enumerate(c.np.host):
         expected = host_before[s].copy()
@@ -124,7 +135,9 @@ def test_layer_by_layer_swaps_touch_only_their_layer(make_cache_fixture, kind: s
     dst = random_ids(rng, 6, 32)
     dev_mid = c.device()
     for layer in layers:
-        ops.swap_layer(c.tensors, dst, hid, c.host_ptrs, layer, tpl, 40, H2D, 0, 1)
+        ops.swap_layer(
+            c.tensors, dst, hid, c.host_ptrs, layer, tpl, 40, H2D, 0, 1, host_stride=c.stride
+        )
     for s, d in enumerate(c.device()):
         expected = dev_mid[s].copy()
         if s in touched:
@@ -137,7 +150,7 @@ def test_consecutive_ids_are_copied_as_runs(make_cache_fixture) -> None:
     dev = np.arange(4, 24, dtype=np.int64)
     hid = np.arange(20, 40, dtype=np.int64)
     before = c.device()
-    ops.swap_all_layers(c.tensors, dev, hid, c.host_ptrs, 40, D2H)
+    ops.swap_all_layers(c.tensors, dev, hid, c.host_ptrs, 40, D2H, host_stride=c.stride)
     for s, h in enumerate(c.np.host):
         assert_bytes_equal(h[20:40], before[s][4:24], f"segment {s}")
 
@@ -213,7 +226,13 @@ def test_swap_ops_reject_bad_input_and_touch_nothing(make_cache_fixture, op: str
         ),
     }
     for name, change, message in cases:
-        args = {"caches": c.tensors, **good, "num_host_blocks": 40, "direction": D2H}
+        args = {
+            "caches": c.tensors,
+            **good,
+            "num_host_blocks": 40,
+            "direction": D2H,
+            "host_stride": c.stride,
+        }
         args.update(change)
         before = _poisoned(c)
         with pytest.raises(ValueError) as info:
@@ -229,7 +248,13 @@ def test_swap_ops_reject_bad_input_and_touch_nothing(make_cache_fixture, op: str
 
 def test_swap_layer_rejects_bad_layer_arguments(make_cache_fixture) -> None:
     c = make_cache_fixture("fp16", layers=3, seed=4)
-    base = {"device_ids": [1], "host_ids": [2], "host_ptrs": c.host_ptrs, "num_host_blocks": 40}
+    base = {
+        "device_ids": [1],
+        "host_ids": [2],
+        "host_ptrs": c.host_ptrs,
+        "num_host_blocks": 40,
+        "host_stride": c.stride,
+    }
     cases = [
         ({"layer": 3, "tensors_per_layer": 2}, "layer: 3 out of range [0, 3)"),
         ({"layer": -1, "tensors_per_layer": 2}, "layer: -1 out of range"),
@@ -313,13 +338,26 @@ def test_ops_on_gpu_tensors_round_trip(kind: str) -> None:
         host_ptrs = ops.int64_tensor(cache.host_ptrs, "host_ptrs")
         src, hid, dst = random_ids(rng, 7, 32), random_ids(rng, 7, 40), random_ids(rng, 7, 32)
         stream = paddle.device.cuda.current_stream(0).cuda_stream
-        ops.swap_all_layers(tensors, src, hid, host_ptrs, 40, D2H, stream)
+        ops.swap_all_layers(
+            tensors, src, hid, host_ptrs, 40, D2H, stream, host_stride=cache.host_stride
+        )
         paddle.device.cuda.synchronize(0)
         for s, h in enumerate(cache.host):
             assert_bytes_equal(h[hid], cache.device[s][src], f"host segment {s}")
         tpl = cache.tensors_per_layer
         for layer in range(2):
-            ops.swap_layer(tensors, dst, hid, host_ptrs, layer, tpl, 40, H2D, stream)
+            ops.swap_layer(
+                tensors,
+                dst,
+                hid,
+                host_ptrs,
+                layer,
+                tpl,
+                40,
+                H2D,
+                stream,
+                host_stride=cache.host_stride,
+            )
         paddle.device.cuda.synchronize(0)
         for s, t in enumerate(tensors):
             assert_bytes_equal(_bits(t.cpu())[dst], cache.device[s][src], f"device segment {s}")

@@ -74,6 +74,14 @@ def round_trip(cluster: Cluster, two_process: bool, staged: bool = False) -> dic
         host.clear(b, 0x5A)
     got = backend.get_into(keys, [host.segments(b) for b in range(8, 16)], deadline_after(10))
     exact = [host.read(8 + b) == want[b] for b in range(8)]
+    # The same objects read as the layout's segments (one per tensor), not as the
+    # host tier's one segment a block: both forms hold the same bytes.
+    for b in range(8, 16):
+        host.clear(b, 0xA5)
+    cross = backend.get_into(
+        keys, [host.tensor_segments(b) for b in range(8, 16)], deadline_after(10)
+    )
+    cross_exact = [host.read(8 + b) == want[b] for b in range(8)]
     other_ns = make_keys(2, namespace=make_namespace(kv_dtype="fp8").digest())
     other_rank = make_keys(2, rank=1)
     probes = [*other_ns, *other_rank]
@@ -94,6 +102,8 @@ def round_trip(cluster: Cluster, two_process: bool, staged: bool = False) -> dic
         "again": names(again),
         "get": names(got),
         "exact": exact,
+        "cross": names(cross),
+        "cross_exact": cross_exact,
         "exists": backend.exists([*keys[:2], *probes], deadline_after(10)),
         "probes": names(misses),
         "unregistered": refused,

@@ -1,4 +1,4 @@
-"""Shared pieces of the storage tests: a host cache laid out like the worker's, and
+"""Shared pieces of the storage tests: a host tier laid out like the worker's, and
 block layouts shaped like real KV blocks."""
 
 from __future__ import annotations
@@ -27,39 +27,47 @@ LAYOUTS = {
 
 
 class HostMemory:
-    """One allocation carved into a region per cache tensor, as CacheController does:
-    block b of tensor i sits at `region[i] + b * lengths[i]`.
+    """One allocation laid out as CacheController's host tier: host block b is one
+    contiguous region of S = `layout.payload_bytes` at `base + misalign + b * S`,
+    every segment's bytes back to back in order, no padding.
 
     Args:
-        misalign: bytes added to every region start (addresses that O_DIRECT
-            cannot take directly).
+        misalign: bytes added to the tier's start (addresses that O_DIRECT cannot
+            take directly).
     """
 
     def __init__(self, layout: BlockLayout, num_blocks: int, misalign: int = 0) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        sizes = [_align(n * num_blocks + misalign) for n in layout.segment_lengths]
-        self._map = mmap.mmap(-1, sum(sizes))
+        self.stride = layout.payload_bytes
+        self._map = mmap.mmap(-1, _align(self.stride * num_blocks + misalign))
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.base = self.array.ctypes.data
         self.nbytes = self.array.nbytes
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        self.regions = [int(o) + misalign for o in offsets]
+        self.start = misalign
+        self.starts = [0, *np.cumsum(layout.segment_lengths)[:-1].tolist()]
 
     def segments(self, block: int) -> list[tuple[int, int]]:
+        """Host block `block` as the worker hands it to a backend: one segment."""
+        return [(self.base + self.start + block * self.stride, self.stride)]
+
+    def tensor_segments(self, block: int) -> list[tuple[int, int]]:
+        """The same bytes as the layout's segments, one per cache tensor."""
+        at = self.base + self.start + block * self.stride
         return [
-            (self.base + r + block * n, n)
-            for r, n in zip(self.regions, self.layout.segment_lengths, strict=True)
+            (at + o, n) for o, n in zip(self.starts, self.layout.segment_lengths, strict=True)
         ]
 
     def views(self, block: int) -> list[np.ndarray]:
+        at = self.start + block * self.stride
         return [
-            self.array[r + block * n : r + (block + 1) * n]
-            for r, n in zip(self.regions, self.layout.segment_lengths, strict=True)
+            self.array[at + o : at + o + n]
+            for o, n in zip(self.starts, self.layout.segment_lengths, strict=True)
         ]
 
     def read(self, block: int) -> bytes:
-        return b"".join(v.tobytes() for v in self.views(block))
+        at = self.start + block * self.stride
+        return self.array[at : at + self.stride].tobytes()
 
     def fill(self, block: int, seed: int) -> bytes:
         rng = np.random.default_rng(seed)

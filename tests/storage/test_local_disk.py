@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -129,8 +130,13 @@ def test_round_trip_from_the_cache_controllers_host_tier(tmp_path: Path) -> None
         layout = BlockLayout(tuple(ctrl.block_bytes))
 
         def segments(b: int) -> list[tuple[int, int]]:
+            """Host block b as the storage bridge hands it: one contiguous segment."""
+            return [(ctrl.host_ptrs[0] + b * ctrl.host_stride, ctrl.host_stride)]
+
+        def per_tensor(b: int) -> list[tuple[int, int]]:
+            """The same block as the layout's segments, one per cache tensor."""
             return [
-                (ctrl.host_ptrs[i] + b * ctrl.block_bytes[i], ctrl.block_bytes[i])
+                (ctrl.host_ptrs[i] + b * ctrl.host_stride, ctrl.block_bytes[i])
                 for i in range(n)
             ]
 
@@ -147,9 +153,16 @@ def test_round_trip_from_the_cache_controllers_host_tier(tmp_path: Path) -> None
                 keys, [segments(b) for b in range(4, 8)], deadline_after(SOON)
             )
             assert statuses(res) == ["OK"] * 4
-        for b in range(4):
-            for i in range(n):
-                assert np.array_equal(ctrl.host_blocks(i)[4 + b], want[b][i])
+            for b in range(4):
+                for i in range(n):
+                    assert np.array_equal(ctrl.host_blocks(i)[4 + b], want[b][i])
+            # Byte-compatible: what one form stored, the other reads back.
+            ctrl.host_tier()[4:8] = 0
+            res = backend.get_into(
+                keys, [per_tensor(b) for b in range(4, 8)], deadline_after(SOON)
+            )
+            assert statuses(res) == ["OK"] * 4
+            assert np.array_equal(ctrl.host_tier()[4:8], ctrl.host_tier()[0:4])
 
 
 def _slot_offset(backend: LocalDiskBackend, key: StorageKey) -> int:
@@ -442,7 +455,8 @@ def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> Non
     layout = LAYOUTS["fp8"]
     host = HostMemory(layout, 2)
     keys = make_keys(2)
-    segs = [host.segments(0), host.segments(1)]
+    segs = [host.tensor_segments(0), host.tensor_segments(1)]  # the layout's form
+    one = [host.segments(0), host.segments(1)]  # the host tier's: one segment a block
     with open_backend(tmp_path, layout) as backend:
         before = backend.stats()
         bad_cases = [
@@ -451,6 +465,9 @@ def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> Non
             (keys, [segs[0], [*segs[1][:-1], (segs[1][-1][0], 31)]], r"length 31"),
             (keys, [segs[0], [(0, n) for _, n in segs[1]]], r"address must be"),
             ([keys[0], "nope"], segs, r"keys\[1\]"),
+            (keys, [one[0], segs[1]], r"blocks\[1\]: 12 segments, the call \(as blocks\[0\]\)"),
+            (keys, [one[0], [(one[1][0][0], 100)]], r"blocks\[1\]\[0\]: length 100 != layout"),
+            (keys, [segs[0], one[1]], r"blocks\[1\]: 1 segments, the layout has 12"),
         ]
         for k, s, match in bad_cases:
             with pytest.raises(ValueError, match=match):
@@ -491,7 +508,7 @@ def test_the_disk_backend_refuses_segments_as_check_segments_does(tmp_path: Path
     same message, and leaves everything as it was."""
     layout = LAYOUTS["fp8"]
     host = HostMemory(layout, 2)
-    blocks = [host.segments(0), bad(host.segments(1))]
+    blocks = [host.tensor_segments(0), bad(host.tensor_segments(1))]
     with pytest.raises(ValueError) as want:
         check_segments(blocks, layout)
     with open_backend(tmp_path, layout) as backend:
@@ -505,8 +522,19 @@ def test_the_disk_backend_refuses_segments_as_check_segments_does(tmp_path: Path
 def test_check_pack_packs_what_numpy_packs_and_flags_misaligned_zero_copy_segments() -> None:
     layout = LAYOUTS["fp8"]
     lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
-    host = HostMemory(layout, 3)
-    blocks = [host.segments(b) for b in range(3)]
+    # A page-aligned region per segment (not the host tier, whose segments after
+    # the 32-byte scales are misaligned), so alignment is the flag's to find.
+    sizes = [-(-3 * n // 4096) * 4096 for n in layout.segment_lengths]
+    area = mmap.mmap(-1, sum(sizes))
+    base = np.frombuffer(area, dtype=np.uint8).ctypes.data
+    starts = np.cumsum([0, *sizes[:-1]])
+    blocks = [
+        [
+            (base + int(r) + b * n, n)
+            for r, n in zip(starts, layout.segment_lengths, strict=True)
+        ]
+        for b in range(3)
+    ]
     pairs, misaligned = _disk_io.check_pack(blocks, lengths)
     assert np.array_equal(np.frombuffer(pairs, dtype=np.int64), np.array(blocks).reshape(-1))
     assert not misaligned

@@ -35,6 +35,8 @@ def test_round_trip_is_bit_exact(case: str, tmp_path: Path) -> None:
     assert out["again"] == ["OK"] * 2  # an existing key counts as stored
     assert out["get"] == ["OK"] * 8
     assert out["exact"] == [True] * 8
+    # what blocks of one segment each stored reads back into the layout's segments
+    assert out["cross"] == ["OK"] * 8 and out["cross_exact"] == [True] * 8
     # another namespace or rank never hits
     assert out["exists"] == [True, True, False, False, False, False]
     assert out["probes"] == ["MISS"] * 4
@@ -50,7 +52,8 @@ def test_round_trip_is_bit_exact(case: str, tmp_path: Path) -> None:
     assert (stats["puts"], stats["put_failures"]) == (10, 0)
     written = 10 - stats["put_already_stored"]
     assert written in (8, 10)
-    ok_gets = 9 if case.endswith("staged") else 8  # staged: the unregistered get too
+    # 8 gets, 8 cross-form gets, and staged the unregistered get too
+    ok_gets = 17 if case.endswith("staged") else 16
     assert stats["gets"] == ok_gets + 4 and stats["misses"] == 4
     assert stats["put_bytes"] * ok_gets == stats["get_bytes"] * written
 

@@ -141,8 +141,10 @@ def test_the_memory_a_controller_takes_is_stated_and_checked_first() -> None:
         per_block = sum(spec.block_bytes())
         assert per_block == sum(ctrl.block_bytes) == 4 * (2 * BS * 8 * 2)
         assert ctrl.memory.device_bytes == per_block * N and ctrl.memory.allocates_device
+        # The host tier: HOST blocks of every tensor's block back to back, no padding.
+        assert ctrl.memory.host_bytes == per_block * HOST == ctrl.host_stride * HOST
         assert ctrl.memory.describe() == (
-            "device KV 3.00 KiB (allocated by fastkv now), host tier 16.00 KiB"
+            "device KV 3.00 KiB (allocated by fastkv now), host tier 4.00 KiB"
         )
     assert "GiB" in MemoryPlan(3 * 2**30, 0, allocates_device=False).describe()
     assert MemoryPlan(3 * 2**30, 0, allocates_device=False).describe() == (

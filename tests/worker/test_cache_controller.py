@@ -171,10 +171,10 @@ def test_a_transfer_id_still_in_flight_is_refused() -> None:
 def test_a_failed_load_is_reported_and_raises_at_its_layer(monkeypatch) -> None:
     real = paddle_ops.swap_layer
 
-    def flaky(caches, device_ids, host_ids, host_ptrs, layer, *args):
+    def flaky(caches, device_ids, host_ids, host_ptrs, layer, *args, **kwargs):
         if layer == 2:
             raise RuntimeError("fastkv[ECUDA] injected")
-        return real(caches, device_ids, host_ids, host_ptrs, layer, *args)
+        return real(caches, device_ids, host_ids, host_ptrs, layer, *args, **kwargs)
 
     monkeypatch.setattr(paddle_ops, "swap_layer", flaky)
     with make() as ctrl:
@@ -505,14 +505,7 @@ def test_the_gpu_controllers_layout_path_round_trips_on_a_cpu_layout(dtype: str)
     side is checked where no GPU is."""
     streams = (NativeHostStream("h2d"), HostStream("d2h"), InlineStream())
     with make(dtype, streams=streams) as ctrl:
-        segments = [
-            (t.data_ptr(), h, b)
-            for t, h, b in zip(ctrl.caches, ctrl.host_ptrs, ctrl.block_bytes, strict=True)
-        ]
-        spec = ctrl.spec
-        ctrl._layout = core.Layout(
-            segments, spec.tensors_per_layer, spec.num_device_blocks, spec.num_host_blocks
-        )
+        ctrl._layout = ctrl._make_layout(-1)  # its GPU layout, on the CPU core
         try:
             rng = np.random.default_rng(3)
             fill_random(ctrl, rng)
@@ -537,14 +530,7 @@ def test_a_load_into_blocks_a_same_step_eviction_reads_is_one_call_on_the_layout
     the eviction reads the old bytes, the load lands the new ones."""
     load_stream = NativeHostStream("h2d")
     with make(streams=(load_stream, HostStream("d2h"), InlineStream())) as ctrl:
-        segments = [
-            (t.data_ptr(), h, b)
-            for t, h, b in zip(ctrl.caches, ctrl.host_ptrs, ctrl.block_bytes, strict=True)
-        ]
-        spec = ctrl.spec
-        ctrl._layout = core.Layout(
-            segments, spec.tensors_per_layer, spec.num_device_blocks, spec.num_host_blocks
-        )
+        ctrl._layout = ctrl._make_layout(-1)  # its GPU layout, on the CPU core
         try:
             fill_random(ctrl, np.random.default_rng(5))
             device = [ctrl.device_blocks(i).copy() for i in range(len(ctrl.caches))]
@@ -602,3 +588,53 @@ def test_transfer_listeners_hear_each_transfer_with_its_direction_and_size() -> 
     }
     # Each duration is the transfer's own, so it lies inside the window the test watched.
     assert all(0 <= seconds <= window for *_, seconds, _ in heard)
+
+
+@pytest.mark.parametrize(("dtype", "heads"), [("bfloat16", 2), ("fp8", 1)])
+@pytest.mark.parametrize("path", ["ops", "layout"])
+def test_a_host_block_is_one_region_of_its_tensors_device_blocks(
+    dtype: str, heads: int, path: str
+) -> None:
+    """The host tier's layout: host block h is ONE contiguous region, at
+    base + h * host_stride, whose bytes are every tensor's device block in tensor
+    order, no padding (what storage stores and checksums for it). fp8 with one
+    head: 4-byte scale blocks, so tensor prefixes are only 4-byte aligned. Both
+    data paths: the Paddle ops (CPU) and the GPU path's layout on the CPU core."""
+    spec = KVCacheSpec(
+        num_layers=2,
+        num_kv_heads=heads,
+        head_dim=16,
+        block_size=4,
+        num_device_blocks=16,
+        num_host_blocks=12,
+        dtype=dtype,
+    )
+    streams = (NativeHostStream("h2d"), HostStream("d2h"), InlineStream())
+    with CacheController(spec, streams=streams) as ctrl:
+        if path == "layout":
+            ctrl._layout = ctrl._make_layout(-1)
+        try:
+            sizes = ctrl.block_bytes
+            if dtype == "fp8":
+                assert 4 in sizes  # a 4-byte scale block: unaligned prefixes follow
+            assert ctrl.host_stride == sum(sizes)
+            starts = [p - ctrl.host_ptrs[0] for p in ctrl.host_ptrs]
+            assert starts == [sum(sizes[:i]) for i in range(len(sizes))]
+            fill_random(ctrl, np.random.default_rng(8))
+            ctrl.submit_swap_tasks(d2h(0, [3, 9, 10, 0], [11, 4, 5, 0]), None)
+            assert [r.success for r in ctrl.wait_all(5)] == [True]
+            tier = ctrl.host_tier()
+            assert tier.shape == (12, ctrl.host_stride)
+            assert tier.ctypes.data == ctrl.host_ptrs[0]
+            for d, h in ((3, 11), (9, 4), (10, 5), (0, 0)):
+                want = b"".join(ctrl.device_blocks(i)[d].tobytes() for i in range(len(sizes)))
+                assert tier[h].tobytes() == want, (d, h)
+            before = [ctrl.device_blocks(i).copy() for i in range(len(sizes))]
+            counter = ctrl.submit_swap_tasks(None, h2d(1, [11, 4], [1, 2]))
+            counter.wait_all(timeout=5)
+            assert [r.success for r in ctrl.wait_all(5)] == [True]
+            for i in range(len(sizes)):
+                np.testing.assert_array_equal(ctrl.device_blocks(i)[[1, 2]], before[i][[3, 9]])
+        finally:
+            if ctrl._layout is not None:
+                ctrl._layout.close()

@@ -76,11 +76,16 @@ class MemoryBackend(StorageBackend):
 
 
 class Host:
-    """A host tier of `n` blocks: one region per cache tensor."""
+    """A host tier of `n` blocks, the controller's layout: host block b is one row
+    of every cache tensor's block in order; `regions` are each tensor's part."""
 
     def __init__(self, n: int) -> None:
-        self.regions = [np.zeros((n, b), np.uint8) for b in SEGMENTS]
-        self.tier = HostTier(tuple(r.ctypes.data for r in self.regions), SEGMENTS, n)
+        self.blocks = np.zeros((n, sum(SEGMENTS)), np.uint8)
+        starts = np.cumsum([0, *SEGMENTS[:-1]])
+        self.regions = [
+            self.blocks[:, a : a + b] for a, b in zip(starts, SEGMENTS, strict=True)
+        ]
+        self.tier = HostTier(self.blocks.ctypes.data, SEGMENTS, n)
 
     def fill(self, block: int, seed: int) -> bytes:
         rng = np.random.default_rng(seed)
@@ -174,12 +179,13 @@ def test_deadlines_are_read_from_the_clock() -> None:
 
 def test_the_host_tier_and_the_backend_must_agree() -> None:
     host = Host(4)
-    assert host.tier.segments(3) == [
-        (host.tier.ptrs[0] + 3 * 8, 8),
-        (host.tier.ptrs[1] + 3 * 4, 4),
-    ]
-    with pytest.raises(ValueError, match="ptrs: 2 regions, but block_bytes names 1"):
-        HostTier(host.tier.ptrs, (8,), 4)
+    # One segment per host block: every tensor's block, back to back.
+    assert host.tier.segments(3) == [(host.blocks.ctypes.data + 3 * 12, 12)]
+    assert host.tier.layout == BlockLayout(SEGMENTS)  # the header's layout: per tensor
+    with pytest.raises(ValueError, match="a block needs at least one segment"):
+        HostTier(host.tier.base, (), 4)
+    with pytest.raises(ValueError, match=r"segment_lengths\[1\]: must be a positive int"):
+        HostTier(host.tier.base, (8, 0), 4)
     other = MemoryBackend()
     other.layout = BlockLayout((12,))
     with pytest.raises(ValueError, match=r"storage: the backend's block layout \(12,\)"):

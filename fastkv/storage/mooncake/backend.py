@@ -6,10 +6,11 @@ the block's segments in order. By default (staged) each object is gathered into 
 registered staging area of the backend's own and moved as one contiguous Mooncake
 buffer (`batch_put_from` / `batch_get_into`, as Mooncake's own client moves it).
 With `staging_bytes=0` (zero-copy) Mooncake gathers it from the host cache itself,
-one buffer per segment (`batch_put_from_multi_buffers`, scattered back by
-`batch_get_into_multi_buffers`; the host cache must be registered with
-`register_host_memory`, the headers live in a small registered arena): over TCP
-each buffer costs, so this is for RDMA. The settings named
+one buffer per segment of the call's blocks (`batch_put_from_multi_buffers`,
+scattered back by `batch_get_into_multi_buffers`; the host cache must be
+registered with `register_host_memory`, the headers live in a small registered
+arena): the worker's host block is one contiguous segment, so two buffers per
+object, the header and the block. The settings named
 below (`put_retries`, `verify_puts`, ...) are fields of the `MooncakeOptions` a
 backend is built from (fastkv.storage.mooncake.options).
 

@@ -71,7 +71,12 @@ class MooncakeGets:
         self._staged = memory.staged
         self.writes_host = not memory.staged
         self._object_bytes = memory.object_bytes
-        self._lengths = [HEADER_BYTES, *layout.segment_lengths]
+        # Zero-copy buffer sizes per object: the header, then the block's segments
+        # in either form (`BlockSegments`), told apart by their count.
+        self._lengths = {
+            1 + layout.num_segments: [HEADER_BYTES, *layout.segment_lengths],
+            2: [HEADER_BYTES, layout.payload_bytes],
+        }
         self._count_corrupt = count_corrupt
         # keys whose last read hit a failing storage node (-800): not asked for a while
         self._quarantine = KeyQuarantine(
@@ -112,7 +117,7 @@ class MooncakeGets:
         # read answers its size): ask its size, one key at a time, but only while
         # the deadline allows and until a fatal code shows the store is failing.
         ask_size = not self._staged
-        nseg = self._layout.num_segments
+        nseg = len(self._layout.lengths_for(blocks))
         packed = memoryview(_disk_io.pack_segments(blocks, nseg))
         for j, code in enumerate(codes):
             reason = held[j]
@@ -155,10 +160,11 @@ class MooncakeGets:
                 [self._memory.object_addr(arena, j) for j in live],
                 [self._object_bytes] * len(live),
             )
+        lengths = self._lengths[1 + len(blocks[live[0]])]
         return self._store.batch_get_into_multi_buffers(
             [names[j] for j in live],
             [[self._memory.header_addr(arena, j), *(p for p, _ in blocks[j])] for j in live],
-            [self._lengths] * len(live),
+            [lengths] * len(live),
         )
 
     def _result(

@@ -121,7 +121,7 @@ class MooncakeMemory:
         inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
         if not inside.all():
             bad = int(np.argmin(inside))
-            nseg = self.layout.num_segments
+            nseg = len(self.layout.lengths_for(blocks))
             raise ValueError(
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"

@@ -118,7 +118,12 @@ class MooncakePuts:
         self._memory = memory
         self._staged = memory.staged
         self._object_bytes = memory.object_bytes
-        self._lengths = [HEADER_BYTES, *layout.segment_lengths]
+        # Zero-copy buffer sizes per object: the header, then the block's segments
+        # in either form (`BlockSegments`), told apart by their count.
+        self._lengths = {
+            1 + layout.num_segments: [HEADER_BYTES, *layout.segment_lengths],
+            2: [HEADER_BYTES, layout.payload_bytes],
+        }
         self._retries = options.put_retries
         self._backoff_s = options.retry_backoff_s
         self.verify_puts = options.verify_puts
@@ -209,7 +214,7 @@ class MooncakePuts:
         """What Mooncake puts for each key: staged, the object gathered (header,
         then segments) into the staging area; zero-copy, the header sealed in the
         arena, then the block's own segments."""
-        nseg = self._layout.num_segments
+        nseg = len(self._layout.lengths_for(blocks))
         packed = memoryview(_disk_io.pack_segments(blocks, nseg))
         memory, layout, ring = self._memory, self._layout, self._ring
         ptrs: list[object] = []
@@ -268,7 +273,9 @@ class MooncakePuts:
         if self._staged:
             return self._store.batch_upsert_from(names, ptrs, [self._object_bytes] * len(names))
         return self._store.batch_put_from_multi_buffers(
-            names, ptrs, [self._lengths] * len(names)
+            names,
+            ptrs,
+            [self._lengths[len(p)] for p in ptrs],  # type: ignore[arg-type]
         )
 
     def _sort_codes(
