@@ -365,7 +365,9 @@ def test_lru_lists_link_nodes_across_slabs_and_emptied_slabs_go_back() -> None:
     n = 80_000  # three slabs of 32,767 nodes
     nodes = [rt.TreeNode(i.to_bytes(32, "big"), None, i) for i in range(n)]
     live, slabs = native.arena_stats()
-    assert live == live0 + n and slabs >= slabs0 + 2
+    # the nodes fill the free slots of slabs already there first (earlier tests
+    # may leave a few live nodes spread over two): count what they need in all
+    assert live == live0 + n and slabs >= -(-(live0 + n) // 32_767) >= 3
     lists = (native.LRUList(0), native.LRUList(1))
     refs: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())
     for lru, ref in zip(lists, refs, strict=True):
