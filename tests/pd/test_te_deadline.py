@@ -119,3 +119,25 @@ def test_a_write_with_nothing_inside_the_engine_fails_at_its_deadline() -> None:
         assert engine.submitted == [64]  # the failed write never went in
     finally:
         peer.close()
+
+
+def test_a_failed_batch_settles_its_write_only_once_no_other_batch_of_it_is_inside() -> None:
+    """A write in two chunks inside the engine: the first fails (the engine's
+    timeout) while the second is still inside. The handle stays PENDING until the
+    second returns (a FAILED handle lets P's failure notice go out, which tells D
+    no byte can land any more), and no more of the write is submitted."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 96, 30)
+        until(lambda: len(engine.submitted) == 2)  # two chunks of 32 inside
+        engine.end(1, -1)
+        time.sleep(0.1)
+        assert handle.state() is WriteState.PENDING  # chunk 2 may still land
+        assert handle.wait(0.05) is WriteState.PENDING
+        engine.end(2, 0)
+        assert handle.wait(2) is WriteState.FAILED
+        time.sleep(0.05)
+        assert engine.submitted == [32, 32]  # the rest never went in
+    finally:
+        peer.close()
