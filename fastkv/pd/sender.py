@@ -376,30 +376,33 @@ class PDSender:
 
     def _await(self, item: _Fenced) -> bool:
         """Wait for `item`'s fence while a send behind it is live; False when
-        none is any more (stopped, or stopped here: its deadline passed or the
-        fence failed)."""
+        none is any more (stopped, or stopped here: the fence failed, or each
+        one's own deadline passed)."""
         while True:
             with self._lock:
                 live = [lay.send for lay in item.layers if not lay.send.failed]
                 if self._closed or not live:
                     return False
-                deadline = min(send.deadline for send in live)
-            left = deadline - self._clock()
-            reason = ""
-            if left <= 0:
-                reason = f"deadline passed with layer {item.layer}'s fence pending"
-            else:
-                try:
-                    if item.fence.synchronize(min(left, self._fence_slice_s)):
-                        return True
-                except Exception as exc:
-                    reason = f"layer {item.layer}: its fence failed: {exc}"
-            if reason:
+                now = self._clock()
+                late = [send for send in live if send.deadline <= now]
+                if late:  # only these: a later send may still see the fence complete
+                    why = f"deadline passed with layer {item.layer}'s fence pending"
+                    self._stop_all(late, why)
+                    continue
+                left = min(send.deadline for send in live) - now
+            try:
+                if item.fence.synchronize(min(left, self._fence_slice_s)):
+                    return True
+            except Exception as exc:
                 with self._lock:
-                    for send in live:
-                        self._stop(send, reason)
-                    self._active = [s for s in self._active if not s.failed]
+                    self._stop_all(live, f"layer {item.layer}: its fence failed: {exc}")
                 return False
+
+    def _stop_all(self, sends: list[_Send], reason: str) -> None:
+        """Stop `sends` and drop them from the hook's list (the lock held)."""
+        for send in sends:
+            self._stop(send, reason)
+        self._active = [s for s in self._active if not s.failed]
 
     def abort(self, epoch: Epoch, transfer_id: int) -> None:
         """Start no more writes for the transfer; it settles (failed) as usual."""

@@ -340,3 +340,37 @@ def test_the_workers_hook_passes_the_stream_and_close_starts_no_queued_write() -
     assert not out.success and "P reported a failure" in out.reason
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
+
+
+def test_a_fence_past_one_sends_deadline_does_not_stop_a_later_send_behind_it() -> None:
+    """Two sends handed over behind the same fences; the first one's deadline
+    passes with the fences pending, the second one's does not. Only the first is
+    stopped: the second's layers start once the fences complete and it succeeds."""
+    rig, fences, writes = _rig()
+    tokens2 = list(range(40, 40 + 11))
+    acc1 = rig.offer("r1", TOKENS)
+    rig.now += TIMEOUT * 0.6
+    acc2 = rig.offer("r2", tokens2)
+    assert isinstance(acc1, Acceptance) and isinstance(acc2, Acceptance)
+    t1 = list(rig.p.mgr.block_table("r1").block_ids)
+    t2 = list(rig.p.mgr.block_table("r2").block_ids)
+    for layer in range(rig.layers):  # one hook call per layer hands over both
+        rig.p.write_layer(t1, TOKENS, layer, 0)
+        rig.p.write_layer(t2, tokens2, layer, 0)
+        rig.senders[0].after_layer(layer)
+    assert len(fences.recorded) == rig.layers
+    rig.now += TIMEOUT * 0.5  # r1's deadline passed, r2's not
+    send1 = rig.senders[0]._sends[(acc1.epoch, acc1.transfer_id)]
+    send2 = rig.senders[0]._sends[(acc2.epoch, acc2.transfer_id)]
+    _until(lambda: bool(send1.failed), "the waiter to stop r1")
+    time.sleep(0.05)  # a few more of the waiter's slices
+    assert not send2.failed, f"r2 was stopped by r1's deadline: {send2.failed}"
+    for fence in fences.recorded:
+        fence.complete()
+    _until(lambda: len(writes) == rig.layers, "r2's layers")
+    rig.p_side.release("r1")
+    rig.p_side.release("r2")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r1", TOKENS) == "recomputed"
+    assert rig.finish_on_d("r2", tokens2) == "received"
+    rig.check_clean()
