@@ -280,8 +280,11 @@ class PDSender:
             self._active = [*self._active, send]
         else:
             send.finished = last
-            if last:
-                send.final_layers = self.layout.num_layers
+            if last:  # the previous chunk's layers were final: those behind a fence too
+                send.final_layers = self.layout.num_layers - send.queued
+                for item in self._fenced:
+                    for lay in item.layers:
+                        lay.last = lay.last or lay.send is send
 
     def after_layer(self, layer: int, stream: int | None = None) -> None:
         """The hook: layer `layer` of the step is written (host memory) or its

@@ -374,3 +374,33 @@ def test_a_fence_past_one_sends_deadline_does_not_stop_a_later_send_behind_it() 
     assert rig.finish_on_d("r1", TOKENS) == "recomputed"
     assert rig.finish_on_d("r2", tokens2) == "received"
     rig.check_clean()
+
+
+def test_an_empty_last_chunk_takes_no_checksum_of_layers_still_behind_their_fences() -> None:
+    """A chunked send whose blocks all went in a chunk not marked last, then an
+    empty last chunk: the earlier chunk's layers are still behind their fences
+    (on a GPU: launched, not yet written). `poll` must not checksum them nor tell
+    D they are done before their fences completed and their writes started."""
+    rig, fences, writes = _rig()
+    tokens = list(range(5, 5 + 12))  # three full blocks
+    acc = rig.offer("r", tokens, chunked=True)
+    assert isinstance(acc, Acceptance)
+    sender = rig.senders[0]
+    table = list(rig.p.mgr.block_table("r").block_ids)
+    n = len(acc.block_ids)
+    sender.chunk(acc.epoch, acc.transfer_id, n, last=False)
+    for layer in range(rig.layers):
+        sender.after_layer(layer)  # launched; the kernel writes later
+    sender.chunk(acc.epoch, acc.transfer_id, n, last=True)  # nothing left to send
+    rig.step()
+    send = sender._sends[(acc.epoch, acc.transfer_id)]
+    assert send.sums == [] and sender.progress_sent == 0, "checksummed unwritten KV"
+    for layer in range(rig.layers):  # the kernels ran
+        rig.p.write_layer(table, tokens, layer, 0)
+    for fence in fences.recorded:
+        fence.complete()
+    _until(lambda: len(writes) == rig.layers, "every layer's write")
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r", tokens) == "received"
+    rig.check_clean()
