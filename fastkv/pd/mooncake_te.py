@@ -340,6 +340,10 @@ class _Peer:
             )
         except TypeError:
             return 0, "pieces: addresses and lengths must be unsigned integers"
+        except Exception as exc:  # any engine error: the batch did not start
+            # Raising here would leave the batch counted inside the engine (the
+            # write PENDING for ever) and, on this peer's thread, end the thread.
+            return 0, f"the engine raised {type(exc).__name__}: {exc}"
         return batch, "" if batch else "the engine could not start the batch"
 
     def _run(self) -> None:

@@ -141,3 +141,37 @@ def test_a_failed_batch_settles_its_write_only_once_no_other_batch_of_it_is_insi
         assert engine.submitted == [32, 32]  # the rest never went in
     finally:
         peer.close()
+
+
+class RaisingEngine(HeldEngine):
+    """Raises from the submit of the batches numbered in `raise_on` (1-based)."""
+
+    def __init__(self, raise_on: set[int]) -> None:
+        super().__init__()
+        self.raise_on = raise_on
+        self.calls = 0
+
+    def batch_transfer_async_write(self, peer, srcs, dsts, lengths) -> int:
+        self.calls += 1
+        if self.calls in self.raise_on:
+            raise RuntimeError("engine: std::bad_alloc")
+        return super().batch_transfer_async_write(peer, srcs, dsts, lengths)
+
+
+def test_an_engine_submit_that_raises_fails_the_write_and_the_peer_goes_on() -> None:
+    """The engine's submit raising (not returning 0) for a write's second chunk:
+    the write fails once its first chunk returns (not PENDING forever, counted
+    inside the engine), and the peer's thread still serves the next write."""
+    engine = RaisingEngine({2})
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 96, 30)
+        until(lambda: engine.calls >= 2)
+        engine.end(1, 0)
+        assert handle.wait(2) is WriteState.FAILED
+        nxt = start(peer, 8, 30)
+        until(lambda: len(engine.submitted) == 2)
+        engine.end(2, 0)
+        assert nxt.wait(2) is WriteState.DONE
+    finally:
+        peer.close()
