@@ -330,8 +330,11 @@ class PDSender:
                 handle = self.transport.write(peer, pieces)
                 send.handles.append(handle)
                 send.layer_handles[layer].append(handle)
-        except TransportError as exc:
-            self._stop(send, f"layer {layer}: {exc}")
+        except Exception as exc:  # TransportError, or a transport's bug: never lost
+            # On the waiter thread an escaping error would end the thread, and
+            # every later fenced layer would wait for its send's deadline.
+            why = str(exc) if isinstance(exc, TransportError) else repr(exc)
+            self._stop(send, f"layer {layer}: {why}")
             self._active = [s for s in self._active if s is not send]
             return
         self.layers_sent += 1

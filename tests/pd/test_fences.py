@@ -404,3 +404,39 @@ def test_an_empty_last_chunk_takes_no_checksum_of_layers_still_behind_their_fenc
     rig.run_until_quiet()
     assert rig.finish_on_d("r", tokens) == "received"
     rig.check_clean()
+
+
+def test_a_write_that_raises_an_unexpected_error_fails_its_send_and_the_waiter_goes_on() -> (
+    None
+):
+    """The transport's write raising something else than TransportError on the
+    waiter thread: that send fails; the thread lives on and the next send's
+    layers still start (else every later send would wait for its deadline)."""
+    rig, fences, writes = _rig()
+    sender = rig.senders[0]
+    spy = sender.transport.write
+
+    def broken(peer, pieces):
+        raise RuntimeError("engine: std::bad_alloc")
+
+    sender.transport.write = broken  # type: ignore[method-assign]
+    assert isinstance(rig.offer("r1", TOKENS), Acceptance)
+    rig.prefill("r1", TOKENS)
+    fences.recorded[0].complete()
+    _until(lambda: len(sender._fenced) < rig.layers, "layer 0's fence handled")
+    sender.transport.write = spy  # type: ignore[method-assign]
+    for fence in fences.recorded:
+        fence.complete()
+    rig.p_side.release("r1")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r1", TOKENS) == "recomputed"
+    tokens2 = list(range(40, 40 + 11))
+    assert isinstance(rig.offer("r2", tokens2), Acceptance)
+    rig.prefill("r2", tokens2)
+    for fence in fences.recorded:
+        fence.complete()
+    _until(lambda: len(writes) == rig.layers, "r2's layers")
+    rig.p_side.release("r2")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r2", tokens2) == "received"
+    rig.check_clean()
