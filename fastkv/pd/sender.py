@@ -234,6 +234,8 @@ class PDSender:
         send = _Send(plan, k, self._clock() + plan.timeout_s)
         send.layer_handles = [[] for _ in range(self.layout.num_layers)]
         with self._lock:
+            if self._closed:  # again: a `close` on another thread since the check
+                raise ValueError(f"plan.transfer_id: {plan.transfer_id}: the sender was closed")
             self._sends[(plan.epoch, plan.transfer_id)] = send
             if not chunked:
                 self._next_chunk(send, len(plan.src_block_ids), True)

@@ -440,3 +440,24 @@ def test_a_write_that_raises_an_unexpected_error_fails_its_send_and_the_waiter_g
     rig.run_until_quiet()
     assert rig.finish_on_d("r2", tokens2) == "received"
     rig.check_clean()
+
+
+def test_a_start_racing_close_is_refused_and_starts_no_write() -> None:
+    """`close` running on another thread while `start` checks its plan (here: in
+    the middle of the checks): the start is refused, so no hook after close starts
+    a write for it (host memory: the hook would write at once)."""
+    rig = Rig()
+    sender = rig.senders[0]
+    writes = _spy_writes(rig)
+    check = sender._check_ids
+
+    def check_then_close(*args):  # type: ignore[no-untyped-def]
+        check(*args)
+        sender.close()
+
+    sender._check_ids = check_then_close  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="the sender was closed"):
+        rig.offer("r", TOKENS)
+    assert sender.num_sends == 0
+    rig.prefill("r", TOKENS)
+    assert writes == [], "a write started after close"
