@@ -141,14 +141,15 @@ class MooncakeWriteHandle:
 
     def _leave(self, state: WriteState | None) -> None:
         """A batch came back from the engine (or was never started) as `state`
-        (None: done, more of the write to come). DONE settles at once (the last
-        batch); a failure settles FAILED only once no other batch of the write is
-        inside the engine, since those may still land; so does a deadline."""
+        (None: done, more of the write to come). DONE (the last batch) settles
+        at once unless an earlier batch failed; a failure settles FAILED only once
+        no other batch of the write is inside the engine, since those may still
+        land; so does a deadline."""
         with self._lock:
             self._in_engine -= 1
             if state is WriteState.FAILED:
                 self._failing = True
-            elif state is not None:
+            elif state is not None and not self._failing:  # DONE: its last batch
                 self._settle_locked(state)
             if not self._in_engine and (self._failing or time.monotonic() >= self._deadline):
                 self._settle_locked(WriteState.FAILED)

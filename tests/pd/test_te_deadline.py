@@ -41,9 +41,11 @@ class HeldEngine:
             self.ended.notify_all()
 
 
-def start(peer: _Peer, pieces: int, deadline_s: float) -> MooncakeWriteHandle:
+def start(
+    peer: _Peer, pieces: int, deadline_s: float, *, inline: bool = False
+) -> MooncakeWriteHandle:
     handle = MooncakeWriteHandle(time.monotonic() + deadline_s, threading.Lock())
-    peer.start(_Job(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), False)
+    peer.start(_Job(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), inline)
     return handle
 
 
@@ -173,5 +175,30 @@ def test_an_engine_submit_that_raises_fails_the_write_and_the_peer_goes_on() -> 
         until(lambda: len(engine.submitted) == 2)
         engine.end(2, 0)
         assert nxt.wait(2) is WriteState.DONE
+    finally:
+        peer.close()
+
+
+def test_a_write_whose_first_batch_failed_is_failed_even_when_its_later_batches_succeed() -> (
+    None
+):
+    """Every batch of a write submitted (three of them), the first fails and the
+    others succeed: FAILED (not every byte landed), once the last returned."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        other = start(peer, 16, 30)
+        until(lambda: engine.submitted == [16])
+        handle = start(peer, 60, 30, inline=True)  # the thread waits on batch 1
+        until(lambda: engine.submitted == [16, 32, 16])
+        engine.end(1, 0)
+        until(lambda: engine.submitted == [16, 32, 16, 12])  # the rest fits now
+        assert other.wait(2) is WriteState.DONE
+        engine.end(2, -1)
+        engine.end(3, 0)
+        time.sleep(0.05)
+        assert handle.state() is WriteState.PENDING  # batch 4 still inside
+        engine.end(4, 0)
+        assert handle.wait(2) is WriteState.FAILED
     finally:
         peer.close()
