@@ -477,10 +477,26 @@ class PDSender:
                 del self._sends[key]
                 settled.append((send, states))
         for send in in_flight:  # outside the lock: the hook does not wait for it
-            if self.checksums and not send.failed and send.plan.src_block_ids:
-                self._take_sums(send, send.final_layers)
+            if (
+                self.checksums
+                and not send.failed
+                and send.plan.src_block_ids
+                and self._sums_taken(send, send.final_layers)
+            ):
                 self._progress(send)
         return [self._settle(send, states) for send, states in settled]
+
+    def _sums_taken(self, send: _Send, upto: int) -> bool:
+        """`_take_sums`; if it raises (on a GPU: a CUDA error, or the kernel's wait
+        ran out), stop the send instead: it settles failed as usual, and `poll`
+        goes on settling the others (their reports and notices are not lost)."""
+        try:
+            self._take_sums(send, upto)
+        except Exception as exc:
+            with self._lock:
+                self._stop_all([send], f"checksum of layer {len(send.sums)}: {exc!r}")
+            return False
+        return True
 
     @property
     def num_sends(self) -> int:
@@ -497,6 +513,8 @@ class PDSender:
             return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
         if not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
+        if not send.failed and self.checksums and plan.src_block_ids:
+            self._sums_taken(send, self.layout.num_layers)  # else: stopped, failed
         ok = not send.failed
         for peer, notice in self._notices(send, ok):
             try:
@@ -508,9 +526,7 @@ class PDSender:
 
     def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
         plan = send.plan
-        with_sums = ok and self.checksums and bool(plan.src_block_ids)
-        if with_sums:
-            self._take_sums(send, self.layout.num_layers)
+        with_sums = ok and self.checksums and bool(plan.src_block_ids)  # sums taken
         return [
             (
                 self._targets[r].address,
