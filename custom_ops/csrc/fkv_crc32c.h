@@ -208,12 +208,16 @@ struct Segment {
   uint64_t first_chunk;
 };
 
-// Sets every segment's first_chunk; returns the chunks of all of them.
+// Sets every segment's first_chunk; returns the chunks of all of them, or
+// UINT64_MAX once that count would pass 2^64 (it must not wrap to a small count
+// a caller's bound accepts: the kernels would index past its buffer).
 inline uint64_t plan_segments(Segment* segs, int64_t num_segs, uint64_t chunk_words) {
   uint64_t total = 0;
   for (int64_t i = 0; i < num_segs; i++) {
     segs[i].first_chunk = total;
-    total += num_chunks(segs[i].n, chunk_words);
+    const uint64_t chunks = num_chunks(segs[i].n, chunk_words);
+    if (chunks > UINT64_MAX - total) return UINT64_MAX;
+    total += chunks;
   }
   return total;
 }

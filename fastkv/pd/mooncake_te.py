@@ -100,18 +100,20 @@ class MooncakeWriteHandle:
     written, FAILED when the engine failed a batch of it, the transport closed, or
     its deadline passed; never changes after that.
 
-    Past the deadline nothing more of it goes to the engine, and it fails only once
-    no batch of it is inside the engine any more (the engine's own timeout,
-    `MC_TRANSFER_TIMEOUT`, ends that wait): a settled handle is one whose bytes this
-    end no longer moves, which is what a notice sent after it tells D."""
+    Past the deadline, or once a batch of it failed, nothing more of it goes to the
+    engine, and it fails only once no batch of it is inside the engine any more
+    (the engine's own timeout, `MC_TRANSFER_TIMEOUT`, ends that wait): a settled
+    handle is one whose bytes this end no longer moves, which is what a notice sent
+    after it tells D."""
 
-    __slots__ = ("_deadline", "_in_engine", "_latch", "_lock", "_state")
+    __slots__ = ("_deadline", "_failing", "_in_engine", "_latch", "_lock", "_state")
 
     def __init__(self, deadline: float, lock: threading.Lock) -> None:
         self._deadline = deadline
         self._lock = lock
         self._state = WriteState.PENDING
         self._in_engine = 0  # batches submitted whose engine wait has not returned
+        self._failing = False  # a batch failed: FAILED once none is left inside
         self._latch = threading.Lock()  # held while PENDING: a cheap one-shot event
         self._latch.acquire()
 
@@ -126,21 +128,30 @@ class MooncakeWriteHandle:
 
     def _enter(self) -> bool:
         """Count a batch about to go to the engine; False (nothing counted) once
-        the handle settled or its deadline passed."""
+        the handle settled, a batch of it failed, or its deadline passed."""
         with self._lock:
-            if self._state is not WriteState.PENDING or time.monotonic() >= self._deadline:
+            if (
+                self._state is not WriteState.PENDING
+                or self._failing
+                or time.monotonic() >= self._deadline
+            ):
                 return False
             self._in_engine += 1
             return True
 
     def _leave(self, state: WriteState | None) -> None:
-        """A batch came back from the engine (or was never started): settle to
-        `state` if given, else FAILED if past the deadline with none left inside."""
+        """A batch came back from the engine (or was never started) as `state`
+        (None: done, more of the write to come). DONE (the last batch) settles
+        at once unless an earlier batch failed; a failure settles FAILED only once
+        no other batch of the write is inside the engine, since those may still
+        land; so does a deadline."""
         with self._lock:
             self._in_engine -= 1
-            if state is not None:
+            if state is WriteState.FAILED:
+                self._failing = True
+            elif state is not None and not self._failing:  # DONE: its last batch
                 self._settle_locked(state)
-            elif not self._in_engine and time.monotonic() >= self._deadline:
+            if not self._in_engine and (self._failing or time.monotonic() >= self._deadline):
                 self._settle_locked(WriteState.FAILED)
 
     def state(self) -> WriteState:
@@ -330,6 +341,10 @@ class _Peer:
             )
         except TypeError:
             return 0, "pieces: addresses and lengths must be unsigned integers"
+        except Exception as exc:  # any engine error: the batch did not start
+            # Raising here would leave the batch counted inside the engine (the
+            # write PENDING for ever) and, on this peer's thread, end the thread.
+            return 0, f"the engine raised {type(exc).__name__}: {exc}"
         return batch, "" if batch else "the engine could not start the batch"
 
     def _run(self) -> None:

@@ -117,6 +117,7 @@ class PDReceiver:
         self._done: OrderedDict[tuple[Epoch, int], None] = OrderedDict()  # forgotten
         self._ready: list[RankReport] = []  # from notices that waited for `expect`
         self.counters = ReceiverCounters()
+        self._checksum_error = ""  # why the last checksum of landed bytes raised
         self._block_bytes = sum(t.block_bytes for t in layout.tensors)
         self.bytes_received = 0  # verified and reported ok
 
@@ -228,14 +229,22 @@ class PDReceiver:
         if not self.checksums:
             return  # the final notice is refused (checksum_mismatch)
         for layer, want in zip(layers, notice.checksums, strict=True):
-            if self._landed(layer, exp.acceptance) == want:
+            if self._landed(layer, exp.acceptance) == want:  # None: checked at the end
                 exp.verified[layer] = want
                 self.counters.layers_early += 1
 
-    def _landed(self, layer: int, acc: Acceptance) -> int:
-        return layer_checksum(
-            self.layout.layer(layer), acc.block_ids, device=self.layout.device
-        )
+    def _landed(self, layer: int, acc: Acceptance) -> int | None:
+        """The checksum of what landed in the layer; None when taking it raised
+        (on a GPU: a CUDA error, or the kernel's wait ran out), which the caller
+        treats as a mismatch: raising out of `poll` would lose the notices it
+        drained from the transport, other transfers' included."""
+        try:
+            return layer_checksum(
+                self.layout.layer(layer), acc.block_ids, device=self.layout.device
+            )
+        except Exception as exc:
+            self._checksum_error = repr(exc)
+            return None
 
     def _wait(self, key: tuple[Epoch, int], payload: bytes) -> None:
         if key[0] < self._epoch:
@@ -280,14 +289,18 @@ class PDReceiver:
             self.bytes_received += len(acc.block_ids) * self._block_bytes
             return RankReport(acc.transfer_id, acc.epoch, rank, True)
         for layer, want in enumerate(notice.checksums):
-            if exp.verified.get(layer) != want and self._landed(layer, acc) != want:
-                self.counters.bad_checksum += 1
+            if exp.verified.get(layer) == want:
+                continue
+            landed = self._landed(layer, acc)
+            if landed != want:
+                self.counters.bad_checksum += landed is not None
+                why = (
+                    "landed bytes do not match P's checksum"
+                    if landed is not None
+                    else f"checksum of the landed bytes failed: {self._checksum_error}"
+                )
                 return RankReport(
-                    acc.transfer_id,
-                    acc.epoch,
-                    rank,
-                    False,
-                    f"layer {layer}: landed bytes do not match P's checksum",
+                    acc.transfer_id, acc.epoch, rank, False, f"layer {layer}: {why}"
                 )
         self.bytes_received += len(acc.block_ids) * self._block_bytes
         return RankReport(acc.transfer_id, acc.epoch, rank, True)

@@ -234,6 +234,8 @@ class PDSender:
         send = _Send(plan, k, self._clock() + plan.timeout_s)
         send.layer_handles = [[] for _ in range(self.layout.num_layers)]
         with self._lock:
+            if self._closed:  # again: a `close` on another thread since the check
+                raise ValueError(f"plan.transfer_id: {plan.transfer_id}: the sender was closed")
             self._sends[(plan.epoch, plan.transfer_id)] = send
             if not chunked:
                 self._next_chunk(send, len(plan.src_block_ids), True)
@@ -280,8 +282,11 @@ class PDSender:
             self._active = [*self._active, send]
         else:
             send.finished = last
-            if last:
-                send.final_layers = self.layout.num_layers
+            if last:  # the previous chunk's layers were final: those behind a fence too
+                send.final_layers = self.layout.num_layers - send.queued
+                for item in self._fenced:
+                    for lay in item.layers:
+                        lay.last = lay.last or lay.send is send
 
     def after_layer(self, layer: int, stream: int | None = None) -> None:
         """The hook: layer `layer` of the step is written (host memory) or its
@@ -327,8 +332,11 @@ class PDSender:
                 handle = self.transport.write(peer, pieces)
                 send.handles.append(handle)
                 send.layer_handles[layer].append(handle)
-        except TransportError as exc:
-            self._stop(send, f"layer {layer}: {exc}")
+        except Exception as exc:  # TransportError, or a transport's bug: never lost
+            # On the waiter thread an escaping error would end the thread, and
+            # every later fenced layer would wait for its send's deadline.
+            why = str(exc) if isinstance(exc, TransportError) else repr(exc)
+            self._stop(send, f"layer {layer}: {why}")
             self._active = [s for s in self._active if s is not send]
             return
         self.layers_sent += 1
@@ -376,30 +384,33 @@ class PDSender:
 
     def _await(self, item: _Fenced) -> bool:
         """Wait for `item`'s fence while a send behind it is live; False when
-        none is any more (stopped, or stopped here: its deadline passed or the
-        fence failed)."""
+        none is any more (stopped, or stopped here: the fence failed, or each
+        one's own deadline passed)."""
         while True:
             with self._lock:
                 live = [lay.send for lay in item.layers if not lay.send.failed]
                 if self._closed or not live:
                     return False
-                deadline = min(send.deadline for send in live)
-            left = deadline - self._clock()
-            reason = ""
-            if left <= 0:
-                reason = f"deadline passed with layer {item.layer}'s fence pending"
-            else:
-                try:
-                    if item.fence.synchronize(min(left, self._fence_slice_s)):
-                        return True
-                except Exception as exc:
-                    reason = f"layer {item.layer}: its fence failed: {exc}"
-            if reason:
+                now = self._clock()
+                late = [send for send in live if send.deadline <= now]
+                if late:  # only these: a later send may still see the fence complete
+                    why = f"deadline passed with layer {item.layer}'s fence pending"
+                    self._stop_all(late, why)
+                    continue
+                left = min(send.deadline for send in live) - now
+            try:
+                if item.fence.synchronize(min(left, self._fence_slice_s)):
+                    return True
+            except Exception as exc:
                 with self._lock:
-                    for send in live:
-                        self._stop(send, reason)
-                    self._active = [s for s in self._active if not s.failed]
+                    self._stop_all(live, f"layer {item.layer}: its fence failed: {exc}")
                 return False
+
+    def _stop_all(self, sends: list[_Send], reason: str) -> None:
+        """Stop `sends` and drop them from the hook's list (the lock held)."""
+        for send in sends:
+            self._stop(send, reason)
+        self._active = [s for s in self._active if not s.failed]
 
     def abort(self, epoch: Epoch, transfer_id: int) -> None:
         """Start no more writes for the transfer; it settles (failed) as usual."""
@@ -466,10 +477,26 @@ class PDSender:
                 del self._sends[key]
                 settled.append((send, states))
         for send in in_flight:  # outside the lock: the hook does not wait for it
-            if self.checksums and not send.failed and send.plan.src_block_ids:
-                self._take_sums(send, send.final_layers)
+            if (
+                self.checksums
+                and not send.failed
+                and send.plan.src_block_ids
+                and self._sums_taken(send, send.final_layers)
+            ):
                 self._progress(send)
         return [self._settle(send, states) for send, states in settled]
+
+    def _sums_taken(self, send: _Send, upto: int) -> bool:
+        """`_take_sums`; if it raises (on a GPU: a CUDA error, or the kernel's wait
+        ran out), stop the send instead: it settles failed as usual, and `poll`
+        goes on settling the others (their reports and notices are not lost)."""
+        try:
+            self._take_sums(send, upto)
+        except Exception as exc:
+            with self._lock:
+                self._stop_all([send], f"checksum of layer {len(send.sums)}: {exc!r}")
+            return False
+        return True
 
     @property
     def num_sends(self) -> int:
@@ -486,6 +513,8 @@ class PDSender:
             return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
         if not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
+        if not send.failed and self.checksums and plan.src_block_ids:
+            self._sums_taken(send, self.layout.num_layers)  # else: stopped, failed
         ok = not send.failed
         for peer, notice in self._notices(send, ok):
             try:
@@ -497,9 +526,7 @@ class PDSender:
 
     def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
         plan = send.plan
-        with_sums = ok and self.checksums and bool(plan.src_block_ids)
-        if with_sums:
-            self._take_sums(send, self.layout.num_layers)
+        with_sums = ok and self.checksums and bool(plan.src_block_ids)  # sums taken
         return [
             (
                 self._targets[r].address,

@@ -116,3 +116,19 @@ def test_the_python_reference_the_gpu_tests_use_is_storages_checksum() -> None:
         segs = _segs(buf, spans)
         want = _disk_io.block_checksum(segs)
         assert crc_reference.checksum([buf[o : o + n].tobytes() for o, n in spans]) == want
+
+
+def test_the_chunk_count_of_huge_segments_saturates_instead_of_wrapping(
+    lib: ctypes.CDLL,
+) -> None:
+    """fkv_cuda_crc3way sizes its buffer by the chunk count and refuses more than
+    2^36 chunks; a count that wrapped past 2^64 (many huge segments) would pass
+    that check small, and the kernels would index far past the buffer. 64
+    segments of 2^58 chunks each (chunks of 3 words) plus one more: 2^64 + 1."""
+    lib.crc_harness_plan_total.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
+    lib.crc_harness_plan_total.restype = ctypes.c_uint64
+    lengths = np.array([3 * (1 << 61)] * 64 + [8], dtype=np.int64)
+    total = lib.crc_harness_plan_total(lengths.ctypes.data, len(lengths), 3)
+    assert total > 1 << 36, f"the chunk count wrapped to {total}"
+    small = np.array([0, 8, 1537], dtype=np.int64)
+    assert lib.crc_harness_plan_total(small.ctypes.data, 3, 192) == 3

@@ -340,3 +340,124 @@ def test_the_workers_hook_passes_the_stream_and_close_starts_no_queued_write() -
     assert not out.success and "P reported a failure" in out.reason
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
+
+
+def test_a_fence_past_one_sends_deadline_does_not_stop_a_later_send_behind_it() -> None:
+    """Two sends handed over behind the same fences; the first one's deadline
+    passes with the fences pending, the second one's does not. Only the first is
+    stopped: the second's layers start once the fences complete and it succeeds."""
+    rig, fences, writes = _rig()
+    tokens2 = list(range(40, 40 + 11))
+    acc1 = rig.offer("r1", TOKENS)
+    rig.now += TIMEOUT * 0.6
+    acc2 = rig.offer("r2", tokens2)
+    assert isinstance(acc1, Acceptance) and isinstance(acc2, Acceptance)
+    t1 = list(rig.p.mgr.block_table("r1").block_ids)
+    t2 = list(rig.p.mgr.block_table("r2").block_ids)
+    for layer in range(rig.layers):  # one hook call per layer hands over both
+        rig.p.write_layer(t1, TOKENS, layer, 0)
+        rig.p.write_layer(t2, tokens2, layer, 0)
+        rig.senders[0].after_layer(layer)
+    assert len(fences.recorded) == rig.layers
+    rig.now += TIMEOUT * 0.5  # r1's deadline passed, r2's not
+    send1 = rig.senders[0]._sends[(acc1.epoch, acc1.transfer_id)]
+    send2 = rig.senders[0]._sends[(acc2.epoch, acc2.transfer_id)]
+    _until(lambda: bool(send1.failed), "the waiter to stop r1")
+    time.sleep(0.05)  # a few more of the waiter's slices
+    assert not send2.failed, f"r2 was stopped by r1's deadline: {send2.failed}"
+    for fence in fences.recorded:
+        fence.complete()
+    _until(lambda: len(writes) == rig.layers, "r2's layers")
+    rig.p_side.release("r1")
+    rig.p_side.release("r2")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r1", TOKENS) == "recomputed"
+    assert rig.finish_on_d("r2", tokens2) == "received"
+    rig.check_clean()
+
+
+def test_an_empty_last_chunk_takes_no_checksum_of_layers_still_behind_their_fences() -> None:
+    """A chunked send whose blocks all went in a chunk not marked last, then an
+    empty last chunk: the earlier chunk's layers are still behind their fences
+    (on a GPU: launched, not yet written). `poll` must not checksum them nor tell
+    D they are done before their fences completed and their writes started."""
+    rig, fences, writes = _rig()
+    tokens = list(range(5, 5 + 12))  # three full blocks
+    acc = rig.offer("r", tokens, chunked=True)
+    assert isinstance(acc, Acceptance)
+    sender = rig.senders[0]
+    table = list(rig.p.mgr.block_table("r").block_ids)
+    n = len(acc.block_ids)
+    sender.chunk(acc.epoch, acc.transfer_id, n, last=False)
+    for layer in range(rig.layers):
+        sender.after_layer(layer)  # launched; the kernel writes later
+    sender.chunk(acc.epoch, acc.transfer_id, n, last=True)  # nothing left to send
+    rig.step()
+    send = sender._sends[(acc.epoch, acc.transfer_id)]
+    assert send.sums == [] and sender.progress_sent == 0, "checksummed unwritten KV"
+    for layer in range(rig.layers):  # the kernels ran
+        rig.p.write_layer(table, tokens, layer, 0)
+    for fence in fences.recorded:
+        fence.complete()
+    _until(lambda: len(writes) == rig.layers, "every layer's write")
+    rig.p_side.release("r")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r", tokens) == "received"
+    rig.check_clean()
+
+
+def test_a_write_that_raises_an_unexpected_error_fails_its_send_and_the_waiter_goes_on() -> (
+    None
+):
+    """The transport's write raising something else than TransportError on the
+    waiter thread: that send fails; the thread lives on and the next send's
+    layers still start (else every later send would wait for its deadline)."""
+    rig, fences, writes = _rig()
+    sender = rig.senders[0]
+    spy = sender.transport.write
+
+    def broken(peer, pieces):
+        raise RuntimeError("engine: std::bad_alloc")
+
+    sender.transport.write = broken  # type: ignore[method-assign]
+    assert isinstance(rig.offer("r1", TOKENS), Acceptance)
+    rig.prefill("r1", TOKENS)
+    fences.recorded[0].complete()
+    _until(lambda: len(sender._fenced) < rig.layers, "layer 0's fence handled")
+    sender.transport.write = spy  # type: ignore[method-assign]
+    for fence in fences.recorded:
+        fence.complete()
+    rig.p_side.release("r1")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r1", TOKENS) == "recomputed"
+    tokens2 = list(range(40, 40 + 11))
+    assert isinstance(rig.offer("r2", tokens2), Acceptance)
+    rig.prefill("r2", tokens2)
+    for fence in fences.recorded:
+        fence.complete()
+    _until(lambda: len(writes) == rig.layers, "r2's layers")
+    rig.p_side.release("r2")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r2", tokens2) == "received"
+    rig.check_clean()
+
+
+def test_a_start_racing_close_is_refused_and_starts_no_write() -> None:
+    """`close` running on another thread while `start` checks its plan (here: in
+    the middle of the checks): the start is refused, so no hook after close starts
+    a write for it (host memory: the hook would write at once)."""
+    rig = Rig()
+    sender = rig.senders[0]
+    writes = _spy_writes(rig)
+    check = sender._check_ids
+
+    def check_then_close(*args):  # type: ignore[no-untyped-def]
+        check(*args)
+        sender.close()
+
+    sender._check_ids = check_then_close  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="the sender was closed"):
+        rig.offer("r", TOKENS)
+    assert sender.num_sends == 0
+    rig.prefill("r", TOKENS)
+    assert writes == [], "a write started after close"

@@ -190,3 +190,73 @@ def test_chunked_send_sends_no_progress_before_the_last_chunk() -> None:
     rig.run_until_quiet()
     assert rig.finish_on_d("r", TOKENS) == "received"
     rig.check_clean()
+
+
+def test_a_checksum_that_raises_fails_its_send_and_not_the_others_settling_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P's checksum of one send raising (on a GPU: a CUDA error or the kernel's
+    wait running out) while another send settles in the same `poll`: `poll` does
+    not raise, the one send settles failed (D recomputes), the other is received
+    (neither report nor notice lost)."""
+    from fastkv.pd import sender as sender_mod
+
+    rig = Rig()
+    tokens2 = list(range(40, 40 + 3 * BS))
+    assert isinstance(rig.offer("r1", TOKENS), Acceptance)
+    assert isinstance(rig.offer("r2", tokens2), Acceptance)
+    bad = tuple(rig.p.mgr.block_table("r1").block_ids)
+    real = sender_mod.layer_checksum
+
+    def checksum(tensors, block_ids, **kw):  # type: ignore[no-untyped-def]
+        if tuple(block_ids) == bad:
+            raise RuntimeError("fkv_cuda_crc3way: crc3way: not complete after 30.000 s")
+        return real(tensors, block_ids, **kw)
+
+    monkeypatch.setattr(sender_mod, "layer_checksum", checksum)
+    t1 = list(rig.p.mgr.block_table("r1").block_ids)
+    t2 = list(rig.p.mgr.block_table("r2").block_ids)
+    for layer in range(rig.layers):
+        rig.p.write_layer(t1, TOKENS, layer, 0)
+        rig.p.write_layer(t2, tokens2, layer, 0)
+        rig.senders[0].after_layer(layer)
+    rig.p_side.release("r1")
+    rig.p_side.release("r2")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r1", TOKENS) == "recomputed"
+    assert rig.finish_on_d("r2", tokens2) == "received"
+    rig.check_clean()
+
+
+def test_a_landed_checksum_that_raises_on_d_fails_that_transfer_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D's checksum of one transfer's landed bytes raising (on a GPU: a CUDA
+    error, or the kernel's wait running out) while another transfer's notice is in
+    the same `poll`: `poll` does not raise (the notices it drained would be lost),
+    that transfer fails and recomputes, the other is received."""
+    rig = Rig()
+    tokens2 = list(range(40, 40 + 3 * BS))
+    acc1 = rig.offer("r1", TOKENS)
+    acc2 = rig.offer("r2", tokens2)
+    assert isinstance(acc1, Acceptance) and isinstance(acc2, Acceptance)
+    real = receiver_mod.layer_checksum
+
+    def checksum(tensors, block_ids, **kw):  # type: ignore[no-untyped-def]
+        if tuple(block_ids) == tuple(acc1.block_ids):
+            raise RuntimeError("fkv_cuda_crc3way: crc3way: not complete after 30.000 s")
+        return real(tensors, block_ids, **kw)
+
+    monkeypatch.setattr(receiver_mod, "layer_checksum", checksum)
+    t1 = list(rig.p.mgr.block_table("r1").block_ids)
+    t2 = list(rig.p.mgr.block_table("r2").block_ids)
+    for layer in range(rig.layers):
+        rig.p.write_layer(t1, TOKENS, layer, 0)
+        rig.p.write_layer(t2, tokens2, layer, 0)
+        rig.senders[0].after_layer(layer)
+    rig.p_side.release("r1")
+    rig.p_side.release("r2")
+    rig.run_until_quiet()
+    assert rig.finish_on_d("r1", TOKENS) == "recomputed"
+    assert rig.finish_on_d("r2", tokens2) == "received"
+    rig.check_clean()

@@ -41,9 +41,11 @@ class HeldEngine:
             self.ended.notify_all()
 
 
-def start(peer: _Peer, pieces: int, deadline_s: float) -> MooncakeWriteHandle:
+def start(
+    peer: _Peer, pieces: int, deadline_s: float, *, inline: bool = False
+) -> MooncakeWriteHandle:
     handle = MooncakeWriteHandle(time.monotonic() + deadline_s, threading.Lock())
-    peer.start(_Job(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), False)
+    peer.start(_Job(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), inline)
     return handle
 
 
@@ -117,5 +119,86 @@ def test_a_write_with_nothing_inside_the_engine_fails_at_its_deadline() -> None:
         assert first.wait(2) is WriteState.DONE
         time.sleep(0.05)
         assert engine.submitted == [64]  # the failed write never went in
+    finally:
+        peer.close()
+
+
+def test_a_failed_batch_settles_its_write_only_once_no_other_batch_of_it_is_inside() -> None:
+    """A write in two chunks inside the engine: the first fails (the engine's
+    timeout) while the second is still inside. The handle stays PENDING until the
+    second returns (a FAILED handle lets P's failure notice go out, which tells D
+    no byte can land any more), and no more of the write is submitted."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 96, 30)
+        until(lambda: len(engine.submitted) == 2)  # two chunks of 32 inside
+        engine.end(1, -1)
+        time.sleep(0.1)
+        assert handle.state() is WriteState.PENDING  # chunk 2 may still land
+        assert handle.wait(0.05) is WriteState.PENDING
+        engine.end(2, 0)
+        assert handle.wait(2) is WriteState.FAILED
+        time.sleep(0.05)
+        assert engine.submitted == [32, 32]  # the rest never went in
+    finally:
+        peer.close()
+
+
+class RaisingEngine(HeldEngine):
+    """Raises from the submit of the batches numbered in `raise_on` (1-based)."""
+
+    def __init__(self, raise_on: set[int]) -> None:
+        super().__init__()
+        self.raise_on = raise_on
+        self.calls = 0
+
+    def batch_transfer_async_write(self, peer, srcs, dsts, lengths) -> int:
+        self.calls += 1
+        if self.calls in self.raise_on:
+            raise RuntimeError("engine: std::bad_alloc")
+        return super().batch_transfer_async_write(peer, srcs, dsts, lengths)
+
+
+def test_an_engine_submit_that_raises_fails_the_write_and_the_peer_goes_on() -> None:
+    """The engine's submit raising (not returning 0) for a write's second chunk:
+    the write fails once its first chunk returns (not PENDING forever, counted
+    inside the engine), and the peer's thread still serves the next write."""
+    engine = RaisingEngine({2})
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        handle = start(peer, 96, 30)
+        until(lambda: engine.calls >= 2)
+        engine.end(1, 0)
+        assert handle.wait(2) is WriteState.FAILED
+        nxt = start(peer, 8, 30)
+        until(lambda: len(engine.submitted) == 2)
+        engine.end(2, 0)
+        assert nxt.wait(2) is WriteState.DONE
+    finally:
+        peer.close()
+
+
+def test_a_write_whose_first_batch_failed_is_failed_even_when_its_later_batches_succeed() -> (
+    None
+):
+    """Every batch of a write submitted (three of them), the first fails and the
+    others succeed: FAILED (not every byte landed), once the last returned."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        other = start(peer, 16, 30)
+        until(lambda: engine.submitted == [16])
+        handle = start(peer, 60, 30, inline=True)  # the thread waits on batch 1
+        until(lambda: engine.submitted == [16, 32, 16])
+        engine.end(1, 0)
+        until(lambda: engine.submitted == [16, 32, 16, 12])  # the rest fits now
+        assert other.wait(2) is WriteState.DONE
+        engine.end(2, -1)
+        engine.end(3, 0)
+        time.sleep(0.05)
+        assert handle.state() is WriteState.PENDING  # batch 4 still inside
+        engine.end(4, 0)
+        assert handle.wait(2) is WriteState.FAILED
     finally:
         peer.close()
