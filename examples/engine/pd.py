@@ -42,7 +42,10 @@ from fastkv.pd.prefill import PrefillTransfers
 from fastkv.scheduler import CacheManager
 
 HOST = "127.0.0.1"
-os.environ.setdefault("GLOG_minloglevel", "1")  # the engine logs every batch at INFO
+# The engine logs every batch at INFO; its own level, MC_LOG_LEVEL, is what it
+# reads (GLOG_minloglevel alone left 192 lines of it in the demo's output).
+os.environ.setdefault("GLOG_minloglevel", "1")
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 SETTLE_S = 30.0
 
 
