@@ -81,7 +81,6 @@ from fastkv.storage.base import (
     BlockSegments,
     KeyResult,
     KeyStatus,
-    Segment,
     StorageBackend,
     StorageKey,
     StorageStats,
@@ -277,7 +276,6 @@ class LocalDiskBackend(StorageBackend):
         self._lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
         self._payload_bytes = layout.payload_bytes
         self._header_parts = header_parts(layout)
-        self._segment_starts = [0, *np.cumsum(layout.segment_lengths)[:-1].tolist()]
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -365,16 +363,9 @@ class LocalDiskBackend(StorageBackend):
             # then cut into the layout's segments, which the slot places apart
             # (misaligned ones go through the packing path as ever).
             check_segments(blocks, self.layout)
-            blocks = [self._split(block[0][0]) for block in blocks]
+            blocks = self.layout.in_segments(blocks)
         packed, misaligned = _disk_io.check_pack(blocks, self._lengths)
         return _Packed(packed, misaligned, blocks)
-
-    def _split(self, address: int) -> list[Segment]:
-        """The layout's segments of the contiguous block at `address`."""
-        return [
-            (address + start, n)
-            for start, n in zip(self._segment_starts, self.layout.segment_lengths, strict=True)
-        ]
 
     def _get_into(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
