@@ -487,10 +487,11 @@ class LocalDiskBackend(StorageBackend):
         repeats = False
         now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
         statuses: list[int] = []
-        answered = release = False
+        entered = answered = release = False
         try:  # slots taken before a raise go back in the finally (settled as failed)
             with self._lock:
-                self._enter_held()
+                self._enter_held()  # raises once closed: then not counted in, nor out
+                entered = True
                 index, free = self._slots.index, self._slots.free
                 seq = max(self._seq, now_ns - 1)
                 for i, key in enumerate(keys):
@@ -525,7 +526,7 @@ class LocalDiskBackend(StorageBackend):
                         if j is not None and j != i:
                             results[i] = ALREADY_STORED if results[j].ok else results[j]
                     self._tally_puts(results)
-                release = self._leave_held()
+                release = entered and self._leave_held()
             if release:
                 self._release_late()
         return results
