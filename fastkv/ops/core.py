@@ -188,7 +188,8 @@ def make_segments(segments: Sequence[SegmentEntry]) -> ctypes.Array:  # type: ig
         A ctypes array of `Segment`, accepted by `swap_cpu` and `swap_cuda`.
 
     Raises:
-        ValueError: an entry is not a triple or quadruple of ints.
+        ValueError: an entry is not a triple or quadruple of ints, or a value does
+            not fit its field (ctypes would wrap it silently).
     """
     table = (Segment * len(segments))()
     for i, entry in enumerate(segments):
@@ -202,8 +203,25 @@ def make_segments(segments: Sequence[SegmentEntry]) -> ctypes.Array:  # type: ig
                 f"segments[{i}]: expected (device_base, host_base, block_bytes[, "
                 f"host_stride]), got {entry!r}"
             ) from None
+        _check_fields(i, dev, host, block_bytes, stride)
         table[i] = Segment(dev, host, block_bytes, stride)
     return table
+
+
+_SEGMENT_FIELDS = (
+    ("device_base", 0, 1 << 64),
+    ("host_base", 0, 1 << 64),
+    ("block_bytes", -(1 << 63), 1 << 63),
+    ("host_stride", -(1 << 63), 1 << 63),
+)
+
+
+def _check_fields(i: int, *values: int) -> None:
+    """Raises ValueError naming the first value outside its C field's range (the
+    native checks then see what the caller gave, not a wrapped value)."""
+    for (name, low, high), v in zip(_SEGMENT_FIELDS, values, strict=True):
+        if not low <= v < high:
+            raise ValueError(f"segments[{i}].{name}: {v} is outside [{low}, {high})")
 
 
 def _segments(segments: SegmentsLike) -> ctypes.Array:  # type: ignore[type-arg]

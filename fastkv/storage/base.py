@@ -19,6 +19,7 @@ Contract every backend keeps:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import threading
@@ -249,6 +250,18 @@ class BlockLayout:
             except TypeError:
                 pass
         return self.segment_lengths
+
+    def in_segments(self, blocks: Sequence[BlockSegments]) -> Sequence[BlockSegments]:
+        """The call's blocks (checked by `check_segments`) as the layout's segments:
+        `blocks` itself when given so; each block given as one contiguous segment
+        cut at the layout's lengths. A block's payload CRC is taken per layout
+        segment, so a backend seals and verifies every block in this form: both
+        forms of one block then store and accept the same object."""
+        if len(self.lengths_for(blocks)) == self.num_segments:
+            return blocks
+        starts = [0, *itertools.accumulate(self.segment_lengths)][:-1]
+        pairs = tuple(zip(starts, self.segment_lengths, strict=True))
+        return [[(segs[0][0] + o, n) for o, n in pairs] for segs in blocks]
 
     def digest32(self) -> int:
         """A 32-bit fingerprint of the lengths (stored in each header)."""

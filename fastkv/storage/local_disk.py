@@ -81,7 +81,6 @@ from fastkv.storage.base import (
     BlockSegments,
     KeyResult,
     KeyStatus,
-    Segment,
     StorageBackend,
     StorageKey,
     StorageStats,
@@ -277,7 +276,6 @@ class LocalDiskBackend(StorageBackend):
         self._lengths = np.array(layout.segment_lengths, dtype=np.int64).tobytes()
         self._payload_bytes = layout.payload_bytes
         self._header_parts = header_parts(layout)
-        self._segment_starts = [0, *np.cumsum(layout.segment_lengths)[:-1].tolist()]
         capacity = _capacity(capacity_blocks, capacity_bytes, self.geometry.slot_bytes)
         if direct_io not in (None, True, False):
             raise ValueError(f"direct_io: must be None, True or False, got {direct_io!r}")
@@ -365,16 +363,9 @@ class LocalDiskBackend(StorageBackend):
             # then cut into the layout's segments, which the slot places apart
             # (misaligned ones go through the packing path as ever).
             check_segments(blocks, self.layout)
-            blocks = [self._split(block[0][0]) for block in blocks]
+            blocks = self.layout.in_segments(blocks)
         packed, misaligned = _disk_io.check_pack(blocks, self._lengths)
         return _Packed(packed, misaligned, blocks)
-
-    def _split(self, address: int) -> list[Segment]:
-        """The layout's segments of the contiguous block at `address`."""
-        return [
-            (address + start, n)
-            for start, n in zip(self._segment_starts, self.layout.segment_lengths, strict=True)
-        ]
 
     def _get_into(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
@@ -496,10 +487,11 @@ class LocalDiskBackend(StorageBackend):
         repeats = False
         now_ns = time.time_ns()  # one clock read per call; seqs still rise by one per block
         statuses: list[int] = []
-        answered = release = False
+        entered = answered = release = False
         try:  # slots taken before a raise go back in the finally (settled as failed)
             with self._lock:
-                self._enter_held()
+                self._enter_held()  # raises once closed: then not counted in, nor out
+                entered = True
                 index, free = self._slots.index, self._slots.free
                 seq = max(self._seq, now_ns - 1)
                 for i, key in enumerate(keys):
@@ -534,7 +526,7 @@ class LocalDiskBackend(StorageBackend):
                         if j is not None and j != i:
                             results[i] = ALREADY_STORED if results[j].ok else results[j]
                     self._tally_puts(results)
-                release = self._leave_held()
+                release = entered and self._leave_held()
             if release:
                 self._release_late()
         return results

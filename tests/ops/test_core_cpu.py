@@ -711,3 +711,19 @@ def test_interleaved_host_regions_must_tile_one_stride(change: dict, message: st
     with pytest.raises(ValueError, match=re.escape(message)):
         core.swap_cpu([tuple(s) for s in segs], 8, 4, [0, 1], [2, 3], D2H)
     assert not host.array.any()
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ((16, 32, 64, (1 << 64) + 128), r"segments\[0\]\.host_stride: 18446744073709551744 "),
+        ((16, 32, (1 << 64) + 64), r"segments\[0\]\.block_bytes: 18446744073709551680 "),
+        (((1 << 64) + 16, 32, 64), r"segments\[0\]\.device_base: 18446744073709551632 "),
+        ((16, -32, 64), r"segments\[0\]\.host_base: -32 is outside \[0, "),
+    ],
+)
+def test_a_segment_value_that_does_not_fit_its_field_is_refused(entry, message) -> None:
+    """ctypes wraps an int too large for its field: a host_stride of 2**64 + 128
+    became a valid 128. make_segments refuses it, naming the field and value."""
+    with pytest.raises(ValueError, match=message):
+        core.make_segments([entry])

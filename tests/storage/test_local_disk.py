@@ -779,3 +779,40 @@ def test_the_header_the_c_batch_writes_is_expected_header(tmp_path: Path, rank: 
             statuses(backend.get_into(keys[::-1], [host.segments(b) for b in range(3)], 1e12))
             == ["OK"] * 3
         )
+
+
+def test_a_put_refused_as_closed_does_not_count_out_a_call_still_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() gave up on a put stuck in its write (the files stay open until it
+    returns); a later put is refused as closed. That refusal counted itself out
+    though it was never counted in: the stuck put's count went, and the files were
+    closed under its write (its fd could name another file by then)."""
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 2)
+    host.fill(0, seed=0)
+    a, b = make_keys(2)
+    writing, release = threading.Event(), threading.Event()
+    real_write = local_disk._disk_io.write_batch
+
+    def stuck_write(*args):
+        writing.set()
+        assert release.wait(SOON)
+        return real_write(*args)
+
+    backend = open_backend(tmp_path, layout)
+    monkeypatch.setattr(local_disk._disk_io, "write_batch", stuck_write)
+    out: list = []
+    writer = threading.Thread(target=lambda: out.append(put(backend, host, [a], [0])))
+    writer.start()
+    try:
+        assert writing.wait(SOON)
+        assert backend.close(timeout=0) is False  # the put is still writing
+        with pytest.raises(RuntimeError, match="closed"):
+            backend.put_from([b], [host.segments(1)], deadline_after(SOON))
+        assert backend._fd >= 0  # still open for the put in flight
+    finally:
+        release.set()
+        writer.join(SOON)
+    assert out == [["FAILED"]]  # closed before its block started: not written
+    assert backend._fd < 0 and backend._users == 0  # closed when it returned

@@ -428,3 +428,44 @@ def test_wait_host_quiet_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="blocks"):
         backend.wait_host_quiet([[(0, 1)]], 1.0)
     assert backend.wait_host_quiet([host.segments(0)], 0.0)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["zero-copy", "staged"])
+def test_both_block_forms_store_the_same_object_without_auth(staged: bool) -> None:
+    """A block handed as one contiguous segment (the host tier's) and as the
+    layout's segments store the same object: without a key ring the payload CRC
+    is taken per layout segment, so each form reads what the other put, and a
+    verified put's read-back (of the layout's segments) accepts it."""
+    store = FakeMooncakeStore()
+    store.reput_code = 0
+    options = MooncakeOptions(
+        staging_bytes=4 * 8 * OBJECT_BYTES if staged else 0,
+        allow_unauthenticated=True,
+        verify_puts=True,
+    )
+    backend = MooncakeBackend(LAYOUT, options, store=store)
+    host = HostMemory(LAYOUT, 4)
+    backend.register_host_memory(host.base, host.nbytes)
+    host.fill(0, seed=5)
+    host.fill(1, seed=6)
+    keys = make_keys(2)
+    assert statuses(backend.put_from(keys[:1], [host.segments(0)], deadline_after(SOON))) == [
+        "OK"
+    ]
+    assert statuses(
+        backend.put_from(keys[1:], [host.tensor_segments(1)], deadline_after(SOON))
+    ) == ["OK"]
+    # a second put of each, in the other form (one form a call), reads the object
+    # back and finds its block
+    for key, block in ((keys[0], host.tensor_segments(0)), (keys[1], host.segments(1))):
+        assert statuses(backend.put_from([key], [block], deadline_after(SOON))) == ["OK"]
+    assert not store.removed and backend.forged_puts == 0
+    for key, block, into in (
+        (keys[0], host.tensor_segments(2), 2),
+        (keys[1], host.segments(3), 3),
+        (keys[0], host.segments(3), 3),
+        (keys[1], host.tensor_segments(2), 2),
+    ):
+        host.clear(into, 0xA5)
+        assert statuses(backend.get_into([key], [block], deadline_after(SOON))) == ["OK"]
+        assert host.read(into) == host.read(0 if key == keys[0] else 1)

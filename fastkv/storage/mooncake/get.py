@@ -117,8 +117,9 @@ class MooncakeGets:
         # read answers its size): ask its size, one key at a time, but only while
         # the deadline allows and until a fatal code shows the store is failing.
         ask_size = not self._staged
-        nseg = len(self._layout.lengths_for(blocks))
-        packed = memoryview(_disk_io.pack_segments(blocks, nseg))
+        # verified over the layout's segments whatever the call's form (`in_segments`)
+        nseg = self._layout.num_segments
+        packed = memoryview(_disk_io.pack_segments(self._layout.in_segments(blocks), nseg))
         for j, code in enumerate(codes):
             reason = held[j]
             if reason is not None:

@@ -214,8 +214,9 @@ class MooncakePuts:
         """What Mooncake puts for each key: staged, the object gathered (header,
         then segments) into the staging area; zero-copy, the header sealed in the
         arena, then the block's own segments."""
-        nseg = len(self._layout.lengths_for(blocks))
-        packed = memoryview(_disk_io.pack_segments(blocks, nseg))
+        # sealed over the layout's segments whatever the call's form (`in_segments`)
+        nseg = self._layout.num_segments
+        packed = memoryview(_disk_io.pack_segments(self._layout.in_segments(blocks), nseg))
         memory, layout, ring = self._memory, self._layout, self._ring
         ptrs: list[object] = []
         for j, key in enumerate(keys):
