@@ -297,6 +297,42 @@ class StorageStats:
     stored_blocks: int = 0
     capacity_blocks: int = 0
 
+    def count_gets(self, results: Sequence[KeyResult], payload_bytes: int) -> None:
+        """Count a get_into call by its results (the caller holds the backend's
+        lock; the backend counts `corrupt`)."""
+        n = len(results)
+        self.gets += n
+        if results.count(OK) == n:  # identity first: no comparison for the usual answer
+            self.get_bytes += n * payload_bytes
+            return
+        for r in results:
+            if r.status == KeyStatus.OK:
+                self.get_bytes += payload_bytes
+            elif r.status == KeyStatus.MISS:
+                self.misses += 1
+            elif r.status == KeyStatus.FAILED:
+                self.get_failures += 1
+            elif r.status == KeyStatus.TIMEOUT:
+                self.timeouts += 1
+
+    def count_puts(self, results: Sequence[KeyResult], payload_bytes: int) -> None:
+        """Count a put_from call by its results (the caller holds the lock)."""
+        n = len(results)
+        self.puts += n
+        if results.count(OK) == n:  # identity first: no comparison for the usual answer
+            self.put_bytes += n * payload_bytes
+            return
+        n_ok = already = 0
+        for r in results:
+            if r.status == KeyStatus.OK:
+                n_ok += 1
+                already += r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
+            elif r.status == KeyStatus.TIMEOUT:
+                self.timeouts += 1
+        self.put_failures += n - n_ok
+        self.put_already_stored += already
+        self.put_bytes += (n_ok - already) * payload_bytes
+
 
 def deadline_after(timeout: float) -> float:
     """The absolute deadline `timeout` seconds from now (for the calls below).
@@ -411,29 +447,13 @@ class StorageBackend(ABC):
 
     def _count_gets(self, results: Sequence[KeyResult]) -> None:
         """Count a get_into call by its results (the backend counts `corrupt`)."""
-        n = _count_statuses(results)
         with self._lock:
-            st = self._stats
-            st.gets += len(results)
-            st.misses += n[KeyStatus.MISS]
-            st.get_failures += n[KeyStatus.FAILED]
-            st.timeouts += n[KeyStatus.TIMEOUT]
-            st.get_bytes += n[KeyStatus.OK] * self.layout.payload_bytes
+            self._stats.count_gets(results, self.layout.payload_bytes)
 
     def _count_puts(self, results: Sequence[KeyResult]) -> None:
         """Count a put_from call by its results."""
-        n = _count_statuses(results)
-        # `is OK` first: a dataclass == per result cost more than the rest of the count
-        already = sum(
-            1 for r in results if r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
-        )
         with self._lock:
-            st = self._stats
-            st.puts += len(results)
-            st.put_failures += len(results) - n[KeyStatus.OK]
-            st.put_already_stored += already
-            st.timeouts += n[KeyStatus.TIMEOUT]
-            st.put_bytes += (n[KeyStatus.OK] - already) * self.layout.payload_bytes
+            self._stats.count_puts(results, self.layout.payload_bytes)
 
     # -- shared validation ------------------------------------------------------
 
@@ -450,14 +470,6 @@ class StorageBackend(ABC):
         if len(blocks) != len(keys):
             raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
         check_segments(blocks, self.layout)
-
-
-def _count_statuses(results: Sequence[KeyResult]) -> list[int]:
-    """How many results have each KeyStatus (indexed by its value)."""
-    n = [0] * len(KeyStatus)
-    for r in results:
-        n[r.status] += 1
-    return n
 
 
 def check_keys(keys: Sequence[StorageKey]) -> None:

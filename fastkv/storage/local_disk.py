@@ -406,7 +406,7 @@ class LocalDiskBackend(StorageBackend):
                         if status != _disk_io.ST_OK:
                             again = rereads[k] if rereads else _disk_io.ST_OK
                             results[i] = self._read_result(keys[i], slot, seq, status, again)
-                    self._tally_gets(results)
+                    self._stats.count_gets(results, self._payload_bytes)
                 release = self._leave_held()
             if release:
                 self._release_late()
@@ -525,7 +525,7 @@ class LocalDiskBackend(StorageBackend):
                         j = first.get(key.packed)
                         if j is not None and j != i:
                             results[i] = ALREADY_STORED if results[j].ok else results[j]
-                    self._tally_puts(results)
+                    self._stats.count_puts(results, self._payload_bytes)
                 release = entered and self._leave_held()
             if release:
                 self._release_late()
@@ -625,7 +625,7 @@ class LocalDiskBackend(StorageBackend):
         """Count a call out (and count the puts it answered, when given)."""
         with self._lock:
             if puts is not None:
-                self._tally_puts(puts)
+                self._stats.count_puts(puts, self._payload_bytes)
             release = self._leave_held()
         if release:
             self._release_late()
@@ -644,46 +644,6 @@ class LocalDiskBackend(StorageBackend):
     def _release_late(self) -> None:
         self._release_files()
         log.warning("fastkv storage: %s closed after its last call returned", self.directory)
-
-    def _tally_puts(self, results: list[KeyResult]) -> None:
-        """`_count_puts` with the lock held (the put's last section counts it)."""
-        st = self._stats
-        n = len(results)
-        ok = results.count(OK)  # identity first: no comparison for the usual answer
-        if ok == n:
-            st.puts += n
-            st.put_bytes += n * self._payload_bytes
-            return
-        n_ok = already = timeouts = 0
-        for r in results:
-            if r.status == KeyStatus.OK:
-                n_ok += 1
-                already += r is not OK and (r is ALREADY_STORED or r == ALREADY_STORED)
-            elif r.status == KeyStatus.TIMEOUT:
-                timeouts += 1
-        st.puts += n
-        st.put_failures += n - n_ok
-        st.put_already_stored += already
-        st.timeouts += timeouts
-        st.put_bytes += (n_ok - already) * self._payload_bytes
-
-    def _tally_gets(self, results: list[KeyResult]) -> None:
-        """`_count_gets` with the lock held."""
-        st = self._stats
-        n = len(results)
-        st.gets += n
-        if results.count(OK) == n:  # identity first: no comparison for the usual answer
-            st.get_bytes += n * self._payload_bytes
-            return
-        for r in results:
-            if r.status == KeyStatus.OK:
-                st.get_bytes += self._payload_bytes
-            elif r.status == KeyStatus.MISS:
-                st.misses += 1
-            elif r.status == KeyStatus.FAILED:
-                st.get_failures += 1
-            elif r.status == KeyStatus.TIMEOUT:
-                st.timeouts += 1
 
     def _release_files(self) -> None:
         """Close the files (no call uses them any more) and unlock the directory."""
