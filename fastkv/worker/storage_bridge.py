@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
@@ -74,14 +74,12 @@ class HostTier:
     base: int
     block_bytes: tuple[int, ...]
     num_blocks: int
+    stride: int = field(init=False)
+    """Bytes of one host block (summed once: `segments` runs per block)."""
 
     def __post_init__(self) -> None:
         BlockLayout(self.block_bytes)  # validates the sizes
-
-    @property
-    def stride(self) -> int:
-        """Bytes of one host block."""
-        return sum(self.block_bytes)
+        object.__setattr__(self, "stride", sum(self.block_bytes))
 
     @property
     def layout(self) -> BlockLayout:
@@ -91,8 +89,7 @@ class HostTier:
 
     def segments(self, block: int) -> list[Segment]:
         """Host block `block` as a backend takes it: one (address, length) segment."""
-        stride = self.stride
-        return [(self.base + block * stride, stride)]
+        return [(self.base + block * self.stride, self.stride)]
 
 
 @dataclass(slots=True)
