@@ -280,36 +280,47 @@ class PDWorker:
         assert self.receiver is not None
         return self.receiver.num_expected
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
         """Stop serving this layout and close the transport, which lets go of every
         region registered in it; call it before the KV tensors are freed (the
         controller's `free_gpu_cache` does). P: every send starts no more writes
-        and its writes, which read the KV, are waited on (at most `timeout_s`);
-        each settles as usual (D told, the scheduler sent its report). D: every
-        expected transfer is forgotten (the scheduler fences its blocks); with
-        the regions gone, a late write from P is refused by the transport
-        instead of landing in freed memory."""
+        and its writes, which read the KV, are waited on; each settles as usual
+        (D told, the scheduler sent its report). D: every expected transfer is
+        forgotten (the scheduler fences its blocks); with the regions gone, a
+        late write from P is refused by the transport instead of landing in
+        freed memory.
+
+        Waits at most `timeout_s` in all; None: the transport's own bound on a
+        write (`release_bound_s`: the engine's timeout, 30 s by default), which
+        every write ends within. Returns True when no write of this rank reads or
+        writes the KV any more; False (logged) when one still may: the tensors
+        must then outlive it (call again before freeing them)."""
+        if timeout_s is None:
+            timeout_s = float(getattr(self.transport, "release_bound_s", 30.0))
+        if not 0 < timeout_s <= 3600:
+            raise ValueError(f"timeout_s: {timeout_s!r} must be in (0, 3600] s")
+        end = time.monotonic() + timeout_s
         if self.sender is not None:
             self.sender.abort_all("the KV cache was freed on P")
             self.sender.close()  # no write starts from now on, pending fences or not
-            end = time.monotonic() + timeout_s
             while True:
                 self.poll()
                 if not self.sender.num_sends or time.monotonic() >= end:
                     break
                 time.sleep(0.002)
-            if self.sender.num_sends:
-                log.error(
-                    "fastkv PD rank %d: %d sends still writing after %.1f s; closing",
-                    self.layout.tp_rank,
-                    self.sender.num_sends,
-                    timeout_s,
-                )
         else:
             assert self.receiver is not None
             for epoch, transfer_id in self.receiver.expected():
                 self.forget(epoch, transfer_id)
-        self.transport.close()
+        released = self.transport.close(max(1e-3, end - time.monotonic()))
+        if not released:
+            log.error(
+                "fastkv PD rank %d: writes still inside the transport after %.1f s; "
+                "the KV tensors must not be freed yet",
+                self.layout.tp_rank,
+                timeout_s,
+            )
+        return released
 
 
 __all__ = ["PDWorker", "new_handler"]

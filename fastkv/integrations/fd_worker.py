@@ -458,14 +458,20 @@ class FastDeployCacheController:
         this after its profiling run, at `clear_parameters` and when the KV cache
         sleeps; `initialize_kv_cache` may run again afterwards. With PD attached,
         first `PDWorker.close` (P's writes settle, the transport lets go of the
-        tensors): PD serves again once `attach_pd` is called on the new cache. No-op
+        tensors; if a write is still inside it past its bound, this raises and
+        frees nothing): PD serves again once `attach_pd` is called on the new cache. No-op
         without a cache."""
         self.stop()
         with self._lock:  # a batch or drained task holds it from its PD check to its use
             pd, self.pd = self.pd, None
         if pd is not None:  # before the tensors go: its writes read them
             try:
-                pd.close()  # outside the lock: the reports it sends take it
+                # outside the lock: the reports it sends take it
+                if not pd.close():
+                    raise RuntimeError(
+                        "free_gpu_cache: PD writes are still inside the transport past "
+                        "its own timeout; no KV tensor was freed (call it again)"
+                    )
             except BaseException:
                 with self._lock:  # nothing was freed: attached as before, to retry
                     self.pd = pd

@@ -121,9 +121,11 @@ class InProcTransport:
                 self._fabric._rng.shuffle(out)
             return out
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Dead from now on; its writes already ran (or were dropped) in `write`."""
         with self._fabric._cond:
             self.dead = True
+        return True
 
     def covers(self, addr: int, length: int) -> bool:
         """Whether one registered region holds `[addr, addr+length)`."""

@@ -57,6 +57,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -73,6 +74,7 @@ from fastkv.pd.transport import check_timeout as _check_timeout
 MAX_NOTICE_BYTES = 64 << 10
 NOTIFY_THREADS = 2
 QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
 WAKE_EARLY = 0.15  # a peer's thread wakes this share of a batch's estimate early
@@ -100,11 +102,11 @@ class MooncakeWriteHandle:
     written, FAILED when the engine failed a batch of it, the transport closed, or
     its deadline passed; never changes after that.
 
-    Past the deadline, or once a batch of it failed, nothing more of it goes to the
-    engine, and it fails only once no batch of it is inside the engine any more
-    (the engine's own timeout, `MC_TRANSFER_TIMEOUT`, ends that wait): a settled
-    handle is one whose bytes this end no longer moves, which is what a notice sent
-    after it tells D."""
+    Past the deadline, once a batch of it failed, or once the transport closed,
+    nothing more of it goes to the engine, and it fails only once no batch of it
+    is inside the engine any more (the engine's own timeout, `MC_TRANSFER_TIMEOUT`,
+    ends that wait): a settled handle is one whose bytes this end no longer moves,
+    which is what a notice sent after it tells D."""
 
     __slots__ = ("_deadline", "_failing", "_in_engine", "_latch", "_lock", "_state")
 
@@ -152,6 +154,15 @@ class MooncakeWriteHandle:
             elif state is not None and not self._failing:  # DONE: its last batch
                 self._settle_locked(state)
             if not self._in_engine and (self._failing or time.monotonic() >= self._deadline):
+                self._settle_locked(WriteState.FAILED)
+
+    def _stop(self) -> None:
+        """The transport closed: nothing more of the write goes to the engine; it
+        is FAILED now if no batch of it is inside the engine, else when the last
+        one comes back (its bytes may land until then)."""
+        with self._lock:
+            self._failing = True
+            if not self._in_engine:
                 self._settle_locked(WriteState.FAILED)
 
     def state(self) -> WriteState:
@@ -230,6 +241,7 @@ class _Peer:
         self._rate = 0.0  # measured bytes per second; 0 until a batch was timed
         self._timed_bytes = 0  # the largest batch timed
         self._last_end = 0.0  # when the previous batch was seen to settle
+        self.largest_batch = 0  # bytes: the engine's timeout grows 1 ns per byte
         self._late_at = 0.0  # the last wake that found its batch already over
         self._cond = threading.Condition()
         self._current: _Job | None = None  # the job whose batch the thread waits on
@@ -250,16 +262,16 @@ class _Peer:
             self._cond.notify()
 
     def close(self) -> None:
-        """Stop: every job not settled is FAILED; batches already in the engine are
-        still waited on (and so freed) by the thread."""
+        """Stop submitting: a job with no batch inside the engine is FAILED now;
+        one with a batch inside stays PENDING until the thread has waited on (and
+        so freed) its last batch, since its bytes may land until then."""
         with self._cond:
             self._closed = True
-            for job in self._backlog:
-                job.handle._settle(WriteState.FAILED)
-            for _, _, job, *_ in self._waiting:
-                job.handle._settle(WriteState.FAILED)
+            jobs = [*self._backlog, *(job for _, _, job, *_ in self._waiting)]
             if self._current is not None:
-                self._current.handle._settle(WriteState.FAILED)
+                jobs.append(self._current)
+            for job in jobs:
+                job.handle._stop()
             self._backlog.clear()
             self._cond.notify()
 
@@ -285,6 +297,7 @@ class _Peer:
                 job.handle._leave(WriteState.FAILED)
             else:
                 nbytes = sum(job.lengths[job.next : end])
+                self.largest_batch = max(self.largest_batch, nbytes)
                 self._waiting.append((batch, end - job.next, job, nbytes, time.monotonic()))
                 self._in_flight += end - job.next
                 job.outstanding += 1
@@ -380,6 +393,18 @@ class _Peer:
                     job.handle._leave(None)
 
 
+def engine_timeout_s() -> float:
+    """The engine's own bound on a batch, in seconds, read from the environment as
+    the engine reads it when it is made: `MC_TRANSFER_TIMEOUT` through C's `atoi`
+    (no leading digits: 0), at least 5; 30 when unset. A batch may take a
+    nanosecond per byte longer."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return 30.0
+    digits = re.match(r"\s*([+-]?\d+)", raw)
+    return float(max(5, int(digits.group(1)) if digits else 0))
+
+
 def _cuda_wheel() -> bool:
     """Is Mooncake's CUDA wheel the one installed (not `-non-cuda`)?"""
     from importlib import metadata
@@ -457,6 +482,7 @@ class MooncakeTransport:
             raise TransportError(f"TransferEngine.initialize({host!r}, {protocol!r}) failed")
         self._listening = sorted(set(_own_listening()) - set(before))
         self._engine: Any = engine
+        self._engine_timeout_s = engine_timeout_s()  # the engine read it just now
         self._address = f"{host}:{engine.get_rpc_port()}"
         self._lock = threading.Lock()  # regions, settlers, closed
         self._settle_lock = threading.Lock()  # handle states
@@ -634,29 +660,57 @@ class MooncakeTransport:
                 self.foreign_notices += 1
         return out
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Fail every pending write, unregister the regions (a peer's later write is
-        refused), stop the threads. Waits at most `timeout_s` for settler threads
-        still inside the engine's wait; the engine is released when they return."""
+    @property
+    def release_bound_s(self) -> float:
+        """How long after `close` starts the engine holds a batch at most: its own
+        timeout (`MC_TRANSFER_TIMEOUT` as read when it was made, at least 5 s)
+        plus a nanosecond per byte of the largest batch submitted, plus 1 s for
+        the peer threads to see it end."""
+        largest = max((p.largest_batch for p in self._peers.values()), default=0)
+        return self._engine_timeout_s + largest * 1e-9 + 1.0
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop: no write starts any more, and the regions are unregistered (a
+        peer's later write is refused) once the engine let go of every batch.
+
+        A write with no batch inside the engine is FAILED at once; one with a
+        batch inside stays PENDING until the engine gives the batch back (it
+        completes, fails or hits the engine's own timeout), since until then it
+        still reads the memory it writes from. Waits at most `timeout_s` (default
+        `release_bound_s`) for that. Callable again; each call waits again.
+
+        Returns:
+            True once the engine holds no batch (the registered memory may be
+            freed); False if one is still inside at `timeout_s`: its memory must
+            stay allocated, and the regions stay registered, until a later
+            `close` returns True.
+        """
+        if timeout_s is None:
+            with self._lock:
+                timeout_s = self.release_bound_s
         timeout_s = _check_timeout("timeout_s", timeout_s)
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             peers = list(self._peers.values())
-            self._peers.clear()
-            for start in self._starts:
-                self._engine.unregister_memory(start)
+        if first:
+            for state in peers:
+                state.close()
+            self._notifier.shutdown(wait=False, cancel_futures=True)
+        end = time.monotonic() + timeout_s
+        released = all([state.join(max(0.0, end - time.monotonic())) for state in peers])
+        if not released:
+            return False
+        with self._lock:  # no batch inside: the regions can go
+            if self._engine is not None:
+                for start in self._starts:
+                    self._engine.unregister_memory(start)
             self._starts.clear()
             self._ends.clear()
             self._ends_by_index = [0]
+            self._peers.clear()
             self._engine = None
-        for state in peers:
-            state.close()
-        self._notifier.shutdown(wait=False, cancel_futures=True)
-        end = time.monotonic() + timeout_s
-        for state in peers:
-            state.join(max(0.0, end - time.monotonic()))
+        return True
 
     # -- internals -------------------------------------------------------
 

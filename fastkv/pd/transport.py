@@ -123,6 +123,9 @@ class PDTransport(Protocol):
         the sender address is what the transport says, not proof of anything."""
         ...
 
-    def close(self) -> None:
-        """Release the transport; later calls raise TransportError."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Release the transport; later calls raise TransportError. Returns True
+        once no write of this end reads or writes registered memory any more (it
+        may be freed), False if one still does at `timeout_s` (the transport's own
+        bound when None): call again before freeing that memory."""
         ...

@@ -281,3 +281,30 @@ def test_a_kv_free_on_another_thread_waits_for_a_pd_task_run_between_check_and_u
     finally:
         go.set()
         worker.stop()
+
+
+def test_a_kv_free_whose_transport_still_holds_a_write_frees_nothing_and_can_retry(
+    channel: str,
+) -> None:
+    """A transport that still has a write inside it at its bound (close answers
+    False) may still read or write the KV: free_gpu_cache raises and frees no
+    tensor, PD stays attached; once the transport lets go, a retry frees all."""
+    worker = FastDeployCacheController(fd_config(tp=2), 1, 1, channel_name=channel)
+    worker.initialize_kv_cache(attn_backend=AttentionBackend(2, 8, 4), num_gpu_blocks=8)
+    endpoint = InProcFabric().endpoint("d1")
+    pd = worker.attach_pd(endpoint, role="decode", report_to=list)
+    answers = [False, True]
+    close = endpoint.close
+    endpoint.close = lambda timeout_s=None: (close(timeout_s), answers.pop(0))[1]
+    try:
+        tensors = dict(worker.cache_kvs_map)
+        assert tensors
+        with pytest.raises(RuntimeError, match="no KV tensor was freed"):
+            worker.free_gpu_cache()
+        assert worker.pd is pd and worker.controller is not None
+        assert worker.cache_kvs_map == tensors
+        worker.free_gpu_cache()
+        assert worker.pd is None and worker.controller is None
+        assert not worker.cache_kvs_map and not answers
+    finally:
+        worker.stop()

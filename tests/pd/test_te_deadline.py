@@ -9,7 +9,9 @@ from __future__ import annotations
 import threading
 import time
 
-from fastkv.pd.mooncake_te import MooncakeWriteHandle, _Job, _Peer
+import pytest
+
+from fastkv.pd.mooncake_te import MooncakeWriteHandle, _Job, _Peer, engine_timeout_s
 from fastkv.pd.transport import WriteState
 
 PIECE = 1 << 20
@@ -202,3 +204,38 @@ def test_a_write_whose_first_batch_failed_is_failed_even_when_its_later_batches_
         assert handle.wait(2) is WriteState.FAILED
     finally:
         peer.close()
+
+
+def test_closing_fails_at_once_only_the_writes_with_nothing_inside_the_engine() -> None:
+    """A closed transport submits nothing more, but a write whose batch is inside
+    the engine may still move bytes: it stays PENDING until the batch comes back
+    (then FAILED, even when the engine completed it), and the peer's thread ends
+    only then, which is what `MooncakeTransport.close` waits for before the
+    regions go."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    inside = start(peer, 64, 30)
+    until(lambda: engine.submitted == [64])
+    queued = start(peer, 8, 30)  # behind a full queue: nothing of it started
+    peer.close()
+    assert queued.state() is WriteState.FAILED
+    assert inside.wait(0.2) is WriteState.PENDING
+    assert not peer.join(0.1)  # still waiting on the engine
+    engine.end(1, 0)
+    assert inside.wait(2) is WriteState.FAILED
+    assert peer.join(2)
+    assert engine.submitted == [64]
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(None, 30.0), ("60", 60.0), ("2", 5.0), ("abc", 5.0), (" 12s", 12.0), ("-3", 5.0)],
+)
+def test_the_engines_timeout_is_read_as_the_engine_reads_it(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, seconds: float
+) -> None:
+    if value is None:
+        monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("MC_TRANSFER_TIMEOUT", value)
+    assert engine_timeout_s() == seconds
