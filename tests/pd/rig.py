@@ -6,6 +6,7 @@ computed, and a recompute on D writes the very same bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,9 @@ HEADS = 4
 HEAD_DIM = 8
 TIMEOUT = 5.0
 GRACE = 2.0
+# What the running test built that holds threads (controllers' copy streams,
+# senders' fence waiters): conftest.py closes it, last built first, after the test.
+BUILT: list[Callable[[], object]] = []
 
 
 def kv_values(tokens: list[int], layer: int, kv: int) -> np.ndarray:
@@ -93,6 +97,7 @@ def make_instance(tp: int, layers: int, blocks: int, head_dim: int = HEAD_DIM) -
         )
         ctrl = CacheController(spec, "cpu")
         ctrls.append(ctrl)
+        BUILT.append(ctrl.free_cache)
         layouts.append(KVLayout.of_controller(ctrl, tp_rank=r, tp_size=tp))
     return Instance(mgr, ctrls, layouts, tp)
 
@@ -130,6 +135,7 @@ class Rig:
             )
             for r, lay in enumerate(self.p.layouts)
         ]
+        BUILT.extend(s.close for s in self.senders)
         self.receivers = [
             PDReceiver(self.fabric.endpoint(f"d{r}"), lay, checksums=self.d_checksums)
             for r, lay in enumerate(self.d.layouts)

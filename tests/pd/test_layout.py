@@ -16,6 +16,8 @@ from fastkv.pd.sender import PDSender
 from fastkv.worker.cache_controller import CacheController
 from fastkv.worker.cache_shape import KVCacheSpec
 
+from .rig import BUILT
+
 
 def _ctrl(heads: int, dtype: str = "fp8", extra: int = 1, head_dim: int = 8) -> CacheController:
     spec = KVCacheSpec(
@@ -28,7 +30,9 @@ def _ctrl(heads: int, dtype: str = "fp8", extra: int = 1, head_dim: int = 8) -> 
         dtype=dtype,
         num_extra_layers=extra,
     )
-    return CacheController(spec, "cpu")
+    ctrl = CacheController(spec, "cpu")
+    BUILT.append(ctrl.free_cache)
+    return ctrl
 
 
 def test_fp8_scales_and_extra_layers_move_with_their_blocks_over_tp_1_to_2() -> None:

@@ -1,0 +1,35 @@
+"""Each test's rig is closed after it (controllers freed, senders closed), and
+the test fails if a thread it started is still running then: a PD part that
+does not stop its threads on close would otherwise pile them up unnoticed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from .rig import BUILT
+
+# Threads fastkv starts and must stop on close: the controller's copy streams and
+# the sender's fence waiter. (Mooncake's own and the in-process fabric's are not ours.)
+OURS = ("fastkv-",)
+
+
+def _ours() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(OURS)}
+
+
+@pytest.fixture(autouse=True)
+def _closes_what_it_built() -> Iterator[None]:
+    before = _ours()
+    yield
+    while BUILT:
+        BUILT.pop()()
+    end = time.monotonic() + 5.0
+    while (left := _ours() - before) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not left, (
+        f"threads still running after the test closed its rig: {sorted(t.name for t in left)}"
+    )
