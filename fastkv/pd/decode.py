@@ -10,19 +10,21 @@ A transfer on D (one per accepted offer):
           │ a rank failed / deadline / abort
           ▼
       FENCING   (outcome already reported: the request recomputes, or is gone)
-          │ every rank reported (P's writes settled) or fence_at = deadline + grace
+          │ every rank's report fenced it (P's writes settled done) or
+          │ fence_at = deadline + grace
           ▼
       released: the receiving blocks return to the device pool
 
-The tail blocks stay receiving (`CacheManager.reserve_receiving`) from `accept` until
-they are committed or released: in no tree and no table, so nothing matches,
-evicts, swaps, stores, frees or reads them. A rank report means that P rank's writes
-for the transfer settled (`RankReport`); once every rank reported, or `fence_grace_s`
-after the deadline (which must exceed the transport's longest write, after which it
-guarantees no write lands: a P process that is dead writes nothing, a live one's
-handles settle within the transport timeout), no write can land and the blocks go
-back. Failure keeps the request on D with its prefix: the engine allocates and
-recomputes the rest as for any prompt.
+The tail blocks stay receiving (`CacheManager.reserve_receiving`) from `accept`
+until they are committed or released: in no tree and no table, so nothing matches,
+evicts, swaps, stores, frees or reads them. A fenced rank report means no write of
+that P rank for the transfer can land any more (`RankReport.fenced`: not so after a
+failed write, whose bytes may still be on the wire); once every rank's report fenced
+it, or `fence_grace_s` after the deadline (which must exceed the transport's longest
+write, after which it guarantees no write lands: a P process that is dead writes
+nothing, a live one's handles settle within the transport timeout), no write can
+land and the blocks go back. Failure keeps the request on D with its prefix: the
+engine allocates and recomputes the rest as for any prompt.
 """
 
 from __future__ import annotations
@@ -233,7 +235,7 @@ class DecodeTransfers:
             if not 0 <= report.rank < self.num_ranks or report.rank in t.reported:
                 self.counters.duplicate += 1
                 continue
-            t.reported[report.rank] = report.ok
+            t.reported[report.rank] = report.ok or report.fenced
             if t.state is DState.FENCING:
                 self.counters.late += 1
                 self._release_if_fenced(t, self._clock())
@@ -332,7 +334,10 @@ class DecodeTransfers:
         return Outcome(t.request_id, t.transfer_id, False, reason)
 
     def _release_if_fenced(self, t: _Transfer, now: float) -> None:
-        if len(t.reported) == self.num_ranks or now >= t.fence_at:
+        """Release a failed transfer's blocks once no write can land: every rank's
+        report fenced it (`RankReport.fenced`), or its deadline plus grace passed."""
+        fenced = len(t.reported) == self.num_ranks and all(t.reported.values())
+        if fenced or now >= t.fence_at:
             self.manager.release_receiving(t.blocks)
             self.counters.released_blocks += len(t.blocks)
             del self._by_id[(t.epoch, t.transfer_id)]

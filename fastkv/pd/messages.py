@@ -8,13 +8,16 @@
 
 Offers and answers travel over the engines' own channel (whatever carries requests
 from P to D); only notices cross the transport, so only notices are encoded and
-authenticated here. A final notice (done or failed) is sent by a P rank after
-every write it started for that D rank has settled: its arrival, whatever its
-status, tells D that no write of that rank for that transfer can land any more
-(D's fence). A progress notice says only that the writes of layers
-[first_layer, first_layer + len(checksums)) settled done, with those layers'
-checksums, so D can verify them while later layers still land; it fences nothing
-and reports nothing (`fastkv.pd.receiver`).
+authenticated here. A final notice (done, stopped or failed) is sent by a P rank
+after every write it started for that D rank has settled. Done and stopped (a
+failure, yet every write started settled done) tell D that no write of that rank for
+that transfer can land any more (D's early fence). Failed (a write of it failed)
+does not: a transport that gave a write up may still have its bytes on the wire
+(Mooncake's TCP transport times a batch out while bytes sit in a stalled receiver's
+socket), so D fences those blocks by its grace. A progress notice says only that the
+writes of layers [first_layer, first_layer + len(checksums)) settled done, with
+those layers' checksums, so D can verify them while later layers still land; it
+fences nothing and reports nothing (`fastkv.pd.receiver`).
 
 Notice wire format (little-endian):
 
@@ -23,7 +26,7 @@ Notice wire format (little-endian):
          8  epoch        u64
         16  transfer_id  u64
         24  p_rank, num_p_ranks, d_rank, num_d_ranks   u16 each
-        32  status       u32    0 done, 1 failed, 2 progress
+        32  status       u32    0 done, 1 failed, 2 progress, 3 stopped
         36  num_layers   u32    the layout's layers
         40  first_layer  u32    the first layer the checksums cover (0 unless progress)
         44  num_sums     u32
@@ -58,6 +61,7 @@ MAX_SUMS = 1 << 16  # one per layer
 STATUS_DONE = 0
 STATUS_FAILED = 1
 STATUS_PROGRESS = 2
+STATUS_STOPPED = 3  # failed, but every write started settled done: nothing more lands
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,20 +127,25 @@ class RankReport:
     On D: the rank's verified notice arrived (`ok`: done and every landed block's
     checksum matched; not ok: P reported a failure, or the bytes did not verify).
     On P: the rank's writes settled and its notice went out (`ok`) or not.
-    Either way no write of that rank for the transfer can land any more."""
+
+    `fenced`: no write of that rank for the transfer can land any more. Always on
+    P (its writes settled) and for an ok report; on D false when P's notice says
+    a write failed (its bytes may still be on the wire) or the landed bytes did
+    not verify: D then holds the blocks until its deadline plus grace."""
 
     transfer_id: int
     epoch: Epoch
     rank: int
     ok: bool
     reason: str = ""
+    fenced: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class Notice:
     """A decoded, authenticated notice (see the module docstring): final (done, or
-    `failed`), or `progress` (layers from `first_layer` settled done, one checksum
-    each)."""
+    `failed`: `stopped` when every write started still settled done), or
+    `progress` (layers from `first_layer` settled done, one checksum each)."""
 
     epoch: Epoch
     transfer_id: int
@@ -149,6 +158,7 @@ class Notice:
     checksums: tuple[int, ...]
     first_layer: int = 0
     progress: bool = False
+    stopped: bool = False
 
 
 class NoticeError(ValueError):
@@ -169,13 +179,16 @@ def encode_notice(notice: Notice, key: bytes) -> bytes:
     """The notice's bytes, authenticated with `key`.
 
     Raises:
-        ValueError: a notice both failed and progress, or a progress notice
-            without checksums."""
+        ValueError: a notice both failed and progress, a progress notice
+            without checksums, or a stopped one not failed."""
     if notice.progress and (notice.failed or not notice.checksums):
         raise ValueError("notice: a progress notice is not failed and carries checksums")
-    status = (
-        STATUS_FAILED if notice.failed else STATUS_PROGRESS if notice.progress else STATUS_DONE
-    )
+    if notice.stopped and not notice.failed:
+        raise ValueError("notice: a stopped notice is a failed one")
+    if notice.failed:
+        status = STATUS_STOPPED if notice.stopped else STATUS_FAILED
+    else:
+        status = STATUS_PROGRESS if notice.progress else STATUS_DONE
     head = _HEAD.pack(
         MAGIC,
         notice.epoch,
@@ -226,7 +239,7 @@ def decode_notice(payload: bytes, key: bytes) -> Notice:
     want = hmac.new(key, body, hashlib.sha256).digest()
     if not hmac.compare_digest(want, payload[-MAC_BYTES:]):
         raise NoticeError("notice authenticator does not verify")
-    if status not in (STATUS_DONE, STATUS_FAILED, STATUS_PROGRESS):
+    if status not in (STATUS_DONE, STATUS_FAILED, STATUS_PROGRESS, STATUS_STOPPED):
         raise NoticeError(f"notice status {status} unknown")
     if status == STATUS_PROGRESS and not nsums:
         raise NoticeError("progress notice without checksums")
@@ -238,11 +251,12 @@ def decode_notice(payload: bytes, key: bytes) -> Notice:
         num_p,
         d_rank,
         num_d,
-        status == STATUS_FAILED,
+        status in (STATUS_FAILED, STATUS_STOPPED),
         layers,
         sums,
         first,
         status == STATUS_PROGRESS,
+        status == STATUS_STOPPED,
     )
 
 

@@ -274,7 +274,12 @@ class PDReceiver:
     def _verdict(self, notice: Notice, exp: _Expected) -> RankReport:
         acc, rank = exp.acceptance, self.layout.tp_rank
         if notice.failed:
-            return RankReport(acc.transfer_id, acc.epoch, rank, False, "P reported a failure")
+            why = "P reported a failure" + (
+                " (stopped: every write it started landed)"
+                if notice.stopped
+                else " (a write failed: D fences by its grace)"
+            )
+            return RankReport(acc.transfer_id, acc.epoch, rank, False, why, notice.stopped)
         if acc.block_ids and bool(notice.checksums) != self.checksums:
             self.counters.checksum_mismatch += 1
             return RankReport(
@@ -284,6 +289,7 @@ class PDReceiver:
                 False,
                 f"notice {'with' if notice.checksums else 'without'} block checksums, "
                 f"this D has checksums={self.checksums}: P and D must agree",
+                False,
             )
         if not self.checksums:
             self.bytes_received += len(acc.block_ids) * self._block_bytes
@@ -300,7 +306,7 @@ class PDReceiver:
                     else f"checksum of the landed bytes failed: {self._checksum_error}"
                 )
                 return RankReport(
-                    acc.transfer_id, acc.epoch, rank, False, f"layer {layer}: {why}"
+                    acc.transfer_id, acc.epoch, rank, False, f"layer {layer}: {why}", False
                 )
         self.bytes_received += len(acc.block_ids) * self._block_bytes
         return RankReport(acc.transfer_id, acc.epoch, rank, True)

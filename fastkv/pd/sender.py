@@ -516,7 +516,10 @@ class PDSender:
         if not send.failed and self.checksums and plan.src_block_ids:
             self._sums_taken(send, self.layout.num_layers)  # else: stopped, failed
         ok = not send.failed
-        for peer, notice in self._notices(send, ok):
+        # stopped rather than failed: every write started settled done, so D may
+        # free the blocks on this notice; a failed write's bytes may still land
+        stopped = WriteState.FAILED not in states
+        for peer, notice in self._notices(send, ok, stopped):
             try:
                 self.transport.notify(peer, notice, self.notify_timeout_s)
             except TransportError as exc:
@@ -524,14 +527,18 @@ class PDSender:
                 send.failed = send.failed or f"notice to {peer}: {exc}"
         return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, ok, send.failed)
 
-    def _notices(self, send: _Send, ok: bool) -> list[tuple[str, bytes]]:
+    def _notices(self, send: _Send, ok: bool, stopped: bool) -> list[tuple[str, bytes]]:
         plan = send.plan
         with_sums = ok and self.checksums and bool(plan.src_block_ids)  # sums taken
         return [
             (
                 self._targets[r].address,
                 self._notice(
-                    send, r, failed=not ok, sums=self._sums_of(send, r, 0) if with_sums else ()
+                    send,
+                    r,
+                    failed=not ok,
+                    stopped=not ok and stopped,
+                    sums=self._sums_of(send, r, 0) if with_sums else (),
                 ),
             )
             for r in self._served(send)
@@ -550,6 +557,7 @@ class PDSender:
         sums: tuple[int, ...],
         first: int = 0,
         progress: bool = False,
+        stopped: bool = False,
     ) -> bytes:
         plan = send.plan
         notice = Notice(
@@ -564,6 +572,7 @@ class PDSender:
             sums,
             first,
             progress,
+            stopped,
         )
         return encode_notice(notice, plan.secret)
 

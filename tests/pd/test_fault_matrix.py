@@ -196,6 +196,40 @@ def test_partial_write_that_fails_sends_a_failure_notice() -> None:
     rig.check_clean()
 
 
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [
+        (WriteState.FAILED, "a write failed"),
+        (WriteState.DONE, "landed bytes do not match"),
+    ],
+)
+def test_a_failed_or_unverified_write_holds_ds_blocks_to_the_grace(
+    state: WriteState, why: str
+) -> None:
+    """A write the transport failed may still have bytes on the wire (Mooncake's
+    TCP transport gives a batch up while its bytes sit in a stalled receiver's
+    socket), and bytes that do not verify may still be landing: the report that
+    says so does not fence D's blocks; the deadline plus grace does. (P aborting
+    with every write started settled done does: see the abort test below.)"""
+    rig = Rig()
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance) and acc.block_ids
+    rig.fabric.partial_next_write(0.3, state)
+    rig.prefill("r", TOKENS)
+    rig.p_side.release("r")
+    rig.step(0.5)
+    (out,) = rig.outcomes
+    assert not out.success and why in out.reason
+    assert rig.p_side.check_invariants() is None and not rig.p.mgr.is_active("r")
+    fence_at = TIMEOUT + GRACE  # accepted at 0
+    rig.step(fence_at - 0.1 - rig.now)
+    assert rig.d.mgr.num_receiving_blocks == len(acc.block_ids)  # every report in
+    rig.step(0.2)
+    assert rig.d.mgr.num_receiving_blocks == 0
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
+
+
 def test_delayed_and_reordered_writes_and_notices_still_arrive_whole() -> None:
     rig = Rig(p_tp=2, d_tp=4)
     rig.fabric.hold_writes = rig.fabric.hold_notices = rig.fabric.reorder = True

@@ -45,6 +45,20 @@ def test_notice_round_trip_and_every_flipped_byte_refused() -> None:
         decode_notice(raw[:-1], key)
 
 
+def test_a_stopped_notice_is_a_failed_one_told_apart_from_a_failed_write() -> None:
+    """Stopped (every write started settled done: D may free at once) and failed
+    (a write failed: D fences by its grace) differ on the wire, under the MAC."""
+    key = b"k" * 32
+    stopped = Notice(Epoch(3), 42, 1, 2, 3, 4, True, 5, (), stopped=True)
+    failed = Notice(Epoch(3), 42, 1, 2, 3, 4, True, 5, ())
+    raw_stopped, raw_failed = encode_notice(stopped, key), encode_notice(failed, key)
+    assert decode_notice(raw_stopped, key) == stopped
+    assert decode_notice(raw_failed, key) == failed
+    assert raw_stopped[:32] == raw_failed[:32] and raw_stopped[32:36] != raw_failed[32:36]
+    with pytest.raises(ValueError, match="stopped notice is a failed one"):
+        encode_notice(Notice(Epoch(3), 42, 1, 2, 3, 4, False, 5, (), stopped=True), key)
+
+
 def test_progress_notice_round_trip_and_malformed_ones_refused() -> None:
     key = b"k" * 32
     progress = Notice(Epoch(3), 42, 1, 2, 3, 4, False, 5, (7, 8), 2, True)
