@@ -9,7 +9,8 @@ recursion): a head (version, rank, count) and at most RESULTS_PER_DATAGRAM rows.
   MAX_FAILED_BLOCKS; more go as "every block failed").
 - A storage LookupResult row: the lookup id and the leading blocks a rank's storage
   holds (at most MAX_LOOKUP_HITS).
-- A PD RankReport row (`fastkv.pd.messages`): the transfer id, ok and the reason
+- A PD RankReport row (`fastkv.pd.messages`): the transfer id, ok and fenced (one
+  flags byte) and the reason
   (cut to MAX_ERROR_CHARS characters). It names no rank: the receiver gives it the
   rank of the payload's head, which the connection is bound to, so a rank cannot
   report for another. Reports are not combined over ranks here: the PD scheduler
@@ -46,7 +47,8 @@ _KIND_REPORT = 2
 _ROW = struct.Struct("!BqIBHH")  # kind, id, epoch, success, error bytes, failed positions
 _FAILED = struct.Struct("!I")  # one failed block position
 _LOOKUP_ROW = struct.Struct("!BqII")  # kind, lookup_id, epoch, num_hits
-_REPORT_ROW = struct.Struct("!BqIBH")  # kind, transfer_id, epoch, ok, reason bytes
+_REPORT_ROW = struct.Struct("!BqIBH")  # kind, transfer_id, epoch, flags, reason bytes
+_REPORT_OK, _REPORT_FENCED = 1, 2  # a report row's flags
 _ACK = struct.Struct("!Q")  # the stream index every result below was applied
 MAX_PAYLOAD_BYTES = _PAYLOAD_HEAD.size + RESULTS_PER_DATAGRAM * (
     _ROW.size + MAX_ERROR_BYTES + MAX_FAILED_BLOCKS * _FAILED.size
@@ -109,7 +111,8 @@ def _row(r: Result) -> list[bytes]:
         return [_LOOKUP_ROW.pack(_KIND_LOOKUP, r.lookup_id, r.epoch, r.num_hits)]
     if isinstance(r, RankReport):
         reason = r.reason[:MAX_ERROR_CHARS].encode("utf-8", "replace")
-        row = (_KIND_REPORT, r.transfer_id, r.epoch, int(bool(r.ok)), len(reason))
+        flags = _REPORT_OK * bool(r.ok) | _REPORT_FENCED * bool(r.fenced)
+        row = (_KIND_REPORT, r.transfer_id, r.epoch, flags, len(reason))
         return [_REPORT_ROW.pack(*row), reason]
     error = r.error[:MAX_ERROR_CHARS].encode("utf-8", "replace")
     failed = tuple(r.failed_blocks)
@@ -207,17 +210,18 @@ def _read_report(data: bytes, offset: int, i: int, rank: int) -> tuple[RankRepor
     after it."""
     if offset + _REPORT_ROW.size > len(data):
         raise ValueError(f"datagram: results[{i}] cut short")
-    _, transfer_id, epoch, ok, length = _REPORT_ROW.unpack_from(data, offset)
+    _, transfer_id, epoch, flags, length = _REPORT_ROW.unpack_from(data, offset)
     offset += _REPORT_ROW.size
-    if ok > 1 or transfer_id < 0 or length > MAX_ERROR_BYTES:
-        raise ValueError(f"datagram: results[{i}] is not (id >= 0, bool, short reason)")
+    if flags > _REPORT_OK | _REPORT_FENCED or transfer_id < 0 or length > MAX_ERROR_BYTES:
+        raise ValueError(f"datagram: results[{i}] is not (id >= 0, flags, short reason)")
     if offset + length > len(data):
         raise ValueError(f"datagram: results[{i}] reason cut short")
     try:
         reason = data[offset : offset + length].decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"datagram: results[{i}] reason is not UTF-8") from None
-    return RankReport(transfer_id, epoch, rank, bool(ok), reason), offset + length
+    ok, fenced = bool(flags & _REPORT_OK), bool(flags & _REPORT_FENCED)
+    return RankReport(transfer_id, epoch, rank, ok, reason, fenced), offset + length
 
 
 def _read_transfer(data: bytes, offset: int, i: int) -> tuple[TransferResult, int]:

@@ -788,4 +788,9 @@ def test_pd_rank_reports_pass_per_rank_and_name_only_the_sending_rank(rundir: st
     (payload,) = encode(1, [RankReport(9, 2, 1, True, "")])
     assert decode(payload) == (1, [RankReport(9, 2, 1, True, "")])
     with pytest.raises(ValueError, match="results\\[0\\] is not"):
-        decode(payload[:-2] + b"\x07" + payload[-1:])  # ok byte 7: not a bool
+        decode(payload[:-2] + b"\x07" + payload[-1:])  # flags 7: not ok/fenced bits
+    # A D rank's failure that does not fence (a failed write: its bytes may still
+    # land) keeps saying so across the channel: D then holds the blocks to its grace.
+    for ok, fenced in ((False, False), (False, True), (True, True)):
+        report = RankReport(9, 2, 1, ok, "why", fenced)
+        assert decode(encode(1, [report])[0]) == (1, [report])
