@@ -68,7 +68,7 @@ from functools import partial
 from operator import add, le
 from typing import Any
 
-from fastkv.pd.transport import Piece, TransportError, WriteState
+from fastkv.pd.transport import MAX_TIMEOUT_S, Piece, TransportError, WriteState
 from fastkv.pd.transport import check_timeout as _check_timeout
 
 MAX_NOTICE_BYTES = 64 << 10
@@ -677,7 +677,8 @@ class MooncakeTransport:
         batch inside stays PENDING until the engine gives the batch back (it
         completes, fails or hits the engine's own timeout), since until then it
         still reads the memory it writes from. Waits at most `timeout_s` (default
-        `release_bound_s`) for that. Callable again; each call waits again.
+        `release_bound_s`, capped at the longest timeout, an hour) for that.
+        Callable again; each call waits again.
 
         Returns:
             True once the engine holds no batch (the registered memory may be
@@ -685,9 +686,9 @@ class MooncakeTransport:
             stay allocated, and the regions stay registered, until a later
             `close` returns True.
         """
-        if timeout_s is None:
+        if timeout_s is None:  # a bound past an hour (MC_TRANSFER_TIMEOUT): False then
             with self._lock:
-                timeout_s = self.release_bound_s
+                timeout_s = min(self.release_bound_s, MAX_TIMEOUT_S)
         timeout_s = _check_timeout("timeout_s", timeout_s)
         with self._lock:
             first = not self._closed

@@ -341,7 +341,28 @@ def listen(logdir: Path) -> dict:
     return out
 
 
+def long_engine_timeout(logdir: Path) -> dict:
+    """An engine made with `MC_TRANSFER_TIMEOUT` of two hours: its release bound is
+    past an hour, the longest a timeout may be; close with no timeout, and the
+    strict mode's refusal (which closes), still work."""
+    os.environ["MC_TRANSFER_TIMEOUT"] = "7200"
+    out: dict[str, Any] = {}
+    t = MooncakeTransport(HOST)
+    out["bound"] = t.release_bound_s
+    try:
+        out["closed"] = t.close()
+    except TransportError as exc:
+        out["closed"] = str(exc)
+    try:
+        MooncakeTransport(HOST, require_private_listen=True).close()
+        out["strict"] = "started"
+    except TransportError as exc:
+        out["strict"] = str(exc)
+    return out
+
+
 CASES = {
+    "long_engine_timeout": long_engine_timeout,
     "contract": contract,
     "bytes_two_process": bytes_two_process,
     "receiver_killed": receiver_killed,

@@ -115,3 +115,14 @@ def test_bad_options_are_refused_before_the_engine_starts(kwargs: dict, words: l
         MooncakeTransport(**kwargs)
     for w in words:
         assert w in str(err.value)
+
+
+def test_close_with_no_timeout_works_when_the_engines_timeout_is_past_an_hour(
+    tmp_path: Path,
+) -> None:
+    """`close()` waits `release_bound_s` by default; a bound past the longest
+    timeout a call takes (an hour) must cap the wait, not make close raise."""
+    out = run_case("long_engine_timeout", tmp_path)
+    assert out["bound"] == 7201.0
+    assert out["closed"] is True
+    assert out["strict"] == "started" or "require_private_listen" in out["strict"], out
