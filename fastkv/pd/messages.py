@@ -128,10 +128,11 @@ class RankReport:
     checksum matched; not ok: P reported a failure, or the bytes did not verify).
     On P: the rank's writes settled and its notice went out (`ok`) or not.
 
-    `fenced`: no write of that rank for the transfer can land any more. Always on
-    P (its writes settled) and for an ok report; on D false when P's notice says
-    a write failed (its bytes may still be on the wire) or the landed bytes did
-    not verify: D then holds the blocks until its deadline plus grace."""
+    `fenced`: no write of that rank for the transfer can land any more. On P
+    whether its writes settled (false when one was still pending at the send's
+    deadline: no notice went out); always for an ok report; on D false when P's
+    notice says a write failed (its bytes may still be on the wire) or the landed
+    bytes did not verify: D then holds the blocks until its deadline plus grace."""
 
     transfer_id: int
     epoch: Epoch

@@ -509,8 +509,10 @@ class PDSender:
         if WriteState.PENDING in states:
             # Past the deadline with a write unsettled: no notice, since a notice
             # tells D no write can land any more; D fences by its grace instead.
+            # Nor is the report fenced: that write may still move bytes.
             reason = send.failed or "writes still pending at the deadline"
-            return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
+            rank = self.layout.tp_rank
+            return RankReport(plan.transfer_id, plan.epoch, rank, False, reason, False)
         if not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
         if not send.failed and self.checksums and plan.src_block_ids:

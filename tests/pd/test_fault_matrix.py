@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastkv.pd.messages import Acceptance, Notice, Offer, Rejection, encode_notice
+from fastkv.pd.messages import Acceptance, Notice, Offer, RankReport, Rejection, encode_notice
 from fastkv.pd.sender import PDSender
 from fastkv.pd.transport import Piece, WriteState
 
@@ -310,15 +310,19 @@ def test_p_rank_dies_scheduler_lives_unpins_at_the_deadline() -> None:
 
 def test_sender_never_notifies_while_a_write_is_pending() -> None:
     """A write still pending at the send deadline: no notice (it would tell D that
-    nothing can land any more); P reports the send failed."""
+    nothing can land any more); P reports the send failed, and not fenced."""
     rig = Rig()
     rig.fabric.hold_writes = True
     rig.fabric.write_timeout_s = 100.0  # a transport slower than the send deadline
     assert isinstance(rig.offer("r", TOKENS), Acceptance)
     rig.prefill("r", TOKENS, stop_at=2)  # the model stalls after layer 1
     rig.p_side.release("r")
+    reports: list[RankReport] = []
+    poll = rig.senders[0].poll
+    rig.senders[0].poll = lambda: (reports.extend(got := poll()), got)[1]
     rig.step(TIMEOUT, pump=False)
     assert rig.senders[0].num_sends == 0 and rig.p_side.counters.send_failed == 1
+    assert [(r.ok, r.fenced) for r in reports] == [(False, False)]  # bytes may land
     assert rig.receivers[0].counters.received == 0  # no notice went out
     assert rig.fabric.num_queued == 2
 
