@@ -11,8 +11,9 @@ from P to D); only notices cross the transport, so only notices are encoded and
 authenticated here. A final notice (done, stopped or failed) is sent by a P rank
 after every write it started for that D rank has settled. Done and stopped (a
 failure, yet every write started settled done) tell D that no write of that rank for
-that transfer can land any more (D's early fence). Failed (a write of it failed)
-does not: a transport that gave a write up may still have its bytes on the wire
+that transfer can land any more (D's early fence). Failed (a write of it failed,
+or the transport's done means only "sent": `done_means_applied`) does not: a
+transport that gave a write up may still have its bytes on the wire
 (Mooncake's TCP transport times a batch out while bytes sit in a stalled receiver's
 socket), so D fences those blocks by its grace. A progress notice says only that the
 writes of layers [first_layer, first_layer + len(checksums)) settled done, with

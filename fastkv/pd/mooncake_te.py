@@ -75,6 +75,7 @@ MAX_NOTICE_BYTES = 64 << 10
 NOTIFY_THREADS = 2
 QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+TCP_PROTO_ENV = "MC_TCP_PROTO"
 DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
 WAKE_EARLY = 0.15  # a peer's thread wakes this share of a batch's estimate early
@@ -405,6 +406,13 @@ def engine_timeout_s() -> float:
     return float(max(5, int(digits.group(1)) if digits else 0))
 
 
+def legacy_tcp_proto() -> bool:
+    """Does the engine use TCP's legacy framing, whose COMPLETED fires once the
+    bytes are in the sender's socket (not applied at the peer)? `MC_TCP_PROTO`
+    exactly "1", as the engine tests it at every transfer."""
+    return os.environ.get(TCP_PROTO_ENV) == "1"
+
+
 def _cuda_wheel() -> bool:
     """Is Mooncake's CUDA wheel the one installed (not `-non-cuda`)?"""
     from importlib import metadata
@@ -471,6 +479,7 @@ class MooncakeTransport:
                 f"max_pieces_in_flight={max_pieces_in_flight!r}: must be in [1, 65536]"
             )
         self._max_in_flight = max_pieces_in_flight
+        self._protocol = protocol
         self._submit_in_caller = bool(submit_in_caller)
         try:
             from mooncake.engine import TransferEngine
@@ -508,6 +517,15 @@ class MooncakeTransport:
         (`mooncake-transfer-engine`) can; the non-CUDA one copies every piece
         with the CPU, so a GPU layout over it is refused (`check_transport_memory`)."""
         return _cuda_wheel()
+
+    @property
+    def done_means_applied(self) -> bool:
+        """Does DONE mean the bytes were applied at the peer? Over TCP only with the
+        engine's acknowledged framing, which `MC_TCP_PROTO=1` turns off (the engine
+        reads it at every transfer); then DONE means "in this end's socket", and
+        bytes may still land after it. (A peer engine older than 0.3.12 turns it
+        off too, which this end cannot see: see docs/pd.md.)"""
+        return self._protocol != "tcp" or not legacy_tcp_proto()
 
     @property
     def address(self) -> str:

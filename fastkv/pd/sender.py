@@ -519,8 +519,11 @@ class PDSender:
             self._sums_taken(send, self.layout.num_layers)  # else: stopped, failed
         ok = not send.failed
         # stopped rather than failed: every write started settled done, so D may
-        # free the blocks on this notice; a failed write's bytes may still land
-        stopped = WriteState.FAILED not in states
+        # free the blocks on this notice; a failed write's bytes may still land,
+        # and so may a done one's where done means only "sent"
+        stopped = WriteState.FAILED not in states and bool(
+            getattr(self.transport, "done_means_applied", True)
+        )
         for peer, notice in self._notices(send, ok, stopped):
             try:
                 self.transport.notify(peer, notice, self.notify_timeout_s)

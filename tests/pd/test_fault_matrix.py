@@ -431,3 +431,29 @@ def test_checksums_option_must_be_a_bool() -> None:
     rig = Rig()
     with pytest.raises(ValueError, match="checksums"):
         PDSender(rig.fabric.endpoint("x"), rig.p.layouts[0], checksums=1)  # type: ignore[arg-type]
+
+
+def test_abort_over_a_transport_whose_done_means_only_sent_holds_ds_blocks_to_the_grace() -> (
+    None
+):
+    """Over a transport whose DONE means only "sent" (Mooncake TCP with
+    `MC_TCP_PROTO=1`: COMPLETED once the bytes are in P's socket), a write that
+    settled done may still land: P's abort goes as failed, not stopped, and D
+    holds the blocks to its deadline plus grace."""
+    rig = Rig(p_tp=2, d_tp=2)
+    for s in rig.senders:
+        s.transport.done_means_applied = False
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    rig.prefill("r", TOKENS, stop_at=1)  # layer 0's writes settled done
+    for s in rig.senders:
+        s.abort(acc.epoch, acc.transfer_id)
+    rig.p_side.release("r")
+    rig.step()
+    (out,) = rig.outcomes
+    assert not out.success and "a write failed" in out.reason
+    assert rig.d.mgr.num_receiving_blocks == len(acc.block_ids)  # every report in
+    rig.step(TIMEOUT + GRACE)
+    assert rig.d.mgr.num_receiving_blocks == 0
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
