@@ -62,7 +62,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from operator import add, le
@@ -635,6 +635,8 @@ class MooncakeTransport:
             rc = future.result(timeout_s)
         except FutureTimeout:
             raise TransportError(f"notify {peer}: no answer within {timeout_s} s") from None
+        except CancelledError:  # still queued when close shut the pool down
+            raise TransportError(f"notify {peer}: the transport closed") from None
         if rc != 0:
             raise TransportError(f"notify {peer}: the engine returned {rc}")
 
@@ -656,6 +658,8 @@ class MooncakeTransport:
             first = future.result(timeout_s)
         except FutureTimeout:
             raise TransportError(f"connect {peer}: no answer within {timeout_s} s") from None
+        except CancelledError:  # still queued when close shut the pool down
+            raise TransportError(f"connect {peer}: the transport closed") from None
         if not first:
             raise TransportError(f"connect {peer}: unreachable or no memory registered there")
 
