@@ -302,7 +302,9 @@ class PDWorker:
         end = time.monotonic() + timeout_s
         if self.sender is not None:
             self.sender.abort_all("the KV cache was freed on P")
-            self.sender.close()  # no write starts from now on, pending fences or not
+            # no write starts from now on, pending fences or not; the notices of
+            # the sends settling below go out only while the time lasts
+            self.sender.close(notify_until=end)
             while True:
                 self.poll()
                 if not self.sender.num_sends or time.monotonic() >= end:

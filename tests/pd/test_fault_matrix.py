@@ -457,3 +457,45 @@ def test_abort_over_a_transport_whose_done_means_only_sent_holds_ds_blocks_to_th
     assert rig.d.mgr.num_receiving_blocks == 0
     assert rig.finish_on_d("r", TOKENS) == "recomputed"
     rig.check_clean()
+
+
+def test_pd_worker_close_bounds_the_notices_of_the_sends_it_settles() -> None:
+    """PDWorker.close waits at most its timeout in all. The sends it aborts settle
+    in its poll, each with a notice per D rank; to a D that does not answer each
+    notice waits out the notify timeout, so their number must not stretch the
+    wait: once the time is spent, no more notices go (D holds the blocks to its
+    grace, as for any lost notice)."""
+    import time
+
+    from fastkv.integrations.fd_pd_worker import PDWorker
+    from fastkv.pd.inproc import InProcFabric
+    from fastkv.pd.transport import TransportError
+
+    rig = Rig(d_blocks=32)
+    for i in range(3):
+        tokens = [t + 1000 * i for t in TOKENS]
+        assert isinstance(rig.offer(f"r{i}", tokens), Acceptance)
+        rig.prefill(f"r{i}", tokens, stop_at=1)  # layer 0 written, the rest not yet
+    sender = rig.senders[0]
+    pd = PDWorker(
+        rig.p.layouts[0], InProcFabric().endpoint("spare"), role="prefill", report_to=list
+    )
+    assert pd.sender is not None
+    pd.sender.close()
+    pd.sender, pd.transport = sender, sender.transport  # the rig's rank 0
+    waited: list[float] = []
+
+    def unanswered(peer: str, payload: bytes, timeout_s: float) -> None:
+        waited.append(timeout_s)
+        time.sleep(timeout_s)
+        raise TransportError(f"notify {peer}: no answer within {timeout_s} s")
+
+    sender.transport.notify = unanswered  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="notify_until"):
+        sender.close(notify_until=float("nan"))
+    assert sender.num_sends == 3  # refused before anything changed
+    t0 = time.monotonic()
+    assert pd.close(timeout_s=0.5) is True
+    took = time.monotonic() - t0
+    assert took < 0.8, (took, waited)
+    assert sender.num_sends == 0  # every send settled and reported
