@@ -292,17 +292,19 @@ class PDWorker:
 
         Waits at most `timeout_s` in all; None: the transport's own bound on a
         write (`release_bound_s`: the engine's timeout, 30 s by default), which
-        every write ends within. Returns True when no write of this rank reads or
-        writes the KV any more; False (logged) when one still may: the tensors
-        must then outlive it (call again before freeing them)."""
-        if timeout_s is None:
-            timeout_s = float(getattr(self.transport, "release_bound_s", 30.0))
+        every write ends within, capped at an hour. Returns True when no write of
+        this rank reads or writes the KV any more; False (logged) when one still
+        may: the tensors must then outlive it (call again before freeing them)."""
+        if timeout_s is None:  # capped: a bound past it answers False, not raises
+            timeout_s = min(float(getattr(self.transport, "release_bound_s", 30.0)), 3600.0)
         if not 0 < timeout_s <= 3600:
             raise ValueError(f"timeout_s: {timeout_s!r} must be in (0, 3600] s")
         end = time.monotonic() + timeout_s
         if self.sender is not None:
             self.sender.abort_all("the KV cache was freed on P")
-            self.sender.close()  # no write starts from now on, pending fences or not
+            # no write starts from now on, pending fences or not; the notices of
+            # the sends settling below go out only while the time lasts
+            self.sender.close(notify_until=end)
             while True:
                 self.poll()
                 if not self.sender.num_sends or time.monotonic() >= end:

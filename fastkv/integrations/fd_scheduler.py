@@ -766,7 +766,9 @@ class FastDeployCacheManager:
         write-through backups planned after the last schedule were never sent. The
         backups never sent are failed here (no worker saw them); copies in flight
         are waited for, polling the results channel for at most `reset_timeout_s`,
-        so no block is handed out again while a copy still uses it. Storage
+        so no block is handed out again while a copy still uses it; so are D's PD
+        blocks still receiving (a failed transfer's, held until its fence: P's
+        bytes may still land in them). Storage
         prefetches still pending are given up with them (FastDeploy aborted their
         requests; loads in flight are waited for like any copy).
 
@@ -774,7 +776,8 @@ class FastDeployCacheManager:
         owed. Blocks stay reserved for the copies in flight (Invariant 1), no
         request hits the cache from then on (its blocks may be gone: sleep frees
         and re-creates the workers' tensors), and the cache is forgotten as soon
-        as those copies' results are in and no request is active.
+        as those copies' results are in, the PD blocks fenced, and no request is
+        active.
 
         Returns:
             True once reset; False while a request is active (nothing changes) or a
@@ -800,11 +803,14 @@ class FastDeployCacheManager:
                 if not self._reset_pending:
                     return True
                 inflight = self.manager.num_inflight_transfers
+                receiving = self.manager.num_receiving_blocks
             if time.monotonic() >= deadline:
                 log.error(
-                    "reset_cache: %d copies still in flight after %.1f s; no block hits "
-                    "until they land and no request is active, then the cache is reset",
+                    "reset_cache: %d copies in flight and %d PD blocks receiving after "
+                    "%.1f s; no block hits until they land or are fenced and no request "
+                    "is active, then the cache is reset",
                     inflight,
+                    receiving,
                     self.reset_timeout_s,
                 )
                 return False
@@ -877,8 +883,8 @@ class FastDeployCacheManager:
         """The reset `reset_cache` owes, once nothing is in flight and no request
         (other than prefetch stand-ins, given up with it) is active."""
         mgr = self.manager
-        if mgr.num_inflight_transfers:
-            return
+        if mgr.num_inflight_transfers or mgr.num_receiving_blocks:
+            return  # receiving: PD bytes may still land until D's fence releases them
         if mgr.get_stats().active_requests > len(self._prefetches):
             return
         self._reset_pending = False
@@ -897,10 +903,12 @@ class FastDeployCacheManager:
 
     def _require_idle(self, what: str) -> None:
         s = self.manager.get_stats()
-        if s.active_requests or s.inflight_transfers or s.queued_blocks:
+        receiving = self.manager.num_receiving_blocks  # D's PD blocks, fenced or not
+        if s.active_requests or s.inflight_transfers or s.queued_blocks or receiving:
             raise ValueError(
                 f"{what}: {s.active_requests} requests and {s.inflight_transfers} transfers "
-                f"active, {s.queued_blocks} blocks queued; only an idle cache can change"
+                f"active, {s.queued_blocks} blocks queued, {receiving} receiving; only an "
+                "idle cache can change"
             )
 
     def _build_rooms(self, config: CacheConfig) -> None:

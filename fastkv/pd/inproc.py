@@ -82,6 +82,7 @@ class InProcTransport:
         self._starts: list[int] = []
         self.inbox: list[tuple[str, bytes]] = []
         self.dead = False
+        self.done_means_applied = True  # a DONE write ran memmove to its end
 
     @property
     def address(self) -> str:

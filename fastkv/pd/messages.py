@@ -11,8 +11,9 @@ from P to D); only notices cross the transport, so only notices are encoded and
 authenticated here. A final notice (done, stopped or failed) is sent by a P rank
 after every write it started for that D rank has settled. Done and stopped (a
 failure, yet every write started settled done) tell D that no write of that rank for
-that transfer can land any more (D's early fence). Failed (a write of it failed)
-does not: a transport that gave a write up may still have its bytes on the wire
+that transfer can land any more (D's early fence). Failed (a write of it failed,
+or the transport's done means only "sent": `done_means_applied`) does not: a
+transport that gave a write up may still have its bytes on the wire
 (Mooncake's TCP transport times a batch out while bytes sit in a stalled receiver's
 socket), so D fences those blocks by its grace. A progress notice says only that the
 writes of layers [first_layer, first_layer + len(checksums)) settled done, with
@@ -128,10 +129,11 @@ class RankReport:
     checksum matched; not ok: P reported a failure, or the bytes did not verify).
     On P: the rank's writes settled and its notice went out (`ok`) or not.
 
-    `fenced`: no write of that rank for the transfer can land any more. Always on
-    P (its writes settled) and for an ok report; on D false when P's notice says
-    a write failed (its bytes may still be on the wire) or the landed bytes did
-    not verify: D then holds the blocks until its deadline plus grace."""
+    `fenced`: no write of that rank for the transfer can land any more. On P
+    whether its writes settled (false when one was still pending at the send's
+    deadline: no notice went out); always for an ok report; on D false when P's
+    notice says a write failed (its bytes may still be on the wire) or the landed
+    bytes did not verify: D then holds the blocks until its deadline plus grace."""
 
     transfer_id: int
     epoch: Epoch

@@ -62,19 +62,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from operator import add, le
 from typing import Any
 
-from fastkv.pd.transport import Piece, TransportError, WriteState
+from fastkv.pd.transport import MAX_TIMEOUT_S, Piece, TransportError, WriteState
 from fastkv.pd.transport import check_timeout as _check_timeout
 
 MAX_NOTICE_BYTES = 64 << 10
 NOTIFY_THREADS = 2
 QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+TCP_PROTO_ENV = "MC_TCP_PROTO"
 DEFAULT_QUEUE = 1024  # the engine's default for QUEUE_ENV
 NOTICE_MARK = "P"  # first character of every notice this transport sends
 WAKE_EARLY = 0.15  # a peer's thread wakes this share of a batch's estimate early
@@ -405,6 +406,13 @@ def engine_timeout_s() -> float:
     return float(max(5, int(digits.group(1)) if digits else 0))
 
 
+def legacy_tcp_proto() -> bool:
+    """Does the engine use TCP's legacy framing, whose COMPLETED fires once the
+    bytes are in the sender's socket (not applied at the peer)? `MC_TCP_PROTO`
+    exactly "1", as the engine tests it at every transfer."""
+    return os.environ.get(TCP_PROTO_ENV) == "1"
+
+
 def _cuda_wheel() -> bool:
     """Is Mooncake's CUDA wheel the one installed (not `-non-cuda`)?"""
     from importlib import metadata
@@ -471,6 +479,7 @@ class MooncakeTransport:
                 f"max_pieces_in_flight={max_pieces_in_flight!r}: must be in [1, 65536]"
             )
         self._max_in_flight = max_pieces_in_flight
+        self._protocol = protocol
         self._submit_in_caller = bool(submit_in_caller)
         try:
             from mooncake.engine import TransferEngine
@@ -508,6 +517,15 @@ class MooncakeTransport:
         (`mooncake-transfer-engine`) can; the non-CUDA one copies every piece
         with the CPU, so a GPU layout over it is refused (`check_transport_memory`)."""
         return _cuda_wheel()
+
+    @property
+    def done_means_applied(self) -> bool:
+        """Does DONE mean the bytes were applied at the peer? Over TCP only with the
+        engine's acknowledged framing, which `MC_TCP_PROTO=1` turns off (the engine
+        reads it at every transfer); then DONE means "in this end's socket", and
+        bytes may still land after it. (A peer engine older than 0.3.12 turns it
+        off too, which this end cannot see: see docs/pd.md.)"""
+        return self._protocol != "tcp" or not legacy_tcp_proto()
 
     @property
     def address(self) -> str:
@@ -617,6 +635,8 @@ class MooncakeTransport:
             rc = future.result(timeout_s)
         except FutureTimeout:
             raise TransportError(f"notify {peer}: no answer within {timeout_s} s") from None
+        except CancelledError:  # still queued when close shut the pool down
+            raise TransportError(f"notify {peer}: the transport closed") from None
         if rc != 0:
             raise TransportError(f"notify {peer}: the engine returned {rc}")
 
@@ -638,6 +658,8 @@ class MooncakeTransport:
             first = future.result(timeout_s)
         except FutureTimeout:
             raise TransportError(f"connect {peer}: no answer within {timeout_s} s") from None
+        except CancelledError:  # still queued when close shut the pool down
+            raise TransportError(f"connect {peer}: the transport closed") from None
         if not first:
             raise TransportError(f"connect {peer}: unreachable or no memory registered there")
 
@@ -677,7 +699,8 @@ class MooncakeTransport:
         batch inside stays PENDING until the engine gives the batch back (it
         completes, fails or hits the engine's own timeout), since until then it
         still reads the memory it writes from. Waits at most `timeout_s` (default
-        `release_bound_s`) for that. Callable again; each call waits again.
+        `release_bound_s`, capped at the longest timeout, an hour) for that.
+        Callable again; each call waits again.
 
         Returns:
             True once the engine holds no batch (the registered memory may be
@@ -685,9 +708,9 @@ class MooncakeTransport:
             stay allocated, and the regions stay registered, until a later
             `close` returns True.
         """
-        if timeout_s is None:
+        if timeout_s is None:  # a bound past an hour (MC_TRANSFER_TIMEOUT): False then
             with self._lock:
-                timeout_s = self.release_bound_s
+                timeout_s = min(self.release_bound_s, MAX_TIMEOUT_S)
         timeout_s = _check_timeout("timeout_s", timeout_s)
         with self._lock:
             first = not self._closed

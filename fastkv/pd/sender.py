@@ -50,6 +50,7 @@ block included).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -173,6 +174,7 @@ class PDSender:
         self.checksums = checksums
         self.layout = layout
         self.notify_timeout_s = notify_timeout_s
+        self._notify_until: float | None = None  # set by close: notices go until then
         self._clock = clock
         for t in layout.tensors:
             transport.register(t.ptr, t.nbytes)
@@ -430,17 +432,30 @@ class PDSender:
             self._active = []
             return len(stopped)
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 5.0, *, notify_until: float | None = None) -> None:
         """Stop every send (`abort_all`) and the fence waiter: no write starts once
         this returns, whatever fence is still pending. The sends still settle
-        through `poll`. Idempotent.
+        through `poll`. Idempotent. With `notify_until` (`time.monotonic()`
+        seconds) their notices go out only until then, each waiting at most
+        what is left: past it a send settles failed without its notice (D fences
+        by its grace), so a D that does not answer cannot stretch a bounded close
+        by a notify timeout per send.
 
         Raises:
-            ValueError: `timeout_s` not in (0, 3600]."""
+            ValueError: `timeout_s` not in (0, 3600], or `notify_until` not a
+                finite number."""
         if not 0 < timeout_s <= 3600:
             raise ValueError(f"timeout_s: {timeout_s!r} must be in (0, 3600] s")
+        if notify_until is not None and not (
+            isinstance(notify_until, int | float)
+            and not isinstance(notify_until, bool)
+            and math.isfinite(notify_until)
+        ):
+            raise ValueError(f"notify_until: {notify_until!r} must be a finite number")
         self.abort_all("the sender was closed")
         with self._lock:
+            if notify_until is not None:
+                self._notify_until = notify_until
             self._closed = True
             self._wake.notify_all()
             waiter = self._waiter
@@ -509,19 +524,24 @@ class PDSender:
         if WriteState.PENDING in states:
             # Past the deadline with a write unsettled: no notice, since a notice
             # tells D no write can land any more; D fences by its grace instead.
+            # Nor is the report fenced: that write may still move bytes.
             reason = send.failed or "writes still pending at the deadline"
-            return RankReport(plan.transfer_id, plan.epoch, self.layout.tp_rank, False, reason)
+            rank = self.layout.tp_rank
+            return RankReport(plan.transfer_id, plan.epoch, rank, False, reason, False)
         if not send.failed and WriteState.FAILED in states:
             send.failed = "a write failed"
         if not send.failed and self.checksums and plan.src_block_ids:
             self._sums_taken(send, self.layout.num_layers)  # else: stopped, failed
         ok = not send.failed
         # stopped rather than failed: every write started settled done, so D may
-        # free the blocks on this notice; a failed write's bytes may still land
-        stopped = WriteState.FAILED not in states
+        # free the blocks on this notice; a failed write's bytes may still land,
+        # and so may a done one's where done means only "sent"
+        stopped = WriteState.FAILED not in states and bool(
+            getattr(self.transport, "done_means_applied", True)
+        )
         for peer, notice in self._notices(send, ok, stopped):
             try:
-                self.transport.notify(peer, notice, self.notify_timeout_s)
+                self.transport.notify(peer, notice, self._notify_timeout())
             except TransportError as exc:
                 ok = False
                 send.failed = send.failed or f"notice to {peer}: {exc}"
@@ -543,6 +563,17 @@ class PDSender:
             )
             for r in self._served(send)
         ]
+
+    def _notify_timeout(self) -> float:
+        """A notice's timeout: `notify_timeout_s`, at most what is left before the
+        `notify_until` of `close` (TransportError when nothing is)."""
+        until = self._notify_until
+        if until is None:
+            return self.notify_timeout_s
+        left = until - time.monotonic()
+        if left <= 0:
+            raise TransportError("the sender closed: no time left for the notice")
+        return min(self.notify_timeout_s, left)
 
     def _served(self, send: _Send) -> range:
         """The D ranks this rank serves in `send`."""
@@ -625,7 +656,7 @@ class PDSender:
                 progress=True,
             )
             try:
-                self.transport.notify(self._targets[r].address, payload, self.notify_timeout_s)
+                self.transport.notify(self._targets[r].address, payload, self._notify_timeout())
             except TransportError:
                 self.progress_failed += 1
             else:

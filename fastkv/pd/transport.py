@@ -15,10 +15,14 @@ Contract (every implementation):
 - `write` starts a batch of pieces and returns at once; the handle settles to
   DONE (every byte landed) or FAILED (some may have landed: the receiver must not
   trust any of them without a completion notice). A handle never stays PENDING
-  past the transport's own timeout, and once it settled no byte of its batch lands
-  any more (the receiver's fence: `fastkv.pd.decode` frees a block when the
-  writer's notice says its handles settled, or a grace longer than this timeout
-  after its deadline).
+  past the transport's own timeout. Once DONE no byte of its batch lands any more;
+  a FAILED one's bytes may still (a transport gives a batch up, not the bytes
+  already on the wire). The receiver's fence: `fastkv.pd.decode` frees a block
+  when the writer's notice says its handles all settled DONE (done, or stopped),
+  else a grace longer than this timeout after its deadline.
+- A transport whose DONE means only "sent", not "applied at the peer", says so
+  with a false `done_means_applied` attribute (absent: true): a sender's stopped
+  notice then goes as failed, so the receiver holds the blocks to its grace.
 - `notify` delivers a payload to the peer's `poll_notices`, at most once, in any
   order relative to other notices, or raises `TransportError`; it may also be lost
   silently (a dead peer): senders and receivers keep their own deadlines.

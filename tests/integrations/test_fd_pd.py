@@ -101,3 +101,47 @@ def test_rank_reports_over_the_results_channel_reach_the_pd_half_or_are_counted(
     finally:
         sender.close()
         cm.close()
+
+
+def test_a_cache_reset_waits_for_ds_fencing_blocks_before_it_forgets_the_cache(
+    channel: str,
+) -> None:
+    """A failed write's bytes may still land in D's receiving blocks until the
+    transfer's deadline plus grace. A cache reset (FastDeploy aborted every
+    request, so none is active) must not hand those blocks out again before then:
+    it is owed until the fence released them, as it is for a copy in flight."""
+    import time
+
+    from fastkv.pd.messages import Offer, RankReport
+
+    fd_config = FDConfig(
+        FDCacheConfig(block_size=BS, total_block_num=8), ModelConfig(), ParallelConfig()
+    )
+    cm = FastDeployCacheManager(fd_config, channel_name=channel, reset_timeout_s=0.05)
+    digest = b"L" * 32
+    try:
+        settings = PDSettings(
+            digest, handshakes=(("d0", None),), timeout_s=0.3, fence_grace_s=0.3
+        )
+        cm.attach_pd(role="decode", settings=settings)
+        assert cm.pd is not None and cm.pd.d is not None
+        d, epoch = cm.pd.d, cm.manager.epoch
+        acc = d.accept(Offer("r", 3 * BS, digest, 1), [bytes([i]) * 32 for i in range(3)])
+        assert len(acc.block_ids) == 3
+        failed = RankReport(acc.transfer_id, acc.epoch, 0, False, "a write failed", False)
+        cm.pd_reports([failed])  # not fenced: D holds the blocks to deadline + grace
+        d.abort("r")  # FastDeploy pauses: every request aborted
+        assert cm.manager.num_receiving_blocks == 3
+        assert cm.reset_cache() is False  # owed, not done: P's bytes may still land
+        assert cm.manager.epoch == epoch and cm.manager.num_receiving_blocks == 3
+        with pytest.raises(ValueError, match="3 receiving"):  # would drop the fence too
+            cm.attach_pd(role="decode", settings=settings)
+        assert cm.pd.d is d
+        end = time.monotonic() + 5
+        while cm.manager.epoch == epoch and time.monotonic() < end:
+            cm.poll_results()  # the fence passes, the blocks go, the reset is done
+            time.sleep(0.01)
+        assert cm.manager.epoch == epoch + 1
+        assert d.counters.released_blocks == 3
+    finally:
+        cm.close()

@@ -308,3 +308,27 @@ def test_a_kv_free_whose_transport_still_holds_a_write_frees_nothing_and_can_ret
         assert not worker.cache_kvs_map and not answers
     finally:
         worker.stop()
+
+
+def test_a_kv_free_over_a_transport_whose_bound_is_past_an_hour_waits_an_hour_at_most(
+    channel: str,
+) -> None:
+    """PDWorker.close waits the transport's `release_bound_s` by default; with the
+    engine's timeout set past an hour that bound is past the longest wait close
+    takes: the wait is capped (close answers whether the transport let go by
+    then), not refused, which would leave the KV unfreeable for good."""
+    worker = FastDeployCacheController(fd_config(tp=2), 1, 1, channel_name=channel)
+    worker.initialize_kv_cache(attn_backend=AttentionBackend(2, 8, 4), num_gpu_blocks=8)
+    endpoint = InProcFabric().endpoint("d1")
+    endpoint.release_bound_s = 7201.0  # MC_TRANSFER_TIMEOUT=7200, as Mooncake's says
+    pd = worker.attach_pd(endpoint, role="decode", report_to=list)
+    waits: list[float | None] = []
+    close = endpoint.close
+    endpoint.close = lambda timeout_s=None: (waits.append(timeout_s), close(timeout_s))[1]
+    try:
+        assert pd.close() is True
+        assert len(waits) == 1 and 3599 < waits[0] <= 3600
+        worker.free_gpu_cache()
+        assert worker.pd is None and not worker.cache_kvs_map
+    finally:
+        worker.stop()

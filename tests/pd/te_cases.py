@@ -341,7 +341,79 @@ def listen(logdir: Path) -> dict:
     return out
 
 
+def long_engine_timeout(logdir: Path) -> dict:
+    """An engine made with `MC_TRANSFER_TIMEOUT` of two hours: its release bound is
+    past an hour, the longest a timeout may be; close with no timeout, and the
+    strict mode's refusal (which closes), still work."""
+    os.environ["MC_TRANSFER_TIMEOUT"] = "7200"
+    out: dict[str, Any] = {}
+    t = MooncakeTransport(HOST)
+    out["bound"] = t.release_bound_s
+    try:
+        out["closed"] = t.close()
+    except TransportError as exc:
+        out["closed"] = str(exc)
+    try:
+        MooncakeTransport(HOST, require_private_listen=True).close()
+        out["strict"] = "started"
+    except TransportError as exc:
+        out["strict"] = str(exc)
+    return out
+
+
+def notify_racing_close(logdir: Path) -> dict:
+    """A notice queued behind busy notifier threads when close runs: `notify`
+    raises TransportError (its contract), whatever the pool does with it."""
+    import threading
+
+    t = MooncakeTransport(HOST)
+    busy, release = threading.Semaphore(0), threading.Event()
+
+    def stuck(peer: str, text: str) -> int:  # a peer that does not answer
+        busy.release()
+        release.wait(10)
+        return 0
+
+    t._send_notice = stuck
+    errors: list[str] = []
+
+    def send(timeout_s: float) -> None:
+        try:
+            t.notify("127.0.0.1:1", b"x", timeout_s)
+            errors.append("sent")
+        except Exception as exc:
+            errors.append(type(exc).__name__)
+
+    stalled = [threading.Thread(target=send, args=(0.2,)) for _ in range(2)]
+    for th in stalled:
+        th.start()
+    busy.acquire(timeout=5)
+    busy.acquire(timeout=5)  # both notifier threads are inside the peer's call
+    queued = threading.Thread(target=send, args=(5.0,))
+    queued.start()
+
+    def connect() -> None:
+        try:
+            t.connect("127.0.0.1:1", 5.0)
+            errors.append("connected")
+        except Exception as exc:
+            errors.append("connect " + type(exc).__name__)
+
+    connecting = threading.Thread(target=connect)
+    connecting.start()
+    time.sleep(0.2)
+    for th in stalled:
+        th.join(5)
+    closed = t.close(timeout_s=1.0)
+    queued.join(5)
+    connecting.join(5)
+    release.set()
+    return {"errors": sorted(errors), "closed": closed}
+
+
 CASES = {
+    "notify_racing_close": notify_racing_close,
+    "long_engine_timeout": long_engine_timeout,
     "contract": contract,
     "bytes_two_process": bytes_two_process,
     "receiver_killed": receiver_killed,

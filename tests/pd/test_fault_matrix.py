@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastkv.pd.messages import Acceptance, Notice, Offer, Rejection, encode_notice
+from fastkv.pd.messages import Acceptance, Notice, Offer, RankReport, Rejection, encode_notice
 from fastkv.pd.sender import PDSender
 from fastkv.pd.transport import Piece, WriteState
 
@@ -310,15 +310,19 @@ def test_p_rank_dies_scheduler_lives_unpins_at_the_deadline() -> None:
 
 def test_sender_never_notifies_while_a_write_is_pending() -> None:
     """A write still pending at the send deadline: no notice (it would tell D that
-    nothing can land any more); P reports the send failed."""
+    nothing can land any more); P reports the send failed, and not fenced."""
     rig = Rig()
     rig.fabric.hold_writes = True
     rig.fabric.write_timeout_s = 100.0  # a transport slower than the send deadline
     assert isinstance(rig.offer("r", TOKENS), Acceptance)
     rig.prefill("r", TOKENS, stop_at=2)  # the model stalls after layer 1
     rig.p_side.release("r")
+    reports: list[RankReport] = []
+    poll = rig.senders[0].poll
+    rig.senders[0].poll = lambda: (reports.extend(got := poll()), got)[1]
     rig.step(TIMEOUT, pump=False)
     assert rig.senders[0].num_sends == 0 and rig.p_side.counters.send_failed == 1
+    assert [(r.ok, r.fenced) for r in reports] == [(False, False)]  # bytes may land
     assert rig.receivers[0].counters.received == 0  # no notice went out
     assert rig.fabric.num_queued == 2
 
@@ -427,3 +431,71 @@ def test_checksums_option_must_be_a_bool() -> None:
     rig = Rig()
     with pytest.raises(ValueError, match="checksums"):
         PDSender(rig.fabric.endpoint("x"), rig.p.layouts[0], checksums=1)  # type: ignore[arg-type]
+
+
+def test_abort_over_a_transport_whose_done_means_only_sent_holds_ds_blocks_to_the_grace() -> (
+    None
+):
+    """Over a transport whose DONE means only "sent" (Mooncake TCP with
+    `MC_TCP_PROTO=1`: COMPLETED once the bytes are in P's socket), a write that
+    settled done may still land: P's abort goes as failed, not stopped, and D
+    holds the blocks to its deadline plus grace."""
+    rig = Rig(p_tp=2, d_tp=2)
+    for s in rig.senders:
+        s.transport.done_means_applied = False
+    acc = rig.offer("r", TOKENS)
+    assert isinstance(acc, Acceptance)
+    rig.prefill("r", TOKENS, stop_at=1)  # layer 0's writes settled done
+    for s in rig.senders:
+        s.abort(acc.epoch, acc.transfer_id)
+    rig.p_side.release("r")
+    rig.step()
+    (out,) = rig.outcomes
+    assert not out.success and "a write failed" in out.reason
+    assert rig.d.mgr.num_receiving_blocks == len(acc.block_ids)  # every report in
+    rig.step(TIMEOUT + GRACE)
+    assert rig.d.mgr.num_receiving_blocks == 0
+    assert rig.finish_on_d("r", TOKENS) == "recomputed"
+    rig.check_clean()
+
+
+def test_pd_worker_close_bounds_the_notices_of_the_sends_it_settles() -> None:
+    """PDWorker.close waits at most its timeout in all. The sends it aborts settle
+    in its poll, each with a notice per D rank; to a D that does not answer each
+    notice waits out the notify timeout, so their number must not stretch the
+    wait: once the time is spent, no more notices go (D holds the blocks to its
+    grace, as for any lost notice)."""
+    import time
+
+    from fastkv.integrations.fd_pd_worker import PDWorker
+    from fastkv.pd.inproc import InProcFabric
+    from fastkv.pd.transport import TransportError
+
+    rig = Rig(d_blocks=32)
+    for i in range(3):
+        tokens = [t + 1000 * i for t in TOKENS]
+        assert isinstance(rig.offer(f"r{i}", tokens), Acceptance)
+        rig.prefill(f"r{i}", tokens, stop_at=1)  # layer 0 written, the rest not yet
+    sender = rig.senders[0]
+    pd = PDWorker(
+        rig.p.layouts[0], InProcFabric().endpoint("spare"), role="prefill", report_to=list
+    )
+    assert pd.sender is not None
+    pd.sender.close()
+    pd.sender, pd.transport = sender, sender.transport  # the rig's rank 0
+    waited: list[float] = []
+
+    def unanswered(peer: str, payload: bytes, timeout_s: float) -> None:
+        waited.append(timeout_s)
+        time.sleep(timeout_s)
+        raise TransportError(f"notify {peer}: no answer within {timeout_s} s")
+
+    sender.transport.notify = unanswered  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="notify_until"):
+        sender.close(notify_until=float("nan"))
+    assert sender.num_sends == 3  # refused before anything changed
+    t0 = time.monotonic()
+    assert pd.close(timeout_s=0.5) is True
+    took = time.monotonic() - t0
+    assert took < 0.8, (took, waited)
+    assert sender.num_sends == 0  # every send settled and reported

@@ -115,3 +115,25 @@ def test_bad_options_are_refused_before_the_engine_starts(kwargs: dict, words: l
         MooncakeTransport(**kwargs)
     for w in words:
         assert w in str(err.value)
+
+
+def test_close_with_no_timeout_works_when_the_engines_timeout_is_past_an_hour(
+    tmp_path: Path,
+) -> None:
+    """`close()` waits `release_bound_s` by default; a bound past the longest
+    timeout a call takes (an hour) must cap the wait, not make close raise."""
+    out = run_case("long_engine_timeout", tmp_path)
+    assert out["bound"] == 7201.0
+    assert out["closed"] is True
+    assert out["strict"] == "started" or "require_private_listen" in out["strict"], out
+
+
+def test_a_notice_queued_when_close_runs_raises_transport_error(tmp_path: Path) -> None:
+    """close drops the notices still queued for the notifier threads; a `notify`
+    waiting on one raises TransportError as its contract says, not the pool's
+    CancelledError (which a sender's settle would not catch, losing the reports
+    of every other send it settled in that poll)."""
+    out = run_case("notify_racing_close", tmp_path)
+    want = ["TransportError"] * 3 + ["connect TransportError"]
+    assert out["errors"] == sorted(want), out
+    assert out["closed"] is True

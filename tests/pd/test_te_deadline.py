@@ -11,7 +11,13 @@ import time
 
 import pytest
 
-from fastkv.pd.mooncake_te import MooncakeWriteHandle, _Job, _Peer, engine_timeout_s
+from fastkv.pd.mooncake_te import (
+    MooncakeWriteHandle,
+    _Job,
+    _Peer,
+    engine_timeout_s,
+    legacy_tcp_proto,
+)
 from fastkv.pd.transport import WriteState
 
 PIECE = 1 << 20
@@ -239,3 +245,17 @@ def test_the_engines_timeout_is_read_as_the_engine_reads_it(
     else:
         monkeypatch.setenv("MC_TRANSFER_TIMEOUT", value)
     assert engine_timeout_s() == seconds
+
+
+@pytest.mark.parametrize(
+    ("value", "legacy"), [(None, False), ("1", True), ("2", False), ("1 ", False), ("", False)]
+)
+def test_the_legacy_tcp_framing_is_read_as_the_engine_reads_it(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, legacy: bool
+) -> None:
+    """`MC_TCP_PROTO` exactly "1": DONE means only "in P's socket" (docs/pd.md)."""
+    if value is None:
+        monkeypatch.delenv("MC_TCP_PROTO", raising=False)
+    else:
+        monkeypatch.setenv("MC_TCP_PROTO", value)
+    assert legacy_tcp_proto() is legacy
