@@ -12,8 +12,10 @@ from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import _disk_io, deadline_after
 from fastkv.storage.auth import ring_of
+from fastkv.storage.base import BlockLayout
 from fastkv.storage.block_header import HEADER_BYTES, expected_header
 from fastkv.storage.mooncake import MooncakeBackend
+from fastkv.storage.mooncake import backend as backend_module
 from fastkv.storage.mooncake.codes import RPC_FAIL, TRANSFER_FAIL
 from fastkv.storage.mooncake.options import MooncakeOptions
 
@@ -543,3 +545,28 @@ def test_blocks_that_do_not_match_the_layout_are_refused_before_anything_moves(
         with pytest.raises(ValueError, match=match):
             fn(keys, blocks, deadline_after(SOON))
     assert not store.objects and backend.stats().puts == backend.stats().gets == 0
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["zero-copy", "staged"])
+def test_an_authenticated_call_neither_cuts_its_blocks_nor_checks_them_in_python(
+    staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-call cost the C path saves (about 20 us of an 8-block call): with a
+    key ring, valid blocks given as one segment each are checked by
+    `_disk_io.check_pack` alone and sealed as given, never cut into the layout's
+    segments (`BlockLayout.in_segments`) nor checked by `check_segments`."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the Python path ran")
+
+    backend, _, host = open_backend(staged)
+    monkeypatch.setattr(BlockLayout, "in_segments", refuse)
+    monkeypatch.setattr(backend_module, "check_segments", refuse)
+    keys = make_keys(2)
+    want = host.read(0)
+    blocks = [host.segments(0), host.segments(0)]
+    assert statuses(backend.put_from(keys, blocks, deadline_after(SOON))) == ["OK", "OK"]
+    host.clear(1, 0x11)
+    host.clear(2, 0x22)
+    got = backend.get_into(keys, [host.segments(1), host.segments(2)], deadline_after(SOON))
+    assert statuses(got) == ["OK", "OK"] and host.read(1) == host.read(2) == want
