@@ -69,6 +69,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from fastkv.storage import _disk_io
 from fastkv.storage.auth import StorageAuth, ring_of
 from fastkv.storage.base import (
     BlockLayout,
@@ -78,6 +81,9 @@ from fastkv.storage.base import (
     StorageBackend,
     StorageKey,
     StorageStats,
+    check_deadline,
+    check_keys,
+    check_segments,
     check_wait,
 )
 from fastkv.storage.block_header import HEADER_BYTES
@@ -194,6 +200,12 @@ class MooncakeBackend(StorageBackend):
             self._count_corrupt,
         )
         self._puts = MooncakePuts(store, layout, self._ring, self._memory, options)
+        # int64 segment lengths of each form a call's blocks come in (`BlockSegments`)
+        self._form_lengths = {
+            n: np.asarray(lengths, dtype=np.int64).tobytes()
+            for lengths in (layout.segment_lengths, (layout.payload_bytes,))
+            for n in (len(lengths),)
+        }
         self._closed = False
 
     @property
@@ -308,23 +320,55 @@ class MooncakeBackend(StorageBackend):
     ) -> list[KeyResult]:
         """A get or put batch: every input checked (blocks inside registered memory,
         the backend open) before `path` touches anything."""
-        self._check_batch(keys, blocks, deadline)
-        self._memory.check_inside(blocks)
+        packed = self._checked_pairs(keys, blocks, deadline)
+        self._memory.check_inside(packed, len(self.layout.lengths_for(blocks)))
         self._check_open()
-        return self._clear_of_busy(keys, blocks, deadline, path)
+        segs = self._seal_pairs(blocks, packed)
+        return self._clear_of_busy(keys, blocks, segs, deadline, path)
+
+    def _checked_pairs(
+        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
+    ) -> bytearray:
+        """`_check_batch`'s checks, the blocks' in C (`_disk_io.check_pack`, a tenth
+        of the Python check's time); their (address, length) pairs as int64s in
+        the call's form. A block that fails is named by `check_segments`' message."""
+        check_keys(keys)
+        check_deadline(deadline)
+        if len(blocks) != len(keys):
+            raise ValueError(f"blocks: {len(blocks)} entries for {len(keys)} keys")
+        lengths = self._form_lengths[len(self.layout.lengths_for(blocks))]
+        try:
+            return _disk_io.check_pack(blocks, lengths)[0]
+        except ValueError:
+            check_segments(blocks, self.layout)  # raises the Python check's message
+            raise
+
+    def _seal_pairs(
+        self, blocks: Sequence[BlockSegments], packed: bytearray
+    ) -> bytes | bytearray:
+        """The pairs each block is sealed and verified over: with a key ring the
+        call's own (the tag's GMAC runs over the payload's bytes in order, however
+        they are cut), else the layout's segments (the CRC is taken per segment,
+        `BlockLayout.in_segments`): either way both forms of one block store and
+        accept the same object."""
+        nseg = self.layout.num_segments
+        if self._ring or len(packed) == 16 * nseg * len(blocks):
+            return packed
+        return _disk_io.pack_segments(self.layout.in_segments(blocks), nseg)
 
     def _clear_of_busy(
         self,
         keys: Sequence[StorageKey],
         blocks: Sequence[BlockSegments],
+        segs: bytes | bytearray,
         deadline: float,
         path: MooncakeGets | MooncakePuts,
     ) -> list[KeyResult]:
         """The batch, less the keys whose host memory a get left behind still
-        writes (those answer FAILED, untouched)."""
+        writes (those answer FAILED, untouched). `segs`: the pairs of `_seal_pairs`."""
         busy = self._busy.touching(blocks)
         if not busy:
-            return self._batched(keys, blocks, deadline, path)
+            return self._batched(keys, blocks, segs, deadline, path)
         skip = set(busy)
         live = [j for j in range(len(keys)) if j not in skip]
         out = [
@@ -334,7 +378,11 @@ class MooncakeBackend(StorageBackend):
                 "(busy_host_ranges)",
             )
         ] * len(keys)
-        got = self._batched([keys[j] for j in live], [blocks[j] for j in live], deadline, path)
+        row = len(segs) // len(keys)
+        live_segs = b"".join(memoryview(segs)[row * j : row * (j + 1)] for j in live)
+        got = self._batched(
+            [keys[j] for j in live], [blocks[j] for j in live], live_segs, deadline, path
+        )
         for j, r in zip(live, got, strict=True):
             out[j] = r
         return out
@@ -371,6 +419,7 @@ class MooncakeBackend(StorageBackend):
         self,
         keys: Sequence[StorageKey],
         blocks: Sequence[BlockSegments],
+        segs: bytes | bytearray,
         deadline: float,
         path: MooncakeGets | MooncakePuts,
     ) -> list[KeyResult]:
@@ -378,7 +427,8 @@ class MooncakeBackend(StorageBackend):
         holding one arena, while the deadline and the breaker allow. A put's batch
         is prepared first on this thread (`path.prepare`: staged into the arena,
         or its headers sealed): bounded work (one batch's copy), done before the
-        caller can be answered."""
+        caller can be answered. `segs`: each block's pairs to seal or verify over
+        (`_seal_pairs`), block after block."""
         results: list[KeyResult] = [
             KeyResult(KeyStatus.TIMEOUT, "deadline passed before the call")
         ] * len(keys)
@@ -387,6 +437,7 @@ class MooncakeBackend(StorageBackend):
         arena = self._memory.take(deadline)
         if arena is None:
             return results
+        row = len(segs) // len(keys)
         abandoned = False
         try:
             for start in range(0, len(keys), self.max_batch):
@@ -401,7 +452,8 @@ class MooncakeBackend(StorageBackend):
                 stop = min(len(keys), start + self.max_batch)
                 call = Call()
                 part_keys, part_blocks = keys[start:stop], blocks[start:stop]
-                prep = path.prepare(part_keys, part_blocks, arena)  # on this thread
+                part_segs = memoryview(segs)[row * start : row * stop]
+                prep = path.prepare(part_keys, part_blocks, part_segs, arena)  # this thread
                 args = (path.part, part_keys, part_blocks, arena, deadline, call, prep)
                 fut = self._calls.submit(self._run_part, *args)
                 writes = part_blocks if path.writes_host else ()

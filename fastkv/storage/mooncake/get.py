@@ -84,10 +84,16 @@ class MooncakeGets:
         )
 
     def prepare(
-        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], arena: int
-    ) -> None:
-        """A get prepares nothing on the caller's thread (a put stages its objects)."""
-        return None
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        segs: memoryview,
+        arena: int,
+    ) -> memoryview:
+        """A get prepares nothing on the caller's thread (a put stages its objects):
+        `part` is handed `segs`, the pairs each block is verified over (the
+        backend's `_seal_pairs`)."""
+        return segs
 
     def part(
         self,
@@ -96,12 +102,13 @@ class MooncakeGets:
         arena: int,
         deadline: float,
         call: Call,
-        prep: None = None,
+        segs: memoryview,
     ) -> tuple[list[KeyResult], str | None]:
         """One batch of gets: the keys not held back by the quarantine in one
         Mooncake call, then each object verified (staged: scattered into the
-        caller's block as it is) and judged by _result. Returns the results
-        and the fatal outcome (None if Mooncake's master answered every call)."""
+        caller's block as it is) over its pairs in `segs` (int64s, block after
+        block) and judged by _result. Returns the results and the fatal outcome
+        (None if Mooncake's master answered every call)."""
         names = [k.text() for k in keys]
         held = self._quarantine.reasons(names)
         live = [j for j in range(len(keys)) if held[j] is None]
@@ -117,9 +124,7 @@ class MooncakeGets:
         # read answers its size): ask its size, one key at a time, but only while
         # the deadline allows and until a fatal code shows the store is failing.
         ask_size = not self._staged
-        # verified over the layout's segments whatever the call's form (`in_segments`)
-        nseg = self._layout.num_segments
-        packed = memoryview(_disk_io.pack_segments(self._layout.in_segments(blocks), nseg))
+        row = len(segs) // len(keys)
         for j, code in enumerate(codes):
             reason = held[j]
             if reason is not None:
@@ -131,8 +136,8 @@ class MooncakeGets:
             with call.lock:  # staged: scatters into the caller's block
                 if call.abandoned:
                     return [LEFT_BEHIND] * len(keys), fatal
-                segs = packed[16 * nseg * j : 16 * nseg * (j + 1)]
-                result, outcome = self._result(keys[j], segs, arena, j, code, size)
+                pairs = segs[row * j : row * (j + 1)]
+                result, outcome = self._result(keys[j], pairs, arena, j, code, size)
             if outcome == "fatal":
                 fatal = f"get answered {code}"
                 ask_size = False
@@ -179,8 +184,9 @@ class MooncakeGets:
     ) -> tuple[KeyResult, str]:
         """The result of one get and its kind: "", "corrupt" (counted), "node" (the
         storage node holding it failed: quarantined) or "fatal" (the master failed:
-        opens the breaker). `segs`: the block's (address, length) pairs as int64s
-        (`_disk_io.pack_segments`). `size`: what get_size answered for a -800, if asked."""
+        opens the breaker). `segs`: the pairs the block is verified over, as
+        int64s (the backend's `_seal_pairs`). `size`: what get_size answered for a
+        -800, if asked."""
         if code == self._object_bytes:
             want = expected_header(key, self._layout, 0)
             if self._staged:

@@ -27,11 +27,10 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
-from fastkv.storage.base import BlockLayout, BlockSegments
+from fastkv.storage.base import BlockLayout
 from fastkv.storage.block_header import HEADER_BYTES
 
 VERIFY_AREA_BYTES = 16 << 20
@@ -104,24 +103,22 @@ class MooncakeMemory:
                     )
         self._register(address, nbytes)
 
-    def check_inside(self, blocks: Sequence[BlockSegments]) -> None:
-        """Raises ValueError naming the first segment of `blocks` (of `layout`) not
-        inside a registered range. Staged: no check (Mooncake touches only the
-        staging area)."""
-        if self.staged:
+    def check_inside(self, pairs: bytes | bytearray, nseg: int) -> None:
+        """Raises ValueError naming the first segment of a call's blocks not inside
+        a registered range. `pairs`: their (address, length) pairs as int64s,
+        `nseg` per block (`_disk_io.check_pack`). Staged: no check (Mooncake
+        touches only the staging area)."""
+        if self.staged or not len(pairs):
             return
         with self._lock:
             regions = sorted(self._regions)
         starts = np.array([s for s, _ in regions], dtype=np.int64)
         ends = np.array([s + n for s, n in regions], dtype=np.int64)
-        segs = np.asarray(blocks, dtype=np.int64).reshape(-1, 2)
-        if not len(segs):
-            return
+        segs = np.frombuffer(pairs, dtype=np.int64).reshape(-1, 2)
         idx = np.searchsorted(starts, segs[:, 0], side="right") - 1
         inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
         if not inside.all():
             bad = int(np.argmin(inside))
-            nseg = len(self.layout.lengths_for(blocks))
             raise ValueError(
                 f"blocks[{bad // nseg}][{bad % nseg}]: not inside memory registered with "
                 "register_host_memory"

@@ -132,14 +132,20 @@ class MooncakePuts:
         self._lock = threading.Lock()  # the counters
 
     def prepare(
-        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], arena: int
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        segs: memoryview,
+        arena: int,
     ) -> list[object] | Exception:
         """On the caller's thread, before the batch goes to the pool: what Mooncake
         puts for each key (staged: the object gathered into the staging area;
         zero-copy: the header sealed in the arena, then the block's segments), or
-        the error preparing raised (answered by `part` as a failure)."""
+        the error preparing raised (answered by `part` as a failure). `segs`: the
+        pairs each block is sealed over, as int64s, block after block (the
+        backend's `_seal_pairs`)."""
         try:
-            return self._buffers(keys, blocks, arena)
+            return self._buffers(keys, blocks, segs, arena)
         except Exception as e:  # raised again on the pool thread, as a failed call
             return e
 
@@ -209,18 +215,20 @@ class MooncakePuts:
         return sorted(pending + removed), fatal
 
     def _buffers(
-        self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], arena: int
+        self,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        segs: memoryview,
+        arena: int,
     ) -> list[object]:
         """What Mooncake puts for each key: staged, the object gathered (header,
         then segments) into the staging area; zero-copy, the header sealed in the
         arena, then the block's own segments."""
-        # sealed over the layout's segments whatever the call's form (`in_segments`)
-        nseg = self._layout.num_segments
-        packed = memoryview(_disk_io.pack_segments(self._layout.in_segments(blocks), nseg))
+        row = len(segs) // len(keys)
         memory, layout, ring = self._memory, self._layout, self._ring
         ptrs: list[object] = []
         for j, key in enumerate(keys):
-            seg_array = packed[16 * nseg * j : 16 * nseg * (j + 1)]
+            seg_array = segs[row * j : row * (j + 1)]
             if self._staged:
                 addr = memory.object_addr(arena, j)
                 header = bytearray(expected_header(key, layout, 0))
