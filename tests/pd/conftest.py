@@ -12,9 +12,9 @@ import pytest
 
 from .rig import BUILT
 
-# Threads fastkv starts and must stop on close: the controller's copy streams and
-# the sender's fence waiter. (Mooncake's own and the in-process fabric's are not ours.)
-OURS = ("fastkv-",)
+# Threads fastkv starts and must stop on close: the controller's copy streams, the
+# sender's fence waiter, and MooncakeTransport's peer and notifier threads.
+OURS = ("fastkv-", "te-peer-", "te-notify")
 
 
 def _ours() -> set[threading.Thread]:
@@ -25,8 +25,13 @@ def _ours() -> set[threading.Thread]:
 def _closes_what_it_built() -> Iterator[None]:
     before = _ours()
     yield
-    while BUILT:
-        BUILT.pop()()
+    errors = []
+    while BUILT:  # every closer runs, even after one raised
+        try:
+            BUILT.pop()()
+        except Exception as exc:  # reported below, once the rest closed
+            errors.append(exc)
+    assert not errors, f"closing the test's rig raised: {errors!r}"
     end = time.monotonic() + 5.0
     while (left := _ours() - before) and time.monotonic() < end:
         time.sleep(0.01)
