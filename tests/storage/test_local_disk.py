@@ -74,6 +74,26 @@ def test_round_trip_is_bit_exact(tmp_path: Path, layout_name: str, direct_io: bo
     assert stats.put_bytes == stats.get_bytes == 6 * layout.payload_bytes
 
 
+def test_small_slots_go_through_the_page_cache_large_ones_direct(tmp_path: Path) -> None:
+    # direct_io=None: a slot under DIRECT_MIN_SLOT_BYTES is written buffered (an
+    # O_DIRECT write of a few KiB is a device round trip); larger ones O_DIRECT,
+    # on this filesystem, which takes it (the tests above require it).
+    small = BlockLayout((4096,))
+    large = BlockLayout((local_disk.DIRECT_MIN_SLOT_BYTES,))
+    assert SlotGeometry.of(small).slot_bytes < local_disk.DIRECT_MIN_SLOT_BYTES
+    with open_backend(tmp_path / "small", small) as backend:
+        assert backend.direct_io is False
+        host = HostMemory(small, 4)
+        want = [host.fill(b, seed=b) for b in range(2)]
+        assert put(backend, host, make_keys(2), range(2)) == ["OK"] * 2
+        assert get(backend, host, make_keys(2), range(2, 4)) == ["OK"] * 2
+        assert [host.read(b) for b in range(2, 4)] == want
+    with open_backend(tmp_path / "large", large) as backend:
+        assert backend.direct_io is True
+    with open_backend(tmp_path / "forced", small, direct_io=True) as backend:
+        assert backend.direct_io is True
+
+
 def test_misaligned_host_memory_goes_through_the_bounce_buffer(tmp_path: Path) -> None:
     layout = LAYOUTS["bf16"]
     host = HostMemory(layout, 4, misalign=64)
