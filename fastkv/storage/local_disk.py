@@ -54,7 +54,6 @@ was closed, so nothing is ever written into a file the process opens later.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import fcntl
@@ -65,7 +64,6 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,6 +101,7 @@ from fastkv.storage.disk_keys import (
     StorageKeyMissing,
     reclaim_from_environment,
 )
+from fastkv.storage.disk_slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +110,7 @@ FORMAT = 2  # 1: block header version 1 (no key id, no tag)
 DATA_FILE = "blocks.fkv"
 META_FILE = "fastkv-storage.json"
 LOCK_FILE = "LOCK"
-_SLAB_BYTES = 1 << 30
 _SCAN_CHUNK = 4096
-_GROW_RETRY_S = 1.0
 _SCAN_THREADS = 8
 _CLOSE_TIMEOUT_S = 30.0
 _FILE_MODE = 0o600
@@ -183,41 +180,6 @@ class _Packed:
         row = len(self.pairs) // n
         view = memoryview(self.pairs)
         return b"".join(view[i * row : (i + 1) * row] for i in todo)
-
-
-class _Slots:
-    """Free list, pins and the LRU index; every method runs under the backend lock."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, seq)
-        self.free: list[int] = []
-        # reads in flight per slot: an array of C ints (4 bytes a slot, as numpy's,
-        # but its items are plain ints: no numpy scalar per look on the put path)
-        self.pins = array.array("i", bytes(4 * capacity))
-        self.retired: set[int] = set()  # dropped from the index, free once unpinned
-        self.allocated = 0  # slots backed by the file
-        self.held = 0  # slots of blocks signed by keys the ring lacks: never reused
-
-    def release(self, slot: int) -> None:
-        """Return a slot no longer in the index: free now, or when its last read ends."""
-        if self.pins[slot] == 0:
-            self.free.append(slot)
-        else:
-            self.retired.add(slot)
-
-    def unpin(self, slot: int) -> None:
-        self.pins[slot] -= 1
-        if self.pins[slot] == 0 and slot in self.retired:
-            self.retired.discard(slot)
-            self.free.append(slot)
-
-    def evict_one(self) -> int | None:
-        for key, (slot, _) in self.index.items():
-            if self.pins[slot] == 0:
-                del self.index[key]
-                return slot
-        return None
 
 
 class LocalDiskBackend(StorageBackend):
@@ -320,8 +282,6 @@ class LocalDiskBackend(StorageBackend):
                 "FASTKV_STORAGE_KEY_FILE",
             )
         self._file_gone = ""  # why puts fail: the slot file was deleted or replaced
-        self._grow_error: OSError | None = None
-        self._grow_retry_at = 0.0
         self._seq = time.time_ns()
         self._stats = StorageStats(capacity_blocks=capacity)
         self._local = threading.local()
@@ -514,7 +474,7 @@ class LocalDiskBackend(StorageBackend):
                     if packed in first:  # a repeat: answered with its first occurrence below
                         repeats = True
                         continue
-                    slot = free.pop() if free else self._take_slot()
+                    slot = free.pop() if free else self._slots.take()
                     if slot is None:
                         results[i] = self._no_slot_result()
                         continue
@@ -686,53 +646,12 @@ class LocalDiskBackend(StorageBackend):
 
     def _live_stats(self, snap: StorageStats) -> None:
         snap.stored_blocks = len(self._slots.index)
+        snap.evictions = self._slots.evictions
 
     # -- slots --------------------------------------------------------------------
 
-    def _take_slot(self) -> int | None:
-        slots = self._slots
-        if slots.free:
-            return slots.free.pop()
-        if slots.allocated < slots.capacity:
-            # Below capacity the file grows; when the filesystem is full, puts fail
-            # (fast) rather than evict: the configured capacity is not there.
-            return slots.free.pop() if self._grow() else None
-        slot = slots.evict_one()
-        if slot is not None:
-            self._stats.evictions += 1
-        return slot
-
-    def _grow(self) -> bool:
-        """Preallocate more slots: a slab, or as much of one as the filesystem has
-        room for (halving down to one slot). After a failure, puts fail fast
-        (no I/O) for `_GROW_RETRY_S` before the next attempt."""
-        slots = self._slots
-        if time.monotonic() < self._grow_retry_at:
-            return False
-        step = min(self._slab_slots, slots.capacity - slots.allocated)
-        start = slots.allocated * self.geometry.slot_bytes
-        while step >= 1:
-            length = step * self.geometry.slot_bytes
-            try:
-                os.posix_fallocate(self._fd, start, length)
-                break
-            except OSError as e:
-                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    os.ftruncate(self._fd, start + length)  # no preallocation: sparse
-                    break
-                if e.errno != errno.ENOSPC or step == 1:
-                    self._grow_error = e
-                    self._grow_retry_at = time.monotonic() + _GROW_RETRY_S
-                    return False
-                step //= 2
-        new = slots.allocated + step
-        slots.free.extend(range(new - 1, slots.allocated - 1, -1))
-        slots.allocated = new
-        self._grow_error = None
-        return True
-
     def _no_slot_result(self) -> KeyResult:
-        err = self._grow_error
+        err = self._slots.grow_error
         if err is not None and self._slots.allocated < self._slots.capacity:
             reason = f"no space to grow the slot file: {err.strerror}"
         elif self.recovering:
@@ -1029,8 +948,7 @@ class LocalDiskBackend(StorageBackend):
         # what each write checks after its blocks moved: the name still names this
         # very file (device and inode) only while it is linked there
         self._file_check = (self._dir_fd, DATA_FILE, st.st_ino, st.st_dev)
-        self._slots = _Slots(capacity)
-        self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
+        self._slots = SlotTable(capacity, self._fd, self.geometry.slot_bytes)
         self._open_existing(recover)
 
     def _meta(self, key_ids: list[int] | None = None) -> dict:
