@@ -1658,10 +1658,68 @@ static PyObject *check_pack(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* check_pack for blocks given as one contiguous region each (the host tier's
+ * form: BlockLayout.in_segments): every block must be exactly one (address,
+ * length) pair, the address a positive int and the length an int equal to the
+ * layout's payload (the sum of `want`). Returns what check_pack returns for the
+ * blocks cut at the layout's segments, or None when a block is not so (the caller
+ * then checks the call the general way, for its error). */
+static PyObject *cut_pack(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *blocks;
+    Py_buffer want;
+    if (!PyArg_ParseTuple(args, "Oy*", &blocks, &want)) return NULL;
+    Py_ssize_t nseg = want.len / 8, n = PyList_Check(blocks) ? PyList_GET_SIZE(blocks) : -1;
+    const int64_t *w = want.buf;
+    int64_t total = 0;
+    for (Py_ssize_t s = 0; s < nseg; s++) total += w[s];
+    PyObject *out = NULL;
+    if (want.len % 8 || nseg < 1 || n < 0 || n > PY_SSIZE_T_MAX / 16 / nseg ||
+        !(out = PyByteArray_FromStringAndSize(NULL, n * nseg * 16))) {
+        PyBuffer_Release(&want);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    int64_t *o = (int64_t *)(void *)PyByteArray_AS_STRING(out);
+    int misaligned = 0;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *segs = PyList_GET_ITEM(blocks, b), *pair = NULL;
+        if (PyList_Check(segs) && PyList_GET_SIZE(segs) == 1) pair = PyList_GET_ITEM(segs, 0);
+        else if (PyTuple_Check(segs) && PyTuple_GET_SIZE(segs) == 1) pair = PyTuple_GET_ITEM(segs, 0);
+        long long p = -1, len = -1;
+        if (pair && PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0)) &&
+            PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+            p = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 0));
+            len = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+                p = -1;
+            }
+        }
+        if (p <= 0 || len != total || p > LLONG_MAX - total) {
+            Py_DECREF(out);
+            PyBuffer_Release(&want);
+            Py_RETURN_NONE;
+        }
+        for (Py_ssize_t s = 0; s < nseg; s++, o += 2) {
+            o[0] = p;
+            o[1] = w[s];
+            if (w[s] % ALIGN == 0 && p % ALIGN) misaligned = 1;
+            p += w[s];
+        }
+    }
+    PyBuffer_Release(&want);
+    return Py_BuildValue("(NO)", out, misaligned ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
     {"check_pack", check_pack, METH_VARARGS,
      "check_pack(blocks, lengths) -> (bytearray, misaligned): blocks checked against the layout's int64 "
      "lengths and packed as int64 (address, length) pairs."},
+    {"cut_pack", cut_pack, METH_VARARGS,
+     "cut_pack(blocks, lengths) -> (bytearray, misaligned) | None: check_pack of blocks given as one "
+     "contiguous (address, payload length) region each, cut at the layout's int64 lengths; None when a "
+     "block is not one such region."},
     {"pack_segments", pack_segments, METH_VARARGS,
      "pack_segments(blocks, nseg) -> bytearray: each block's (address, length) pairs as int64s."},
     {"write_batch", write_batch, METH_VARARGS,
