@@ -30,8 +30,10 @@ Large segments (a multiple of 4096 bytes: K and V of a layer) move zero-copy bet
 host memory and the file with one pwritev/preadv per block, or per run of blocks
 whose slots follow one another (up to 1 MiB: a call costs more than a small block's
 bytes); small ones (fp8 scales) go through a per-thread bounce page with the
-header. The file is opened with O_DIRECT when a probe write succeeds (page-cache
-copies halved write speed here), buffered otherwise. No fsync on the hot path:
+header. The file is opened with O_DIRECT when its slots are 64 KiB or more and a
+probe write succeeds (page-cache copies halved write speed here), buffered otherwise
+(small slots: an O_DIRECT write of a few KiB costs a device round trip; see
+`DIRECT_MIN_SLOT_BYTES`). No fsync on the hot path:
 every read verifies header and checksum, so a torn or lost write is a miss, never
 garbage. A block a read rejects is read once more, into the backend's own memory,
 before it is dropped: only when that read rejects it too (a first read can meet
@@ -52,7 +54,6 @@ was closed, so nothing is ever written into a file the process opens later.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import fcntl
@@ -63,7 +64,6 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -101,6 +101,7 @@ from fastkv.storage.disk_keys import (
     StorageKeyMissing,
     reclaim_from_environment,
 )
+from fastkv.storage.disk_slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,17 @@ FORMAT = 2  # 1: block header version 1 (no key id, no tag)
 DATA_FILE = "blocks.fkv"
 META_FILE = "fastkv-storage.json"
 LOCK_FILE = "LOCK"
-_SLAB_BYTES = 1 << 30
 _SCAN_CHUNK = 4096
-_GROW_RETRY_S = 1.0
 _SCAN_THREADS = 8
 _CLOSE_TIMEOUT_S = 30.0
 _FILE_MODE = 0o600
+DIRECT_MIN_SLOT_BYTES = 64 << 10
+"""Slots smaller than this are written through the page cache (direct_io=None):
+an O_DIRECT write of one is a device round trip for a few KiB (8 KiB: 76-87 us p50
+here, against 4-5 us buffered; 64 KiB: 102 against 11), and the kernel's
+write-back merges neighbouring slots into large writes. Larger slots (KV blocks of
+real models: 256 KiB and up) move zero-copy with O_DIRECT, where page-cache copies
+halved write speed."""
 
 
 class StorageDirectoryLocked(RuntimeError):
@@ -176,41 +182,6 @@ class _Packed:
         return b"".join(view[i * row : (i + 1) * row] for i in todo)
 
 
-class _Slots:
-    """Free list, pins and the LRU index; every method runs under the backend lock."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, seq)
-        self.free: list[int] = []
-        # reads in flight per slot: an array of C ints (4 bytes a slot, as numpy's,
-        # but its items are plain ints: no numpy scalar per look on the put path)
-        self.pins = array.array("i", bytes(4 * capacity))
-        self.retired: set[int] = set()  # dropped from the index, free once unpinned
-        self.allocated = 0  # slots backed by the file
-        self.held = 0  # slots of blocks signed by keys the ring lacks: never reused
-
-    def release(self, slot: int) -> None:
-        """Return a slot no longer in the index: free now, or when its last read ends."""
-        if self.pins[slot] == 0:
-            self.free.append(slot)
-        else:
-            self.retired.add(slot)
-
-    def unpin(self, slot: int) -> None:
-        self.pins[slot] -= 1
-        if self.pins[slot] == 0 and slot in self.retired:
-            self.retired.discard(slot)
-            self.free.append(slot)
-
-    def evict_one(self) -> int | None:
-        for key, (slot, _) in self.index.items():
-            if self.pins[slot] == 0:
-                del self.index[key]
-                return slot
-        return None
-
-
 class LocalDiskBackend(StorageBackend):
     """Blocks in fixed-size slots of one file in `directory`.
 
@@ -219,7 +190,9 @@ class LocalDiskBackend(StorageBackend):
         layout: the segment lengths of every block.
         capacity_blocks / capacity_bytes: exactly one; bytes are rounded down to
             whole slots. At least one slot.
-        direct_io: True requires O_DIRECT, False never uses it, None probes.
+        direct_io: True requires O_DIRECT, False never uses it, None: O_DIRECT
+            for slots of `DIRECT_MIN_SLOT_BYTES` or more when a probe write takes
+            it, buffered otherwise (smaller slots always).
         recover: scan what a previous process stored (in the background).
         io_delay_s: fault injection: sleep this long before each block's I/O (a slow
             disk, for tests of deadlines).
@@ -309,8 +282,6 @@ class LocalDiskBackend(StorageBackend):
                 "FASTKV_STORAGE_KEY_FILE",
             )
         self._file_gone = ""  # why puts fail: the slot file was deleted or replaced
-        self._grow_error: OSError | None = None
-        self._grow_retry_at = 0.0
         self._seq = time.time_ns()
         self._stats = StorageStats(capacity_blocks=capacity)
         self._local = threading.local()
@@ -464,6 +435,21 @@ class LocalDiskBackend(StorageBackend):
     def put_from(
         self, keys: Sequence[StorageKey], blocks: Sequence[BlockSegments], deadline: float
     ) -> list[KeyResult]:
+        if (  # a lone block, the latency-bound case
+            type(keys) is list
+            and len(keys) == 1
+            and type(keys[0]) is StorageKey
+            and type(deadline) is float
+            and deadline == deadline
+            and type(blocks) is list
+            and len(blocks) == 1
+            and not (self.read_only or self._file_gone)
+        ):
+            # in the host tier's form (one contiguous region), checked and cut at
+            # the layout's segments in C; any other form, the general way below
+            got = _disk_io.cut_pack(blocks, self._lengths)
+            if got is not None and not (got[1] and self.direct_io):
+                return self._put_one(keys, got[0], deadline)
         segs = self._checked(keys, blocks, deadline)
         gone = _READ_ONLY if self.read_only else self._file_gone
         if gone:
@@ -472,6 +458,43 @@ class LocalDiskBackend(StorageBackend):
             self._leave(results)
             return results
         return self._put_from(keys, segs, deadline)
+
+    def _put_one(
+        self, keys: list[StorageKey], pairs: bytearray, deadline: float
+    ) -> list[KeyResult]:
+        """`_put_from` of a lone, checked block that moves zero-copy (the same
+        sections, answers and counts), in fewer Python calls: a lone put is
+        latency-bound, and its Python often runs on a CPU gone cold (after an I/O
+        wait), where each call costs several times what it costs hot. A put of a
+        stored key, or with no slot to take, touches no file: not counted in."""
+        packed = keys[0].packed
+        slots = self._slots
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the storage backend is closed")
+            if packed in slots.index:
+                slots.index.move_to_end(packed)
+                results = [ALREADY_STORED]
+            else:
+                slot = slots.free.pop() if slots.free else slots.take()
+                results = [OK] if slot is not None else [self._no_slot_result()]
+            if results[0] is not OK:
+                self._stats.count_puts(results, self._payload_bytes)
+                return results
+            self._users += 1
+            seq = self._seq = max(self._seq + 1, time.time_ns())
+        where = [(slot, seq)]
+        statuses = [-errno.EIO]  # as a write that raised: nothing stored
+        try:
+            statuses = self._move(True, keys, pairs, _ONE, where, deadline, False)
+        finally:
+            with self._lock:
+                self._settle_writes(keys, _ONE, where, statuses, results)
+                self._stats.count_puts(results, self._payload_bytes)
+                release = self._leave_held()
+            if release:
+                self._release_late()
+        return results
 
     def _put_from(
         self, keys: Sequence[StorageKey], segs: _Packed, deadline: float
@@ -503,7 +526,7 @@ class LocalDiskBackend(StorageBackend):
                     if packed in first:  # a repeat: answered with its first occurrence below
                         repeats = True
                         continue
-                    slot = free.pop() if free else self._take_slot()
+                    slot = free.pop() if free else self._slots.take()
                     if slot is None:
                         results[i] = self._no_slot_result()
                         continue
@@ -675,53 +698,12 @@ class LocalDiskBackend(StorageBackend):
 
     def _live_stats(self, snap: StorageStats) -> None:
         snap.stored_blocks = len(self._slots.index)
+        snap.evictions = self._slots.evictions
 
     # -- slots --------------------------------------------------------------------
 
-    def _take_slot(self) -> int | None:
-        slots = self._slots
-        if slots.free:
-            return slots.free.pop()
-        if slots.allocated < slots.capacity:
-            # Below capacity the file grows; when the filesystem is full, puts fail
-            # (fast) rather than evict: the configured capacity is not there.
-            return slots.free.pop() if self._grow() else None
-        slot = slots.evict_one()
-        if slot is not None:
-            self._stats.evictions += 1
-        return slot
-
-    def _grow(self) -> bool:
-        """Preallocate more slots: a slab, or as much of one as the filesystem has
-        room for (halving down to one slot). After a failure, puts fail fast
-        (no I/O) for `_GROW_RETRY_S` before the next attempt."""
-        slots = self._slots
-        if time.monotonic() < self._grow_retry_at:
-            return False
-        step = min(self._slab_slots, slots.capacity - slots.allocated)
-        start = slots.allocated * self.geometry.slot_bytes
-        while step >= 1:
-            length = step * self.geometry.slot_bytes
-            try:
-                os.posix_fallocate(self._fd, start, length)
-                break
-            except OSError as e:
-                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    os.ftruncate(self._fd, start + length)  # no preallocation: sparse
-                    break
-                if e.errno != errno.ENOSPC or step == 1:
-                    self._grow_error = e
-                    self._grow_retry_at = time.monotonic() + _GROW_RETRY_S
-                    return False
-                step //= 2
-        new = slots.allocated + step
-        slots.free.extend(range(new - 1, slots.allocated - 1, -1))
-        slots.allocated = new
-        self._grow_error = None
-        return True
-
     def _no_slot_result(self) -> KeyResult:
-        err = self._grow_error
+        err = self._slots.grow_error
         if err is not None and self._slots.allocated < self._slots.capacity:
             reason = f"no space to grow the slot file: {err.strerror}"
         elif self.recovering:
@@ -778,10 +760,6 @@ class LocalDiskBackend(StorageBackend):
         where: list[tuple[int, int]],
         deadline: float,
     ) -> list[int]:
-        g = self.geometry
-        # The C batch makes each block's header (the layout's parts around the key's
-        # packed form, then its seq) and slot offset from these, in one pass.
-        headers = (*self._header_parts, keys, todo, where)
         segs = packed.rows(todo, len(keys))
         # Misaligned host memory under O_DIRECT stages whole slots, one at a time;
         # otherwise checksums are pipelined with the I/O, every block has a header
@@ -789,6 +767,24 @@ class LocalDiskBackend(StorageBackend):
         # one another, to move them in one call; a read keeps each until its
         # verification).
         full = packed.misaligned and self._needs_full_bounce(packed, todo)
+        return self._move(write, keys, segs, todo, where, deadline, full)
+
+    def _move(
+        self,
+        write: bool,
+        keys: Sequence[StorageKey],
+        segs: bytes | bytearray,
+        todo: list[int],
+        where: list[tuple[int, int]],
+        deadline: float,
+        full: bool,
+    ) -> list[int]:
+        """The C batch over blocks `todo` of `keys`, their segment pairs `segs`, in
+        slots `where`; `full`: a block stages its whole slot (`_run`)."""
+        g = self.geometry
+        # The C batch makes each block's header (the layout's parts around the key's
+        # packed form, then its seq) and slot offset from these, in one pass.
+        headers = (*self._header_parts, keys, todo, where)
         bounce = self._bounce(g.slot_bytes if full else g.header_area * len(todo))
         call = _disk_io.write_batch if write else _disk_io.read_batch
         return call(
@@ -1007,7 +1003,10 @@ class LocalDiskBackend(StorageBackend):
             flags = os.O_RDONLY
         else:
             self.direct_io = (
-                _probe_direct(self._dir_fd, self.directory) if direct_io is None else direct_io
+                self.geometry.slot_bytes >= DIRECT_MIN_SLOT_BYTES
+                and _probe_direct(self._dir_fd, self.directory)
+                if direct_io is None
+                else direct_io
             )
             flags = os.O_RDWR | os.O_CREAT
         self._fd = _open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
@@ -1015,8 +1014,7 @@ class LocalDiskBackend(StorageBackend):
         # what each write checks after its blocks moved: the name still names this
         # very file (device and inode) only while it is linked there
         self._file_check = (self._dir_fd, DATA_FILE, st.st_ino, st.st_dev)
-        self._slots = _Slots(capacity)
-        self._slab_slots = max(1, _SLAB_BYTES // self.geometry.slot_bytes)
+        self._slots = SlotTable(capacity, self._fd, self.geometry.slot_bytes)
         self._open_existing(recover)
 
     def _meta(self, key_ids: list[int] | None = None) -> dict:
@@ -1264,6 +1262,9 @@ def _describe(status: int) -> str:
         _disk_io.ST_CLOSED: "the backend closed",
     }.get(status, f"status {status}")
 
+
+_ONE = [0]
+"""`todo` of a one-block call (read, never changed)."""
 
 _READ_ONLY = "the cache directory is read-only: nothing is written"
 
