@@ -1087,6 +1087,21 @@ class LocalDiskBackend(StorageBackend):
         self._recorded = key_ids
 
 
+def set_lone_write_poll_us(us: int) -> int:
+    """How long a lone block's write (slots up to 1 MiB, native AIO) polls for its
+    completion before it sleeps, for every backend of the process. Default 1,000
+    µs. Polling spends the put's thread's CPU while the device works (about twice
+    a sleeping put's CPU at 256 KiB) for a lower latency (p50 about 15-25 % lower
+    at 256 KiB on a VM); 0 always sleeps, for hosts whose cores are all busy.
+    Returns the previous setting.
+
+    Raises:
+        ValueError: `us` not an int in [0, 1_000_000]."""
+    if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= 1_000_000:
+        raise ValueError(f"us: {us!r} must be an int in [0, 1000000]")
+    return _disk_io.write_poll(us)[0]
+
+
 def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> frozenset[int] | None:
     """The key ids the directory's metadata records (None: written before they
     were); raises ValueError saying how it differs from `meta`."""
@@ -1294,4 +1309,5 @@ __all__ = [
     "StorageDirectoryLocked",
     "StorageDirectoryUnsafe",
     "StorageKeyMissing",
+    "set_lone_write_poll_us",
 ]

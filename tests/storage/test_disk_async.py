@@ -14,7 +14,7 @@ import pytest
 from storage_helpers import LAYOUTS, TEST_AUTH, HostMemory, make_keys, statuses
 
 from fastkv.storage import BlockLayout, _disk_io, deadline_after
-from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend
+from fastkv.storage.local_disk import DATA_FILE, LocalDiskBackend, set_lone_write_poll_us
 
 SOON = 30.0
 
@@ -93,12 +93,27 @@ def test_a_damaged_block_among_reads_in_flight_is_the_only_miss(
         assert all(host.read(8 + k) == want[b] for k, b in enumerate(order) if b != 5)
 
 
-def test_a_lone_block_from_256_kib_up_writes_its_payload_while_it_is_sealed() -> None:
+@pytest.mark.parametrize(("payload_kib", "split"), [(128, False), (256, True)])
+def test_a_lone_block_from_256_kib_up_writes_its_payload_while_it_is_sealed(
+    tmp_path: Path, restore_async: None, restore_poll: None, payload_kib: int, split: bool
+) -> None:
     """A lone block of a 256 KiB payload (and its header page: a 260 KiB slot) is
-    split in two requests under AIO, so its seal overlaps the payload's transfer:
-    in the latency bench that put p50 went from 1.35-1.46x raw to 1.18-1.38x
-    (strace: two io_submit for a lone 256 KiB block, one pwritev at 128 KiB)."""
-    assert _disk_io.SPLIT_BYTES <= 256 << 10
+    split in two requests under AIO, so its seal overlaps the payload's transfer
+    (the latency bench: put p50 from 1.35-1.46x raw to 1.18-1.38x); a smaller one
+    is one pwritev. Only a split write waits on the AIO ring, which the polled-wait
+    count shows; either way the block reads back byte for byte."""
+    lay = BlockLayout(((payload_kib << 10) // 8,) * 8)
+    host = HostMemory(lay, 2)
+    want = host.fill(0, seed=3)
+    (key,) = make_keys(1)
+    with LocalDiskBackend(tmp_path, lay, capacity_blocks=2, direct_io=True) as backend:
+        _disk_io.write_poll(1_000_000)  # ample: a split write ends while it polls
+        _, before = _disk_io.write_poll()
+        put = backend.put_from([key], [host.segments(0)], deadline_after(SOON))
+        assert statuses(put) == ["OK"]
+        assert _disk_io.write_poll()[1] == before + split
+        got = backend.get_into([key], [host.segments(1)], deadline_after(SOON))
+        assert statuses(got) == ["OK"] and host.read(1) == want
 
 
 @pytest.fixture
@@ -142,3 +157,14 @@ def test_a_lone_block_write_polls_its_completion_and_batches_sleep(
 def test_write_poll_refuses_a_time_out_of_bounds(us: int, restore_poll: None) -> None:
     with pytest.raises(ValueError, match=rf"us: must be in \[0, 1000000\].*got {us}"):
         _disk_io.write_poll(us)
+
+
+@pytest.mark.parametrize("us", [-1, 1_000_001, 1.5, True])
+def test_the_public_poll_setting_refuses_what_is_not_a_time_and_keeps_the_old(
+    us: object, restore_poll: None
+) -> None:
+    was = set_lone_write_poll_us(250)
+    assert set_lone_write_poll_us(was) == 250
+    with pytest.raises(ValueError, match=r"us: .* must be an int in \[0, 1000000\]"):
+        set_lone_write_poll_us(us)  # type: ignore[arg-type]
+    assert _disk_io.write_poll()[0] == was
