@@ -116,7 +116,10 @@ class MooncakeMemory:
         ends = np.array([s + n for s, n in regions], dtype=np.int64)
         segs = np.frombuffer(pairs, dtype=np.int64).reshape(-1, 2)
         idx = np.searchsorted(starts, segs[:, 0], side="right") - 1
-        inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
+        # the length against the room left in the range: start + length could
+        # wrap past 2**63 as int64s and pass for inside
+        room = ends[np.maximum(idx, 0)] - segs[:, 0]
+        inside = (idx >= 0) & (segs[:, 1] <= room)
         if not inside.all():
             bad = int(np.argmin(inside))
             raise ValueError(
