@@ -592,3 +592,28 @@ def test_a_segment_whose_end_passes_2_63_is_not_inside_registered_memory(form: s
     with pytest.raises(ValueError, match=match):
         backend.get_into(keys, [block], deadline_after(SOON))
     assert backend.stats().gets == 0
+
+
+def test_the_backends_own_registered_areas_are_not_host_memory() -> None:
+    """Only memory given to register_host_memory takes zero-copy blocks: the
+    backend registers its own header and read-back areas with Mooncake too, and a
+    block there would be written by a get while another call seals or verifies in
+    it (a put's read-back failing on it removes that put's object)."""
+    backend, store, _ = open_backend()
+    keys = make_keys(1)
+    memory = backend._memory
+    for at in (memory.verify_addr, memory.header_addr(0, 0)):
+        with pytest.raises(ValueError, match=r"blocks\[0\]\[0\]: not inside memory registered"):
+            backend.get_into(keys, [[(at, LAYOUT.payload_bytes)]], deadline_after(SOON))
+    assert backend.stats().gets == 0 and not store.objects
+
+
+def test_a_zero_copy_call_before_any_host_memory_is_registered_is_refused() -> None:
+    store = FakeMooncakeStore()
+    backend = MooncakeBackend(
+        LAYOUT, MooncakeOptions(staging_bytes=0, auth=TEST_AUTH), store=store
+    )
+    host = HostMemory(LAYOUT, 1)
+    with pytest.raises(ValueError, match=r"blocks\[0\]\[0\]: not inside memory registered"):
+        backend.put_from(make_keys(1), [host.segments(0)], deadline_after(SOON))
+    assert not store.objects
