@@ -571,7 +571,8 @@ class LocalDiskBackend(StorageBackend):
         the directory. Idempotent.
 
         Blocks a call has not started by now answer FAILED ("closed"); a block being
-        written finishes (a put answered OK is on disk). Waits at most `timeout`
+        written finishes (a put answered OK is in the file: on the device under
+        O_DIRECT, in the page cache when buffered; never fsynced). Waits at most `timeout`
         seconds for the calls to return; if one is still stuck in the kernel then
         (a hung disk), logs what it waits for and returns False, and the files stay
         open (and the directory locked) until the last such call returns.
