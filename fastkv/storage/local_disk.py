@@ -485,12 +485,15 @@ class LocalDiskBackend(StorageBackend):
             seq = self._seq = max(self._seq + 1, time.time_ns())
         where = [(slot, seq)]
         statuses = [-errno.EIO]  # as a write that raised: nothing stored
+        answered = False
         try:
             statuses = self._move(True, keys, pairs, _ONE, where, deadline, False)
+            answered = True
         finally:
             with self._lock:
                 self._settle_writes(keys, _ONE, where, statuses, results)
-                self._stats.count_puts(results, self._payload_bytes)
+                if answered:  # a call that raises counts nothing (as `_put_from`)
+                    self._stats.count_puts(results, self._payload_bytes)
                 release = self._leave_held()
             if release:
                 self._release_late()
@@ -568,7 +571,8 @@ class LocalDiskBackend(StorageBackend):
         the directory. Idempotent.
 
         Blocks a call has not started by now answer FAILED ("closed"); a block being
-        written finishes (a put answered OK is on disk). Waits at most `timeout`
+        written finishes (a put answered OK is in the file: on the device under
+        O_DIRECT, in the page cache when buffered; never fsynced). Waits at most `timeout`
         seconds for the calls to return; if one is still stuck in the kernel then
         (a hung disk), logs what it waits for and returns False, and the files stay
         open (and the directory locked) until the last such call returns.

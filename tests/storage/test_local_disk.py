@@ -902,3 +902,34 @@ def test_a_lone_put_in_the_host_tiers_form_answers_and_counts_as_a_batch_does(
     assert stats.put_bytes == 3 * layout.payload_bytes
     with pytest.raises(RuntimeError, match="closed"):
         backend.put_from(keys[2:3], [host.segments(4)], 1e12)
+
+
+@pytest.mark.parametrize("form", ["host", "layout"], ids=["lone_path", "batch_path"])
+def test_a_put_whose_write_raises_leaves_the_counters_as_they_were(
+    tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A put that raises (here the C batch, as when it cannot allocate) changes
+    # nothing: no put or failure counted, the slot back for the next put; the
+    # lone put in the host tier's form (`_put_one`) as the batch path.
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 2)
+    keys = make_keys(1)
+    blocks = [host.segments(0) if form == "host" else host.tensor_segments(0)]
+
+    def fail(*args: object) -> list[int]:
+        raise MemoryError("no memory for the batch")
+
+    with open_backend(tmp_path, layout, capacity=1) as backend:
+        with monkeypatch.context() as m:
+            m.setattr(local_disk._disk_io, "write_batch", fail)
+            with pytest.raises(MemoryError):
+                backend.put_from(keys, blocks, deadline_after(SOON))
+        stats = backend.stats()
+        assert (stats.puts, stats.put_failures, stats.put_bytes, stats.stored_blocks) == (
+            0,
+            0,
+            0,
+            0,
+        )
+        assert put(backend, host, keys, [0]) == ["OK"]  # its slot came back
+        assert get(backend, host, keys, [1]) == ["OK"] and host.read(1) == host.read(0)

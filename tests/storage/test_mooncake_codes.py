@@ -570,3 +570,50 @@ def test_an_authenticated_call_neither_cuts_its_blocks_nor_checks_them_in_python
     host.clear(2, 0x22)
     got = backend.get_into(keys, [host.segments(1), host.segments(2)], deadline_after(SOON))
     assert statuses(got) == ["OK", "OK"] and host.read(1) == host.read(2) == want
+
+
+@pytest.mark.parametrize("form", ["host", "layout"])
+def test_a_segment_whose_end_passes_2_63_is_not_inside_registered_memory(form: str) -> None:
+    """The registered-memory check compares each segment's end with its range's
+    as int64s: a segment starting in the last registered range's address order
+    whose end wraps past 2**63 must be refused, not taken for inside (Mooncake
+    would then write a get's object there). Only gets of a key never stored are
+    tried: on a check that lets the segment through they touch no memory."""
+    backend, _, host = open_backend()
+    keys = make_keys(1)
+    near = (1 << 63) - 16  # above every registered range; + a segment wraps
+    if form == "host":
+        block = [(near, LAYOUT.payload_bytes)]
+        match = r"blocks\[0\]\[0\]: not inside memory registered"
+    else:
+        block = [*host.tensor_segments(0)[:3], (near, LAYOUT.segment_lengths[3])]
+        block += host.tensor_segments(0)[4:]
+        match = r"blocks\[0\]\[3\]: not inside memory registered"
+    with pytest.raises(ValueError, match=match):
+        backend.get_into(keys, [block], deadline_after(SOON))
+    assert backend.stats().gets == 0
+
+
+def test_the_backends_own_registered_areas_are_not_host_memory() -> None:
+    """Only memory given to register_host_memory takes zero-copy blocks: the
+    backend registers its own header and read-back areas with Mooncake too, and a
+    block there would be written by a get while another call seals or verifies in
+    it (a put's read-back failing on it removes that put's object)."""
+    backend, store, _ = open_backend()
+    keys = make_keys(1)
+    memory = backend._memory
+    for at in (memory.verify_addr, memory.header_addr(0, 0)):
+        with pytest.raises(ValueError, match=r"blocks\[0\]\[0\]: not inside memory registered"):
+            backend.get_into(keys, [[(at, LAYOUT.payload_bytes)]], deadline_after(SOON))
+    assert backend.stats().gets == 0 and not store.objects
+
+
+def test_a_zero_copy_call_before_any_host_memory_is_registered_is_refused() -> None:
+    store = FakeMooncakeStore()
+    backend = MooncakeBackend(
+        LAYOUT, MooncakeOptions(staging_bytes=0, auth=TEST_AUTH), store=store
+    )
+    host = HostMemory(LAYOUT, 1)
+    with pytest.raises(ValueError, match=r"blocks\[0\]\[0\]: not inside memory registered"):
+        backend.put_from(make_keys(1), [host.segments(0)], deadline_after(SOON))
+    assert not store.objects

@@ -66,7 +66,8 @@ class MooncakeMemory:
         self.max_batch = max_batch
         self._store = store
         self._lock = threading.Lock()
-        self._regions: list[tuple[int, int]] = []
+        self._regions: list[tuple[int, int]] = []  # every range registered
+        self._host_regions: list[tuple[int, int]] = []  # register_host's alone
         self._free = list(range(calls))
         self._arena_ready = threading.Condition(self._lock)
         self._headers = self._map(max(4096, calls * max_batch * HEADER_BYTES))
@@ -101,22 +102,27 @@ class MooncakeMemory:
                     raise ValueError(
                         f"address: [{address:#x}, +{nbytes}) overlaps a registered range"
                     )
-        self._register(address, nbytes)
+        self._register(address, nbytes, host=True)
 
     def check_inside(self, pairs: bytes | bytearray, nseg: int) -> None:
         """Raises ValueError naming the first segment of a call's blocks not inside
-        a registered range. `pairs`: their (address, length) pairs as int64s,
+        a range registered by `register_host` (the backend's own areas are
+        registered too, but a block there would be written under a call using
+        them). `pairs`: their (address, length) pairs as int64s,
         `nseg` per block (`_disk_io.check_pack`). Staged: no check (Mooncake
         touches only the staging area)."""
         if self.staged or not len(pairs):
             return
         with self._lock:
-            regions = sorted(self._regions)
-        starts = np.array([s for s, _ in regions], dtype=np.int64)
-        ends = np.array([s + n for s, n in regions], dtype=np.int64)
+            regions = sorted(self._host_regions)
+        starts = np.array([s for s, _ in regions] or [0], dtype=np.int64)
+        ends = np.array([s + n for s, n in regions] or [0], dtype=np.int64)  # none: [0, 0)
         segs = np.frombuffer(pairs, dtype=np.int64).reshape(-1, 2)
         idx = np.searchsorted(starts, segs[:, 0], side="right") - 1
-        inside = (idx >= 0) & (segs[:, 0] + segs[:, 1] <= ends[np.maximum(idx, 0)])
+        # the length against the room left in the range: start + length could
+        # wrap past 2**63 as int64s and pass for inside
+        room = ends[np.maximum(idx, 0)] - segs[:, 0]
+        inside = (idx >= 0) & (segs[:, 1] <= room)
         if not inside.all():
             bad = int(np.argmin(inside))
             raise ValueError(
@@ -129,7 +135,7 @@ class MooncakeMemory:
         self._register(_address(area), nbytes)
         return area
 
-    def _register(self, address: int, nbytes: int) -> None:
+    def _register(self, address: int, nbytes: int, host: bool = False) -> None:
         rc = self._store.register_buffer(address, nbytes)
         if rc != 0:
             raise RuntimeError(
@@ -137,6 +143,8 @@ class MooncakeMemory:
             )
         with self._lock:
             self._regions.append((address, nbytes))
+            if host:
+                self._host_regions.append((address, nbytes))
 
     # -- arenas -----------------------------------------------------------------
 
