@@ -1690,8 +1690,8 @@ static PyObject *cut_pack(PyObject *self, PyObject *args) {
         if (pair && PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0)) &&
             PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
             p = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 0));
-            len = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
-            if (PyErr_Occurred()) {
+            if (!PyErr_Occurred()) len = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+            if (PyErr_Occurred()) { /* an int past int64: the general path names it */
                 PyErr_Clear();
                 p = -1;
             }
