@@ -60,8 +60,9 @@ class DeadlinePool:
     margin, and no longer.
 
     Args:
-        workers: threads (the most calls inside the store at once, those left
-            behind included: bound them with what each call holds).
+        workers: threads (the most calls on the pool at once, those left behind
+            included; calls `run` on their callers' threads are not among them:
+            bound all with what each call holds).
         margin_s: how long past its deadline a caller waits for a call.
         busy: where the memory a call left behind still writes is kept.
         name: the threads' name prefix.

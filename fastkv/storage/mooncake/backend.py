@@ -250,7 +250,9 @@ class MooncakeBackend(StorageBackend):
 
     @property
     def overruns(self) -> int:
-        """Calls still inside Mooncake past their deadline plus the margin."""
+        """Calls still inside Mooncake past their deadline plus the margin (left
+        behind on the pool, or run on a thread that owns its deadlines and ended
+        past it)."""
         return self._calls.overruns
 
     def run_calls_on_this_thread(self) -> None:
