@@ -477,8 +477,7 @@ class MooncakeBackend(StorageBackend):
                 part_keys, part_blocks = keys[start:stop], blocks[start:stop]
                 part_segs = memoryview(segs)[row * start : row * stop]
                 prep = path.prepare(part_keys, part_blocks, part_segs, arena)  # this thread
-                args = (path.part, part_keys, part_blocks, arena, deadline, call, prep)
-                part = self._part(args, path.writes_host)
+                part = self._part(path, part_keys, part_blocks, arena, deadline, call, prep)
                 if part is None:
                     abandoned = True
                     why = "deadline passed with the call still inside Mooncake"
@@ -495,16 +494,25 @@ class MooncakeBackend(StorageBackend):
                 self._memory.give(arena)
         return results
 
-    def _part(self, args: tuple, writes_host: bool) -> list[KeyResult] | None:
-        """`_run_part(*args)` to its end on this thread when it owns its deadlines,
-        else on the pool until the deadline plus the margin: None when it is still
-        running then (left behind: it gives its arena back when it ends, and the
-        blocks it writes stay busy)."""
-        arena, deadline, call = args[3], args[4], args[5]
+    def _part(
+        self,
+        path: MooncakeGets | MooncakePuts,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        arena: int,
+        deadline: float,
+        call: Call,
+        prep: object,
+    ) -> list[KeyResult] | None:
+        """One batch (`_run_part`) to its end on this thread when it owns its
+        deadlines, else on the pool until the deadline plus the margin: None when
+        it is still running then (left behind: it gives its arena back when it
+        ends, and the blocks it writes stay busy)."""
+        args = (path.part, keys, blocks, arena, deadline, call, prep)
         if getattr(self._here, "on", False):
             return self._calls.run(self._run_part, deadline, *args)
         fut = self._calls.submit(self._run_part, *args)
-        writes = args[2] if writes_host else ()
+        writes = blocks if path.writes_host else ()
         return self._calls.wait(fut, deadline, lambda: self._memory.give(arena), call, writes)
 
     def _count_corrupt(self, n: int) -> None:
