@@ -25,8 +25,12 @@ in the same run on the same blocks.
    buffers per block, the header and the host block) and staged (the default: one
    contiguous object per block), header and tag on; and zero-copy
    puts read back (`verify_puts=True`): `put_verify_cost` is 1 - verified /
-   unverified put throughput. Every way has its own object set; the ways take
-   turns batch by batch (who goes first rotates), each call timed on its own, so
+   unverified put throughput. The backends are called as the worker calls them,
+   from a thread that owns its deadlines (its I/O engine's: each call runs on
+   the calling thread), and staged once more as a direct caller calls it (`pool_*`:
+   each call handed to the backend's deadline pool and waited for). Every way
+   has its own object set; the ways take turns batch by batch (who goes first
+   rotates), each call timed on its own, so
    a slow moment of the shared machine falls on all alike; ratios are medians of
    each repetition's ratios. Each repetition removes what it stored (the segment
    holds one repetition's sets). Every operation is timed in this thread and
@@ -417,7 +421,7 @@ def bench_recovery(directory: Path, slots: int) -> dict:
 
 # -- Mooncake -------------------------------------------------------------------------
 
-MOONCAKE_SETS = ("raw", "raw_multi", "zero_copy", "verified", "staged")
+MOONCAKE_SETS = ("raw", "raw_multi", "zero_copy", "verified", "staged", "staged_pool")
 """The object sets each repetition stores (one per way of putting; all removed at the
 end of the repetition): the storage segment is sized for all of them at once."""
 
@@ -480,6 +484,13 @@ class MooncakeBench:
         # staged: the default (its own staging area, one contiguous object per block)
         staged = MooncakeOptions(max_batch=BATCH, auth=BENCH_AUTH)
         self.staged = MooncakeBackend(self.layout, staged, store=store)
+        # The worker calls a backend only from its I/O engine's threads, which own
+        # the deadlines: its calls run on the calling thread. This thread times the
+        # backends as such a thread calls them; `staged_pool` as a direct caller
+        # does (each call handed to the backend's deadline pool and waited for).
+        self.staged_pool = MooncakeBackend(self.layout, staged, store=store)
+        self.zero_copy.run_calls_on_this_thread()
+        self.staged.run_calls_on_this_thread()
         for arr in (self.dest.array, self.src, self.dst):
             if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise BenchFailure("register_buffer of the bench's raw buffers failed")
@@ -549,7 +560,7 @@ class MooncakeBench:
         names = {s: [f"bench-{s}-{rep}-{i}" for i in range(self.n)] for s in ("raw", "multi")}
         sets = MOONCAKE_SETS[2:]
         keys = {s: keys_for(1000 * i + rep, self.n, ns) for i, s in enumerate(sets)}
-        zc, st = self.zero_copy, self.staged
+        zc, st, sp = self.zero_copy, self.staged, self.staged_pool
         out = self.interleaved(
             [
                 ("rw", lambda s, e: self.raw_put(names["raw"], s, e)),
@@ -557,6 +568,7 @@ class MooncakeBench:
                 ("bw", lambda s, e: self.backend_op(zc, "put", keys["zero_copy"], s, e)),
                 ("vw", lambda s, e: self.verified_put(keys["verified"], s, e)),
                 ("sw", lambda s, e: self.backend_op(st, "put", keys["staged"], s, e)),
+                ("pw", lambda s, e: self.backend_op(sp, "put", keys["staged_pool"], s, e)),
             ]
         )
         # the backends' gets land in the same host blocks: one at a time, compared
@@ -581,9 +593,10 @@ class MooncakeBench:
             [
                 ("rr2", lambda s, e: self.raw_get(names["raw"], s, e)),
                 ("sr", lambda s, e: self.backend_op(st, "get", keys["staged"], s, e)),
+                ("pr", lambda s, e: self.backend_op(sp, "get", keys["staged_pool"], s, e)),
             ]
         )
-        same_bytes("sr", self.host.array, self.want)
+        same_bytes("sr, pr", self.host.array, self.want)
         self.remove(
             names["raw"] + names["multi"] + [k.text() for v in keys.values() for k in v]
         )
@@ -625,10 +638,16 @@ def mooncake_row(store: object, block_bytes: int, n: int, reps: int) -> dict:
         "staged_put_ratio": ratio("sw", "rw"),
         "staged_get_GBps": med("sr"),
         "staged_get_ratio": ratio("sr", "rr2"),
+        "pool_put_ratio": ratio("pw", "rw"),
+        "pool_get_ratio": ratio("pr", "rr2"),
+        "staged_put_vs_pool": ratio("sw", "pw"),
+        "staged_get_vs_pool": ratio("sr", "pr"),
         "raw_put_cpu_us": med("rw_cpu"),
         "staged_put_cpu_us": med("sw_cpu"),
         "raw_get_cpu_us": med("rr2_cpu"),
         "staged_get_cpu_us": med("sr_cpu"),
+        "pool_put_cpu_us": med("pw_cpu"),
+        "pool_get_cpu_us": med("pr_cpu"),
         "zero_copy_put_cpu_us": med("bw_cpu"),
         "zero_copy_get_cpu_us": med("br_cpu"),
         "blocks": n,
@@ -722,15 +741,32 @@ def print_mooncake(rows: list[dict]) -> None:
         ],
     )
     print_table(
+        "Mooncake staged: as the worker's I/O threads call it (each call on the calling "
+        "thread: staged_*) against a direct caller's calls, each handed to the backend's "
+        "deadline pool and waited for (pool_*); ratios to raw as above, and staged / pool",
+        rows,
+        [
+            "block_KiB",
+            "staged_put_ratio",
+            "pool_put_ratio",
+            "staged_put_vs_pool",
+            "staged_get_ratio",
+            "pool_get_ratio",
+            "staged_get_vs_pool",
+        ],
+    )
+    print_table(
         "Mooncake: this process's CPU (all threads) per block, microseconds (median)",
         rows,
         [
             "block_KiB",
             "raw_put_cpu_us",
             "staged_put_cpu_us",
+            "pool_put_cpu_us",
             "zero_copy_put_cpu_us",
             "raw_get_cpu_us",
             "staged_get_cpu_us",
+            "pool_get_cpu_us",
             "zero_copy_get_cpu_us",
         ],
     )

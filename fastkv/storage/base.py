@@ -418,6 +418,18 @@ class StorageBackend(ABC):
         check_wait(blocks, timeout, self.layout)
         return True
 
+    def run_calls_on_this_thread(self) -> None:
+        """Declares that the calling thread owns the deadlines of the calls it makes
+        on this backend: it answers its own requests at their deadline without
+        waiting for a call, and keeps the host blocks a call touches from being
+        read or reused until the call returns (as `StorageIOEngine`'s threads do).
+        From then on the backend may run that thread's calls on it, to their end,
+        rather than on threads of its own that let a call return by its deadline
+        (a call may then return late; nothing it does outlives it). Other threads'
+        calls are unchanged. Nothing for a backend whose calls already run on the
+        caller's thread (the default)."""
+        return None
+
     def stats(self) -> StorageStats:
         """A snapshot of the counters."""
         with self._lock:

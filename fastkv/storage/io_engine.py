@@ -23,6 +23,14 @@ Mooncake get it left behind at the deadline: `wait_host_quiet`), so no host bloc
 is reused while a storage read or write still touches it. A new request touching
 such a block fails those keys; one touching a block of a request still outstanding
 is refused (ValueError), as the scheduler never issues one.
+
+The engine thus owns its requests' deadlines, and each I/O thread tells the
+backend so (`StorageBackend.run_calls_on_this_thread`): a backend that would
+otherwise hand each call to a thread of its own to return by the deadline
+(Mooncake) runs it on the I/O thread instead, to its end. A stuck call then
+holds its I/O thread as well as its host blocks: with every I/O thread stuck,
+queued chunks wait (their requests still complete TIMEOUT at their deadline)
+until one returns.
 """
 
 from __future__ import annotations
@@ -422,6 +430,7 @@ class StorageIOEngine:
         return None
 
     def _run(self) -> None:
+        self.backend.run_calls_on_this_thread()  # this engine owns the deadlines
         while True:
             with self._lock:
                 item = self._next_chunk()

@@ -567,8 +567,74 @@ def tiered(cluster: Cluster) -> dict:
     return out
 
 
+class ThreadNames:
+    """A real store whose batch calls note the thread they ran on."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self.seen: dict[str, set[str]] = {}
+
+    def __getattr__(self, name: str):
+        inner = getattr(self._store, name)
+        if not name.startswith("batch_"):
+            return inner
+
+        def noted(*args):
+            self.seen.setdefault(name, set()).add(threading.current_thread().name)
+            return inner(*args)
+
+        return noted
+
+
+def io_engine_threads(cluster: Cluster) -> dict:
+    """The staged backend (the default) through the I/O engine: its Mooncake calls
+    run on the engine's threads; a direct caller's on the backend's pool. Bytes
+    are checked either way."""
+    from fastkv.storage.mooncake.backend import _setup_store
+
+    cluster.start_master()
+    cluster.start_node()
+    connection = MooncakeConnection(cluster.master_address, segment_bytes=0)
+    store = ThreadNames(_setup_store(connection))
+    backend = MooncakeBackend(LAYOUT, MooncakeOptions(auth=TEST_AUTH), store=store)
+    host = HostMemory(LAYOUT, 16)
+    want = [host.fill(b, seed=b) for b in range(8)]
+    keys = make_keys(8)
+    engine = StorageIOEngine(backend, num_threads=2)
+    engine.submit_store(1, keys[:4], [host.segments(b) for b in range(4)], range(4),
+                        deadline_after(10))  # fmt: skip
+    stored = engine.wait_all(10)
+    engine.submit_lookup(2, keys, deadline_after(10))
+    looked = engine.wait_all(10)
+    engine.submit_load(3, keys[:4], [host.segments(b) for b in range(8, 12)], range(8, 12),
+                       deadline_after(10))  # fmt: skip
+    loaded = engine.wait_all(10)
+    via_engine = {k: sorted(v) for k, v in store.seen.items()}
+    store.seen.clear()
+    direct_put = backend.put_from(
+        keys[4:], [host.segments(b) for b in range(4, 8)], deadline_after(10)
+    )
+    direct_get = backend.get_into(
+        keys[4:], [host.segments(b) for b in range(12, 16)], deadline_after(10)
+    )
+    engine.close(10)
+    return {
+        "stored": names(stored[0].results),
+        "hits": list(looked[0].hits),
+        "loaded": names(loaded[0].results),
+        "exact": [host.read(8 + b) == want[b] for b in range(4)],
+        "direct": names(direct_put) + names(direct_get),
+        "direct_exact": [host.read(12 + b) == want[4 + b] for b in range(4)],
+        "via_engine": via_engine,
+        "direct_threads": {k: sorted(v) for k, v in store.seen.items()},
+        "overruns": backend.overruns,
+        "closed": backend.close(10),
+    }
+
+
 CASES = {
     "tiered": tiered,
+    "io_engine_threads": io_engine_threads,
     "round_trip_two_process": lambda c: round_trip(c, two_process=True),
     "round_trip_one_process": lambda c: round_trip(c, two_process=False),
     "round_trip_staged": lambda c: round_trip(c, two_process=True, staged=True),

@@ -43,3 +43,33 @@ def test_a_call_left_behind_holds_its_memory_until_it_ends() -> None:
     # what it held is released first, then its memory leaves the busy ranges
     assert pool.busy.wait_quiet([[(4096, 64)]], 5.0) and released.is_set()
     pool.shutdown()
+
+
+def test_a_call_run_on_its_callers_thread_counts_in_flight_and_late() -> None:
+    """`run`: on the calling thread, to its end; in flight meanwhile (drain waits
+    for it), an overrun when it ends past its deadline plus the margin."""
+    pool = make_pool(margin_s=0.01)
+    inside = threading.Event()
+    go = threading.Event()
+    ran_on: list[str] = []
+
+    def call(x: int) -> list[int]:
+        ran_on.append(threading.current_thread().name)
+        inside.set()
+        assert go.wait(5)
+        return [x]
+
+    got: list = []
+    caller = threading.Thread(
+        target=lambda: got.append(pool.run(call, time.monotonic() + 0.02, 7)), name="caller"
+    )
+    caller.start()
+    assert inside.wait(5)
+    assert pool.drain(0.01) == 1
+    time.sleep(0.05)  # past deadline + margin
+    go.set()
+    caller.join(5)
+    assert got == [[7]] and ran_on == ["caller"]
+    assert pool.drain(1.0) == 0 and pool.overruns == 1
+    assert pool.run(lambda: "soon", time.monotonic() + 5) == "soon" and pool.overruns == 1
+    pool.shutdown()

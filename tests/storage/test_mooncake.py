@@ -26,6 +26,26 @@ def test_blocks_come_back_from_mooncake_bit_exact_through_every_tier(tmp_path: P
         assert run["storage_hits"] == 3 and run["storage_writes"] >= 3
 
 
+def test_the_io_engines_calls_run_on_its_threads_and_direct_ones_on_the_pool(
+    tmp_path: Path,
+) -> None:
+    """The staged backend through the I/O engine, which owns its deadlines: every
+    Mooncake call runs on an engine thread (no hand-off to the backend's pool); a
+    direct caller's still go to the pool. Bytes come back exact both ways."""
+    out = run_case("io_engine_threads", tmp_path)
+    assert out["stored"] == ["OK"] * 4 and out["loaded"] == ["OK"] * 4
+    assert out["hits"] == [True] * 4 + [False] * 4
+    assert out["exact"] == [True] * 4
+    assert out["direct"] == ["OK"] * 8 and out["direct_exact"] == [True] * 4
+    assert set(out["via_engine"]) == {"batch_upsert_from", "batch_is_exist", "batch_get_into"}
+    for threads in out["via_engine"].values():
+        assert all(t.startswith("fastkv-storage-io-") for t in threads), out["via_engine"]
+    assert set(out["direct_threads"]) == {"batch_upsert_from", "batch_get_into"}
+    for threads in out["direct_threads"].values():
+        assert all(t.startswith("fastkv-mooncake") for t in threads), out["direct_threads"]
+    assert out["overruns"] == 0 and out["closed"]
+
+
 @pytest.mark.parametrize(
     "case", ["round_trip_two_process", "round_trip_one_process", "round_trip_staged"]
 )

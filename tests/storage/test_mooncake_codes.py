@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -176,12 +177,18 @@ def test_memory_a_read_left_behind_still_writes_is_fenced_until_it_ends() -> Non
     assert statuses(res) == ["OK"] and host.read(1) == host.read(0)
 
 
-def test_the_io_engine_keeps_a_left_behind_reads_host_block_busy() -> None:
-    """Through the I/O engine the request completes at its deadline, and its host
-    block stays busy until Mooncake's late write into it has ended."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_io_engine_keeps_a_late_reads_host_block_busy_until_it_returns(
+    staged: bool,
+) -> None:
+    """Through the I/O engine the request completes at its deadline; the engine's
+    thread owns the deadline, so the backend runs the get on it to its end (nothing
+    left behind: no busy ranges of its own) and the engine holds the host block
+    until the get has returned, past the backend's own answer (deadline + margin).
+    The late get still lands the block and counts as an overrun."""
     from fastkv.storage.io_engine import StorageIOEngine
 
-    backend, store, host = open_backend()
+    backend, store, host = open_backend(staged)
     keys = make_keys(1)
     assert backend.put_from(keys, [host.segments(0)], deadline_after(SOON))[0].ok
     engine = StorageIOEngine(backend, num_threads=1)
@@ -193,18 +200,112 @@ def test_the_io_engine_keeps_a_left_behind_reads_host_block_busy() -> None:
         assert time.monotonic() - t0 < 0.5
         assert statuses(done.results) == ["TIMEOUT"]
         assert engine.busy_host_blocks() == {4}
-        # Past the backend's own answer (deadline + margin): the call it left behind
-        # still writes block 4, and the engine still holds it.
         time.sleep(max(0.0, t0 + 0.35 - time.monotonic()))
-        assert backend.busy_host_ranges() == sorted((p, p + n) for p, n in host.segments(4))
-        assert engine.busy_host_blocks() == {4}
-        store.get_delay_s = 0.0
+        assert backend.busy_host_ranges() == []  # the call is not left behind...
+        assert engine.busy_host_blocks() == {4}  # ...it still runs, on the engine's thread
+        assert backend.overruns == 0
         end = time.monotonic() + SOON
         while engine.busy_host_blocks() and time.monotonic() < end:
             time.sleep(0.01)
         assert engine.busy_host_blocks() == frozenset() and backend.busy_host_ranges() == []
+        assert backend.overruns == 1 and host.read(4) == host.read(0)
     finally:
         engine.close()
+
+
+class ThreadLog:
+    """Which threads the backend's Mooncake calls ran on, by the calls' names."""
+
+    def __init__(self, store: FakeMooncakeStore) -> None:
+        self.seen: dict[str, set[str]] = {}
+        for name in ("batch_is_exist", "batch_upsert_from", "batch_get_into"):
+            self._wrap(store, name)
+
+    def _wrap(self, store: FakeMooncakeStore, name: str) -> None:
+        inner = getattr(store, name)
+
+        def logged(*args, **kwargs):
+            self.seen.setdefault(name, set()).add(threading.current_thread().name)
+            return inner(*args, **kwargs)
+
+        setattr(store, name, logged)
+
+
+def test_calls_through_the_io_engine_run_on_its_threads_and_direct_ones_on_the_pool() -> None:
+    """The engine owns its deadlines, so the staged backend (the default) runs its
+    calls on the engine's I/O threads, without the hop to a pool thread; a direct
+    caller's calls still go to the pool, which answers them by their deadline.
+    Both ways store and serve the same bytes and count the same."""
+    from fastkv.storage.io_engine import StorageIOEngine
+
+    backend, store, host = open_backend(staged=True)
+    log = ThreadLog(store)
+    keys = make_keys(4)
+    want = [host.read(0), host.fill(1, seed=1)]
+    engine = StorageIOEngine(backend, num_threads=2)
+    try:
+        two = [host.segments(0), host.segments(1)]
+        engine.submit_store(1, keys[:2], two, [0, 1], deadline_after(SOON))
+        assert engine.wait_all(SOON)[0].success
+        engine.submit_lookup(2, keys, deadline_after(SOON))
+        assert engine.wait_all(SOON)[0].hits == (True, True, False, False)
+        engine.submit_load(3, keys[:2], [host.segments(4), host.segments(5)], [4, 5],
+                           deadline_after(SOON))  # fmt: skip
+        assert engine.wait_all(SOON)[0].success
+        assert [host.read(4), host.read(5)] == want
+        via_engine = {name: set(threads) for name, threads in log.seen.items()}
+        log.seen.clear()
+        direct = backend.put_from(keys[2:], two, deadline_after(SOON))
+        assert statuses(direct) == ["OK", "OK"]
+        assert backend.exists(keys, deadline_after(SOON)) == [True] * 4
+        res = backend.get_into(
+            keys[2:], [host.segments(6), host.segments(7)], deadline_after(SOON)
+        )
+        assert statuses(res) == ["OK", "OK"] and [host.read(6), host.read(7)] == want
+    finally:
+        engine.close()
+    assert set(via_engine) == {"batch_is_exist", "batch_upsert_from", "batch_get_into"}
+    for threads in via_engine.values():
+        assert all(t.startswith("fastkv-storage-io-") for t in threads), via_engine
+    assert set(log.seen) == set(via_engine)
+    for threads in log.seen.values():
+        assert all(t.startswith("fastkv-mooncake") for t in threads), log.seen
+    stats = backend.stats()
+    assert (stats.puts, stats.gets, stats.misses, stats.corrupt) == (4, 4, 0, 0), stats
+    assert backend.overruns == 0
+
+
+def test_close_waits_for_a_call_running_on_an_io_thread() -> None:
+    """A call run on the engine's thread counts as in flight: close does not close
+    the store under it, and closes it once it has returned."""
+    from fastkv.storage.io_engine import StorageIOEngine
+
+    backend, store, host = open_backend(staged=True)
+    keys = make_keys(1)
+    assert backend.put_from(keys, [host.segments(0)], deadline_after(SOON))[0].ok
+    closed: list[float] = []
+    returned: list[float] = []
+    store.close = lambda: closed.append(time.monotonic())
+    entered = threading.Event()
+    get = store.batch_get_into
+
+    def slow_get(*args):
+        entered.set()
+        time.sleep(0.6)
+        try:
+            return get(*args)
+        finally:
+            returned.append(time.monotonic())
+
+    store.batch_get_into = slow_get
+    engine = StorageIOEngine(backend, num_threads=1)
+    try:
+        engine.submit_load(1, keys, [host.segments(4)], [4], time.monotonic() + 0.05)
+        assert entered.wait(SOON)
+        assert backend.close(SOON)
+        assert len(closed) == 1 and len(returned) == 1 and closed[0] >= returned[0]
+    finally:
+        engine.close(SOON)
 
 
 @pytest.mark.parametrize("verify_puts", [True, False])

@@ -60,6 +60,16 @@ caller's memory:
   - staged calls: only this backend's own copies touch it, and none starts once
     the caller has been answered (a put gathers its blocks on the caller's thread
     before it waits; a get scatters under deadline_pool's `Call`).
+
+A thread that owns its deadlines (`run_calls_on_this_thread`: the storage I/O
+engine's threads, the worker's only path to the backend) has its calls run on
+itself instead, to their end: the engine answers its requests at their deadline
+without waiting, and keeps the call's host blocks busy until it returns, so the
+hand-off to a pool thread (two thread switches a call) buys it nothing. Such a
+call keeps its arena until it returns, counts in flight for `close`, and in
+`overruns` when it ends past its deadline plus the margin; nothing is left
+behind, so nothing reaches `busy_host_ranges`. Its results, counts and errors
+are those of the pool path; only when they come differs.
 """
 
 from __future__ import annotations
@@ -187,6 +197,7 @@ class MooncakeBackend(StorageBackend):
             2 * concurrency, float(options.deadline_margin_s), self._busy, "fastkv-mooncake"
         )
         self._lookup_slots = threading.BoundedSemaphore(concurrency)
+        self._here = threading.local()  # `on`: this thread's calls run on it
         self.store = store
         self._lock = threading.Lock()
         self._stats = StorageStats()
@@ -239,8 +250,15 @@ class MooncakeBackend(StorageBackend):
 
     @property
     def overruns(self) -> int:
-        """Calls still inside Mooncake past their deadline plus the margin."""
+        """Calls still inside Mooncake past their deadline plus the margin (left
+        behind on the pool, or run on a thread that owns its deadlines and ended
+        past it)."""
         return self._calls.overruns
+
+    def run_calls_on_this_thread(self) -> None:
+        """This thread's calls run on it, to their end, not on the deadline pool
+        (see the module docstring and `StorageBackend.run_calls_on_this_thread`)."""
+        self._here.on = True
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Register host memory (the whole host cache, once) for zero-copy transfers
@@ -262,13 +280,17 @@ class MooncakeBackend(StorageBackend):
         if not self._lookup_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return found
         abandoned = False
+        here = getattr(self._here, "on", False)
         try:
             for start in range(0, len(keys), self.max_batch):
                 if time.monotonic() >= deadline or not self.breaker.allow():
                     break
                 names = [k.text() for k in keys[start : start + self.max_batch]]
-                fut = self._calls.submit(self._is_exist, names)
-                codes = self._calls.wait(fut, deadline, self._lookup_slots.release)
+                if here:
+                    codes = self._calls.run(self._is_exist, deadline, names)
+                else:
+                    fut = self._calls.submit(self._is_exist, names)
+                    codes = self._calls.wait(fut, deadline, self._lookup_slots.release)
                 if codes is None:  # still inside Mooncake: "not found"
                     abandoned = True
                     break
@@ -423,8 +445,9 @@ class MooncakeBackend(StorageBackend):
         deadline: float,
         path: MooncakeGets | MooncakePuts,
     ) -> list[KeyResult]:
-        """Runs `path.part` on the pool for each batch of up to max_batch keys,
-        holding one arena, while the deadline and the breaker allow. A put's batch
+        """Runs `path.part` for each batch of up to max_batch keys, holding one
+        arena, while the deadline and the breaker allow: on the pool, or to its
+        end on this thread when it owns its deadlines (`_part`). A put's batch
         is prepared first on this thread (`path.prepare`: staged into the arena,
         or its headers sealed): bounded work (one batch's copy), done before the
         caller can be answered. `segs`: each block's pairs to seal or verify over
@@ -454,16 +477,11 @@ class MooncakeBackend(StorageBackend):
                 part_keys, part_blocks = keys[start:stop], blocks[start:stop]
                 part_segs = memoryview(segs)[row * start : row * stop]
                 prep = path.prepare(part_keys, part_blocks, part_segs, arena)  # this thread
-                args = (path.part, part_keys, part_blocks, arena, deadline, call, prep)
-                fut = self._calls.submit(self._run_part, *args)
-                writes = part_blocks if path.writes_host else ()
-                part = self._calls.wait(
-                    fut, deadline, lambda a=arena: self._memory.give(a), call, writes
-                )
+                part = self._part(path, part_keys, part_blocks, arena, deadline, call, prep)
                 if part is None:
                     abandoned = True
                     why = "deadline passed with the call still inside Mooncake"
-                    if writes:
+                    if path.writes_host:
                         why += (
                             "; it writes these blocks' host memory until it returns "
                             "(busy_host_ranges, wait_host_quiet)"
@@ -475,6 +493,27 @@ class MooncakeBackend(StorageBackend):
             if not abandoned:
                 self._memory.give(arena)
         return results
+
+    def _part(
+        self,
+        path: MooncakeGets | MooncakePuts,
+        keys: Sequence[StorageKey],
+        blocks: Sequence[BlockSegments],
+        arena: int,
+        deadline: float,
+        call: Call,
+        prep: object,
+    ) -> list[KeyResult] | None:
+        """One batch (`_run_part`) to its end on this thread when it owns its
+        deadlines, else on the pool until the deadline plus the margin: None when
+        it is still running then (left behind: it gives its arena back when it
+        ends, and the blocks it writes stay busy)."""
+        args = (path.part, keys, blocks, arena, deadline, call, prep)
+        if getattr(self._here, "on", False):
+            return self._calls.run(self._run_part, deadline, *args)
+        fut = self._calls.submit(self._run_part, *args)
+        writes = blocks if path.writes_host else ()
+        return self._calls.wait(fut, deadline, lambda: self._memory.give(arena), call, writes)
 
     def _count_corrupt(self, n: int) -> None:
         with self._lock:
