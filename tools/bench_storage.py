@@ -421,7 +421,7 @@ def bench_recovery(directory: Path, slots: int) -> dict:
 
 # -- Mooncake -------------------------------------------------------------------------
 
-MOONCAKE_SETS = ("raw", "raw_multi", "zero_copy", "verified", "staged", "staged_pool")
+MOONCAKE_SETS = ("raw", "raw_multi", "zero_copy", "verified", "staged", "staged_pool", "open")
 """The object sets each repetition stores (one per way of putting; all removed at the
 end of the repetition): the storage segment is sized for all of them at once."""
 
@@ -489,8 +489,13 @@ class MooncakeBench:
         # backends as such a thread calls them; `staged_pool` as a direct caller
         # does (each call handed to the backend's deadline pool and waited for).
         self.staged_pool = MooncakeBackend(self.layout, staged, store=store)
+        # `open`: staged without a key ring (allow_unauthenticated), CRC only: what
+        # the tag costs, next to the default's figures (not a way to run by default)
+        open_ = MooncakeOptions(max_batch=BATCH, allow_unauthenticated=True)
+        self.open = MooncakeBackend(self.layout, open_, store=store)
         self.zero_copy.run_calls_on_this_thread()
         self.staged.run_calls_on_this_thread()
+        self.open.run_calls_on_this_thread()
         for arr in (self.dest.array, self.src, self.dst):
             if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise BenchFailure("register_buffer of the bench's raw buffers failed")
@@ -560,7 +565,7 @@ class MooncakeBench:
         names = {s: [f"bench-{s}-{rep}-{i}" for i in range(self.n)] for s in ("raw", "multi")}
         sets = MOONCAKE_SETS[2:]
         keys = {s: keys_for(1000 * i + rep, self.n, ns) for i, s in enumerate(sets)}
-        zc, st, sp = self.zero_copy, self.staged, self.staged_pool
+        zc, st, sp, op = self.zero_copy, self.staged, self.staged_pool, self.open
         out = self.interleaved(
             [
                 ("rw", lambda s, e: self.raw_put(names["raw"], s, e)),
@@ -569,6 +574,7 @@ class MooncakeBench:
                 ("vw", lambda s, e: self.verified_put(keys["verified"], s, e)),
                 ("sw", lambda s, e: self.backend_op(st, "put", keys["staged"], s, e)),
                 ("pw", lambda s, e: self.backend_op(sp, "put", keys["staged_pool"], s, e)),
+                ("ow", lambda s, e: self.backend_op(op, "put", keys["open"], s, e)),
             ]
         )
         # the backends' gets land in the same host blocks: one at a time, compared
@@ -597,6 +603,14 @@ class MooncakeBench:
             ]
         )
         same_bytes("sr, pr", self.host.array, self.want)
+        self.host.array[:] = 0
+        out |= self.interleaved(
+            [
+                ("rr3", lambda s, e: self.raw_get(names["raw"], s, e)),
+                ("or", lambda s, e: self.backend_op(op, "get", keys["open"], s, e)),
+            ]
+        )
+        same_bytes("or", self.host.array, self.want)
         self.remove(
             names["raw"] + names["multi"] + [k.text() for v in keys.values() for k in v]
         )
@@ -641,6 +655,8 @@ def mooncake_row(store: object, block_bytes: int, n: int, reps: int) -> dict:
         "pool_put_ratio": ratio("pw", "rw"),
         "pool_get_ratio": ratio("pr", "rr2"),
         "staged_put_vs_pool": ratio("sw", "pw"),
+        "open_put_ratio": ratio("ow", "rw"),
+        "open_get_ratio": ratio("or", "rr3"),
         "staged_get_vs_pool": ratio("sr", "pr"),
         "raw_put_cpu_us": med("rw_cpu"),
         "staged_put_cpu_us": med("sw_cpu"),
@@ -718,7 +734,8 @@ def print_mooncake(rows: list[dict]) -> None:
         "every get compared with what was put): raw multi-buffer (one buffer per "
         "segment, no header); the backend zero-copy (staging_bytes=0, two buffers: "
         "header, host block) and staged (the default: one contiguous object), authenticated "
-        "(HMAC-SHA256 tag; staged puts replace what is under the key (upsert), "
+        "(HMAC-SHA256 over the header, GMAC over the payload; staged puts replace what "
+        "is under the key (upsert), "
         "zero-copy ones check existence first; verified: every zero-copy put also read "
         "back, verify_puts=True)",
         rows,
@@ -753,6 +770,18 @@ def print_mooncake(rows: list[dict]) -> None:
             "staged_get_ratio",
             "pool_get_ratio",
             "staged_get_vs_pool",
+        ],
+    )
+    print_table(
+        "Mooncake staged without a key ring (open: allow_unauthenticated, CRC32C only), "
+        "ratios to raw as above: what the payload's GMAC costs the default",
+        rows,
+        [
+            "block_KiB",
+            "staged_put_ratio",
+            "open_put_ratio",
+            "staged_get_ratio",
+            "open_get_ratio",
         ],
     )
     print_table(
