@@ -473,8 +473,9 @@ class FastDeployCacheController:
                         "its own timeout; no KV tensor was freed (call it again)"
                     )
             except BaseException:
-                with self._lock:  # nothing was freed: attached as before, to retry
+                with self._lock:  # nothing was freed: attached and reporting as before
                     self.pd = pd
+                self._start_reporter()
                 raise
         with self._lock:
             ctrl, self.controller = self.controller, None
@@ -671,6 +672,9 @@ class FastDeployCacheController:
         self._caches = caches
         self._routes.reopen_sender()  # a cache made again after free_cache
         self._tensors_per_layer = per_layer
+        self._start_reporter()
+
+    def _start_reporter(self) -> None:
         if self.report_interval_s and self._reporter is None:
             self._stop.clear()
             self._reporter = threading.Thread(

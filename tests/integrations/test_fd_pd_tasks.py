@@ -299,10 +299,13 @@ def test_a_kv_free_whose_transport_still_holds_a_write_frees_nothing_and_can_ret
     try:
         tensors = dict(worker.cache_kvs_map)
         assert tensors
+        reporting = worker._reporter is not None
         with pytest.raises(RuntimeError, match="no KV tensor was freed"):
             worker.free_gpu_cache()
         assert worker.pd is pd and worker.controller is not None
         assert worker.cache_kvs_map == tensors
+        # still reporting as before: the sends close settled reach the scheduler
+        assert (worker._reporter is not None and worker._reporter.is_alive()) == reporting
         worker.free_gpu_cache()
         assert worker.pd is None and worker.controller is None
         assert not worker.cache_kvs_map and not answers
