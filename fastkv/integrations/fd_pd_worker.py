@@ -305,6 +305,11 @@ class PDWorker:
             # no write starts from now on, pending fences or not; the notices of
             # the sends settling below go out only while the time lasts
             self.sender.close(notify_until=end)
+            # nor any more chunks of writes handed over: what is inside the
+            # engine ends sooner (those writes fail; D fences by its grace)
+            stop_writes = getattr(self.transport, "stop_writes", None)
+            if stop_writes is not None:
+                stop_writes()
             while True:
                 self.poll()
                 if not self.sender.num_sends or time.monotonic() >= end:

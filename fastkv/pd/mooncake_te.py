@@ -276,6 +276,15 @@ class _Peer:
             self._backlog.clear()
             self._cond.notify()
 
+    def stop_submitting(self) -> None:
+        """Submit nothing more of any write: one with pieces not yet submitted
+        fails (now, or once its batches inside the engine came back); a write
+        wholly submitted settles as the engine says."""
+        with self._cond:
+            for job in self._backlog:
+                job.handle._stop()
+            self._backlog.clear()
+
     def join(self, timeout_s: float) -> bool:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
@@ -690,6 +699,16 @@ class MooncakeTransport:
         the peer threads to see it end."""
         largest = max((p.largest_batch for p in self._peers.values()), default=0)
         return self._engine_timeout_s + largest * 1e-9 + 1.0
+
+    def stop_writes(self) -> None:
+        """Submit no more of any write already started (a large write goes to the
+        engine in chunks): those not wholly submitted fail once their batches
+        inside the engine came back. New writes and notices still go. A closing
+        sender calls it so that what is left inside the engine ends sooner."""
+        with self._lock:
+            peers = list(self._peers.values())
+        for state in peers:
+            state.stop_submitting()
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Stop: no write starts any more, and the regions are unregistered (a

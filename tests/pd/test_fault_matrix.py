@@ -491,6 +491,8 @@ def test_pd_worker_close_bounds_the_notices_of_the_sends_it_settles() -> None:
         raise TransportError(f"notify {peer}: no answer within {timeout_s} s")
 
     sender.transport.notify = unanswered  # type: ignore[method-assign]
+    stopped: list[int] = []  # the sends still open when close stopped the writes
+    sender.transport.stop_writes = lambda: stopped.append(sender.num_sends)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="notify_until"):
         sender.close(notify_until=float("nan"))
     assert sender.num_sends == 3  # refused before anything changed
@@ -499,3 +501,4 @@ def test_pd_worker_close_bounds_the_notices_of_the_sends_it_settles() -> None:
     took = time.monotonic() - t0
     assert took < 0.8, (took, waited)
     assert sender.num_sends == 0  # every send settled and reported
+    assert stopped == [3]  # no more chunks of their writes, before they settled

@@ -259,3 +259,34 @@ def test_the_legacy_tcp_framing_is_read_as_the_engine_reads_it(
     else:
         monkeypatch.setenv("MC_TCP_PROTO", value)
     assert legacy_tcp_proto() is legacy
+
+
+def test_stopping_submission_fails_the_writes_not_wholly_submitted_and_no_other() -> None:
+    """A closing sender stops the chunks of writes it handed over, so that what
+    is inside the engine ends sooner: a write with pieces left is not submitted
+    further and fails once its batches came back; a write wholly submitted
+    settles as the engine says; the peer takes new writes afterwards."""
+    engine = HeldEngine()
+    peer = _Peer(engine, "h:1", cap=64)
+    try:
+        whole = start(peer, 16, 30)
+        until(lambda: engine.submitted == [16])
+        chunked = start(peer, 128, 30, inline=True)  # 48 of 128 pieces fit now
+        assert engine.submitted == [16, 32, 16]
+        queued = start(peer, 8, 30)  # behind it: nothing of it started
+        peer.stop_submitting()
+        assert queued.state() is WriteState.FAILED
+        assert chunked.state() is WriteState.PENDING  # batches of it are inside
+        engine.end(1, 0)
+        assert whole.wait(2) is WriteState.DONE
+        engine.end(2, 0)
+        engine.end(3, 0)
+        assert chunked.wait(2) is WriteState.FAILED
+        time.sleep(0.05)
+        assert engine.submitted == [16, 32, 16]  # nothing more of it went
+        later = start(peer, 4, 30)
+        until(lambda: len(engine.submitted) == 4)
+        engine.end(4, 0)
+        assert later.wait(2) is WriteState.DONE
+    finally:
+        peer.close()
