@@ -40,6 +40,7 @@ by `make install`) the pure-Python `TreeNode` and OrderedDicts below do the same
 
 from __future__ import annotations
 
+import gc
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -175,7 +176,17 @@ try:
     _tree_node.set_states(tuple(NodeState))
     _tree_node.set_storage_states(tuple(StorageState))
     TreeNode = _tree_node.TreeNode
-    _new_lru = _tree_node.LRUList
+
+    def _new_lru(slot: int) -> _PyLRUList:
+        """A C eviction list. At most 255 exist at once (a node names its list in
+        one byte); lists of trees dropped in reference cycles count until the
+        collector runs, so when none is left it runs once before giving up."""
+        try:
+            return _tree_node.LRUList(slot)
+        except RuntimeError:
+            gc.collect()
+            return _tree_node.LRUList(slot)
+
     _new_index = _tree_node.NodeIndex
     _unlock_path = _tree_node.unlock_path
     _discard_leaves = _tree_node.discard_leaves

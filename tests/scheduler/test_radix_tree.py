@@ -547,3 +547,23 @@ def test_check_detects_corruption() -> None:
     b.ref = 1
     with pytest.raises(AssertionError, match="device list"):
         tree.check()
+
+
+def test_trees_left_in_reference_cycles_do_not_use_up_the_eviction_lists() -> None:
+    """A native eviction list has a one-byte id (at most 255 at once), and a tree
+    dropped in a reference cycle holds its two until the collector runs: making
+    trees must collect those rather than refuse (a test suite, or an engine that
+    rebuilds its manager, makes many)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(300):  # 600 lists: more than exist at once
+            box: list[object] = [RadixTree()]
+            box.append(box)  # the tree is now held only by a cycle
+            del box
+    finally:
+        if was:
+            gc.enable()
+    assert RadixTree().device_lru is not None
