@@ -416,10 +416,15 @@ class CacheLifecycle(RuleBasedStateMachine):
         meta = next(m for m in self.outstanding if m.dst_level == CacheLevel.DEVICE)
         self.outstanding.remove(meta)
         rollbacks = self.mgr.apply_results([TransferResult(meta.transfer_id, False, "h2d")])
+        if rollbacks:
+            # The engine recomputes the rolled-back blocks in its next step, which
+            # takes that step's copies first (an eviction queued under reuse may
+            # hand one of its blocks over: committing before the step is refused).
+            self.step()
         for rb in rollbacks:
             event("swap-in rolled back")
             assert rb.request_id in self.requests and rb.block_indices
-            # The engine recomputes the rolled-back blocks, then commits them.
+            # ... then commits them.
             if rb.request_id in self.allocated and not self.mgr.has_pending_swap_in(
                 rb.request_id
             ):
