@@ -435,14 +435,14 @@ def bench_te_python_cost(transport, calls: int, dst: int, regions: list[int]) ->
     """Thread CPU microseconds of `write` / `write_lists` with the engine stubbed
     out (`_StubEngine`), 64 pieces of 4 KiB: the transport's own per-call cost,
     free of the engine's noise. Median and p90 over `calls`."""
-    from fastkv.pd.mooncake_te import _Peer
+    from fastkv.pd.te_batches import PeerBatches
     from fastkv.pd.transport import Piece
 
     stub = _StubEngine()
     saved_engine, saved_peers = transport._engine, transport._peers
     transport._engine, transport._peers = (
         stub,
-        {"127.0.0.1:1": _Peer(stub, "127.0.0.1:1", 1024)},
+        {"127.0.0.1:1": PeerBatches(stub, "127.0.0.1:1", 1024)},
     )
     one = [Piece(regions[0] + i * 4096, dst + i * 4096, 4096) for i in range(64)]
     two = [Piece(regions[i % 2] + i * 4096, dst + i * 4096, 4096) for i in range(64)]

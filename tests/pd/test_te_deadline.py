@@ -11,13 +11,8 @@ import time
 
 import pytest
 
-from fastkv.pd.mooncake_te import (
-    MooncakeWriteHandle,
-    _Job,
-    _Peer,
-    engine_timeout_s,
-    legacy_tcp_proto,
-)
+from fastkv.pd.mooncake_te import engine_timeout_s, legacy_tcp_proto
+from fastkv.pd.te_batches import MooncakeWriteHandle, PeerBatches, WriteJob
 from fastkv.pd.transport import WriteState
 
 PIECE = 1 << 20
@@ -50,10 +45,10 @@ class HeldEngine:
 
 
 def start(
-    peer: _Peer, pieces: int, deadline_s: float, *, inline: bool = False
+    peer: PeerBatches, pieces: int, deadline_s: float, *, inline: bool = False
 ) -> MooncakeWriteHandle:
     handle = MooncakeWriteHandle(time.monotonic() + deadline_s, threading.Lock())
-    peer.start(_Job(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), inline)
+    peer.start(WriteJob(handle, [0] * pieces, [0] * pieces, [PIECE] * pieces), inline)
     return handle
 
 
@@ -66,7 +61,7 @@ def until(cond, timeout: float = 5.0) -> None:
 
 def test_past_its_deadline_a_write_inside_the_engine_stays_pending_until_it_returns() -> None:
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         handle = start(peer, 8, 0.1)
         until(lambda: engine.submitted == [8])
@@ -81,7 +76,7 @@ def test_past_its_deadline_a_write_inside_the_engine_stays_pending_until_it_retu
 def test_a_write_the_engine_completes_after_the_deadline_is_done() -> None:
     """Every byte landed, as the engine says: DONE, however late."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         handle = start(peer, 8, 0.05)
         until(lambda: engine.submitted == [8])
@@ -97,7 +92,7 @@ def test_past_its_deadline_no_more_of_a_write_goes_to_the_engine() -> None:
     passes with the first chunk inside; when it returns done, the second is never
     submitted and the write fails (not all of it landed)."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         handle = start(peer, 128, 0.1)
         until(lambda: len(engine.submitted) == 2)  # two chunks of 32 fill the queue
@@ -115,7 +110,7 @@ def test_a_write_with_nothing_inside_the_engine_fails_at_its_deadline() -> None:
     """Queued behind another write's full queue, nothing of it started: it fails at
     its deadline, not when the engine lets go of the other write."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         first = start(peer, 64, 30)
         until(lambda: engine.submitted == [64])
@@ -137,7 +132,7 @@ def test_a_failed_batch_settles_its_write_only_once_no_other_batch_of_it_is_insi
     second returns (a FAILED handle lets P's failure notice go out, which tells D
     no byte can land any more), and no more of the write is submitted."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         handle = start(peer, 96, 30)
         until(lambda: len(engine.submitted) == 2)  # two chunks of 32 inside
@@ -173,7 +168,7 @@ def test_an_engine_submit_that_raises_fails_the_write_and_the_peer_goes_on() -> 
     the write fails once its first chunk returns (not PENDING forever, counted
     inside the engine), and the peer's thread still serves the next write."""
     engine = RaisingEngine({2})
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         handle = start(peer, 96, 30)
         until(lambda: engine.calls >= 2)
@@ -193,7 +188,7 @@ def test_a_write_whose_first_batch_failed_is_failed_even_when_its_later_batches_
     """Every batch of a write submitted (three of them), the first fails and the
     others succeed: FAILED (not every byte landed), once the last returned."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         other = start(peer, 16, 30)
         until(lambda: engine.submitted == [16])
@@ -219,7 +214,7 @@ def test_closing_fails_at_once_only_the_writes_with_nothing_inside_the_engine() 
     only then, which is what `MooncakeTransport.close` waits for before the
     regions go."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     inside = start(peer, 64, 30)
     until(lambda: engine.submitted == [64])
     queued = start(peer, 8, 30)  # behind a full queue: nothing of it started
@@ -267,7 +262,7 @@ def test_stopping_submission_fails_the_writes_not_wholly_submitted_and_no_other(
     further and fails once its batches came back; a write wholly submitted
     settles as the engine says; the peer takes new writes afterwards."""
     engine = HeldEngine()
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         whole = start(peer, 16, 30)
         until(lambda: engine.submitted == [16])

@@ -1,5 +1,5 @@
 """The peer thread of `MooncakeTransport` waits on the engine without spinning a
-core for the whole transfer (`_Peer`'s paced waiting), and never waits past a
+core for the whole transfer (`PeerBatches`'s paced waiting), and never waits past a
 batch's end for long. The engine here is simulated: each batch's bytes go at a
 fixed rate, first in first out or shared between the batches in flight, and its
 status call spins until the batch ended, as Mooncake's does, counting the time
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fastkv.pd.mooncake_te import WAKE_EARLY, MooncakeWriteHandle, _Job, _Peer
+from fastkv.pd.te_batches import WAKE_EARLY, MooncakeWriteHandle, PeerBatches, WriteJob
 from fastkv.pd.transport import WriteState
 
 RATE = 400e6  # bytes per second, unless a test changes `SimEngine.rate`
@@ -79,7 +79,7 @@ class SimEngine:
                     return 0
 
 
-def layer_writes(peer: _Peer, n: int) -> float:
+def layer_writes(peer: PeerBatches, n: int) -> float:
     """`n` rounds of 4 writes of 16 pieces (64 MiB) in flight, each round waited
     on; returns the seconds they took."""
     t0 = time.monotonic()
@@ -89,9 +89,9 @@ def layer_writes(peer: _Peer, n: int) -> float:
     return time.monotonic() - t0
 
 
-def write(peer: _Peer, n_pieces: int) -> MooncakeWriteHandle:
+def write(peer: PeerBatches, n_pieces: int) -> MooncakeWriteHandle:
     handle = MooncakeWriteHandle(time.monotonic() + 30, threading.Lock())
-    peer.start(_Job(handle, [0] * n_pieces, [0] * n_pieces, [PIECE] * n_pieces), False)
+    peer.start(WriteJob(handle, [0] * n_pieces, [0] * n_pieces, [PIECE] * n_pieces), False)
     return handle
 
 
@@ -100,7 +100,7 @@ def test_the_peer_thread_sleeps_through_most_of_a_transfer_and_wakes_before_its_
     fifo: bool,
 ) -> None:
     engine = SimEngine(fifo)
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         # warm-up: the first write spins throughout (no rate yet) and sets the rate
         assert write(peer, 8).wait(10) is WriteState.DONE
@@ -122,7 +122,7 @@ def test_the_peer_thread_sleeps_through_most_of_a_transfer_and_wakes_before_its_
 
 def test_a_closed_peer_wakes_its_sleeping_thread_at_once() -> None:
     engine = SimEngine(True)
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     assert write(peer, 8).wait(10) is WriteState.DONE  # the rate is known now
     handle = write(peer, 64 * 4)  # about 0.7 s: the thread sleeps on its first chunk
     time.sleep(0.05)
@@ -142,7 +142,7 @@ def test_a_link_that_got_faster_costs_a_few_late_wakes_not_a_slow_drift() -> Non
     thread wakes late a few times, then on time again, instead of creeping
     toward the new rate over many batches."""
     engine = SimEngine(True)
-    peer = _Peer(engine, "h:1", cap=64)
+    peer = PeerBatches(engine, "h:1", cap=64)
     try:
         engine.rate = RATE / 4
         for _ in range(2):
@@ -175,9 +175,11 @@ class LatencyEngine(SimEngine):
             return b
 
 
-def sized_write(peer: _Peer, n: int, piece: int, deadline_s: float) -> MooncakeWriteHandle:
+def sized_write(
+    peer: PeerBatches, n: int, piece: int, deadline_s: float
+) -> MooncakeWriteHandle:
     handle = MooncakeWriteHandle(time.monotonic() + deadline_s, threading.Lock())
-    peer.start(_Job(handle, [0] * n, [0] * n, [piece] * n), False)
+    peer.start(WriteJob(handle, [0] * n, [0] * n, [piece] * n), False)
     return handle
 
 
@@ -197,7 +199,7 @@ def test_small_or_slow_batches_before_large_ones_never_make_the_thread_sleep_lon
     or on a slow first one must not put the thread to sleep past a large batch's
     end: the writes take about the engine's time, and none fails its deadline."""
     engine = LatencyEngine(latency, first_extra)
-    peer = _Peer(engine, "h:1", cap=cap)
+    peer = PeerBatches(engine, "h:1", cap=cap)
     try:
         for n, piece in warm:
             assert sized_write(peer, n, piece, 30).wait(30) is WriteState.DONE
