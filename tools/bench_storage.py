@@ -421,7 +421,16 @@ def bench_recovery(directory: Path, slots: int) -> dict:
 
 # -- Mooncake -------------------------------------------------------------------------
 
-MOONCAKE_SETS = ("raw", "raw_multi", "zero_copy", "verified", "staged", "staged_pool", "open")
+MOONCAKE_SETS = (
+    "raw",
+    "raw_multi",
+    "zero_copy",
+    "verified",
+    "staged",
+    "staged_pool",
+    "open",
+    "floor",
+)
 """The object sets each repetition stores (one per way of putting; all removed at the
 end of the repetition): the storage segment is sized for all of them at once."""
 
@@ -460,6 +469,89 @@ def same_bytes(what: str, got: np.ndarray, want: np.ndarray) -> None:
         raise BenchFailure(f"{what}: {wrong} bytes differ from what was put")
 
 
+class MooncakeFloor:
+    """The least any verified put or get can do on this machine, timed next to the
+    backend as a diagnostic (not a way fastkv stores): each object one buffer, its
+    header in the page before its payload (as a host tier padded for it would hold
+    it), sealed or verified in one pass over the payload, nothing copied, no backend
+    around the Mooncake call. Its ratio to raw is the ceiling for every verified
+    path: the tag's pass over the bytes is all it adds.
+
+    Puts read `src`; gets land in `dst` (zeroed by the caller, compared after)."""
+
+    PAD = 4096  # the page before each payload; its last HEADER_BYTES hold the header
+
+    def __init__(self, store: object, layout: BlockLayout, want: np.ndarray) -> None:
+        from fastkv.storage import _disk_io
+        from fastkv.storage.auth import ring_of
+
+        self._io, self._ring = _disk_io, ring_of(BENCH_AUTH)
+        self.store, self.layout = store, layout
+        self.block = layout.payload_bytes
+        self.n = want.size // self.block
+        self.stride = self.PAD + self.block
+        self.src, self.dst = (
+            np.frombuffer(mmap.mmap(-1, self.n * self.stride), dtype=np.uint8) for _ in "sd"
+        )
+        for b in range(self.n):
+            self.payload(self.src, b)[:] = want[b * self.block : (b + 1) * self.block]
+        for arr in (self.src, self.dst):
+            if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                raise BenchFailure("register_buffer of the floor's buffers failed")
+
+    def payload(self, arr: np.ndarray, b: int) -> np.ndarray:
+        start = b * self.stride + self.PAD
+        return arr[start : start + self.block]
+
+    def header(self, arr: np.ndarray, b: int) -> memoryview:
+        end = b * self.stride + self.PAD
+        return memoryview(arr[end - HEADER_BYTES : end])
+
+    def pairs(self, arr: np.ndarray, b: int) -> np.ndarray:
+        """The payload as one (address, length) pair: the tag is the same however a
+        block is cut, so this object verifies as the backend's would."""
+        addr = arr.ctypes.data + b * self.stride + self.PAD
+        return np.array([[addr, self.block]], dtype=np.int64)
+
+    def object_ptrs(self, arr: np.ndarray, s: int, e: int) -> list[int]:
+        return [
+            arr.ctypes.data + b * self.stride + self.PAD - HEADER_BYTES for b in range(s, e)
+        ]
+
+    def put(self, keys: list[StorageKey], s: int, e: int) -> None:
+        for b in range(s, e):
+            header = self.header(self.src, b)
+            header[:] = expected_header(keys[b], self.layout, 0)
+            self._io.seal_header(header, self.pairs(self.src, b), self._ring)
+        names = [k.text() for k in keys[s:e]]
+        size = HEADER_BYTES + self.block
+        codes = self.store.batch_upsert_from(
+            names, self.object_ptrs(self.src, s, e), [size] * (e - s)
+        )
+        failed_codes("floor batch_upsert_from", names, codes, 0)
+
+    def get(self, keys: list[StorageKey], s: int, e: int) -> None:
+        names = [k.text() for k in keys[s:e]]
+        size = HEADER_BYTES + self.block
+        codes = self.store.batch_get_into(
+            names, self.object_ptrs(self.dst, s, e), [size] * (e - s)
+        )
+        failed_codes("floor batch_get_into", names, codes, size)
+        for b in range(s, e):
+            want = expected_header(keys[b], self.layout, 0)
+            status = self._io.verify_block(
+                self.header(self.dst, b), want, self.pairs(self.dst, b), self._ring
+            )
+            if status != self._io.ST_OK:
+                raise BenchFailure(
+                    f"floor get of {names[b - s]}: verification answered {status}"
+                )
+
+    def received(self) -> np.ndarray:
+        """The payloads the gets landed, block after block."""
+        return np.concatenate([self.payload(self.dst, b) for b in range(self.n)])
+
+
 class MooncakeBench:
     """One block size on one Mooncake store: raw contiguous and multi-buffer puts and
     gets, and the backend's ways, each on its own object set, every result checked
@@ -493,6 +585,7 @@ class MooncakeBench:
         # the tag costs, next to the default's figures (not a way to run by default)
         open_ = MooncakeOptions(max_batch=BATCH, allow_unauthenticated=True)
         self.open = MooncakeBackend(self.layout, open_, store=store)
+        self.floor = MooncakeFloor(store, self.layout, self.want)
         self.zero_copy.run_calls_on_this_thread()
         self.staged.run_calls_on_this_thread()
         self.open.run_calls_on_this_thread()
@@ -575,11 +668,12 @@ class MooncakeBench:
                 ("sw", lambda s, e: self.backend_op(st, "put", keys["staged"], s, e)),
                 ("pw", lambda s, e: self.backend_op(sp, "put", keys["staged_pool"], s, e)),
                 ("ow", lambda s, e: self.backend_op(op, "put", keys["open"], s, e)),
+                ("fw", lambda s, e: self.floor.put(keys["floor"], s, e)),
             ]
         )
         # the backends' gets land in the same host blocks: one at a time, compared
         # after each; raw gets in buffers of their own
-        for arr in (self.dst, self.dest.array, self.host.array):
+        for arr in (self.dst, self.dest.array, self.host.array, self.floor.dst):
             arr[:] = 0
         out |= self.interleaved(
             [
@@ -600,9 +694,11 @@ class MooncakeBench:
                 ("rr2", lambda s, e: self.raw_get(names["raw"], s, e)),
                 ("sr", lambda s, e: self.backend_op(st, "get", keys["staged"], s, e)),
                 ("pr", lambda s, e: self.backend_op(sp, "get", keys["staged_pool"], s, e)),
+                ("fr", lambda s, e: self.floor.get(keys["floor"], s, e)),
             ]
         )
         same_bytes("sr, pr", self.host.array, self.want)
+        same_bytes("fr", self.floor.received(), self.want)
         self.host.array[:] = 0
         out |= self.interleaved(
             [
@@ -657,6 +753,10 @@ def mooncake_row(store: object, block_bytes: int, n: int, reps: int) -> dict:
         "staged_put_vs_pool": ratio("sw", "pw"),
         "open_put_ratio": ratio("ow", "rw"),
         "open_get_ratio": ratio("or", "rr3"),
+        "floor_put_ratio": ratio("fw", "rw"),
+        "floor_get_ratio": ratio("fr", "rr2"),
+        "staged_put_vs_floor": ratio("sw", "fw"),
+        "staged_get_vs_floor": ratio("sr", "fr"),
         "staged_get_vs_pool": ratio("sr", "pr"),
         "raw_put_cpu_us": med("rw_cpu"),
         "staged_put_cpu_us": med("sw_cpu"),
@@ -782,6 +882,22 @@ def print_mooncake(rows: list[dict]) -> None:
             "open_put_ratio",
             "staged_get_ratio",
             "open_get_ratio",
+        ],
+    )
+    print_table(
+        "Mooncake floor (a diagnostic, not a way fastkv stores): each object one "
+        "buffer, header in the page before its payload, sealed or verified in one "
+        "pass, nothing copied, no backend: the most any verified path reaches on this "
+        "machine; ratios to raw as above, and the default staged against it",
+        rows,
+        [
+            "block_KiB",
+            "floor_put_ratio",
+            "staged_put_ratio",
+            "staged_put_vs_floor",
+            "floor_get_ratio",
+            "staged_get_ratio",
+            "staged_get_vs_floor",
         ],
     )
     print_table(
