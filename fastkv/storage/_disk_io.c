@@ -1583,11 +1583,16 @@ static int check_block(PyObject *segs, const int64_t *want, Py_ssize_t nseg, Py_
         }
         PyObject *ptr = PySequence_Fast_GET_ITEM(pair, 0), *len = PySequence_Fast_GET_ITEM(pair, 1);
         long long p = PyLong_Check(ptr) && !PyBool_Check(ptr) ? PyLong_AsLongLong(ptr) : 0;
+        int huge = 0; /* an address past int64: refused below, once its length is checked */
         if (p == -1 && PyErr_Occurred()) {
             PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: address %R does not fit in 64 bits", b, s, ptr);
-            rc = -1;
-        } else if (p <= 0) {
+            PyObject *zero = PyLong_FromLong(0);
+            huge = zero && PyObject_RichCompareBool(ptr, zero, Py_GT) == 1;
+            Py_XDECREF(zero);
+            PyErr_Clear();
+            p = huge ? LLONG_MAX : 0;
+        }
+        if (p <= 0) {
             PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: address must be a positive int, got %R", b, s, ptr);
             rc = -1;
         } else {
@@ -1604,6 +1609,10 @@ static int check_block(PyObject *segs, const int64_t *want, Py_ssize_t nseg, Py_
             } else if (!same) {
                 PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: length %S != layout length %lld", b, s, len,
                              (long long)want[s]);
+                rc = -1;
+            } else if (huge || p > LLONG_MAX - want[s]) {
+                PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: address %R + length %lld ends past 2**63 - 1", b, s,
+                             ptr, (long long)want[s]);
                 rc = -1;
             } else {
                 o[2 * s] = p;

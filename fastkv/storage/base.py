@@ -44,6 +44,7 @@ store the same bytes under the same header: the layout is the block's, not the
 form's."""
 
 MAX_RANK = (1 << 16) - 1
+INT64_MAX = (1 << 63) - 1  # the largest address or end a segment may have
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,8 +517,8 @@ def check_wait(
 
 def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None:
     """Raises ValueError naming the first block or segment that does not match
-    `layout` in the call's form (`BlockSegments`: count, lengths) or has a null
-    address."""
+    `layout` in the call's form (`BlockSegments`: count, lengths), has a null
+    address, or ends past 2**63 - 1 (the largest address the native side holds)."""
     want = layout.lengths_for(blocks)
     for b, segs in enumerate(blocks):
         if len(segs) != len(want):
@@ -537,6 +538,10 @@ def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None
             if length != want[s]:
                 raise ValueError(
                     f"blocks[{b}][{s}]: length {length} != layout length {want[s]}"
+                )
+            if ptr > INT64_MAX - want[s]:  # the end must be an address the C side can hold
+                raise ValueError(
+                    f"blocks[{b}][{s}]: address {ptr} + length {want[s]} ends past 2**63 - 1"
                 )
 
 

@@ -520,6 +520,13 @@ def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> Non
         lambda s: [(s[0][0],), *s[1:]],
         lambda s: [(s[0][0], s[0][1], 0), *s[1:]],
         lambda s: [5, *s[1:]],
+        # an end past int64 (the address fits, its end wraps), an address past
+        # int64, one past 64 bits, and the largest one that still fits
+        lambda s: [(2**63 - 16, s[0][1]), *s[1:]],
+        lambda s: [*s[:-1], (2**63 - s[-1][1] + 1, s[-1][1])],
+        lambda s: [(2**63, s[0][1]), *s[1:]],
+        lambda s: [(2**64 + 4096, s[0][1]), *s[1:]],
+        lambda s: [(2**64 + 4096, s[0][1] + 1), *s[1:]],
     ],
 )
 def test_the_disk_backend_refuses_segments_as_check_segments_does(tmp_path: Path, bad) -> None:
@@ -564,10 +571,15 @@ def test_check_pack_packs_what_numpy_packs_and_flags_misaligned_zero_copy_segmen
     small = [i for i, n in enumerate(layout.segment_lengths) if n % 4096]
     large = [i for i, n in enumerate(layout.segment_lengths) if n % 4096 == 0]
     assert small and large
-    with pytest.raises(
-        ValueError, match=r"blocks\[0\]\[0\]: address 18446744073709551616 does not"
-    ):
-        _disk_io.check_pack([[(2**64, blocks[0][0][1]), *blocks[0][1:]]], lengths)
+    n0 = blocks[0][0][1]
+    for addr in (2**64, 2**63, 2**63 - n0 + 1):
+        with pytest.raises(
+            ValueError, match=rf"blocks\[0\]\[0\]: address {addr} \+ length {n0} ends past"
+        ):
+            _disk_io.check_pack([[(addr, n0), *blocks[0][1:]]], lengths)
+    # the last segment that ends at 2**63 - 1 is not the check's to refuse
+    top = _disk_io.check_pack([[(2**63 - 1 - n0, n0), *blocks[0][1:]]], lengths)[0]
+    assert np.frombuffer(top, dtype=np.int64)[:2].tolist() == [2**63 - 1 - n0, n0]
     for i, flagged in ((small[0], False), (large[0], True)):
         shifted = [list(b) for b in blocks]
         shifted[2][i] = (shifted[2][i][0] + 64, shifted[2][i][1])

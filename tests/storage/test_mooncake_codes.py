@@ -637,6 +637,8 @@ def test_blocks_that_do_not_match_the_layout_are_refused_before_anything_moves(
         ([good, [(0, n)]], r"blocks\[1\]\[0\]: address must be a positive int, got 0"),
         ([good, [(True, n)]], r"blocks\[1\]\[0\]: address must be a positive int"),
         ([good, [ptr]], r"blocks\[1\]\[0\]: must be an \(address, length\) pair"),
+        ([good, [(2**63 - 8, n)]], r"blocks\[1\]\[0\]: address \d+ \+ length \d+ ends past"),
+        ([good, [(2**64, n)]], r"blocks\[1\]\[0\]: address \d+ \+ length \d+ ends past"),
         ([good], r"blocks: 1 entries for 2 keys"),
         (
             [host.tensor_segments(0), [*tensors[:3], (outside.base, 32), *tensors[4:]]],
@@ -675,24 +677,28 @@ def test_an_authenticated_call_neither_cuts_its_blocks_nor_checks_them_in_python
 
 @pytest.mark.parametrize("form", ["host", "layout"])
 def test_a_segment_whose_end_passes_2_63_is_not_inside_registered_memory(form: str) -> None:
-    """The registered-memory check compares each segment's end with its range's
-    as int64s: a segment starting in the last registered range's address order
-    whose end wraps past 2**63 must be refused, not taken for inside (Mooncake
-    would then write a get's object there). Only gets of a key never stored are
-    tried: on a check that lets the segment through they touch no memory."""
+    """A segment starting above every registered range whose end wraps past 2**63
+    must be refused, not taken for inside (Mooncake would then write a get's
+    object there): the call's check names it (its end does not fit in int64), and
+    the registered-memory check, which compares ends as int64s, refuses it on its
+    own too. Only gets of a key never stored are tried: on a check that lets the
+    segment through they touch no memory."""
     backend, _, host = open_backend()
     keys = make_keys(1)
     near = (1 << 63) - 16  # above every registered range; + a segment wraps
     if form == "host":
         block = [(near, LAYOUT.payload_bytes)]
-        match = r"blocks\[0\]\[0\]: not inside memory registered"
+        at = r"blocks\[0\]\[0\]"
     else:
         block = [*host.tensor_segments(0)[:3], (near, LAYOUT.segment_lengths[3])]
         block += host.tensor_segments(0)[4:]
-        match = r"blocks\[0\]\[3\]: not inside memory registered"
-    with pytest.raises(ValueError, match=match):
+        at = r"blocks\[0\]\[3\]"
+    with pytest.raises(ValueError, match=at + r": address \d+ \+ length \d+ ends past"):
         backend.get_into(keys, [block], deadline_after(SOON))
     assert backend.stats().gets == 0
+    packed = np.asarray(block, dtype=np.uint64).astype(np.int64).tobytes()
+    with pytest.raises(ValueError, match=at + r": not inside memory registered"):
+        backend._memory.check_inside(packed, len(block))
 
 
 def test_the_backends_own_registered_areas_are_not_host_memory() -> None:
