@@ -467,36 +467,42 @@ class LocalDiskBackend(StorageBackend):
         latency-bound, and its Python often runs on a CPU gone cold (after an I/O
         wait), where each call costs several times what it costs hot. A put of a
         stored key, or with no slot to take, touches no file: not counted in."""
-        packed = keys[0].packed
-        slots = self._slots
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the storage backend is closed")
-            if packed in slots.index:
-                slots.index.move_to_end(packed)
-                results = [ALREADY_STORED]
-            else:
-                slot = slots.free.pop() if slots.free else slots.take()
-                results = [OK] if slot is not None else [self._no_slot_result()]
-            if results[0] is not OK:
-                self._stats.count_puts(results, self._payload_bytes)
-                return results
-            self._users += 1
-            seq = self._seq = max(self._seq + 1, time.time_ns())
-        where = [(slot, seq)]
+        packed, slots = keys[0].packed, self._slots
+        where: list[tuple[int, int]] = []  # the slot taken, once it is
         statuses = [-errno.EIO]  # as a write that raised: nothing stored
-        answered = False
-        try:
+        answered = release = False
+        try:  # a slot taken before a raise goes back in the finally (as `_put_from`)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the storage backend is closed")
+                if packed in slots.index:
+                    slots.index.move_to_end(packed)
+                    results = [ALREADY_STORED]
+                else:
+                    seq = max(self._seq + 1, time.time_ns())
+                    slot = slots.free.pop() if slots.free else slots.take()
+                    results = [OK] if slot is not None else [self._no_slot_result()]
+                if results[0] is not OK:
+                    self._stats.count_puts(results, self._payload_bytes)
+                    return results
+                # no call between the slot's taking and these three statements,
+                # nor in them: an interrupt (KeyboardInterrupt) lands before the
+                # taking returns or after the slot is in `where` and the call
+                # counted in, never between (the window `_put_from` leaves too)
+                where = [(slot, seq)]
+                self._seq = seq
+                self._users += 1
             statuses = self._move(True, keys, pairs, _ONE, where, deadline, False)
             answered = True
         finally:
-            with self._lock:
-                self._settle_writes(keys, _ONE, where, statuses, results)
-                if answered:  # a call that raises counts nothing (as `_put_from`)
-                    self._stats.count_puts(results, self._payload_bytes)
-                release = self._leave_held()
-            if release:
-                self._release_late()
+            if where:
+                with self._lock:
+                    self._settle_writes(keys, _ONE, where, statuses, results)
+                    if answered:  # a call that raises counts nothing (as `_put_from`)
+                        self._stats.count_puts(results, self._payload_bytes)
+                    release = self._leave_held()
+                if release:
+                    self._release_late()
         return results
 
     def _put_from(

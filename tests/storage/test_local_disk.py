@@ -916,6 +916,49 @@ def test_a_lone_put_in_the_host_tiers_form_answers_and_counts_as_a_batch_does(
         backend.put_from(keys[2:3], [host.segments(4)], 1e12)
 
 
+class InterruptOnRelease:
+    """A backend's lock whose first release raises KeyboardInterrupt as it
+    returns: where a Ctrl-C lands once a put's first locked section is over."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock, self.armed = lock, True
+
+    def __enter__(self) -> bool:
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.__exit__(*exc)
+        if self.armed and exc[0] is None:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("form", ["host", "layout"], ids=["lone_path", "batch_path"])
+def test_an_interrupt_after_a_put_took_its_slot_gives_the_slot_back(
+    tmp_path: Path, form: str
+) -> None:
+    """A KeyboardInterrupt as the put's first locked section ends (its slot
+    taken, the call counted in) leaves no slot taken, no call counted in and no
+    put counted: the next put of the key fills the one slot, and close does not
+    wait for a call that never ends."""
+    layout = LAYOUTS["bf16"]
+    host = HostMemory(layout, 2)
+    keys = make_keys(1)
+    blocks = [host.segments(0) if form == "host" else host.tensor_segments(0)]
+    with open_backend(tmp_path, layout, capacity=1) as backend:
+        lock = backend._lock
+        backend._lock = InterruptOnRelease(lock)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                backend.put_from(keys, blocks, deadline_after(SOON))
+        finally:
+            backend._lock = lock
+        assert backend._users == 0
+        assert backend.stats().puts == backend.stats().stored_blocks == 0
+        assert statuses(backend.put_from(keys, blocks, deadline_after(SOON))) == ["OK"]
+        assert backend.exists(keys, deadline_after(SOON)) == [True]
+
+
 @pytest.mark.parametrize("form", ["host", "layout"], ids=["lone_path", "batch_path"])
 def test_a_put_whose_write_raises_leaves_the_counters_as_they_were(
     tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch
