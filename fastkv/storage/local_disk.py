@@ -12,8 +12,8 @@ writable by no one else (otherwise it is refused), is made 0700 and every file i
 it 0600 whatever the umask. It is opened once with O_DIRECTORY | O_NOFOLLOW and
 every file is opened relative to it with O_NOFOLLOW (a symlink is refused, never
 followed; a file with another owner or a second hard link is refused too; these
-checks are fastkv.private_files'); temporary and probe files are created with
-O_EXCL under unpredictable names.
+checks are fastkv.private_files', applied in `disk_dir`); temporary and probe
+files are created with O_EXCL under unpredictable names.
 
 Why slots in one file rather than a file per block (measured once, when this
 layout was chosen, on the 2-core development VM and its virtual disk; the
@@ -71,7 +71,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fastkv import private_files
 from fastkv.storage import _disk_io
 from fastkv.storage.auth import ENV_KEY_FILE, StorageAuth, ring_of
 from fastkv.storage.base import (
@@ -93,6 +92,17 @@ from fastkv.storage.block_header import (
     header_parts,
     parse_header,
 )
+from fastkv.storage.disk_dir import (
+    ALIGN,
+    FILE_MODE,
+    StorageDirectoryLocked,
+    StorageDirectoryUnsafe,
+    check_meta_matches,
+    lock_directory,
+    open_file,
+    open_private_directory,
+    probe_direct,
+)
 from fastkv.storage.disk_keys import (
     ENV_RECLAIM,
     FREE,
@@ -105,15 +115,12 @@ from fastkv.storage.disk_slots import SlotTable
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 FORMAT = 2  # 1: block header version 1 (no key id, no tag)
 DATA_FILE = "blocks.fkv"
 META_FILE = "fastkv-storage.json"
-LOCK_FILE = "LOCK"
 _SCAN_CHUNK = 4096
 _SCAN_THREADS = 8
 _CLOSE_TIMEOUT_S = 30.0
-_FILE_MODE = 0o600
 DIRECT_MIN_SLOT_BYTES = 64 << 10
 """Slots smaller than this are written through the page cache (direct_io=None):
 an O_DIRECT write of one is a device round trip for a few KiB (8 KiB: 76-87 us p50
@@ -121,15 +128,6 @@ here, against 4-5 us buffered; 64 KiB: 102 against 11), and the kernel's
 write-back merges neighbouring slots into large writes. Larger slots (KV blocks of
 real models: 256 KiB and up) move zero-copy with O_DIRECT, where page-cache copies
 halved write speed."""
-
-
-class StorageDirectoryLocked(RuntimeError):
-    """Another backend (in this or another process) has the directory open."""
-
-
-class StorageDirectoryUnsafe(ValueError):
-    """The directory (or a file in it) could be read, changed or redirected by
-    someone else: another owner, writable by others, a symlink, a hard link."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +266,7 @@ class LocalDiskBackend(StorageBackend):
         self._cancel = np.zeros(1, dtype=np.int32)  # read by the C batch before each block
         self._cancel_addr = self._cancel.ctypes.data
         self.directory = Path(directory)
-        self._dir_fd = _open_private_directory(self.directory)
+        self._dir_fd = open_private_directory(self.directory)
         try:
             self._open_files(capacity, direct_io, recover, reclaim, read_only)
         except BaseException:
@@ -1006,7 +1004,7 @@ class LocalDiskBackend(StorageBackend):
                 "every put fails",
                 self.directory,
             )
-        self._lock_fd = _lock_directory(self._dir_fd, self.directory, self.read_only)
+        self._lock_fd = lock_directory(self._dir_fd, self.directory, self.read_only)
         self._keys = self._check_meta(reclaim)
         if self.read_only:
             self.direct_io = bool(direct_io)  # buffered reads need no probe file
@@ -1014,12 +1012,12 @@ class LocalDiskBackend(StorageBackend):
         else:
             self.direct_io = (
                 self.geometry.slot_bytes >= DIRECT_MIN_SLOT_BYTES
-                and _probe_direct(self._dir_fd, self.directory)
+                and probe_direct(self._dir_fd, self.directory)
                 if direct_io is None
                 else direct_io
             )
             flags = os.O_RDWR | os.O_CREAT
-        self._fd = _open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
+        self._fd = open_file(self._dir_fd, self.directory, DATA_FILE, flags, self.direct_io)
         st = os.fstat(self._fd)
         # what each write checks after its blocks moved: the name still names this
         # very file (device and inode) only while it is linked there
@@ -1046,7 +1044,7 @@ class LocalDiskBackend(StorageBackend):
         the directory before anything in it changes."""
         path = self.directory / META_FILE
         try:
-            fd = _open_file(self._dir_fd, self.directory, META_FILE, os.O_RDONLY)
+            fd = open_file(self._dir_fd, self.directory, META_FILE, os.O_RDONLY)
         except FileNotFoundError:
             if self.read_only:
                 raise ValueError(
@@ -1061,7 +1059,7 @@ class LocalDiskBackend(StorageBackend):
                     raw = f.read(1 << 20)
             finally:
                 os.close(fd)
-            recorded = _check_meta_matches(path, raw, self._meta())
+            recorded = check_meta_matches(path, raw, self._meta())
         ring = frozenset(self.auth.key_ids) if self.auth is not None else frozenset()
         keys = SlotKeys(ring, recorded, reclaim)
         keys.check_open(self.directory)
@@ -1078,11 +1076,11 @@ class LocalDiskBackend(StorageBackend):
         fd = os.open(
             tmp,
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            _FILE_MODE,
+            FILE_MODE,
             dir_fd=self._dir_fd,
         )
         try:
-            os.fchmod(fd, _FILE_MODE)
+            os.fchmod(fd, FILE_MODE)
             os.write(fd, json.dumps(self._meta(key_ids)).encode())
             os.fsync(fd)
             os.close(fd)
@@ -1112,47 +1110,6 @@ def set_lone_write_poll_us(us: int) -> int:
     return _disk_io.write_poll(us)[0]
 
 
-def _check_meta_matches(path: Path, raw: bytes, meta: dict) -> frozenset[int] | None:
-    """The key ids the directory's metadata records (None: written before they
-    were); raises ValueError saying how it differs from `meta`."""
-    try:
-        have = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(
-            f"directory: {path} is not valid JSON ({e}); use another directory"
-        ) from None
-    if not isinstance(have, dict):
-        raise ValueError(
-            f"directory: {path} holds a JSON {type(have).__name__}, not fastkv storage "
-            "metadata (an object); use another directory"
-        )
-    if have.get("format") != meta["format"]:
-        raise ValueError(
-            f"directory: {path.parent} was written by fastkv storage format "
-            f"{have.get('format')!r}, this backend reads format {meta['format']} only "
-            "(the block header changed); use another directory or empty this one"
-        )
-    for field in ("slot_bytes", "segment_lengths"):
-        if have.get(field) != meta[field]:
-            raise ValueError(
-                f"directory: {path.parent} holds blocks of another layout ({field} "
-                f"{have.get(field)!r}, this backend needs {meta[field]!r}); use another "
-                "directory"
-            )
-    extra = sorted(set(have) - set(meta) - {"key_ids"})
-    if extra:
-        raise ValueError(f"directory: {path} has unknown fields {extra}; use another directory")
-    if "key_ids" not in have:
-        return None
-    ids = have["key_ids"]
-    if not isinstance(ids, list) or not all(type(k) is int and 0 < k < 2**32 for k in ids):
-        raise ValueError(
-            f"directory: {path} field key_ids must be a list of key ids (ints in "
-            f"[1, 2**32)), got {ids!r}; use another directory"
-        )
-    return frozenset(ids)
-
-
 def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:
     if (blocks is None) == (nbytes is None):
         raise ValueError("capacity_blocks / capacity_bytes: give exactly one")
@@ -1165,99 +1122,6 @@ def _capacity(blocks: int | None, nbytes: int | None, slot_bytes: int) -> int:
             f"capacity_bytes: must be an int >= one slot ({slot_bytes} bytes), got {nbytes!r}"
         )
     return min(nbytes // slot_bytes, 2**31 - 1)
-
-
-def _open_private_directory(directory: Path) -> int:
-    """Create `directory` (0700) if missing and open it without following a symlink.
-
-    Raises:
-        StorageDirectoryUnsafe: it is a symlink, not a directory, owned by another
-            uid, or writable by group or others.
-        OSError: it cannot be created or opened.
-    """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return private_files.open_dir(directory, forbidden=0o022)
-    except private_files.NotPrivate as e:
-        raise StorageDirectoryUnsafe(
-            f"directory: {directory}: {e}; the cache directory must be private: give "
-            "the real path of a directory of this user's that no one else can write"
-        ) from None
-
-
-def _open_file(
-    dir_fd: int, directory: Path, name: str, flags: int, direct: bool = False
-) -> int:
-    """Open `name` in the directory: never through a symlink, only a regular file of
-    this uid with one link, made 0600.
-
-    Raises:
-        StorageDirectoryUnsafe: a symlink, another kind of file, another owner or a
-            second hard link.
-        OSError: as os.open (FileNotFoundError without O_CREAT).
-    """
-    if direct:
-        flags |= os.O_DIRECT
-    try:
-        return private_files.open_file(
-            name, flags, dir_fd=dir_fd, forbidden=0, single_link=True, set_mode=_FILE_MODE
-        )
-    except private_files.NotPrivate as e:
-        raise StorageDirectoryUnsafe(f"directory: {directory / name}: {e}") from None
-
-
-def _lock_directory(dir_fd: int, directory: Path, read_only: bool = False) -> int:
-    """Lock the directory exclusively (its LOCK file; read-only, where no LOCK file
-    can be made, the directory itself) and write this pid into LOCK.
-
-    Raises:
-        StorageDirectoryLocked: another backend holds it.
-    """
-    if read_only:
-        try:
-            fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDONLY)
-        except FileNotFoundError:
-            fd = os.dup(dir_fd)
-    else:
-        fd = _open_file(dir_fd, directory, LOCK_FILE, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        except OSError:  # read-only: the directory itself is the lock
-            holder = "unknown"
-        os.close(fd)
-        raise StorageDirectoryLocked(
-            f"directory: {directory} is in use by another fastkv storage backend "
-            f"(pid {holder}); give each process its own directory"
-        ) from None
-    if not read_only:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def _probe_direct(dir_fd: int, directory: Path) -> bool:
-    """Whether this filesystem takes O_DIRECT writes of aligned pages (probed on a
-    file created exclusively under a name no one can have planted)."""
-    name = f".direct-probe-{os.getpid()}-{secrets.token_hex(8)}"
-    buf = mmap.mmap(-1, ALIGN)
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
-    try:
-        fd = os.open(name, flags, _FILE_MODE, dir_fd=dir_fd)
-    except OSError:
-        buf.close()
-        return False
-    try:
-        return os.pwritev(fd, [buf], 0) == ALIGN
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=dir_fd)
-        buf.close()
 
 
 def _address(buf: mmap.mmap) -> int:

@@ -17,9 +17,9 @@ import pytest
 from storage_helpers import LAYOUTS, HostMemory, make_keys, statuses
 
 from fastkv.storage import deadline_after
+from fastkv.storage.disk_dir import LOCK_FILE
 from fastkv.storage.local_disk import (
     DATA_FILE,
-    LOCK_FILE,
     META_FILE,
     LocalDiskBackend,
     StorageDirectoryUnsafe,
