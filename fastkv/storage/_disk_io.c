@@ -1496,28 +1496,42 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 
 /* ---- segment lists ------------------------------------------------------------ */
 
+/* A tuple of `o`'s items (`o` itself, when one): unlike PySequence_Fast's list,
+ * it cannot change while its items are checked, so Python code run meanwhile (a
+ * length's __eq__, an address's __index__, a repr in a message) can neither
+ * shrink it nor free an item still in use. NULL with TypeError(msg) when `o` is
+ * not iterable. */
+static PyObject *snapshot(PyObject *o, const char *msg) {
+    PyObject *t = PySequence_Tuple(o);
+    if (!t && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, msg);
+    }
+    return t;
+}
+
 /* One block's pairs into o[0, 2 * nseg). 0, or -1 with an exception set. */
 static int pack_block(PyObject *segs, Py_ssize_t nseg, Py_ssize_t b, int64_t *o) {
-    PyObject *sf = PySequence_Fast(segs, "pack_segments: each block must be a sequence of pairs");
+    PyObject *sf = snapshot(segs, "pack_segments: each block must be a sequence of pairs");
     if (!sf) return -1;
     int rc = 0;
-    if (PySequence_Fast_GET_SIZE(sf) != nseg) {
+    if (PyTuple_GET_SIZE(sf) != nseg) {
         PyErr_Format(PyExc_ValueError, "pack_segments: blocks[%zd] has %zd segments, expected %zd", b,
-                     PySequence_Fast_GET_SIZE(sf), nseg);
+                     PyTuple_GET_SIZE(sf), nseg);
         rc = -1;
     }
     for (Py_ssize_t s = 0; !rc && s < nseg; s++) {
-        PyObject *pair = PySequence_Fast(PySequence_Fast_GET_ITEM(sf, s), "pack_segments: a segment is a pair");
+        PyObject *pair = snapshot(PyTuple_GET_ITEM(sf, s), "pack_segments: a segment is a pair");
         if (!pair) {
             rc = -1;
             break;
         }
-        if (PySequence_Fast_GET_SIZE(pair) != 2) {
+        if (PyTuple_GET_SIZE(pair) != 2) {
             PyErr_Format(PyExc_ValueError, "pack_segments: blocks[%zd][%zd] is not an (address, length) pair", b, s);
             rc = -1;
         } else {
             for (int k = 0; k < 2 && !rc; k++) {
-                o[2 * s + k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pair, k));
+                o[2 * s + k] = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, k));
                 rc = o[2 * s + k] == -1 && PyErr_Occurred() ? -1 : 0;
             }
         }
@@ -1535,16 +1549,16 @@ static PyObject *pack_segments(PyObject *self, PyObject *args) {
     PyObject *blocks;
     Py_ssize_t nseg;
     if (!PyArg_ParseTuple(args, "On", &blocks, &nseg)) return NULL;
-    PyObject *bf = PySequence_Fast(blocks, "pack_segments: blocks must be a sequence");
+    PyObject *bf = snapshot(blocks, "pack_segments: blocks must be a sequence");
     if (!bf) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(bf);
+    Py_ssize_t n = PyTuple_GET_SIZE(bf);
     PyObject *out = NULL;
     if (nseg < 1 || nseg > PY_SSIZE_T_MAX / 16 / (n ? n : 1)) {
         PyErr_Format(PyExc_ValueError, "pack_segments: nseg must be >= 1, got %zd", nseg);
     } else if ((out = PyByteArray_FromStringAndSize(NULL, n * nseg * 16))) {
         int64_t *o = (int64_t *)(void *)PyByteArray_AS_STRING(out);
         for (Py_ssize_t b = 0; b < n; b++) {
-            if (pack_block(PySequence_Fast_GET_ITEM(bf, b), nseg, b, o + 2 * nseg * b) < 0) {
+            if (pack_block(PyTuple_GET_ITEM(bf, b), nseg, b, o + 2 * nseg * b) < 0) {
                 Py_CLEAR(out);
                 break;
             }
@@ -1560,29 +1574,30 @@ static PyObject *pack_segments(PyObject *self, PyObject *args) {
  * fastkv.storage.base.check_segments'. 0, or -1 with ValueError set. */
 static int check_block(PyObject *segs, const int64_t *want, Py_ssize_t nseg, Py_ssize_t b, int64_t *o,
                        int *misaligned) {
-    PyObject *sf = PySequence_Fast(segs, "");
+    PyObject *sf = snapshot(segs, "");
     if (!sf) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "blocks[%zd]: must be a sequence of (address, length) pairs, got %R", b, segs);
         return -1;
     }
     int rc = 0;
-    if (PySequence_Fast_GET_SIZE(sf) != nseg) {
+    if (PyTuple_GET_SIZE(sf) != nseg) {
         PyErr_Format(PyExc_ValueError, "blocks[%zd]: %zd segments, the layout has %zd", b,
-                     PySequence_Fast_GET_SIZE(sf), nseg);
+                     PyTuple_GET_SIZE(sf), nseg);
         rc = -1;
     }
     for (Py_ssize_t s = 0; !rc && s < nseg; s++) {
-        PyObject *pair = PySequence_Fast(PySequence_Fast_GET_ITEM(sf, s), "");
-        if (!pair || PySequence_Fast_GET_SIZE(pair) != 2) {
+        PyObject *pair = snapshot(PyTuple_GET_ITEM(sf, s), "");
+        if (!pair || PyTuple_GET_SIZE(pair) != 2) {
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError, "blocks[%zd][%zd]: must be an (address, length) pair", b, s);
             Py_XDECREF(pair);
             rc = -1;
             break;
         }
-        PyObject *ptr = PySequence_Fast_GET_ITEM(pair, 0), *len = PySequence_Fast_GET_ITEM(pair, 1);
-        long long p = PyLong_Check(ptr) && !PyBool_Check(ptr) ? PyLong_AsLongLong(ptr) : 0;
+        PyObject *ptr = PyTuple_GET_ITEM(pair, 0), *len = PyTuple_GET_ITEM(pair, 1);
+        /* an int exactly: a subclass could answer arithmetic on it with another address */
+        long long p = PyLong_CheckExact(ptr) ? PyLong_AsLongLong(ptr) : 0;
         int huge = 0; /* an address past int64: refused below, once its length is checked */
         if (p == -1 && PyErr_Occurred()) {
             PyErr_Clear();
@@ -1640,18 +1655,18 @@ static PyObject *check_pack(PyObject *self, PyObject *args) {
     PyObject *bf = NULL, *out = NULL;
     if (want.len % 8 || nseg < 1) {
         PyErr_SetString(PyExc_ValueError, "check_pack: the layout's lengths are int64s, at least one");
-    } else if (!(bf = PySequence_Fast(blocks, ""))) {
+    } else if (!(bf = snapshot(blocks, ""))) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError, "blocks: must be a sequence of blocks, got %R", blocks);
     } else {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(bf);
+        Py_ssize_t n = PyTuple_GET_SIZE(bf);
         int misaligned = 0;
         if (n > PY_SSIZE_T_MAX / 16 / nseg) {
             PyErr_NoMemory();
         } else if ((out = PyByteArray_FromStringAndSize(NULL, n * nseg * 16))) {
             int64_t *o = (int64_t *)(void *)PyByteArray_AS_STRING(out);
             for (Py_ssize_t b = 0; b < n; b++) {
-                if (check_block(PySequence_Fast_GET_ITEM(bf, b), want.buf, nseg, b, o + 2 * nseg * b, &misaligned) < 0) {
+                if (check_block(PyTuple_GET_ITEM(bf, b), want.buf, nseg, b, o + 2 * nseg * b, &misaligned) < 0) {
                     Py_CLEAR(out);
                     break;
                 }

@@ -531,7 +531,7 @@ def check_segments(blocks: Sequence[BlockSegments], layout: BlockLayout) -> None
                 raise ValueError(
                     f"blocks[{b}][{s}]: must be an (address, length) pair"
                 ) from None
-            if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr <= 0:
+            if type(ptr) is not int or ptr <= 0:  # a subclass could move its sums
                 raise ValueError(
                     f"blocks[{b}][{s}]: address must be a positive int, got {ptr!r}"
                 )

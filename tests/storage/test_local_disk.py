@@ -527,6 +527,9 @@ def test_invalid_input_is_refused_before_anything_changes(tmp_path: Path) -> Non
         lambda s: [(2**63, s[0][1]), *s[1:]],
         lambda s: [(2**64 + 4096, s[0][1]), *s[1:]],
         lambda s: [(2**64 + 4096, s[0][1] + 1), *s[1:]],
+        # an int subclass: its arithmetic (a block cut at the layout's segments)
+        # could answer another address than the one checked
+        lambda s: [(Address(s[0][0]), s[0][1]), *s[1:]],
     ],
 )
 def test_the_disk_backend_refuses_segments_as_check_segments_does(tmp_path: Path, bad) -> None:
@@ -544,6 +547,58 @@ def test_the_disk_backend_refuses_segments_as_check_segments_does(tmp_path: Path
                 call(make_keys(2), blocks, deadline_after(1))
             assert str(got.value) == str(want.value)
         assert backend.stats().puts == backend.stats().gets == 0
+
+
+class Address(int):
+    """An address whose sums are its own to answer."""
+
+    def __add__(self, other: object) -> int:
+        return 4096
+
+
+CHANGED_WHILE_CHECKED = """
+import numpy as np
+from fastkv.storage import _disk_io
+
+class Emptying:
+    # a length (check_pack) or an address (pack_segments) whose comparison or
+    # conversion empties the list being checked: the checked items must stay alive
+    def __init__(self, victim, value):
+        self.victim, self.value = victim, value
+    def __eq__(self, other):
+        self.victim.clear()
+        return other == self.value
+    def __index__(self):
+        self.victim.clear()
+        return self.value
+
+lengths = np.array([64, 64], dtype=np.int64).tobytes()
+pairs = [(4096 * (i + 1), 64) for i in range(2 * 51)]
+want = np.array(pairs, dtype=np.int64).tobytes()
+outer = [[pairs[2 * b], pairs[2 * b + 1]] for b in range(51)]
+outer[0][0] = (4096, Emptying(outer, 64))
+assert _disk_io.check_pack(outer, lengths)[0] == want
+outer = [[pairs[2 * b], pairs[2 * b + 1]] for b in range(51)]
+outer[0][0] = (Emptying(outer, 4096), 64)
+assert _disk_io.pack_segments(outer, 2) == want
+print("ok")
+"""
+
+
+def test_a_list_changed_while_it_is_checked_cannot_crash_the_check() -> None:
+    """check_pack and pack_segments run Python code of the caller's objects (a
+    length's __eq__, an address's __index__) while they check a call's blocks;
+    code that empties the call's list meanwhile must not free the items still in
+    use (it crashed the process: run in a child, which a crash fails). What was
+    checked is what is packed: the lists as they were when the call began."""
+    run = subprocess.run(
+        [sys.executable, "-c", CHANGED_WHILE_CHECKED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr)
 
 
 def test_check_pack_packs_what_numpy_packs_and_flags_misaligned_zero_copy_segments() -> None:
