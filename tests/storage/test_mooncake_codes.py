@@ -701,6 +701,43 @@ def test_a_segment_whose_end_passes_2_63_is_not_inside_registered_memory(form: s
         backend._memory.check_inside(packed, len(block))
 
 
+def test_host_memory_that_cannot_be_a_range_is_refused_and_nothing_registered() -> None:
+    """register_host_memory checks its whole input before Mooncake sees it: a
+    range ending past 2**63 - 1 would make the registered-memory check's int64
+    ends overflow (it raised OverflowError there)."""
+    registered: list[tuple[int, int]] = []
+
+    class Counting(FakeMooncakeStore):
+        def register_buffer(self, address: int, nbytes: int) -> int:
+            registered.append((address, nbytes))
+            return 0
+
+    backend = MooncakeBackend(
+        LAYOUT, MooncakeOptions(staging_bytes=0, auth=TEST_AUTH), store=Counting()
+    )
+    before = list(registered)  # the backend's own areas
+    host = HostMemory(LAYOUT, 1)
+    for address, nbytes, match in (
+        (0, 4096, r"address: must be a positive int, got 0"),
+        (True, 4096, r"address: must be a positive int, got True"),
+        (4096.0, 4096, r"address: must be a positive int"),
+        (4096, 0, r"nbytes: must be a positive int, got 0"),
+        (
+            (1 << 63) - 4096,
+            4097,
+            r"nbytes: \[0x7ffffffffffff000, \+4097\) ends past 2\*\*63 - 1",
+        ),
+        (1 << 63, 4096, r"ends past 2\*\*63 - 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            backend.register_host_memory(address, nbytes)
+    assert registered == before
+    backend.register_host_memory(host.base, host.nbytes)
+    with pytest.raises(ValueError, match="overlaps a registered range"):
+        backend.register_host_memory(host.base + 4096, 4096)
+    assert registered == [*before, (host.base, host.nbytes)]
+
+
 def test_the_backends_own_registered_areas_are_not_host_memory() -> None:
     """Only memory given to register_host_memory takes zero-copy blocks: the
     backend registers its own header and read-back areas with Mooncake too, and a

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from fastkv.storage.base import BlockLayout
+from fastkv.storage.base import INT64_MAX, BlockLayout
 from fastkv.storage.block_header import HEADER_BYTES
 
 VERIFY_AREA_BYTES = 16 << 20
@@ -96,6 +96,10 @@ class MooncakeMemory:
             raise ValueError(f"address: must be a positive int, got {address!r}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
+        if address > INT64_MAX - nbytes:  # the range check compares ends as int64s
+            raise ValueError(
+                f"nbytes: [{address:#x}, +{nbytes}) ends past 2**63 - 1, the largest address"
+            )
         with self._lock:
             for start, length in self._regions:
                 if address < start + length and start < address + nbytes:
